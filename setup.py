@@ -1,0 +1,31 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trl_diffusion",
+    version="0.1.0.dev0",
+    description="Post-training for diffusion language models (SDAR/TraDo, LLaDA, Dream) on top of TRL.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["trl_diffusion", "trl_diffusion.*"]),
+    package_data={"trl_diffusion": ["assets/**/*"]},
+    include_package_data=True,
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "transformers>=5.20,<6",
+        "trl>=1.16,<1.17",
+        "peft>=0.21,<0.22",
+        "accelerate>=1.15,<1.16",
+        "datasets>=5.0,<6",
+        "evaluate>=0.4,<0.5",
+        "math-verify>=0.9,<0.10",
+        "tokenizers>=0.22",
+        "safetensors>=0.5",
+    ],
+    extras_require={
+        "flash": ["flash-attn>=2.7"],
+        "dev": ["pytest>=8", "ruff>=0.6"],
+    },
+    entry_points={"console_scripts": ["trl-diffusion=trl_diffusion.cli:main"]},
+)

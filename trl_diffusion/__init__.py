@@ -1,0 +1,27 @@
+"""trl_diffusion: post-training for diffusion language models on top of TRL."""
+
+from .models import (
+    DiffusionCache,
+    DreamConfig,
+    DreamModel,
+    LLaDAConfig,
+    LLaDAModelLM,
+    SDARConfig,
+    SDARForCausalLM,
+    register_models,
+)
+
+register_models()
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "DiffusionCache",
+    "DreamConfig",
+    "DreamModel",
+    "LLaDAConfig",
+    "LLaDAModelLM",
+    "SDARConfig",
+    "SDARForCausalLM",
+    "register_models",
+]

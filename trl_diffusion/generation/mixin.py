@@ -1,0 +1,128 @@
+"""``model.generate()`` for every family: argument resolution (call > generation_config > family defaults),
+validation, and the call into the block-wise sampler."""
+
+from __future__ import annotations
+
+import torch
+from transformers import GenerationConfig
+
+from .sampler import DiffusionGenerationOutput, SamplingSettings, diffusion_generate, steps_for_dream
+
+_DREAM_ALGS = {"origin": "origin", "maskgit_plus": "low_confidence_static", "topk_margin": "topk_margin",
+               "entropy": "entropy"}
+_ARGUMENTS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_strategy", "confidence_threshold",
+              "temperature", "top_k", "top_p", "use_cache", "steps", "alg", "alg_temp", "eps", "cfg_scale",
+              "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate")
+
+
+class DiffusionGenerationMixin:
+    """Adds diffusion ``generate`` to a model that implements ``DiffusionModelMixin``."""
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, pretrained_model_name_or_path,
+                             *args, **kwargs):
+        """Load ``generation_config.json`` on ``from_pretrained`` (transformers calls this hook)."""
+        if generation_config is not None:
+            self.generation_config = generation_config
+            return
+        if pretrained_model_name_or_path is None:
+            return
+        keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
+        try:
+            self.generation_config = GenerationConfig.from_pretrained(
+                pretrained_model_name_or_path, **{k: kwargs[k] for k in keys if k in kwargs}
+            )
+        except OSError:
+            pass
+
+    def _family_defaults(self) -> dict:
+        block = self.block_size or 32
+        return {"max_new_tokens": 128, "block_length": block, "denoising_steps": block,
+                "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9, "temperature": 1.0,
+                "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0}
+
+    def _resolve_settings(self, kwargs: dict) -> tuple[SamplingSettings, bool]:
+        unknown = set(kwargs) - set(_ARGUMENTS) - {"generation_config", "generator"}
+        if unknown:
+            raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}; accepted: {_ARGUMENTS}.")
+        config = kwargs.pop("generation_config", None) or getattr(self, "generation_config", None)
+        defaults = self._family_defaults()
+
+        def pick(name):
+            if kwargs.get(name) is not None:
+                return kwargs[name]
+            value = getattr(config, name, None) if config is not None else None
+            return value if value is not None else defaults.get(name)
+
+        max_new_tokens = pick("max_new_tokens")
+        block_length = pick("block_length")
+        strategy = pick("remasking_strategy")
+        schedule, steps = "uniform", pick("denoising_steps")
+        alg = kwargs.get("alg") or (getattr(config, "alg", None) if kwargs.get("remasking_strategy") is None else None)
+        dream_steps = kwargs.get("steps") or (getattr(config, "steps", None) if alg else None)
+        if alg is not None or kwargs.get("steps") is not None:
+            # Dream's published arguments: `steps` over the whole generation, `alg` confidences, linspace schedule.
+            if alg is not None and alg not in _DREAM_ALGS:
+                raise ValueError(f"unknown alg {alg!r}; Dream's algorithms are {sorted(_DREAM_ALGS)}.")
+            strategy = _DREAM_ALGS[alg or "origin"]
+            schedule = "linspace"
+            if kwargs.get("block_length") is None and getattr(config, "block_length", None) is None:
+                block_length = max_new_tokens
+            steps = steps_for_dream(dream_steps or max_new_tokens, max_new_tokens, block_length)
+        use_cache = pick("use_cache")
+        if use_cache is True:
+            cache_mode = "exact" if self.block_size is not None else "prefix"
+        elif use_cache in (False, None):
+            cache_mode = "none"
+        else:
+            cache_mode = str(use_cache)
+        temperature = pick("temperature")
+        stop = kwargs.get("stop_token_ids")
+        if stop is None:
+            eos = pick("eos_token_id")
+            if eos is None:
+                eos = getattr(self.config, "eos_token_id", None)
+            stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        pad = pick("pad_token_id")
+        if pad is None:
+            pad = getattr(self.config, "pad_token_id", None)
+        if pad is None:
+            pad = stop[0] if stop else 0
+        settings = SamplingSettings(
+            max_new_tokens=int(max_new_tokens), block_length=int(block_length), denoising_steps=int(steps),
+            remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
+            temperature=float(temperature or 0.0), top_k=pick("top_k"), top_p=pick("top_p"), cache_mode=cache_mode,
+            stop_token_ids=tuple(int(s) for s in stop), schedule=schedule, eps=float(pick("eps")),
+            alg_temp=pick("alg_temp"), cfg_scale=float(pick("cfg_scale") or 0.0),
+            gumbel_float64=self.config.model_type == "llada", pad_token_id=int(pad),
+        )
+        return settings, bool(pick("return_dict_in_generate"))
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
+        """Diffusion decoding, block by block.
+
+        Arguments (each also read from ``generation_config`` / ``generation_config.json``):
+        ``max_new_tokens``; ``block_length``; ``denoising_steps`` (per block); ``remasking_strategy``
+        (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
+        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy); ``top_k``; ``top_p``;
+        ``use_cache`` (False; True = exact cache for SDAR, prefix cache otherwise; or ``"prefix"`` /
+        ``"dual"``, approximate, for LLaDA/Dream); ``eos_token_id`` / ``stop_token_ids`` (each row stops after
+        the block in which it produced one); ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own
+        ``steps``, ``alg``, ``alg_temp``, ``eps`` (linspace schedule); ``generator`` (a ``torch.Generator``);
+        ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput`` with the trajectory.
+
+        Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
+        alone. Returns ``sequences`` (prompt + completion) or the output object.
+        """
+        generator = kwargs.pop("generator", None)
+        settings, return_dict = self._resolve_settings(kwargs)
+        was_training = self.training
+        self.eval()
+        try:
+            output = diffusion_generate(self, input_ids, attention_mask, settings, generator)
+        finally:
+            self.train(was_training)
+        return output if return_dict else output.sequences
+
+
+__all__ = ["DiffusionGenerationMixin", "DiffusionGenerationOutput"]

@@ -1,0 +1,129 @@
+"""Token sampling and the choice of which positions to commit: pure functions shared by the sampler and the
+trainers (which must score tokens under exactly the distribution the sampler drew them from)."""
+
+from __future__ import annotations
+
+import torch
+
+REMASKING_STRATEGIES = (
+    "sequential",
+    "low_confidence_static",
+    "low_confidence_dynamic",
+    "random",
+    "topk_margin",
+    "entropy",
+    "origin",
+)
+
+
+def sampling_logits(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
+    """Logits of the sampling distribution: divided by the temperature (0 means greedy and is scored at
+    temperature 1), then top-k and top-p filtered (filtered entries become -inf). Computed in fp32."""
+    logits = logits.float()
+    if temperature and temperature != 1.0:
+        logits = logits / temperature
+    if top_k is not None and 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop_sorted = cumulative > top_p
+        drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
+        drop_sorted[..., 0] = False
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None = None,
+    gumbel_float64: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draw one token per position. Returns ``(tokens, logprobs, log_distribution)``.
+
+    ``logprobs`` is the log-probability of each drawn token under the sampling distribution (what RL uses as
+    the behaviour policy). Temperature 0 takes the argmax (no division by zero). ``gumbel_float64`` draws with
+    LLaDA's float64 Gumbel-max ``argmax(exp(l) / (-log u)^T)``, an exact sample of the same distribution.
+    """
+    log_dist = sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+    if not temperature:
+        tokens = log_dist.argmax(-1)
+    elif gumbel_float64:
+        raw = sampling_logits(logits, 1.0, top_k, top_p).double()
+        u = torch.rand(raw.shape, dtype=torch.float64, device=raw.device, generator=generator)
+        tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    else:
+        flat = log_dist.exp().reshape(-1, log_dist.shape[-1])
+        tokens = torch.multinomial(flat, 1, generator=generator).view(log_dist.shape[:-1])
+    logprobs = log_dist.gather(-1, tokens[..., None]).squeeze(-1)
+    return tokens, logprobs, log_dist
+
+
+def confidence_scores(
+    strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Per-position confidence used to rank positions for commitment (higher commits first)."""
+    if strategy in ("low_confidence_static", "low_confidence_dynamic", "sequential", "origin"):
+        return logprobs.exp()
+    if strategy == "random":
+        return torch.rand(logprobs.shape, device=logprobs.device, generator=generator)
+    if strategy == "topk_margin":
+        top2 = torch.topk(log_dist.exp(), 2, dim=-1).values
+        return top2[..., 0] - top2[..., 1]
+    if strategy == "entropy":
+        probs = log_dist.exp()
+        return (probs * torch.log(probs + 1e-10)).sum(-1)
+    raise ValueError(f"unknown remasking strategy {strategy!r}; choose one of {REMASKING_STRATEGIES}.")
+
+
+def uniform_quota(block_length: int, steps: int) -> list[int]:
+    """Tokens to commit at each step of a block: ``block_length // steps``, the remainder to the first steps."""
+    base, extra = divmod(block_length, steps)
+    return [base + (1 if i < extra else 0) for i in range(steps)]
+
+
+def select_commits(
+    strategy: str,
+    confidence: torch.Tensor,
+    masked: torch.Tensor,
+    quota: torch.Tensor,
+    threshold: float | None = None,
+    alg_temp: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Boolean ``[B, L]`` of positions to commit now. Only masked positions are ever chosen.
+
+    ``quota`` ``[B]``: how many to commit (capped by the masks left). ``sequential`` takes the leftmost masks;
+    ``low_confidence_dynamic`` takes every mask above ``threshold``, at least the quota; other strategies take
+    the ``quota`` most confident masks (sampled by ``softmax(confidence / alg_temp)`` when ``alg_temp`` > 0,
+    as Dream does).
+    """
+    batch, length = masked.shape
+    quota = torch.minimum(quota, masked.sum(-1))
+    if strategy == "sequential":
+        rank = torch.cumsum(masked.long(), dim=-1)
+        return masked & (rank <= quota[:, None])
+    scores = confidence.float().masked_fill(~masked, float("-inf"))
+    if alg_temp:
+        probs = torch.softmax(scores / alg_temp, dim=-1)
+        chosen = torch.zeros_like(masked)
+        for row in range(batch):
+            k = int(quota[row])
+            if k > 0:
+                chosen[row, torch.multinomial(probs[row], k, replacement=False, generator=generator)] = True
+        return chosen & masked
+    order = torch.argsort(scores, dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=masked.device).expand(batch, -1))
+    chosen = masked & (rank < quota[:, None])
+    if strategy == "low_confidence_dynamic":
+        if threshold is None:
+            raise ValueError("low_confidence_dynamic needs a confidence_threshold.")
+        chosen = chosen | (masked & (scores > threshold))
+    return chosen

@@ -1,0 +1,364 @@
+"""Pieces shared by the three families: the diffusion interface, RMSNorm, RoPE, attention with a read-only or
+committing KV cache, mask handling, and the Qwen-style decoder used by SDAR (Qwen3) and Dream (Qwen2)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+
+from ..states import attention_mask_from_positions
+from .cache import DiffusionCache
+
+
+class DiffusionModelMixin:
+    """The one interface the rest of the package reads instead of checking model names.
+
+    * ``mask_token_id``: the id of the mask token,
+    * ``block_size``: block-causal block size, or ``None`` for full bidirectional attention,
+    * ``logits_shift``: True when token i is predicted from position i-1 (Dream),
+    * ``attention_kind``: ``"block_causal"`` or ``"full"``.
+    """
+
+    logits_shift: bool = False
+
+    @property
+    def block_size(self) -> int | None:
+        return None
+
+    @property
+    def attention_kind(self) -> str:
+        return "full" if self.block_size is None else "block_causal"
+
+    @property
+    def mask_token_id(self) -> int:
+        mask_id = getattr(self.config, "mask_token_id", None)
+        if mask_id is None:
+            raise ValueError(
+                f"{type(self).__name__} has no mask token: set `config.mask_token_id` (the id of the mask token "
+                "in the tokenizer) before generating or training."
+            )
+        return int(mask_id)
+
+    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits indexed by the position of the token they predict (undoes Dream's one-position shift)."""
+        if not self.logits_shift:
+            return logits
+        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with the variance in fp32 and the result cast back before scaling (as all three releases do)."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 cos/sin ``[B, L, head_dim]`` for the HF rotate-half convention.
+
+    Computed from the config on every call (no ``inv_freq`` buffer), so nothing can be left uninitialised by
+    meta-device loading in transformers 5.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=position_ids.device).float() / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, full_precision: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q``/``k`` ``[B, H, L, D]``. ``full_precision`` rotates in fp32 (LLaDA); otherwise cos/sin are cast
+    to the activation dtype and the rotation runs in it (SDAR, Dream)."""
+    cos, sin = cos[:, None], sin[:, None]
+    if full_precision:
+        dtype = q.dtype
+        q32, k32 = q.float(), k.float()
+        return (q32 * cos + _rotate_half(q32) * sin).to(dtype), (k32 * cos + _rotate_half(k32) * sin).to(dtype)
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    layer_idx: int,
+    cache: DiffusionCache | None,
+    store: bool,
+    dropout: float = 0.0,
+) -> torch.Tensor:
+    """Scaled dot-product attention over ``[cached keys | new keys]``; writes the new keys only if ``store``.
+
+    ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, KV, Q, D]`` (post-RoPE). ``mask`` is boolean (True = attend) or
+    additive float, broadcastable to ``[B, H, Q, K]``.
+    """
+    if cache is not None:
+        past = cache.layer(layer_idx)
+        if store:
+            cache.append(layer_idx, k, v)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=-2)
+            v = torch.cat([past[1], v], dim=-2)
+    n_rep = q.shape[1] // k.shape[1]
+    if n_rep > 1:
+        k = k.repeat_interleave(n_rep, dim=1)
+        v = v.repeat_interleave(n_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False)
+
+
+def resolve_attention_mask(
+    attention_mask: torch.Tensor | None,
+    position_ids: torch.Tensor,
+    batch: int,
+    q_len: int,
+    cache: DiffusionCache | None,
+    block_size: int | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Turn the user's ``attention_mask`` into the 4-D mask every layer uses.
+
+    Accepted: ``None``; a 2-D key-padding mask ``[B, past + L]`` (1 = real token); a 3-D ``[B, Q, K]`` or 4-D
+    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given. For 2-D and
+    ``None`` the structure (block-causal or full) comes from the positions. Returns the mask and the validity of
+    the new keys (what a committing cache pass stores).
+    """
+    past = cache.get_seq_length() if cache is not None else 0
+    k_len = past + q_len
+    device = position_ids.device
+    if attention_mask is not None and attention_mask.dim() in (3, 4):
+        mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
+        if mask.shape[-2] != q_len or mask.shape[-1] != k_len or mask.shape[0] not in (1, batch):
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not fit {q_len} queries and {k_len} "
+                f"keys (batch {batch}); expected [B, 1, {q_len}, {k_len}] or [B, {q_len}, {k_len}]."
+            )
+        if not mask.dtype.is_floating_point:
+            mask = mask.bool()
+        else:
+            mask = mask.to(dtype)
+        return mask, torch.ones(batch, q_len, dtype=torch.bool, device=device)
+    if attention_mask is not None:
+        if attention_mask.dim() != 2 or attention_mask.shape != (batch, k_len):
+            raise ValueError(
+                f"attention_mask of shape {tuple(attention_mask.shape)} does not fit; a 2-D mask must be "
+                f"[batch={batch}, past+length={k_len}]."
+            )
+        key_valid = attention_mask.bool()
+    else:
+        key_valid = torch.ones(batch, k_len, dtype=torch.bool, device=device)
+    new_valid = key_valid[:, past:]
+    if cache is not None and cache.positions is not None:
+        key_positions = torch.cat([cache.positions.expand(batch, -1), position_ids.expand(batch, -1)], dim=-1)
+        key_valid = torch.cat([cache.valid.expand(batch, -1), new_valid], dim=-1) & key_valid
+    else:
+        key_positions = position_ids.expand(batch, -1)
+    if block_size is None and bool(key_valid.all()):
+        return None, new_valid
+    mask = attention_mask_from_positions(position_ids.expand(batch, -1), key_positions, key_valid, block_size)
+    return mask, new_valid
+
+
+def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | None, device) -> torch.Tensor:
+    """``past + arange(L)``, the transformers default."""
+    past = cache.get_seq_length() if cache is not None else 0
+    return torch.arange(past, past + input_shape[1], device=device)[None].expand(input_shape[0], -1)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Qwen-style decoder (SDAR = Qwen3 with q/k norms; Dream = Qwen2 with q/k/v biases)
+# ----------------------------------------------------------------------------------------------------------
+
+
+class QwenStyleAttention(nn.Module):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads or config.num_attention_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.rope_theta = config.rope_theta
+        self.dropout = config.attention_dropout
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, mask, cache, store):
+        b, n, _ = x.shape
+        q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, full_precision=False)
+        dropout = self.dropout if self.training else 0.0
+        out = attend(q, k, v, mask, self.layer_idx, cache, store, dropout)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class QwenStyleMLP(nn.Module):
+    def __init__(self, config) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenStyleDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = QwenStyleAttention(config, layer_idx, qkv_bias, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = QwenStyleMLP(config)
+
+    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DiffusionPreTrainedModel(PreTrainedModel):
+    """Shared ``PreTrainedModel`` settings and weight init for our families."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = False
+
+    def _init_weights(self, module: nn.Module) -> None:
+        from transformers import initialization as init
+
+        std = getattr(self.config, "initializer_range", None) or getattr(self.config, "init_std", 0.02)
+        if isinstance(module, nn.Linear):
+            init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            init.ones_(module.weight)
+
+
+class QwenStyleBackbone(DiffusionPreTrainedModel):
+    """``embed_tokens`` / ``layers`` / ``norm``: the backbone of SDAR and Dream."""
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.padding_idx = self._embedding_padding_idx(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            QwenStyleDecoderLayer(config, i, self.qkv_bias, self.qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def _embedding_padding_idx(self, config) -> int | None:
+        return None
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: DiffusionCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        store_kv: bool = False,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        hidden, position_ids, mask, new_valid = _prepare_inputs(
+            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, self.embed_tokens
+        )
+        cos, sin = rotary_cos_sin(position_ids, self.layers[0].self_attn.head_dim, self.config.rope_theta)
+        all_hidden = [] if output_hidden_states else None
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            hidden = layer(hidden, cos, sin, mask, past_key_values, store_kv)
+        hidden = self.norm(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        if past_key_values is not None and store_kv:
+            past_key_values.append_positions(position_ids, new_valid)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            cache=past_key_values,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
+
+
+def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed):
+    """Embed, default the positions, and resolve the mask: the preamble every backbone forward shares."""
+    if (input_ids is None) == (inputs_embeds is None):
+        raise ValueError("pass exactly one of input_ids and inputs_embeds.")
+    hidden = embed(input_ids) if inputs_embeds is None else inputs_embeds
+    batch, q_len = hidden.shape[:2]
+    if position_ids is None:
+        position_ids = default_position_ids((batch, q_len), cache, hidden.device)
+    elif position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    position_ids = position_ids.expand(batch, -1)
+    mask, new_valid = resolve_attention_mask(
+        attention_mask, position_ids, batch, q_len, cache, model.diffusion_block_size, hidden.dtype
+    )
+    return hidden, position_ids, mask, new_valid
+
+
+def diffusion_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``labels`` (-100 ignored) against position-aligned logits."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels) -> CausalLMOutputWithPast:
+    loss = None
+    if labels is not None:
+        loss = diffusion_lm_loss(model.align_logits(lm_logits), labels)
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=lm_logits,
+        cache=backbone_out.cache,
+        hidden_states=backbone_out.hidden_states,
+    )

@@ -1,0 +1,206 @@
+"""LLaDA: an OLMo-style LLaMA block stack (``model.transformer.{wte,blocks.N.*,ln_f,ff_out}``) with full
+bidirectional attention and an optional key-padding mask (the release's updated mask semantics). RoPE is
+applied in fp32 when ``rope_full_precision``. Logits are not shifted.
+
+Beyond the release, ``forward`` also takes ``position_ids`` (default ``0..T-1`` as in the release) and a
+``DiffusionCache``, so LLaDA shares the sampler's prefix / dual cache paths and exact left-padding placement.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+from ...generation.mixin import DiffusionGenerationMixin
+from ..cache import DiffusionCache
+from ..common import (
+    DiffusionModelMixin,
+    DiffusionPreTrainedModel,
+    RMSNorm,
+    _prepare_inputs,
+    apply_rotary,
+    attend,
+    causal_lm_output,
+    rotary_cos_sin,
+)
+from .configuration_llada import LLaDAConfig
+
+
+def _check_supported(config: LLaDAConfig) -> None:
+    """The released LLaDA models use exactly this subset of the OLMo options; refuse the rest clearly."""
+    wanted = {
+        "block_type": "llama",
+        "activation_type": "silu",
+        "layer_norm_type": "rms",
+        "rope": True,
+        "alibi": False,
+        "attention_layer_norm": False,
+        "input_emb_norm": False,
+        "block_group_size": 1,
+    }
+    bad = {k: getattr(config, k) for k, v in wanted.items() if getattr(config, k) != v}
+    if bad:
+        raise ValueError(
+            f"LLaDA options {bad} are not supported; the released checkpoints use {wanted}. "
+            "Set these fields in the config (config.json of LLaDA-8B sets all of them)."
+        )
+
+
+class LLaDALlamaBlock(GradientCheckpointingLayer):
+    def __init__(self, config: LLaDAConfig, layer_idx: int) -> None:
+        super().__init__()
+        d, hidden = config.d_model, config.effective_mlp_hidden_size
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv_heads = config.n_heads, config.effective_n_kv_heads
+        self.head_dim = d // config.n_heads
+        self.rope_theta = config.rope_theta
+        self.rope_full_precision = config.rope_full_precision
+        self.dropout = config.attention_dropout
+        qkv_bias = bool(config.include_bias or config.include_qkv_bias)
+        self.attn_norm = RMSNorm(d, config.rms_norm_eps)
+        self.q_proj = nn.Linear(d, d, bias=qkv_bias)
+        self.k_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.attn_out = nn.Linear(d, d, bias=config.include_bias)
+        self.ff_norm = RMSNorm(d, config.rms_norm_eps)
+        self.ff_proj = nn.Linear(d, hidden, bias=config.include_bias)
+        self.up_proj = nn.Linear(d, hidden, bias=config.include_bias)
+        self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
+        self.residual_dropout = nn.Dropout(config.residual_dropout)
+
+    def forward(self, x, cos, sin, mask, cache=None, store=False):
+        b, n, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary(q, k, cos, sin, full_precision=self.rope_full_precision)
+        dropout = self.dropout if self.training else 0.0
+        att = attend(q, k, v, mask, self.layer_idx, cache, store, dropout).transpose(1, 2).reshape(b, n, -1)
+        x = x + self.residual_dropout(self.attn_out(att))
+        h = self.ff_norm(x)
+        return x + self.residual_dropout(self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)))
+
+
+class LLaDAPreTrainedModel(DiffusionPreTrainedModel):
+    config_class = LLaDAConfig
+    config: LLaDAConfig
+    _no_split_modules = ["LLaDALlamaBlock"]
+
+
+class LLaDAModel(LLaDAPreTrainedModel):
+    """Holds ``transformer = ModuleDict(wte, emb_drop, blocks, ln_f[, ff_out])`` as the release does."""
+
+    diffusion_block_size = None
+
+    def __init__(self, config: LLaDAConfig) -> None:
+        super().__init__(config)
+        _check_supported(config)
+        vocab = config.embedding_size or config.vocab_size
+        modules = {
+            "wte": nn.Embedding(vocab, config.d_model),
+            "emb_drop": nn.Dropout(config.embedding_dropout),
+            "blocks": nn.ModuleList(LLaDALlamaBlock(config, i) for i in range(config.n_layers)),
+            "ln_f": RMSNorm(config.d_model, config.rms_norm_eps),
+        }
+        if not config.weight_tying:
+            modules["ff_out"] = nn.Linear(config.d_model, vocab, bias=config.include_bias)
+        self.transformer = nn.ModuleDict(modules)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.transformer.wte
+
+    def set_input_embeddings(self, value):
+        self.transformer.wte = value
+
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values: DiffusionCache | None = None,
+        inputs_embeds=None,
+        store_kv: bool = False,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> BaseModelOutputWithPast:
+        hidden, position_ids, mask, new_valid = _prepare_inputs(
+            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, self.transformer.wte
+        )
+        hidden = self.transformer.emb_drop(hidden)
+        cos, sin = rotary_cos_sin(position_ids, self.config.d_model // self.config.n_heads, self.config.rope_theta)
+        all_hidden = [] if output_hidden_states else None
+        for block in self.transformer.blocks:
+            if all_hidden is not None:
+                all_hidden.append(hidden)
+            hidden = block(hidden, cos, sin, mask, past_key_values, store_kv)
+        hidden = self.transformer.ln_f(hidden)
+        if all_hidden is not None:
+            all_hidden.append(hidden)
+        if past_key_values is not None and store_kv:
+            past_key_values.append_positions(position_ids, new_valid)
+        return BaseModelOutputWithPast(
+            last_hidden_state=hidden,
+            cache=past_key_values,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+        )
+
+
+class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionModelMixin, DiffusionGenerationMixin):
+    """The released class name (``architectures: ["LLaDAModelLM"]``)."""
+
+    _tied_weights_keys = {"model.transformer.ff_out.weight": "model.transformer.wte.weight"}
+
+    def __init__(self, config: LLaDAConfig) -> None:
+        super().__init__(config)
+        self.model = LLaDAModel(config)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.transformer.wte
+
+    def set_input_embeddings(self, value):
+        self.model.transformer.wte = value
+
+    def get_output_embeddings(self):
+        return self.model.transformer["ff_out"] if "ff_out" in self.model.transformer else None
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: DiffusionCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        store_kv: bool = False,
+        output_hidden_states: bool = False,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            store_kv=store_kv,
+            output_hidden_states=output_hidden_states,
+        )
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        if "ff_out" in self.model.transformer:
+            logits = self.model.transformer.ff_out(hidden)
+        else:
+            logits = F.linear(hidden, self.model.transformer.wte.weight)
+        if self.config.scale_logits:
+            logits = logits * (1 / math.sqrt(self.config.d_model))
+        return causal_lm_output(self, out, logits, labels)

@@ -1,0 +1,52 @@
+"""SDARConfig: the config of SDAR-*-Chat and TraDo-* (Qwen3 layout, block-causal attention)."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+
+
+class SDARConfig(PreTrainedConfig):
+    """Field names and defaults follow the released ``configuration_sdar.py`` (the Qwen3 config of transformers
+    4.52); ``block_size`` and ``mask_token_id`` come from the released ``config.json``. Other released extras
+    (``fuse_cross_entropy``, ``debug``, ``ep_size``, ``micro_forward``, ``skip_checkpoint``, ``use_deepep``) are
+    accepted and kept as attributes."""
+
+    model_type = "sdar"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    vocab_size: int = 151936
+    hidden_size: int = 4096
+    intermediate_size: int = 22016
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = 32
+    head_dim: int = 128
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-6
+    use_cache: bool = True
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    attention_bias: bool = False
+    use_sliding_window: bool = False
+    sliding_window: int | None = 4096
+    max_window_layers: int = 28
+    attention_dropout: float = 0.0
+    block_size: int = 4
+    mask_token_id: int | None = None
+    pad_token_id: int | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    def __post_init__(self, **kwargs):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"SDARConfig.block_size must be a positive integer, got {self.block_size!r}.")
+        if kwargs.get("rope_scaling") is not None:
+            raise ValueError("SDARConfig: rope_scaling is not supported (the released checkpoints use none).")
+        kwargs.pop("rope_scaling", None)
+        if self.attention_bias:
+            raise ValueError("SDARConfig: attention_bias=True is not supported (released SDAR has no biases).")
+        super().__post_init__(**kwargs)

@@ -1,0 +1,148 @@
+"""Blocks, trajectories, states and attention masks: the one source of truth.
+
+A diffusion rollout is a *trajectory*: for every generated position, the index of the denoising step at which
+its token was committed (``unmask_step``; -1 for prompt and padding, and for generated positions the sampler
+never committed). The *state before step t* shows every token committed before ``t`` and the mask token at
+every other generated position. The sampler walks these states forward and every trainer scores tokens given
+one of them, so block alignment, states and masks live here and nowhere else.
+
+Block alignment follows each family's published sampler:
+
+* block-causal models (SDAR / TraDo) align blocks from absolute position 0, because their attention is
+  block-causal in absolute positions;
+* full-attention models (LLaDA, Dream) align blocks from the end of the prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NOT_COMMITTED = -1
+"""``unmask_step`` value of prompt, padding and never-committed positions."""
+
+
+def block_index(position_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block of each position for block-causal attention (blocks aligned from absolute position 0)."""
+    if block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}.")
+    return torch.div(position_ids, block_size, rounding_mode="floor")
+
+
+def attention_mask_from_positions(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor | None = None,
+    block_size: int | None = None,
+) -> torch.Tensor:
+    """Boolean attention mask ``[B, 1, Q, K]`` (True = may attend).
+
+    With ``block_size`` a query sees keys in its own block and earlier blocks (block-causal, blocks from
+    absolute position 0); without it every query sees every key (full bidirectional). ``key_valid`` ``[B, K]``
+    hides padding keys. A query row left with no visible key (a padding query) is opened to every key so that
+    attention stays finite; its output is never used.
+    """
+    batch = max(query_positions.shape[0], key_positions.shape[0])
+    q_len, k_len = query_positions.shape[-1], key_positions.shape[-1]
+    if block_size is None:
+        mask = torch.ones(batch, 1, q_len, k_len, dtype=torch.bool, device=query_positions.device)
+    else:
+        q_block = block_index(query_positions, block_size)[:, None, :, None]
+        k_block = block_index(key_positions, block_size)[:, None, None, :]
+        mask = (k_block <= q_block).expand(batch, 1, q_len, k_len)
+    if key_valid is not None:
+        mask = mask & key_valid.bool()[:, None, None, :]
+    empty_rows = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty_rows
+
+
+def positions_from_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count real tokens only (left padding gets position 0), so a padded row is placed
+    exactly as it would be alone."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def state_before_step(
+    sequences: torch.Tensor,
+    unmask_step: torch.Tensor,
+    generated: torch.Tensor,
+    step: int | torch.Tensor,
+    mask_token_id: int,
+) -> torch.Tensor:
+    """The sequence as the sampler saw it just before ``step``.
+
+    ``generated`` marks positions that belong to the generated canvas (not prompt, not left padding). A
+    generated position is visible iff it was committed at a step earlier than ``step``; generated positions the
+    sampler never committed (``unmask_step == -1``) are masks in every state.
+    """
+    step = torch.as_tensor(step, device=sequences.device)
+    if step.dim() == 1:
+        step = step[:, None]
+    visible = (unmask_step >= 0) & (unmask_step < step)
+    hidden = generated & ~visible
+    return torch.where(hidden, torch.full_like(sequences, mask_token_id), sequences)
+
+
+def merge_steps(unmask_step: torch.Tensor, shrinkage: int) -> torch.Tensor:
+    """Merge consecutive denoising steps ``shrinkage`` at a time (TraceRL's shrinkage s).
+
+    Returns the merged step index of every position (-1 stays -1). Steps are first renumbered densely per row
+    (a row's used steps become 0, 1, 2, ...) so that merging groups steps that actually committed tokens.
+    """
+    if shrinkage < 1:
+        raise ValueError(f"shrinkage must be >= 1, got {shrinkage}.")
+    merged = torch.full_like(unmask_step, NOT_COMMITTED)
+    for row in range(unmask_step.shape[0]):
+        committed = unmask_step[row] >= 0
+        if committed.any():
+            dense = torch.unique(unmask_step[row][committed], sorted=True, return_inverse=True)[1]
+            merged[row, committed] = torch.div(dense, shrinkage, rounding_mode="floor")
+    return merged
+
+
+class CanvasLayout:
+    """Where each row's prompt and generated tokens sit in the sampler's working canvas, and its blocks.
+
+    Block-causal models: a row's blocks are aligned from its own position 0, so rows are left-padded by whole
+    blocks such that every row's first generation block (which also holds the row's prompt tail) falls on the
+    same canvas columns; a row generates up to the end of the block holding its last new token. Full-attention
+    models: rows are left-padded to the longest prompt and blocks start at the end of the prompt.
+    """
+
+    def __init__(self, prompt_lengths: list[int], max_new_tokens: int, block_length: int, block_causal: bool):
+        if block_length <= 0:
+            raise ValueError(f"block_length must be positive, got {block_length}.")
+        self.block_length = block_length
+        self.block_causal = block_causal
+        b = block_length
+        if block_causal:
+            first_block = max(p // b for p in prompt_lengths)
+            self.left_pad = [b * (first_block - p // b) for p in prompt_lengths]
+            self.gen_end = [-(-(p + max_new_tokens) // b) * b + pad for p, pad in zip(prompt_lengths, self.left_pad)]
+            self.prefill_end = first_block * b
+            self.block_starts = list(range(first_block * b, max(self.gen_end), b))
+        else:
+            width = max(prompt_lengths)
+            self.left_pad = [width - p for p in prompt_lengths]
+            self.gen_end = [width + max_new_tokens] * len(prompt_lengths)
+            self.prefill_end = width
+            self.block_starts = list(range(width, width + max_new_tokens, b))
+        self.gen_start = [pad + p for pad, p in zip(self.left_pad, prompt_lengths)]
+        self.width = max(self.gen_end)
+
+    def block_end(self, start: int) -> int:
+        return min(start + self.block_length, self.width)
+
+    def masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``generated`` (positions the sampler fills) and ``valid`` (prompt or generated) ``[B, width]``."""
+        cols = torch.arange(self.width, device=device)
+        pad = torch.tensor(self.left_pad, device=device)[:, None]
+        start = torch.tensor(self.gen_start, device=device)[:, None]
+        end = torch.tensor(self.gen_end, device=device)[:, None]
+        generated = (cols >= start) & (cols < end)
+        valid = (cols >= pad) & (cols < end)
+        return generated, valid
+
+    def positions(self, device) -> torch.Tensor:
+        """Each column's position in its row (0 at the row's first prompt token; 0 on padding)."""
+        cols = torch.arange(self.width, device=device)
+        return (cols - torch.tensor(self.left_pad, device=device)[:, None]).clamp(min=0)
