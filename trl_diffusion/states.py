@@ -146,3 +146,59 @@ class CanvasLayout:
         """Each column's position in its row (0 at the row's first prompt token; 0 on padding)."""
         cols = torch.arange(self.width, device=device)
         return (cols - torch.tensor(self.left_pad, device=device)[:, None]).clamp(min=0)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Training layouts: the masks and block partitions the SFT objectives score under
+# ----------------------------------------------------------------------------------------------------------
+
+
+def noisy_clean_attention_mask(positions: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
+    """BD3-LM mask ``[B, 1, 2L, 2L]`` for the ``[x_t | x_0]`` layout (True = may attend).
+
+    Blocks are aligned from each row's position 0, as the block-causal sampler aligns them. A noisy query sees
+    the noisy keys of its own block and the clean keys of strictly earlier blocks; a clean query sees clean keys
+    of its own and earlier blocks (block-causal); clean queries never see noisy keys. ``valid`` ``[B, L]`` hides
+    padding keys in both halves; a query left with no visible key is opened to every key (its output is unused).
+    """
+    block = block_index(positions, block_size)
+    q_block, k_block = block[:, :, None], block[:, None, :]
+    same_block = k_block == q_block
+    earlier = k_block < q_block
+    noisy_to_noisy = same_block
+    noisy_to_clean = earlier
+    clean_to_noisy = torch.zeros_like(same_block)
+    clean_to_clean = same_block | earlier
+    top = torch.cat([noisy_to_noisy, noisy_to_clean], dim=-1)
+    bottom = torch.cat([clean_to_noisy, clean_to_clean], dim=-1)
+    key_valid = torch.cat([valid, valid], dim=-1).bool()
+    mask = torch.cat([top, bottom], dim=-2) & key_valid[:, None, :]
+    mask = mask | ~mask.any(dim=-1, keepdim=True)
+    return mask[:, None]
+
+
+def noisy_clean_layout(
+    noisy_ids: torch.Tensor, clean_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``[x_t | x_0]`` in one row: ``(input_ids [B, 2L], position_ids [B, 2L], attention_mask [B, 1, 2L, 2L])``.
+
+    Both halves carry the same position ids, so the noisy copy of a block is placed exactly where the sampler
+    denoises it, with every earlier block clean (see ``noisy_clean_attention_mask``)."""
+    ids = torch.cat([noisy_ids, clean_ids], dim=-1)
+    pos = torch.cat([positions, positions], dim=-1)
+    return ids, pos, noisy_clean_attention_mask(positions, valid, block_size)
+
+
+def blocks_from_prompt_end(completion: torch.Tensor, block_length: int) -> torch.Tensor:
+    """Semi-autoregressive block of each position ``[B, L]`` for full-attention models: blocks start at each
+    row's first completion position (the end of its prompt), as LLaDA / Dream samplers align them, and end at
+    its last completion position; -1 outside that span."""
+    if block_length <= 0:
+        raise ValueError(f"block_length must be positive, got {block_length}.")
+    length = completion.shape[-1]
+    cols = torch.arange(length, device=completion.device).expand_as(completion)
+    has_completion = completion.any(-1, keepdim=True)
+    first = torch.where(completion, cols, length).min(-1, keepdim=True).values
+    last = torch.where(completion, cols, -1).max(-1, keepdim=True).values
+    inside = has_completion & (cols >= first) & (cols <= last)
+    return torch.where(inside, torch.div(cols - first, block_length, rounding_mode="floor"), -1)

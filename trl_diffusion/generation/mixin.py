@@ -3,8 +3,12 @@ validation, and the call into the block-wise sampler."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from transformers import GenerationConfig
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file
 
 from .sampler import DiffusionGenerationOutput, SamplingSettings, diffusion_generate, steps_for_dream
 
@@ -28,11 +32,18 @@ class DiffusionGenerationMixin:
             return
         keys = ("cache_dir", "force_download", "proxies", "local_files_only", "token", "revision", "subfolder")
         try:
-            self.generation_config = GenerationConfig.from_pretrained(
-                pretrained_model_name_or_path, **{k: kwargs[k] for k in keys if k in kwargs}
-            )
+            path = cached_file(pretrained_model_name_or_path, GENERATION_CONFIG_NAME,
+                               **{k: kwargs[k] for k in keys if k in kwargs})
         except OSError:
-            pass
+            return
+        if path is None:
+            return
+        values = json.loads(Path(path).read_text())
+        config = GenerationConfig.from_dict(values)
+        for name, value in values.items():  # keep the diffusion fields (block_length, denoising_steps, ...)
+            if not name.startswith("_") and getattr(config, name, None) is None:
+                setattr(config, name, value)
+        self.generation_config = config
 
     def _family_defaults(self) -> dict:
         block = self.block_size or 32
@@ -69,12 +80,12 @@ class DiffusionGenerationMixin:
                 block_length = max_new_tokens
             steps = steps_for_dream(dream_steps or max_new_tokens, max_new_tokens, block_length)
         use_cache = pick("use_cache")
-        if use_cache is True:
-            cache_mode = "exact" if self.block_size is not None else "prefix"
-        elif use_cache in (False, None):
+        if isinstance(use_cache, str):
+            cache_mode = use_cache
+        elif use_cache and self.block_size is not None:
+            cache_mode = "exact"
+        else:  # the approximate LLaDA/Dream caches are opt-in by name only
             cache_mode = "none"
-        else:
-            cache_mode = str(use_cache)
         temperature = pick("temperature")
         stop = kwargs.get("stop_token_ids")
         if stop is None:
@@ -105,9 +116,10 @@ class DiffusionGenerationMixin:
         ``max_new_tokens``; ``block_length``; ``denoising_steps`` (per block); ``remasking_strategy``
         (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
         ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy); ``top_k``; ``top_p``;
-        ``use_cache`` (False; True = exact cache for SDAR, prefix cache otherwise; or ``"prefix"`` /
-        ``"dual"``, approximate, for LLaDA/Dream); ``eos_token_id`` / ``stop_token_ids`` (each row stops after
-        the block in which it produced one); ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own
+        ``use_cache`` (True = SDAR's exact cache; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn
+        on the approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their
+        output); ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
+        ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own
         ``steps``, ``alg``, ``alg_temp``, ``eps`` (linspace schedule); ``generator`` (a ``torch.Generator``);
         ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput`` with the trajectory.
 

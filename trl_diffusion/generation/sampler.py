@@ -205,13 +205,14 @@ def diffusion_generate(
                 logits, settings.temperature, settings.top_k, settings.top_p, generator, settings.gumbel_float64
             )
             if settings.schedule == "linspace":
-                t, s = float(timesteps[step]), float(timesteps[step + 1])
-                fraction = 1 - s / t if step < settings.denoising_steps - 1 else 1.0
+                # Dream computes the fraction in float32 from a float32 linspace; keep that for parity
+                last = step == settings.denoising_steps - 1
+                fraction = torch.ones(()) if last else 1 - timesteps[step + 1] / timesteps[step]
                 if settings.remasking_strategy == "origin":
                     draw = torch.rand(masked.shape, device=device, generator=generator)
-                    commit = masked & (draw < fraction)
+                    commit = masked & (draw < float(fraction))
                 else:
-                    quota = (masked.sum(-1).float() * fraction).long()
+                    quota = (masked.sum(-1).float() * fraction.to(device)).long()
                     confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, generator)
                     commit = select_commits("low_confidence_static", confidence, masked, quota,
                                             alg_temp=settings.alg_temp, generator=generator)

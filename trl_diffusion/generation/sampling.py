@@ -56,7 +56,8 @@ def sample_tokens(
     if not temperature:
         tokens = log_dist.argmax(-1)
     elif gumbel_float64:
-        raw = sampling_logits(logits, 1.0, top_k, top_p).double()
+        # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
+        raw = sampling_logits(logits, temperature, top_k, top_p).double() * temperature
         u = torch.rand(raw.shape, dtype=torch.float64, device=raw.device, generator=generator)
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
     else:

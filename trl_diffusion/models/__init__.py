@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from .cache import DiffusionCache
-from .common import DiffusionModelMixin
+from .common import DiffusionModelMixin, check_tokenizer
 from .dream import DreamConfig, DreamModel
 from .llada import LLaDAConfig, LLaDAModelLM
 from .sdar import SDARConfig, SDARForCausalLM, SDARModel
@@ -13,6 +13,15 @@ FAMILIES = {
     "llada": (LLaDAConfig, LLaDAModelLM),
     "Dream": (DreamConfig, DreamModel),
 }
+
+
+LORA_TARGET_MODULES = {
+    "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
+}
+"""peft's default LoRA targets per family (all attention and MLP projections; for LLaDA ``ff_out`` also
+matches the LM head ``transformer.ff_out``, so the LM head is adapted too, as a Linear layer)."""
 
 
 def register_models() -> None:
@@ -25,12 +34,16 @@ def register_models() -> None:
         AutoConfig.register(model_type, config_cls, exist_ok=True)
         for auto in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM):
             auto.register(config_cls, model_cls, exist_ok=True)
+    from peft.utils import constants
+
+    constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.update(LORA_TARGET_MODULES)
 
 
 __all__ = [
     "FAMILIES",
     "DiffusionCache",
     "DiffusionModelMixin",
+    "check_tokenizer",
     "DreamConfig",
     "DreamModel",
     "LLaDAConfig",

@@ -257,6 +257,22 @@ class DiffusionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = False
+    _supports_flex_attn = True  # released SDAR configs ask for "flex_attention"; attention here is SDPA-based
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """``PreTrainedModel.from_pretrained``, but a checkpoint whose keys don't match is an error, not a
+        warning: a silently re-initialised weight would make every later number wrong."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        bad = {k: v for k, v in bad.items() if v}
+        if bad:
+            raise ValueError(
+                f"the checkpoint does not match {cls.__name__} ({model.config.model_type}): {bad}. Check that the "
+                "checkpoint is a released SDAR/TraDo, LLaDA or Dream/DiffuCoder model with its original key names."
+            )
+        return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
         from transformers import initialization as init
@@ -362,3 +378,20 @@ def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels) -> Ca
         cache=backbone_out.cache,
         hidden_states=backbone_out.hidden_states,
     )
+
+
+def check_tokenizer(tokenizer, model) -> None:
+    """Raise early when a tokenizer cannot drive diffusion with ``model``: it needs the model's mask token."""
+    mask_id = model.mask_token_id
+    tok_mask = getattr(tokenizer, "mask_token_id", None)
+    if tok_mask is None:
+        if mask_id >= len(tokenizer):
+            raise ValueError(
+                f"the tokenizer has no mask token and the model's mask id {mask_id} is outside its vocabulary "
+                f"({len(tokenizer)} tokens); add the mask token to the tokenizer."
+            )
+        return  # LLaDA's released tokenizer declares no mask token; the id comes from the config
+    if tok_mask != mask_id:
+        raise ValueError(
+            f"the tokenizer's mask token id ({tok_mask}) differs from the model's mask_token_id ({mask_id})."
+        )

@@ -1,0 +1,315 @@
+"""Model families: released checkpoint layout, save/load round trips, attention structure, LoRA, checkpointing,
+dtypes and clear errors."""
+
+import json
+import subprocess
+import sys
+
+import peft
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+import trl_diffusion
+from trl_diffusion.models import check_tokenizer
+from trl_diffusion.testing import build_tokenizer, tiny_model
+
+LAYER_KEYS = {
+    "sdar": [
+        "input_layernorm.weight",
+        "mlp.down_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.k_norm.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.q_proj.weight",
+        "self_attn.v_proj.weight",
+    ],
+    "dream": [
+        "input_layernorm.weight",
+        "mlp.down_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "post_attention_layernorm.weight",
+        "self_attn.k_proj.bias",
+        "self_attn.k_proj.weight",
+        "self_attn.o_proj.weight",
+        "self_attn.q_proj.bias",
+        "self_attn.q_proj.weight",
+        "self_attn.v_proj.bias",
+        "self_attn.v_proj.weight",
+    ],
+    "llada": [
+        "attn_norm.weight",
+        "attn_out.weight",
+        "ff_norm.weight",
+        "ff_out.weight",
+        "ff_proj.weight",
+        "k_proj.weight",
+        "q_proj.weight",
+        "up_proj.weight",
+        "v_proj.weight",
+    ],
+}
+TOP_KEYS = {
+    "sdar": ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"],
+    "dream": ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"],
+    "llada": ["model.transformer.ff_out.weight", "model.transformer.ln_f.weight", "model.transformer.wte.weight"],
+}
+LAYER_PREFIX = {"sdar": "model.layers", "dream": "model.layers", "llada": "model.transformer.blocks"}
+
+# Fields of the released config.json files (models.md), at tiny sizes, including the extras and auto_map.
+RELEASED_EXTRAS = {
+    "sdar": {
+        "architectures": ["SDARForCausalLM"],
+        "attn_implementation": "flex_attention",
+        "debug": False,
+        "ep_size": 1,
+        "fuse_cross_entropy": True,
+        "micro_forward": False,
+        "skip_checkpoint": False,
+        "use_deepep": False,
+        "torch_dtype": "float32",
+        "transformers_version": "4.52.4",
+        "auto_map": {
+            "AutoConfig": "configuration_sdar.SDARConfig",
+            "AutoModel": "modeling_sdar.SDARModel",
+            "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM",
+        },
+    },
+    "llada": {
+        "architectures": ["LLaDAModelLM"],
+        "init_device": "meta",
+        "init_fn": "mitchell",
+        "precision": "amp_bf16",
+        "transformers_version": "4.46.3",
+        "auto_map": {
+            "AutoConfig": "configuration_llada.LLaDAConfig",
+            "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+            "AutoModel": "modeling_llada.LLaDAModelLM",
+        },
+    },
+    "dream": {
+        "architectures": ["DreamModel"],
+        "use_mrope": False,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.46.2",
+        "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+    },
+}
+
+
+def expected_keys(family, n_layers=2):
+    keys = list(TOP_KEYS[family])
+    for i in range(n_layers):
+        keys += [f"{LAYER_PREFIX[family]}.{i}.{k}" for k in LAYER_KEYS[family]]
+    return sorted(keys)
+
+
+def write_released_checkpoint(model, family, directory):
+    config = model.config.to_dict()
+    config.update(RELEASED_EXTRAS[family])
+    config.pop("dtype", None)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file(
+        {k: v.contiguous() for k, v in model.state_dict().items()},
+        str(directory / "model.safetensors"),
+        metadata={"format": "pt"},
+    )
+
+
+def test_state_dict_keys_are_the_released_names(family):
+    assert sorted(tiny_model(family).state_dict()) == expected_keys(family)
+
+
+def test_released_checkpoint_loads_without_remote_code(family, tmp_path):
+    model = tiny_model(family)
+    write_released_checkpoint(model, family, tmp_path)
+    loaded, info = AutoModelForCausalLM.from_pretrained(tmp_path, output_loading_info=True, dtype=torch.float32)
+    assert type(loaded) is type(model)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    ids = torch.randint(4, 100, (2, 11))
+    torch.testing.assert_close(loaded.eval()(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert type(AutoModel.from_pretrained(tmp_path)) is type(model)
+
+
+def test_save_pretrained_writes_released_names_and_fields(family, tmp_path):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == expected_keys(family)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model_type"] == {"sdar": "sdar", "llada": "llada", "dream": "Dream"}[family]
+    for field in {
+        "sdar": ["block_size", "mask_token_id", "rope_theta", "head_dim", "num_key_value_heads"],
+        "llada": [
+            "d_model",
+            "n_layers",
+            "n_heads",
+            "mlp_hidden_size",
+            "mask_token_id",
+            "weight_tying",
+            "rope_full_precision",
+            "embedding_size",
+        ],
+        "dream": ["mask_token_id", "rope_theta", "num_key_value_heads", "hidden_size"],
+    }[family]:
+        assert field in saved, field
+    assert "rope_parameters" not in saved  # the original code reads rope_theta
+
+
+def test_reload_in_fresh_process(family, tmp_path):
+    model = tiny_model(family)
+    model.save_pretrained(tmp_path)
+    ids = torch.randint(4, 100, (1, 9))
+    torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / "expected.pt")
+    code = (
+        "import sys, torch, trl_diffusion\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "d = sys.argv[1]; e = torch.load(d + '/expected.pt')\n"
+        "m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
+        "assert torch.equal(m(e['ids']).logits, e['logits'])\n"
+    )
+    subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True)
+
+
+def test_rope_is_correct_after_from_pretrained(tmp_path):
+    """transformers 5 builds on the meta device; our RoPE is computed from the config, never a stale buffer."""
+    model = tiny_model("sdar")
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not [n for n, _ in loaded.named_buffers()]
+    ids = torch.randint(4, 100, (1, 16))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # RoPE matters: the same tokens at shifted positions give different logits
+    shifted = loaded(ids, position_ids=torch.arange(3, 19)[None]).logits
+    assert not torch.allclose(shifted, model(ids).logits)
+
+
+def test_sdar_attention_is_block_causal():
+    model = tiny_model("sdar")  # block_size 4
+    ids = torch.randint(4, 100, (1, 12))
+    changed = ids.clone()
+    changed[0, 5] = (ids[0, 5] + 1) % 100 + 4  # a token in block 1
+    a, b = model(ids).logits, model(changed).logits
+    assert torch.equal(a[:, :4], b[:, :4])  # earlier block untouched
+    assert not torch.allclose(a[:, 4:8], b[:, 4:8])  # own block (both directions) changes
+    assert not torch.allclose(a[:, 4], b[:, 4])  # position 4 sees position 5: bidirectional inside the block
+    assert not torch.allclose(a[:, 8:], b[:, 8:])
+
+
+@pytest.mark.parametrize("family_name", ["llada", "dream"])
+def test_full_attention_models_see_everything(family_name):
+    model = tiny_model(family_name)
+    ids = torch.randint(4, 100, (1, 12))
+    changed = ids.clone()
+    changed[0, -1] = (ids[0, -1] + 1) % 100 + 4
+    diff = (model(ids).logits - model(changed).logits).abs().amax(-1)
+    assert bool((diff > 0).all())
+
+
+def test_key_padding_mask_matches_unpadded(family):
+    model = tiny_model(family)
+    ids = torch.randint(4, 100, (1, 10))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
+    mask = torch.cat([torch.zeros(1, 3), torch.ones(1, 10)], dim=1).long()
+    positions = trl_diffusion.states.positions_from_padding(mask)
+    out = model(padded, attention_mask=mask, position_ids=positions).logits[:, 3:]
+    torch.testing.assert_close(out, model(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_4d_mask_and_cache(family):
+    """A custom 4-D mask equals the default one; a read-only cache pass equals the full forward."""
+    model = tiny_model(family)
+    ids = torch.randint(4, 100, (1, 12))
+    positions = torch.arange(12)[None]
+    block = model.block_size
+    mask = trl_diffusion.states.attention_mask_from_positions(positions, positions, None, block)
+    full = model(ids, attention_mask=mask, position_ids=positions).logits
+    torch.testing.assert_close(full, model(ids).logits, rtol=1e-6, atol=1e-6)
+    if block is None:
+        return
+    cache = trl_diffusion.DiffusionCache()
+    model(ids[:, :8], position_ids=positions[:, :8], past_key_values=cache, store_kv=True)
+    tail = model(ids[:, 8:], position_ids=positions[:, 8:], past_key_values=cache).logits
+    assert cache.get_seq_length() == 8  # the read-only pass did not write
+    torch.testing.assert_close(tail, full[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_dream_logits_are_shifted_and_aligned():
+    model = tiny_model("dream")
+    assert model.logits_shift and not tiny_model("sdar").logits_shift and not tiny_model("llada").logits_shift
+    logits = torch.arange(6.0).view(1, 3, 2)
+    assert model.align_logits(logits)[0, 1].tolist() == [0.0, 1.0]
+
+
+def test_lora_default_targets_and_training_step(family):
+    model = tiny_model(family).train()
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8))
+    targets = {n.split(".lora_A")[0].split(".")[-1] for n, p in lora.named_parameters() if "lora_A" in n}
+    assert {"q_proj", "v_proj"} <= targets
+    ids = torch.randint(4, 100, (2, 8))
+    loss = lora(ids, labels=ids).loss
+    loss.backward()
+    assert all(p.grad is not None for n, p in lora.named_parameters() if p.requires_grad)
+
+
+def test_gradient_checkpointing_gives_same_gradients(family):
+    ids = torch.randint(4, 100, (2, 8))
+    grads = []
+    for checkpointing in (False, True):
+        model = tiny_model(family).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model(ids, labels=ids).loss.backward()
+        grads.append(model.get_input_embeddings().weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
+
+
+def test_bf16_forward_is_close_to_fp32(family):
+    model = tiny_model(family)
+    ids = torch.randint(4, 100, (1, 8))
+    ref = model(ids).logits
+    out = model.to(torch.bfloat16)(ids).logits
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - ref).abs().max() < 0.15 * ref.abs().max()
+
+
+def test_errors_are_clear(family, tmp_path):
+    model = tiny_model(family)
+    with pytest.raises(ValueError, match="attention_mask of shape"):
+        model(torch.randint(4, 100, (1, 8)), attention_mask=torch.ones(1, 1, 8, 5, dtype=torch.bool))
+    state = {k: v for k, v in model.state_dict().items() if "norm" not in k or "0" not in k}
+    state["model.unexpected.weight"] = torch.zeros(2)
+    model.config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="does not match"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="block_size"):
+        trl_diffusion.SDARConfig(block_size=0)
+    with pytest.raises(ValueError, match="not supported"):
+        tiny_model("llada", block_type="sequential")
+    model = tiny_model("sdar", mask_token_id=None)
+    with pytest.raises(ValueError, match="no mask token"):
+        _ = model.mask_token_id
+
+
+def test_tokenizer_check():
+    tokenizer = build_tokenizer()
+    check_tokenizer(tokenizer, tiny_model("sdar"))
+    with pytest.raises(ValueError, match="differs"):
+        check_tokenizer(tokenizer, tiny_model("sdar", mask_token_id=7))
+
+
+def test_auto_config_registration():
+    for model_type in ("sdar", "llada", "Dream"):
+        assert AutoConfig.for_model(model_type).model_type == model_type
