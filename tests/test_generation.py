@@ -134,7 +134,7 @@ def test_dynamic_commits_all_confident_and_at_least_quota(family):
     for step in range(int(steps.max()) + 1):
         state = state_before_step(out.sequences, out.unmask_step, generated, step, MASK_ID)
         logits = model.align_logits(model(state).logits)
-        probs = sampling_logits(logits, 0.0).softmax(-1).max(-1).values[0]
+        probs = sampling_logits(logits, 0.0, mask_token_id=MASK_ID).softmax(-1).max(-1).values[0]
         current = block_of[steps == step][0]
         masked_here = (state[0] == MASK_ID) & (block_of == current)
         confident = masked_here & (probs > threshold)
@@ -233,3 +233,13 @@ def test_dynamic_without_threshold_is_an_error():
     )
     with pytest.raises(ValueError, match="confidence_threshold"):
         settings.validate()
+
+
+def test_mask_token_is_never_generated(family):
+    model = tiny_model(family)
+    with torch.no_grad():  # make the mask token the most likely prediction everywhere
+        head = model.get_output_embeddings() or model.lm_head
+        head.weight[MASK_ID] = head.weight.abs().max() * 50 * torch.sign(model.get_input_embeddings().weight[5])
+    out = gen(model, torch.tensor([PROMPTS[0]]), None, temperature=1.0)
+    assert not bool((out.sequences == MASK_ID).any())
+    assert int((out.unmask_step >= 0).sum()) >= 12

@@ -46,7 +46,7 @@ def replay_logprobs(
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
         logits = model.align_logits(model(input_ids=state, attention_mask=mask, position_ids=positions).logits)
-        log_dist = sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+        log_dist = sampling_logits(logits, temperature, top_k, top_p, model.mask_token_id).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)

@@ -202,7 +202,8 @@ def diffusion_generate(
                 raw = forward(all_cols[:end] if block_causal else all_cols)
                 logits = raw[:, start - shift : end - shift]
             tokens, token_lp, log_dist = sample_tokens(
-                logits, settings.temperature, settings.top_k, settings.top_p, generator, settings.gumbel_float64
+                logits, settings.temperature, settings.top_k, settings.top_p, generator, settings.gumbel_float64,
+                mask_id,
             )
             if settings.schedule == "linspace":
                 # Dream computes the fraction in float32 from a float32 linspace; keep that for parity

@@ -17,11 +17,19 @@ REMASKING_STRATEGIES = (
 
 
 def sampling_logits(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    mask_token_id: int | None = None,
 ) -> torch.Tensor:
-    """Logits of the sampling distribution: divided by the temperature (0 means greedy and is scored at
-    temperature 1), then top-k and top-p filtered (filtered entries become -inf). Computed in fp32."""
+    """Logits of the sampling distribution: the mask token removed (a committed token is never a mask),
+    divided by the temperature (0 means greedy and is scored at temperature 1), then top-k and top-p filtered
+    (filtered entries become -inf). Computed in fp32."""
     logits = logits.float()
+    if mask_token_id is not None:
+        logits = logits.clone()
+        logits[..., mask_token_id] = float("-inf")
     if temperature and temperature != 1.0:
         logits = logits / temperature
     if top_k is not None and 0 < top_k < logits.shape[-1]:
@@ -45,6 +53,7 @@ def sample_tokens(
     top_p: float | None,
     generator: torch.Generator | None = None,
     gumbel_float64: bool = False,
+    mask_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per position. Returns ``(tokens, logprobs, log_distribution)``.
 
@@ -52,12 +61,12 @@ def sample_tokens(
     the behaviour policy). Temperature 0 takes the argmax (no division by zero). ``gumbel_float64`` draws with
     LLaDA's float64 Gumbel-max ``argmax(exp(l) / (-log u)^T)``, an exact sample of the same distribution.
     """
-    log_dist = sampling_logits(logits, temperature, top_k, top_p).log_softmax(-1)
+    log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).log_softmax(-1)
     if not temperature:
         tokens = log_dist.argmax(-1)
     elif gumbel_float64:
         # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
-        raw = sampling_logits(logits, temperature, top_k, top_p).double() * temperature
+        raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
         u = torch.rand(raw.shape, dtype=torch.float64, device=raw.device, generator=generator)
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
     else:
