@@ -313,3 +313,11 @@ def test_tokenizer_check():
 def test_auto_config_registration():
     for model_type in ("sdar", "llada", "Dream"):
         assert AutoConfig.for_model(model_type).model_type == model_type
+
+
+def test_trl_create_model_from_path(family, tmp_path):
+    """TRL loads policies and reference models by path through create_model_from_path (reads config.auto_map)."""
+    from trl.trainer.utils import create_model_from_path
+
+    tiny_model(family).save_pretrained(tmp_path)
+    assert type(create_model_from_path(str(tmp_path))) is type(tiny_model(family))

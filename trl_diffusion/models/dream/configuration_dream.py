@@ -43,3 +43,5 @@ class DreamConfig(PreTrainedConfig):
             raise ValueError("DreamConfig: rope_scaling is not supported (the released checkpoints use none).")
         kwargs.pop("rope_scaling", None)
         super().__post_init__(**kwargs)
+        if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
+            self.auto_map = {}

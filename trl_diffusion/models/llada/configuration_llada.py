@@ -67,6 +67,8 @@ class LLaDAConfig(PreTrainedConfig):
         if self.architectures is None:
             self.architectures = ["LLaDAModelLM"]
         super().__post_init__(**kwargs)
+        if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
+            self.auto_map = {}
 
     @property
     def effective_n_kv_heads(self) -> int:

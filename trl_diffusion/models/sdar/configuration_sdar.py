@@ -50,3 +50,5 @@ class SDARConfig(PreTrainedConfig):
         if self.attention_bias:
             raise ValueError("SDARConfig: attention_bias=True is not supported (released SDAR has no biases).")
         super().__post_init__(**kwargs)
+        if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
+            self.auto_map = {}
