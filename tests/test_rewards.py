@@ -1,0 +1,235 @@
+"""Tests for the reward functions (math, format, code) on small fixtures copied from the real datasets."""
+
+import json
+import pickle
+import threading
+from pathlib import Path
+
+import pytest
+
+from trl_diffusion.rewards import (
+    boxed_format_reward,
+    build_tests,
+    code_execution_reward,
+    completion_to_text,
+    extract_code,
+    extract_gold_answer,
+    last_boxed_content,
+    make_code_reward,
+    math_accuracy_reward,
+    think_format_reward,
+)
+from trl_diffusion.rewards.format_reward import ThinkFormatReward
+from trl_diffusion.rewards.math_reward import MathAccuracyReward
+
+FIXTURES = Path(__file__).parent / "fixtures" / "rewards"
+TRL_KWARGS = {
+    "prompts": ["p"],
+    "completion_ids": [[1, 2]],
+    "trainer_state": None,
+    "log_extra": lambda name, values: None,
+    "log_metric": lambda name, value: None,
+}
+
+
+def load(name):
+    with open(FIXTURES / name, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def as_chat(texts):
+    return [[{"role": "assistant", "content": t}] for t in texts]
+
+
+# ---------------------------------------------------------------------------------------------------- shared helpers
+
+
+def test_completion_to_text_shapes():
+    assert completion_to_text("plain") == "plain"
+    assert completion_to_text([{"role": "assistant", "content": "chat"}]) == "chat"
+    parts = [{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert completion_to_text(parts) == "ab"
+    assert completion_to_text([{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}]) == "x"
+    assert completion_to_text(None) == ""
+
+
+def test_last_boxed_content():
+    assert last_boxed_content(r"\boxed{1} then \boxed{\frac{1}{2}}") == r"\frac{1}{2}"
+    assert last_boxed_content(r"\boxed{\{1, 2\}}") == r"\{1, 2\}"
+    assert last_boxed_content(r"so \fbox{204}") == "204"
+    assert last_boxed_content(r"\boxed{3} and finally \boxed{4") is None  # the last box is unclosed
+    assert last_boxed_content("no box") is None
+
+
+# -------------------------------------------------------------------------------------------------------------- math
+
+
+def test_math500_solutions_match_answers():
+    rows = load("math500_sample.jsonl")
+    answers = [r["answer"] for r in rows]
+    assert math_accuracy_reward([r["solution"] for r in rows], answer=answers) == [1.0] * len(rows)
+    assert math_accuracy_reward(as_chat([r["solution"] for r in rows]), answer=answers, **{}) == [1.0] * len(rows)
+    # Gold taken from the solution column's last box when there is no answer column.
+    preds = [f"The answer is $\\boxed{{{a}}}$." for a in answers]
+    assert math_accuracy_reward(preds, solution=[r["solution"] for r in rows]) == [1.0] * len(rows)
+    # Shifted answers are wrong.
+    assert math_accuracy_reward(preds[1:] + preds[:1], answer=answers) == [0.0] * len(rows)
+
+
+def test_gsm8k_hash_gold():
+    rows = load("gsm8k_sample.jsonl")
+    golds = [r["answer"] for r in rows]
+    numbers = [g.rsplit("####", 1)[1].strip() for g in golds]
+    completions = [f"Step by step... so the total is \\boxed{{{n}}}." for n in numbers]
+    assert math_accuracy_reward(completions, answer=golds) == [1.0] * len(rows)
+    assert math_accuracy_reward(completions[1:] + completions[:1], answer=golds) == [0.0] * len(rows)
+    assert extract_gold_answer("a\n#### 1,234") == "1234"
+
+
+def test_aime_answers_and_unboxed_predictions():
+    rows = load("aime24_sample.jsonl")
+    answers = [r["answer"] for r in rows]
+    assert math_accuracy_reward([f"Thus \\boxed{{{a}}}" for a in answers], answer=answers) == [1.0] * len(rows)
+    # Without a box, math-verify extracts LaTeX / plain numbers from the text.
+    texts = ["The final answer is 18.", r"So $x = \frac12$.", "I don't know."]
+    assert math_accuracy_reward(texts, answer=["18", r"\frac{1}{2}", "3"]) == [1.0, 1.0, 0.0]
+
+
+def test_math_last_box_wins_and_missing_gold_is_none():
+    rewards = math_accuracy_reward(
+        [r"\boxed{3} no wait \boxed{4}", r"\boxed{4}", r"\boxed{4}"], answer=["4", "", None]
+    )
+    assert rewards == [1.0, None, None]
+    assert math_accuracy_reward([r"\boxed{3} no wait \boxed{4"], answer=["3"]) == [0.0]  # truncated last box
+
+
+def test_math_accepts_trl_kwargs_and_logs():
+    logged = {}
+    kwargs = dict(TRL_KWARGS, log_extra=lambda name, values: logged.setdefault(name, values))
+    assert math_accuracy_reward([r"\boxed{18}"], answer=["18"], **kwargs) == [1.0]
+    assert logged == {"math_gold": ["18"], "math_boxed_pred": ["18"]}
+
+
+def test_math_in_worker_thread():
+    """math-verify's signal-based timeout only works in the main thread; the reward must still work elsewhere."""
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("r", math_accuracy_reward([r"\boxed{2}"], answer=["2"])))
+    thread.start()
+    thread.join()
+    assert out["r"] == [1.0]
+
+
+def test_math_reward_pickles():
+    reward = pickle.loads(pickle.dumps(MathAccuracyReward(parsing_timeout=2)))
+    assert reward.__name__ == "math_accuracy_reward" and reward([r"\boxed{1}"], answer=["1"]) == [1.0]
+    assert math_accuracy_reward.__name__ == "math_accuracy_reward"
+
+
+# ------------------------------------------------------------------------------------------------------------ format
+
+
+def test_boxed_format_reward():
+    texts = [r"\boxed{1}", r"\boxed{1} and \boxed{2}", r"\boxed{}", r"\boxed{1", "none", r"\boxed{\frac{1}{2}}"]
+    assert boxed_format_reward(texts, **TRL_KWARGS) == [1.0, 1.0, 0.0, 0.0, 0.0, 1.0]
+    assert boxed_format_reward(as_chat([r"\boxed{1}"])) == [1.0]
+
+
+def test_think_format_reward():
+    texts = [
+        "<think>reasoning</think>answer",
+        "  <think>\nr\n</think>\n\\boxed{1}",
+        "<think>r</think>",  # no answer
+        "<think></think>answer",  # empty reasoning
+        "x <think>r</think>answer",  # text before <think>
+        "<think>a<think>b</think>answer",  # two opening tags
+        "answer only",
+    ]
+    assert think_format_reward(texts, **TRL_KWARGS) == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+    assert think_format_reward(as_chat(texts[:1])) == [1.0]
+    opened = ThinkFormatReward(prompt_opens_think=True)
+    assert opened(["reasoning</think>answer", "<think>r</think>a"]) == [1.0, 0.0]
+    assert pickle.loads(pickle.dumps(opened)).__name__ == "think_format_reward"
+
+
+# -------------------------------------------------------------------------------------------------------------- code
+
+
+def test_extract_code():
+    text = "Here:\n```python\ndef f():\n    return 1\n```\nand finally\n```python\ndef f():\n    return 2\n```\n"
+    assert extract_code(text) == "def f():\n    return 2\n"
+    assert extract_code("```\nx = 1\n```") == "x = 1\n"
+    assert extract_code("```python\nx = 1\n```\nOutput:\n```\n1\n```") == "x = 1\n"  # tagged block wins
+    assert extract_code("```js\nlet x;\n```") is None
+    assert extract_code("```python\nunterminated") is None
+    assert extract_code("no code") is None
+
+
+def test_build_tests():
+    assert build_tests(["assert f(1) == 1", " "]) == ["assert f(1) == 1"]
+    assert build_tests(test="def check(c):\n    pass", entry_point="f") == ["def check(c):\n    pass\n\ncheck(f)\n"]
+    assert build_tests() is None and build_tests([]) is None
+    # A JSON-encoded list must be decoded: run as-is it would be a list literal that always "passes".
+    assert build_tests('["assert f(1) == 2", "assert f(2) == 3"]') == ["assert f(1) == 2", "assert f(2) == 3"]
+    assert build_tests("assert f(1) == 2") == ["assert f(1) == 2"]
+    assert build_tests("[]") is None
+
+
+def _fenced(code):
+    return f"Solution:\n```python\n{code}\n```"
+
+
+def test_code_reward_correct_wrong_and_partial():
+    good = _fenced("def add(a, b):\n    return a + b")
+    half = _fenced("def add(a, b):\n    return a + b if a else 0")
+    tests = ["assert add(1, 2) == 3", "assert add(0, 5) == 5"]
+    rows = {"tests": [tests] * 5}
+    completions = [good, half, "no code at all", as_chat([good])[0], _fenced("syntax error(")]
+    assert code_execution_reward(completions, **rows, **{**TRL_KWARGS, "prompts": ["p"] * 5}) == [
+        1.0,
+        0.0,
+        0.0,
+        1.0,
+        0.0,
+    ]
+    partial = make_code_reward(timeout=10, partial_credit=True)
+    assert partial(completions, **rows) == [1.0, 0.5, 0.0, 1.0, 0.0]
+
+
+def test_code_reward_humaneval_style_and_missing_tests():
+    test = "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(3) == 9\n"
+    good, bad = _fenced("def square(x):\n    return x * x"), _fenced("def square(x):\n    return x + x")
+    rewards = code_execution_reward([good, bad, good], test=[test, test, None], entry_point=["square"] * 3)
+    assert rewards == [1.0, 0.0, None]
+
+
+def test_code_reward_factory_pickles_and_names():
+    reward = make_code_reward(timeout=3.0, memory_mb=256, partial_credit=True)
+    clone = pickle.loads(pickle.dumps(reward))
+    assert clone.__name__ == "code_execution_reward" and code_execution_reward.__name__ == "code_execution_reward"
+    assert clone.limits.timeout == 3.0 and clone.limits.memory_mb == 256 and clone.partial_credit
+    assert clone([_fenced("x = 1")], tests=[["assert x == 1"]]) == [1.0]
+
+
+def test_code_reward_runs_concurrently():
+    slow = _fenced("import time\ntime.sleep(0.5)\nok = True")
+    reward = make_code_reward(timeout=10, max_workers=4)
+    import time
+
+    start = time.monotonic()
+    assert reward([slow] * 4, tests=[["assert ok"]] * 4) == [1.0] * 4
+    assert time.monotonic() - start < 1.9  # serial would take >= 2 s
+
+
+@pytest.mark.parametrize(
+    "program",
+    ["while True:\n    pass", "import os\nos._exit(0)", "import sys\nsys.exit(0)", "raise SystemExit(0)"],
+    ids=["infinite-loop", "os-exit", "sys-exit", "system-exit"],
+)
+def test_code_reward_hostile_programs_score_zero(program):
+    reward = make_code_reward(timeout=1.0, partial_credit=True)
+    assert reward([_fenced(program)], tests=[["assert True", "assert True"]]) == [0.0]
+
+
+def test_code_reward_printed_fake_report_is_ignored():
+    fake = 'print("\\n" + "0" * 32 + \'{"passed": 1, "errors": []}\')\nimport os\nos._exit(0)'
+    assert make_code_reward(partial_credit=True)([_fenced(fake)], tests=[["assert True"]]) == [0.0]

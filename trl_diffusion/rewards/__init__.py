@@ -1,0 +1,38 @@
+"""Reward functions for GRPO-style training of diffusion language models, in TRL's reward-function format.
+
+Every reward has the signature ``fn(completions, **kwargs) -> list[float | None]``: ``completions`` are strings or
+chat-message lists, dataset columns arrive as keyword lists, and TRL's extra keywords (``prompts``,
+``completion_ids``, ``trainer_state``, ``log_extra``, ``log_metric``) are accepted. ``None`` marks a row that cannot
+be scored (no gold answer / no tests), which TRL excludes. See ``docs/rewards.md``.
+"""
+
+from .code_reward import CodeExecutionReward, build_tests, code_execution_reward, extract_code, make_code_reward
+from .format_reward import (
+    ThinkFormatReward,
+    boxed_format_reward,
+    completion_to_text,
+    last_boxed_content,
+    think_format_reward,
+)
+from .math_reward import MathAccuracyReward, extract_gold_answer, math_accuracy_reward
+from .sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
+
+__all__ = [
+    "CodeExecutionReward",
+    "MathAccuracyReward",
+    "SandboxLimits",
+    "SandboxResult",
+    "ThinkFormatReward",
+    "boxed_format_reward",
+    "build_tests",
+    "code_execution_reward",
+    "completion_to_text",
+    "extract_code",
+    "extract_gold_answer",
+    "isolation_report",
+    "last_boxed_content",
+    "make_code_reward",
+    "math_accuracy_reward",
+    "run_tests",
+    "think_format_reward",
+]

@@ -1,0 +1,174 @@
+"""Code execution reward: run the completion's last Python code block against the row's tests in the sandbox.
+
+Tests come from the dataset row in one of two shapes:
+
+* ``tests``: a list of assert statements (MBPP style), each counted as one test; a single string is one test;
+* ``test`` + ``entry_point``: a HumanEval-style ``test`` string that defines ``check(candidate)``; it is run as one
+  test, ``check(<entry_point>)``.
+
+Every run goes through :func:`trl_diffusion.rewards.sandbox.run_tests`, so a program that fails, crashes, times out
+or exceeds a limit scores 0.0; the reward function never raises for anything a completion does. Completions are run
+concurrently in a small thread pool (each run is its own process, so threads only wait on pipes).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .format_reward import completion_to_text
+from .sandbox import SandboxLimits, SandboxResult, run_tests
+
+__all__ = ["CodeExecutionReward", "build_tests", "code_execution_reward", "extract_code", "make_code_reward"]
+
+_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+_PYTHON_TAGS = {"python", "py", "python3"}
+
+
+def extract_code(text: str) -> str | None:
+    """Return the body of the last ```` ```python ```` block, else of the last untagged ```` ``` ```` block, else None.
+
+    Tagged blocks win so that a trailing untagged block (often sample output) is not mistaken for the solution.
+    Blocks in other languages are ignored and an unterminated block (a truncated completion) does not count.
+    """
+    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
+    for wanted in (lambda lang: lang in _PYTHON_TAGS, lambda lang: lang == ""):
+        chosen = [body for lang, body in blocks if wanted(lang)]
+        if chosen:
+            return chosen[-1]
+    return None
+
+
+def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) -> list[str] | None:
+    """Turn one row's test columns into a list of snippets for the sandbox; ``None`` if the row has no tests."""
+    if isinstance(tests, str):
+        decoded = _json_list(tests)
+        tests = decoded if decoded is not None else [tests]
+    if tests is not None:
+        snippets = [str(t) for t in tests]
+        snippets = [t for t in snippets if t.strip()]
+        return snippets or None
+    if isinstance(test, str) and test.strip():
+        return [f"{test}\n\ncheck({entry_point})\n" if entry_point else test]
+    return None
+
+
+def _json_list(text: str) -> list[str] | None:
+    """Decode a JSON-encoded list of test strings (some datasets store them so); ``None`` if it is not one.
+
+    Without this, such a column would be executed as a harmless list literal and "pass" without running any test.
+    """
+    import json
+
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+
+
+class CodeExecutionReward:
+    """Callable reward: fraction of tests passed (``partial_credit=True``) or 1.0 only if all pass (default).
+
+    Rows without tests get ``None`` (TRL leaves them out); completions without a code block get 0.0. A callable
+    class (not a closure) so it pickles for multi-process rollouts.
+    """
+
+    def __init__(
+        self,
+        timeout: float = 10.0,
+        memory_mb: int = 1024,
+        partial_credit: bool = False,
+        max_workers: int = 4,
+        max_processes: int = 32,
+        max_output_bytes: int = 1_000_000,
+        python: str | None = None,
+        name: str = "code_execution_reward",
+    ) -> None:
+        self.limits = SandboxLimits(
+            timeout=timeout, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
+        )
+        self.partial_credit = partial_credit
+        self.max_workers = max(1, max_workers)
+        self.python = python
+        self.__name__ = name
+
+    def __call__(
+        self,
+        completions: list[Any],
+        tests: list[Any] | None = None,
+        test: list[Any] | None = None,
+        entry_point: list[Any] | None = None,
+        log_metric: Callable[[str, float], None] | None = None,
+        **kwargs: Any,
+    ) -> list[float | None]:
+        n = len(completions)
+        rows = zip(
+            tests if tests is not None else [None] * n,
+            test if test is not None else [None] * n,
+            entry_point if entry_point is not None else [None] * n,
+        )
+        jobs = [(extract_code(completion_to_text(c)), build_tests(*row)) for c, row in zip(completions, rows)]
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
+            results = list(pool.map(lambda job: self._run(*job), jobs))
+        if log_metric is not None and n:
+            for status in ("timeout", "sandbox_error"):
+                log_metric(
+                    f"code_execution/{status}_frac", sum(r is not None and r.status == status for r in results) / n
+                )
+        return [self._reward(r, job[1]) for r, job in zip(results, jobs)]
+
+    def _run(self, code: str | None, snippets: list[str] | None) -> SandboxResult | None:
+        if snippets is None or code is None:
+            return None
+        return run_tests(code, snippets, self.limits, self.python)
+
+    def _reward(self, result: SandboxResult | None, snippets: list[str] | None) -> float | None:
+        if snippets is None:
+            return None
+        if result is None:
+            return 0.0
+        return result.fraction if self.partial_credit else float(result.all_passed)
+
+
+def make_code_reward(
+    timeout: float = 10.0,
+    memory_mb: int = 1024,
+    partial_credit: bool = False,
+    max_workers: int = 4,
+    max_processes: int = 32,
+    max_output_bytes: int = 1_000_000,
+    python: str | None = None,
+    name: str = "code_execution_reward",
+) -> CodeExecutionReward:
+    """Build a configured, picklable code execution reward (see :class:`CodeExecutionReward`).
+
+    Args:
+        timeout: wall-clock seconds per completion (program plus all its tests).
+        memory_mb: address-space limit per sandbox process, in MiB.
+        partial_credit: reward the fraction of tests passed instead of 1.0 only when all pass.
+        max_workers: completions run concurrently (each in its own sandbox process).
+        max_processes: process/thread limit inside the sandbox (contains fork bombs).
+        max_output_bytes: stdout+stderr cap; a program printing more scores 0.0.
+        python: interpreter for the sandbox (default: the current one).
+        name: ``__name__`` shown in TRL logs; give distinct names to several configured copies.
+    """
+    return CodeExecutionReward(
+        timeout, memory_mb, partial_credit, max_workers, max_processes, max_output_bytes, python, name
+    )
+
+
+_DEFAULT = CodeExecutionReward()
+
+
+def code_execution_reward(
+    completions: list[Any],
+    tests: list[Any] | None = None,
+    test: list[Any] | None = None,
+    entry_point: list[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """Code execution reward with the default limits (10 s, 1 GiB, all-or-nothing); see :func:`make_code_reward`."""
+    return _DEFAULT(completions, tests=tests, test=test, entry_point=entry_point, **kwargs)
