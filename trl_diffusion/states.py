@@ -153,40 +153,58 @@ class CanvasLayout:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def noisy_clean_attention_mask(positions: torch.Tensor, valid: torch.Tensor, block_size: int) -> torch.Tensor:
-    """BD3-LM mask ``[B, 1, 2L, 2L]`` for the ``[x_t | x_0]`` layout (True = may attend).
+def noisy_clean_attention_mask(
+    positions: torch.Tensor, valid: torch.Tensor, block_size: int, noisy_start: int = 0
+) -> torch.Tensor:
+    """BD3-LM mask for the ``[x_t | x_0]`` layout (True = may attend), ``[B, 1, N + L, N + L]``.
 
-    Blocks are aligned from each row's position 0, as the block-causal sampler aligns them. A noisy query sees
-    the noisy keys of its own block and the clean keys of strictly earlier blocks; a clean query sees clean keys
-    of its own and earlier blocks (block-causal); clean queries never see noisy keys. ``valid`` ``[B, L]`` hides
-    padding keys in both halves; a query left with no visible key is opened to every key (its output is unused).
+    ``positions`` / ``valid`` ``[B, L]`` describe the clean row; the noisy copy covers its columns
+    ``noisy_start:`` (``N = L - noisy_start``; noisy copies of leading blocks with nothing to score can be left
+    out, since nothing attends to them). Blocks are aligned from each row's position 0, as the block-causal
+    sampler aligns them. A noisy query sees the noisy keys of its own block and the clean keys of strictly earlier
+    blocks; a clean query sees clean keys of its own and earlier blocks (block-causal); clean queries never see
+    noisy keys. Padding keys are hidden in both halves; a query left with no visible key is opened to every key
+    (its output is unused).
     """
     block = block_index(positions, block_size)
-    q_block, k_block = block[:, :, None], block[:, None, :]
-    same_block = k_block == q_block
-    earlier = k_block < q_block
-    noisy_to_noisy = same_block
-    noisy_to_clean = earlier
-    clean_to_noisy = torch.zeros_like(same_block)
-    clean_to_clean = same_block | earlier
+    noisy_block = block[:, noisy_start:]
+    noisy_to_noisy = noisy_block[:, None, :] == noisy_block[:, :, None]
+    noisy_to_clean = block[:, None, :] < noisy_block[:, :, None]
+    clean_to_noisy = torch.zeros(block.shape[0], block.shape[1], noisy_block.shape[1], dtype=torch.bool,
+                                 device=block.device)
+    clean_to_clean = block[:, None, :] <= block[:, :, None]
     top = torch.cat([noisy_to_noisy, noisy_to_clean], dim=-1)
     bottom = torch.cat([clean_to_noisy, clean_to_clean], dim=-1)
-    key_valid = torch.cat([valid, valid], dim=-1).bool()
+    key_valid = torch.cat([valid[:, noisy_start:], valid], dim=-1).bool()
     mask = torch.cat([top, bottom], dim=-2) & key_valid[:, None, :]
     mask = mask | ~mask.any(dim=-1, keepdim=True)
     return mask[:, None]
 
 
 def noisy_clean_layout(
-    noisy_ids: torch.Tensor, clean_ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, block_size: int
+    noisy_ids: torch.Tensor,
+    clean_ids: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    noisy_start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[x_t | x_0]`` in one row: ``(input_ids [B, 2L], position_ids [B, 2L], attention_mask [B, 1, 2L, 2L])``.
+    """``[x_t[noisy_start:] | x_0]`` in one row: ``(input_ids, position_ids, attention_mask)``.
 
-    Both halves carry the same position ids, so the noisy copy of a block is placed exactly where the sampler
-    denoises it, with every earlier block clean (see ``noisy_clean_attention_mask``)."""
-    ids = torch.cat([noisy_ids, clean_ids], dim=-1)
-    pos = torch.cat([positions, positions], dim=-1)
-    return ids, pos, noisy_clean_attention_mask(positions, valid, block_size)
+    Both halves carry the clean row's position ids, so the noisy copy of a block is placed exactly where the
+    sampler denoises it, with every earlier block clean (see ``noisy_clean_attention_mask``)."""
+    ids = torch.cat([noisy_ids[:, noisy_start:], clean_ids], dim=-1)
+    pos = torch.cat([positions[:, noisy_start:], positions], dim=-1)
+    return ids, pos, noisy_clean_attention_mask(positions, valid, block_size, noisy_start)
+
+
+def first_block_start(scored: torch.Tensor, positions: torch.Tensor, block_size: int) -> int:
+    """The first column of the earliest block (over the batch) holding a ``scored`` position: the noisy copy of
+    the ``[x_t | x_0]`` layout can start there. Returns the row length when nothing is scored."""
+    length = scored.shape[-1]
+    cols = torch.arange(length, device=scored.device).expand_as(scored)
+    starts = cols - positions % block_size
+    return int(torch.where(scored, starts, length).min()) if length else 0
 
 
 def blocks_from_prompt_end(completion: torch.Tensor, block_length: int) -> torch.Tensor:

@@ -1,0 +1,140 @@
+"""Train a ~1M-parameter SDAR or LLaDA from scratch on 2-digit addition / subtraction with DiffusionSFTTrainer,
+then measure greedy exact match on held-out problems with ``model.generate``. Prints one JSON record.
+
+    nice python scripts/train_arithmetic.py --family sdar  --output_dir runs/sdar
+    nice python scripts/train_arithmetic.py --family llada --output_dir runs/llada --max_steps 600
+
+Every ``DiffusionSFTConfig`` / ``SFTConfig`` flag works too (``--learning_rate``, ``--per_device_train_batch_size``,
+``--diffusion_objective``, ...). Defaults follow the calibration that reaches >= 90% in about 10 CPU minutes:
+AdamW lr 1e-3, grad-norm clipping 1.0, batch 128, t ~ U(eps, 1) masking with 1/t weights. ``--time_budget_s``
+stops training early (the run still evaluates), so a run fits its slot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import TrainerCallback
+from trl import TrlParser
+
+from trl_diffusion.data import evaluate_accuracy, make_problems, to_dataset
+from trl_diffusion.models import LLaDAModelLM, SDARForCausalLM
+from trl_diffusion.testing import build_tokenizer, tiny_llada_config, tiny_sdar_config
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+
+MAX_NEW_TOKENS = 16
+
+
+@dataclass
+class ArithmeticArguments:
+    family: str = field(default="sdar", metadata={"help": "Model family: 'sdar' (block) or 'llada' (full).",
+                                                  "choices": ["sdar", "llada"]})
+    digits: int = field(default=2, metadata={"help": "Operands have up to this many digits."})
+    num_train: int = field(default=12000, metadata={"help": "Training problems."})
+    num_test: int = field(default=500, metadata={"help": "Held-out problems (disjoint from training)."})
+    hidden_size: int = field(default=128, metadata={"help": "Model width."})
+    num_layers: int = field(default=4, metadata={"help": "Transformer layers."})
+    time_budget_s: float = field(default=780.0, metadata={"help": "Stop training after this many seconds."})
+    eval_batch_size: int = field(default=100, metadata={"help": "Prompts per generate() call at evaluation."})
+
+
+def build_model(family: str, hidden: int, layers: int, seed: int):
+    """A fresh model (standard init) of about 1M parameters for hidden=128, layers=4."""
+    torch.manual_seed(seed)
+    if family == "sdar":
+        config = tiny_sdar_config(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
+                                  max_position_embeddings=128)
+        return SDARForCausalLM(config)
+    config = tiny_llada_config(d_model=hidden, n_heads=4, n_kv_heads=4, n_layers=layers,
+                               mlp_hidden_size=3 * hidden, max_sequence_length=128)
+    return LLaDAModelLM(config)
+
+
+class TimeBudget(TrainerCallback):
+    """Stop training once ``seconds`` have passed (checked after every optimizer step)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.start = time.perf_counter()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if time.perf_counter() - self.start > self.seconds:
+            control.should_training_stop = True
+        return control
+
+
+def _chat(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def make_parser() -> TrlParser:
+    parser = TrlParser((ArithmeticArguments, DiffusionSFTConfig))
+    parser.set_defaults(
+        output_dir="runs/arithmetic", max_steps=1000, per_device_train_batch_size=128, learning_rate=1e-3,
+        max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=50, weight_decay=0.0,
+        logging_steps=25, save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
+        max_length=64, seed=0, disable_tqdm=True, dataloader_drop_last=True,
+    )
+    return parser
+
+
+def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
+    start = time.perf_counter()
+    tokenizer = build_tokenizer()
+    train, test = make_problems(script_args.num_train, script_args.num_test, digits=script_args.digits,
+                                seed=args.seed)
+    if script_args.family == "llada" and not args.pad_to_length_with_eos:
+        # LLaDA SFT recipe: answers padded with trained-on EOS, so the model learns to fill a fixed canvas.
+        longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt), add_special_tokens=False))
+                             for p in train + test)
+        args.pad_to_length_with_eos = True
+        args.max_length = longest_prompt + MAX_NEW_TOKENS
+    model = build_model(script_args.family, script_args.hidden_size, script_args.num_layers, args.seed)
+    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=to_dataset(train), processing_class=tokenizer,
+                                  callbacks=[TimeBudget(script_args.time_budget_s)])
+    train_start = time.perf_counter()
+    trainer.train()
+    train_seconds = time.perf_counter() - train_start
+    eval_start = time.perf_counter()
+    model.eval()
+    accuracy = evaluate_accuracy(model, tokenizer, test, batch_size=script_args.eval_batch_size,
+                                 max_new_tokens=MAX_NEW_TOKENS)
+    eval_seconds = time.perf_counter() - eval_start
+    losses = [(h["step"], round(h["loss"], 4)) for h in trainer.state.log_history if "loss" in h]
+    result = {
+        "family": script_args.family,
+        "objective": trainer.objective,
+        "accuracy": accuracy,
+        "num_test": len(test),
+        "steps": trainer.state.global_step,
+        "train_wall_s": round(train_seconds, 1),
+        "eval_wall_s": round(eval_seconds, 1),
+        "total_wall_s": round(time.perf_counter() - start, 1),
+        "num_parameters": sum(p.numel() for p in model.parameters()),
+        "final_loss": losses[-1][1] if losses else math.nan,
+        "loss_trajectory": losses,
+        "seed": args.seed,
+        "learning_rate": args.learning_rate,
+        "batch_size": args.per_device_train_batch_size * args.gradient_accumulation_steps,
+    }
+    os.makedirs(args.output_dir, exist_ok=True)
+    trainer.save_model(args.output_dir)
+    with open(os.path.join(args.output_dir, "results.json"), "w") as handle:
+        json.dump(result, handle, indent=1)
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    script_args, training_args = make_parser().parse_args_and_config()
+    main(script_args, training_args)

@@ -1,0 +1,21 @@
+"""Datasets: the synthetic arithmetic task (and, beside it, benchmark loaders)."""
+
+from .arithmetic import (
+    ArithmeticProblem,
+    evaluate_accuracy,
+    extract_boxed,
+    generate_completions,
+    make_problems,
+    score_completion,
+    to_dataset,
+)
+
+__all__ = [
+    "ArithmeticProblem",
+    "evaluate_accuracy",
+    "extract_boxed",
+    "generate_completions",
+    "make_problems",
+    "score_completion",
+    "to_dataset",
+]

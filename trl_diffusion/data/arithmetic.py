@@ -1,0 +1,168 @@
+"""A synthetic arithmetic task small enough to learn from scratch on a CPU: "What is 47+35?" -> "\\boxed{82}".
+
+Problems are seeded, train and held-out sets are disjoint, datasets come in TRL's formats, and
+``evaluate_accuracy`` measures greedy exact match with ``model.generate`` (used by tests, examples and
+benchmarks).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+import torch
+from datasets import Dataset
+
+DATASET_FORMATS = ("conversational", "prompt_completion", "text")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
+
+
+@dataclass(frozen=True)
+class ArithmeticProblem:
+    """``a op b`` with ``op`` in ``+`` / ``-``."""
+
+    a: int
+    b: int
+    op: str
+
+    @property
+    def answer(self) -> int:
+        return self.a + self.b if self.op == "+" else self.a - self.b
+
+    @property
+    def prompt(self) -> str:
+        return f"What is {self.a}{self.op}{self.b}?"
+
+    @property
+    def completion(self) -> str:
+        return f"\\boxed{{{self.answer}}}"
+
+
+def _sample(rng: random.Random, digits: int, ops: tuple[str, ...], allow_negative: bool) -> ArithmeticProblem:
+    high = 10**digits - 1
+    a, b, op = rng.randint(0, high), rng.randint(0, high), rng.choice(ops)
+    if op == "-" and not allow_negative and b > a:
+        a, b = b, a
+    return ArithmeticProblem(a, b, op)
+
+
+def make_problems(
+    num_train: int,
+    num_test: int,
+    digits: int = 2,
+    ops: tuple[str, ...] = ("+", "-"),
+    seed: int = 0,
+    allow_negative: bool = False,
+) -> tuple[list[ArithmeticProblem], list[ArithmeticProblem]]:
+    """Disjoint, duplicate-free train and held-out problems with operands of up to ``digits`` digits.
+
+    Seeded: the same arguments give the same problems. Subtraction keeps results non-negative unless
+    ``allow_negative``. Raises if the problem space is too small for the requested counts.
+    """
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}.")
+    if not ops or any(op not in "+-" for op in ops):
+        raise ValueError(f"ops must be a non-empty subset of ('+', '-'), got {ops}.")
+    n = 10**digits
+    space = n * n * ("+" in ops) + (n * n if allow_negative else n * (n + 1) // 2) * ("-" in ops)
+    if num_train + num_test > space:
+        raise ValueError(f"only {space} distinct problems exist with {digits} digit(s) and ops {ops}; "
+                         f"asked for {num_train + num_test}.")
+    rng = random.Random(seed)
+    seen: set[ArithmeticProblem] = set()
+    problems: list[ArithmeticProblem] = []
+    while len(problems) < num_train + num_test:
+        problem = _sample(rng, digits, tuple(ops), allow_negative)
+        if problem not in seen:
+            seen.add(problem)
+            problems.append(problem)
+    return problems[num_test:], problems[:num_test]
+
+
+def to_dataset(problems: list[ArithmeticProblem], dataset_format: str = "conversational") -> Dataset:
+    """A ``datasets.Dataset`` in one of TRL's formats, plus ``answer`` (str) and ``solution`` (the boxed answer,
+    what ``trl.rewards.accuracy_reward`` reads):
+
+    * ``conversational``: ``prompt`` = [user message], ``completion`` = [assistant message];
+    * ``prompt_completion``: plain-text ``prompt`` (ending in a newline) and ``completion``;
+    * ``text``: one ``text`` column (language modelling).
+    """
+    if dataset_format not in DATASET_FORMATS:
+        raise ValueError(f"dataset_format must be one of {DATASET_FORMATS}, got {dataset_format!r}.")
+    rows = []
+    for p in problems:
+        extra = {"answer": str(p.answer), "solution": p.completion}
+        if dataset_format == "conversational":
+            rows.append({"prompt": [{"role": "user", "content": p.prompt}],
+                         "completion": [{"role": "assistant", "content": p.completion}], **extra})
+        elif dataset_format == "prompt_completion":
+            rows.append({"prompt": p.prompt + "\n", "completion": p.completion, **extra})
+        else:
+            rows.append({"text": f"{p.prompt}\n{p.completion}", **extra})
+    return Dataset.from_list(rows)
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` in ``text`` (stripped), or None."""
+    found = _BOXED.findall(text)
+    return found[-1].strip() if found else None
+
+
+def score_completion(completion: str | list[dict], answer: int | str) -> bool:
+    """Exact match: the last ``\\boxed{...}`` of the completion equals the answer (as a string). Accepts a plain
+    string or a conversational completion (the last message's content)."""
+    if isinstance(completion, list):
+        completion = completion[-1]["content"] if completion else ""
+    return extract_boxed(completion) == str(answer).strip()
+
+
+def _completion_text(tokenizer, ids: torch.Tensor) -> str:
+    """Decode up to the first special token (EOS, end of turn, padding, mask)."""
+    special = set(tokenizer.all_special_ids)
+    tokens = ids.tolist()
+    end = next((i for i, t in enumerate(tokens) if t in special), len(tokens))
+    return tokenizer.decode(tokens[:end])
+
+
+def _chat_prompt(tokenizer, prompt: str) -> str:
+    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+@torch.no_grad()
+def generate_completions(model, tokenizer, prompts: list[str], batch_size: int = 64, **generate_kwargs) -> list[str]:
+    """Greedy completions of chat-formatted ``prompts`` with ``model.generate`` (left-padded batches)."""
+    block = model.block_size or 16
+    settings = {"max_new_tokens": 16, "block_length": block, "denoising_steps": block,
+                "remasking_strategy": "low_confidence_static", "temperature": 0.0, **generate_kwargs}
+    padding_side = tokenizer.padding_side
+    tokenizer.padding_side = "left"
+    device = next(model.parameters()).device
+    texts = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            chunk = [_chat_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
+            out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], **settings)
+            width = enc["input_ids"].shape[1]
+            texts.extend(_completion_text(tokenizer, row[width:]) for row in out)
+    finally:
+        tokenizer.padding_side = padding_side
+    return texts
+
+
+def evaluate_accuracy(model, tokenizer, problems: list[ArithmeticProblem], batch_size: int = 64,
+                      **generate_kwargs) -> float:
+    """Fraction of ``problems`` whose greedy completion (chat template, left padding, ``model.generate`` at
+    temperature 0) boxes exactly the right answer. ``generate_kwargs`` override the defaults
+    (16 new tokens, block length = model block size or 16, one token per denoising step)."""
+    if not problems:
+        raise ValueError("no problems to evaluate.")
+    was_training = model.training
+    model.eval()
+    try:
+        texts = generate_completions(model, tokenizer, [p.prompt for p in problems], batch_size, **generate_kwargs)
+    finally:
+        model.train(was_training)
+    return sum(score_completion(t, p.answer) for t, p in zip(texts, problems)) / len(problems)

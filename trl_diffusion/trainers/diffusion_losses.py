@@ -1,0 +1,329 @@
+"""Diffusion SFT objectives as pure functions.
+
+Each objective turns a batch of clean rows (``input_ids``, ``labels`` with -100 on prompt and padding,
+``valid`` = the 2-D padding mask) into a ``ScoringBatch``: the rows the model reads (noisy copies, layouts),
+their position ids and boolean attention mask, and per-position targets and loss weights. ``diffusion_loss``
+then scores the targets with one forward and returns ``sum(weight * NLL) / normaliser``.
+
+Randomness comes only from the per-sample ``torch.Generator`` list passed in (one per row, see
+``sample_generators``), and every sample draws only as many numbers as it has real tokens, so a sample gets the
+same noise whatever batch it lands in (gradient accumulation 1 x 4 equals 4 x 1) and a slow reference
+computation fed the same generators sees the same masks.
+
+Only ``labels != -100`` positions (the completion, or assistant turns) are ever masked or scored; the prompt is
+always clean context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..generation.sampling import sampling_logits
+from ..states import (
+    attention_mask_from_positions,
+    blocks_from_prompt_end,
+    first_block_start,
+    merge_steps,
+    noisy_clean_layout,
+    positions_from_padding,
+    state_before_step,
+)
+
+OBJECTIVES = ("block", "random_masking", "semi_ar", "complementary", "trajectory")
+LOSS_WEIGHTINGS = ("elbo", "none")
+IGNORE_INDEX = -100
+
+
+@dataclass
+class ScoringBatch:
+    """What one forward scores. ``targets`` are position-aligned (-100 = not scored); ``weights`` are 0 there."""
+
+    input_ids: torch.LongTensor
+    position_ids: torch.LongTensor
+    attention_mask: torch.Tensor | None
+    targets: torch.LongTensor
+    weights: torch.Tensor
+
+
+@dataclass
+class TokenScores:
+    """Per-position log-probability of the target, entropy of the prediction and whether the target is the
+    argmax; all zero where ``scored`` is False."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    is_top1: torch.Tensor
+    scored: torch.Tensor
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Noise
+# ------------------------------------------------------------------------------------------------------------
+
+
+def sample_seed(base_seed: int, epoch: int, sample_index: int) -> int:
+    """A seed that depends only on (run seed, epoch, sample): the same sample gets the same noise however the
+    batch is split, and fresh noise every epoch."""
+    return (((base_seed * 1_000_003) + epoch) * 1_000_000_007 + sample_index) % (2**63 - 1)
+
+
+def sample_generators(sample_indices: list[int], base_seed: int, epoch: int) -> list[torch.Generator]:
+    """One CPU generator per row, seeded by ``sample_seed``."""
+    return [torch.Generator().manual_seed(sample_seed(base_seed, epoch, int(i))) for i in sample_indices]
+
+
+def mask_ratio(u: torch.Tensor, eps: float, high: float = 1.0) -> torch.Tensor:
+    """Mask probability ``eps + (high - eps) * u`` for ``u ~ U(0, 1)`` (LLaDA / SDAR: ``(1 - eps) t + eps``)."""
+    return eps + (high - eps) * u
+
+
+def draw_noise(generator: torch.Generator, num_ratios: int, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``num_ratios`` uniforms, then one uniform per real token of the row (``valid`` ``[L]``), in order;
+    padding gets 1.0 (never masked). The draws do not depend on how much padding the batch adds."""
+    valid = valid.bool().cpu()
+    ratios = torch.rand(num_ratios, generator=generator)
+    uniforms = torch.ones(valid.shape[-1])
+    uniforms[valid] = torch.rand(int(valid.sum()), generator=generator)
+    return ratios, uniforms
+
+
+def _weights(masked: torch.Tensor, ratio: torch.Tensor, weighting: str) -> torch.Tensor:
+    """``1 / ratio`` (ELBO) or 1 on masked positions, 0 elsewhere."""
+    if weighting not in LOSS_WEIGHTINGS:
+        raise ValueError(f"unknown loss_weighting {weighting!r}; choose one of {LOSS_WEIGHTINGS}.")
+    scale = 1.0 / ratio if weighting == "elbo" else torch.ones_like(ratio)
+    return masked.float() * scale
+
+
+def _check_generators(generators: list[torch.Generator], batch: int) -> None:
+    if len(generators) != batch:
+        raise ValueError(f"need one generator per row: got {len(generators)} for {batch} rows.")
+
+
+def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> torch.Tensor | None:
+    """Block-causal (``block_size``) or full attention over the row, padding keys hidden; None when that is
+    the model's own default (full attention, nothing padded)."""
+    if block_size is None and bool(valid.all()):
+        return None
+    return attention_mask_from_positions(positions, positions, valid, block_size)
+
+
+def _random_mask(input_ids, labels, valid, generators, eps, high=1.0):
+    """Per-sample ratio p and a Bernoulli(p) mask over the completion positions."""
+    _check_generators(generators, input_ids.shape[0])
+    completion = labels != IGNORE_INDEX
+    ratios, uniforms = zip(*(draw_noise(g, 1, v) for g, v in zip(generators, valid)))
+    ratio = mask_ratio(torch.cat(ratios), eps, high).to(input_ids.device)
+    uniforms = torch.stack(uniforms).to(input_ids.device)
+    masked = completion & (uniforms < ratio[:, None])
+    return masked, ratio
+
+
+def _masked_targets(input_ids: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    return torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
+
+
+def _rows(noisy, clean, masked, weights, valid, block_size) -> ScoringBatch:
+    """Rows scored as they stand (full attention), or as ``[x_t | x_0]`` for block models; the noisy copy starts at
+    the first block with a masked token (earlier noisy blocks would be scored by nobody and seen by nobody)."""
+    positions = positions_from_padding(valid)
+    targets = _masked_targets(clean, masked)
+    if block_size is None:
+        return ScoringBatch(noisy, positions, _attention(positions, valid, None), targets, weights)
+    start = min(first_block_start(masked, positions, block_size), clean.shape[-1] - 1)
+    ids, pos, mask = noisy_clean_layout(noisy, clean, positions, valid, block_size, start)
+    ignore = torch.full_like(targets, IGNORE_INDEX)
+    targets = torch.cat([targets[:, start:], ignore], -1)
+    return ScoringBatch(ids, pos, mask, targets, torch.cat([weights[:, start:], weights * 0], -1))
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Objectives
+# ------------------------------------------------------------------------------------------------------------
+
+
+def block_objective(
+    input_ids, labels, valid, mask_token_id: int, block_size: int, generators, eps: float = 1e-3,
+    weighting: str = "elbo",
+) -> ScoringBatch:
+    """SDAR / BD3-LM: ``[x_t | x_0]`` in one forward. Per sample ``t ~ U(eps, 1)``, each completion token
+    masked with probability t; the noisy copy of a block sees itself and the clean earlier blocks."""
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps)
+    noisy = input_ids.masked_fill(masked, mask_token_id)
+    return _rows(noisy, input_ids, masked, _weights(masked, ratio[:, None], weighting), valid, block_size)
+
+
+def random_masking_objective(
+    input_ids, labels, valid, mask_token_id: int, generators, eps: float = 1e-3, weighting: str = "elbo"
+) -> ScoringBatch:
+    """LLaDA / Dream masked-diffusion ELBO: per sample ``t ~ U(eps, 1)``, mask completion tokens with
+    probability t, score the masked ones (weight 1/t) under full attention."""
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps)
+    noisy = input_ids.masked_fill(masked, mask_token_id)
+    return _rows(noisy, input_ids, masked, _weights(masked, ratio[:, None], weighting), valid, None)
+
+
+def complementary_objective(
+    input_ids, labels, valid, mask_token_id: int, generators, block_size: int | None = None, eps: float = 1e-3,
+    weighting: str = "elbo",
+) -> ScoringBatch:
+    """Coupled masks (DiffuCoder): a mask M with ratio ``t ~ U(eps, 1 - eps)`` and its complement over the
+    completion, as two rows per sample, so every completion token is scored exactly once per pair. ELBO
+    weights ``1 / (2t)`` and ``1 / (2(1 - t))`` average the two unbiased estimates."""
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high=1.0 - eps)
+    complement = (labels != IGNORE_INDEX) & ~masked
+    w1 = _weights(masked, ratio[:, None], weighting)
+    w2 = _weights(complement, 1.0 - ratio[:, None], weighting)
+    if weighting == "elbo":
+        w1, w2 = w1 / 2, w2 / 2
+    pair = torch.stack([masked, complement], 1).flatten(0, 1)
+    weights = torch.stack([w1, w2], 1).flatten(0, 1)
+    clean = input_ids.repeat_interleave(2, 0)
+    noisy = clean.masked_fill(pair, mask_token_id)
+    return _rows(noisy, clean, pair, weights, valid.repeat_interleave(2, 0), block_size)
+
+
+def semi_ar_objective(
+    input_ids, labels, valid, mask_token_id: int, block_length: int, generators, eps: float = 1e-3,
+    weighting: str = "elbo",
+) -> ScoringBatch:
+    """Semi-autoregressive SFT for full-attention models: blocks of ``block_length`` from the end of the prompt;
+    one row per (sample, block b): blocks before b clean, block b masked with its own ``t_b ~ U(eps, 1)``
+    (scored, weight 1/t_b), blocks after b fully masked (not scored)."""
+    batch = input_ids.shape[0]
+    _check_generators(generators, batch)
+    completion = labels != IGNORE_INDEX
+    block = blocks_from_prompt_end(completion, block_length)
+    rows_ids, rows_masked, rows_weights, rows_valid, rows_clean = [], [], [], [], []
+    for row in range(batch):
+        n_blocks = int(block[row].max()) + 1
+        ratios, uniforms = draw_noise(generators[row], n_blocks, valid[row])
+        ratios = mask_ratio(ratios, eps).to(input_ids.device)
+        uniforms = uniforms.to(input_ids.device)
+        for b in range(max(n_blocks, 1)):
+            if n_blocks == 0:  # nothing to score: one clean row keeps the batch non-empty
+                masked = torch.zeros_like(completion[row])
+                hidden, weight = masked, masked.float()
+            else:
+                masked = completion[row] & (block[row] == b) & (uniforms < ratios[b])
+                hidden = masked | (completion[row] & (block[row] > b))
+                weight = _weights(masked, ratios[b], weighting)
+            rows_ids.append(input_ids[row].masked_fill(hidden, mask_token_id))
+            rows_masked.append(masked)
+            rows_weights.append(weight)
+            rows_valid.append(valid[row])
+            rows_clean.append(input_ids[row])
+    stack = torch.stack
+    return _rows(stack(rows_ids), stack(rows_clean), stack(rows_masked), stack(rows_weights), stack(rows_valid), None)
+
+
+def trajectory_objective(
+    input_ids, labels, valid, unmask_step, mask_token_id: int, block_size: int | None = None, shrinkage: int = 1
+) -> ScoringBatch:
+    """Train on the states a recorded rollout actually visited: for every (merged) denoising step s of a row,
+    one row holding the state before s (``states.state_before_step``), scoring the tokens committed at s.
+    ``unmask_step`` ``[B, L]`` is the sampler's step per position; every completion position needs one."""
+    completion = labels != IGNORE_INDEX
+    if bool((completion & (unmask_step < 0)).any()):
+        raise ValueError(
+            "trajectory objective: some completion tokens have no recorded unmask_step (value < 0); every scored "
+            "token must have been committed by the sampler."
+        )
+    steps = merge_steps(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage)
+    positions = positions_from_padding(valid)
+    rows = {"ids": [], "pos": [], "valid": [], "targets": []}
+    for row in range(input_ids.shape[0]):
+        row_steps = torch.unique(steps[row][completion[row]]).tolist() or [None]
+        for step in row_steps:
+            if step is None:  # nothing to score: one clean row keeps the batch non-empty
+                state, scored = input_ids[row], torch.zeros_like(completion[row])
+            else:
+                state = state_before_step(input_ids[row : row + 1], steps[row : row + 1], completion[row : row + 1],
+                                          step, mask_token_id)[0]
+                scored = completion[row] & (steps[row] == step)
+            rows["ids"].append(state)
+            rows["pos"].append(positions[row])
+            rows["valid"].append(valid[row])
+            rows["targets"].append(_masked_targets(input_ids[row], scored))
+    ids, pos, row_valid, targets = (torch.stack(rows[k]) for k in ("ids", "pos", "valid", "targets"))
+    weights = (targets != IGNORE_INDEX).float()
+    return ScoringBatch(ids, pos, _attention(pos, row_valid.bool(), block_size), targets, weights)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Scoring and loss
+# ------------------------------------------------------------------------------------------------------------
+
+
+def score_tokens(
+    model, batch: ScoringBatch, logits_shift: bool = False, mask_token_id: int | None = None
+) -> TokenScores:
+    """One forward over ``batch``; log-prob, entropy and top-1 of every target (fp32, only at scored
+    positions). ``logits_shift`` (Dream): position i is predicted from logits[i-1], so position 0 is never
+    scored. With ``mask_token_id`` the mask token is removed from the distribution, exactly as the sampler
+    removes it (``generation.sampling.sampling_logits``), so training and decoding share one distribution."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    logits = out.logits
+    scored = batch.targets != IGNORE_INDEX
+    if logits_shift:
+        scored[:, 0] = False
+        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+    log_dist = sampling_logits(logits[scored], mask_token_id=mask_token_id).log_softmax(-1)
+    target = batch.targets[scored]
+    picked = log_dist.gather(-1, target[:, None]).squeeze(-1)
+    with torch.no_grad():
+        entropy = -(log_dist.exp() * log_dist.clamp(min=torch.finfo(log_dist.dtype).min)).sum(-1)
+        top1 = log_dist.argmax(-1) == target
+    zeros = torch.zeros(scored.shape, dtype=picked.dtype, device=picked.device)
+    return TokenScores(
+        log_probs=zeros.masked_scatter(scored, picked),
+        entropy=zeros.detach().masked_scatter(scored, entropy),
+        is_top1=torch.zeros_like(scored).masked_scatter(scored, top1),
+        scored=scored,
+    )
+
+
+def count_loss_tokens(labels: torch.Tensor, logits_shift: bool = False) -> torch.Tensor:
+    """Number of scorable tokens in a collated batch: the normaliser ``num_items_in_batch`` must equal."""
+    return (labels[..., 1:] if logits_shift else labels).ne(IGNORE_INDEX).sum()
+
+
+def diffusion_loss(
+    model, batch: ScoringBatch, normaliser: torch.Tensor | int, logits_shift: bool = False,
+    mask_token_id: int | None = None, loss_type: str = "nll",
+) -> tuple[torch.Tensor, TokenScores]:
+    """``sum(weight * -log p(target)) / normaliser`` and the token scores (see ``score_tokens``).
+    ``loss_type="dft"`` multiplies each token's loss by its detached probability (TRL's DFT)."""
+    scores = score_tokens(model, batch, logits_shift, mask_token_id)
+    per_token = -scores.log_probs * batch.weights.to(scores.log_probs.dtype)
+    if loss_type == "dft":
+        per_token = per_token * scores.log_probs.detach().exp()
+    elif loss_type != "nll":
+        raise ValueError(f"unknown loss_type {loss_type!r}; choose 'nll' or 'dft'.")
+    normaliser = torch.as_tensor(normaliser, device=per_token.device).clamp(min=1)
+    return per_token.sum() / normaliser, scores
+
+
+def build_objective(
+    objective: str, input_ids, labels, valid, generators, *, mask_token_id: int, block_size: int | None,
+    eps: float = 1e-3, weighting: str = "elbo", semi_ar_block_length: int = 32, unmask_step=None, shrinkage: int = 1,
+) -> ScoringBatch:
+    """Dispatch by name; ``block_size`` is the model's block-causal block size (None = full attention)."""
+    if objective == "block":
+        if block_size is None:
+            raise ValueError("the 'block' objective needs a block-causal model (block_size).")
+        return block_objective(input_ids, labels, valid, mask_token_id, block_size, generators, eps, weighting)
+    if objective == "random_masking":
+        return random_masking_objective(input_ids, labels, valid, mask_token_id, generators, eps, weighting)
+    if objective == "semi_ar":
+        return semi_ar_objective(input_ids, labels, valid, mask_token_id, semi_ar_block_length, generators, eps,
+                                 weighting)
+    if objective == "complementary":
+        return complementary_objective(input_ids, labels, valid, mask_token_id, generators, block_size, eps, weighting)
+    if objective == "trajectory":
+        if unmask_step is None:
+            raise ValueError("the 'trajectory' objective needs the recorded `unmask_step` of every row.")
+        return trajectory_objective(input_ids, labels, valid, unmask_step, mask_token_id, block_size, shrinkage)
+    raise ValueError(f"unknown diffusion objective {objective!r}; choose one of {OBJECTIVES}.")

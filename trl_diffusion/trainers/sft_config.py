@@ -1,0 +1,108 @@
+"""``DiffusionSFTConfig``: ``trl.SFTConfig`` plus the diffusion objective and its noise settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import SFTConfig
+
+from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
+
+OVERLONG_POLICIES = ("truncate", "error")
+
+
+@dataclass
+class DiffusionSFTConfig(SFTConfig):
+    """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
+    [`trl.SFTConfig`] field keeps its meaning.
+
+    Args:
+        diffusion_objective (`str` or `None`, *optional*):
+            `"block"` (SDAR / BD3-LM: noisy and clean copies in one forward), `"random_masking"` (LLaDA / Dream
+            masked-diffusion ELBO), `"semi_ar"` (full-attention semi-autoregressive blocks), `"complementary"`
+            (a mask and its complement), or `"trajectory"` (the states a recorded rollout visited; needs an
+            `unmask_step` column). `None` picks `"block"` for block-causal models and `"random_masking"` otherwise.
+        loss_weighting (`str`, *optional*, defaults to `"elbo"`):
+            `"elbo"` weights each masked token by 1/t (t = its mask ratio); `"none"` weights all by 1.
+        mask_eps (`float`, *optional*, defaults to `1e-3`):
+            Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1).
+        block_size (`int` or `None`, *optional*):
+            Block size for block-causal models. `None` uses the model's; another value retrains the model at that
+            block size and is written to `model.config.block_size`.
+        semi_ar_block_length (`int`, *optional*, defaults to `32`):
+            Length of the semi-autoregressive blocks of `"semi_ar"` (counted from the end of the prompt).
+        trajectory_shrinkage (`int`, *optional*, defaults to `1`):
+            `"trajectory"`: merge this many consecutive denoising steps into one training state.
+        pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
+            Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
+            learns to end answers on a fixed-length canvas.
+        overlong_policy (`str`, *optional*, defaults to `"truncate"`):
+            What to do with a sequence longer than `max_length`: `"truncate"` (as `truncation_mode` says) or
+            `"error"`.
+    """
+
+    diffusion_objective: str | None = field(
+        default=None,
+        metadata={
+            "help": "Diffusion SFT objective: 'block', 'random_masking', 'semi_ar', 'complementary' or "
+            "'trajectory'. None picks 'block' for block-causal models and 'random_masking' otherwise.",
+            "choices": [None, *OBJECTIVES],
+        },
+    )
+    loss_weighting: str = field(
+        default="elbo",
+        metadata={"help": "'elbo' weights each masked token by 1/t (its mask ratio); 'none' by 1.",
+                  "choices": list(LOSS_WEIGHTINGS)},
+    )
+    mask_eps: float = field(
+        default=1e-3,
+        metadata={"help": "Smallest mask ratio: t = eps + (1 - eps) * u, u ~ U(0, 1)."},
+    )
+    block_size: int | None = field(
+        default=None,
+        metadata={"help": "Block size for block-causal models. None uses the model's; another value retrains the "
+                  "model at that block size and writes it to model.config.block_size."},
+    )
+    semi_ar_block_length: int = field(
+        default=32,
+        metadata={"help": "Length of the 'semi_ar' blocks, counted from the end of the prompt."},
+    )
+    trajectory_shrinkage: int = field(
+        default=1,
+        metadata={"help": "'trajectory': merge this many consecutive denoising steps into one training state."},
+    )
+    pad_to_length_with_eos: bool = field(
+        default=False,
+        metadata={"help": "Pad every sequence with EOS up to max_length and train on the padding (LLaDA SFT)."},
+    )
+    overlong_policy: str = field(
+        default="truncate",
+        metadata={"help": "Sequences longer than max_length: 'truncate' (per truncation_mode) or 'error'.",
+                  "choices": list(OVERLONG_POLICIES)},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.diffusion_objective is not None and self.diffusion_objective not in OBJECTIVES:
+            raise ValueError(f"diffusion_objective must be one of {OBJECTIVES} or None, got "
+                             f"{self.diffusion_objective!r}.")
+        if self.loss_weighting not in LOSS_WEIGHTINGS:
+            raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
+        if not 0 < self.mask_eps < 0.5:
+            raise ValueError(f"mask_eps must be in (0, 0.5), got {self.mask_eps}.")
+        for name in ("block_size", "semi_ar_block_length", "trajectory_shrinkage"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if self.overlong_policy not in OVERLONG_POLICIES:
+            raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {self.overlong_policy!r}.")
+        if self.pad_to_length_with_eos and self.max_length is None:
+            raise ValueError("pad_to_length_with_eos=True pads to max_length; set max_length.")
+        if self.pad_to_length_with_eos and self.diffusion_objective == "trajectory":
+            raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
+                             "completion tokens and their steps.")
+        if self.packing or self.padding_free:
+            raise ValueError(
+                "packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional attention would "
+                "cross document boundaries. Set packing=False and padding_free=False."
+            )

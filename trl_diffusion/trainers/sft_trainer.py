@@ -1,0 +1,330 @@
+"""``DiffusionSFTTrainer``: TRL's ``SFTTrainer`` with a diffusion loss.
+
+TRL keeps everything it already does (dataset formats and tokenization, completion-only and assistant-only
+labels, truncation, PEFT, gradient accumulation, mixed precision, callbacks, logging, model cards, Hub push).
+This subclass only
+
+* adds a ``sample_index`` column during dataset preparation (the seed of each sample's noise, so a sample gets
+  the same masks however the batch is split) and aligns a recorded ``unmask_step`` column for ``trajectory``;
+* wraps the collator (EOS padding, the extra columns, a mask-token check);
+* replaces ``compute_loss`` with the objectives of ``diffusion_losses``, normalised exactly as TRL does: the
+  summed token loss divided by ``num_items_in_batch`` (all loss tokens of the accumulated batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from datasets import Dataset, IterableDataset
+from transformers.modeling_outputs import MaskedLMOutput
+from trl import SFTConfig, SFTTrainer
+
+from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
+from .sft_config import DiffusionSFTConfig
+
+FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
+
+
+@dataclass
+class DiffusionModelSpec:
+    """What the loss needs to know about the model, read once from the unwrapped model (no name checks)."""
+
+    mask_token_id: int
+    block_size: int | None
+    logits_shift: bool
+
+
+def _unwrap(model):
+    """The model under a PEFT wrapper (attribute access falls through anyway; this keeps errors readable)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def read_model_spec(model) -> DiffusionModelSpec:
+    """Read ``mask_token_id`` / ``block_size`` / ``logits_shift`` from a diffusion model, with a clear error
+    for a model that does not implement the interface."""
+    base = _unwrap(model)
+    missing = [name for name in ("mask_token_id", "block_size", "logits_shift") if not hasattr(type(base), name)]
+    if missing:
+        raise TypeError(
+            f"{type(base).__name__} is not a diffusion language model: it lacks {missing}. DiffusionSFTTrainer "
+            "trains trl_diffusion models (SDAR / LLaDA / Dream) or any model with the same interface."
+        )
+    return DiffusionModelSpec(int(base.mask_token_id), base.block_size, bool(base.logits_shift))
+
+
+def resolve_objective(objective: str | None, spec: DiffusionModelSpec) -> str:
+    """The configured objective, or the model's default; raises when it does not fit the model's attention."""
+    if objective is None:
+        return "block" if spec.block_size else "random_masking"
+    if objective == "block" and not spec.block_size:
+        raise ValueError(
+            "diffusion_objective='block' needs a block-causal model (model.block_size), but this model has full "
+            "attention. Use 'random_masking', 'semi_ar', 'complementary' or 'trajectory'."
+        )
+    if objective in FULL_ATTENTION_ONLY and spec.block_size:
+        raise ValueError(
+            f"diffusion_objective={objective!r} is for full-attention models; this model is block-causal "
+            f"(block_size={spec.block_size}). Use 'block' (or 'complementary' / 'trajectory')."
+        )
+    return objective
+
+
+class DiffusionDataCollator:
+    """Wraps the SFT collator: pads with trained-on EOS to a fixed length (optional), carries
+    ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token."""
+
+    def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None) -> None:
+        self.base = base
+        self.mask_token_id = mask_token_id
+        self.eos_token_id = eos_token_id
+        self.pad_to_length = pad_to_length
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
+        examples = [dict(example) for example in examples]
+        indices = [example.pop("sample_index", None) for example in examples]
+        steps = [example.pop("unmask_step", None) for example in examples]
+        if self.pad_to_length is not None:
+            for example in examples:
+                labels = list(example.get("labels", example["input_ids"]))
+                extra = max(self.pad_to_length - len(example["input_ids"]), 0)
+                example["input_ids"] = list(example["input_ids"]) + [self.eos_token_id] * extra
+                example["labels"] = labels + [self.eos_token_id] * extra
+        batch = self.base(examples)
+        input_ids = batch["input_ids"]
+        valid = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(input_ids).bool()
+        if bool((input_ids.eq(self.mask_token_id) & valid).any()):
+            raise ValueError(
+                f"a training sequence contains the mask token (id {self.mask_token_id}); diffusion training could not "
+                "tell it from a masked position. Remove it from the data."
+            )
+        if any(index is None for index in indices):
+            # Without prepared data (skip_prepare_dataset), seed each sample from its content.
+            indices = [hash(tuple(ids.tolist())) % (2**31) if index is None else index
+                       for index, ids in zip(indices, input_ids)]
+        batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
+        if any(step is not None for step in steps):
+            width = input_ids.shape[1]
+            padded = torch.full_like(input_ids, -1)
+            for row, step in enumerate(steps):
+                padded[row, : len(step)] = torch.tensor(step[:width], dtype=torch.long)
+            batch["unmask_step"] = padded
+        return batch
+
+
+class DiffusionSFTTrainer(SFTTrainer):
+    """Supervised fine-tuning for diffusion language models (SDAR / TraDo, LLaDA, Dream / DiffuCoder).
+
+    Takes the same arguments as [`trl.SFTTrainer`]; `args` is a [`DiffusionSFTConfig`] (an `SFTConfig` is
+    converted). The objective is `args.diffusion_objective`, by default `"block"` for block-causal models and
+    `"random_masking"` for full-attention ones.
+    """
+
+    _tag_names = ["trl", "sft", "diffusion", "trl-diffusion"]
+    _name = "Diffusion SFT"
+
+    def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
+                 train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):
+        args = self._to_diffusion_config(model, args)
+        if compute_loss_func is not None:
+            raise ValueError("compute_loss_func is not supported: the diffusion objective is the loss.")
+        if args.label_smoothing_factor:
+            raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
+        if train_dataset is not None:
+            self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
+        if processing_class is not None:
+            self._check_tokenizer(processing_class)
+        if not isinstance(model, str):
+            self._validate_model(model, args, processing_class)
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
+        self.spec = self._validate_model(self.model, self.args, self._tokenizer)
+        self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
+        self._noise_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        # Our loss is normalised by `num_items_in_batch`; make Trainer always count it, over every label (it would
+        # drop position 0 of each row for a "...ForCausalLM" class name) or over labels[1:] for shifted logits.
+        self.model_accepts_loss_kwargs = True
+        self._loss_shifts_labels = self.spec.logits_shift
+        pad_to = self.args.max_length if self.args.pad_to_length_with_eos else None
+        self.data_collator = DiffusionDataCollator(
+            self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to
+        )
+
+    # ---------------------------------------------------------------------------------------------- validation
+
+    @staticmethod
+    def _to_diffusion_config(model, args) -> DiffusionSFTConfig:
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            return DiffusionSFTConfig(f"{name.split('/')[-1]}-DiffusionSFT")
+        if isinstance(args, DiffusionSFTConfig):
+            return args
+        values = args.to_dict()
+        for key in values:
+            if key.endswith("_token"):  # `to_dict` redacts these (hub_token, eos_token, pad_token)
+                values[key] = getattr(args, key)
+        return DiffusionSFTConfig(**{k: v for k, v in values.items() if k in DiffusionSFTConfig.__dataclass_fields__})
+
+    @staticmethod
+    def _check_columns(dataset, args: DiffusionSFTConfig, formatting_func, name: str) -> None:
+        """A clear error when a dataset has none of the columns SFT reads (or lacks ``unmask_step``)."""
+        if isinstance(dataset, dict):
+            for key, value in dataset.items():
+                DiffusionSFTTrainer._check_columns(value, args, formatting_func, key)
+            return
+        if not isinstance(dataset, Dataset | IterableDataset):
+            return
+        columns = set(dataset.column_names or next(iter(dataset)).keys())
+        usable = (
+            "input_ids" in columns
+            or {"prompt", "completion"} <= columns
+            or bool({"messages", "conversations"} & columns)
+            or args.dataset_text_field in columns
+            or formatting_func is not None
+        )
+        if not usable:
+            raise ValueError(
+                f"the {name} dataset has columns {sorted(columns)}, none of which SFT can train on. Provide "
+                f"'prompt' + 'completion', 'messages', '{args.dataset_text_field}' (plain text) or tokenized "
+                "'input_ids', or pass a formatting_func."
+            )
+        if args.diffusion_objective == "trajectory" and "unmask_step" not in columns:
+            raise ValueError(
+                f"diffusion_objective='trajectory' needs an 'unmask_step' column (the sampler's step for each "
+                f"completion token); the {name} dataset has {sorted(columns)}."
+            )
+
+    @staticmethod
+    def _check_tokenizer(processing_class) -> None:
+        tokenizer = getattr(processing_class, "tokenizer", processing_class)
+        if tokenizer.mask_token_id is None:
+            raise ValueError(
+                f"the tokenizer ({type(tokenizer).__name__}) has no mask token. Diffusion training masks tokens: set "
+                "`tokenizer.mask_token` to the model's mask token (e.g. '<|MASK|>' for SDAR, '<|mdm_mask|>' for "
+                "LLaDA, '<|mask|>' for Dream)."
+            )
+
+    def _validate_model(self, model, args: DiffusionSFTConfig, processing_class) -> DiffusionModelSpec:
+        base = _unwrap(model)
+        if args.block_size is not None and getattr(base, "block_size", None) not in (None, args.block_size):
+            base.config.block_size = args.block_size  # train (and later generate) at the configured block size
+        try:
+            spec = read_model_spec(model)
+        except ValueError as error:  # the model's own "no mask token" message
+            raise ValueError(str(error)) from None
+        if args.block_size is not None and spec.block_size is None:
+            raise ValueError(f"block_size={args.block_size} was set, but the model has full attention.")
+        if spec.block_size and spec.logits_shift:
+            raise ValueError("block-causal models with shifted logits are not supported.")
+        resolve_objective(args.diffusion_objective, spec)
+        if processing_class is not None:
+            self._check_tokenizer(processing_class)
+            tokenizer = getattr(processing_class, "tokenizer", processing_class)
+            if tokenizer.mask_token_id != spec.mask_token_id:
+                raise ValueError(
+                    f"the tokenizer's mask token id ({tokenizer.mask_token_id}, {tokenizer.mask_token!r}) differs "
+                    f"from model.mask_token_id ({spec.mask_token_id}); they must be the same token."
+                )
+            if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == spec.mask_token_id:
+                raise ValueError("the pad token is the mask token; use a different pad token (e.g. EOS).")
+        return spec
+
+    # ------------------------------------------------------------------------------------------ dataset prep
+
+    def _set_signature_columns_if_needed(self):
+        super()._set_signature_columns_if_needed()
+        for column in ("sample_index", "unmask_step"):
+            if column not in self._signature_columns:
+                self._signature_columns.append(column)
+
+    def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        self._check_columns(dataset, args, formatting_func, dataset_name)
+        max_length = args.max_length
+        if args.overlong_policy == "error":
+            args.max_length = None  # tokenize without truncating, then refuse what is too long
+        try:
+            dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+        finally:
+            args.max_length = max_length
+        if args.overlong_policy == "error" and max_length is not None:
+            dataset = dataset.map(_refuse_overlong, fn_kwargs={"max_length": max_length})
+        if args.diffusion_objective == "trajectory":
+            dataset = dataset.map(_align_unmask_step, fn_kwargs={"args": args})
+        return dataset.map(_add_sample_index, with_indices=True)
+
+    # ---------------------------------------------------------------------------------------------------- loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        mode = "train" if self.model.training else "eval"
+        args = self.args
+        epoch = int(self.state.epoch or 0) if mode == "train" else 0
+        generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch)
+        labels = inputs["labels"]
+        valid = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(labels).bool()
+        batch = build_objective(
+            self.objective, inputs["input_ids"], labels, valid, generators,
+            mask_token_id=self.spec.mask_token_id, block_size=self.spec.block_size, eps=args.mask_eps,
+            weighting=args.loss_weighting, semi_ar_block_length=args.semi_ar_block_length,
+            unmask_step=inputs.get("unmask_step"), shrinkage=args.trajectory_shrinkage,
+        )
+        normaliser = num_items_in_batch
+        if normaliser is None:
+            normaliser = count_loss_tokens(labels, self.spec.logits_shift)
+        loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, self.spec.mask_token_id,
+                                      args.loss_type)
+        # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
+        if args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        self._log_metrics(mode, inputs, scores)
+        if return_outputs:
+            return loss, MaskedLMOutput(loss=loss)
+        return loss
+
+    def _log_metrics(self, mode: str, inputs, scores) -> None:
+        gather = self.accelerator.gather_for_metrics
+        num_scored = gather(scores.scored.sum()).sum()
+        entropy = gather(scores.entropy.detach().sum()).sum()
+        correct = gather(scores.is_top1.sum()).sum()
+        metrics = self._metrics[mode]
+        metrics["entropy"].append((entropy / num_scored).item() if num_scored > 0 else 0.0)
+        metrics["mean_token_accuracy"].append((correct / num_scored).item() if num_scored > 0 else 0.0)
+        metrics["scored_tokens"].append(num_scored.item())
+        if mode == "train":
+            tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
+            self._total_train_tokens += int(gather(torch.as_tensor(tokens, device=self.accelerator.device)).sum())
+        metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def _refuse_overlong(example: dict, max_length: int) -> dict:
+    length = len(example["input_ids"])
+    if length > max_length:
+        raise ValueError(
+            f"a sequence has {length} tokens, more than max_length={max_length}, and overlong_policy='error'. Raise "
+            "max_length, shorten the data, or set overlong_policy='truncate'."
+        )
+    return {}
+
+
+def _align_unmask_step(example: dict, args: DiffusionSFTConfig) -> dict:
+    """Spread the ``unmask_step`` column (one entry per completion token, in order) over the full sequence (-1
+    on prompt and padding). Truncated rows keep the entries of the tokens that survived."""
+    labels = example.get("labels") or example["input_ids"]
+    positions = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
+    steps = list(example["unmask_step"])
+    truncated = args.max_length is not None and len(example["input_ids"]) == args.max_length
+    if len(steps) > len(positions) and truncated:
+        steps = steps[: len(positions)] if args.truncation_mode == "keep_start" else steps[-len(positions):]
+    if len(steps) != len(positions):
+        raise ValueError(
+            f"'unmask_step' has {len(example['unmask_step'])} entries but the row has {len(positions)} completion "
+            "tokens; give one step per completion token (tokenize the data yourself, with 'input_ids' and "
+            "'completion_mask', if the completion text does not re-tokenize to the generated tokens)."
+        )
+    full = [-1] * len(example["input_ids"])
+    for position, step in zip(positions, steps):
+        full[position] = int(step)
+    return {"unmask_step": full}
+
+
+def _add_sample_index(example: dict, index: int) -> dict:
+    return {"sample_index": index}
