@@ -13,15 +13,21 @@ from .models import (
 
 register_models()
 
+from .trainers import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer  # noqa: E402
+
 __version__ = "0.1.0.dev0"
 
 __all__ = [
     "DiffusionCache",
+    "DiffusionSFTConfig",
+    "DiffusionSFTTrainer",
     "DreamConfig",
     "DreamModel",
     "LLaDAConfig",
     "LLaDAModelLM",
     "SDARConfig",
     "SDARForCausalLM",
+    "TraceRLConfig",
+    "TraceRLTrainer",
     "register_models",
 ]

@@ -1,5 +1,19 @@
-"""How a trainer gets log pi(completion) from a diffusion model (see ``trajectory``)."""
+"""How a trainer gets log pi(completion) from a diffusion model: four estimators behind one switch, the packed
+layouts they score with, and the slow per-step replay they are tested against."""
 
+from .likelihood import ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, score_chunks
+from .packing import ScoringChunk, build_scoring_chunks, step_groups
 from .trajectory import replay_logprobs, trajectory_layout
 
-__all__ = ["replay_logprobs", "trajectory_layout"]
+__all__ = [
+    "ESTIMATORS",
+    "EstimatorSettings",
+    "ScoringChunk",
+    "build_scoring_chunks",
+    "draw_masks",
+    "estimate_logprobs",
+    "replay_logprobs",
+    "score_chunks",
+    "step_groups",
+    "trajectory_layout",
+]

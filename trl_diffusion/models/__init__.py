@@ -18,10 +18,11 @@ FAMILIES = {
 LORA_TARGET_MODULES = {
     "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
+    "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj"],
 }
-"""peft's default LoRA targets per family (all attention and MLP projections; for LLaDA ``ff_out`` also
-matches the LM head ``transformer.ff_out``, so the LM head is adapted too, as a Linear layer)."""
+r"""peft's default LoRA targets per family: the attention and MLP projections. LLaDA's MLP output projection is
+named ``ff_out`` like its LM head (``transformer.ff_out``), and a name matches both, so it is left out by default
+(TRL refuses adapters on the LM head); target it with a regex such as ``r".*blocks\.\d+\.ff_out"``."""
 
 
 def register_models() -> None:

@@ -1,0 +1,139 @@
+"""Likelihood estimators: packed trajectory scoring equals the sampler and the naive per-step replay; shrinkage;
+deterministic masks; gradients only through committed completion tokens."""
+
+import pytest
+import torch
+
+from trl_diffusion.estimators import (
+    ESTIMATORS,
+    EstimatorSettings,
+    estimate_logprobs,
+    replay_logprobs,
+    step_groups,
+)
+from trl_diffusion.states import state_before_step
+from trl_diffusion.testing import MASK_ID, tiny_model
+
+PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
+
+
+def rollout(model, temperature=1.0, seed=0, **kw):
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    args = dict(max_new_tokens=12, block_length=4, denoising_steps=2, temperature=temperature, stop_token_ids=[],
+                return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed))
+    args.update(kw)
+    out = model.generate(ids, mask, **args)
+    return ids, mask, out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_trajectory_estimate_equals_sampler_logprobs(family, temperature):
+    model = tiny_model(family)
+    ids, mask, completion, steps, sampler = rollout(model, temperature, remasking_strategy="low_confidence_dynamic",
+                                                    confidence_threshold=0.2)
+    settings = EstimatorSettings(block_size=4, temperature=temperature)
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings)
+    assert bool(scored.equal(steps >= 0))
+    assert (logps - sampler)[scored].abs().max() <= 1e-5
+    assert bool((logps[~scored] == 0).all())
+
+
+@pytest.mark.parametrize("budget", [None, 64])
+def test_packed_scoring_equals_naive_per_step_loop(family, budget):
+    model = tiny_model(family, seed=3)
+    ids, mask, completion, steps, _ = rollout(model, seed=5)
+    packed, _, scored = estimate_logprobs(model, ids, mask, completion, steps,
+                                          EstimatorSettings(block_size=4, token_budget=budget))
+    sequences, full_steps = torch.cat([ids, completion], 1), torch.cat([torch.full_like(ids, -1), steps], 1)
+    naive = replay_logprobs(model, sequences, mask, full_steps, block_length=4)[:, ids.shape[1]:]
+    assert (packed - naive)[scored].abs().max() <= 1e-5
+
+
+def test_step_groups_merge_as_specified():
+    steps = torch.tensor([[0, 0, 1, 2, 3, 3, 4, 5, -1]])
+    assert step_groups(steps, 1).tolist() == [[0, 0, 1, 2, 3, 3, 4, 5, -1]]
+    assert step_groups(steps, 2).tolist() == [[0, 0, 0, 1, 1, 1, 2, 2, -1]]
+    assert step_groups(steps, 4).tolist() == [[0, 0, 0, 0, 0, 0, 1, 1, -1]]
+    # within blocks (block models): a group never spans two blocks
+    blocks = torch.tensor([[0, 0, 0, 0, 1, 1, 1, 1, 1]])
+    assert step_groups(steps, 4, blocks).tolist() == [[0, 0, 0, 0, 1, 1, 1, 1, -1]]
+    # with gaps in the step numbers (a row that waited), distinct steps are what is merged
+    assert step_groups(torch.tensor([[0, 5, 5, 9]]), 2).tolist() == [[0, 0, 0, 1]]
+
+
+def test_shrinkage_scores_each_merged_group_from_the_state_before_it(family):
+    model = tiny_model(family, seed=2)
+    ids, mask, completion, steps, _ = rollout(model, seed=1, denoising_steps=4)
+    shrink = 2
+    logps, _, _ = estimate_logprobs(model, ids, mask, completion, steps,
+                                    EstimatorSettings(block_size=4, shrinkage=shrink))
+    blocks = None
+    if model.block_size is not None:  # completion positions -> SDAR blocks from absolute position 0
+        lengths = mask.sum(1, keepdim=True)
+        blocks = (lengths + torch.arange(completion.shape[1])) // 4
+    groups = step_groups(steps, shrink, blocks)
+    sequences = torch.cat([ids, completion], 1)
+    full_groups = torch.cat([torch.full_like(ids, -1), groups], 1)
+    generated = torch.cat([torch.zeros_like(ids, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool)], 1)
+    # naive: for each group, one forward of the whole sequence in the state before it
+    from trl_diffusion.states import attention_mask_from_positions, positions_from_padding
+
+    valid = torch.cat([mask.bool(), torch.ones_like(completion, dtype=torch.bool)], 1)
+    pos = positions_from_padding(valid)
+    attn = attention_mask_from_positions(pos, pos, valid, 4 if model.block_size else None)
+    expected = torch.zeros_like(logps)
+    with torch.no_grad():
+        for g in range(int(groups.max()) + 1):
+            state = state_before_step(sequences, full_groups, generated, g, MASK_ID)
+            logits = model.align_logits(model(state, attention_mask=attn, position_ids=pos).logits)
+            logits[..., MASK_ID] = float("-inf")
+            lp = logits.log_softmax(-1).gather(-1, sequences[..., None]).squeeze(-1)[:, ids.shape[1]:]
+            expected = torch.where(groups == g, lp, expected)
+    assert (logps - expected)[steps >= 0].abs().max() <= 1e-5
+    assert int(groups.max()) + 1 < int(step_groups(steps, 1, blocks).max()) + 1  # fewer states than steps
+
+
+def test_masks_are_deterministic_per_seed():
+    model = tiny_model("llada")
+    ids, mask, completion, steps, _ = rollout(model)
+    for name in ("random_masking", "coupled", "mean_field"):
+        settings = EstimatorSettings(name=name)
+        a = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=torch.tensor([1, 2, 3]))
+        b = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=torch.tensor([1, 2, 3]))
+        c = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=torch.tensor([7, 8, 9]))
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2])
+        assert not torch.equal(a[0], c[0])
+
+
+def test_coupled_scores_every_token_once_in_the_pair():
+    from trl_diffusion.estimators import draw_masks
+
+    committed = torch.ones(2, 16, dtype=torch.bool)
+    draws = draw_masks(EstimatorSettings(name="coupled"), committed, torch.tensor([3, 4]), 5)
+    first, second = draws["masked"], committed & ~draws["masked"]
+    assert bool((first ^ second).all())
+    assert bool(((draws["t"] >= 0.2) & (draws["t"] <= 0.8)).all())
+
+
+@pytest.mark.parametrize("name", ESTIMATORS)
+def test_gradient_only_through_committed_completion_tokens(family, name):
+    model = tiny_model(family).train()
+    ids, mask, completion, steps, _ = rollout(model, max_new_tokens=8)
+    steps = steps.clone()
+    steps[0, -3:] = -1  # never committed
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, EstimatorSettings(name=name),
+                                         seeds=torch.tensor([1, 2, 3]))
+    assert not bool(scored[0, -3:].any())
+    assert bool((logps[~scored] == 0).all())
+    weight = model.get_input_embeddings().weight
+    untouched = torch.autograd.grad(logps[~scored].sum(), weight, allow_unused=True, retain_graph=True)[0]
+    assert untouched is None or bool((untouched == 0).all())
+    (logps * scored).sum().backward()
+    assert weight.grad.abs().sum() > 0
+
+
+def test_unknown_estimator_is_an_error():
+    with pytest.raises(ValueError, match="unknown likelihood_estimator"):
+        EstimatorSettings(name="nope").validate()

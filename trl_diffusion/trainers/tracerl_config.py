@@ -1,0 +1,97 @@
+"""TraceRLConfig: GRPOConfig plus what diffusion rollouts and trajectory-aware likelihoods need."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl import GRPOConfig
+
+from ..estimators import ESTIMATORS
+from ..generation.sampling import REMASKING_STRATEGIES
+
+
+@dataclass
+class TraceRLConfig(GRPOConfig):
+    r"""Configuration for [`TraceRLTrainer`]: every [`~trl.GRPOConfig`] field keeps its meaning (rewards,
+    advantages, `loss_type`, clipping, `beta`, `num_iterations`, logging, ...). Added:
+
+    * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
+      `confidence_threshold`, `use_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
+    * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
+      `step_normalization`, `scoring_token_budget` and the estimators' masking ratios),
+    * `dynamic_group_filtering`.
+    """
+
+    block_length: int = field(default=4, metadata={"help": "Rollout block length (tokens per block)."})
+    denoising_steps: int = field(default=4, metadata={"help": "Rollout denoising steps per block."})
+    remasking_strategy: str = field(
+        default="low_confidence_dynamic",
+        metadata={"help": f"Rollout remasking strategy, one of {REMASKING_STRATEGIES}."},
+    )
+    confidence_threshold: float = field(
+        default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy."}
+    )
+    use_cache: bool | str = field(
+        default=True,
+        metadata={"help": "Rollout KV cache: True = exact cache on block models (none on full-attention ones); "
+                  "'prefix' / 'dual' = approximate caches for LLaDA/Dream."},
+    )
+    likelihood_estimator: str = field(
+        default="trajectory",
+        metadata={"help": f"How log pi(completion) is estimated, one of {ESTIMATORS}. `trajectory` is TraceRL."},
+    )
+    shrinkage: int = field(
+        default=1,
+        metadata={"help": "TraceRL shrinkage s: merge s consecutive denoising steps into one scored state (within "
+                  "each block for block models, over the response for full-attention models)."},
+    )
+    training_block_size: int | None = field(
+        default=None,
+        metadata={"help": "Block size used to score block models (default: `block_length`). May differ from the "
+                  "rollout's, e.g. 4 -> 8 for block-size adaptation."},
+    )
+    step_normalization: str = field(
+        default="step",
+        metadata={"help": "'step': each token's loss is weighted 1/|tau(t)| (tokens committed in its merged step), so "
+                  "with loss_type='grpo' a sequence's loss is the mean over its steps of per-step means (TraceRL). "
+                  "'sequence': plain per-token weighting (TRL's own)."},
+    )
+    scoring_token_budget: int | None = field(
+        default=16384,
+        metadata={"help": "Maximum padded tokens per scoring forward (packed rows are chunked to stay under it)."},
+    )
+    random_mask_low: float = field(default=0.1, metadata={"help": "`random_masking`: lowest per-token mask prob."})
+    random_mask_high: float = field(default=0.9, metadata={"help": "`random_masking`: highest per-token mask prob."})
+    coupled_low: float = field(default=0.2, metadata={"help": "`coupled`: lowest mask ratio t."})
+    coupled_high: float = field(default=0.8, metadata={"help": "`coupled`: highest mask ratio t."})
+    prompt_mask_prob: float = field(
+        default=0.15, metadata={"help": "`mean_field`: probability of masking each prompt token (d1)."}
+    )
+    dynamic_group_filtering: bool = field(
+        default=False,
+        metadata={"help": "Drop groups whose rewards are all equal (all-or-nothing accuracy) from the loss, as the "
+                  "anchors do; the fraction dropped is logged as `filtered_groups`."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.remasking_strategy not in REMASKING_STRATEGIES:
+            raise ValueError(f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of "
+                             f"{REMASKING_STRATEGIES}.")
+        if self.likelihood_estimator not in ESTIMATORS:
+            raise ValueError(f"unknown likelihood_estimator {self.likelihood_estimator!r}; choose one of "
+                             f"{ESTIMATORS}.")
+        if self.block_length <= 0 or self.denoising_steps <= 0 or self.denoising_steps > self.block_length:
+            raise ValueError("need 0 < denoising_steps <= block_length, got "
+                             f"block_length={self.block_length}, denoising_steps={self.denoising_steps}.")
+        if self.shrinkage < 1:
+            raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
+        if self.training_block_size is not None and self.training_block_size <= 0:
+            raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
+        if self.step_normalization not in ("step", "sequence"):
+            raise ValueError(f"step_normalization must be 'step' or 'sequence', got {self.step_normalization!r}.")
+        if not self.temperature > 0:
+            raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
+        if self.use_vllm or self.use_transformers_continuous_batching:
+            raise ValueError("vLLM and continuous batching are autoregressive; diffusion rollouts use the model's "
+                             "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
