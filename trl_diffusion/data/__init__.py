@@ -2,6 +2,7 @@
 
 from .arithmetic import (
     ArithmeticProblem,
+    arithmetic_reward,
     evaluate_accuracy,
     extract_boxed,
     generate_completions,
@@ -12,6 +13,7 @@ from .arithmetic import (
 
 __all__ = [
     "ArithmeticProblem",
+    "arithmetic_reward",
     "evaluate_accuracy",
     "extract_boxed",
     "generate_completions",

@@ -117,6 +117,11 @@ def score_completion(completion: str | list[dict], answer: int | str) -> bool:
     return extract_boxed(completion) == str(answer).strip()
 
 
+def arithmetic_reward(completions, answer, **kwargs) -> list[float]:
+    """TRL reward function: 1.0 when the completion's last ``\\boxed{}`` is exactly the row's ``answer``."""
+    return [float(score_completion(c, a)) for c, a in zip(completions, answer)]
+
+
 def _completion_text(tokenizer, ids: torch.Tensor) -> str:
     """Decode up to the first special token (EOS, end of turn, padding, mask)."""
     special = set(tokenizer.all_special_ids)

@@ -22,7 +22,6 @@ def trajectory_layout(prompt_mask: torch.Tensor, completion_width: int) -> tuple
     return valid, generated
 
 
-@torch.no_grad()
 def replay_logprobs(
     model,
     sequences: torch.Tensor,
@@ -32,12 +31,17 @@ def replay_logprobs(
     temperature: float = 1.0,
     top_k: int | None = None,
     top_p: float | None = None,
+    groups: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Log-prob of each committed token under the sampling distribution at its commit step (0 elsewhere).
 
     ``sequences`` / ``unmask_step`` as returned by ``generate`` (prompt width = ``prompt_mask.shape[1]``).
-    ``block_length`` is the rollout's block length for block-causal models (default: the model's).
+    ``block_length`` is the rollout's block length for block-causal models (default: the model's). ``groups``
+    (same layout, e.g. from ``step_groups``) replaces the steps by merged steps. One whole-sequence forward per
+    (merged) step: slow and obvious, the reference the packed scorer is tested against. Differentiable.
     """
+    if groups is not None:
+        unmask_step = groups
     valid, generated = trajectory_layout(prompt_mask, sequences.shape[1] - prompt_mask.shape[1])
     positions = positions_from_padding(valid)
     block = (block_length or model.block_size) if model.block_size is not None else None

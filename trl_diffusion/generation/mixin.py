@@ -119,9 +119,10 @@ class DiffusionGenerationMixin:
         ``use_cache`` (True = SDAR's exact cache; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn
         on the approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their
         output); ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
-        ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own
-        ``steps``, ``alg``, ``alg_temp``, ``eps`` (linspace schedule); ``generator`` (a ``torch.Generator``);
-        ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput`` with the trajectory.
+        ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own ``steps``, ``alg``, ``alg_temp``, ``eps``
+        (linspace schedule); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's
+        sample does not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput``
+        with the trajectory.
 
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.

@@ -11,7 +11,15 @@ from transformers.utils import ModelOutput
 
 from ..models.cache import DiffusionCache
 from ..states import NOT_COMMITTED, CanvasLayout, attention_mask_from_positions
-from .sampling import REMASKING_STRATEGIES, confidence_scores, sample_tokens, select_commits, uniform_quota
+from .sampling import (
+    REMASKING_STRATEGIES,
+    Generators,
+    confidence_scores,
+    sample_tokens,
+    select_commits,
+    uniform,
+    uniform_quota,
+)
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
 
@@ -117,7 +125,7 @@ class _Forward:
 
 def diffusion_generate(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: SamplingSettings,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> DiffusionGenerationOutput:
     """Decode ``max_new_tokens`` per row block by block; see ``DiffusionGenerationMixin.generate``."""
     settings.validate()
@@ -210,7 +218,7 @@ def diffusion_generate(
                 last = step == settings.denoising_steps - 1
                 fraction = torch.ones(()) if last else 1 - timesteps[step + 1] / timesteps[step]
                 if settings.remasking_strategy == "origin":
-                    draw = torch.rand(masked.shape, device=device, generator=generator)
+                    draw = uniform(masked.shape, generator, device)
                     commit = masked & (draw < float(fraction))
                 else:
                     quota = (masked.sum(-1).float() * fraction.to(device)).long()

@@ -46,12 +46,25 @@ def sampling_logits(
     return logits
 
 
+Generators = torch.Generator | list[torch.Generator] | None
+
+
+def uniform(shape: tuple[int, ...], generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
+    """U(0, 1) draws of ``shape``; with one generator per row (a list), row ``i`` comes from ``generator[i]`` only,
+    so a row's randomness does not depend on which other rows share its batch (or its process)."""
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != shape[0]:
+            raise ValueError(f"got {len(generator)} generators for {shape[0]} rows.")
+        return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype) for g in generator]).to(device)
+    return torch.rand(shape, generator=generator, dtype=dtype, device=device)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
     gumbel_float64: bool = False,
     mask_token_id: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,8 +80,14 @@ def sample_tokens(
     elif gumbel_float64:
         # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
         raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
-        u = torch.rand(raw.shape, dtype=torch.float64, device=raw.device, generator=generator)
+        u = uniform(raw.shape, generator, raw.device, torch.float64)
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    elif isinstance(generator, (list, tuple)):  # inverse CDF with per-row uniforms
+        u = uniform(log_dist.shape[:-1], generator, log_dist.device)
+        cdf = log_dist.exp().cumsum(-1)
+        tokens = (cdf < u[..., None] * cdf[..., -1:]).sum(-1).clamp(max=log_dist.shape[-1] - 1)
+        tokens = torch.where(torch.isfinite(log_dist.gather(-1, tokens[..., None]).squeeze(-1)), tokens,
+                             log_dist.argmax(-1))  # guard against landing on a filtered entry by rounding
     else:
         flat = log_dist.exp().reshape(-1, log_dist.shape[-1])
         tokens = torch.multinomial(flat, 1, generator=generator).view(log_dist.shape[:-1])
@@ -77,13 +96,13 @@ def sample_tokens(
 
 
 def confidence_scores(
-    strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: torch.Generator | None = None
+    strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: Generators = None
 ) -> torch.Tensor:
     """Per-position confidence used to rank positions for commitment (higher commits first)."""
     if strategy in ("low_confidence_static", "low_confidence_dynamic", "sequential", "origin"):
         return logprobs.exp()
     if strategy == "random":
-        return torch.rand(logprobs.shape, device=logprobs.device, generator=generator)
+        return uniform(logprobs.shape, generator, logprobs.device)
     if strategy == "topk_margin":
         top2 = torch.topk(log_dist.exp(), 2, dim=-1).values
         return top2[..., 0] - top2[..., 1]
@@ -106,7 +125,7 @@ def select_commits(
     quota: torch.Tensor,
     threshold: float | None = None,
     alg_temp: float | None = None,
-    generator: torch.Generator | None = None,
+    generator: Generators = None,
 ) -> torch.Tensor:
     """Boolean ``[B, L]`` of positions to commit now. Only masked positions are ever chosen.
 
@@ -127,7 +146,8 @@ def select_commits(
         for row in range(batch):
             k = int(quota[row])
             if k > 0:
-                chosen[row, torch.multinomial(probs[row], k, replacement=False, generator=generator)] = True
+                g = generator[row] if isinstance(generator, (list, tuple)) else generator
+                chosen[row, torch.multinomial(probs[row].cpu(), k, replacement=False, generator=g)] = True
         return chosen & masked
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=masked.device).expand(batch, -1))

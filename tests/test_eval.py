@@ -1,0 +1,199 @@
+"""Tests for the evaluation loop and the ``trl-diffusion`` command on small fixtures in the real benchmark formats."""
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_diffusion.cli import main
+from trl_diffusion.eval import EvalConfig, detect_format, evaluate, load_eval_problems, pass_at_k, score_completions
+from trl_diffusion.testing import build_tokenizer, tiny_model
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MATH500 = FIXTURES / "rewards" / "math500_sample.jsonl"
+GSM8K = FIXTURES / "rewards" / "gsm8k_sample.jsonl"
+AIME24 = FIXTURES / "rewards" / "aime24_sample.jsonl"
+HUMANEVAL = FIXTURES / "eval" / "humaneval_sample.jsonl"
+CODE_TESTS = FIXTURES / "eval" / "code_tests_sample.jsonl"
+FAST = dict(max_new_tokens=8, block_length=4, denoising_steps=4, progress=False)
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer():
+    return tiny_model("sdar", max_position_embeddings=2048), build_tokenizer()
+
+
+def test_pass_at_k_matches_hand_computation():
+    # n=5 samples, c=2 correct: pass@1 = 2/5; pass@2 = 1 - C(3,2)/C(5,2) = 1 - 3/10; pass@3 = 1 - C(3,3)/C(5,3).
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+    assert pass_at_k(5, 2, 3) == pytest.approx(0.9)
+    assert pass_at_k(5, 0, 3) == 0.0
+    assert pass_at_k(5, 3, 3) == 1.0  # fewer than k wrong samples: some k-subset always has a correct one
+    with pytest.raises(ValueError):
+        pass_at_k(2, 1, 3)
+
+
+@pytest.mark.parametrize("path, fmt, task", [
+    (MATH500, "problem_answer", "math"), (AIME24, "problem_answer", "math"), (GSM8K, "question_answer", "math"),
+    (HUMANEVAL, "humaneval", "code"), (CODE_TESTS, "code_tests", "code"),
+])
+def test_formats_are_detected_from_columns(path, fmt, task):
+    assert detect_format(_rows(path)[0]) == fmt
+    tag, problems = load_eval_problems(str(path))
+    assert tag == path.stem and len(problems) == len(_rows(path)) and {p.task for p in problems} == {task}
+
+
+def test_gold_answers_prompts_and_tests():
+    _, gsm8k = load_eval_problems(str(GSM8K))
+    assert gsm8k[0].answer == "18" and "\\boxed{}" in gsm8k[0].prompt and "Janet" in gsm8k[0].prompt
+    _, humaneval = load_eval_problems(str(HUMANEVAL))
+    assert humaneval[0].id == "HumanEvalStyle/0" and humaneval[0].tests[0].rstrip().endswith("check(running_max)")
+    _, code = load_eval_problems(str(CODE_TESTS), prompt_template="Solve: {question}")
+    assert [p.stdio for p in code] == [True, False] and len(code[0].tests) == 3 and code[1].prompt.startswith("Solve:")
+    _, arithmetic = load_eval_problems("arithmetic", max_problems=3)
+    assert len(arithmetic) == 3 and arithmetic[0].prompt.startswith("What is ")
+
+
+def test_hub_names_map_to_their_sources(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(repo, config=None, split=None):
+        calls.append((repo, config, split))
+        return datasets.Dataset.from_list(_rows(GSM8K))
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    tag, problems = load_eval_problems("gsm8k", max_problems=2)
+    assert tag == "gsm8k" and len(problems) == 2 and problems[0].answer == "18"
+    load_eval_problems("someone/their_set", split="eval")
+    assert calls == [("openai/gsm8k", "main", "test"), ("someone/their_set", None, "eval")]
+
+
+def test_scoring_reference_solutions():
+    math500 = _rows(MATH500)
+    _, problems = load_eval_problems(str(MATH500))
+    assert [r["reward"] for r in score_completions(problems, [r["solution"] for r in math500])] == [1.0] * 5
+    shifted = score_completions(problems, [r["solution"] for r in math500[1:] + math500[:1]])
+    assert sum(r["reward"] for r in shifted) == 0.0
+    for path in (HUMANEVAL, CODE_TESTS):
+        _, problems = load_eval_problems(str(path))
+        rows = _rows(path)
+        code = [r["prompt"] + r["canonical_solution"] if "canonical_solution" in r else r["solution"] for r in rows]
+        right = [f"```python\n{c}```" for c in code]
+        assert [s["reward"] for s in score_completions(problems, right)] == [1.0, 1.0], path
+        wrong = score_completions(problems, ["no code here", "```python\nprint(0)\n```"])
+        assert [s["reward"] for s in wrong] == [0.0, 0.0] and wrong[0]["status"] == "no_code"
+
+
+def test_evaluate_report_and_jsonl(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    report = evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), num_samples=2, temperature=1.0,
+                      output_dir=str(tmp_path), **FAST)
+    assert report["dataset"] == "math500_sample" and report["task"] == "math"
+    assert report["num_problems"] == 5 and report["num_samples"] == 2
+    metrics = report["metrics"]
+    for key in ("accuracy", "pass@1", "pass@2", "avg_length", "tokens_per_step", "throughput_tokens_per_s",
+                "generation_seconds", "num_forward_passes", "boxed_rate", "num_unscored"):
+        assert key in metrics, key
+    assert 0.0 <= metrics["accuracy"] <= 1.0 and metrics["num_unscored"] == 0 and metrics["tokens_per_step"] > 0
+    assert report["generation"]["max_new_tokens"] == 8 and report["generation"]["temperature"] == 1.0
+    rows = [json.loads(line) for line in Path(report["samples_file"]).read_text().splitlines()]
+    assert len(rows) == 10 and {(r["index"], r["sample"]) for r in rows} == {(i, s) for i in range(5) for s in (0, 1)}
+    for row in rows:
+        assert {"id", "prompt", "completion", "reward", "correct", "length", "gold", "prediction"} <= set(row)
+        # SDAR decodes whole blocks: the prompt's last partial block is filled too, so up to 8 + 3 tokens
+        assert row["prompt"].startswith("<|im_start|>user\n") and 0 <= row["length"] <= 8 + 3
+    assert metrics["accuracy"] == pytest.approx(sum(r["reward"] for r in rows) / 10)
+    assert metrics["avg_length"] == pytest.approx(sum(r["length"] for r in rows) / 10)
+    assert json.loads(Path(report["metrics_file"]).read_text())["metrics"] == metrics
+
+
+def test_pass_at_k_aggregation_over_samples(model_and_tokenizer, monkeypatch):
+    """Pass@k of the report is the unbiased estimator averaged over problems, from each problem's n samples."""
+    ev = importlib.import_module("trl_diffusion.eval.evaluate")  # the module (the package attribute is the function)
+
+    model, tokenizer = model_and_tokenizer
+    verdicts = iter([1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0])  # problem 0: 1 of 4 correct; problem 1: 2 of 4
+    monkeypatch.setattr(ev, "score_completions", lambda problems, *a: [{"reward": next(verdicts)} for _ in problems])
+    rows = [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}, {"question": "What is 1+2?", "answer": "#### 3"}]
+    report = evaluate(model=model, tokenizer=tokenizer, dataset=rows, num_samples=4, pass_k=[1, 2, 4], batch_size=8,
+                      output_dir=None, temperature=1.0, use_cache="true", **FAST)
+    metrics = report["metrics"]
+    assert metrics["accuracy"] == pytest.approx(3 / 8)
+    assert metrics["pass@2"] == pytest.approx((pass_at_k(4, 1, 2) + pass_at_k(4, 2, 2)) / 2)
+    assert metrics["pass@4"] == 1.0 and report["samples_file"] is None
+
+
+def test_evaluate_code_dynamic_decoding_and_rows(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = _rows(HUMANEVAL)
+    report = evaluate(model=model, tokenizer=tokenizer, dataset=rows, remasking_strategy="low_confidence_dynamic",
+                      confidence_threshold=0.5, temperature=0.0, output_dir=None, **FAST)
+    assert report["dataset"] == "custom" and report["task"] == "code" and "boxed_rate" not in report["metrics"]
+    assert report["generation"]["remasking_strategy"] == "low_confidence_dynamic"
+    assert report["metrics"]["accuracy"] == 0.0 and report["metrics"]["pass@1"] == 0.0
+
+
+def test_errors_are_clear(tmp_path, model_and_tokenizer):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_eval_problems(str(tmp_path / "missing.jsonl"))
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text(json.dumps({"instruction": "x", "output": "y"}) + "\n")
+    with pytest.raises(ValueError, match="unknown dataset format"):
+        load_eval_problems(str(odd))
+    with pytest.raises(ValueError, match="unknown dataset 'no_such_benchmark'"):
+        load_eval_problems("no_such_benchmark")
+    csv = tmp_path / "data.csv"
+    csv.write_text("problem,answer\n1+1,2\n")
+    with pytest.raises(ValueError, match="unsupported dataset file"):
+        load_eval_problems(str(csv))
+    no_gold = tmp_path / "no_gold.jsonl"
+    no_gold.write_text(json.dumps({"problem": "1+1?", "answer": ""}) + "\n")
+    with pytest.raises(ValueError, match="no usable gold answer"):
+        load_eval_problems(str(no_gold))
+    model, tokenizer = model_and_tokenizer
+    with pytest.raises(ValueError, match="pass@k"):
+        evaluate(EvalConfig(num_samples=2, pass_k=[4]), model=model, tokenizer=tokenizer)
+    with pytest.raises(TypeError, match="unknown arguments"):
+        evaluate(model=model, tokenizer=tokenizer, num_sample=2)
+    with pytest.raises(ValueError, match="denoising_steps"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), block_length=2, denoising_steps=4)
+
+
+def test_cli_dispatch_and_errors(capsys):
+    assert main([]) == 2
+    assert main(["no-such-command"]) == 2 and "unknown command" in capsys.readouterr().err
+    assert main(["eval", "--dataset", "/nonexistent/data.jsonl", "--progress", "false"]) == 2
+    assert "dataset file not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--help"])
+    assert exit_info.value.code == 0 and "--remasking_strategy" in capsys.readouterr().out
+
+
+def test_cli_entry_point_subprocess(model_and_tokenizer, tmp_path):
+    model, tokenizer = model_and_tokenizer
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    script = Path(sys.executable).with_name("trl-diffusion")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "trl_diffusion.cli"]
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*command, "eval", "--model_name_or_path", str(tmp_path / "model"), "--dataset", str(CODE_TESTS),
+         "--num_samples", "2", "--max_new_tokens", "4", "--block_length", "4", "--temperature", "1.0",
+         "--output_dir", str(out), "--progress", "false", "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["num_problems"] == 2 and report["metrics"]["pass@2"] == 0.0
+    assert len((out / "model__code_tests_sample.jsonl").read_text().splitlines()) == 4

@@ -1,0 +1,69 @@
+"""Training callbacks and training-curve plots shared by the examples and scripts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import TrainerCallback
+
+from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
+
+
+class HeldOutAccuracyCallback(TrainerCallback):
+    """Greedy held-out accuracy on arithmetic problems every ``every`` optimizer steps, logged as
+    ``eval/held_out_accuracy`` (through the trainer's log, so it reaches ``report_to``) and kept in ``curve``."""
+
+    def __init__(self, model, tokenizer, problems: list[ArithmeticProblem], every: int, **generate_kwargs):
+        self.model, self.tokenizer, self.problems, self.every = model, tokenizer, problems, every
+        self.generate_kwargs = generate_kwargs
+        self.curve: list[tuple[int, float]] = []
+
+    def measure(self, step: int) -> float:
+        accuracy = evaluate_accuracy(self.model, self.tokenizer, self.problems, **self.generate_kwargs)
+        self.curve.append((step, round(accuracy, 4)))
+        print(json.dumps({"step": step, "held_out_accuracy": round(accuracy, 4)}), flush=True)
+        return accuracy
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if not self.curve:
+            self.measure(state.global_step)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.every and state.global_step % self.every == 0:
+            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": self.measure(
+                state.global_step)})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.curve[-1][0] != state.global_step:
+            accuracy = self.measure(state.global_step)
+            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": accuracy})
+
+
+def save_training_curves(log_history: list[dict], path: str | Path, keys: list[str], title: str = "") -> Path | None:
+    """One PNG with a panel per logged key (e.g. reward, held-out accuracy, tokens per step) against the step.
+    Keys that were never logged are skipped; returns the path, or None when nothing was logged."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series = {k: [(h["step"], h[k]) for h in log_history if k in h and "step" in h] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return None
+    fig, axes = plt.subplots(1, len(series), figsize=(4 * len(series), 3.2), squeeze=False)
+    for ax, (key, points) in zip(axes[0], series.items()):
+        steps, values = zip(*points)
+        ax.plot(steps, values, marker="o", markersize=3)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,246 @@
+"""Benchmark loaders: Hub names, local json / jsonl / parquet files and the synthetic arithmetic task, all turned into
+one :class:`EvalProblem` list. The format of a file or Hub dataset is detected from its columns (:data:`FORMATS`)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..rewards import build_tests, extract_gold_answer
+
+__all__ = [
+    "FORMATS",
+    "HUB_DATASETS",
+    "LOCAL_EXTENSIONS",
+    "MATH_PROMPT",
+    "EvalProblem",
+    "detect_format",
+    "load_eval_problems",
+    "problems_from_rows",
+]
+
+MATH_PROMPT = "{question}\nPlease reason step by step, and put your final answer within \\boxed{}."
+"""TraDo's math prompt (dLLM-RL sample scripts), as the user turn of the chat template."""
+CODE_PROMPT = "{question}\n\nWrite a Python solution and put the complete code in one ```python``` code block."
+STDIO_PROMPT = (
+    "{question}\n\nWrite a Python program that reads the input from standard input and prints the answer to standard "
+    "output. Put the complete program in one ```python``` code block."
+)
+FUNCTION_PROMPT = (
+    "Complete the following Python function.\n```python\n{question}```\n"
+    "Return the complete function, with any imports it needs, in one ```python``` code block."
+)
+ARITHMETIC_PROMPT = "{question}"
+
+HUB_DATASETS: dict[str, tuple[str, str | None, str]] = {
+    "math500": ("HuggingFaceH4/MATH-500", None, "test"),
+    "gsm8k": ("openai/gsm8k", "main", "test"),
+    "aime2024": ("HuggingFaceH4/aime_2024", None, "train"),
+    "humaneval": ("openai/openai_humaneval", None, "test"),
+    "mbpp": ("google-research-datasets/mbpp", "full", "test"),
+}
+"""Short name -> (Hub repo, config, split)."""
+LOCAL_EXTENSIONS = (".json", ".jsonl", ".parquet")
+
+FORMATS: dict[str, str] = {
+    "humaneval": "prompt + test + entry_point (HumanEval): complete the function, run check(entry_point)",
+    "code_tests": "question + test_method (+ test_list | test_input/test_output, prefix) (dLLM-RL / LiveCodeBench)",
+    "mbpp": "text or prompt + test_list (MBPP): assert statements",
+    "problem_answer": "problem + answer (MATH-500, AIME): math, gold = answer",
+    "question_answer": "question + answer, optionally '... #### 18' (GSM8K): math",
+    "question_ground_truth": "question + ground_truth_answer (dLLM-RL math): math",
+}
+"""Formats recognised from the columns, checked in this order."""
+
+
+@dataclass
+class EvalProblem:
+    """One benchmark problem, ready to prompt and score.
+
+    ``task`` is ``"math"`` (``answer`` holds the gold answer as the math reward reads it) or ``"code"`` (``tests``:
+    snippets run in the program's namespace; ``prefix`` goes before the model's code; ``stdio``: each test feeds
+    stdin to the program and compares stdout). ``prompt`` is the user turn, instruction included.
+    """
+
+    id: str
+    prompt: str
+    task: str
+    answer: str | None = None
+    tests: list[str] = field(default_factory=list)
+    prefix: str = ""
+    stdio: bool = False
+
+
+def detect_format(columns: Iterable[str]) -> str:
+    """Name of the first format in :data:`FORMATS` whose columns are all present (names compared in lower case)."""
+    cols = {c.lower() for c in columns}
+    if {"prompt", "test", "entry_point"} <= cols:
+        return "humaneval"
+    if {"question", "test_method"} <= cols:
+        return "code_tests"
+    if "test_list" in cols and cols & {"text", "prompt"}:
+        return "mbpp"
+    if {"problem", "answer"} <= cols:
+        return "problem_answer"
+    if {"question", "answer"} <= cols:
+        return "question_answer"
+    if {"question", "ground_truth_answer"} <= cols:
+        return "question_ground_truth"
+    known = "\n".join(f"  {name}: {text}" for name, text in FORMATS.items())
+    raise ValueError(f"unknown dataset format: columns {sorted(cols)} match none of the known formats:\n{known}")
+
+
+def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | None = None) -> list[EvalProblem]:
+    """Detect the format of ``rows`` and convert every row; raises if a row has no gold answer or no tests."""
+    if not rows:
+        raise ValueError("the dataset has no rows.")
+    rows = [{str(k).lower(): v for k, v in row.items()} for row in rows]
+    fmt = detect_format(rows[0])
+    problems = [_convert(fmt, row, index, prompt_template) for index, row in enumerate(rows)]
+    bad = [p.id for p in problems if (p.answer is None if p.task == "math" else not p.tests)]
+    if bad:
+        what = "gold answer" if problems[0].task == "math" else "tests"
+        raise ValueError(f"{len(bad)} row(s) of format {fmt!r} have no usable {what}, e.g. ids {bad[:5]}.")
+    return problems
+
+
+def load_eval_problems(
+    dataset: str,
+    config: str | None = None,
+    split: str | None = None,
+    max_problems: int | None = None,
+    prompt_template: str | None = None,
+) -> tuple[str, list[EvalProblem]]:
+    """Load ``dataset`` (a short name, ``arithmetic``, a local file, or a Hub ``owner/name``); return (tag, problems).
+
+    ``tag`` is a short file-name-safe name of the dataset, used for output files.
+    """
+    if max_problems is not None and max_problems <= 0:
+        raise ValueError(f"max_problems must be positive, got {max_problems}.")
+    name = dataset.strip()
+    if name.lower() == "arithmetic":
+        problems = _arithmetic_problems(prompt_template)
+        tag = "arithmetic"
+    else:
+        rows, tag = _load_rows(name, config, split)
+        problems = problems_from_rows(rows[:max_problems], prompt_template)
+    return tag, problems[:max_problems]
+
+
+def _load_rows(name: str, config: str | None, split: str | None) -> tuple[list[dict], str]:
+    path = Path(name).expanduser()
+    if path.suffix.lower() in LOCAL_EXTENSIONS or path.exists():
+        return _read_local(path), path.stem
+    if name.lower() in HUB_DATASETS:
+        repo, default_config, default_split = HUB_DATASETS[name.lower()]
+        return _read_hub(repo, config or default_config, split or default_split), name.lower()
+    if name.count("/") == 1 and not name.startswith((".", "/", "~")):
+        return _read_hub(name, config, split or "test"), name.replace("/", "__")
+    raise ValueError(
+        f"unknown dataset {name!r}: use one of {sorted(HUB_DATASETS) + ['arithmetic']}, a local "
+        f"{'/'.join(LOCAL_EXTENSIONS)} file, or a Hub dataset id 'owner/name'."
+    )
+
+
+def _read_local(path: Path) -> list[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"dataset file not found: {path}")
+    suffix = path.suffix.lower()
+    if suffix not in LOCAL_EXTENSIONS:
+        raise ValueError(f"unsupported dataset file {path}: expected one of {LOCAL_EXTENSIONS}.")
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is neither JSON nor JSON lines: {exc}") from None
+    if isinstance(data, dict):  # {"rows": [...]} or one object per line stored as a single object
+        lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+        data = lists[0] if len(lists) == 1 else [data]
+    if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
+        raise ValueError(f"{path} must hold a list of JSON objects (one per problem).")
+    return data
+
+
+def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:
+    from datasets import load_dataset
+
+    try:
+        data = load_dataset(repo, config, split=split)
+    except Exception as exc:
+        raise ValueError(f"could not load Hub dataset {repo!r} (config={config!r}, split={split!r}): {exc}") from exc
+    return data.to_list()
+
+
+def _convert(fmt: str, row: dict, index: int, template: str | None) -> EvalProblem:
+    pid = str(row.get("task_id", row.get("id", row.get("unique_id", index))))
+    if fmt == "humaneval":
+        tests = build_tests(test=row["test"], entry_point=row["entry_point"]) or []
+        return EvalProblem(pid, _fill(template or FUNCTION_PROMPT, row["prompt"]), "code", tests=tests,
+                           prefix=row["prompt"])
+    if fmt == "mbpp":
+        text = row.get("text") or row.get("prompt") or ""
+        tests = build_tests(tests=row["test_list"]) or []
+        question = f"{text}\nYour code should pass these tests:\n" + "\n".join(tests)
+        imports = row.get("test_imports") or []
+        prefix = "\n".join([*imports, row.get("test_setup_code") or ""]).strip()
+        return EvalProblem(pid, _fill(template or CODE_PROMPT, question), "code", tests=tests, prefix=prefix)
+    if fmt == "code_tests":
+        return _code_tests_problem(pid, row, template)
+    question = row["problem"] if fmt == "problem_answer" else row["question"]
+    gold = row["ground_truth_answer"] if fmt == "question_ground_truth" else row["answer"]
+    answer = extract_gold_answer(answer=gold)
+    return EvalProblem(pid, _fill(template or MATH_PROMPT, question), "math", answer=answer)
+
+
+def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProblem:
+    """dLLM-RL's code schema: ``test_method`` ``function`` (``test_list`` asserts, ``prefix``) or ``stdio``."""
+    method = str(row["test_method"]).lower()
+    if method == "function":
+        tests = build_tests(tests=row.get("test_list")) or []
+        return EvalProblem(pid, _fill(template or CODE_PROMPT, row["question"]), "code", tests=tests,
+                           prefix=row.get("prefix") or "")
+    if method == "stdio":
+        inputs, outputs = _as_list(row.get("test_input")), _as_list(row.get("test_output"))
+        if len(inputs) != len(outputs):
+            raise ValueError(f"problem {pid}: {len(inputs)} test inputs but {len(outputs)} outputs.")
+        tests = [f"assert _stdio_check({i!r}, {o!r})" for i, o in zip(inputs, outputs)]
+        return EvalProblem(pid, _fill(template or STDIO_PROMPT, row["question"]), "code", tests=tests, stdio=True)
+    raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
+
+
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            decoded = None
+        value = decoded if isinstance(decoded, list) else [value]
+    return [str(v) for v in (value or [])]
+
+
+def _fill(template: str, question: str) -> str:
+    """Put the question where ``{question}`` is; every other character of the template is kept as written."""
+    if "{question}" not in template:
+        raise ValueError(f"prompt_template must contain '{{question}}', got {template!r}.")
+    return template.replace("{question}", question)
+
+
+def _arithmetic_problems(template: str | None) -> list[EvalProblem]:
+    """The held-out split of the task the embedded model was trained on (``trl_diffusion.assets.EMBEDDED_TASK``)."""
+    from ..assets import EMBEDDED_TASK
+    from ..data import make_problems
+
+    _, test = make_problems(**EMBEDDED_TASK)
+    template = template or ARITHMETIC_PROMPT
+    return [EvalProblem(f"arithmetic/{i}", _fill(template, p.prompt), "math", answer=str(p.answer))
+            for i, p in enumerate(test)]

@@ -1,0 +1,429 @@
+"""The evaluation loop: prompts through the chat template, ``model.generate`` in left-padded batches, scoring with the
+rewards (math-verify; sandboxed code execution), metrics (accuracy, unbiased pass@k, length, tokens per step,
+throughput) and a per-sample JSONL file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..rewards import MathAccuracyReward, SandboxLimits, extract_code, last_boxed_content, run_tests
+from .datasets import EvalProblem, load_eval_problems, problems_from_rows
+
+__all__ = ["EvalConfig", "evaluate", "pass_at_k", "score_completions"]
+
+logger = logging.getLogger(__name__)
+
+_GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_strategy", "confidence_threshold",
+                    "temperature", "top_k", "top_p", "use_cache", "stop_token_ids", "steps", "alg", "alg_temp", "eps",
+                    "cfg_scale")
+_DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
+_CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
+
+
+def _arg(default: Any, help: str, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass
+class EvalConfig:
+    """Arguments of ``trl-diffusion eval`` and :func:`evaluate`. Generation flags left at ``None`` come from the
+    model's ``generation_config``, then the family defaults (see ``docs/generation.md``)."""
+
+    model_name_or_path: str | None = _arg(None, "Model path or Hub id (default: the embedded tiny model).")
+    tokenizer_name_or_path: str | None = _arg(None, "Tokenizer path or Hub id (default: the model's).")
+    dtype: str = _arg("auto", "Weights dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32.",
+                      choices=["auto", "bfloat16", "float16", "float32"])
+    device: str | None = _arg(None, "Device, e.g. cuda:0 or cpu (default: cuda if available).")
+    dataset: str = _arg("arithmetic", "math500, gsm8k, aime2024, humaneval, mbpp, arithmetic, a local "
+                        ".json/.jsonl/.parquet file, or a Hub dataset id owner/name (format detected from columns).")
+    dataset_config: str | None = _arg(None, "Hub dataset config (default: the short name's, else none).")
+    dataset_split: str | None = _arg(None, "Hub dataset split (default: the short name's, else 'test').")
+    max_problems: int | None = _arg(None, "Evaluate only the first N problems.")
+    num_samples: int = _arg(1, "Completions per problem (n); accuracy is the mean over all of them.")
+    pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
+    batch_size: int = _arg(16, "Sequences per generate() call.")
+    seed: int = _arg(0, "Seed of the sampling generator.")
+    prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task).")
+    system_prompt: str | None = _arg(None, "Optional system message.")
+    apply_chat_template: bool = _arg(True, "Wrap the prompt in the tokenizer's chat template.")
+    start_with_think: bool = _arg(False, "Append <think> after the generation prompt (long-CoT models).")
+    max_new_tokens: int | None = _arg(None, "Tokens to generate per completion.")
+    block_length: int | None = _arg(None, "Tokens per block.")
+    denoising_steps: int | None = _arg(None, "Denoising steps per block (<= block_length).")
+    remasking_strategy: str | None = _arg(None, "sequential, low_confidence_static, low_confidence_dynamic, random, "
+                                          "topk_margin, entropy or origin.")
+    confidence_threshold: float | None = _arg(None, "Threshold of low_confidence_dynamic.")
+    temperature: float | None = _arg(None, "Sampling temperature (0 = greedy).")
+    top_k: int | None = _arg(None, "Top-k filtering (0 or none = off).")
+    top_p: float | None = _arg(None, "Top-p filtering.")
+    use_cache: str | None = _arg(None, "KV cache: true (SDAR exact), false, prefix or dual (LLaDA/Dream).")
+    stop_token_ids: list[int] | None = _arg(None, "Token ids that end a completion (default: the model's eos).")
+    steps: int | None = _arg(None, "Dream: total denoising steps over the whole generation.")
+    alg: str | None = _arg(None, "Dream: origin, maskgit_plus, topk_margin or entropy.")
+    alg_temp: float | None = _arg(None, "Dream: confidence temperature.")
+    eps: float | None = _arg(None, "Dream: final mask ratio of the linspace schedule.")
+    cfg_scale: float | None = _arg(None, "LLaDA classifier-free guidance scale.")
+    code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox.")
+    code_memory_mb: int = _arg(1024, "Address-space limit of a code sandbox, MiB.")
+    code_workers: int = _arg(4, "Code sandboxes run concurrently.")
+    output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
+                                  "(empty: write nothing).")
+    progress: bool = _arg(True, "Show a progress bar.")
+
+    def generate_kwargs(self, dataset_tag: str | None = None) -> dict[str, Any]:
+        """The ``model.generate`` arguments that were set (dataset defaults fill the rest for ``arithmetic``)."""
+        kwargs = {name: getattr(self, name) for name in _GENERATE_FIELDS if getattr(self, name) is not None}
+        if "use_cache" in kwargs:
+            value = str(kwargs["use_cache"]).lower()
+            if value not in _CACHE_VALUES:
+                raise ValueError(f"use_cache must be one of {sorted(_CACHE_VALUES)}, got {kwargs['use_cache']!r}.")
+            kwargs["use_cache"] = _CACHE_VALUES[value]
+        return {**_DATASET_GENERATION_DEFAULTS.get(dataset_tag or "", {}), **kwargs}
+
+    def resolved_pass_k(self) -> list[int]:
+        """The k values to report; raises if one is outside ``[1, num_samples]``."""
+        if self.num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {self.num_samples}.")
+        ks = sorted(set(self.pass_k or {1, self.num_samples}))
+        bad = [k for k in ks if not 1 <= k <= self.num_samples]
+        if bad:
+            raise ValueError(f"pass@k needs 1 <= k <= num_samples ({self.num_samples}); got k={bad}.")
+        return ks
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: ``1 - C(n-c, k) / C(n, k)`` (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}.")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Scoring
+# --------------------------------------------------------------------------------------------------------------------
+
+_STDIO_HARNESS = '''import io as _io
+import sys as _sys
+
+_SOLUTION = compile({source!r}, "<solution>", "exec")
+
+
+def _stdio_check(stdin_text, expected):
+    real_in, real_out = _sys.stdin, _sys.stdout
+    out = _io.TextIOWrapper(_io.BytesIO(), encoding="utf-8")
+    _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
+    _sys.stdout = out
+    try:
+        try:
+            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": __builtins__}})
+        except SystemExit:
+            pass
+        out.flush()
+    finally:
+        _sys.stdin, _sys.stdout = real_in, real_out
+    return out.buffer.getvalue().decode("utf-8", "replace").split() == expected.split()
+'''
+"""Runs a stdin/stdout program once per test; outputs are compared token by token (whitespace normalised)."""
+
+
+def score_completions(
+    problems: list[EvalProblem],
+    completions: list[str],
+    limits: SandboxLimits | None = None,
+    workers: int = 4,
+    math_reward: MathAccuracyReward | None = None,
+) -> list[dict[str, Any]]:
+    """Score ``completions[i]`` against ``problems[i]``. Each result has ``reward`` (1.0 / 0.0, or ``None`` when
+    the gold answer cannot be parsed) and details: ``prediction`` (math: last boxed answer) or ``tests_passed`` /
+    ``tests_total`` / ``status`` / ``errors`` (code)."""
+    if len(problems) != len(completions):
+        raise ValueError(f"{len(problems)} problems but {len(completions)} completions.")
+    results: list[dict[str, Any]] = [{} for _ in problems]
+    math_idx = [i for i, p in enumerate(problems) if p.task == "math"]
+    code_idx = [i for i, p in enumerate(problems) if p.task == "code"]
+    if math_idx:
+        reward = math_reward or MathAccuracyReward()
+        scores = reward([completions[i] for i in math_idx], answer=[problems[i].answer for i in math_idx])
+        for i, score in zip(math_idx, scores):
+            pred = last_boxed_content(completions[i])
+            results[i] = {"reward": score, "gold": problems[i].answer, "prediction": pred}
+    if code_idx:
+        limits = limits or SandboxLimits()
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(code_idx)))) as pool:
+            scored = pool.map(lambda i: _score_code(problems[i], completions[i], limits), code_idx)
+            for i, result in zip(code_idx, scored):
+                results[i] = result
+    return results
+
+
+def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits) -> dict[str, Any]:
+    """Run the completion's last Python block (the code reward's extraction) and the tests in the sandbox."""
+    code = extract_code(completion)
+    if code is None:
+        return {"reward": 0.0, "status": "no_code", "tests_passed": 0, "tests_total": len(problem.tests), "errors": []}
+    if problem.stdio:
+        program = _STDIO_HARNESS.format(source=code)
+    else:
+        program = f"{problem.prefix}\n{code}" if problem.prefix else code
+    result = run_tests(program, problem.tests, limits)
+    return {"reward": float(result.all_passed), "status": result.status, "tests_passed": result.passed,
+            "tests_total": result.total, "errors": result.errors[:3]}
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# Model, prompts, generation
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def default_model_path() -> str:
+    """The embedded tiny model, if this installation ships it."""
+    from ..assets import EMBEDDED_MODEL
+
+    if not Path(EMBEDDED_MODEL, "config.json").exists():
+        raise ValueError(f"no model given and the embedded model is not installed at {EMBEDDED_MODEL}; "
+                         "pass --model_name_or_path.")
+    return str(EMBEDDED_MODEL)
+
+
+def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
+    """Load the model (``AutoModelForCausalLM``; families registered by ``import trl_diffusion``) and tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = config.model_name_or_path or default_model_path()
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path or path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    return model.to(device).eval(), tokenizer
+
+
+def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> str:
+    """The text fed to the model: the chat template with a generation prompt (or the raw prompt)."""
+    if not config.apply_chat_template:
+        text = problem.prompt
+    else:
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError("the tokenizer has no chat template; pass --apply_chat_template false for a base model.")
+        messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+        messages.append({"role": "user", "content": problem.prompt})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text + "<think>" if config.start_with_think else text
+
+
+def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[str, int]:
+    """Decode up to the first stop or special token; return (text, length in tokens)."""
+    end = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
+    return tokenizer.decode(tokens[:end]), end
+
+
+# --------------------------------------------------------------------------------------------------------------------
+# The loop
+# --------------------------------------------------------------------------------------------------------------------
+
+
+def evaluate(
+    config: EvalConfig | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    dataset: Any = None,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Evaluate a diffusion model on a benchmark; return the report (also written to ``output_dir``).
+
+    ``config`` fields can be overridden by keyword (``evaluate(dataset="gsm8k", num_samples=4)``). ``model`` is a
+    loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
+    ``EvalConfig.dataset``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
+    known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics``
+    (``accuracy``, ``pass@k``..., ``avg_length``, ``tokens_per_step``, ``throughput_tokens_per_s``,
+    ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the
+    resolved sampler settings), ``samples_file``, ``metrics_file``.
+    """
+    config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
+    ks = config.resolved_pass_k()
+    tag, problems = _problems(config, dataset)
+    if model is None or isinstance(model, (str, Path)):
+        model, loaded_tokenizer = load_model_and_tokenizer(config)
+        tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
+    if tokenizer is None:
+        raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
+    settings = _check_model(model, tokenizer, config.generate_kwargs(tag))
+    if config.num_samples > 1 and settings.temperature == 0 and settings.remasking_strategy != "random":
+        logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
+                       config.num_samples)
+    model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
+    samples_path = _output_path(config.output_dir, model_name, tag)
+    rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path)
+    report = {
+        "model": model_name,
+        "dataset": tag,
+        "task": problems[0].task,
+        "num_problems": len(problems),
+        "num_samples": config.num_samples,
+        "metrics": _metrics(rows, problems, config.num_samples, ks),
+        "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
+        "samples_file": str(samples_path) if samples_path else None,
+        "metrics_file": None,
+    }
+    report["metrics"].update(_speed(rows, seconds, forward_passes))
+    if samples_path is not None:
+        metrics_path = samples_path.with_suffix(".metrics.json")
+        report["metrics_file"] = str(metrics_path)
+        metrics_path.write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
+    names = {f.name for f in dataclasses.fields(EvalConfig)}
+    unknown = sorted(set(overrides) - names)
+    if unknown:
+        raise TypeError(f"evaluate() got unknown arguments {unknown}; EvalConfig fields are {sorted(names)}.")
+    if isinstance(model, (str, Path)):
+        overrides["model_name_or_path"] = str(model)
+    if isinstance(dataset, (str, Path)):
+        overrides["dataset"] = str(dataset)
+    return overrides
+
+
+def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem]]:
+    if dataset is None or isinstance(dataset, (str, Path)):
+        return load_eval_problems(config.dataset, config.dataset_config, config.dataset_split, config.max_problems,
+                                  config.prompt_template)
+    rows = list(dataset)
+    problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
+    if not problems:
+        raise ValueError("the dataset has no problems.")
+    return "custom", problems[: config.max_problems]
+
+
+def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:
+    """Raise early for a model without diffusion ``generate`` or with bad generation settings."""
+    from ..generation import DiffusionGenerationMixin
+    from ..models import check_tokenizer
+
+    if not isinstance(model, DiffusionGenerationMixin):
+        raise ValueError(f"{type(model).__name__} is not a trl_diffusion model (SDAR / LLaDA / Dream).")
+    check_tokenizer(tokenizer, model)
+    settings, _ = model._resolve_settings(dict(generate_kwargs))
+    settings.validate()
+    return settings
+
+
+def _output_path(output_dir: str | None, model_name: str, tag: str) -> Path | None:
+    if not output_dir:
+        return None
+    model_tag = Path(model_name.rstrip("/")).name or "model"
+    path = Path(output_dir) / f"{model_tag}__{tag}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@torch.no_grad()
+def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalConfig, tag: str,
+         samples_path: Path | None) -> tuple[list[dict[str, Any]], float, int]:
+    """Generate ``num_samples`` completions per problem, score them and stream the rows to ``samples_path``.
+    Returns the rows (in problem, sample order), the seconds spent in ``generate`` and its forward passes."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    kwargs = config.generate_kwargs(tag)
+    settings, _ = model._resolve_settings(dict(kwargs))
+    stop_ids = set(settings.stop_token_ids) | set(tokenizer.all_special_ids)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.pad_token_id
+    prompts = [format_prompt(tokenizer, p, config) for p in problems]
+    add_special = not config.apply_chat_template
+    prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
+    work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
+                  key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
+    limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb)
+    generator = torch.Generator(device=device).manual_seed(config.seed)
+    math_reward = MathAccuracyReward()
+    rows: list[dict[str, Any]] = []
+    seconds, forward_passes = 0.0, 0
+    handle = samples_path.open("w", encoding="utf-8") if samples_path else None
+    bar = tqdm(total=len(work), unit="sample", desc=f"eval {tag}", disable=not config.progress)
+    try:
+        for start in range(0, len(work), config.batch_size):
+            batch = work[start: start + config.batch_size]
+            ids, mask = _left_pad([prompt_ids[i] for i, _ in batch], pad_id, device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            out = model.generate(ids, attention_mask=mask, generator=generator, return_dict_in_generate=True,
+                                 **kwargs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds += time.perf_counter() - began
+            forward_passes += int(out.num_forward_passes or 0)
+            decoded = [_completion(tokenizer, row[ids.shape[1]:].tolist(), stop_ids) for row in out.sequences]
+            scores = score_completions([problems[i] for i, _ in batch], [t for t, _ in decoded], limits,
+                                       config.code_workers, math_reward)
+            for j, ((i, s), (text, length), score) in enumerate(zip(batch, decoded, scores)):
+                row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
+                       "length": length, "tokens_per_step": float(out.tokens_per_step[j]),
+                       "denoising_steps": int(out.denoising_steps[j]), **score,
+                       "correct": None if score["reward"] is None else score["reward"] == 1.0}
+                rows.append(row)
+                if handle:
+                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+            bar.update(len(batch))
+            bar.set_postfix(acc=f"{_mean([r['reward'] for r in rows if r['reward'] is not None]):.3f}")
+    finally:
+        bar.close()
+        if handle:
+            handle.close()
+    return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def _metrics(rows: list[dict], problems: list[EvalProblem], n: int, ks: list[int]) -> dict[str, Any]:
+    """Accuracy over scored samples, unbiased pass@k over problems whose n samples were all scored."""
+    scored = [r["reward"] for r in rows if r["reward"] is not None]
+    unscored = len(rows) - len(scored)
+    if unscored:
+        logger.warning("%d of %d samples could not be scored (gold answer not parseable); they are left out.",
+                       unscored, len(rows))
+    metrics: dict[str, Any] = {"accuracy": _mean(scored), "num_scored": len(scored), "num_unscored": unscored}
+    per_problem: dict[int, list[dict]] = {}
+    for r in rows:
+        per_problem.setdefault(r["index"], []).append(r)
+    complete = [rs for rs in per_problem.values() if all(r["reward"] is not None for r in rs)]
+    for k in ks:
+        metrics[f"pass@{k}"] = _mean([pass_at_k(n, sum(bool(r["correct"]) for r in rs), k) for rs in complete])
+    metrics["avg_length"] = _mean([r["length"] for r in rows])
+    if problems[0].task == "math":
+        metrics["boxed_rate"] = _mean([float(bool(r.get("prediction"))) for r in rows])
+    return metrics
+
+
+def _speed(rows: list[dict], seconds: float, forward_passes: int) -> dict[str, float]:
+    """Mean tokens per denoising step, and completion tokens (up to the stop token) per second of ``generate``."""
+    tokens = sum(r["length"] for r in rows)
+    return {"tokens_per_step": _mean([r["tokens_per_step"] for r in rows]), "generation_seconds": seconds,
+            "throughput_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "num_forward_passes": forward_passes}
