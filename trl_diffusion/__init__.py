@@ -14,6 +14,7 @@ from .models import (
 register_models()
 
 from .trainers import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer  # noqa: E402
+from .value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer  # noqa: E402
 
 __version__ = "0.1.0.dev0"
 
@@ -21,6 +22,9 @@ __all__ = [
     "DiffusionCache",
     "DiffusionSFTConfig",
     "DiffusionSFTTrainer",
+    "DiffusionValueConfig",
+    "DiffusionValueModel",
+    "DiffusionValueTrainer",
     "DreamConfig",
     "DreamModel",
     "LLaDAConfig",

@@ -19,7 +19,9 @@ class TraceRLConfig(GRPOConfig):
       `confidence_threshold`, `use_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_token_budget` and the estimators' masking ratios),
-    * `dynamic_group_filtering`.
+    * `dynamic_group_filtering`,
+    * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
+      `value_train_every`), used only when the trainer is given a `value_model`.
     """
 
     block_length: int = field(default=4, metadata={"help": "Rollout block length (tokens per block)."})
@@ -73,6 +75,29 @@ class TraceRLConfig(GRPOConfig):
                   "anchors do; the fraction dropped is logged as `filtered_groups`."},
     )
 
+    gamma: float = field(
+        default=1.0,
+        metadata={"help": "Value model: discount factor over merged denoising steps (TRL PPO's `gamma`)."},
+    )
+    lam: float = field(
+        default=1.0,
+        metadata={"help": "Value model: GAE lambda over merged denoising steps (TRL PPO's `lam`). With gamma = lam "
+                  "= 1 a token's advantage is R - V_j."},
+    )
+    cliprange_value: float = field(
+        default=0.2,
+        metadata={"help": "Value model: clip range of the value loss 0.5 * max((V - R)^2, (V_clip - R)^2), "
+                  "V_clip = V_old + clip(V - V_old, -cliprange_value, cliprange_value)."},
+    )
+    value_learning_rate: float = field(
+        default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer."}
+    )
+    value_train_every: int = field(
+        default=1,
+        metadata={"help": "Value model: train it on every k-th generation batch (1 = every one). Advantages always "
+                  "come from the value model as it was before that batch's update."},
+    )
+
     def __post_init__(self):
         super().__post_init__()
         if self.remasking_strategy not in REMASKING_STRATEGIES:
@@ -90,6 +115,13 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.step_normalization not in ("step", "sequence"):
             raise ValueError(f"step_normalization must be 'step' or 'sequence', got {self.step_normalization!r}.")
+        if not self.cliprange_value > 0:
+            raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
+        if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
+            raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
+        if not self.value_learning_rate > 0 or self.value_train_every < 1:
+            raise ValueError("need value_learning_rate > 0 and value_train_every >= 1, got "
+                             f"{self.value_learning_rate} and {self.value_train_every}.")
         if not self.temperature > 0:
             raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
         if self.use_vllm or self.use_transformers_continuous_batching:

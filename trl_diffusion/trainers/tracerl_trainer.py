@@ -10,13 +10,17 @@ logging, callbacks — is TRL's):
 * the loss mask carries TraceRL's per-step weights (1/|tau(t)|) and, for masking estimators, which tokens were
   scored;
 * optional dynamic group filtering; a frozen copy of the initial policy is the reference model when the policy is
-  given as an object.
+  given as an object;
+* optional ``value_model``: token-wise GAE advantages over merged denoising steps replace GRPO's scalar ones, and
+  the value model trains with its own optimizer on each (k-th) generation batch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
+import os
 
 import torch
 from trl import GRPOTrainer
@@ -26,6 +30,15 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs, step_groups
 from ..models import check_tokenizer
 from ..states import block_index, positions_from_padding
+from ..value import (
+    DiffusionValueModel,
+    clipped_value_loss,
+    outcome_token_rewards,
+    step_gae,
+    summarize_value_statistics,
+    token_values,
+    value_statistics,
+)
 from .tracerl_config import TraceRLConfig
 
 
@@ -50,7 +63,10 @@ def step_weights(groups: torch.Tensor) -> torch.Tensor:
 class TraceRLTrainer(GRPOTrainer):
     """Trajectory-aware RL for diffusion language models (TraceRL, arXiv 2509.06949) on TRL's GRPOTrainer.
 
-    Accepts everything ``GRPOTrainer`` accepts; ``args`` is a :class:`TraceRLConfig`.
+    Accepts everything ``GRPOTrainer`` accepts; ``args`` is a :class:`TraceRLConfig`. ``value_model`` (a
+    :class:`~trl_diffusion.value.DiffusionValueModel` or a path for ``DiffusionValueModel.load``) switches on the
+    value model: per-token advantages (``gamma``, ``lam``) and its own training (``cliprange_value``,
+    ``value_learning_rate``, ``value_train_every``).
     """
 
     _tag_names = ["trl", "trl_diffusion", "tracerl"]
@@ -65,7 +81,7 @@ class TraceRLTrainer(GRPOTrainer):
         ),
     }
 
-    def __init__(self, model, reward_funcs=None, args: TraceRLConfig | None = None, *pos, **kwargs):
+    def __init__(self, model, reward_funcs=None, args: TraceRLConfig | None = None, *pos, value_model=None, **kwargs):
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
@@ -111,6 +127,10 @@ class TraceRLTrainer(GRPOTrainer):
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._rollout_rewards: torch.Tensor | None = None
+        self.value_model = self.value_optimizer = None
+        self._value_batches = 0  # training generation batches seen by the value model
+        if value_model is not None:
+            self._setup_value_model(value_model, base)
 
     # ------------------------------------------------------------------------------------------------ rollouts
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -124,7 +144,10 @@ class TraceRLTrainer(GRPOTrainer):
         first = self.accelerator.process_index * rows
         rollout_step = self.state.global_step
         seeds = torch.tensor([mask_seed(self.args.seed, rollout_step, first + i) for i in range(rows)])
-        generator = torch.Generator(device=device).manual_seed(mask_seed(self.args.seed + 1, rollout_step, first))
+        # one sampling generator per row, keyed like the masks: a row's rollout does not depend on its batch or
+        # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
+        generator = [torch.Generator().manual_seed(mask_seed(self.args.seed + 1, rollout_step, first + i))
+                     for i in range(rows)]
         top_k = self.args.top_k or None
         top_p = self.args.top_p if self.args.top_p < 1.0 else None
         with (
@@ -174,13 +197,17 @@ class TraceRLTrainer(GRPOTrainer):
         completion_width = output["completion_ids"].shape[1]
         weights = self._loss_weights(output["prompt_mask"], scoring)[:, :completion_width]
         weights = _fit_width(weights, completion_width)
+        trainable = output["completion_mask"].bool() & _fit_width(scoring["unmask_step"] >= 0, completion_width)
         mask = output["completion_mask"].float() * weights
         mode = "train" if self.model.training else "eval"
         if self.args.dynamic_group_filtering and self._rollout_rewards is not None:
             keep = self._kept_rows(len(output["completion_ids"]))
             mask = mask * keep[:, None].float()
+            trainable = trainable & keep[:, None]
             self._metrics[mode]["filtered_groups"].append(1.0 - keep.float().mean().item())
         output["completion_mask"] = mask
+        if self.value_model is not None:
+            output["advantages"] = self._value_advantages(output, trainable, mode)
         return output
 
     def _loss_weights(self, prompt_mask: torch.Tensor, scoring: dict) -> torch.Tensor:
@@ -212,6 +239,102 @@ class TraceRLTrainer(GRPOTrainer):
         keep = varied.repeat_interleave(self.num_generations)
         start = self.accelerator.process_index * local_rows
         return keep[start : start + local_rows].to(self.accelerator.device)
+
+    # ------------------------------------------------------------------------------------------------ value model
+    def _setup_value_model(self, value_model, policy) -> None:
+        """Check the value model against the policy, place and prepare it like the policy, give it an optimizer."""
+        if isinstance(value_model, (str, os.PathLike)):
+            value_model = DiffusionValueModel.load(str(value_model))
+        if not isinstance(value_model, DiffusionValueModel):
+            raise TypeError(f"value_model must be a DiffusionValueModel, got {type(value_model).__name__}.")
+        if value_model.mask_token_id != policy.mask_token_id:
+            raise ValueError(f"the value model's mask_token_id ({value_model.mask_token_id}) differs from the "
+                             f"policy's ({policy.mask_token_id}): it must share the policy's tokenizer.")
+        check_tokenizer(self._tokenizer, value_model)
+        if value_model.get_input_embeddings().num_embeddings < len(self._tokenizer):
+            raise ValueError(f"the value model's vocabulary ({value_model.get_input_embeddings().num_embeddings}) is "
+                             f"smaller than the tokenizer's ({len(self._tokenizer)}): it must share the policy's "
+                             "tokenizer.")
+        if value_model.attention_kind != policy.attention_kind:
+            raise ValueError(f"the value model's attention ({value_model.attention_kind}) differs from the policy's "
+                             f"({policy.attention_kind}); use a backbone of the policy's family.")
+        if getattr(self.accelerator, "is_fsdp2", False):
+            raise NotImplementedError("a value model under FSDP2 is not supported yet; use DDP, FSDP1 or DeepSpeed.")
+        args = self.args
+        if args.gradient_checkpointing:
+            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        if args.disable_dropout:
+            disable_dropout_in_model(value_model)
+        self.value_model = self.accelerator.prepare_model(value_model)
+        params = [p for p in self.value_model.parameters() if p.requires_grad]
+        self.value_optimizer = torch.optim.AdamW(params, lr=args.value_learning_rate,
+                                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                                 weight_decay=args.weight_decay)
+
+    def _token_values(self, prompt_ids, prompt_mask, canvas_ids, unmask_step) -> tuple[torch.Tensor, torch.Tensor]:
+        settings, unwrapped = self.estimator_settings, self.accelerator.unwrap_model(self.value_model)
+        return token_values(self.value_model, prompt_ids, prompt_mask, canvas_ids, unmask_step, settings.shrinkage,
+                            settings.block_size, settings.token_budget, unwrapped)
+
+    def _value_advantages(self, output: dict, trainable: torch.Tensor, mode: str) -> torch.Tensor:
+        """``[B, C]`` GAE advantages from the value model as it is now (GRPO's normalised reward is the outcome
+        reward on each response's last step); then, on every ``value_train_every``-th training batch, one value
+        update towards the returns."""
+        width = trainable.shape[1]
+        inputs = (output["prompt_ids"], output["prompt_mask"], output["canvas_ids"], output["unmask_step"])
+        self.value_model.eval()
+        with torch.no_grad():
+            old_values, groups = self._token_values(*inputs)
+        old_values, groups = _fit_width(old_values, width), _fit_width(groups, width)
+        rewards = outcome_token_rewards(output["advantages"], groups, trainable)
+        advantages, returns = step_gae(rewards, old_values, groups, trainable, self.args.gamma, self.args.lam)
+        stats = self.accelerator.gather(value_statistics(old_values, returns, trainable)[None]).sum(0)
+        for name, number in summarize_value_statistics(stats).items():
+            self._metrics[mode][f"value/{name}"].append(number)
+        if mode == "train":
+            if self._value_batches % self.args.value_train_every == 0:
+                loss = self._train_value_model(inputs, old_values, returns, trainable)
+                self._metrics[mode]["value/loss"].append(self.accelerator.gather(loss[None]).mean().item())
+            self._value_batches += 1
+        return advantages.detach()
+
+    def _train_value_model(self, inputs, old_values, returns, mask) -> torch.Tensor:
+        """Clipped value loss over the generation batch: as many optimizer steps as the policy takes per batch
+        (``steps_per_generation // gradient_accumulation_steps``), each averaged over its tokens.
+
+        Under DDP (and for a replicated model accelerate did not wrap, as under DeepSpeed) gradients accumulate
+        locally and are averaged across processes once per step, so a micro-batch may take several forwards."""
+        args, model = self.args, self.value_model
+        params = [p for p in model.parameters() if p.requires_grad]
+        unwrapped = self.accelerator.unwrap_model(model)
+        manual_sync = self.accelerator.num_processes > 1 and (
+            unwrapped is model or isinstance(model, torch.nn.parallel.DistributedDataParallel))
+        rows_all = torch.arange(old_values.shape[0], device=old_values.device)
+        updates = rows_all.chunk(max(1, args.steps_per_generation // args.gradient_accumulation_steps))
+        total = torch.zeros((), device=old_values.device)
+        model.train()
+        for rows in updates:
+            tokens = mask[rows].sum().clamp(min=1)
+            pieces = rows.split(args.per_device_train_batch_size)
+            for i, piece in enumerate(pieces):
+                sync_now = i == len(pieces) - 1 and not manual_sync
+                with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
+                    values, _ = self._token_values(*(t[piece] for t in inputs))
+                    values = _fit_width(values, mask.shape[1])
+                    per_token = clipped_value_loss(values, old_values[piece], returns[piece], args.cliprange_value)
+                    loss = (per_token * mask[piece]).sum() / tokens
+                    loss.backward()
+                total = total + loss.detach() / len(updates)
+            if manual_sync:
+                for p in params:
+                    if p.grad is not None:
+                        p.grad = self.accelerator.reduce(p.grad, reduction="mean")
+            if args.max_grad_norm:
+                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+            self.value_optimizer.step()
+            self.value_optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        return total
 
     # ------------------------------------------------------------------------------------------------ scoring
     def _compute_loss(self, model, inputs):

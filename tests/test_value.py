@@ -1,0 +1,274 @@
+"""Diffusion value model: GAE over merged steps, packed state values equal the per-state replay, save/load,
+warm-start fitting, TraceRL with a value model for every family, gradient isolation and bad inputs."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers import BertConfig
+
+from trl_diffusion.states import attention_mask_from_positions, positions_from_padding, state_before_step
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+from trl_diffusion.value import (
+    DiffusionValueConfig,
+    DiffusionValueModel,
+    DiffusionValueTrainer,
+    clipped_value_loss,
+    outcome_token_rewards,
+    step_gae,
+    token_values,
+)
+
+PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
+
+
+def distinct_chars(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def value_model_for(policy, seed=0):
+    """A value model copied from ``policy`` with a random (non-zero) head, so values are informative."""
+    value = DiffusionValueModel.from_policy(policy)
+    with torch.no_grad():
+        value.value_head.weight.copy_(torch.randn(value.value_head.weight.shape,
+                                                  generator=torch.Generator().manual_seed(seed)))
+    return value
+
+
+def make_trainer(tmp_path, family="sdar", value_model=None, policy=None, **overrides):
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
+                  block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
+                  disable_tqdm=True, seed=0, bf16=False, value_learning_rate=1e-2)
+    config.update(overrides)
+    policy = policy if policy is not None else tiny_model(family).train()
+    value_model = value_model if value_model is not None else DiffusionValueModel.from_policy(policy)
+    return TraceRLTrainer(policy, distinct_chars, args=TraceRLConfig(**config),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
+                          value_model=value_model)
+
+
+# ------------------------------------------------------------------------------------------------ GAE
+
+
+def test_gae_equals_a_hand_computed_example():
+    # one response, three merged steps: tau_0 = {0, 1}, tau_1 = {2}, tau_2 = {3, 4}; token 5 is outside the mask
+    groups = torch.tensor([[0, 0, 1, 2, 2, 2]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 0]])
+    values = torch.tensor([[0.2, 0.4, 0.5, 0.6, 1.0, 9.0]])
+    rewards = torch.tensor([[0.0, 0.1, 0.0, 1.0, 2.0, 7.0]])
+    gamma, lam = 0.9, 0.8
+    advantages, returns = step_gae(rewards, values, groups, mask, gamma, lam)
+    # step means: r* = (0.05, 0, 1.5), V* = (0.3, 0.5, 0.8)
+    big_r = [0.05 + 0.9 * (0 + 0.9 * 1.5), 0.9 * 1.5, 1.5]
+    delta = [0.05 - 0.3 + 0.9 * 0.5, 0 - 0.5 + 0.9 * 0.8, 1.5 - 0.8]
+    big_a = [0.0, 0.0, delta[2]]
+    big_a[1] = delta[1] + 0.72 * big_a[2]
+    big_a[0] = delta[0] + 0.72 * big_a[1]
+    expected_returns = [0.0 + 0.9 * big_r[1], 0.1 + 0.9 * big_r[1], 0.0 + 0.9 * big_r[2], 1.0, 2.0, 0.0]
+    expected_adv = [0.0 - 0.2 + 0.9 * 0.5 + 0.72 * big_a[1], 0.1 - 0.4 + 0.9 * 0.5 + 0.72 * big_a[1],
+                    0.0 - 0.5 + 0.9 * 0.8 + 0.72 * big_a[2], 1.0 - 0.6, 2.0 - 1.0, 0.0]
+    assert returns[0].tolist() == pytest.approx(expected_returns, abs=1e-6)
+    assert advantages[0].tolist() == pytest.approx(expected_adv, abs=1e-6)
+    # the step-level recursion is recovered from the token-level one: mean over tau_0 of A_j is A*_0
+    assert advantages[0, :2].mean().item() == pytest.approx(big_a[0], abs=1e-6)
+    assert returns[0, :2].mean().item() == pytest.approx(big_r[0], abs=1e-6)
+
+
+def test_gamma_lam_one_gives_reward_minus_value():
+    torch.manual_seed(0)
+    unmask = torch.randint(-1, 6, (5, 12))
+    groups = torch.where(unmask >= 0, unmask, torch.full_like(unmask, -1))
+    mask = (groups >= 0) & (torch.rand(5, 12) < 0.8)
+    values, reward = torch.randn(5, 12), torch.randn(5)
+    token_rewards = outcome_token_rewards(reward, groups, mask)
+    advantages, returns = step_gae(token_rewards, values, groups, mask, 1.0, 1.0)
+    expected = torch.where(mask, reward[:, None].expand(-1, 12), torch.zeros(()))
+    assert torch.allclose(returns, expected, atol=1e-6)
+    assert torch.allclose(advantages, torch.where(mask, expected - values, torch.zeros(())), atol=1e-5)
+    # lam = 0: one-step TD on every token, A_j = r_j - V_j + V*_next
+    td, _ = step_gae(token_rewards, values, groups, mask, 1.0, 0.0)
+    row = 0
+    steps = sorted(set(groups[row][mask[row]].tolist()))
+    j = int(mask[row].nonzero()[0])
+    following = steps[steps.index(int(groups[row, j])) + 1:]
+    v_next = values[row][mask[row] & (groups[row] == following[0])].mean() if following else torch.tensor(0.0)
+    assert td[row, j].item() == pytest.approx((token_rewards[row, j] - values[row, j] + v_next).item(), abs=1e-5)
+
+
+def test_clipped_value_loss():
+    old, ret = torch.tensor([0.0, 0.0]), torch.tensor([1.0, -1.0])
+    values = torch.tensor([0.5, 0.1])
+    loss = clipped_value_loss(values, old, ret, 0.2)
+    assert loss.tolist() == pytest.approx([0.5 * 0.8**2, 0.5 * 1.1**2])  # clipped (0.2) is worse / unclipped worse
+    with pytest.raises(ValueError, match="cliprange_value"):
+        clipped_value_loss(values, old, ret, 0.0)
+
+
+# ------------------------------------------------------------------------------------------------ the model
+
+
+def rollout(model, prompts=((20, 21, 22, 23, 24, 25, 26), (30, 31, 32), (40, 41, 42, 43, 44)), seed=0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, mask, max_new_tokens=8, block_length=4, denoising_steps=2, stop_token_ids=[],
+                         return_dict_in_generate=True, generator=torch.Generator().manual_seed(seed))
+    return ids, mask, out.sequences[:, width:], out.unmask_step[:, width:]
+
+
+def test_packed_values_equal_per_state_replay(family):
+    policy = tiny_model(family, seed=1)
+    value = value_model_for(policy).eval()
+    ids, mask, completion, steps = rollout(policy)
+    sequences = torch.cat([ids, completion], 1)
+    valid = torch.cat([mask.bool(), torch.ones_like(completion, dtype=torch.bool)], 1)
+    generated = torch.cat([torch.zeros_like(mask, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool)], 1)
+    positions = positions_from_padding(valid)
+    attention = attention_mask_from_positions(positions, positions, valid, 4 if value.block_size else None)
+    committed = steps >= 0
+    for shrinkage in (1, 2):
+        packed, groups = token_values(value, ids, mask, completion, steps, shrinkage=shrinkage, block_size=4)
+        # slow and obvious: one whole-sequence forward per merged step, read at the token's own position
+        full_groups = torch.cat([torch.full_like(ids, -1), groups], 1)
+        slow = torch.zeros_like(sequences, dtype=torch.float32)
+        with torch.no_grad():
+            for g in range(int(groups.max()) + 1):
+                state = state_before_step(sequences, full_groups, generated, g, value.mask_token_id)
+                out = value(input_ids=state, attention_mask=attention, position_ids=positions).value
+                slow = torch.where(full_groups == g, out, slow)
+        assert committed.any() and packed[committed].abs().min() > 0
+        assert (packed - slow[:, ids.shape[1]:])[committed].abs().max() <= 1e-5
+        assert bool((packed[~committed] == 0).all())
+
+
+def test_save_load_round_trip_and_policy_initialisation(tmp_path, family):
+    policy = tiny_model(family, seed=2)
+    value = DiffusionValueModel.from_policy(policy)
+    assert bool((value.value_head.weight == 0).all())  # zero-initialised head
+    for name, tensor in policy.model.state_dict().items():
+        if name in value.model.state_dict():
+            assert torch.equal(tensor, value.model.state_dict()[name])
+            assert tensor.data_ptr() != value.model.state_dict()[name].data_ptr()  # a copy, not shared
+    with torch.no_grad():
+        value.value_head.weight.normal_()
+    value.save_pretrained(tmp_path / "value")
+    loaded = DiffusionValueModel.from_pretrained(tmp_path / "value")
+    assert type(loaded.model) is type(value.model)
+    x = torch.randint(5, 100, (2, 9))
+    assert torch.equal(loaded(input_ids=x).value, value(input_ids=x).value)
+    policy.save_pretrained(tmp_path / "policy")
+    from_path = DiffusionValueModel.load(str(tmp_path / "policy"))  # a policy checkpoint: copy its backbone
+    assert bool((from_path.value_head.weight == 0).all())
+    assert isinstance(DiffusionValueModel.load(str(tmp_path / "value")), DiffusionValueModel)
+    with pytest.raises(ValueError, match="does not match"):  # a policy checkpoint is not a value checkpoint
+        DiffusionValueModel.from_pretrained(tmp_path / "policy")
+
+
+# ------------------------------------------------------------------------------------------------ warm start
+
+
+def test_value_loss_falls_when_the_return_is_predictable_from_the_prompt(tmp_path):
+    tokenizer = build_tokenizer()
+    generator = torch.Generator().manual_seed(0)
+    rows = {"prompt": [], "completion_ids": [], "unmask_step": [], "reward": []}
+    for i in range(64):
+        good = i % 2 == 0
+        rows["prompt"].append("good: add" if good else "bad: sub")
+        rows["completion_ids"].append(torch.randint(10, 100, (8,), generator=generator).tolist())
+        rows["unmask_step"].append(torch.randperm(8, generator=generator).div(2, rounding_mode="floor").tolist())
+        rows["reward"].append(1.0 if good else -1.0)
+    value = DiffusionValueModel.from_policy(tiny_model("llada", seed=3))
+    args = DiffusionValueConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=12,
+                                learning_rate=1e-2, logging_steps=2, report_to="none", save_strategy="no",
+                                use_cpu=True, bf16=False, gradient_checkpointing=False, disable_tqdm=True, seed=0,
+                                shrinkage=2)
+    trainer = DiffusionValueTrainer(value, args=args, train_dataset=Dataset.from_dict(rows),
+                                    processing_class=tokenizer)
+    trainer.train()
+    losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert losses[0] > 0.3  # zero head: 0.5 * 1^2 on every token
+    assert losses[-1] < 0.25 * losses[0]
+    assert trainer.state.log_history[-2]["value/explained_variance"] > 0.5
+    metrics = trainer.evaluate(Dataset.from_dict(rows).select(range(16)))
+    assert metrics["eval_loss"] < 0.25 * losses[0]
+
+
+def test_value_dataset_errors(tmp_path):
+    value = DiffusionValueModel.from_policy(tiny_model("sdar"))
+    args = DiffusionValueConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    missing = Dataset.from_dict({"prompt": ["a"], "completion_ids": [[5]], "reward": [1.0]})
+    with pytest.raises(ValueError, match="unmask_step"):
+        DiffusionValueTrainer(value, args=args, processing_class=build_tokenizer(), train_dataset=missing)
+    bad = Dataset.from_dict({"prompt_ids": [[5]], "completion_ids": [[5, 6]], "unmask_step": [[0]], "reward": [1.0]})
+    with pytest.raises(ValueError, match="same length"):
+        DiffusionValueTrainer(value, args=args, processing_class=build_tokenizer(), train_dataset=bad)
+
+
+# ------------------------------------------------------------------------------------------------ TraceRL
+
+
+def test_tracerl_step_with_a_value_model(tmp_path, family):
+    trainer = make_trainer(tmp_path, family)
+    before = {n: p.detach().clone() for n, p in trainer.value_model.named_parameters()}
+    policy_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = trainer.state.log_history[0]
+    assert math.isfinite(logs["loss"]) and math.isfinite(logs["value/loss"])
+    assert logs["value/mean"] == 0.0 and logs["value/explained_variance"] == 0.0  # advantages from the zero head
+    assert any(not torch.equal(before[n], p) for n, p in trainer.value_model.named_parameters())
+    assert any(not torch.equal(policy_before[n], p) for n, p in trainer.model.named_parameters())
+
+
+def test_advantages_come_from_the_value_model_before_its_update_and_gradients_stay_apart(tmp_path):
+    trainer = make_trainer(tmp_path, "sdar", value_train_every=2)
+    inputs = [{"prompt": p} for p in PROMPTS for _ in range(4)][:4]
+    output = trainer._generate_and_score_completions(inputs)
+    advantages = output["advantages"]
+    assert advantages.dim() == 2 and not advantages.requires_grad
+    # zero head before the update: every trained token's advantage is its row's normalised reward (R - 0)
+    trained = output["completion_mask"] > 0
+    scalar = torch.tensor(list(trainer._logs["advantages"]))  # GRPO's own (B,) advantages, as logged
+    assert trained.any(1).all()
+    assert torch.allclose(advantages[trained], scalar[:, None].expand_as(advantages)[trained])
+    assert bool((advantages[~trained] == 0).all())
+    assert trainer.accelerator.unwrap_model(trainer.value_model).value_head.weight.abs().sum() > 0  # then it trained
+    assert all(p.grad is None for p in trainer.model.parameters())  # the value loss reached no policy weight
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    loss = trainer.compute_loss(trainer.model, output)
+    loss.backward()
+    assert any(p.grad is not None for p in trainer.model.parameters())
+    assert all(p.grad is None for p in trainer.value_model.parameters())  # the policy loss reached no value weight
+    trainer._generate_and_score_completions(inputs)  # value_train_every=2: the second batch does not train it
+    assert len(trainer._metrics["train"]["value/loss"]) == 1
+
+
+def test_value_model_must_match_the_policy(tmp_path):
+    policy = tiny_model("sdar").train()
+    with pytest.raises(ValueError, match="mask_token_id"):
+        make_trainer(tmp_path, policy=policy, value_model=DiffusionValueModel.from_policy(
+            tiny_model("sdar", mask_token_id=4)))
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_trainer(tmp_path, policy=policy, value_model=DiffusionValueModel.from_policy(
+            tiny_model("sdar", vocab_size=64)))
+    with pytest.raises(ValueError, match="attention"):
+        make_trainer(tmp_path, policy=policy, value_model=DiffusionValueModel.from_policy(tiny_model("llada")))
+    with pytest.raises(TypeError, match="DiffusionValueModel"):
+        make_trainer(tmp_path, policy=policy, value_model=tiny_model("sdar"))
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="cliprange_value"):
+        TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, cliprange_value=0.0)
+    with pytest.raises(ValueError, match="cliprange_value"):
+        TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, cliprange_value=-0.1)
+    with pytest.raises(ValueError, match="gamma"):
+        TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, lam=1.5)
+    with pytest.raises(ValueError, match="value_train_every"):
+        TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, value_train_every=0)
+    with pytest.raises(ValueError, match="model_type"):
+        DiffusionValueModel(BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=8))

@@ -1,0 +1,118 @@
+"""Step-level GAE over a diffusion trajectory, and the value loss (pure tensor functions).
+
+A response's tokens are grouped into merged denoising steps tau(1..T) (``step_groups``; ids increase in denoising
+order). With token rewards ``r_j`` and values ``V_j`` (TraceRL, arXiv 2509.06949, as the reference implements it):
+
+    r*_t = mean_{j in tau_t} r_j          V*_t = mean_{j in tau_t} V_j
+    R*_t = r*_t + gamma R*_{t+1}          delta*_t = r*_t - V*_t + gamma V*_{t+1}
+    A*_t = delta*_t + gamma lam A*_{t+1}  (everything past the last step is 0)
+
+and back to tokens ``R_j = r_j + gamma R*_{t(j)+1}``, ``A_j = r_j - V_j + gamma V*_{t(j)+1} + gamma lam A*_{t(j)+1}``.
+With ``gamma = lam = 1`` and an outcome reward, ``R_j = reward`` and ``A_j = reward - V_j``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def dense_steps(groups: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Rank ``0..T-1`` of each token's group among the groups that have a token in ``mask`` (-1 elsewhere), and the
+    largest ``T`` over rows. Groups without a masked token are skipped, so a row's steps are contiguous."""
+    valid = mask.bool() & (groups >= 0)
+    if not bool(valid.any()):
+        return torch.full_like(groups, -1), 0
+    width = int(groups[valid].max()) + 1
+    present = torch.zeros(groups.shape[0], width, dtype=torch.long, device=groups.device)
+    present = present.scatter_add(1, groups.clamp(min=0), valid.long()).clamp(max=1)
+    rank = present.cumsum(1) - 1
+    steps = torch.where(valid, rank.gather(1, groups.clamp(min=0)), torch.full_like(groups, -1))
+    return steps, int(present.sum(1).max())
+
+
+def step_means(values: torch.Tensor, steps: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """``[B, num_steps]`` mean of ``values`` over the tokens of each step (0 for a step a row does not have)."""
+    batch = values.shape[0]
+    valid = steps >= 0
+    index = steps.clamp(min=0)
+    sums = torch.zeros(batch, num_steps, dtype=values.dtype, device=values.device)
+    counts = torch.zeros_like(sums)
+    sums.scatter_add_(1, index, torch.where(valid, values, torch.zeros_like(values)))
+    counts.scatter_add_(1, index, valid.to(values.dtype))
+    return sums / counts.clamp(min=1)
+
+
+def outcome_token_rewards(rewards: torch.Tensor, groups: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` token rewards for an outcome reward ``[B]``: the reward on every masked token of each row's last
+    step (the last group with a token in ``mask``), 0 elsewhere. Its step mean r*_T is the reward."""
+    valid = mask.bool() & (groups >= 0)
+    last = groups.masked_fill(~valid, -1).max(dim=1, keepdim=True).values
+    on_last = valid & (groups == last)
+    return torch.where(on_last, rewards.float()[:, None], torch.zeros((), device=rewards.device))
+
+
+def step_gae(
+    token_rewards: torch.Tensor,
+    values: torch.Tensor,
+    groups: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-wise ``(advantages, returns)`` ``[B, C]`` by GAE over merged steps (see the module docstring).
+
+    ``groups`` ``[B, C]``: merged-step id of every token (-1 = not committed); ``mask``: the tokens that take part
+    (e.g. committed and before the end of the completion). Tokens outside ``mask`` get 0.
+    """
+    values = values.float()
+    token_rewards = token_rewards.float()
+    steps, num_steps = dense_steps(groups, mask)
+    batch = values.shape[0]
+    r_star = step_means(token_rewards, steps, num_steps)
+    v_star = step_means(values, steps, num_steps)
+    zeros = torch.zeros(batch, 1, dtype=values.dtype, device=values.device)
+    v_next = torch.cat([v_star, zeros], dim=1)
+    ret = torch.zeros(batch, num_steps + 1, dtype=values.dtype, device=values.device)
+    adv = torch.zeros_like(ret)
+    for t in reversed(range(num_steps)):
+        ret[:, t] = r_star[:, t] + gamma * ret[:, t + 1]
+        delta = r_star[:, t] - v_star[:, t] + gamma * v_next[:, t + 1]
+        adv[:, t] = delta + gamma * lam * adv[:, t + 1]
+    valid = steps >= 0
+    nxt = (steps + 1).clamp(min=0)
+    returns = token_rewards + gamma * ret.gather(1, nxt)
+    advantages = token_rewards - values + gamma * v_next.gather(1, nxt) + gamma * lam * adv.gather(1, nxt)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return torch.where(valid, advantages, zero), torch.where(valid, returns, zero)
+
+
+def clipped_value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, cliprange_value: float
+) -> torch.Tensor:
+    """Per-token PPO value loss ``0.5 * max((V - R)^2, (V_clip - R)^2)``, ``V_clip = V_old + clip(V - V_old, ±eps)``.
+    Aggregate it over the trained tokens yourself."""
+    if not cliprange_value > 0:
+        raise ValueError(f"cliprange_value must be > 0, got {cliprange_value}.")
+    clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
+
+
+def value_statistics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sums over ``mask``: ``[n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2]``. Add them across processes,
+    then read them with ``summarize_value_statistics``."""
+    mask = mask.bool()
+    v, r = values.float()[mask], returns.float()[mask]
+    residual = r - v
+    count = torch.tensor(float(v.numel()), device=values.device)
+    return torch.stack([count, v.sum(), r.sum(), (r * r).sum(), residual.sum(), (residual * residual).sum()])
+
+
+def summarize_value_statistics(stats: torch.Tensor) -> dict[str, float]:
+    """``mean`` value and ``explained_variance`` = 1 - Var(R - V) / Var(R) (NaN when R does not vary)."""
+    n, sum_v, sum_r, sum_r2, sum_res, sum_res2 = stats.double().tolist()
+    if n < 1:
+        return {"mean": float("nan"), "explained_variance": float("nan")}
+    var_r = sum_r2 / n - (sum_r / n) ** 2
+    var_res = sum_res2 / n - (sum_res / n) ** 2
+    explained = 1.0 - var_res / var_r if var_r > 1e-12 else float("nan")
+    return {"mean": sum_v / n, "explained_variance": explained}

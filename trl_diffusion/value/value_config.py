@@ -1,0 +1,60 @@
+"""``DiffusionValueConfig``: TRL's base training arguments plus how trajectories are turned into value targets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trl.trainer.base_config import _BaseConfig
+
+
+@dataclass
+class DiffusionValueConfig(_BaseConfig):
+    r"""Configuration for [`DiffusionValueTrainer`], which fits a [`DiffusionValueModel`] on stored trajectories.
+    Every [`~transformers.TrainingArguments`] field keeps its meaning (TRL's defaults for logging and precision).
+
+    Args:
+        gamma (`float`, *optional*, defaults to `1.0`):
+            Discount over merged denoising steps; the target of token j is `R_j = r_j + gamma * R*_{t(j)+1}`
+            (the reward itself when `gamma = 1`).
+        shrinkage (`int`, *optional*, defaults to `1`):
+            Merge this many consecutive denoising steps into one state, as `TraceRLConfig.shrinkage`.
+        training_block_size (`int` or `None`, *optional*):
+            Block size used to build the states of a block-causal value model (default: the model's).
+        scoring_token_budget (`int` or `None`, *optional*, defaults to `16384`):
+            Maximum padded tokens per forward (packed rows are chunked to stay under it).
+        truncate_at_eos (`bool`, *optional*, defaults to `True`):
+            Train only on tokens up to and including the first end-of-sequence token of each completion, as
+            TraceRL's completion mask does.
+    """
+
+    learning_rate: float = field(
+        default=5e-6, metadata={"help": "Initial learning rate (the TraceRL reference's value learning rate)."}
+    )
+    remove_unused_columns: bool = field(
+        default=False, metadata={"help": "Keep the trajectory columns (the collator reads them)."}
+    )
+    gamma: float = field(
+        default=1.0, metadata={"help": "Discount over merged denoising steps (TRL PPO's `gamma`)."}
+    )
+    shrinkage: int = field(
+        default=1, metadata={"help": "Merge this many consecutive denoising steps into one state (as TraceRL)."}
+    )
+    training_block_size: int | None = field(
+        default=None, metadata={"help": "Block size for block-causal value models (default: the model's)."}
+    )
+    scoring_token_budget: int | None = field(
+        default=16384, metadata={"help": "Maximum padded tokens per forward (rows are chunked to stay under it)."}
+    )
+    truncate_at_eos: bool = field(
+        default=True,
+        metadata={"help": "Train only on tokens up to and including the first end-of-sequence token."},
+    )
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}.")
+        if self.shrinkage < 1:
+            raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
+        if self.training_block_size is not None and self.training_block_size <= 0:
+            raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")

@@ -1,0 +1,167 @@
+"""``DiffusionValueModel``: a diffusion backbone (SDAR, LLaDA or Dream) plus a zero-initialised scalar head.
+
+For every response token it predicts a value conditioned on the state the policy saw when that token was
+committed. ``token_values`` builds those states with the trajectory estimator's packed layouts
+(``estimators.packing``: one noisy block copy per merged step for block-causal models, one row per merged step
+for full-attention ones) and reads the value at each token's own position, where the token is still masked.
+
+The config is the backbone's own (``model_type`` ``sdar`` / ``llada`` / ``Dream``) and the state-dict keys are
+``model.*`` (the backbone, named as in the policy) and ``value_head.weight``, the layout of the TraceRL reference's
+SDAR value model. ``from_policy`` copies a policy's backbone weights.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import initialization as init
+from transformers.utils import ModelOutput
+
+from ..estimators.packing import build_scoring_chunks, step_groups
+from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel
+from ..models.dream.modeling_dream import DreamBaseModel
+from ..models.llada.modeling_llada import LLaDAModel
+from ..models.sdar.modeling_sdar import SDARModel
+from ..states import block_index, positions_from_padding
+
+BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
+               "trust_remote_code")
+
+
+@dataclass
+class ValueOutput(ModelOutput):
+    """``value`` ``[B, L]`` (float32): one scalar per position. (Not ``values``: that would shadow the dict method
+    ``ModelOutput.values()``, which DDP and pytree flattening call.)"""
+
+    value: torch.Tensor | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+
+
+class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
+    """Value model for TraceRL: ``config`` is an SDAR, LLaDA or Dream config; the head starts at zero."""
+
+    config_class = PretrainedConfig
+    _no_split_modules = ["QwenStyleDecoderLayer", "LLaDALlamaBlock"]
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__(config)
+        backbone = BACKBONES.get(config.model_type)
+        if backbone is None:
+            raise ValueError(f"DiffusionValueModel needs an SDAR, LLaDA or Dream config, got model_type "
+                             f"{config.model_type!r}; supported: {sorted(BACKBONES)}.")
+        self.model = backbone(config)
+        transformer = getattr(self.model, "transformer", None)
+        if transformer is not None and "ff_out" in transformer:  # LLaDA keeps its LM head in the backbone
+            del transformer["ff_out"]
+        self.value_head = nn.Linear(config.hidden_size, 1, bias=False)
+        self.post_init()
+
+    @property
+    def block_size(self) -> int | None:
+        return self.model.diffusion_block_size
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if module is getattr(self, "value_head", None):
+            init.zeros_(module.weight)  # respects weights already loaded by from_pretrained
+        else:
+            super()._init_weights(module)
+
+    def get_input_embeddings(self):
+        return self.model.get_input_embeddings()
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_hidden_states: bool = False,
+        **kwargs,
+    ) -> ValueOutput:
+        """``attention_mask``: None, 2-D key padding or a custom 3-/4-D mask, as the backbone takes it."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state.to(self.value_head.weight.dtype)
+        return ValueOutput(value=self.value_head(hidden).squeeze(-1).float(), hidden_states=out.hidden_states)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
+        """Load a saved value model; its config class comes from ``model_type`` (``import trl_diffusion``
+        registers them). Missing or unexpected keys are an error: use ``from_policy`` for a policy checkpoint."""
+        if config is None:
+            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
+        return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
+
+    @classmethod
+    def from_policy(cls, policy, **kwargs) -> DiffusionValueModel:
+        """A value model whose backbone is a copy of ``policy``'s (a model, or a path loaded with
+        ``AutoModelForCausalLM`` and ``kwargs``); zero head, same dtype and device. Shares no tensors with it."""
+        if isinstance(policy, (str, os.PathLike)):
+            policy = AutoModelForCausalLM.from_pretrained(policy, **kwargs)
+        if hasattr(policy, "get_base_model"):  # PEFT: the adapters are not part of the copy
+            raise TypeError("from_policy takes a plain policy; merge PEFT adapters first (merge_and_unload()).")
+        config = copy.deepcopy(policy.config)
+        config.architectures = [cls.__name__]
+        value = cls(config).to(device=policy.device, dtype=policy.dtype)
+        state = {k: v for k, v in policy.model.state_dict().items() if k != "transformer.ff_out.weight"}
+        value.model.load_state_dict(state, strict=True)
+        return value
+
+    @classmethod
+    def load(cls, name_or_path: str, **kwargs) -> DiffusionValueModel:
+        """``from_pretrained`` for a saved value model, ``from_policy`` for a policy checkpoint."""
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        config = AutoConfig.from_pretrained(name_or_path, **hub)
+        if cls.__name__ in (getattr(config, "architectures", None) or []):
+            return cls.from_pretrained(name_or_path, config=config, **kwargs)
+        return cls.from_policy(name_or_path, **kwargs)
+
+
+def completion_blocks(prompt_mask: torch.Tensor, width: int, block_size: int | None) -> torch.Tensor | None:
+    """Block index of every completion column (blocks from absolute position 0), or None for full attention."""
+    if block_size is None:
+        return None
+    completion = torch.ones(prompt_mask.shape[0], width, dtype=torch.bool, device=prompt_mask.device)
+    positions = positions_from_padding(torch.cat([prompt_mask.bool(), completion], dim=1))
+    return block_index(positions[:, prompt_mask.shape[1]:], block_size)
+
+
+def token_values(
+    model,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    unmask_step: torch.Tensor,
+    shrinkage: int = 1,
+    block_size: int | None = None,
+    token_budget: int | None = None,
+    interface: DiffusionValueModel | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(values, groups)`` ``[B, C]``: the value of every committed completion token given the state before its
+    merged step (0 elsewhere), and the merged-step ids (``step_groups``) the states were built from.
+
+    ``model`` is a ``DiffusionValueModel``, possibly wrapped (DDP, ...): then ``interface`` is the unwrapped one,
+    which answers ``mask_token_id`` / ``block_size``. ``completion_ids`` / ``unmask_step`` cover the whole sampler
+    canvas. ``block_size`` is the training block size of a block-causal model (default: the model's).
+    Differentiable.
+    """
+    interface = interface if interface is not None else model
+    block = (block_size or interface.block_size) if interface.block_size is not None else None
+    groups = step_groups(unmask_step, shrinkage, completion_blocks(prompt_mask, completion_ids.shape[1], block))
+    chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, interface.mask_token_id, block,
+                                  token_budget, pad_token_id=0)
+    values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    for chunk in chunks:
+        out = model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask, position_ids=chunk.position_ids)
+        values = values.index_put((chunk.source_row, chunk.source_col), out.value[chunk.chunk_row, chunk.chunk_col])
+    return values, groups

@@ -1,0 +1,166 @@
+"""``DiffusionValueTrainer``: fit a value model on stored trajectories with rewards, to warm-start it before RL.
+
+A row is one rollout: ``prompt`` (text or conversational, tokenized as ``GRPOTrainer`` does) or ``prompt_ids``,
+``completion_ids`` (the sampler canvas), ``unmask_step`` (per completion token, -1 = never committed) and a scalar
+``reward`` (use the reward your RL run will see, e.g. group-normalised). Targets are the step-level returns of
+TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^2`` averaged over trained tokens.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from functools import partial
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import AutoTokenizer
+from trl.data_utils import is_conversational
+from trl.trainer.base_trainer import _BaseTrainer
+from trl.trainer.utils import pad
+
+from ..models import check_tokenizer
+from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
+from .value_config import DiffusionValueConfig
+from .value_model import DiffusionValueModel, token_values
+
+TRAJECTORY_COLUMNS = ("prompt_ids", "completion_ids", "unmask_step", "reward")
+
+
+class TrajectoryCollator:
+    """Pads rollouts: prompts left (``prompt_mask``), canvases right (``unmask_step`` = -1 there), and marks the
+    trained tokens (committed, and up to the first stop token when ``stop_token_ids`` is given)."""
+
+    def __init__(self, pad_token_id: int, stop_token_ids: list[int] | None = None) -> None:
+        self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
+
+    def __call__(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        prompts = [torch.tensor(e["prompt_ids"], dtype=torch.long) for e in examples]
+        completions = [torch.tensor(e["completion_ids"], dtype=torch.long) for e in examples]
+        steps = [torch.tensor(e["unmask_step"], dtype=torch.long) for e in examples]
+        completion_ids = pad(completions, padding_value=self.pad_token_id, padding_side="right")
+        unmask_step = pad(steps, padding_value=-1, padding_side="right")
+        trained = unmask_step >= 0
+        if self.stop_token_ids:
+            is_stop = torch.isin(completion_ids, torch.tensor(self.stop_token_ids)) & trained
+            after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
+            trained = trained & ~after_stop
+        return {
+            "prompt_ids": pad(prompts, padding_value=self.pad_token_id, padding_side="left"),
+            "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
+            "completion_ids": completion_ids,
+            "unmask_step": unmask_step,
+            "trained_mask": trained,
+            "reward": torch.tensor([float(e["reward"]) for e in examples]),
+        }
+
+
+class DiffusionValueTrainer(_BaseTrainer):
+    """Fits a [`DiffusionValueModel`] (or a path for `DiffusionValueModel.load`) on stored trajectories."""
+
+    _tag_names = ["trl", "trl_diffusion", "value-model"]
+    _name = "DiffusionValue"
+    loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean
+
+    def __init__(self, model, args: DiffusionValueConfig | None = None, train_dataset: Dataset | None = None,
+                 eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
+                 optimizers=(None, None)):
+        if isinstance(model, str):
+            model = DiffusionValueModel.load(model)
+        if not isinstance(model, DiffusionValueModel):
+            raise TypeError(f"model must be a DiffusionValueModel, got {type(model).__name__}.")
+        if args is None:
+            args = DiffusionValueConfig(f"{str(model.config._name_or_path or 'model').split('/')[-1]}-Value")
+        elif not isinstance(args, DiffusionValueConfig):
+            raise TypeError(f"args must be a DiffusionValueConfig, got {type(args).__name__}.")
+        if processing_class is None:
+            processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
+        check_tokenizer(processing_class, model)
+        prepare = partial(_prepare_dataset, tokenizer=processing_class)
+        train_dataset = prepare(train_dataset) if train_dataset is not None else None
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {k: prepare(v) for k, v in eval_dataset.items()}
+        elif eval_dataset is not None:
+            eval_dataset = prepare(eval_dataset)
+        self._prepare_trajectories = prepare
+        stop = _stop_token_ids(processing_class, model) if args.truncate_at_eos else None
+        collator = TrajectoryCollator(processing_class.pad_token_id or 0, stop)
+        super().__init__(model=model, args=args, data_collator=collator, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
+                         optimizers=optimizers)
+        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+
+    def _set_signature_columns_if_needed(self):
+        if self._signature_columns is None:
+            self._signature_columns = list(TRAJECTORY_COLUMNS)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        if isinstance(eval_dataset, Dataset) and "prompt_ids" not in eval_dataset.column_names:
+            eval_dataset = self._prepare_trajectories(eval_dataset)  # a raw dataset passed to evaluate()
+        return super().get_eval_dataloader(eval_dataset)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        args = self.args
+        values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                      inputs["unmask_step"], args.shrinkage, args.training_block_size,
+                                      args.scoring_token_budget, self.accelerator.unwrap_model(model))
+        mask = inputs["trained_mask"]
+        rewards = outcome_token_rewards(inputs["reward"], groups, mask)
+        _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
+        loss = (0.5 * (values - returns) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+        mode = "train" if model.training else "eval"
+        stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None]).sum(0)
+        for name, number in summarize_value_statistics(stats).items():
+            self._metrics[mode][f"value/{name}"].append(number)
+        return (loss, values) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.compute_loss(model, inputs)
+        return loss.detach(), None, None
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = {k: _nanmean(v) for k, v in self._metrics[mode].items() if v}
+        if mode == "eval":
+            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+        super().log({**logs, **metrics}, start_time)
+        self._metrics[mode].clear()
+
+
+def _nanmean(values: list[float]) -> float:
+    finite = [v for v in values if v == v]
+    return sum(finite) / len(finite) if finite else float("nan")
+
+
+def _stop_token_ids(tokenizer, model) -> list[int]:
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    eos = getattr(model.config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(ids)
+
+
+def _prepare_dataset(dataset: Dataset, tokenizer) -> Dataset:
+    """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed, check the trajectory lengths."""
+    columns = set(dataset.column_names)
+    missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
+    if missing or not columns & {"prompt", "prompt_ids"}:
+        raise ValueError(f"a value dataset needs 'prompt' or 'prompt_ids', 'completion_ids', 'unmask_step' and "
+                         f"'reward' columns; missing {missing or ['prompt / prompt_ids']} (has {sorted(columns)}).")
+
+    def process(example: dict) -> dict:
+        if len(example["completion_ids"]) != len(example["unmask_step"]):
+            raise ValueError(f"completion_ids ({len(example['completion_ids'])}) and unmask_step "
+                             f"({len(example['unmask_step'])}) must have the same length.")
+        if "prompt_ids" in example:
+            return {}
+        prompt = example["prompt"]
+        if is_conversational({"prompt": prompt}):
+            ids = tokenizer.apply_chat_template(conversation=[prompt], add_generation_prompt=True, tokenize=True,
+                                                return_dict=True)["input_ids"][0]
+        else:
+            ids = tokenizer(text=prompt)["input_ids"]
+        return {"prompt_ids": list(ids)}
+
+    return dataset.map(process)
