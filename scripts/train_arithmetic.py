@@ -41,6 +41,10 @@ class ArithmeticArguments:
     num_layers: int = field(default=4, metadata={"help": "Transformer layers."})
     time_budget_s: float = field(default=780.0, metadata={"help": "Stop training after this many seconds."})
     eval_batch_size: int = field(default=100, metadata={"help": "Prompts per generate() call at evaluation."})
+    dataset_format: str = field(default="conversational",
+                                metadata={"help": "TRL dataset format of the task: 'conversational' (chat template) "
+                                          "or 'prompt_completion' (plain 'What is a+b?\\n' prompts, shorter).",
+                                          "choices": ["conversational", "prompt_completion"]})
 
 
 def build_model(family: str, hidden: int, layers: int, seed: int):
@@ -95,12 +99,14 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
                                 seed=args.seed)
     if script_args.family == "llada" and not args.pad_to_length_with_eos:
         # LLaDA SFT recipe: answers padded with trained-on EOS, so the model learns to fill a fixed canvas.
-        longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt), add_special_tokens=False))
-                             for p in train + test)
+        chat = script_args.dataset_format == "conversational"
+        longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt) if chat else p.prompt + "\n",
+                                                  add_special_tokens=False)) for p in train + test)
         args.pad_to_length_with_eos = True
         args.max_length = longest_prompt + MAX_NEW_TOKENS
     model = build_model(script_args.family, script_args.hidden_size, script_args.num_layers, args.seed)
-    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=to_dataset(train), processing_class=tokenizer,
+    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=to_dataset(train, script_args.dataset_format),
+                                  processing_class=tokenizer,
                                   callbacks=[TimeBudget(script_args.time_budget_s)])
     train_start = time.perf_counter()
     trainer.train()
@@ -108,11 +114,13 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
     eval_start = time.perf_counter()
     model.eval()
     accuracy = evaluate_accuracy(model, tokenizer, test, batch_size=script_args.eval_batch_size,
-                                 max_new_tokens=MAX_NEW_TOKENS)
+                                 max_new_tokens=MAX_NEW_TOKENS,
+                                 chat_template=script_args.dataset_format == "conversational")
     eval_seconds = time.perf_counter() - eval_start
     losses = [(h["step"], round(h["loss"], 4)) for h in trainer.state.log_history if "loss" in h]
     result = {
         "family": script_args.family,
+        "dataset_format": script_args.dataset_format,
         "objective": trainer.objective,
         "accuracy": accuracy,
         "num_test": len(test),

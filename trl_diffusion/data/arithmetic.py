@@ -136,8 +136,11 @@ def _chat_prompt(tokenizer, prompt: str) -> str:
 
 
 @torch.no_grad()
-def generate_completions(model, tokenizer, prompts: list[str], batch_size: int = 64, **generate_kwargs) -> list[str]:
-    """Greedy completions of chat-formatted ``prompts`` with ``model.generate`` (left-padded batches)."""
+def generate_completions(model, tokenizer, prompts: list[str], batch_size: int = 64, chat_template: bool = True,
+                         **generate_kwargs) -> list[str]:
+    """Greedy completions of ``prompts`` with ``model.generate`` (left-padded batches). With ``chat_template`` the
+    prompts are chat-formatted (conversational datasets); without, they are ``prompt + "\\n"`` as in the
+    ``prompt_completion`` format."""
     block = model.block_size or 16
     settings = {"max_new_tokens": 16, "block_length": block, "denoising_steps": block,
                 "remasking_strategy": "low_confidence_static", "temperature": 0.0, **generate_kwargs}
@@ -147,7 +150,8 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
     texts = []
     try:
         for start in range(0, len(prompts), batch_size):
-            chunk = [_chat_prompt(tokenizer, p) for p in prompts[start : start + batch_size]]
+            chunk = [_chat_prompt(tokenizer, p) if chat_template else p + "\n"
+                     for p in prompts[start : start + batch_size]]
             enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
             out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], **settings)
             width = enc["input_ids"].shape[1]

@@ -15,7 +15,8 @@ from .cache import DiffusionCache
 
 
 class DiffusionModelMixin:
-    """The one interface the rest of the package reads instead of checking model names.
+    """The one interface the rest of the package reads instead of checking model names (listed before the
+    ``PreTrainedModel`` base of a model class, so that its ``forward`` is the one used).
 
     * ``mask_token_id``: the id of the mask token,
     * ``block_size``: block-causal block size, or ``None`` for full bidirectional attention,
@@ -48,6 +49,36 @@ class DiffusionModelMixin:
         if not self.logits_shift:
             return logits
         return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values=None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        store_kv: bool = False,
+        output_hidden_states: bool = False,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
+        """``attention_mask``: None, 2-D key padding, or a custom 3-/4-D mask (see ``resolve_attention_mask``; the
+        string ``"full"`` that Dream's released sampler passes means no mask). ``past_key_values``: a
+        ``DiffusionCache``, read by every pass and written only when ``store_kv``. Logits are returned as the
+        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``."""
+        if isinstance(attention_mask, str):
+            attention_mask = None
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=past_key_values, inputs_embeds=inputs_embeds, store_kv=store_kv,
+                         output_hidden_states=output_hidden_states)
+        hidden = out.last_hidden_state
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return causal_lm_output(self, out, self.lm_logits(hidden), labels)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -288,6 +319,31 @@ class DiffusionPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
 
 
+class QwenStyleLM(DiffusionModelMixin):
+    """``model`` (a Qwen-style backbone) + ``lm_head``: what SDAR's and Dream's LM classes share. List it before
+    the ``PreTrainedModel`` base so that its ``__init__`` and the mixin's ``forward`` win over ``nn.Module``'s."""
+
+    backbone_class: type
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.model = self.backbone_class(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+
 class QwenStyleBackbone(DiffusionPreTrainedModel):
     """``embed_tokens`` / ``layers`` / ``norm``: the backbone of SDAR and Dream."""
 
@@ -314,36 +370,37 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: DiffusionCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        store_kv: bool = False,
-        output_hidden_states: bool = False,
-        **kwargs,
-    ) -> BaseModelOutputWithPast:
-        hidden, position_ids, mask, new_valid = _prepare_inputs(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, self.embed_tokens
-        )
-        cos, sin = rotary_cos_sin(position_ids, self.layers[0].self_attn.head_dim, self.config.rope_theta)
-        all_hidden = [] if output_hidden_states else None
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden)
-            hidden = layer(hidden, cos, sin, mask, past_key_values, store_kv)
-        hidden = self.norm(hidden)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
+                output_hidden_states: bool = False, **kwargs) -> BaseModelOutputWithPast:
+        head_dim = self.layers[0].self_attn.head_dim
+        return run_backbone(self, self.embed_tokens, self.layers, self.norm, head_dim, input_ids, inputs_embeds,
+                            attention_mask, position_ids, past_key_values, store_kv, output_hidden_states)
+
+
+def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_embeds, attention_mask,
+                 position_ids, cache, store_kv, output_hidden_states, embed_dropout=None) -> BaseModelOutputWithPast:
+    """The forward every backbone shares: embed, resolve positions and mask, run the layers (reading the cache,
+    and writing it when ``store_kv``), final norm."""
+    hidden, position_ids, mask, new_valid = _prepare_inputs(
+        model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed
+    )
+    if embed_dropout is not None:
+        hidden = embed_dropout(hidden)
+    cos, sin = rotary_cos_sin(position_ids, head_dim, model.config.rope_theta)
+    all_hidden = [] if output_hidden_states else None
+    for layer in layers:
         if all_hidden is not None:
             all_hidden.append(hidden)
-        if past_key_values is not None and store_kv:
-            past_key_values.append_positions(position_ids, new_valid)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden,
-            cache=past_key_values,
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-        )
+        hidden = layer(hidden, cos, sin, mask, cache, store_kv)
+    hidden = final_norm(hidden)
+    if all_hidden is not None:
+        all_hidden.append(hidden)
+    if cache is not None and store_kv:
+        cache.append_positions(position_ids, new_valid)
+    return BaseModelOutputWithPast(
+        last_hidden_state=hidden, cache=cache, hidden_states=tuple(all_hidden) if all_hidden is not None else None
+    )
 
 
 def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed):

@@ -18,16 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ...generation.mixin import DiffusionGenerationMixin
 from ..cache import DiffusionCache
-from ..common import (
-    DiffusionModelMixin,
-    DiffusionPreTrainedModel,
-    RMSNorm,
-    _prepare_inputs,
-    apply_rotary,
-    attend,
-    causal_lm_output,
-    rotary_cos_sin,
-)
+from ..common import DiffusionModelMixin, DiffusionPreTrainedModel, RMSNorm, apply_rotary, attend, run_backbone
 from .configuration_llada import LLaDAConfig
 
 
@@ -120,40 +111,16 @@ class LLaDAModel(LLaDAPreTrainedModel):
     def set_input_embeddings(self, value):
         self.transformer.wte = value
 
-    def forward(
-        self,
-        input_ids=None,
-        attention_mask=None,
-        position_ids=None,
-        past_key_values: DiffusionCache | None = None,
-        inputs_embeds=None,
-        store_kv: bool = False,
-        output_hidden_states: bool = False,
-        **kwargs,
-    ) -> BaseModelOutputWithPast:
-        hidden, position_ids, mask, new_valid = _prepare_inputs(
-            self, input_ids, inputs_embeds, attention_mask, position_ids, past_key_values, self.transformer.wte
-        )
-        hidden = self.transformer.emb_drop(hidden)
-        cos, sin = rotary_cos_sin(position_ids, self.config.d_model // self.config.n_heads, self.config.rope_theta)
-        all_hidden = [] if output_hidden_states else None
-        for block in self.transformer.blocks:
-            if all_hidden is not None:
-                all_hidden.append(hidden)
-            hidden = block(hidden, cos, sin, mask, past_key_values, store_kv)
-        hidden = self.transformer.ln_f(hidden)
-        if all_hidden is not None:
-            all_hidden.append(hidden)
-        if past_key_values is not None and store_kv:
-            past_key_values.append_positions(position_ids, new_valid)
-        return BaseModelOutputWithPast(
-            last_hidden_state=hidden,
-            cache=past_key_values,
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-        )
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None,
+                past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
+                output_hidden_states: bool = False, **kwargs) -> BaseModelOutputWithPast:
+        t = self.transformer
+        return run_backbone(self, t.wte, t.blocks, t.ln_f, self.config.d_model // self.config.n_heads, input_ids,
+                            inputs_embeds, attention_mask, position_ids, past_key_values, store_kv,
+                            output_hidden_states, embed_dropout=t.emb_drop)
 
 
-class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionModelMixin, DiffusionGenerationMixin):
+class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGenerationMixin):
     """The released class name (``architectures: ["LLaDAModelLM"]``)."""
 
     _tied_weights_keys = {"model.transformer.ff_out.weight": "model.transformer.wte.weight"}
@@ -172,35 +139,11 @@ class LLaDAModelLM(LLaDAPreTrainedModel, DiffusionModelMixin, DiffusionGeneratio
     def get_output_embeddings(self):
         return self.model.transformer["ff_out"] if "ff_out" in self.model.transformer else None
 
-    def forward(
-        self,
-        input_ids: torch.LongTensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: DiffusionCache | None = None,
-        inputs_embeds: torch.Tensor | None = None,
-        labels: torch.LongTensor | None = None,
-        store_kv: bool = False,
-        output_hidden_states: bool = False,
-        logits_to_keep: int = 0,
-        **kwargs,
-    ):
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            store_kv=store_kv,
-            output_hidden_states=output_hidden_states,
-        )
-        hidden = out.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+    def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if "ff_out" in self.model.transformer:
             logits = self.model.transformer.ff_out(hidden)
         else:
             logits = F.linear(hidden, self.model.transformer.wte.weight)
         if self.config.scale_logits:
             logits = logits * (1 / math.sqrt(self.config.d_model))
-        return causal_lm_output(self, out, logits, labels)
+        return logits
