@@ -41,7 +41,7 @@ class ArithmeticArguments:
     num_layers: int = field(default=4, metadata={"help": "Transformer layers."})
     time_budget_s: float = field(default=780.0, metadata={"help": "Stop training after this many seconds."})
     eval_batch_size: int = field(default=100, metadata={"help": "Prompts per generate() call at evaluation."})
-    dataset_format: str = field(default="conversational",
+    dataset_format: str = field(default="prompt_completion",
                                 metadata={"help": "TRL dataset format of the task: 'conversational' (chat template) "
                                           "or 'prompt_completion' (plain 'What is a+b?\\n' prompts, shorter).",
                                           "choices": ["conversational", "prompt_completion"]})
@@ -84,9 +84,9 @@ def _chat(tokenizer, prompt: str) -> str:
 def make_parser() -> TrlParser:
     parser = TrlParser((ArithmeticArguments, DiffusionSFTConfig))
     parser.set_defaults(
-        output_dir="runs/arithmetic", max_steps=1000, per_device_train_batch_size=128, learning_rate=1e-3,
+        output_dir="runs/arithmetic", max_steps=20000, per_device_train_batch_size=32, learning_rate=1e-3,
         max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=50, weight_decay=0.0,
-        logging_steps=25, save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
+        logging_steps=200, save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
         max_length=64, seed=0, disable_tqdm=True, dataloader_drop_last=True,
     )
     return parser
@@ -97,8 +97,10 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
     tokenizer = build_tokenizer()
     train, test = make_problems(script_args.num_train, script_args.num_test, digits=script_args.digits,
                                 seed=args.seed)
-    if script_args.family == "llada" and not args.pad_to_length_with_eos:
-        # LLaDA SFT recipe: answers padded with trained-on EOS, so the model learns to fill a fixed canvas.
+    if not args.pad_to_length_with_eos:
+        # Answers padded with trained-on EOS up to a fixed canvas (LLaDA's SFT recipe; for SDAR it also fills the
+        # answer's last block): at inference the positions after the answer are masks that must become EOS, and a
+        # model never trained on them decodes digits or braces there.
         chat = script_args.dataset_format == "conversational"
         longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt) if chat else p.prompt + "\n",
                                                   add_special_tokens=False)) for p in train + test)

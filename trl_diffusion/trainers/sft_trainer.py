@@ -13,12 +13,15 @@ This subclass only
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
 from transformers.modeling_outputs import MaskedLMOutput
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import SFTConfig, SFTTrainer
 
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
@@ -123,6 +126,22 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "diffusion", "trl-diffusion"]
     _name = "Diffusion SFT"
+
+    def _save_checkpoint(self, model, trial):
+        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting."""
+        super()._save_checkpoint(model, trial)
+        if self.args.should_save:
+            step_dir = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+            folder = os.path.join(self._get_output_dir(trial=trial), step_dir)
+            with open(os.path.join(folder, "token_count.json"), "w") as handle:
+                json.dump({"total_train_tokens": self._total_train_tokens}, handle)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        path = os.path.join(checkpoint, "token_count.json") if checkpoint else None
+        if path and os.path.exists(path):
+            with open(path) as handle:
+                self._total_train_tokens = json.load(handle)["total_train_tokens"]
 
     def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):

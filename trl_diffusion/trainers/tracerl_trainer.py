@@ -23,6 +23,7 @@ import hashlib
 import os
 
 import torch
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
@@ -314,7 +315,10 @@ class TraceRLTrainer(GRPOTrainer):
         total = torch.zeros((), device=old_values.device)
         model.train()
         for rows in updates:
-            tokens = mask[rows].sum().clamp(min=1)
+            # every rank's tokens: DDP averages gradients over ranks, so divide by the mean token count per rank
+            # (a per-rank count would make a 2-process run differ from a 1-process run with twice the batch)
+            tokens = self.accelerator.reduce(mask[rows].sum(), reduction="sum").clamp(min=1) \
+                / self.accelerator.num_processes
             pieces = rows.split(args.per_device_train_batch_size)
             for i, piece in enumerate(pieces):
                 sync_now = i == len(pieces) - 1 and not manual_sync
@@ -335,6 +339,35 @@ class TraceRLTrainer(GRPOTrainer):
             self.value_optimizer.zero_grad(set_to_none=True)
         model.eval()
         return total
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model, trial):
+        """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
+        GRPO's micro-step counter (per process), and the value model with its optimizer."""
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        torch.save({"step": self._step, "buffer": self._buffered_inputs},
+                   os.path.join(folder, f"rollout_buffer_{self.accelerator.process_index}.pt"))
+        if self.value_model is not None and self.args.should_save:
+            self.accelerator.unwrap_model(self.value_model).save_pretrained(os.path.join(folder, "value_model"))
+            torch.save({"optimizer": self.value_optimizer.state_dict(), "value_batches": self._value_batches},
+                       os.path.join(folder, "value_state.pt"))
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, f"rollout_buffer_{self.accelerator.process_index}.pt")
+        if os.path.exists(path):
+            saved = torch.load(path, map_location=self.accelerator.device, weights_only=False)
+            self._step, self._buffered_inputs = saved["step"], saved["buffer"]
+        value_dir = os.path.join(checkpoint, "value_model")
+        if self.value_model is not None and os.path.isdir(value_dir):
+            state = DiffusionValueModel.from_pretrained(value_dir).state_dict()
+            self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
+            extra = torch.load(os.path.join(checkpoint, "value_state.pt"), map_location="cpu", weights_only=False)
+            self.value_optimizer.load_state_dict(extra["optimizer"])
+            self._value_batches = extra["value_batches"]
 
     # ------------------------------------------------------------------------------------------------ scoring
     def _compute_loss(self, model, inputs):

@@ -1,0 +1,151 @@
+"""Peak memory of TraceRL's packed trajectory scoring (``estimate_logprobs``, forward + backward) against the
+response length, with and without ``scoring_token_budget`` chunking and with gradient checkpointing.
+
+Worst case for packing: one token committed per denoising step, block 4, so a response of L tokens becomes
+one packed row of ``prompt + L`` clean tokens plus L noisy copies of a 4-token block (``prompt + 5L`` tokens).
+Each configuration runs in its own process. On the CPU the number is the growth of the process's peak resident
+set during the step (the kernel's high-water mark is reset just before it); on CUDA it is the allocator's peak
+above what was allocated before the step. Prints one JSON record per configuration, then a summary table::
+
+    python benchmarks/memory.py                        # CPU, L in 128 256 512 1024
+    python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name: (scoring_token_budget, gradient checkpointing)
+    "unchunked": (None, False),
+    "budget_2048": (2048, False),
+    "checkpointing": (None, True),
+    "budget_2048_checkpointing": (2048, True),
+}
+
+
+def _peak_rss_mb() -> float:
+    """The process's peak resident set (VmHWM, resettable) in MiB; ru_maxrss where /proc is unavailable."""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _current_rss_mb() -> float:
+    status = Path("/proc/self/status")
+    for line in status.read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no /proc/self/status")
+
+
+def _reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0); False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
+            device: str) -> dict:
+    """One forward + backward of the packed estimator; returns the step's peak memory and shape facts."""
+    from trl_diffusion.estimators import EstimatorSettings, build_scoring_chunks, estimate_logprobs, step_groups
+    from trl_diffusion.states import block_index
+    from trl_diffusion.testing import tiny_model
+
+    budget, checkpointing = VARIANTS[variant]
+    torch.manual_seed(0)
+    model = tiny_model("sdar", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                       num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
+                       head_dim=64, vocab_size=vocab, max_position_embeddings=prompt + length + 64).to(device)
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    generator = torch.Generator().manual_seed(0)
+    prompt_ids = torch.randint(10, 100, (batch, prompt), generator=generator).to(device)
+    prompt_mask = torch.ones_like(prompt_ids)
+    completion = torch.randint(10, 100, (batch, length), generator=generator).to(device)
+    steps = torch.arange(length, device=device).expand(batch, -1).contiguous()  # one token per step
+    settings = EstimatorSettings(block_size=4, shrinkage=1, token_budget=budget)
+    blocks = block_index(prompt + torch.arange(length, device=device), 4).expand(batch, -1)
+    chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion, step_groups(steps, 1, blocks),
+                                  model.mask_token_id, 4, budget)
+    del blocks
+
+    is_cuda = device.startswith("cuda")
+    if is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+    else:
+        before = _current_rss_mb()
+        exact = _reset_peak_rss()
+    start = time.perf_counter()
+    logps, _, _ = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings)
+    logps.sum().backward()
+    if is_cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20 - before
+        method = "cuda_max_memory_allocated"
+    else:
+        peak = _peak_rss_mb() - before
+        method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
+    seconds = time.perf_counter() - start
+    return {"variant": variant, "response_length": length, "batch": batch, "prompt_length": prompt,
+            "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
+            "packed_row_tokens": int(chunks[0].input_ids.shape[1]), "forwards": len(chunks),
+            "rows_per_forward": max(int(c.input_ids.shape[0]) for c in chunks),
+            "peak_mb": round(peak, 1), "seconds": round(seconds, 2), "method": method, "device": device,
+            "model": {"hidden": hidden, "layers": layers, "vocab": vocab,
+                      "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--batch", type=int, default=2, help="responses scored together (one per-device batch)")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=32768)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--output", type=Path, help="also write the records to this JSON file")
+    parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    shape = [str(v) for v in ("--batch", args.batch, "--prompt", args.prompt, "--hidden", args.hidden,
+                              "--layers", args.layers, "--vocab", args.vocab, "--device", args.device)]
+    if args.one:
+        record = measure(args.one[0], int(args.one[1]), args.batch, args.prompt, args.hidden, args.layers,
+                         args.vocab, args.device)
+        print(json.dumps(record))
+        return
+    records = []
+    for length in args.lengths:
+        for variant in args.variants:
+            command = [sys.executable, __file__, "--one", variant, str(length), *shape]
+            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            records.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(json.dumps(records[-1]), flush=True)
+    table = {f"L={r['response_length']}": {} for r in records}
+    for r in records:
+        table[f"L={r['response_length']}"][r["variant"]] = r["peak_mb"]
+    print(json.dumps({"peak_mb": table}, indent=1))
+    if args.output:
+        args.output.write_text(json.dumps({"records": records, "peak_mb": table}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Tiny SFT and TraceRL runs for the distributed tests.
+
+Run under ``accelerate launch`` (any number of processes, any accelerate config) or import :func:`run` in a
+single process. Every process writes ``OUT/<job>/rank<i>.pt`` (its full parameters after training, gathered
+when they are sharded) and rank 0 writes ``OUT/<job>/log_history.json`` and ``OUT/<job>/setup.json`` (what
+accelerate actually set up). Two CPU processes (gloo; ``--multi_gpu`` selects the torchrun launcher, and on a
+machine without GPUs the processes run on the CPU)::
+
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no \
+        tests/distributed/train.py --out /tmp/run --jobs sft tracerl --per_device_batch 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+
+from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
+from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model
+from trl_diffusion.value import DiffusionValueModel
+
+PAIRS = [("What is 1+2?", "3"), ("Say hi", "hi"), ("What is 7-3?", "4"), ("abc", "def"),
+         ("What is 2*5?", "10"), ("Name a colour", "red"), ("What is 9-9?", "0"), ("xyz", "uvw")]
+PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
+
+
+def distinct_chars(completions: list[str], **kwargs: Any) -> list[float]:
+    """A reward that varies inside a group: the number of distinct characters."""
+    return [float(len(set(c))) for c in completions]
+
+
+class StopAfter(TrainerCallback):
+    """Stops training after ``step`` optimizer steps (after that step's save), like a killed job."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def common_args(out: Path, per_device_batch: int, max_steps: int, seed: int) -> dict[str, Any]:
+    """Config fields both trainers share: CPU, fp32, plain SGD at a constant rate (linear in the gradient, so
+    runs that should agree do so to rounding), a log entry every step, no checkpoints unless asked."""
+    return dict(output_dir=str(out), per_device_train_batch_size=per_device_batch, max_steps=max_steps, seed=seed,
+                logging_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                gradient_checkpointing=False, save_strategy="no", optim="sgd", max_grad_norm=0.0,
+                lr_scheduler_type="constant", dataloader_num_workers=0)
+
+
+def value_model_for(policy) -> DiffusionValueModel:
+    """A value model copied from ``policy`` with a seeded, non-zero head (so that its advantages vary)."""
+    value = DiffusionValueModel.from_policy(policy)
+    with torch.no_grad():
+        weight = value.value_head.weight
+        weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(1)))
+    return value
+
+
+def tiny_policy(eos_scale: float = 0.0) -> torch.nn.Module:
+    """The tiny SDAR in train mode; ``eos_scale`` > 0 makes EOS likely (6 gives completions of mixed lengths)."""
+    model = tiny_model("sdar").train()
+    if eos_scale:
+        with torch.no_grad():
+            head = model.lm_head.weight
+            head[EOS_ID] = eos_scale * model.model.norm.weight.sign() * head.abs().max()
+    return model
+
+
+def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int, seed: int = 0,
+                 stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0, **overrides: Any):
+    """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` applies to
+    TraceRL only; ``overrides`` go to the config."""
+    config = common_args(out, per_device_batch, max_steps, seed)
+    callbacks = [StopAfter(stop_after)] if stop_after else None
+    model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0)
+    if trainer == "sft":
+        config.update(learning_rate=0.5, max_length=32)
+        config.update(overrides)
+        data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS])
+        return DiffusionSFTTrainer(model, args=DiffusionSFTConfig(**config), train_dataset=data,
+                                   processing_class=build_tokenizer(), callbacks=callbacks)
+    config.update(learning_rate=0.5, num_generations=4, max_completion_length=8, block_length=4, denoising_steps=2,
+                  log_completions=True, num_completions_to_print=0, value_learning_rate=0.5)
+    config.update(overrides)
+    data = Dataset.from_dict({"prompt": PROMPTS})
+    return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config), train_dataset=data,
+                          processing_class=build_tokenizer(), callbacks=callbacks,
+                          value_model=value_model_for(model) if value else None)
+
+
+def full_state_dict(trainer) -> dict[str, torch.Tensor]:
+    """Every parameter of the trained model on this process (gathered under ZeRO-3 / FSDP), and the value
+    model's under ``value.``."""
+    accelerator = trainer.accelerator
+    if trainer.is_deepspeed_enabled or trainer.is_fsdp_enabled:
+        state = accelerator.get_state_dict(trainer.model_wrapped)  # collective: every rank calls it
+    else:
+        state = accelerator.unwrap_model(trainer.model).state_dict()
+    state = {name: tensor.detach().float().cpu().clone() for name, tensor in (state or {}).items()}
+    if getattr(trainer, "value_model", None) is not None:
+        value = accelerator.unwrap_model(trainer.value_model).state_dict()
+        state.update({f"value.{name}": tensor.detach().float().cpu().clone() for name, tensor in value.items()})
+    return state
+
+
+JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True)}
+
+
+def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None, **overrides: Any):
+    """Train one of ``JOBS`` and write this process's parameters (and, on rank 0, the log history) under
+    ``out/job``."""
+    trainer, value = JOBS[job]
+    folder = Path(out) / job
+    built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value, **overrides)
+    built.train(resume_from_checkpoint=resume)
+    state = full_state_dict(built)
+    rank = built.accelerator.process_index
+    torch.save(state, folder / f"rank{rank}.pt")
+    if rank == 0:
+        (folder / "log_history.json").write_text(json.dumps(built.state.log_history))
+        setup = {"num_processes": built.accelerator.num_processes,
+                 "distributed_type": str(built.accelerator.distributed_type),
+                 "fsdp": built.is_fsdp_enabled, "deepspeed": built.is_deepspeed_enabled,
+                 "wrapper": type(built.model_wrapped).__name__, "model": type(built.model).__name__,
+                 "value_wrapper": type(getattr(built, "value_model", None)).__name__}
+        (folder / "setup.json").write_text(json.dumps(setup))
+    built.accelerator.wait_for_everyone()
+    return built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--jobs", nargs="+", default=["sft", "tracerl"], choices=sorted(JOBS))
+    parser.add_argument("--per_device_batch", type=int, default=2)
+    parser.add_argument("--max_steps", type=int, default=2)
+    parser.add_argument("--overrides", type=json.loads, default={}, help="config fields and eos_scale, as JSON")
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    for job in args.jobs:
+        run(job, args.out, args.per_device_batch, args.max_steps, **args.overrides)
+
+
+if __name__ == "__main__":
+    main()

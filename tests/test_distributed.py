@@ -1,0 +1,304 @@
+"""Scale-out checks on the CPU: two processes (gloo, through ``accelerate launch``) against one, exact resume,
+and the accelerate configs under ``examples/accelerate_configs``.
+
+* Two processes with per-device batch b train exactly like one process with batch 2b (same seeds): rollouts are
+  seeded per global sample, GRPO groups span both ranks and their advantages use the whole group, trajectories
+  stay with their completions, and both ranks end with the same parameters.
+* A run stopped after a checkpoint and resumed from it ends where an uninterrupted run ends, with the same
+  metric and completion logs (no gaps, no duplicates).
+* ZeRO-3 and FSDP2 cannot run on a CPU-only machine with accelerate 1.15 (DeepSpeed does not start, an FSDP
+  config silently becomes DDP; see docs/distributed.md): their test runs only where two GPUs are present.
+
+The runs themselves live in ``tests/distributed/train.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+HELPERS = ROOT / "tests" / "distributed"
+CONFIGS = ROOT / "examples" / "accelerate_configs"
+TIMING = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
+EOS_SCALE = 6.0  # completions of mixed lengths, so ranks hold different numbers of completion tokens
+
+
+def _load_helper():
+    spec = importlib.util.spec_from_file_location("distributed_train", HELPERS / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+train = _load_helper()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two cores are shared by both ranks (and by other jobs): one thread per process avoids oversubscription."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def accelerate_launch(launcher: list[str], script: Path, *args: str, timeout: int = 600) -> None:
+    """``accelerate launch`` with ``launcher`` options on a free port; fails the test with the output tail."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port",
+               str(free_port()), str(script), *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+
+
+TWO_CPU_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                     "--dynamo_backend", "no"]
+
+
+def parameters(folder: Path, rank: int = 0) -> dict[str, torch.Tensor]:
+    return torch.load(folder / f"rank{rank}.pt")
+
+
+def history(folder: Path) -> list[dict]:
+    return json.loads((folder / "log_history.json").read_text())
+
+
+def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4, skip: frozenset = frozenset()):
+    """Same log entries, same keys, and every number equal within ``rel`` (timings and ``skip`` aside)."""
+    assert [e.get("step") for e in got] == [e.get("step") for e in expected]
+    for mine, theirs in zip(got, expected):
+        keys = set(mine) - TIMING - skip
+        assert keys == set(theirs) - TIMING - skip, f"step {mine.get('step')}"
+        for key in sorted(keys):
+            a, b = mine[key], theirs[key]
+            if isinstance(a, float) and isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
+                assert a == pytest.approx(b, rel=rel, abs=1e-6), f"step {mine.get('step')}: {key}"
+            else:
+                assert a == b, f"step {mine.get('step')}: {key}"
+
+
+# ------------------------------------------------------------------------------------ two processes vs one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The same three jobs (SFT, TraceRL, TraceRL with a value model), 2 steps each: two CPU processes with
+    per-device batch 2, and one process (in this one) with batch 4."""
+    root = tmp_path_factory.mktemp("scale_out")
+    overrides = json.dumps({"eos_scale": EOS_SCALE})
+    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(root / "two"), "--per_device_batch",
+                      "2", "--max_steps", "2", "--jobs", *train.JOBS, "--overrides", overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for job in train.JOBS:
+            train.run(job, root / "one", 4, 2, eos_scale=EOS_SCALE)
+    finally:
+        torch.set_num_threads(threads)
+    return {"two": root / "two", "one": root / "one"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", list(train.JOBS))
+def test_both_ranks_end_with_identical_parameters(runs, job):
+    setup = json.loads((runs["two"] / job / "setup.json").read_text())
+    assert setup["num_processes"] == 2 and setup["distributed_type"] == "DistributedType.MULTI_CPU"
+    assert setup["wrapper"] == "DistributedDataParallel"
+    rank0, rank1 = parameters(runs["two"] / job, 0), parameters(runs["two"] / job, 1)
+    assert rank0.keys() == rank1.keys()
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    if job == "tracerl_value":  # the value model is placed like the policy
+        assert setup["value_wrapper"] == "DistributedDataParallel"
+        assert any(name.startswith("value.") for name in rank0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["sft", "tracerl", "tracerl_value"])
+def test_two_processes_match_one_process_with_twice_the_batch(runs, job):
+    two, one = parameters(runs["two"] / job), parameters(runs["one"] / job)
+    initial = train.tiny_policy(0.0 if job == "sft" else EOS_SCALE).state_dict()
+    assert two.keys() == one.keys()
+    moved = max((one[name] - initial[name]).abs().max().item() for name in initial)
+    assert moved > 1e-2  # the comparison below is not trivially true
+    for name in two:
+        # the value model trains with Adam: its first step is ~lr * sign(grad), so float noise in tiny gradients
+        # shows up at ~1e-4 of its learning rate (0.5)
+        atol = 1e-3 if name.startswith("value.") else 1e-5
+        torch.testing.assert_close(two[name], one[name], atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_metrics(history(runs["two"] / job), history(runs["one"] / job))
+
+
+@pytest.mark.slow
+def test_groups_span_ranks_and_advantages_use_the_whole_group(runs):
+    """Per-device batch 2 and 4 generations per prompt: every group is split over both ranks. TRL gathers the
+    rewards, so each advantage is (r - group mean) / (group std + 1e-4) over all four completions."""
+    folder = runs["two"] / "tracerl"
+    split_matters = False
+    for step in (1, 2):
+        table = pd.read_parquet(folder / "completions" / f"completions_{step:05d}.parquet")
+        assert len(table) == 4 and table["prompt"].nunique() == 1 and (table["step"] == step).all()
+        rewards = torch.tensor(table["distinct_chars"].to_numpy())
+        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        torch.testing.assert_close(torch.tensor(table["advantage"].to_numpy()), expected, atol=1e-4, rtol=1e-4)
+        local = torch.cat([(half - half.mean()) / (half.std() + 1e-4) for half in rewards.split(2)])
+        split_matters |= not torch.allclose(local, expected, atol=1e-3)
+    assert split_matters, "rank-local advantages would have been the same; the check above proves nothing"
+    steps = history(folder)[:-1]
+    # each trajectory is still attached to its own completion after TRL's gather / shuffle / split, also when
+    # the completions (and so their padding) differ in length
+    assert all(entry["rollout/sampler_logp_gap"] < 1e-4 for entry in steps)
+    assert any(entry["completions/min_length"] < entry["completions/max_length"] for entry in steps)
+
+
+# ----------------------------------------------------------------------------------------------- resume
+
+
+def stop_and_resume(root: Path, job: str, stop: int, max_steps: int = 4, **overrides):
+    """An uninterrupted run and a run stopped after step ``stop`` (its checkpoint) then resumed; returns the two
+    trainers and their folders."""
+    settings = dict(save_strategy="steps", save_steps=stop, **overrides)
+    full = train.run(job, root / "uninterrupted", 4, max_steps, **settings)
+    stopped = train.run(job, root / "resumed", 4, max_steps, stop_after=stop, **settings)
+    assert stopped.state.global_step == stop
+    checkpoint = root / "resumed" / job / f"checkpoint-{stop}"
+    resumed = train.run(job, root / "resumed", 4, max_steps, resume=str(checkpoint), **settings)
+    return full, resumed, root / "uninterrupted" / job, root / "resumed" / job
+
+
+def assert_same_parameters(a: Path, b: Path, atol: float = 1e-6) -> None:
+    first, second = parameters(a), parameters(b)
+    assert first.keys() == second.keys()
+    for name in first:
+        torch.testing.assert_close(second[name], first[name], atol=atol, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def assert_logged_every_step_once(trainer, max_steps: int) -> None:
+    steps = [entry["step"] for entry in trainer.state.log_history if "loss" in entry]
+    assert steps == list(range(1, max_steps + 1))
+
+
+@pytest.mark.slow
+def test_tracerl_resume_is_exact(tmp_path):
+    """``num_iterations=2`` (a rollout is used for two steps) and a checkpoint at a rollout boundary."""
+    full, resumed, a, b = stop_and_resume(tmp_path, "tracerl", stop=2, num_iterations=2)
+    assert_same_parameters(a, b)
+    assert_logged_every_step_once(resumed, 4)
+    # "train_loss" in the closing summary is HF's average over the steps this process ran
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, rel=1e-6, skip=frozenset({"train_loss"}))
+    names = sorted(p.name for p in (b / "completions").iterdir())
+    assert names == sorted(p.name for p in (a / "completions").iterdir())
+    assert names == [f"completions_{step:05d}.parquet" for step in range(1, 5)]
+    for name in names:
+        got, expected = pd.read_parquet(b / "completions" / name), pd.read_parquet(a / "completions" / name)
+        pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_tracerl_resume_inside_a_generation_cycle(tmp_path):
+    full, resumed, a, b = stop_and_resume(tmp_path, "tracerl", stop=1, num_iterations=2)
+    assert_same_parameters(a, b, atol=1e-5)
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, skip=frozenset({"train_loss"}))
+
+
+@pytest.mark.slow
+def test_tracerl_resume_with_a_value_model(tmp_path):
+    full, resumed, a, b = stop_and_resume(tmp_path, "tracerl_value", stop=2)
+    assert_same_parameters(a, b, atol=1e-5)
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, skip=frozenset({"train_loss"}))
+
+
+@pytest.fixture(scope="module")
+def sft_resume(tmp_path_factory):
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return stop_and_resume(tmp_path_factory.mktemp("sft_resume"), "sft", stop=2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+def test_sft_resume_is_exact(sft_resume):
+    """Same data order and the same per-sample noise (seeded by seed, epoch and sample index)."""
+    full, resumed, a, b = sft_resume
+    assert_same_parameters(a, b)
+    assert_logged_every_step_once(resumed, 4)
+    skip = frozenset({"train_loss", "num_tokens"})  # num_tokens: see the next test
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, rel=1e-6, skip=skip)
+
+
+@pytest.mark.slow
+def test_sft_resume_keeps_counting_tokens(sft_resume):
+    full, resumed, _, _ = sft_resume
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, skip=frozenset({"train_loss"}))
+
+
+# --------------------------------------------------------------------------------------- accelerate configs
+
+
+def test_example_accelerate_configs_say_what_they_are_for():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    expected = {"single_gpu": ("NO", 1), "multi_gpu": ("MULTI_GPU", 1), "deepspeed_zero2": ("DEEPSPEED", 1),
+                "deepspeed_zero3": ("DEEPSPEED", 1), "fsdp2": ("FSDP", 1), "multi_node": ("DEEPSPEED", 2)}
+    for name, (kind, machines) in expected.items():
+        config = load_config_from_file(str(CONFIGS / f"{name}.yaml"))
+        assert str(config.distributed_type).endswith(kind) and config.num_machines == machines, name
+    assert load_config_from_file(str(CONFIGS / "cpu_two_processes.yaml")).num_processes == 2
+    stages = {name: load_config_from_file(str(CONFIGS / f"{name}.yaml")).deepspeed_config["zero_stage"]
+              for name in ("deepspeed_zero2", "deepspeed_zero3", "multi_node")}
+    assert stages == {"deepspeed_zero2": 2, "deepspeed_zero3": 3, "multi_node": 2}
+    assert load_config_from_file(str(CONFIGS / "fsdp2.yaml")).fsdp_config["fsdp_version"] == 2
+
+
+@pytest.mark.slow
+def test_cpu_two_processes_config_starts_two_processes(tmp_path):
+    accelerate_launch(["--config_file", str(CONFIGS / "cpu_two_processes.yaml")], HELPERS / "world.py",
+                      str(tmp_path), timeout=120)
+    worlds = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    assert [w["num_processes"] for w in worlds] == [2, 2]
+    assert {w["backend"] for w in worlds} == {"gloo"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
+    "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 an FSDP config on the CPU silently runs "
+    "DDP and DeepSpeed cannot initialise its process group (docs/distributed.md)."))
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
+def test_sharded_config_runs_a_step(tmp_path, config):
+    if config.startswith("deepspeed"):
+        pytest.importorskip("deepspeed")
+    launcher = ["--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", "2", "--mixed_precision",
+                "no"]
+    accelerate_launch(launcher, HELPERS / "train.py", "--out", str(tmp_path), "--per_device_batch", "2",
+                      "--max_steps", "1", "--jobs", "sft", "tracerl", "--overrides", json.dumps({"use_cpu": False}))
+    for job in ("sft", "tracerl"):
+        setup = json.loads((tmp_path / job / "setup.json").read_text())
+        assert setup["num_processes"] == 2
+        assert setup["deepspeed"] if config.startswith("deepspeed") else setup["fsdp"]
+        assert math.isfinite(history(tmp_path / job)[0]["loss"])
+        rank0, rank1 = parameters(tmp_path / job, 0), parameters(tmp_path / job, 1)
+        assert rank0, "no gathered parameters on rank 0"
+        initial = train.tiny_policy().state_dict()
+        assert any(not torch.equal(rank0[name], initial[name].float()) for name in initial)
+        if rank1:  # where the gathered state dict is only materialised on rank 0, rank 1 has none
+            assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
