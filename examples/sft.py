@@ -20,6 +20,14 @@ saved as ``<output_dir>/training_curves.png``.
 
 from __future__ import annotations
 
+import os
+import sys
+
+# This folder holds math.py and code.py, named like standard-library modules: drop it from the import path so that
+# `python examples/<name>.py` does not import this folder's files in place of the standard library's.
+if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+    sys.path.pop(0)
+
 import json
 from dataclasses import dataclass, field
 
