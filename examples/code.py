@@ -31,13 +31,14 @@ import json
 import random
 from dataclasses import dataclass, field
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.callbacks import save_training_curves
+from trl_diffusion.data import load_training_dataset
 from trl_diffusion.rewards import make_code_reward
 
 
@@ -67,12 +68,9 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     model = AutoModelForCausalLM.from_pretrained(path)
     if script_args.dataset_name is None:
         dataset = synthetic_code_tasks(512, args.seed)
-    elif script_args.dataset_name.endswith((".json", ".jsonl", ".parquet")):
-        kind = "parquet" if script_args.dataset_name.endswith(".parquet") else "json"
-        dataset = load_dataset(kind, data_files=script_args.dataset_name, split="train")
     else:
-        dataset = load_dataset(script_args.dataset_name, script_args.dataset_config,
-                               split=script_args.dataset_train_split)
+        dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
+                                        script_args.dataset_train_split)
     reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
                               partial_credit=script_args.partial_credit)
     trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,

@@ -31,14 +31,13 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import json
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.data import arithmetic_reward, make_problems, to_dataset
+from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 from trl_diffusion.rewards import math_accuracy_reward
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -55,10 +54,7 @@ class MathScriptArguments(ScriptArguments):
 
 def math_dataset(name: str, config: str | None, split: str):
     """Load a math dataset (Hub name or local json/jsonl/parquet) as conversational prompts + ``answer``."""
-    if name.endswith((".json", ".jsonl", ".parquet")):
-        dataset = load_dataset("parquet" if name.endswith(".parquet") else "json", data_files=name, split="train")
-    else:
-        dataset = load_dataset(name, config, split=split)
+    dataset = load_training_dataset(name, config, split)
     question = next((c for c in ("problem", "question", "prompt") if c in dataset.column_names), None)
     answer = next((c for c in ("answer", "solution") if c in dataset.column_names), None)
     if question is None or answer is None:

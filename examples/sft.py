@@ -31,14 +31,13 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import json
 from dataclasses import dataclass, field
 
-from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.data import make_problems, to_dataset
+from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
 @dataclass
@@ -59,12 +58,9 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
         dataset = to_dataset(train, EMBEDDED_FORMAT)
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, test[: script_args.num_eval],
                                                  script_args.eval_every, chat_template=EMBEDDED_CHAT_TEMPLATE))
-    elif script_args.dataset_name.endswith((".json", ".jsonl", ".parquet")):
-        kind = "parquet" if script_args.dataset_name.endswith(".parquet") else "json"
-        dataset = load_dataset(kind, data_files=script_args.dataset_name, split="train")
     else:
-        dataset = load_dataset(script_args.dataset_name, script_args.dataset_config,
-                               split=script_args.dataset_train_split)
+        dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
+                                        script_args.dataset_train_split)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                   callbacks=callbacks, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)

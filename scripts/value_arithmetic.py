@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 from trl import TrlParser
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
-from trl_diffusion.assets import EMBEDDED_MODEL, EMBEDDED_TASK
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.data import evaluate_accuracy, make_problems, score_completion, to_dataset
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueModel
@@ -51,7 +51,8 @@ class AccuracyCurve(TrainerCallback):
 
     def measure(self, step: int) -> None:
         if not self.curve or self.curve[-1][0] != step:
-            self.curve.append((step, round(evaluate_accuracy(self.model, self.tokenizer, self.problems), 4)))
+            self.curve.append((step, round(evaluate_accuracy(self.model, self.tokenizer, self.problems,
+                                                                   chat_template=EMBEDDED_CHAT_TEMPLATE), 4)))
             print(json.dumps({"step": step, "held_out_accuracy": self.curve[-1][1]}), flush=True)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -92,7 +93,7 @@ def run(script_args: ScriptArguments, args: TraceRLConfig, name: str) -> dict:
     value_model = DiffusionValueModel.from_policy(model) if name == "value" else None
     curve = AccuracyCurve(model, tokenizer, test[: script_args.num_eval], script_args.eval_every)
     curve.measure(0)
-    trainer = AdvantageRecorder(model, exact_match, args=args, train_dataset=to_dataset(train),
+    trainer = AdvantageRecorder(model, exact_match, args=args, train_dataset=to_dataset(train, EMBEDDED_FORMAT),
                                 processing_class=tokenizer, callbacks=[curve], value_model=value_model)
     trainer.advantage_variances = []
     start = time.perf_counter()
@@ -119,7 +120,7 @@ def make_parser() -> TrlParser:
     parser.set_defaults(
         output_dir="runs/value_arithmetic", max_steps=100, per_device_train_batch_size=64, num_generations=8,
         max_completion_length=16, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static",
-        temperature=1.0, learning_rate=2e-4, value_learning_rate=1e-3, gamma=1.0, lam=1.0, cliprange_value=0.2,
+        temperature=1.0, learning_rate=1e-4, value_learning_rate=1e-3, gamma=1.0, lam=1.0, cliprange_value=0.2,
         beta=0.0, logging_steps=10, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
         use_cpu=True, seed=0, disable_tqdm=True,
     )

@@ -10,6 +10,7 @@ from .arithmetic import (
     score_completion,
     to_dataset,
 )
+from .loading import load_training_dataset
 
 __all__ = [
     "ArithmeticProblem",
@@ -17,6 +18,7 @@ __all__ = [
     "evaluate_accuracy",
     "extract_boxed",
     "generate_completions",
+    "load_training_dataset",
     "make_problems",
     "score_completion",
     "to_dataset",

@@ -1,0 +1,14 @@
+"""Loading a training set by Hub name or from a local file, as the examples accept either."""
+
+from __future__ import annotations
+
+from datasets import Dataset, load_dataset
+
+
+def load_training_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
+    """``name`` is a local ``.json`` / ``.jsonl`` / ``.parquet`` file (its single split is used) or a Hub dataset
+    (``config`` and ``split`` apply)."""
+    if name.endswith((".json", ".jsonl", ".parquet")):
+        kind = "parquet" if name.endswith(".parquet") else "json"
+        return load_dataset(kind, data_files=name, split="train")
+    return load_dataset(name, config, split=split)
