@@ -22,6 +22,7 @@ setup(
         "math-verify>=0.9,<0.10",
         "tokenizers>=0.22",
         "safetensors>=0.5",
+        "matplotlib>=3.7",  # training-curve PNGs of the examples
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],
