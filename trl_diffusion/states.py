@@ -82,21 +82,47 @@ def state_before_step(
     return torch.where(hidden, torch.full_like(sequences, mask_token_id), sequences)
 
 
-def merge_steps(unmask_step: torch.Tensor, shrinkage: int) -> torch.Tensor:
-    """Merge consecutive denoising steps ``shrinkage`` at a time (TraceRL's shrinkage s).
+def step_groups(
+    unmask_step: torch.Tensor, shrinkage: int, blocks: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Group id of every position (-1 where nothing was committed); ids are increasing in denoising order.
 
-    Returns the merged step index of every position (-1 stays -1). Steps are first renumbered densely per row
-    (a row's used steps become 0, 1, 2, ...) so that merging groups steps that actually committed tokens.
+    ``shrinkage`` consecutive distinct steps form a group; with ``blocks`` (block index per position) a group
+    never spans two blocks. With ``shrinkage=1`` every step is its own group (exact per-step scoring).
     """
     if shrinkage < 1:
         raise ValueError(f"shrinkage must be >= 1, got {shrinkage}.")
-    merged = torch.full_like(unmask_step, NOT_COMMITTED)
+    groups = torch.full_like(unmask_step, NOT_COMMITTED)
     for row in range(unmask_step.shape[0]):
         committed = unmask_step[row] >= 0
-        if committed.any():
-            dense = torch.unique(unmask_step[row][committed], sorted=True, return_inverse=True)[1]
-            merged[row, committed] = torch.div(dense, shrinkage, rounding_mode="floor")
-    return merged
+        if not committed.any():
+            continue
+        steps = unmask_step[row][committed]
+        block = blocks[row][committed] if blocks is not None else torch.zeros_like(steps)
+        keys = []  # (block, rank of the step inside its block // shrinkage), ordered by first step
+        for b in torch.unique(block).tolist():
+            distinct = torch.unique(steps[block == b], sorted=True)
+            for rank, step in enumerate(distinct.tolist()):
+                keys.append((b, rank // shrinkage, step))
+        first_step = {}
+        for b, g, step in keys:
+            first_step[(b, g)] = min(first_step.get((b, g), step), step)
+        order = {key: i for i, key in enumerate(sorted(first_step, key=first_step.get))}
+        lookup = {(b, step): order[(b, g)] for b, g, step in keys}
+        groups[row, committed] = torch.tensor(
+            [lookup[(b, s)] for b, s in zip(block.tolist(), steps.tolist())], device=unmask_step.device
+        )
+    return groups
+
+
+def completion_blocks(prompt_mask: torch.Tensor, width: int, block_size: int | None) -> torch.Tensor | None:
+    """Block index of every completion column of ``[left-padded prompt | width completion columns]`` (blocks from
+    each row's absolute position 0, as the sampler aligns them), or None for full attention."""
+    if block_size is None:
+        return None
+    completion = torch.ones(prompt_mask.shape[0], width, dtype=torch.bool, device=prompt_mask.device)
+    positions = positions_from_padding(torch.cat([prompt_mask.bool(), completion], dim=1))
+    return block_index(positions[:, prompt_mask.shape[1]:], block_size)
 
 
 class CanvasLayout:

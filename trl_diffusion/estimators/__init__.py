@@ -1,8 +1,9 @@
 """How a trainer gets log pi(completion) from a diffusion model: four estimators behind one switch, the packed
 layouts they score with, and the slow per-step replay they are tested against."""
 
+from ..states import step_groups
 from .likelihood import ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, score_chunks
-from .packing import ScoringChunk, build_scoring_chunks, step_groups
+from .packing import ScoringChunk, build_scoring_chunks
 from .trajectory import replay_logprobs, trajectory_layout
 
 __all__ = [

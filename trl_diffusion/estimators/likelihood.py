@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.sampling import sampling_logits
-from ..states import NOT_COMMITTED, block_index, positions_from_padding
-from .packing import build_scoring_chunks, step_groups
+from ..states import NOT_COMMITTED, completion_blocks, step_groups
+from .packing import build_scoring_chunks
 
 ESTIMATORS = ("trajectory", "random_masking", "coupled", "mean_field")
 
@@ -77,14 +77,6 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
     return logps, entropies
 
 
-def _completion_blocks(prompt_mask: torch.Tensor, width: int, block_size: int | None) -> torch.Tensor | None:
-    if block_size is None:
-        return None
-    valid = torch.cat([prompt_mask.bool(), torch.ones(prompt_mask.shape[0], width, dtype=torch.bool,
-                                                       device=prompt_mask.device)], dim=1)
-    return block_index(positions_from_padding(valid)[:, prompt_mask.shape[1]:], block_size)
-
-
 def _masked_groups(masked: torch.Tensor, blocks: torch.Tensor | None, committed: torch.Tensor) -> torch.Tensor:
     """Groups for a one-shot masked state: visible tokens first, masked tokens after (per block for block
     models, so each block gets its own noisy copy)."""
@@ -108,7 +100,7 @@ def estimate_logprobs(
     block_size = (settings.block_size or model.block_size) if model.block_size is not None else None
     mask_id = model.mask_token_id
     committed = unmask_step >= 0
-    blocks = _completion_blocks(prompt_mask, completion_ids.shape[1], block_size)
+    blocks = completion_blocks(prompt_mask, completion_ids.shape[1], block_size)
     pad_id = int(prompt_ids.new_tensor(0))
 
     def run(groups, scored=None, prompt_noise=None):

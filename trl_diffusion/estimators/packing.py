@@ -23,39 +23,6 @@ import torch
 from ..states import NOT_COMMITTED, block_index, positions_from_padding, state_before_step
 
 
-def step_groups(
-    unmask_step: torch.Tensor, shrinkage: int, blocks: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Group id of every position (-1 where nothing was committed); ids are increasing in denoising order.
-
-    ``shrinkage`` consecutive distinct steps form a group; with ``blocks`` (block index per position) a group
-    never spans two blocks. With ``shrinkage=1`` every step is its own group (exact per-step scoring).
-    """
-    if shrinkage < 1:
-        raise ValueError(f"shrinkage must be >= 1, got {shrinkage}.")
-    groups = torch.full_like(unmask_step, NOT_COMMITTED)
-    for row in range(unmask_step.shape[0]):
-        committed = unmask_step[row] >= 0
-        if not committed.any():
-            continue
-        steps = unmask_step[row][committed]
-        block = blocks[row][committed] if blocks is not None else torch.zeros_like(steps)
-        keys = []  # (block, rank of the step inside its block // shrinkage), ordered by first step
-        for b in torch.unique(block).tolist():
-            distinct = torch.unique(steps[block == b], sorted=True)
-            for rank, step in enumerate(distinct.tolist()):
-                keys.append((b, rank // shrinkage, step))
-        first_step = {}
-        for b, g, step in keys:
-            first_step[(b, g)] = min(first_step.get((b, g), step), step)
-        order = {key: i for i, key in enumerate(sorted(first_step, key=first_step.get))}
-        lookup = {(b, step): order[(b, g)] for b, g, step in keys}
-        groups[row, committed] = torch.tensor(
-            [lookup[(b, s)] for b, s in zip(block.tolist(), steps.tolist())], device=unmask_step.device
-        )
-    return groups
-
-
 @dataclass
 class ScoringChunk:
     """One forward: inputs plus where its targets come from (``source_row``, ``source_col`` in the completion)

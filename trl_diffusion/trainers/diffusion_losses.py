@@ -25,10 +25,10 @@ from ..states import (
     attention_mask_from_positions,
     blocks_from_prompt_end,
     first_block_start,
-    merge_steps,
     noisy_clean_layout,
     positions_from_padding,
     state_before_step,
+    step_groups,
 )
 
 OBJECTIVES = ("block", "random_masking", "semi_ar", "complementary", "trajectory")
@@ -231,7 +231,7 @@ def trajectory_objective(
             "trajectory objective: some completion tokens have no recorded unmask_step (value < 0); every scored "
             "token must have been committed by the sampler."
         )
-    steps = merge_steps(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage)
+    steps = step_groups(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage)
     positions = positions_from_padding(valid)
     rows = {"ids": [], "pos": [], "valid": [], "targets": []}
     for row in range(input_ids.shape[0]):

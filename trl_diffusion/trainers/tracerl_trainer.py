@@ -28,9 +28,9 @@ from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
-from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs, step_groups
+from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
 from ..models import check_tokenizer
-from ..states import block_index, positions_from_padding
+from ..states import completion_blocks, step_groups
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -221,16 +221,11 @@ class TraceRLTrainer(GRPOTrainer):
             return draws["scored"].float()
         if self.args.step_normalization == "sequence":
             return committed.float()
-        return step_weights(step_groups(steps, settings.shrinkage, self._completion_blocks(prompt_mask, steps)))
-
-    def _completion_blocks(self, prompt_mask, steps):
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if _is_peft(model) else model
-        if base.block_size is None:
-            return None
-        valid = torch.cat([prompt_mask.bool(), torch.ones_like(steps, dtype=torch.bool)], dim=1)
-        positions = positions_from_padding(valid)[:, prompt_mask.shape[1]:]
-        return block_index(positions, self.estimator_settings.block_size)
+        block = settings.block_size if base.block_size is not None else None
+        blocks = completion_blocks(prompt_mask, steps.shape[1], block)
+        return step_weights(step_groups(steps, settings.shrinkage, blocks))
 
     def _kept_rows(self, local_rows: int) -> torch.Tensor:
         """False for rows of groups whose (weighted) rewards are all equal."""

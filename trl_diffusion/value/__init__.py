@@ -1,6 +1,7 @@
 """Diffusion value model: a backbone plus a scalar head scoring trajectory states, step-level GAE, and a trainer
 that fits it on stored trajectories before RL."""
 
+from ..states import completion_blocks
 from .advantages import (
     clipped_value_loss,
     dense_steps,
@@ -11,7 +12,7 @@ from .advantages import (
     value_statistics,
 )
 from .value_config import DiffusionValueConfig
-from .value_model import DiffusionValueModel, ValueOutput, completion_blocks, token_values
+from .value_model import DiffusionValueModel, ValueOutput, token_values
 from .value_trainer import DiffusionValueTrainer, TrajectoryCollator
 
 __all__ = [

@@ -22,12 +22,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import initialization as init
 from transformers.utils import ModelOutput
 
-from ..estimators.packing import build_scoring_chunks, step_groups
+from ..estimators.packing import build_scoring_chunks
 from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.sdar.modeling_sdar import SDARModel
-from ..states import block_index, positions_from_padding
+from ..states import completion_blocks, step_groups
 
 BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -125,15 +125,6 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if cls.__name__ in (getattr(config, "architectures", None) or []):
             return cls.from_pretrained(name_or_path, config=config, **kwargs)
         return cls.from_policy(name_or_path, **kwargs)
-
-
-def completion_blocks(prompt_mask: torch.Tensor, width: int, block_size: int | None) -> torch.Tensor | None:
-    """Block index of every completion column (blocks from absolute position 0), or None for full attention."""
-    if block_size is None:
-        return None
-    completion = torch.ones(prompt_mask.shape[0], width, dtype=torch.bool, device=prompt_mask.device)
-    positions = positions_from_padding(torch.cat([prompt_mask.bool(), completion], dim=1))
-    return block_index(positions[:, prompt_mask.shape[1]:], block_size)
 
 
 def token_values(
