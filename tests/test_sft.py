@@ -259,8 +259,8 @@ def test_prompt_and_padding_are_never_masked_or_scored(objective, family):
             assert (batch.targets[r, n_noisy:] == IGNORE_INDEX).all()
             assert torch.equal(batch.input_ids[r, n_noisy:], ids[source])
     # padding keys are hidden from every real query
-    if batch.attention_mask is not None:
-        mask = batch.attention_mask[0, 0]
+    if batch.layout is not None:
+        mask = batch.layout.dense()[0, 0]
         real_queries = valid[0].nonzero().flatten() + (n_noisy if layout else 0)
         pad_keys = (~valid[0]).nonzero().flatten() + (n_noisy if layout else 0)
         assert not mask[real_queries][:, pad_keys].any()

@@ -15,6 +15,8 @@ Block alignment follows each family's published sampler:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 NOT_COMMITTED = -1
@@ -179,32 +181,110 @@ class CanvasLayout:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def noisy_clean_attention_mask(
-    positions: torch.Tensor, valid: torch.Tensor, block_size: int, noisy_start: int = 0
-) -> torch.Tensor:
-    """BD3-LM mask for the ``[x_t | x_0]`` layout (True = may attend), ``[B, 1, N + L, N + L]``.
+CLEAN = -1
+"""``AttentionLayout.copy`` value of a clean token (one that belongs to no noisy copy)."""
 
-    ``positions`` / ``valid`` ``[B, L]`` describe the clean row; the noisy copy covers its columns
-    ``noisy_start:`` (``N = L - noisy_start``; noisy copies of leading blocks with nothing to score can be left
-    out, since nothing attends to them). Blocks are aligned from each row's position 0, as the block-causal
-    sampler aligns them. A noisy query sees the noisy keys of its own block and the clean keys of strictly earlier
-    blocks; a clean query sees clean keys of its own and earlier blocks (block-causal); clean queries never see
-    noisy keys. Padding keys are hidden in both halves; a query left with no visible key is opened to every key
-    (its output is unused).
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex")
+
+
+def may_attend(
+    q_block: torch.Tensor,
+    q_copy: torch.Tensor,
+    k_block: torch.Tensor,
+    k_copy: torch.Tensor,
+    k_valid: torch.Tensor,
+) -> torch.Tensor:
+    """The one attention rule of every training layout (elementwise, broadcastable; True = may attend).
+
+    Clean tokens (``copy == CLEAN``) are block-causal among themselves and never see a noisy copy. A token of a
+    noisy copy sees its own copy and the clean tokens of strictly earlier blocks. Invalid (padding) keys are
+    hidden. With every token clean and in block 0 this is plain full attention over the valid keys.
+    """
+    clean_q, clean_k = q_copy == CLEAN, k_copy == CLEAN
+    clean_to_clean = clean_q & clean_k & (k_block <= q_block)
+    copy_to_clean = ~clean_q & clean_k & (k_block < q_block)
+    within_copy = ~clean_q & (k_copy == q_copy)
+    return (clean_to_clean | copy_to_clean | within_copy) & k_valid
+
+
+@dataclass
+class AttentionLayout:
+    """Per-token description of a (packed) training row from which its attention mask follows (``may_attend``).
+
+    ``block`` ``[B, N]``: block index (0 everywhere for full attention); ``copy`` ``[B, N]``: ``CLEAN`` or the id
+    of the noisy copy the token belongs to; ``valid`` ``[B, N]``: real token (False = padding). Keeping the
+    layout, not an ``N x N`` mask, lets the mask be built either dense (SDPA) or as a flex-attention
+    ``BlockMask`` that never materialises it.
+    """
+
+    block: torch.Tensor
+    copy: torch.Tensor
+    valid: torch.Tensor
+
+    @classmethod
+    def plain(cls, positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> AttentionLayout:
+        """One clean row: block-causal (blocks from each row's position 0) or, without ``block_size``, full."""
+        block = block_index(positions, block_size) if block_size is not None else torch.zeros_like(positions)
+        return cls(block, torch.full_like(positions, CLEAN), valid.bool())
+
+    def dense(self) -> torch.Tensor:
+        """Boolean mask ``[B, 1, N, N]``; padding queries are opened to every key (finite, never read)."""
+        mask = may_attend(self.block[:, :, None], self.copy[:, :, None], self.block[:, None, :],
+                          self.copy[:, None, :], self.valid[:, None, :])
+        return (mask | ~self.valid[:, :, None])[:, None]
+
+    def block_mask(self):
+        """The same rule as a flex-attention ``BlockMask`` (built block-sparse, compiled on CUDA). Padding queries
+        see nothing (flex attention returns zeros for them), so blocks of padding are skipped."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        block, copy, valid = self.block, self.copy, self.valid
+
+        def mask_mod(b, h, q, k):
+            return may_attend(block[b, q], copy[b, q], block[b, k], copy[b, k], valid[b, k]) & valid[b, q]
+
+        batch, length = block.shape
+        return create_block_mask(mask_mod, batch, None, length, length, device=block.device,
+                                 _compile=block.device.type == "cuda")
+
+    def attention_mask(self, backend: str = "auto"):
+        """The mask the model reads: a ``BlockMask`` for ``flex`` (``auto`` on CUDA), the dense boolean mask for
+        ``sdpa`` (``auto`` elsewhere)."""
+        if resolve_attention_backend(backend, self.block.device) == "flex":
+            return self.block_mask()
+        return self.dense()
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """``auto`` -> ``flex`` on CUDA (compiled block-sparse kernel), ``sdpa`` elsewhere (on CPU flex attention runs
+    eagerly, forward only)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention_backend {backend!r}; choose one of {ATTENTION_BACKENDS}.")
+    if backend == "auto":
+        return "flex" if torch.device(device).type == "cuda" else "sdpa"
+    if backend == "flex" and torch.device(device).type == "cpu" and torch.is_grad_enabled():
+        raise ValueError("attention_backend='flex' cannot train on CPU: torch's flex attention has no CPU backward. "
+                         "Use 'auto' or 'sdpa' on CPU (flex works there for no-grad scoring).")
+    return backend
+
+
+def noisy_clean_attention_layout(
+    positions: torch.Tensor, valid: torch.Tensor, block_size: int, noisy_start: int = 0
+) -> AttentionLayout:
+    """BD3-LM layout of ``[x_t[noisy_start:] | x_0]``: the noisy copy of each block is its own copy (it sees
+    itself and the clean blocks before it), the clean row is block-causal.
+
+    ``positions`` / ``valid`` ``[B, L]`` describe the clean row; noisy copies of leading blocks with nothing to
+    score can be left out (``noisy_start``), since nothing attends to them. Blocks are aligned from each row's
+    position 0, as the block-causal sampler aligns them.
     """
     block = block_index(positions, block_size)
     noisy_block = block[:, noisy_start:]
-    noisy_to_noisy = noisy_block[:, None, :] == noisy_block[:, :, None]
-    noisy_to_clean = block[:, None, :] < noisy_block[:, :, None]
-    clean_to_noisy = torch.zeros(block.shape[0], block.shape[1], noisy_block.shape[1], dtype=torch.bool,
-                                 device=block.device)
-    clean_to_clean = block[:, None, :] <= block[:, :, None]
-    top = torch.cat([noisy_to_noisy, noisy_to_clean], dim=-1)
-    bottom = torch.cat([clean_to_noisy, clean_to_clean], dim=-1)
-    key_valid = torch.cat([valid[:, noisy_start:], valid], dim=-1).bool()
-    mask = torch.cat([top, bottom], dim=-2) & key_valid[:, None, :]
-    mask = mask | ~mask.any(dim=-1, keepdim=True)
-    return mask[:, None]
+    return AttentionLayout(
+        block=torch.cat([noisy_block, block], dim=-1),
+        copy=torch.cat([noisy_block, torch.full_like(block, CLEAN)], dim=-1),
+        valid=torch.cat([valid[:, noisy_start:], valid], dim=-1).bool(),
+    )
 
 
 def noisy_clean_layout(
@@ -214,14 +294,14 @@ def noisy_clean_layout(
     valid: torch.Tensor,
     block_size: int,
     noisy_start: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``[x_t[noisy_start:] | x_0]`` in one row: ``(input_ids, position_ids, attention_mask)``.
+) -> tuple[torch.Tensor, torch.Tensor, AttentionLayout]:
+    """``[x_t[noisy_start:] | x_0]`` in one row: ``(input_ids, position_ids, attention layout)``.
 
     Both halves carry the clean row's position ids, so the noisy copy of a block is placed exactly where the
-    sampler denoises it, with every earlier block clean (see ``noisy_clean_attention_mask``)."""
+    sampler denoises it, with every earlier block clean (see ``noisy_clean_attention_layout``)."""
     ids = torch.cat([noisy_ids[:, noisy_start:], clean_ids], dim=-1)
     pos = torch.cat([positions[:, noisy_start:], positions], dim=-1)
-    return ids, pos, noisy_clean_attention_mask(positions, valid, block_size, noisy_start)
+    return ids, pos, noisy_clean_attention_layout(positions, valid, block_size, noisy_start)
 
 
 def first_block_start(scored: torch.Tensor, positions: torch.Tensor, block_size: int) -> int:

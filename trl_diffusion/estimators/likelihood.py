@@ -44,6 +44,7 @@ class EstimatorSettings:
     coupled_low: float = 0.2
     coupled_high: float = 0.8
     prompt_mask_prob: float = 0.15
+    attention_backend: str = "auto"
 
     def validate(self) -> None:
         if self.name not in ESTIMATORS:
@@ -62,8 +63,8 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
     if shift and model.block_size is not None:
         raise ValueError("packed scoring of shifted logits on a block-causal model is not supported.")
     for chunk in chunks:
-        logits = model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask,
-                       position_ids=chunk.position_ids).logits
+        mask = chunk.layout.attention_mask(settings.attention_backend)
+        logits = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids).logits
         selected = logits[chunk.chunk_row, chunk.chunk_col - shift]
         log_dist = sampling_logits(selected, settings.temperature, settings.top_k, settings.top_p,
                                    model.mask_token_id).log_softmax(-1)

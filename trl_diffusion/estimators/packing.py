@@ -8,7 +8,7 @@ targets of group ``g`` are its own tokens.
 
 * Block-causal models: one packed row per response, ``[prompt | clean completion | noisy copies]``, one noisy
   copy of a block per group. A copy sees the clean blocks before its block and itself; the clean part is
-  block-causal and never sees a copy. Copies reuse the positions of their block.
+  block-causal and never sees a copy (``states.may_attend``). Copies reuse the positions of their block.
 * Full-attention models: one row per (response, group), each the whole sequence in that state.
 
 Rows are cut into chunks of at most ``token_budget`` tokens (one forward each).
@@ -20,17 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-from ..states import NOT_COMMITTED, block_index, positions_from_padding, state_before_step
+from ..states import CLEAN, NOT_COMMITTED, AttentionLayout, block_index, positions_from_padding, state_before_step
 
 
 @dataclass
 class ScoringChunk:
-    """One forward: inputs plus where its targets come from (``source_row``, ``source_col`` in the completion)
-    and where they sit in this chunk (``chunk_row``, ``chunk_col``)."""
+    """One forward: inputs, the attention layout (``layout.attention_mask(backend)`` is the mask), plus where its
+    targets come from (``source_row``, ``source_col`` in the completion) and where they sit in this chunk
+    (``chunk_row``, ``chunk_col``)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    attention_mask: torch.Tensor
+    layout: AttentionLayout
     chunk_row: torch.Tensor
     chunk_col: torch.Tensor
     source_row: torch.Tensor
@@ -49,19 +50,20 @@ def _chunks_from_rows(rows: list[dict], pad_id: int, token_budget: int | None) -
         n = len(current)
         ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
         pos = torch.zeros((n, width), dtype=torch.long, device=device)
-        mask = torch.zeros((n, 1, width, width), dtype=torch.bool, device=device)
+        block = torch.zeros((n, width), dtype=torch.long, device=device)
+        copy = torch.full((n, width), CLEAN, dtype=torch.long, device=device)
+        valid = torch.zeros((n, width), dtype=torch.bool, device=device)
         rows_, cols_, srows, scols = [], [], [], []
         for i, r in enumerate(current):
             length = r["ids"].shape[0]
             ids[i, :length], pos[i, :length] = r["ids"], r["pos"]
-            mask[i, 0, :length, :length] = r["mask"]
-            mask[i, 0, length:, :] = True  # padding queries: finite attention, never read
+            block[i, :length], copy[i, :length], valid[i, :length] = r["block"], r["copy"], True
             rows_.append(torch.full_like(r["targets"], i))
             cols_.append(r["targets"])
             srows.append(torch.full_like(r["targets"], r["source_row"]))
             scols.append(r["source_cols"])
-        chunks.append(ScoringChunk(ids, pos, mask, torch.cat(rows_), torch.cat(cols_), torch.cat(srows),
-                                   torch.cat(scols)))
+        chunks.append(ScoringChunk(ids, pos, AttentionLayout(block, copy, valid), torch.cat(rows_), torch.cat(cols_),
+                                   torch.cat(srows), torch.cat(scols)))
         current.clear()
 
     for row in rows:
@@ -94,7 +96,6 @@ def build_scoring_chunks(
     get no row or copy. ``prompt_noise`` ``[B, P]`` masks those prompt tokens in every row (d1's estimator).
     """
     batch, prompt_width = prompt_ids.shape
-    device = prompt_ids.device
     if prompt_noise is not None:
         prompt_ids = prompt_ids.masked_fill(prompt_noise.bool() & prompt_mask.bool(), mask_token_id)
     if scored is None:
@@ -121,14 +122,14 @@ def build_scoring_chunks(
             for g in live_groups:
                 state = state_before_step(r_ids[None], r_groups[None], r_gen[None], g, mask_token_id)[0]
                 targets = (r_scored & (r_groups == g)).nonzero().squeeze(-1)
-                rows.append({"ids": state, "pos": r_pos, "mask": torch.ones(len(r_ids), len(r_ids), dtype=torch.bool,
-                                                                                device=device),
-                             "targets": targets, "source_row": r, "source_cols": targets - completion_start})
+                rows.append({"ids": state, "pos": r_pos, "block": torch.zeros_like(r_pos),
+                             "copy": torch.full_like(r_pos, CLEAN), "targets": targets, "source_row": r,
+                             "source_cols": targets - completion_start})
             continue
         blocks = block_index(r_pos, block_size)
-        clean_len = len(r_ids)
-        pieces_ids, pieces_pos, pieces_block, targets, source_cols, copy_of = [r_ids], [r_pos], [blocks], [], [], []
-        cursor = clean_len
+        pieces_ids, pieces_pos, pieces_block, targets, source_cols = [r_ids], [r_pos], [blocks], [], []
+        pieces_copy = [torch.full_like(r_pos, CLEAN)]
+        cursor = len(r_ids)
         for g in live_groups:
             in_group = r_scored & (r_groups == g)
             b = int(blocks[in_group][0])
@@ -140,21 +141,9 @@ def build_scoring_chunks(
             local = in_group[cols].nonzero().squeeze(-1)
             targets.append(cursor + local)
             source_cols.append(cols[local] - completion_start)
-            copy_of.append((cursor, cursor + len(cols), b))
+            pieces_copy.append(torch.full_like(cols, len(pieces_copy) - 1))
             cursor += len(cols)
-        packed_ids, packed_pos = torch.cat(pieces_ids), torch.cat(pieces_pos)
-        packed_block = torch.cat(pieces_block)
-        n = len(packed_ids)
-        is_clean = torch.zeros(n, dtype=torch.bool, device=device)
-        is_clean[:clean_len] = True
-        copy_id = torch.full((n,), -1, dtype=torch.long, device=device)
-        for i, (start, end, _) in enumerate(copy_of):
-            copy_id[start:end] = i
-        q_block, k_block = packed_block[:, None], packed_block[None, :]
-        clean_q, clean_k = is_clean[:, None], is_clean[None, :]
-        mask = clean_q & clean_k & (k_block <= q_block)  # clean: block-causal
-        mask |= ~clean_q & clean_k & (k_block < q_block)  # a copy sees the clean blocks before its block
-        mask |= ~clean_q & ~clean_k & (copy_id[:, None] == copy_id[None, :])  # ... and itself
-        rows.append({"ids": packed_ids, "pos": packed_pos, "mask": mask, "targets": torch.cat(targets),
-                     "source_row": r, "source_cols": torch.cat(source_cols)})
+        rows.append({"ids": torch.cat(pieces_ids), "pos": torch.cat(pieces_pos), "block": torch.cat(pieces_block),
+                     "copy": torch.cat(pieces_copy), "targets": torch.cat(targets), "source_row": r,
+                     "source_cols": torch.cat(source_cols)})
     return _chunks_from_rows(rows, pad_token_id, token_budget)

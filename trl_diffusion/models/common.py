@@ -3,6 +3,8 @@ committing KV cache, mask handling, and the Qwen-style decoder used by SDAR (Qwe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -144,7 +146,8 @@ def attend(
     """Scaled dot-product attention over ``[cached keys | new keys]``; writes the new keys only if ``store``.
 
     ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, KV, Q, D]`` (post-RoPE). ``mask`` is boolean (True = attend) or
-    additive float, broadcastable to ``[B, H, Q, K]``.
+    additive float, broadcastable to ``[B, H, Q, K]`` (SDPA), or a flex-attention ``BlockMask`` (flex attention,
+    no dense mask).
     """
     if cache is not None:
         past = cache.layer(layer_idx)
@@ -153,11 +156,30 @@ def attend(
         if past is not None:
             k = torch.cat([past[0], k], dim=-2)
             v = torch.cat([past[1], v], dim=-2)
+    if is_block_mask(mask):
+        if dropout:
+            raise ValueError("flex attention has no attention dropout; set attention_dropout to 0 or use "
+                             "attention_backend='sdpa'.")
+        return flex_attention_kernel(q.device)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     n_rep = q.shape[1] // k.shape[1]
     if n_rep > 1:
         k = k.repeat_interleave(n_rep, dim=1)
         v = v.repeat_interleave(n_rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False)
+
+
+def is_block_mask(mask) -> bool:
+    """Whether ``mask`` is a flex-attention ``BlockMask`` (without importing flex attention when it isn't)."""
+    return type(mask).__name__ == "BlockMask" and hasattr(mask, "mask_mod")
+
+
+@functools.cache
+def flex_attention_kernel(device: torch.device):
+    """flex_attention, compiled on CUDA (its fused kernel; eager flex materialises the scores), eager elsewhere.
+    Compiled with automatic dynamic shapes: packed training rows change length from batch to batch."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention) if torch.device(device).type == "cuda" else flex_attention
 
 
 def resolve_attention_mask(
@@ -172,13 +194,20 @@ def resolve_attention_mask(
     """Turn the user's ``attention_mask`` into the 4-D mask every layer uses.
 
     Accepted: ``None``; a 2-D key-padding mask ``[B, past + L]`` (1 = real token); a 3-D ``[B, Q, K]`` or 4-D
-    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given. For 2-D and
+    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given; a flex-attention
+    ``BlockMask`` (training forwards without a cache), used as given. For 2-D and
     ``None`` the structure (block-causal or full) comes from the positions. Returns the mask and the validity of
     the new keys (what a committing cache pass stores).
     """
     past = cache.get_seq_length() if cache is not None else 0
     k_len = past + q_len
     device = position_ids.device
+    if is_block_mask(attention_mask):
+        mask_q, mask_k = attention_mask.shape[-2:]
+        if past or mask_q != q_len or mask_k != k_len or attention_mask.shape[0] not in (1, batch):
+            raise ValueError(f"a BlockMask of shape {tuple(attention_mask.shape)} does not fit {q_len} queries and "
+                             f"{k_len} keys (batch {batch}); BlockMasks are for cache-free training forwards.")
+        return attention_mask, torch.ones(batch, q_len, dtype=torch.bool, device=device)
     if attention_mask is not None and attention_mask.dim() in (3, 4):
         mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None]
         if mask.shape[-2] != q_len or mask.shape[-1] != k_len or mask.shape[0] not in (1, batch):
@@ -288,7 +317,7 @@ class DiffusionPreTrainedModel(PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = False
-    _supports_flex_attn = True  # released SDAR configs ask for "flex_attention"; attention here is SDPA-based
+    _supports_flex_attn = True  # released SDAR configs ask for "flex_attention"; the kernel follows the mask passed
 
     @classmethod
     def from_pretrained(cls, *args, **kwargs):

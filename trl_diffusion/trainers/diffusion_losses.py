@@ -22,7 +22,7 @@ import torch
 
 from ..generation.sampling import sampling_logits
 from ..states import (
-    attention_mask_from_positions,
+    AttentionLayout,
     blocks_from_prompt_end,
     first_block_start,
     noisy_clean_layout,
@@ -38,11 +38,12 @@ IGNORE_INDEX = -100
 
 @dataclass
 class ScoringBatch:
-    """What one forward scores. ``targets`` are position-aligned (-100 = not scored); ``weights`` are 0 there."""
+    """What one forward scores. ``targets`` are position-aligned (-100 = not scored); ``weights`` are 0 there.
+    ``layout`` gives the attention mask (None: the model's default, full attention over every token)."""
 
     input_ids: torch.LongTensor
     position_ids: torch.LongTensor
-    attention_mask: torch.Tensor | None
+    layout: AttentionLayout | None
     targets: torch.LongTensor
     weights: torch.Tensor
 
@@ -102,12 +103,12 @@ def _check_generators(generators: list[torch.Generator], batch: int) -> None:
         raise ValueError(f"need one generator per row: got {len(generators)} for {batch} rows.")
 
 
-def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> torch.Tensor | None:
+def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> AttentionLayout | None:
     """Block-causal (``block_size``) or full attention over the row, padding keys hidden; None when that is
     the model's own default (full attention, nothing padded)."""
     if block_size is None and bool(valid.all()):
         return None
-    return attention_mask_from_positions(positions, positions, valid, block_size)
+    return AttentionLayout.plain(positions, valid, block_size)
 
 
 def _random_mask(input_ids, labels, valid, generators, eps, high=1.0):
@@ -258,13 +259,16 @@ def trajectory_objective(
 
 
 def score_tokens(
-    model, batch: ScoringBatch, logits_shift: bool = False, mask_token_id: int | None = None
+    model, batch: ScoringBatch, logits_shift: bool = False, mask_token_id: int | None = None,
+    attention_backend: str = "auto",
 ) -> TokenScores:
     """One forward over ``batch``; log-prob, entropy and top-1 of every target (fp32, only at scored
     positions). ``logits_shift`` (Dream): position i is predicted from logits[i-1], so position 0 is never
     scored. With ``mask_token_id`` the mask token is removed from the distribution, exactly as the sampler
-    removes it (``generation.sampling.sampling_logits``), so training and decoding share one distribution."""
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
+    removes it (``generation.sampling.sampling_logits``), so training and decoding share one distribution.
+    ``attention_backend`` (``states.ATTENTION_BACKENDS``) says how the layout's mask is built."""
+    mask = batch.layout.attention_mask(attention_backend) if batch.layout is not None else None
+    out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids)
     logits = out.logits
     scored = batch.targets != IGNORE_INDEX
     if logits_shift:
@@ -292,11 +296,11 @@ def count_loss_tokens(labels: torch.Tensor, logits_shift: bool = False) -> torch
 
 def diffusion_loss(
     model, batch: ScoringBatch, normaliser: torch.Tensor | int, logits_shift: bool = False,
-    mask_token_id: int | None = None, loss_type: str = "nll",
+    mask_token_id: int | None = None, loss_type: str = "nll", attention_backend: str = "auto",
 ) -> tuple[torch.Tensor, TokenScores]:
     """``sum(weight * -log p(target)) / normaliser`` and the token scores (see ``score_tokens``).
     ``loss_type="dft"`` multiplies each token's loss by its detached probability (TRL's DFT)."""
-    scores = score_tokens(model, batch, logits_shift, mask_token_id)
+    scores = score_tokens(model, batch, logits_shift, mask_token_id, attention_backend)
     per_token = -scores.log_probs * batch.weights.to(scores.log_probs.dtype)
     if loss_type == "dft":
         per_token = per_token * scores.log_probs.detach().exp()

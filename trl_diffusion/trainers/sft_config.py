@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
+from ..states import ATTENTION_BACKENDS
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
@@ -39,6 +40,9 @@ class DiffusionSFTConfig(SFTConfig):
         overlong_policy (`str`, *optional*, defaults to `"truncate"`):
             What to do with a sequence longer than `max_length`: `"truncate"` (as `truncation_mode` says) or
             `"error"`.
+        attention_backend (`str`, *optional*, defaults to `"auto"`):
+            How training attention masks are built: `"flex"` (a flex-attention `BlockMask`, no dense mask),
+            `"sdpa"` (a dense boolean mask), or `"auto"` (flex on CUDA, SDPA elsewhere).
     """
 
     diffusion_objective: str | None = field(
@@ -81,8 +85,16 @@ class DiffusionSFTConfig(SFTConfig):
                   "choices": list(OVERLONG_POLICIES)},
     )
 
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Training attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense "
+                  "boolean mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+    )
+
     def __post_init__(self):
         super().__post_init__()
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.diffusion_objective is not None and self.diffusion_objective not in OBJECTIVES:
             raise ValueError(f"diffusion_objective must be one of {OBJECTIVES} or None, got "
                              f"{self.diffusion_objective!r}.")

@@ -8,6 +8,7 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS
 from ..generation.sampling import REMASKING_STRATEGIES
+from ..states import ATTENTION_BACKENDS
 
 
 @dataclass
@@ -18,7 +19,7 @@ class TraceRLConfig(GRPOConfig):
     * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
       `confidence_threshold`, `use_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
-      `step_normalization`, `scoring_token_budget` and the estimators' masking ratios),
+      `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
     * `dynamic_group_filtering`,
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
       `value_train_every`), used only when the trainer is given a `value_model`.
@@ -69,6 +70,11 @@ class TraceRLConfig(GRPOConfig):
     prompt_mask_prob: float = field(
         default=0.15, metadata={"help": "`mean_field`: probability of masking each prompt token (d1)."}
     )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Scoring attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense "
+                  "boolean mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+    )
     dynamic_group_filtering: bool = field(
         default=False,
         metadata={"help": "Drop groups whose rewards are all equal (all-or-nothing accuracy) from the loss, as the "
@@ -111,6 +117,8 @@ class TraceRLConfig(GRPOConfig):
                              f"block_length={self.block_length}, denoising_steps={self.denoising_steps}.")
         if self.shrinkage < 1:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.step_normalization not in ("step", "sequence"):

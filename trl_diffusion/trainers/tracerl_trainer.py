@@ -124,6 +124,7 @@ class TraceRLTrainer(GRPOTrainer):
             temperature=args.temperature, token_budget=args.scoring_token_budget,
             mask_low=args.random_mask_low, mask_high=args.random_mask_high,
             coupled_low=args.coupled_low, coupled_high=args.coupled_high, prompt_mask_prob=args.prompt_mask_prob,
+            attention_backend=args.attention_backend,
         )
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
@@ -270,7 +271,7 @@ class TraceRLTrainer(GRPOTrainer):
     def _token_values(self, prompt_ids, prompt_mask, canvas_ids, unmask_step) -> tuple[torch.Tensor, torch.Tensor]:
         settings, unwrapped = self.estimator_settings, self.accelerator.unwrap_model(self.value_model)
         return token_values(self.value_model, prompt_ids, prompt_mask, canvas_ids, unmask_step, settings.shrinkage,
-                            settings.block_size, settings.token_budget, unwrapped)
+                            settings.block_size, settings.token_budget, unwrapped, settings.attention_backend)
 
     def _value_advantages(self, output: dict, trainable: torch.Tensor, mode: str) -> torch.Tensor:
         """``[B, C]`` GAE advantages from the value model as it is now (GRPO's normalised reward is the outcome

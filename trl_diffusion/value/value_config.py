@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
+from ..states import ATTENTION_BACKENDS
+
 
 @dataclass
 class DiffusionValueConfig(_BaseConfig):
@@ -25,6 +27,8 @@ class DiffusionValueConfig(_BaseConfig):
         truncate_at_eos (`bool`, *optional*, defaults to `True`):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
+        attention_backend (`str`, *optional*, defaults to `"auto"`):
+            `"flex"` (flex-attention `BlockMask`), `"sdpa"` (dense boolean mask) or `"auto"` (flex on CUDA).
     """
 
     learning_rate: float = field(
@@ -49,6 +53,11 @@ class DiffusionValueConfig(_BaseConfig):
         default=True,
         metadata={"help": "Train only on tokens up to and including the first end-of-sequence token."},
     )
+    attention_backend: str = field(
+        default="auto",
+        metadata={"help": "Attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense boolean "
+                  "mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+    )
 
     def __post_init__(self):
         super().__post_init__()
@@ -56,5 +65,7 @@ class DiffusionValueConfig(_BaseConfig):
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}.")
         if self.shrinkage < 1:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")

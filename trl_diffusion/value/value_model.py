@@ -137,6 +137,7 @@ def token_values(
     block_size: int | None = None,
     token_budget: int | None = None,
     interface: DiffusionValueModel | None = None,
+    attention_backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, groups)`` ``[B, C]``: the value of every committed completion token given the state before its
     merged step (0 elsewhere), and the merged-step ids (``step_groups``) the states were built from.
@@ -144,7 +145,7 @@ def token_values(
     ``model`` is a ``DiffusionValueModel``, possibly wrapped (DDP, ...): then ``interface`` is the unwrapped one,
     which answers ``mask_token_id`` / ``block_size``. ``completion_ids`` / ``unmask_step`` cover the whole sampler
     canvas. ``block_size`` is the training block size of a block-causal model (default: the model's).
-    Differentiable.
+    ``attention_backend``: how the packed masks are built (``states.ATTENTION_BACKENDS``). Differentiable.
     """
     interface = interface if interface is not None else model
     block = (block_size or interface.block_size) if interface.block_size is not None else None
@@ -153,6 +154,7 @@ def token_values(
                                   token_budget, pad_token_id=0)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     for chunk in chunks:
-        out = model(input_ids=chunk.input_ids, attention_mask=chunk.attention_mask, position_ids=chunk.position_ids)
+        mask = chunk.layout.attention_mask(attention_backend)
+        out = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids)
         values = values.index_put((chunk.source_row, chunk.source_col), out.value[chunk.chunk_row, chunk.chunk_col])
     return values, groups

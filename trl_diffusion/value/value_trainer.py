@@ -103,7 +103,8 @@ class DiffusionValueTrainer(_BaseTrainer):
         args = self.args
         values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                       inputs["unmask_step"], args.shrinkage, args.training_block_size,
-                                      args.scoring_token_budget, self.accelerator.unwrap_model(model))
+                                      args.scoring_token_budget, self.accelerator.unwrap_model(model),
+                                      args.attention_backend)
         mask = inputs["trained_mask"]
         rewards = outcome_token_rewards(inputs["reward"], groups, mask)
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
