@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from transformers import TrainerCallback
@@ -38,6 +39,34 @@ class HeldOutAccuracyCallback(TrainerCallback):
         if self.curve[-1][0] != state.global_step:
             accuracy = self.measure(state.global_step)
             state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": accuracy})
+
+
+class TimeBudgetCallback(TrainerCallback):
+    """Stop training once ``seconds`` of training have passed, and anneal by wall time: over the last
+    ``decay_fraction`` of the budget the learning rate falls linearly from ``args.learning_rate`` to 0
+    (warmup-stable-decay keyed on time, so a time-boxed run ends annealed however fast the machine is). Meant for a
+    constant schedule after warmup; checked after every optimizer step."""
+
+    def __init__(self, seconds: float, decay_fraction: float = 0.0, clock=time.perf_counter) -> None:
+        if seconds <= 0 or not 0.0 <= decay_fraction <= 1.0:
+            raise ValueError(f"need seconds > 0 and 0 <= decay_fraction <= 1, got {seconds} and {decay_fraction}.")
+        self.seconds, self.decay_fraction, self.clock = seconds, decay_fraction, clock
+        self.start = clock()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = self.clock()
+
+    def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        remaining = self.seconds - (self.clock() - self.start)
+        if remaining <= 0:
+            control.should_training_stop = True
+        elif remaining < self.decay_fraction * self.seconds:
+            lr = args.learning_rate * remaining / (self.decay_fraction * self.seconds)
+            if lr_scheduler is not None:  # the schedule's factor (1 after warmup) now multiplies the decayed lr
+                lr_scheduler.base_lrs = [lr] * len(lr_scheduler.base_lrs)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+        return control
 
 
 def save_training_curves(log_history: list[dict], path: str | Path, keys: list[str], title: str = "") -> Path | None:

@@ -141,9 +141,9 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
     """Greedy completions of ``prompts`` with ``model.generate`` (left-padded batches). With ``chat_template`` the
     prompts are chat-formatted (conversational datasets); without, they are ``prompt + "\\n"`` as in the
     ``prompt_completion`` format."""
-    block = model.block_size or 16
-    settings = {"max_new_tokens": 16, "block_length": block, "denoising_steps": block,
+    settings = {"max_new_tokens": 16, "block_length": model.block_size or 16,
                 "remasking_strategy": "low_confidence_static", "temperature": 0.0, **generate_kwargs}
+    settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
