@@ -107,6 +107,9 @@ def test_evaluate_accuracy_uses_chat_template_left_padding_and_greedy_batches():
     assert evaluate_accuracy(OracleModel(tokenizer, flaky=True), tokenizer, flaky) == 0.5
     assert evaluate_accuracy(oracle, tokenizer, problems[:1], max_new_tokens=12) == 1.0
     assert oracle.calls[-1][2]["max_new_tokens"] == 12
+    assert oracle.calls[-1][2]["block_length"] == 16 and oracle.calls[-1][2]["denoising_steps"] == 16
+    evaluate_accuracy(oracle, tokenizer, problems[:1], block_length=4)  # one token per step by default
+    assert oracle.calls[-1][2]["block_length"] == 4 and oracle.calls[-1][2]["denoising_steps"] == 4
     with pytest.raises(ValueError, match="no problems"):
         evaluate_accuracy(oracle, tokenizer, [])
 
