@@ -235,6 +235,21 @@ def test_trajectory_rows_are_the_states_before_each_step():
     assert merged.input_ids.tolist() == [[50, 51, m, m, m, m], [50, 51, 60, 61, m, 63]]
 
 
+def test_trajectory_shrinkage_merges_within_blocks_for_block_models():
+    """Block models merge steps inside a block only (as TraceRL scores them); full attention merges globally."""
+    ids = torch.tensor([[50, 51, 60, 61, 62, 63]])
+    labels = torch.tensor([[IGNORE_INDEX, IGNORE_INDEX, 60, 61, 62, 63]])
+    steps = torch.tensor([[-1, -1, 0, 0, 1, 2]])  # block 1 (cols 2-3) at step 0; block 2 at steps 1 and 2
+    m = MASK_ID
+
+    def states(block_size):
+        return build_objective("trajectory", ids, labels, torch.ones_like(ids).bool(), [], mask_token_id=MASK_ID,
+                               block_size=block_size, unmask_step=steps, shrinkage=2).input_ids.tolist()
+
+    assert states(2) == [[50, 51, m, m, m, m], [50, 51, 60, 61, m, m]]
+    assert states(None) == [[50, 51, m, m, m, m], [50, 51, 60, 61, 62, m]]
+
+
 @pytest.mark.parametrize("objective,family", [("block", "sdar"), ("random_masking", "llada"), ("semi_ar", "dream"),
                                               ("complementary", "llada"), ("complementary", "sdar")])
 def test_prompt_and_padding_are_never_masked_or_scored(objective, family):

@@ -23,6 +23,7 @@ import torch
 from ..generation.sampling import sampling_logits
 from ..states import (
     AttentionLayout,
+    block_index,
     blocks_from_prompt_end,
     first_block_start,
     noisy_clean_layout,
@@ -224,7 +225,8 @@ def trajectory_objective(
     input_ids, labels, valid, unmask_step, mask_token_id: int, block_size: int | None = None, shrinkage: int = 1
 ) -> ScoringBatch:
     """Train on the states a recorded rollout actually visited: for every (merged) denoising step s of a row,
-    one row holding the state before s (``states.state_before_step``), scoring the tokens committed at s.
+    one row holding the state before s (``states.state_before_step``), scoring the tokens committed at s. Steps are
+    merged ``shrinkage`` at a time, within each block for block-causal models (``states.step_groups``, as TraceRL).
     ``unmask_step`` ``[B, L]`` is the sampler's step per position; every completion position needs one."""
     completion = labels != IGNORE_INDEX
     if bool((completion & (unmask_step < 0)).any()):
@@ -232,8 +234,9 @@ def trajectory_objective(
             "trajectory objective: some completion tokens have no recorded unmask_step (value < 0); every scored "
             "token must have been committed by the sampler."
         )
-    steps = step_groups(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage)
     positions = positions_from_padding(valid)
+    blocks = block_index(positions, block_size) if block_size is not None else None  # merge within blocks, as TraceRL
+    steps = step_groups(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage, blocks)
     rows = {"ids": [], "pos": [], "valid": [], "targets": []}
     for row in range(input_ids.shape[0]):
         row_steps = torch.unique(steps[row][completion[row]]).tolist() or [None]

@@ -33,7 +33,8 @@ class DiffusionSFTConfig(SFTConfig):
         semi_ar_block_length (`int`, *optional*, defaults to `32`):
             Length of the semi-autoregressive blocks of `"semi_ar"` (counted from the end of the prompt).
         trajectory_shrinkage (`int`, *optional*, defaults to `1`):
-            `"trajectory"`: merge this many consecutive denoising steps into one training state.
+            `"trajectory"`: merge this many consecutive denoising steps into one training state (within each block
+            for block-causal models, as TraceRL).
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
@@ -73,7 +74,8 @@ class DiffusionSFTConfig(SFTConfig):
     )
     trajectory_shrinkage: int = field(
         default=1,
-        metadata={"help": "'trajectory': merge this many consecutive denoising steps into one training state."},
+        metadata={"help": "'trajectory': merge this many consecutive denoising steps into one training state "
+                  "(within each block for block-causal models, as TraceRL)."},
     )
     pad_to_length_with_eos: bool = field(
         default=False,
