@@ -237,9 +237,18 @@ def test_dynamic_without_threshold_is_an_error():
 
 def test_mask_token_is_never_generated(family):
     model = tiny_model(family)
-    with torch.no_grad():  # make the mask token the most likely prediction everywhere
-        head = model.get_output_embeddings() or model.lm_head
-        head.weight[MASK_ID] = head.weight.abs().max() * 50 * torch.sign(model.get_input_embeddings().weight[5])
+    head = model.get_output_embeddings() or model.lm_head
+
+    def mask_wins(module, inputs, logits):  # make the mask token the most likely prediction everywhere
+        logits = logits.clone()
+        logits[..., MASK_ID] = logits.amax(-1) + 50.0
+        return logits
+
+    head.register_forward_hook(mask_wins)
+    with torch.no_grad():
+        canvas = torch.tensor([PROMPTS[0] + [MASK_ID] * 4])
+        unfiltered = model.align_logits(model(canvas).logits)[0, -4:]
+    assert bool((unfiltered.argmax(-1) == MASK_ID).all())  # without the filter the mask would win
     out = gen(model, torch.tensor([PROMPTS[0]]), None, temperature=1.0)
     assert not bool((out.sequences == MASK_ID).any())
     assert int((out.unmask_step >= 0).sum()) >= 12

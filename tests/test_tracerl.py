@@ -20,7 +20,7 @@ def distinct_chars(completions, **kwargs):
     return [float(len(set(c))) for c in completions]
 
 
-def make_trainer(tmp_path, family="sdar", reward=distinct_chars, model=None, **overrides):
+def make_trainer(tmp_path, family="sdar", reward=distinct_chars, model=None, prompts=PROMPTS, **overrides):
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
@@ -28,7 +28,7 @@ def make_trainer(tmp_path, family="sdar", reward=distinct_chars, model=None, **o
     peft_config = overrides.pop("peft_config", None)
     config.update(overrides)
     model = model if model is not None else tiny_model(family).train()
-    dataset = Dataset.from_dict({"prompt": PROMPTS})
+    dataset = Dataset.from_dict({"prompt": prompts})
     return TraceRLTrainer(model, reward, args=TraceRLConfig(**config), train_dataset=dataset,
                           processing_class=build_tokenizer(), peft_config=peft_config)
 
@@ -87,6 +87,26 @@ def test_equal_rewards_give_zero_advantage_and_filtering(tmp_path):
     trainer.train()
     logs = trainer.state.log_history[0]
     assert logs["loss"] == 0.0 and logs["filtered_groups"] == 1.0
+
+
+def test_group_filtering_drops_the_equal_group_from_the_loss(tmp_path):
+    """One group with equal rewards, one without: filtering logs half the groups dropped and takes the dropped
+    group's tokens out of the normaliser, so the same rollouts give a larger loss than without filtering."""
+
+    def half_constant(prompts, completions, **kwargs):
+        return [1.0 if p.startswith("What") else float(len(set(c))) for p, c in zip(prompts, completions)]
+
+    losses = {}
+    for filtering in (False, True):
+        trainer = make_trainer(tmp_path, "sdar", reward=half_constant, prompts=["What is 1+2?", "abc"],
+                               per_device_train_batch_size=8, dynamic_group_filtering=filtering)
+        trainer.train()
+        logs = trainer.state.log_history[0]
+        losses[filtering] = logs["loss"]
+        if filtering:
+            assert logs["filtered_groups"] == 0.5
+    assert losses[False] != 0.0
+    assert abs(losses[True]) > abs(losses[False])
 
 
 def test_reward_that_raises_names_the_function(tmp_path):
