@@ -206,6 +206,9 @@ class TraceRLTrainer(GRPOTrainer):
             keep = self._kept_rows(len(output["completion_ids"]))
             mask = mask * keep[:, None].float()
             trainable = trainable & keep[:, None]
+            # dropped groups leave the batch, so they leave the token normaliser too (TRL counted them)
+            kept_tokens = (output["completion_mask"] * keep[:, None]).sum()
+            output["num_items_in_batch"] = self.accelerator.gather(kept_tokens).sum()
             self._metrics[mode]["filtered_groups"].append(1.0 - keep.float().mean().item())
         output["completion_mask"] = mask
         if self.value_model is not None:
