@@ -111,6 +111,7 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
         "family": script_args.family,
         "dataset_format": script_args.dataset_format,
         "objective": trainer.objective,
+        "digits": script_args.digits,
         "accuracy": accuracy,
         "num_test": len(test),
         "steps": trainer.state.global_step,
