@@ -51,6 +51,39 @@ def test_packed_scoring_equals_naive_per_step_loop(family, budget):
     assert (packed - naive)[scored].abs().max() <= 1e-5
 
 
+def slow_step_groups(unmask_step, shrinkage, blocks=None):
+    """The obvious per-row loop: rank each block's distinct steps, merge ``shrinkage`` of them, number the merged
+    groups by their first step (ties: lower block first)."""
+    groups = torch.full_like(unmask_step, -1)
+    for row in range(unmask_step.shape[0]):
+        keys = {}  # (block, merged rank) -> first step
+        lookup = {}
+        for col in range(unmask_step.shape[1]):
+            step = int(unmask_step[row, col])
+            if step < 0:
+                continue
+            block = int(blocks[row, col]) if blocks is not None else 0
+            same_block = [c for c in range(unmask_step.shape[1]) if blocks is None or int(blocks[row, c]) == block]
+            distinct = sorted({int(unmask_step[row, c]) for c in same_block if unmask_step[row, c] >= 0})
+            key = (block, distinct.index(step) // shrinkage)
+            keys[key] = min(keys.get(key, step), step)
+            lookup[col] = key
+        order = sorted(keys, key=lambda k: (keys[k], k))
+        for col, key in lookup.items():
+            groups[row, col] = order.index(key)
+    return groups
+
+
+def test_step_groups_equal_the_slow_loop_on_random_trajectories():
+    g = torch.Generator().manual_seed(0)
+    for trial in range(150):
+        rows, cols = int(torch.randint(1, 4, (1,), generator=g)), int(torch.randint(1, 20, (1,), generator=g))
+        steps = torch.randint(-1, 10, (rows, cols), generator=g)
+        blocks = [None, torch.randint(0, 4, (rows, cols), generator=g)][trial % 2]
+        shrinkage = int(torch.randint(1, 4, (1,), generator=g))
+        assert torch.equal(step_groups(steps, shrinkage, blocks), slow_step_groups(steps, shrinkage, blocks))
+
+
 def test_step_groups_merge_as_specified():
     steps = torch.tensor([[0, 0, 1, 2, 3, 3, 4, 5, -1]])
     assert step_groups(steps, 1).tolist() == [[0, 0, 1, 2, 3, 3, 4, 5, -1]]
