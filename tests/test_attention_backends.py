@@ -174,9 +174,9 @@ def test_backend_choice_and_errors():
         resolve_attention_backend("flex", torch.device("cpu"))  # training on CPU
     with pytest.raises(ValueError, match="attention_backend"):
         resolve_attention_backend("xformers", torch.device("cpu"))
-    for config_cls, extra in ((DiffusionSFTConfig, {}), (TraceRLConfig, {}), (DiffusionValueConfig, {})):
+    for config_cls in (DiffusionSFTConfig, TraceRLConfig, DiffusionValueConfig):
         with pytest.raises(ValueError, match="attention_backend"):
-            config_cls(output_dir="unused", attention_backend="xformers", use_cpu=True, bf16=False, **extra)
+            config_cls(output_dir="unused", attention_backend="xformers", use_cpu=True, bf16=False)
 
 
 def test_block_mask_refuses_a_cache_and_attention_dropout():

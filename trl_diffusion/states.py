@@ -137,6 +137,15 @@ def completion_blocks(prompt_mask: torch.Tensor, width: int, block_size: int | N
     return block_index(positions[:, prompt_mask.shape[1]:], block_size)
 
 
+def trajectory_groups(
+    unmask_step: torch.Tensor, prompt_mask: torch.Tensor, shrinkage: int, block_size: int | None
+) -> torch.Tensor:
+    """Merged-step group of every completion column of ``[left-padded prompt | canvas]`` rollouts: ``step_groups``
+    within the blocks the sampler used (``block_size``; None = full attention, merged over the whole response).
+    The trajectory estimator, TraceRL's loss weights and the value model all group states through this."""
+    return step_groups(unmask_step, shrinkage, completion_blocks(prompt_mask, unmask_step.shape[1], block_size))
+
+
 class CanvasLayout:
     """Where each row's prompt and generated tokens sit in the sampler's working canvas, and its blocks.
 
@@ -265,11 +274,16 @@ class AttentionLayout:
         return self.dense()
 
 
+def check_attention_backend(backend: str) -> None:
+    """Raise a clear error for a name not in ``ATTENTION_BACKENDS`` (configs call it at construction)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
+
+
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
     """``auto`` -> ``flex`` on CUDA (compiled block-sparse kernel), ``sdpa`` elsewhere (on CPU flex attention runs
     eagerly, forward only)."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention_backend {backend!r}; choose one of {ATTENTION_BACKENDS}.")
+    check_attention_backend(backend)
     if backend == "auto":
         return "flex" if torch.device(device).type == "cuda" else "sdpa"
     if backend == "flex" and torch.device(device).type == "cpu" and torch.is_grad_enabled():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.sampling import sampling_logits
-from ..states import NOT_COMMITTED, completion_blocks, step_groups
+from ..states import NOT_COMMITTED, completion_blocks, trajectory_groups
 from .packing import build_scoring_chunks
 
 ESTIMATORS = ("trajectory", "random_masking", "coupled", "mean_field")
@@ -110,7 +110,7 @@ def estimate_logprobs(
         return score_chunks(model, chunks, completion_ids, settings, compute_entropy)
 
     if settings.name == "trajectory":
-        groups = step_groups(unmask_step, settings.shrinkage, blocks)
+        groups = trajectory_groups(unmask_step, prompt_mask, settings.shrinkage, block_size)
         logps, entropies = run(groups)
         return logps, entropies, committed
 

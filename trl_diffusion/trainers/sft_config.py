@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from ..states import ATTENTION_BACKENDS
+from ..states import ATTENTION_BACKENDS, check_attention_backend
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
@@ -95,8 +95,7 @@ class DiffusionSFTConfig(SFTConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        check_attention_backend(self.attention_backend)
         if self.diffusion_objective is not None and self.diffusion_objective not in OBJECTIVES:
             raise ValueError(f"diffusion_objective must be one of {OBJECTIVES} or None, got "
                              f"{self.diffusion_objective!r}.")

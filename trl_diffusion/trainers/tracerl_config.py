@@ -8,7 +8,7 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS
 from ..generation.sampling import REMASKING_STRATEGIES
-from ..states import ATTENTION_BACKENDS
+from ..states import ATTENTION_BACKENDS, check_attention_backend
 
 
 @dataclass
@@ -117,8 +117,7 @@ class TraceRLConfig(GRPOConfig):
                              f"block_length={self.block_length}, denoising_steps={self.denoising_steps}.")
         if self.shrinkage < 1:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.step_normalization not in ("step", "sequence"):

@@ -30,7 +30,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
 from ..models import check_tokenizer
-from ..states import completion_blocks, step_groups
+from ..states import trajectory_groups
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -228,8 +228,7 @@ class TraceRLTrainer(GRPOTrainer):
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if _is_peft(model) else model
         block = settings.block_size if base.block_size is not None else None
-        blocks = completion_blocks(prompt_mask, steps.shape[1], block)
-        return step_weights(step_groups(steps, settings.shrinkage, blocks))
+        return step_weights(trajectory_groups(steps, prompt_mask, settings.shrinkage, block))
 
     def _kept_rows(self, local_rows: int) -> torch.Tensor:
         """False for rows of groups whose (weighted) rewards are all equal."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..states import ATTENTION_BACKENDS
+from ..states import ATTENTION_BACKENDS, check_attention_backend
 
 
 @dataclass
@@ -65,7 +65,6 @@ class DiffusionValueConfig(_BaseConfig):
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}.")
         if self.shrinkage < 1:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}.")
+        check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")

@@ -27,7 +27,7 @@ from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.sdar.modeling_sdar import SDARModel
-from ..states import completion_blocks, step_groups
+from ..states import trajectory_groups
 
 BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -140,7 +140,7 @@ def token_values(
     attention_backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, groups)`` ``[B, C]``: the value of every committed completion token given the state before its
-    merged step (0 elsewhere), and the merged-step ids (``step_groups``) the states were built from.
+    merged step (0 elsewhere), and the merged-step ids (``states.trajectory_groups``) the states were built from.
 
     ``model`` is a ``DiffusionValueModel``, possibly wrapped (DDP, ...): then ``interface`` is the unwrapped one,
     which answers ``mask_token_id`` / ``block_size``. ``completion_ids`` / ``unmask_step`` cover the whole sampler
@@ -149,7 +149,7 @@ def token_values(
     """
     interface = interface if interface is not None else model
     block = (block_size or interface.block_size) if interface.block_size is not None else None
-    groups = step_groups(unmask_step, shrinkage, completion_blocks(prompt_mask, completion_ids.shape[1], block))
+    groups = trajectory_groups(unmask_step, prompt_mask, shrinkage, block)
     chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, interface.mask_token_id, block,
                                   token_budget, pad_token_id=0)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
