@@ -7,8 +7,11 @@ Tests come from the dataset row in one of two shapes:
   test, ``check(<entry_point>)``.
 
 Every run goes through :func:`trl_diffusion.rewards.sandbox.run_tests`, so a program that fails, crashes, times out
-or exceeds a limit scores 0.0; the reward function never raises for anything a completion does. Completions are run
-concurrently in a small thread pool (each run is its own process, so threads only wait on pipes).
+or exceeds a limit scores 0.0; the reward function never raises for anything a completion does. Tests are decided
+outside the sandboxed process where their shape allows (``assert f(x) == y`` and the like, HumanEval ``check``
+bodies made of asserts; see :mod:`trl_diffusion.rewards.verdict`), so a program cannot forge a pass; other tests
+run inside it, where it can, unless ``allow_unverified=False``. Completions are run concurrently in a small thread
+pool (each run is its own process, so threads only wait on pipes).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Any
 
 from .format_reward import completion_to_text
 from .sandbox import SandboxLimits, SandboxResult, run_tests
+from .verdict import plan_test
 
 __all__ = ["CodeExecutionReward", "build_tests", "code_execution_reward", "extract_code", "make_code_reward"]
 
@@ -72,8 +76,9 @@ def _json_list(text: str) -> list[str] | None:
 class CodeExecutionReward:
     """Callable reward: fraction of tests passed (``partial_credit=True``) or 1.0 only if all pass (default).
 
-    Rows without tests get ``None`` (TRL leaves them out); completions without a code block get 0.0. A callable
-    class (not a closure) so it pickles for multi-process rollouts.
+    Rows without tests get ``None`` (TRL leaves them out), and so do rows with a test that cannot be decided outside
+    the sandbox when ``allow_unverified=False``; completions without a code block get 0.0. A callable class (not a
+    closure) so it pickles for multi-process rollouts.
     """
 
     def __init__(
@@ -86,6 +91,7 @@ class CodeExecutionReward:
         max_output_bytes: int = 1_000_000,
         python: str | None = None,
         name: str = "code_execution_reward",
+        allow_unverified: bool = True,
     ) -> None:
         self.limits = SandboxLimits(
             timeout=timeout, memory_mb=memory_mb, max_processes=max_processes, max_output_bytes=max_output_bytes
@@ -94,6 +100,7 @@ class CodeExecutionReward:
         self.max_workers = max(1, max_workers)
         self.python = python
         self.__name__ = name
+        self.allow_unverified = allow_unverified
 
     def __call__(
         self,
@@ -105,12 +112,18 @@ class CodeExecutionReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
+        for column, values in (("tests", tests), ("test", test), ("entry_point", entry_point)):
+            if values is not None and len(values) != n:
+                raise ValueError(
+                    f"{self.__name__}: got {n} completions but {len(values)} values in the `{column}` column; "
+                    "pass one row per completion."
+                )
         rows = zip(
             tests if tests is not None else [None] * n,
             test if test is not None else [None] * n,
             entry_point if entry_point is not None else [None] * n,
         )
-        jobs = [(extract_code(completion_to_text(c)), build_tests(*row)) for c, row in zip(completions, rows)]
+        jobs = [(extract_code(completion_to_text(c)), self._snippets(*row)) for c, row in zip(completions, rows)]
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
             results = list(pool.map(lambda job: self._run(*job), jobs))
         if log_metric is not None and n:
@@ -118,7 +131,18 @@ class CodeExecutionReward:
                 log_metric(
                     f"code_execution/{status}_frac", sum(r is not None and r.status == status for r in results) / n
                 )
+            ran = [r for r in results if r is not None and r.total]
+            if ran:
+                log_metric("code_execution/verified_frac", sum(r.verified for r in ran) / sum(r.total for r in ran))
         return [self._reward(r, job[1]) for r, job in zip(results, jobs)]
+
+    def _snippets(self, tests: Any, test: Any, entry_point: Any) -> list[str] | None:
+        """The row's test snippets; ``None`` (no reward) if it has none, or has an unverifiable one and
+        ``allow_unverified`` is off."""
+        snippets = build_tests(tests, test, entry_point)
+        if snippets and not self.allow_unverified and any(plan_test(t).kind == "unverified" for t in snippets):
+            return None
+        return snippets
 
     def _run(self, code: str | None, snippets: list[str] | None) -> SandboxResult | None:
         if snippets is None or code is None:
@@ -142,22 +166,29 @@ def make_code_reward(
     max_output_bytes: int = 1_000_000,
     python: str | None = None,
     name: str = "code_execution_reward",
+    allow_unverified: bool = True,
 ) -> CodeExecutionReward:
     """Build a configured, picklable code execution reward (see :class:`CodeExecutionReward`).
 
     Args:
-        timeout: wall-clock seconds per completion (program plus all its tests).
-        memory_mb: address-space limit per sandbox process, in MiB.
+        timeout: wall-clock seconds per completion (program plus all its tests; twice that if a row mixes tests
+            decided outside the sandbox with tests that are not: they run separately).
+        memory_mb: memory of the whole sandbox in MiB where a memory cgroup is available, and always the
+            address-space limit of each sandbox process.
         partial_credit: reward the fraction of tests passed instead of 1.0 only when all pass.
         max_workers: completions run concurrently (each in its own sandbox process).
         max_processes: process/thread limit inside the sandbox (contains fork bombs).
         max_output_bytes: stdout+stderr cap; a program printing more scores 0.0.
         python: interpreter for the sandbox (default: the current one).
         name: ``__name__`` shown in TRL logs; give distinct names to several configured copies.
+        allow_unverified: run tests that cannot be decided outside the sandbox (loops, assignments, helper
+            functions) inside it, where a program can forge their result (default, as in HumanEval's own harness);
+            ``False`` gives such rows ``None`` instead, so no reward can be forged.
     """
     return CodeExecutionReward(
-        timeout, memory_mb, partial_credit, max_workers, max_processes, max_output_bytes, python, name
-    )
+        timeout, memory_mb, partial_credit, max_workers, max_processes, max_output_bytes, python, name,
+        allow_unverified,
+    )  # fmt: skip
 
 
 _DEFAULT = CodeExecutionReward()

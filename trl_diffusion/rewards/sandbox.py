@@ -1,35 +1,47 @@
-"""Run untrusted Python (model-written code plus its tests) in a separate, resource-limited process.
+"""Run untrusted Python (model-written code) in a separate, resource-limited process, and decide its tests outside it.
 
 Why a separate process: model completions are arbitrary programs. They may loop forever, fork-bomb, allocate all
-memory, flood stdout, write files, read secrets or open sockets. Everything here is designed so that such a program
-costs one bounded sandbox run and a reward of 0.0, never a hung or crashed trainer.
+memory, flood stdout, write files, read secrets, open sockets, or try to fake a passing result. Everything here is
+designed so that such a program costs one bounded sandbox run and a failed test, never a hung or crashed trainer and
+never a pass it did not earn.
 
-How (Linux only). The parent :func:`run_tests`:
+How tests are decided (see :mod:`trl_diffusion.rewards.verdict`): each test is split, in this process, into *probes*
+(the program calls, e.g. ``f(2)``) and a *check* (e.g. ``<probe> == 4``). Only the probes go to the sandbox; it sends
+their results back as tagged plain data over a pipe of its own, and the checks are evaluated here. The expected values
+never enter the sandboxed process, so nothing the program does there can produce a pass. Tests that cannot be split
+(loops, assignments, ...) run the old way, in a separate sandbox run that reports whether they raised: that verdict
+*can* be forged by the program, and :attr:`SandboxResult.verified` says how many tests avoided it.
 
-* creates a fresh temporary directory (deleted afterwards) as the child's cwd;
+How the sandbox is built (Linux only). The parent :func:`run_tests`:
+
+* creates a fresh temporary directory and, where the host allows it, a memory cgroup for the run
+  (:mod:`trl_diffusion.rewards.cgroup`) that bounds everything the sandbox holds: all its processes, its files and
+  any shared memory;
 * starts ``python -I -c <this file>`` with an EMPTY environment except ``PATH=/usr/bin:/bin``, all other file
-  descriptors closed, in a new session (process group); when ``unshare`` works on this machine it is wrapped in
-  ``unshare --net --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``), so the
-  child has no network interfaces but a downed loopback, sees only its own processes, and dies with its group;
-* sends the program, tests and limits on stdin, reads stdout+stderr through a pipe capped at ``max_output_bytes``,
-  and on timeout, overflow or exit SIGKILLs the whole process group (``os.killpg``; without a PID namespace,
-  also every process of the run's own uid).
+  descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
+  ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
+* sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
+  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, and (without
+  a PID namespace) every process of the run's own uid.
 
 The child (``_child_main`` below, executed from this same file's source, importing only the standard library):
 
-* in a private mount namespace: covers home directories and ``/run`` with empty tmpfs mounts (keeping the
-  interpreter's own directories visible, even under an unreadable ``/root``), then makes every mount read-only
-  except its own directory (a kernel-enforced read-only view of the filesystem);
-* when started as root: drops to a fresh, otherwise unused uid/gid for this run. This is required: Linux does not
-  apply ``RLIMIT_NPROC`` to root, so without it a fork bomb would not be contained; a uid of its own makes the
-  limit per sandbox. If it cannot drop, it refuses to run the program (fail closed);
-* sets ``no_new_privs``, drops any remaining capabilities, sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``,
-  ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and arms a watchdog that kills its process group;
-* installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn of other programs, no writes
-  outside its directory, no reading other processes' ``/proc`` entries. These hold even where the kernel
-  mechanisms are unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
-* runs the program, then each test in the program's namespace, and reports the result on a line tagged with a
-  random per-run nonce, so ordinary prints cannot fake a pass.
+* joins the run's cgroup first;
+* in a private mount namespace: builds a new root holding only the system directories (``/usr``, ``/bin``, ``/lib*``,
+  ``/sbin``, ``/etc``) and the interpreter's own directories, read-only, plus ``/dev/{null,zero,full,random,urandom}``,
+  its own ``/proc``, and a size-limited tmpfs as its working directory inside an otherwise empty ``/tmp``; then
+  ``pivot_root``\\ s into it, so no other host file or socket exists for it;
+* when started as root: drops to a fresh, otherwise unused uid/gid for this run (``RLIMIT_NPROC`` does not apply to
+  root, and a uid of its own makes the limit per sandbox); if it cannot, it refuses to run the program (fail closed);
+* sets ``no_new_privs``, drops every capability, installs a seccomp filter that refuses ``memfd_create``,
+  ``memfd_secret``, SysV ``shmget``/``semget``/``msgget``, ``mq_open`` and ``io_uring_setup`` (memory that no
+  per-process limit counts), sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
+  ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and arms a watchdog that kills its process group;
+* installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn, no writes outside its
+  directory, no reading other processes' ``/proc`` entries. These hold even where the kernel mechanisms are
+  unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
+* runs the program, then the probes (or, for unverified tests, the test snippets), converts each probe's value to
+  tagged plain data with functions bound before the program ran, and writes the report to its pipe.
 
 ``docs/rewards.md`` lists exactly what is and is not guaranteed in each environment.
 """
@@ -41,7 +53,6 @@ import json
 import math
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
@@ -59,6 +70,8 @@ _MIN_PATH = "/usr/bin:/bin"
 _UID_BASE = 100_000_000
 _UID_COUNTER = itertools.count()
 _PROBE_TIMEOUT = 10.0
+_MAX_DEPTH = 100  # nesting depth of a probe's value (verdict.MAX_DEPTH; repeated: the child imports no package)
+_MAX_NODES = 1_000_000  # values in one probe's result
 
 
 @dataclass(frozen=True)
@@ -68,9 +81,11 @@ class SandboxLimits:
     Attributes:
         timeout: wall-clock seconds for the whole run (start-up, program and all tests).
         cpu_seconds: ``RLIMIT_CPU`` per process; ``None`` means ``ceil(timeout) + 1``.
-        memory_mb: ``RLIMIT_AS`` (virtual address space) per process, in MiB.
+        memory_mb: memory of the whole sandbox in MiB where a memory cgroup is available (all processes, files in
+            its directory, shared memory); always also ``RLIMIT_AS`` (address space) of each process.
         max_processes: ``RLIMIT_NPROC``: processes+threads of the sandbox uid (see the module docstring).
-        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed.
+        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed; also the cap on
+            the report (the probes' values).
         max_file_bytes: ``RLIMIT_FSIZE``: largest file the program may write.
         max_disk_bytes: size of the sandbox directory (a tmpfs; only where a mount namespace is available).
         max_open_files: ``RLIMIT_NOFILE``.
@@ -88,11 +103,13 @@ class SandboxLimits:
 
 @dataclass
 class SandboxResult:
-    """Outcome of one sandbox run.
+    """Outcome of one :func:`run_tests` call.
 
     ``status`` is one of: ``"ok"`` (the harness finished and reported; tests may still have failed), ``"timeout"``,
-    ``"output_limit"``, ``"crashed"`` (killed by a signal, e.g. a limit), ``"error"`` (exited without a report,
-    e.g. ``os._exit``), ``"sandbox_error"`` (the sandbox itself could not run; the program never ran).
+    ``"output_limit"``, ``"crashed"`` (killed by a signal, e.g. a limit), ``"error"`` (exited without a valid
+    report, e.g. ``os._exit``), ``"sandbox_error"`` (the sandbox itself could not run; the program never ran).
+    ``outcomes[i]`` says whether test ``i`` passed; ``verified`` counts the tests whose verdict was decided outside
+    the sandbox (the others ran the old way and a program can forge their result).
     """
 
     status: str
@@ -103,6 +120,8 @@ class SandboxResult:
     duration: float = 0.0
     errors: list[str] = field(default_factory=list)
     isolation: dict[str, Any] = field(default_factory=dict)
+    verified: int = 0
+    outcomes: list[bool] = field(default_factory=list)
 
     @property
     def all_passed(self) -> bool:
@@ -119,9 +138,21 @@ class SandboxResult:
 # Parent side
 # --------------------------------------------------------------------------------------------------------------------
 
-_LAUNCHERS: dict[tuple[str, int, int | None], list[str] | None] = {}
+_LAUNCHERS: dict[tuple[str, int, int | None], tuple[list[str], bool] | None] = {}
 _LAUNCHER_LOCK = threading.Lock()
 _SOURCE: str | None = None
+
+
+@dataclass
+class _Run:
+    """What one sandbox process produced."""
+
+    status: str
+    report: dict[str, Any] | None
+    output: str
+    returncode: int | None
+    duration: float
+    isolation: dict[str, Any]
 
 
 def run_tests(
@@ -131,21 +162,28 @@ def run_tests(
     python: str | None = None,
     run_as_uid: int | None = None,
 ) -> SandboxResult:
-    """Run ``program`` and then each test snippet (in the program's namespace) in a fresh sandbox.
+    """Run ``program`` in a fresh sandbox and decide each test snippet (typically one ``assert``).
 
-    Each test is a Python snippet (typically one ``assert``); it passes if it runs without raising. Never raises
-    and never outlives ``limits.timeout`` by more than the kill/cleanup time: every failure becomes a
-    :class:`SandboxResult` with ``passed=0``. ``python`` defaults to the current interpreter. When this process is
-    root the program runs as ``run_as_uid`` (uid and gid); the default, ``None``, picks a fresh unused uid per run
-    so that the process limit of one sandbox is not shared with any other process on the machine.
+    A test passes if it would run without raising in the program's namespace; how that is decided (outside the
+    sandbox where possible) is described in the module docstring. Never raises and never outlives
+    ``limits.timeout`` by more than the kill/cleanup time (twice that when some tests are verified and some are
+    not: they run separately): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
+    defaults to the current interpreter. When this process is root the program runs as ``run_as_uid`` (uid and
+    gid); the default, ``None``, picks a fresh unused uid per run so that the process limit of one sandbox is not
+    shared with any other process on the machine.
     """
+    from .verdict import plan_test, program_bindings
+
     limits = limits or SandboxLimits()
     python = python or sys.executable
+    tests = list(tests)
     try:
-        launcher = _get_launcher(python, run_as_uid)
-        if launcher is None:
+        chosen = _get_launcher(python, run_as_uid)
+        if chosen is None:
             return SandboxResult("sandbox_error", total=len(tests), errors=["no working sandbox launcher (see logs)"])
-        return _run_once(launcher, python, program, list(tests), limits, run_as_uid)
+        shadowed = program_bindings(program) if isinstance(program, str) else frozenset()
+        plans = [plan_test(test, shadowed) for test in tests]
+        return _run_plans(chosen, python, program, plans, limits, run_as_uid)
     except Exception as exc:  # the caller must never see an exception from here
         return SandboxResult("sandbox_error", total=len(tests), errors=[f"{type(exc).__name__}: {exc}"])
 
@@ -156,8 +194,98 @@ def isolation_report(python: str | None = None, run_as_uid: int | None = None) -
     return dict(result.isolation, status=result.status)
 
 
-def _get_launcher(python: str, run_as_uid: int | None) -> list[str] | None:
-    """Pick (once per interpreter) the strongest ``unshare`` prefix that runs a trivial program end to end."""
+def _run_plans(
+    chosen: tuple[list[str], bool],
+    python: str,
+    program: str,
+    plans: list[Any],
+    limits: SandboxLimits,
+    run_as_uid: int | None,
+) -> SandboxResult:
+    """Run the verified tests' probes and the unverified snippets (separately), then decide every test here."""
+    from .verdict import ProbeError, decode, judge
+
+    verified = [i for i, p in enumerate(plans) if p.kind == "verified"]
+    unverified = [i for i, p in enumerate(plans) if p.kind == "unverified"]
+    outcomes, reasons = [False] * len(plans), {i: p.reason for i, p in enumerate(plans) if p.kind == "failed"}
+    runs = []
+    if verified or not unverified:
+        specs = [plans[i].sandbox_spec() for i in verified]
+        run = _run_once(chosen, python, {"program": program, "mode": "probe", "specs": specs}, limits, run_as_uid)
+        runs.append(run)
+        results = _report_results(run, len(verified))
+        for i, entry in zip(verified, results or []):
+            values, reason = _probe_values(entry, decode, ProbeError)
+            if reason is None:
+                missing = [name for name, bound in zip(plans[i].has, entry["has"]) if not bound]
+                reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
+            outcomes[i], reasons[i] = reason is None, reason
+    if unverified:
+        snippets = [plans[i].source for i in unverified]
+        run = _run_once(chosen, python, {"program": program, "mode": "exec", "specs": snippets}, limits, run_as_uid)
+        runs.append(run)
+        for i, entry in zip(unverified, _report_results(run, len(unverified)) or []):
+            outcomes[i], reasons[i] = entry["passed"] is True, entry.get("error")
+    status = next((r.status for r in runs if r.status != "ok"), "ok")
+    if status != "ok":
+        outcomes = [False] * len(plans)
+    program_errors = [r.report["program_error"] for r in runs if r.report and r.report.get("program_error")]
+    errors = [f"program: {program_errors[0]}"] if program_errors else []
+    errors += [f"test {i}: {reasons[i]}" for i in range(len(plans)) if not outcomes[i] and reasons.get(i)]
+    for run in runs:
+        if run.report and "sandbox_error" in run.report:
+            errors.insert(0, str(run.report["sandbox_error"]))
+    return SandboxResult(
+        status,
+        passed=sum(outcomes),
+        total=len(plans),
+        returncode=runs[-1].returncode,
+        output="".join(r.output for r in runs),
+        duration=sum(r.duration for r in runs),
+        errors=errors[:20],
+        isolation=runs[0].isolation,
+        verified=len(verified),
+        outcomes=outcomes,
+    )
+
+
+def _report_results(run: _Run, expected: int) -> list[dict[str, Any]] | None:
+    """The per-test entries of a finished run's report; turns ``run`` into an ``"error"`` if they are malformed."""
+    if run.status != "ok" or run.report is None:
+        return None
+    if run.report.get("program_error"):
+        return None
+    results = run.report.get("results")
+    if not isinstance(results, list) or len(results) != expected or not all(isinstance(r, dict) for r in results):
+        run.status = "error"
+        return None
+    return results
+
+
+def _probe_values(entry: dict[str, Any], decode: Any, probe_error: type) -> tuple[list[Any], str | None]:
+    """Decode one verified test's probe results; a malformed entry fails the test (only a forger produces one)."""
+    if "error" in entry:
+        return [], str(entry["error"])
+    values = []
+    try:
+        if not isinstance(entry.get("has"), list) or not isinstance(entry.get("values"), list):
+            raise ValueError("malformed entry")
+        for item in entry["values"]:
+            kind, payload = item
+            if kind == "v":
+                values.append(decode(payload))
+            elif kind in ("e", "u"):
+                prefix = "" if kind == "e" else "not plain data: "
+                values.append(probe_error(f"{prefix}{str(payload)[:300]}"))
+            else:
+                raise ValueError("malformed entry")
+    except (ValueError, TypeError, RecursionError, OverflowError) as exc:
+        return [], f"malformed report: {exc}"
+    return values, None
+
+
+def _get_launcher(python: str, run_as_uid: int | None) -> tuple[list[str], bool] | None:
+    """Pick (once per interpreter) the strongest ``unshare`` prefix, and whether to use a memory cgroup."""
     key = (python, os.geteuid(), run_as_uid)
     with _LAUNCHER_LOCK:
         if key not in _LAUNCHERS:
@@ -165,22 +293,28 @@ def _get_launcher(python: str, run_as_uid: int | None) -> list[str] | None:
         return _LAUNCHERS[key]
 
 
-def _probe_launchers(python: str, run_as_uid: int | None) -> list[str] | None:
-    """Try the candidate launchers from strongest to weakest; ``[]`` means "no unshare", ``None`` nothing works."""
+def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bool] | None:
+    """Try launchers from strongest to weakest (first with a memory cgroup, if the host offers one, then without)
+    and keep the first that runs a trivial program end to end; ``[]`` means "no unshare", ``None`` nothing works."""
+    from .cgroup import memory_cgroup_root
+
     candidates: list[list[str]] = []
     unshare = shutil.which("unshare", path=os.environ.get("PATH", _MIN_PATH) + ":/usr/sbin:/sbin")
     if unshare and sys.platform.startswith("linux"):
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         pid = ["--pid", "--fork", "--kill-child"]
-        for flags in (["--net", *pid, "--mount-proc"], ["--net", *pid], ["--net"]):
+        for flags in (["--net", "--ipc", *pid, "--mount-proc"], ["--net", "--ipc", *pid], ["--net", "--ipc"]):
             candidates.append([unshare, *user, *flags, "--"])
     candidates.append([])
     errors = []
-    for launcher in candidates:
-        result = _run_once(launcher, python, "pass", ["pass"], SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
-        if result.all_passed:
-            return launcher
-        errors.append(f"{' '.join(launcher) or '(plain)'}: {result.status} {result.errors} {result.output[-300:]}")
+    for use_cgroup in ([True, False] if memory_cgroup_root() is not None else [False]):
+        for launcher in candidates:
+            config = {"program": "pass", "mode": "probe", "specs": [{"probes": [], "has": []}]}
+            run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
+            if _report_results(run, 1) is not None:
+                return launcher, use_cgroup
+            name = " ".join(launcher) or "(plain)"
+            errors.append(f"{name} (cgroup: {use_cgroup}): {run.status} {run.report} {run.output[-300:]}")
     import logging
 
     logging.getLogger(__name__).error("Code sandbox unusable; every code reward will be 0.0.\n%s", "\n".join(errors))
@@ -205,28 +339,34 @@ def _ns_inode(kind: str) -> int | None:
 
 
 def _run_once(
-    launcher: list[str], python: str, program: str, tests: list[str], limits: SandboxLimits, run_as_uid: int | None
-) -> SandboxResult:
-    """One sandbox run with a given launcher prefix; see :func:`run_tests`."""
+    chosen: tuple[list[str], bool], python: str, job: dict[str, Any], limits: SandboxLimits, run_as_uid: int | None
+) -> _Run:
+    """One sandbox process running ``job`` (program, mode, specs) with a given launcher prefix and cgroup choice."""
+    from .cgroup import memory_cgroup_root
+
+    launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
     workdir = tempfile.mkdtemp(prefix="trl_diffusion_sandbox_")
+    cgroup_root = memory_cgroup_root() if use_cgroup else None
+    cgroup = None
     proc: subprocess.Popen | None = None
+    read_fd, write_fd = os.pipe()
     try:
         os.chmod(workdir, 0o700)
         if drop is not None:
             os.chown(workdir, drop, drop)
-        nonce = secrets.token_hex(16)
+        if cgroup_root is not None:
+            cgroup = cgroup_root.create(limits.memory_mb * 1024 * 1024)
         config = {
-            "program": program,
-            "tests": tests,
-            "nonce": nonce,
+            **job,
+            "report_fd": write_fd,
             "workdir": workdir,
+            "cgroup": cgroup,
             "drop_uid": drop,
             "fresh_uid": drop is not None and run_as_uid is None,
             "mount_ns": "--mount-proc" in launcher,
-            "hide_dirs": _dirs_to_hide(),
-            "parent_ns": {kind: _ns_inode(kind) for kind in ("mnt", "net", "pid", "user")},
+            "parent_ns": {kind: _ns_inode(kind) for kind in ("mnt", "net", "pid", "user", "ipc")},
             "cpu_seconds": limits.cpu_seconds or math.ceil(limits.timeout) + 1,
             "memory_bytes": limits.memory_mb * 1024 * 1024,
             "max_processes": limits.max_processes,
@@ -244,26 +384,35 @@ def _run_once(
             env={"PATH": _MIN_PATH},
             start_new_session=True,
             close_fds=True,
+            pass_fds=(write_fd,),
         )
+        os.close(write_fd)
+        write_fd = -1
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc.stdin, json.dumps(config).encode()), daemon=True).start()
-        output, status = _collect(proc, start + limits.timeout, limits.max_output_bytes)
+        output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes)
         _kill_group(proc)
         if config["fresh_uid"] and "--pid" not in launcher:
             _kill_uid(drop)  # without a PID namespace, this also catches processes that left the group
+        isolation: dict[str, Any] = {}
+        if cgroup is not None:
+            isolation["memory_peak_bytes"] = cgroup_root.peak(cgroup)
+            cgroup_root.destroy(cgroup)
+            cgroup = None
+        if config["fresh_uid"] and not config["mount_ns"]:
+            _remove_files_of(drop)  # it could write to world-writable directories (/tmp, /dev/shm)
         returncode = _reap(proc)
-        return _parse(output, status, returncode, nonce, len(tests), time.monotonic() - start, launcher)
+        return _finish(output, report, status, returncode, time.monotonic() - start, launcher, isolation)
     finally:
         if proc is not None and proc.returncode is None:  # only reached through an unexpected exception
             _kill_group(proc)
             _reap(proc)
+        if cgroup is not None:
+            cgroup_root.destroy(cgroup)
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
         _rmtree(workdir)
-
-
-def _dirs_to_hide() -> list[str]:
-    """Directories replaced by an empty tmpfs inside a mount namespace: homes (credentials) and ``/run`` (sockets)."""
-    dirs = ["/root", "/home", "/run", "/var/run", os.path.expanduser("~")]
-    return [d for d in dirs if os.path.isabs(d) and d != "/"]
 
 
 def _fresh_uid() -> int:
@@ -280,32 +429,91 @@ def _feed(pipe: Any, data: bytes) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, deadline: float, max_bytes: int) -> tuple[bytes, str]:
-    """Read the child's output until EOF, the deadline, or ``max_bytes``; return (output, status so far)."""
+def _collect(proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes: int) -> tuple[bytes, bytes, str]:
+    """Read the child's output and report until both end, the deadline, or ``max_bytes`` in either.
+
+    Returns (output, report, status so far).
+    """
     import selectors
 
-    buf = bytearray()
-    fd = proc.stdout.fileno()
+    buffers = {proc.stdout.fileno(): bytearray(), report_fd: bytearray()}
     exited_at: float | None = None
     with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while True:
+        for fd in buffers:
+            sel.register(fd, selectors.EVENT_READ)
+        status = "exited"
+        while sel.get_map():
             now = time.monotonic()
             if now >= deadline:
-                return bytes(buf), "timeout"
-            # Once the main process is gone, leftovers that keep the pipe open get a short grace period only.
+                status = "timeout"
+                break
+            # Once the main process is gone, leftovers that keep a pipe open get a short grace period only.
             if exited_at is None and proc.poll() is not None:
                 exited_at = now
             if exited_at is not None and now - exited_at > 0.5:
-                return bytes(buf), "exited"
-            if not sel.select(min(deadline - now, 0.05)):
-                continue
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                return bytes(buf), "exited"
-            buf += chunk
-            if len(buf) > max_bytes:
-                return bytes(buf[:max_bytes]), "output_limit"
+                break
+            for key, _ in sel.select(min(deadline - now, 0.05)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    sel.unregister(key.fd)
+                    continue
+                buffers[key.fd] += chunk
+                if len(buffers[key.fd]) > max_bytes:
+                    status = "output_limit"
+            if status == "output_limit":
+                break
+    output, report = bytes(buffers[proc.stdout.fileno()]), bytes(buffers[report_fd])
+    return output[:max_bytes], report, status
+
+
+def _finish(
+    output: bytes,
+    report_bytes: bytes,
+    status: str,
+    returncode: int | None,
+    duration: float,
+    launcher: list[str],
+    isolation: dict[str, Any],
+) -> _Run:
+    """Interpret what a sandbox process left: only a complete JSON report on its own pipe counts as a result."""
+    try:
+        report = json.loads(report_bytes) if status == "exited" and report_bytes else None
+    except (ValueError, RecursionError):
+        report = None
+    if not isinstance(report, dict):
+        report = None
+    text = output.decode("utf-8", errors="replace")
+    reported = report.get("isolation") if report else None
+    isolation = {**(reported if isinstance(reported, dict) else {}), **isolation}
+    isolation["launcher"] = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(launcher)) or "plain"
+    if status != "exited":
+        return _Run(status, None, text, returncode, duration, isolation)
+    if report is None:  # died by a signal (a limit, the watchdog, the OOM killer) or exited without reporting
+        failed = "crashed" if returncode is not None and (returncode < 0 or returncode > 128) else "error"
+        return _Run(failed, None, text, returncode, duration, isolation)
+    if "sandbox_error" in report:
+        return _Run("sandbox_error", report, text, returncode, duration, isolation)
+    return _Run("ok", report, text, returncode, duration, isolation)
+
+
+def _remove_files_of(uid: int) -> None:
+    """Delete what a fresh per-run uid left in the world-writable directories (no mount namespace: it could write
+    there). Entries directly inside them only; nothing else is writable by a uid that owns no directory."""
+    for directory in ("/tmp", "/var/tmp", "/dev/shm"):
+        try:
+            entries = list(os.scandir(directory))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.stat(follow_symlinks=False).st_uid != uid:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    _rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+            except OSError:
+                pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -366,45 +574,12 @@ def _rmtree(path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def _parse(
-    output: bytes, status: str, returncode: int | None, nonce: str, n_tests: int, duration: float, launcher: list[str]
-) -> SandboxResult:
-    """Turn raw output into a :class:`SandboxResult`; only a nonce-tagged report line counts as a result."""
-    tag = ("\n" + nonce).encode()
-    report: dict[str, Any] | None = None
-    pos = output.rfind(tag)
-    if pos >= 0:
-        try:
-            report = json.loads(output[pos + len(tag) :].split(b"\n", 1)[0])
-        except ValueError:
-            report = None
-        output = output[:pos]
-    text = output.decode("utf-8", errors="replace")
-    isolation = dict(report.get("isolation", {})) if report else {}
-    isolation["launcher"] = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(launcher)) or "plain"
-    result = SandboxResult(status, total=n_tests, returncode=returncode, output=text, duration=duration)
-    result.isolation = isolation
-    if status in ("timeout", "output_limit"):
-        return result
-    if report is None:  # died by a signal (a limit, the watchdog) or exited without reporting
-        result.status = "crashed" if returncode is not None and (returncode < 0 or returncode > 128) else "error"
-        return result
-    if "sandbox_error" in report:
-        result.status = "sandbox_error"
-        result.errors = [str(report["sandbox_error"])]
-        return result
-    result.status = "ok"
-    result.passed = min(max(int(report.get("passed", 0)), 0), n_tests)
-    result.errors = [str(e) for e in report.get("errors", [])]
-    return result
-
-
 # --------------------------------------------------------------------------------------------------------------------
 # Child side: everything below runs inside the sandbox process (stdlib only; no package imports).
 # --------------------------------------------------------------------------------------------------------------------
 
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
-_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_MOVE, _MS_REC = 32, 1024, 2048, 4096, 8192, 16384
+_MS_REMOUNT, _MS_NOATIME, _MS_NODIRATIME, _MS_BIND, _MS_REC = 32, 1024, 2048, 4096, 16384
 _MS_PRIVATE, _MS_RELATIME, _MS_STRICTATIME = 1 << 18, 1 << 21, 1 << 24
 _MOUNT_OPTION_FLAGS = {
     "nosuid": _MS_NOSUID,
@@ -416,9 +591,19 @@ _MOUNT_OPTION_FLAGS = {
     "strictatime": _MS_STRICTATIME,
 }
 _MNT_DETACH = 2
-_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 38
+_PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 22, 38
 # SECBIT_NOROOT, _LOCKED, SECBIT_NO_SETUID_FIXUP, _LOCKED, SECBIT_KEEP_CAPS_LOCKED: root gains no caps on exec.
 _SECUREBITS = 0b101111
+_SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+# Per architecture: pivot_root's number, the seccomp audit arch, whether x32 numbers exist, and the refused calls
+# (memory no per-process limit counts, and SysV/POSIX IPC objects that outlive the process without an IPC namespace).
+_SYSCALLS = {
+    "x86_64": (155, 0xC000003E, True, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
+                                       "msgget": 68, "mq_open": 240, "io_uring_setup": 425}),
+    "aarch64": (41, 0xC00000B7, False, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190,
+                                        "msgget": 186, "mq_open": 180, "io_uring_setup": 425}),
+}  # fmt: skip
 
 
 def _child_main() -> None:
@@ -426,9 +611,9 @@ def _child_main() -> None:
     config = json.loads(sys.stdin.buffer.read())
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
-    report_fd = os.dup(1)  # private copy of stdout, so the program closing fd 1 cannot hide the report
-    tag = ("\n" + config["nonce"]).encode()
-    # Bound now, so a program that monkeypatches json/os cannot forge or suppress the report.
+    report_fd = int(config["report_fd"])
+    # Bound now, so a program that monkeypatches json/os cannot change how the report is written. (It can write to
+    # the report pipe itself, but only the probes' values travel there: it can change its answers, nothing more.)
     dumps, write, exit_now, streams = json.dumps, os.write, os._exit, (sys.stdout, sys.stderr)
 
     def report(payload: dict[str, Any]) -> None:
@@ -437,33 +622,51 @@ def _child_main() -> None:
                 stream.flush()
             except Exception:
                 pass
-        write(report_fd, tag + dumps(payload).encode() + b"\n")
+        try:
+            data = memoryview(dumps(payload).encode())
+            while data:
+                data = data[write(report_fd, data) :]
+        except BaseException:
+            exit_now(1)
         exit_now(0)
 
     isolation: dict[str, Any] = {}
     try:
+        isolation["memory_cgroup"] = config["cgroup"] is not None and _join_cgroup(config["cgroup"])
         parent_ns = config["parent_ns"]
-        for kind in ("net", "pid", "mnt", "user"):
+        for kind in ("net", "ipc", "pid", "mnt", "user"):
             isolation[f"{kind}ns"] = parent_ns.get(kind) is not None and _ns_inode(kind) != parent_ns[kind]
         # RLIMIT_NPROC counts per uid, or per user namespace (Linux >= 5.14): is that set ours alone?
         isolation["process_limit_scope"] = "sandbox" if config["fresh_uid"] or isolation["userns"] else "uid"
         workdir = config["workdir"]
-        isolation["readonly_fs"], isolation["hidden_dirs"] = False, []
+        isolation["private_root"] = isolation["readonly_fs"] = False
         if config["mount_ns"] and isolation["mntns"]:
-            ro, hidden = _setup_mounts(workdir, config["drop_uid"], config["hide_dirs"], config["max_disk_bytes"])
-            isolation["readonly_fs"], isolation["hidden_dirs"] = ro, hidden
+            workdir = _setup_root(workdir, config["drop_uid"], config["max_disk_bytes"])
+            isolation["private_root"] = isolation["readonly_fs"] = True
         os.chdir(workdir)
         isolation.update(_drop_privileges(config["drop_uid"]))
-        # Started only now: capabilities, securebits and no_new_privs are per thread and inherited by new threads.
+        # Before any thread exists: the filter then covers every thread and process of the sandbox.
+        isolation["seccomp"] = _install_seccomp()
         _start_watchdog(float(config["wall_seconds"]) + 1.0)
         _set_limits(config)
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"  # numeric libraries must not start one thread per core under RLIMIT_NPROC
+        encoder = _make_encoder()
         _install_guards(workdir)
     except Exception as exc:
         report({"sandbox_error": f"{type(exc).__name__}: {exc}", "isolation": isolation})
-    passed, errors = _run_program(config["program"], config["tests"])
-    report({"passed": passed, "errors": errors, "isolation": isolation})
+    report({**_run_job(config, *encoder), "isolation": isolation})
+
+
+def _join_cgroup(path: str) -> bool:
+    """Move this process into the run's cgroup and check that it took (fail closed: raise otherwise)."""
+    with open(os.path.join(path, "cgroup.procs"), "w", encoding="ascii") as f:
+        f.write("0")
+    name = "/" + os.path.basename(path)
+    with open("/proc/self/cgroup", encoding="utf-8") as f:
+        if not any(line.rstrip("\n").endswith(name) for line in f):
+            raise RuntimeError("could not join the run's memory cgroup")
+    return True
 
 
 def _start_watchdog(seconds: float) -> None:
@@ -493,94 +696,92 @@ def _mount(libc: Any, source: str | None, target: str, fstype: str | None, flags
     return libc.mount(*args, flags, None if data is None else os.fsencode(data)) == 0
 
 
-def _setup_mounts(workdir: str, drop_uid: int | None, hide: list[str], disk_bytes: int) -> tuple[bool, list[str]]:
-    """In our private mount namespace: hide ``hide`` dirs, put a ``disk_bytes`` tmpfs on ``workdir``, then make
-    every other mount read-only.
+def _setup_root(workdir: str, drop_uid: int | None, disk_bytes: int) -> str:
+    """Build a minimal read-only root in ``workdir`` and ``pivot_root`` into it; return the new working directory.
 
-    Returns (whether ``/`` is now read-only, the directories actually hidden). Only called after checking that our
-    mount namespace differs from the parent's, and everything is first made ``MS_PRIVATE`` so nothing done here
-    can propagate to the host.
+    Only called in a private mount namespace (checked against the parent's), and everything is first made
+    ``MS_PRIVATE``, so nothing done here reaches the host. The root holds the system directories and the
+    interpreter's own directories (bind mounts), a few device nodes, ``/proc``, and an empty ``/tmp`` holding the
+    working directory, a ``disk_bytes`` tmpfs. Afterwards every mount but that one is read-only. Any failure raises:
+    a half-built root must not run programs (the launcher probe then picks a weaker launcher).
     """
+    import ctypes
+
     libc = _libc()
-    if not _mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None):
-        return False, []
-    needed = _interpreter_paths(workdir)
-    if drop_uid is not None:
-        hide = hide + _blocked_ancestors(needed, drop_uid)
-    hidden = _hide_dirs(libc, workdir, needed, hide)
+
+    def must(ok: bool, what: str) -> None:
+        if not ok:
+            raise OSError(ctypes.get_errno(), f"{what} failed")
+
+    machine = os.uname().machine
+    if machine not in _SYSCALLS:
+        raise OSError(f"pivot_root: unknown system call number on {machine}")
+    must(_mount(libc, None, "/", None, _MS_REC | _MS_PRIVATE, None), "making mounts private")
+    root = workdir
+    must(_mount(libc, "tmpfs", root, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=4m,mode=0755"), "mounting the root")
+    root_dev = os.stat(root).st_dev
+    wanted = [f"/{name}" for name in _SYSTEM_DIRS if os.path.lexists(f"/{name}")] + _interpreter_paths()
+    real = {os.path.realpath(p) for p in wanted if os.path.isdir(p)}
+    if "/" in real:
+        raise OSError("the interpreter lives in /: a private root cannot leave the host's files out")
+    for path in sorted(p for p in real if not any(p.startswith(q + "/") for q in real)):
+        _makedirs(root_dev, root + path)
+        must(_mount(libc, path, root + path, None, _MS_BIND | _MS_REC, None), f"binding {path}")
+    for path in sorted(set(wanted)):  # the original paths must resolve too (merged /usr's /bin -> usr/bin, ...)
+        target = os.path.realpath(path)
+        if target != path and not os.path.lexists(root + path) and _makedirs(root_dev, os.path.dirname(root + path)):
+            os.symlink(target, root + path)
+    _makedirs(root_dev, root + "/dev")
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            open(f"{root}/dev/{name}", "w").close()
+            must(_mount(libc, f"/dev/{name}", f"{root}/dev/{name}", None, _MS_BIND, None), f"binding /dev/{name}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
+                         ("stderr", "/proc/self/fd/2")):  # fmt: skip
+        os.symlink(target, f"{root}/dev/{name}")
+    os.mkdir(root + "/proc")
+    must(_mount(libc, "/proc", root + "/proc", None, _MS_BIND | _MS_REC, None), "binding /proc")
+    inside = "/tmp/" + os.path.basename(workdir)
+    _makedirs(root_dev, root + inside)
     options = f"size={int(disk_bytes)},mode=0700" + ("" if drop_uid is None else f",uid={drop_uid},gid={drop_uid}")
-    if not _mount(libc, "tmpfs", workdir, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options):
-        return False, hidden
-    root_ok = False
+    must(_mount(libc, "tmpfs", root + inside, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options), "the tmpfs")
+    os.mkdir(root + "/.old")
+    must(libc.syscall(_SYSCALLS[machine][0], os.fsencode(root), os.fsencode(root + "/.old")) == 0, "pivot_root")
+    os.chdir("/")
+    must(libc.umount2(b"/.old", _MNT_DETACH) == 0, "detaching the old root")
+    os.rmdir("/.old")
     with open("/proc/self/mountinfo", encoding="utf-8") as f:
         mounts = [line.split() for line in f]
     for fields in mounts:
         target = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])  # mountinfo escapes
-        if target == workdir or target.startswith(workdir + "/"):
+        if target == inside or target.startswith(inside + "/"):
             continue
         flags = _MS_REMOUNT | _MS_BIND | _MS_RDONLY
         for opt in fields[5].split(","):
             flags |= _MOUNT_OPTION_FLAGS.get(opt, 0)
-        ok = _mount(libc, None, target, None, flags, None)
-        root_ok = root_ok or (ok and target == "/")
-    return root_ok, hidden
+        must(_mount(libc, None, target, None, flags, None), f"making {target} read-only")
+    return inside
 
 
-def _interpreter_paths(workdir: str) -> set[str]:
-    """Directories the program needs: the interpreter's prefixes and import path, plus the sandbox directory."""
-    needed = {os.path.realpath(p) for p in [sys.prefix, sys.base_prefix, workdir, *sys.path] if p and os.path.isdir(p)}
-    needed.add(os.path.dirname(os.path.realpath(sys.executable)))
-    return {p for p in needed if not any(p != q and p.startswith(q + "/") for q in needed)}
+def _interpreter_paths() -> list[str]:
+    """Directories the interpreter needs: its prefixes, its import path and the directory of its executable."""
+    paths = [sys.prefix, sys.base_prefix, *sys.path, os.path.dirname(sys.executable)]
+    paths.append(os.path.dirname(os.path.realpath(sys.executable)))
+    return [os.path.abspath(p) for p in paths if p and os.path.isdir(p)]
 
 
-def _blocked_ancestors(needed: set[str], uid: int) -> list[str]:
-    """Topmost directories above ``needed`` paths that ``uid`` may not enter (e.g. ``/root`` with mode 0700)."""
-    blocked = []
-    for path in sorted(needed):
-        parts = path.strip("/").split("/")
-        for depth in range(1, len(parts)):
-            ancestor = "/" + "/".join(parts[:depth])
-            st = os.stat(ancestor)
-            if not st.st_mode & 0o001 and st.st_uid != uid:
-                blocked.append(ancestor)
-                break
-    return blocked
+def _makedirs(root_dev: int, path: str) -> bool:
+    """``mkdir -p`` that only ever creates directories on the new root's own tmpfs (never through a symlink or a
+    bind mount into the host); returns whether ``path`` is now such a directory."""
+    import stat
 
-
-def _hide_dirs(libc: Any, workdir: str, needed: set[str], hide: list[str]) -> list[str]:
-    """Cover each directory in ``hide`` with an empty tmpfs, keeping the ``needed`` paths below it visible.
-
-    The needed paths are bind-mounted aside, the tmpfs is mounted, and they are moved back to their original
-    locations, so every path the interpreter knows about stays valid while the rest (home directories with
-    credentials, ``/run`` with service sockets) disappears. Directories containing the sandbox directory, or
-    contained in a needed path, are left alone. Returns the directories hidden.
-    """
-    hidden: list[str] = []
-    for index, directory in enumerate(sorted({os.path.realpath(d) for d in hide})):
-        inside_needed = any(directory == p or directory.startswith(p + "/") for p in needed)
-        inside_hidden = any(directory.startswith(h + "/") for h in hidden)
-        if directory == "/" or inside_needed or inside_hidden or workdir.startswith(directory + "/"):
-            continue
-        if not os.path.isdir(directory):
-            continue
-        stages = []
-        for j, path in enumerate(sorted(p for p in needed if p.startswith(directory + "/"))):
-            stage = os.path.join(workdir, f".stage{index}_{j}")
-            os.mkdir(stage)
-            if _mount(libc, path, stage, None, _MS_BIND | _MS_REC, None):
-                stages.append((stage, path))
-            else:
-                os.rmdir(stage)
-        mounted = _mount(libc, "tmpfs", directory, "tmpfs", _MS_NOSUID | _MS_NODEV, "mode=0755,size=1m")
-        for stage, path in stages:
-            if mounted:
-                os.makedirs(path, mode=0o755, exist_ok=True)
-            if not (mounted and _mount(libc, stage, path, None, _MS_MOVE, None)):
-                libc.umount2(os.fsencode(stage), _MNT_DETACH)  # never leave a writable view inside workdir
-            os.rmdir(stage)
-        if mounted:
-            hidden.append(directory)
-    return hidden
+    parent = os.path.dirname(path)
+    if parent != path and not os.path.lexists(path) and not _makedirs(root_dev, parent):
+        return False
+    if not os.path.lexists(path):
+        os.mkdir(path, 0o755)
+    st = os.lstat(path)
+    return stat.S_ISDIR(st.st_mode) and st.st_dev == root_dev
 
 
 def _drop_privileges(drop_uid: int | None) -> dict[str, Any]:
@@ -797,26 +998,161 @@ def _path_guard(func: Any, specs: list[tuple[int, str, str | None]], check: Any)
     return guarded
 
 
-def _run_program(program: str, tests: list[str]) -> tuple[int, list[str]]:
-    """Execute the program, then each test in its namespace; return (#passed, short error descriptions)."""
+def _install_seccomp() -> bool:
+    """Refuse (``EPERM``) the system calls in ``_SYSCALLS`` for this process and everything it starts.
+
+    A classic-BPF filter: any other architecture's calls (e.g. 32-bit ``int 0x80``) and x32 calls are refused too,
+    so the numbers cannot be dodged. Returns ``False`` on an architecture it does not know or a kernel without
+    seccomp; needs ``no_new_privs`` (set before).
+    """
+    import ctypes
+    import errno
+
+    machine = os.uname().machine
+    if machine not in _SYSCALLS:
+        return False
+    _, arch, x32, numbers = _SYSCALLS[machine]
+    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    deny, allow = 0x00050000 | errno.EPERM, 0x7FFF0000
+    checks = ([(jge, 0x40000000)] if x32 else []) + [(jeq, nr) for nr in numbers.values()]
+    program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (load, 0, 0, 0)]
+    program += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]  # jump to the final deny
+    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+
+    class SockFilter(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
+
+    class SockFprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(SockFilter))]
+
+    filters = (SockFilter * len(program))(*(SockFilter(*insn) for insn in program))
+    fprog = SockFprog(len(program), filters)
+    return _libc().prctl(_PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+
+
+def _make_encoder() -> tuple[Any, type]:
+    """Return ``(encode, Unrepresentable)``: ``encode`` turns a probe's value into tagged plain data.
+
+    Every function and type it uses is bound here, before the program runs, and values are recognised by their
+    exact type or, for subclasses of builtin types (``Counter``, ``namedtuple``, ``IntEnum``), read through the base
+    type's own C methods, so nothing the program defines or patches is asked how to encode itself. Only numpy
+    scalars (and size-1 arrays) are asked, through ``.item()``, whose result must be plain. Anything else raises
+    ``Unrepresentable`` (the test fails). The encoder's output is only ever the program's own answer: the parent
+    decodes it into exact builtin types and compares there.
+    """
+    tp, issub, getattr_, fmt, get_name = type, issubclass, getattr, int.__format__, type.__dict__["__name__"].__get__
+    b_bool, b_int, b_float, b_complex, b_str, b_bytes, b_bytearray, b_dict = (
+        bool, int, float, complex, str, bytes, bytearray, dict,
+    )  # fmt: skip
+    float_hex, complex_pos, str_copy, bytes_hex, bytearray_hex = (
+        float.hex, complex.__pos__, str.__str__, bytes.hex, bytearray.hex,
+    )  # fmt: skip
+    dict_items = dict.items
+    sequences = (
+        (list, "l", list.__iter__), (tuple, "t", tuple.__iter__), (set, "S", set.__iter__),
+        (frozenset, "F", frozenset.__iter__),
+    )  # fmt: skip
+
+    class Unrepresentable(Exception):
+        """A probe's value is not plain data."""
+
+    def encode(value: Any) -> list[Any]:
+        budget = [_MAX_NODES]
+
+        def enc(x: Any, depth: int, numpy_ok: bool) -> list[Any]:
+            budget[0] -= 1
+            if depth > _MAX_DEPTH or budget[0] < 0:
+                raise Unrepresentable("too large or nested too deeply")
+            cls = tp(x)
+            if x is None:
+                return ["N"]
+            if cls is b_bool:
+                return ["b", x is True]
+            if issub(cls, b_int):
+                return ["i", fmt(x, "x")]
+            if issub(cls, b_float):
+                return ["f", float_hex(x)]
+            if issub(cls, b_complex):
+                c = complex_pos(x)
+                return ["c", [float_hex(c.real), float_hex(c.imag)]]
+            if issub(cls, b_str):
+                return ["s", str_copy(x)]
+            if issub(cls, b_bytes):
+                return ["y", bytes_hex(x)]
+            if issub(cls, b_bytearray):
+                return ["Y", bytearray_hex(x)]
+            if issub(cls, b_dict):
+                return ["d", [["t", [enc(k, depth + 1, True), enc(v, depth + 1, True)]] for k, v in dict_items(x)]]
+            for base, tag, iterate in sequences:
+                if issub(cls, base):
+                    return [tag, [enc(item, depth + 1, True) for item in iterate(x)]]
+            if numpy_ok and getattr_(cls, "__module__", None) == "numpy" and getattr_(x, "item", None) is not None:
+                return enc(x.item(), depth + 1, False)
+            try:
+                name = str_copy(get_name(cls))
+            except Exception:
+                name = "?"
+            raise Unrepresentable(f"a {name} object")
+
+        return enc(value, 0, True)
+
+    return encode, Unrepresentable
+
+
+def _run_job(config: dict[str, Any], encode: Any, unrepresentable: type) -> dict[str, Any]:
+    """Execute the program, then either the probes of each verified test (``mode == "probe"``) or each test
+    snippet (``"exec"``, the unverified tests); return the report's results."""
     import builtins
     import traceback
 
-    run, build = exec, compile  # bound before the program runs, so it cannot replace them via builtins
+    run, build, evaluate = exec, compile, eval  # bound before the program runs
+    builtin_names = builtins.__dict__
+
+    def describe(exc: BaseException) -> str:
+        try:
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+        except BaseException:
+            return "an exception that cannot be described"
+
     namespace: dict[str, Any] = {"__name__": "solution", "__builtins__": builtins}
     try:
-        run(build(program, "<solution>", "exec"), namespace)
+        run(build(config["program"], "<solution>", "exec"), namespace)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the program failed to load
         traceback.print_exc(limit=5)
-        return 0, [f"program: {type(exc).__name__}: {str(exc)[:200]}"]
-    passed, errors = 0, []
-    for index, test in enumerate(tests):
-        try:
-            run(build(test, f"<test {index}>", "exec"), namespace)
-            passed += 1
+        return {"program_error": describe(exc)}
+    results: list[dict[str, Any]] = []
+    if config["mode"] == "exec":
+        for index, snippet in enumerate(config["specs"]):
+            try:
+                run(build(snippet, f"<test {index}>", "exec"), namespace)
+                results.append({"passed": True})
+            except BaseException as exc:
+                results.append({"passed": False, "error": describe(exc)})
+        return {"results": results}
+    for spec in config["specs"]:
+        local: dict[str, Any] = {}
+        try:  # the test's own imports (at module level, then inside check()) and HumanEval's candidate
+            for source in spec.get("global_imports", []):
+                run(build(source, "<test import>", "exec"), namespace)
+            if spec.get("candidate"):
+                local[spec["param"]] = evaluate(build(spec["candidate"], "<candidate>", "eval"), namespace)
+            for source in spec.get("local_imports", []):
+                run(build(source, "<test import>", "exec"), namespace, local)
         except BaseException as exc:
-            errors.append(f"test {index}: {type(exc).__name__}: {str(exc)[:200]}")
-    return passed, errors[:20]
+            results.append({"error": describe(exc)})
+            continue
+        has = [name in local or name in namespace or name in builtin_names for name in spec.get("has", [])]
+        values: list[list[Any]] = []
+        for index, source in enumerate(spec.get("probes", [])):
+            try:
+                code = build(f"lambda {', '.join(local)}: ({source})", f"<probe {index}>", "eval")
+                values.append(["v", encode(evaluate(code, namespace)(**local))])
+            except unrepresentable as exc:
+                values.append(["u", describe(exc)])
+            except BaseException as exc:
+                values.append(["e", describe(exc)])
+        results.append({"has": has, "values": values})
+    return {"results": results}
 
 
 if __name__ == "__main__":

@@ -1,0 +1,316 @@
+"""Forgery attempts against the code reward: a wrong program must never obtain a pass.
+
+Every attack pairs the wrong solution ``def f(x): return 0`` with the test ``assert f(2) == 4`` and tries to turn
+the verdict into a pass without knowing the expected value: rewriting the tests through stack frames, calling the
+harness's report function, finding secrets or the tests themselves through the garbage collector or by reading its
+own memory, patching what the harness calls after the program ran, writing a forged report to every descriptor,
+returning objects whose comparison always succeeds, and redefining builtins the test uses. All but the descriptor
+attack (aimed at the new report pipe) scored 1.0 against the former in-process harness. Each attack prints what it
+managed to do, so the tests also check that it really reached the harness (an attack that silently did nothing
+would prove nothing).
+"""
+
+import json
+
+import pytest
+
+from trl_diffusion.rewards import make_code_reward, run_tests
+from trl_diffusion.rewards.sandbox import SandboxLimits
+
+TEST = ["assert f(2) == 4"]
+WRONG = "def f(x):\n    return 0\n"
+LIMITS = SandboxLimits(timeout=5.0, memory_mb=256)
+
+
+def _reward(program, tests=TEST, **kwargs):
+    reward = make_code_reward(timeout=5.0, memory_mb=256, partial_credit=True)
+    return reward([f"```python\n{program}\n```"], tests=[tests], **kwargs)[0]
+
+
+def test_correct_program_still_passes():
+    assert _reward("def f(x):\n    return x * 2\n") == 1.0
+    assert _reward(WRONG) == 0.0
+
+
+FRAME_REWRITE = (
+    WRONG
+    + """
+import sys
+touched = 0
+frame = sys._getframe()
+while frame is not None:
+    for value in list(frame.f_locals.values()):
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(value, list) and isinstance(item, str):
+                value[i] = "pass"  # a list of test snippets
+                touched += 1
+            elif isinstance(item, dict):
+                for spec in [item, *[s for s in item.get("specs", []) if isinstance(s, dict)]]:
+                    if isinstance(spec.get("probes"), list):
+                        spec["probes"] = ["True"] * len(spec["probes"])  # every probe now answers True
+                        touched += 1
+                    if isinstance(spec.get("tests"), list):
+                        spec["tests"] = ["pass"] * len(spec["tests"])
+                        touched += 1
+    frame = frame.f_back
+print("rewrote", touched)
+"""
+)
+
+
+def test_frame_walking_cannot_rewrite_the_tests():
+    result = run_tests(FRAME_REWRITE, TEST, LIMITS)
+    assert "rewrote" in result.output and "rewrote 0" not in result.output, result.output
+    assert result.outcomes == [False] and _reward(FRAME_REWRITE) == 0.0
+
+
+FRAME_REPORT = (
+    WRONG
+    + """
+import sys
+frame = sys._getframe()
+while frame is not None:
+    report = frame.f_locals.get("report")
+    if callable(report):
+        print("calling the harness's report function", flush=True)
+        entry = {"passed": True, "has": [], "values": [["v", ["b", True]]]}
+        report({"passed": 1, "errors": [], "results": [entry], "isolation": {}})
+    frame = frame.f_back
+"""
+)
+
+
+def test_calling_the_report_function_cannot_forge_a_pass():
+    result = run_tests(FRAME_REPORT, TEST, LIMITS)
+    assert "calling the harness's report function" in result.output
+    assert result.outcomes == [False] and _reward(FRAME_REPORT) == 0.0
+
+
+GC_SEARCH = (
+    WRONG
+    + """
+import gc, json, os, re, sys
+found = None
+for obj in gc.get_objects():
+    if isinstance(obj, dict):
+        texts = [v for v in obj.values() if isinstance(v, str)]
+        texts += [t for v in obj.values() if isinstance(v, list) for t in v if isinstance(t, str)]
+        for text in texts:
+            match = re.search(r"f\\(2\\) == (\\d+)", text)
+            if match:
+                found = int(match.group(1))
+        nonce = obj.get("nonce")
+        if isinstance(nonce, str):  # forge a report tagged with the secret
+            print("found the nonce", flush=True)
+            sys.stdout.write("\\n" + nonce + json.dumps({"passed": 1, "errors": []}) + "\\n")
+            sys.stdout.flush()
+            os._exit(0)
+if found is not None:
+    print("found the expected value", flush=True)
+    def f(x):
+        return found
+print("gc search done")
+"""
+)
+DECOY = 'decoy = {"text": "assert f(2) == 4"}\n'
+
+
+def test_garbage_collector_holds_no_secret_and_no_expected_value():
+    result = run_tests(GC_SEARCH, TEST, LIMITS)
+    assert "gc search done" in result.output and "found" not in result.output, result.output
+    assert result.outcomes == [False] and _reward(GC_SEARCH) == 0.0
+    # Control: had the expected value been anywhere in the process, the search would have found and used it.
+    control = run_tests(DECOY + GC_SEARCH, TEST, LIMITS)
+    assert "found the expected value" in control.output and control.outcomes == [True]
+
+
+MEMORY_SCAN = (
+    WRONG
+    + """
+import ctypes, re
+ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: after a uid change /proc/self/mem is root's otherwise
+found = None
+with open("/proc/self/maps") as maps, open("/proc/self/mem", "rb", 0) as mem:
+    for line in maps:
+        fields = line.split()
+        if "rw" not in fields[1] or len(fields) > 5 and fields[5].startswith("/"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        try:
+            mem.seek(start)
+            data = mem.read(min(end - start, 64 << 20))
+        except (OSError, ValueError, OverflowError):
+            continue
+        for match in re.finditer(rb"assert f\\(2\\) == (\\d+)", data):
+            found = int(match.group(1))
+if found is not None:
+    print("found the expected value in memory", flush=True)
+    def f(x):
+        return found
+print("memory scan done")
+"""
+)
+
+
+def test_expected_values_are_not_in_the_sandboxed_process():
+    result = run_tests(MEMORY_SCAN, TEST, LIMITS)
+    assert "memory scan done" in result.output and "found" not in result.output, result.output
+    assert result.outcomes == [False] and _reward(MEMORY_SCAN) == 0.0
+    control = run_tests(DECOY + MEMORY_SCAN, TEST, LIMITS)
+    assert "found the expected value in memory" in control.output and control.outcomes == [True]
+
+
+PATCH_AFTER_RUN = (
+    WRONG
+    + """
+import builtins, json, json.encoder
+entry = {"passed": True, "has": [], "values": [["v", ["b", True]]]}
+forged = json.dumps({"passed": 1, "errors": [], "results": [entry]})
+
+class Forger(json.encoder.JSONEncoder):
+    def encode(self, obj):
+        return forged
+
+json._default_encoder = Forger()  # json.dumps() without arguments uses this module global
+json.dumps = lambda *a, **k: forged
+
+class Always:
+    def __eq__(self, other):
+        return True
+    __hash__ = object.__hash__
+
+builtins.type = lambda *a: int  # a harness asking type() / isinstance() would see an int
+builtins.isinstance = lambda *a: True
+builtins.issubclass = lambda *a: True
+def f(x):
+    return Always()
+print("patched json and builtins")
+"""
+)
+
+
+def test_patching_what_the_harness_calls_later_cannot_forge_a_pass():
+    result = run_tests(PATCH_AFTER_RUN, TEST, LIMITS)
+    assert "patched json and builtins" in result.output
+    assert result.outcomes == [False] and _reward(PATCH_AFTER_RUN) == 0.0
+
+
+WRITE_ALL_FDS = (
+    WRONG
+    + """
+import json, os
+entry = {"passed": True, "has": [], "values": [["v", ["b", True]]]}
+forged = json.dumps({"passed": 1, "errors": [], "results": [entry], "isolation": {}}).encode()
+written = 0
+for fd in range(3, 64):
+    try:
+        os.write(fd, forged)
+        written += 1
+    except OSError:
+        pass
+print("forged reports written:", written, flush=True)
+os._exit(0)
+"""
+)
+
+
+def test_forged_report_on_every_descriptor_is_still_judged_here():
+    result = run_tests(WRITE_ALL_FDS, TEST, LIMITS)
+    assert "forged reports written: 0" not in result.output and "forged reports written" in result.output
+    assert result.outcomes == [False] and _reward(WRITE_ALL_FDS) == 0.0
+
+
+ALWAYS_EQUAL = """
+class Always:
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    def __bool__(self):
+        return True
+    __hash__ = object.__hash__
+"""
+
+
+@pytest.mark.parametrize(
+    "returned",
+    [
+        "Always()",
+        "type('E', (int,), {'__eq__': lambda s, o: True, '__hash__': int.__hash__})(0)",
+        "type('S', (str,), {'__eq__': lambda s, o: True, '__hash__': str.__hash__})('0')",
+        "type('L', (list,), {'__eq__': lambda s, o: True})([0])",
+        "type('D', (dict,), {'__eq__': lambda s, o: True})()",
+        "type('F', (float,), {'__eq__': lambda s, o: True, '__hash__': float.__hash__})(0.0)",
+        # claims to be an int to isinstance() through __class__
+        "type('C', (Always,), {'__class__': property(lambda s: int)})()",
+        # looks like a numpy scalar whose .item() is again a lying object
+        "type('N', (), {'__module__': 'numpy', 'item': lambda s: Always()})()",
+    ],
+    ids=["eq-object", "int-subclass", "str-subclass", "list-subclass", "dict-subclass", "float-subclass",
+         "fake-class", "fake-numpy"],
+)  # fmt: skip
+def test_objects_that_lie_about_equality_do_not_pass(returned):
+    program = ALWAYS_EQUAL + f"def f(x):\n    return {returned}\n"
+    tests = ["assert f(2) == 4", "assert f(2) == '4'", "assert f(2) == [4]", "assert f(2) == {'a': 4}",
+             "assert not f(2) != 4", "assert 4 == f(2)", "assert f(2) in [4]"]  # fmt: skip
+    assert _reward(program, tests) == 0.0
+    result = run_tests(program, tests, LIMITS)
+    assert result.status == "ok" and not any(result.outcomes) and result.verified == len(tests)
+
+
+def test_truthiness_cannot_be_faked():
+    program = ALWAYS_EQUAL + "def is_even(x):\n    return Always()\n"
+    assert _reward(program, ["assert is_even(3)"]) == 0.0
+    assert _reward("def is_even(x):\n    return x % 2 == 0\n", ["assert is_even(4)", "assert not is_even(3)"]) == 1.0
+
+
+def test_redefining_a_builtin_the_test_uses_does_not_help():
+    """Natively ``sorted`` would be the program's own: a fake one would pass. Here the test fails instead."""
+    program = WRONG + "def sorted(*args, **kwargs):\n    return [1, 2, 3]\nabs = lambda x: 0\n"
+    assert _reward(program, ["assert sorted(f(2)) == [1, 2, 3]"]) == 0.0
+    assert _reward(program, ["assert abs(f(2) - 4) < 1e-9"]) == 0.0
+    result = run_tests(program, ["assert sorted(f(2)) == [1, 2, 3]"], LIMITS)
+    assert result.outcomes == [False] and "redefines" in result.errors[0]
+    # A call of the program's own function of that name, with plain inputs, is still run and judged.
+    assert run_tests("def sorted(x):\n    return x\n", ["assert sorted([2, 1]) == [2, 1]"], LIMITS).outcomes == [True]
+
+
+def test_exiting_or_raising_inside_the_call_fails():
+    for body in ("import os\n    os._exit(0)", "import sys\n    sys.exit(0)", "raise SystemExit(0)"):
+        assert _reward(f"def f(x):\n    {body}\n") == 0.0
+
+
+HUMANEVAL_TEST = (
+    "\n\nMETADATA = {'author': 'x', 'dataset': 'test'}\n\n\ndef check(candidate):\n"
+    "    assert candidate([1, 3, 2]) == [1, 3, 3]\n    assert candidate([]) == []\n\n"
+)
+
+
+def test_humaneval_check_is_decided_outside_the_sandbox():
+    good = "def running_max(xs):\n    out, best = [], None\n    for x in xs:\n        best = x if best is None " \
+           "else max(best, x)\n        out.append(best)\n    return out\n"  # fmt: skip
+    forging = ALWAYS_EQUAL + "def running_max(xs):\n    return Always()\n" + GC_SEARCH.replace(WRONG, "")
+    reward = make_code_reward(timeout=5.0, memory_mb=256)
+    rows = {"test": [HUMANEVAL_TEST] * 2, "entry_point": ["running_max"] * 2}
+    assert reward([f"```python\n{good}\n```", f"```python\n{forging}\n```"], **rows) == [1.0, 0.0]
+    result = run_tests(forging, [f"{HUMANEVAL_TEST}check(running_max)\n"], LIMITS)
+    assert result.verified == 1 and result.outcomes == [False] and "found" not in result.output
+
+
+def test_report_is_plain_json_and_only_probe_values_travel():
+    """The sandbox's job description holds the program and the probes, never an expected value."""
+    from trl_diffusion.rewards.verdict import plan_test
+
+    plan = plan_test("assert math.isclose(f(2), 3.25, rel_tol=1e-3)\nassert sorted(g([5, 1])) == [1, 5]")
+    spec = json.dumps(plan.sandbox_spec())
+    assert plan.kind == "verified" and plan.probes == ("f(2)", "g([5, 1])")
+    assert "3.25" not in spec and "[1, 5]" not in spec
+
+
+def test_rows_must_match_completions():
+    reward = make_code_reward(timeout=5.0)
+    with pytest.raises(ValueError, match="tests"):
+        reward(["a", "b"], tests=[["assert True"]])
+    with pytest.raises(ValueError, match="entry_point"):
+        reward(["a"], test=["def check(c):\n    pass\n"], entry_point=["f", "g"])

@@ -1,0 +1,162 @@
+"""A memory cgroup per sandbox run, where the host lets this process create one (parent side only).
+
+``RLIMIT_AS`` bounds each process; only a cgroup bounds the sandbox as a whole: every process it forks, the files
+it writes to its tmpfs, memfd and other shared memory, and the kernel memory charged to it. The sandbox child
+joins the run's cgroup (by writing to its ``cgroup.procs``) before it sets anything else up, so everything the
+program does is charged to it; when the cgroup is full the kernel reclaims and then OOM-kills inside it.
+
+Supported: cgroup v1 with a writable ``memory`` hierarchy (``memory.limit_in_bytes``, and
+``memory.memsw.limit_in_bytes`` so swap is no way around it), and cgroup v2 where this process's cgroup can hand
+the ``memory`` controller to a child (``memory.max``, ``memory.swap.max = 0``). Typically that means root outside a
+container, or a container given a writable cgroup; elsewhere :func:`memory_cgroup_root` is ``None`` and the
+sandbox falls back to the per-process limits (``docs/rewards.md`` states the resulting bound).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["CgroupRoot", "memory_cgroup_root"]
+
+_COUNTER = itertools.count()
+_LOCK = threading.Lock()
+_CACHE: dict[str, CgroupRoot | None] = {}
+
+
+@dataclass(frozen=True)
+class CgroupRoot:
+    """The directory under which per-run cgroups are created, and the hierarchy's version (1 or 2)."""
+
+    path: str
+    version: int
+
+    def create(self, memory_bytes: int) -> str:
+        """Make a fresh cgroup limited to ``memory_bytes`` (swap included) and return its directory."""
+        path = os.path.join(self.path, f"trl_sandbox_{os.getpid()}_{next(_COUNTER)}")
+        os.mkdir(path)
+        try:
+            if self.version == 1:
+                _write(path, "memory.limit_in_bytes", memory_bytes)
+                if os.path.exists(os.path.join(path, "memory.memsw.limit_in_bytes")):
+                    _write(path, "memory.memsw.limit_in_bytes", memory_bytes)
+            else:
+                _write(path, "memory.max", memory_bytes)
+                if os.path.exists(os.path.join(path, "memory.swap.max")):
+                    _write(path, "memory.swap.max", 0)
+        except OSError:
+            os.rmdir(path)
+            raise
+        return path
+
+    def peak(self, path: str) -> int | None:
+        """Highest memory charged to the run's cgroup (``None`` where the kernel does not report it)."""
+        name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
+        try:
+            with open(os.path.join(path, name), encoding="ascii") as f:
+                return int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def destroy(self, path: str) -> bool:
+        """SIGKILL every process left in the cgroup, then remove it; ``False`` if it could not be removed."""
+        deadline = time.monotonic() + 5.0
+        while time.monotonic() < deadline:
+            pids = _pids(path)
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            try:
+                os.rmdir(path)
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                time.sleep(0.02)
+        return False
+
+
+def memory_cgroup_root() -> CgroupRoot | None:
+    """Where this process may create memory-limited child cgroups (probed once), or ``None``."""
+    with _LOCK:
+        if "root" not in _CACHE:
+            _CACHE["root"] = _probe()
+        return _CACHE["root"]
+
+
+def _probe() -> CgroupRoot | None:
+    for root in _candidates():
+        try:
+            path = root.create(64 * 1024 * 1024)
+        except OSError:
+            continue
+        if root.destroy(path):
+            return root
+    return None
+
+
+def _candidates() -> Iterator[CgroupRoot]:
+    """This process's memory cgroup directory in each mounted hierarchy (v1 first: hybrid hosts put memory there)."""
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as f:
+            own = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
+        with open("/proc/self/mountinfo", encoding="utf-8") as f:
+            mounts = [line.split() for line in f]
+    except OSError:
+        return
+    for version in (1, 2):
+        for hierarchy, controllers, rel in own:
+            if (version == 1 and "memory" in controllers.split(",")) or (version == 2 and hierarchy == "0"):
+                for fields in mounts:
+                    directory = _directory(fields, version, rel)
+                    if directory is not None and (version == 1 or _v2_delegates_memory(directory)):
+                        yield CgroupRoot(directory, version)
+
+
+def _directory(fields: list[str], version: int, rel: str) -> str | None:
+    """The host directory of cgroup ``rel`` if this mountinfo line is the matching hierarchy's mount."""
+    if "-" not in fields:
+        return None
+    sep = fields.index("-")
+    fstype, superopts, root, mountpoint = fields[sep + 1], fields[sep + 3], fields[3], fields[4]
+    if (version == 1 and (fstype != "cgroup" or "memory" not in superopts.split(","))) or (
+        version == 2 and fstype != "cgroup2"
+    ):
+        return None
+    if root != "/" and not (rel == root or rel.startswith(root + "/")):
+        return None
+    suffix = rel[len(root) :] if root != "/" else rel
+    directory = os.path.normpath(mountpoint + "/" + suffix.lstrip("/"))
+    return directory if os.path.isdir(directory) else None
+
+
+def _v2_delegates_memory(directory: str) -> bool:
+    """Whether children of ``directory`` can get the memory controller (enabling it if this process may)."""
+    try:
+        with open(os.path.join(directory, "cgroup.subtree_control"), encoding="ascii") as f:
+            if "memory" in f.read().split():
+                return True
+        _write(directory, "cgroup.subtree_control", "+memory")  # EBUSY where this cgroup holds processes
+        return True
+    except OSError:
+        return False
+
+
+def _pids(path: str) -> list[int]:
+    try:
+        with open(os.path.join(path, "cgroup.procs"), encoding="ascii") as f:
+            return [int(p) for p in f.read().split()]
+    except (OSError, ValueError):
+        return []
+
+
+def _write(directory: str, name: str, value: object) -> None:
+    with open(os.path.join(directory, name), "w", encoding="ascii") as f:
+        f.write(str(value))

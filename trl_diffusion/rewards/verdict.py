@@ -1,0 +1,616 @@
+"""Decide code tests outside the sandbox: split each ``assert`` into program calls (run in the sandbox) and a check
+(evaluated here, on plain data), so that the expected values never enter the sandboxed process.
+
+A test such as ``assert f([3, 1]) == [1, 3]`` becomes one *probe*, ``f([3, 1])``, which the sandbox evaluates and
+sends back as tagged plain data (None, bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set,
+frozenset), and the *check* ``<probe 0> == [1, 3]``, which :func:`judge` evaluates in this process with a small
+interpreter over exact builtin values. Whatever the program does inside its process (patch builtins, walk frames,
+forge output, return objects whose ``__eq__`` always answers True) it can only change the plain values it sends
+back, i.e. its own answers; it never sees the expected values and never evaluates the comparison.
+
+What counts as a probe (evaluated in the sandbox): an expression rooted at a program name (a name the test does not
+import and that is not a builtin, or HumanEval's ``candidate``), followed by attribute accesses, subscripts and calls
+whose arguments are *inputs*: literals, containers of literals, arithmetic on them and calls of builtins or of
+modules the test imports (``f(list(range(5)))``, ``f(math.pi)``). An argument that contains another program call is
+not an input (``check(f(x), 4)`` would evaluate the comparison inside the sandbox), so such tests are not decomposed.
+
+What the check may contain (evaluated here): literals and displays, arithmetic (with size caps), comparisons,
+``and``/``or``/``not``, conditional expressions, subscripts and slices, a fixed set of pure builtins (``abs``,
+``len``, ``set``, ``sorted``, ``round``, ``isinstance``, ...), ``math`` functions and constants, and pure methods of
+plain values (``str.split``, ``dict.items``, ...). Probes may only sit where Python evaluates unconditionally (not in
+the right operand of ``and``/``or``, a later link of a chained comparison, or a branch of ``x if c else y``), so
+they run exactly as often and in the same order as natively.
+
+Test shapes that decompose: a snippet of ``assert`` statements (MBPP; imports allowed), and a HumanEval-style
+snippet ``[imports] [METADATA = {...}] def check(candidate): <asserts and imports> check(<entry_point>)``.
+Anything else (loops, assignments, helper functions, ``print``) is *unverified*: it runs the old way, inside the
+sandbox, where the program can forge its result (see ``docs/rewards.md``).
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import math
+import operator
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MAX_DEPTH", "Plan", "ProbeError", "decode", "judge", "plan_test", "program_bindings"]
+
+MAX_DEPTH = 100  # nesting depth of a value sent back by a probe (the sandbox's encoder uses the same bound)
+_MAX_ITEMS = 10**7  # largest sequence an arithmetic operation of a check may build
+_MAX_BITS = 10**6  # largest integer (in bits) ``**`` and ``<<`` of a check may build
+
+_PURE_BUILTINS = {
+    name: getattr(builtins, name)
+    for name in (
+        "abs", "all", "any", "ascii", "bin", "bool", "chr", "complex", "dict", "divmod", "enumerate", "float",
+        "frozenset", "hex", "int", "isinstance", "len", "list", "max", "min", "oct", "ord", "repr", "reversed",
+        "round", "set", "sorted", "str", "sum", "tuple", "type", "zip",
+    )
+}  # fmt: skip
+_MATH = {
+    name: getattr(math, name)
+    for name in (
+        "acos", "asin", "atan", "atan2", "ceil", "copysign", "cos", "degrees", "e", "exp", "fabs", "floor", "fsum",
+        "gcd", "hypot", "inf", "isclose", "isfinite", "isinf", "isnan", "log", "log10", "log2", "nan", "pi",
+        "radians", "sin", "sqrt", "tan", "tau", "trunc",
+    )
+}  # fmt: skip
+_MODULES = {"math": _MATH}
+_STR_METHODS = {
+    "capitalize", "casefold", "count", "endswith", "find", "index", "isalnum", "isalpha", "isascii", "isdecimal",
+    "isdigit", "isidentifier", "islower", "isnumeric", "isspace", "istitle", "isupper", "join", "lower", "lstrip",
+    "rfind", "rindex", "rsplit", "rstrip", "split", "splitlines", "startswith", "strip", "swapcase", "title", "upper",
+}  # fmt: skip
+_METHODS = {
+    str: _STR_METHODS,
+    bytes: _STR_METHODS - {"casefold", "isdecimal", "isidentifier", "isnumeric"},
+    list: {"count", "index"},
+    tuple: {"count", "index"},
+    dict: {"get", "items", "keys", "values"},
+    set: {"isdisjoint", "issubset", "issuperset", "union", "intersection", "difference", "symmetric_difference"},
+    frozenset: {"isdisjoint", "issubset", "issuperset", "union", "intersection", "difference",
+                "symmetric_difference"},
+}  # fmt: skip
+_ALL_METHODS = set().union(*_METHODS.values())
+_BINOPS = {
+    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.LShift: operator.lshift,
+    ast.RShift: operator.rshift, ast.BitOr: operator.or_, ast.BitXor: operator.xor, ast.BitAnd: operator.and_,
+}  # fmt: skip
+_UNARYOPS = {ast.UAdd: operator.pos, ast.USub: operator.neg, ast.Not: operator.not_, ast.Invert: operator.invert}
+_CMPOPS = {
+    ast.Eq: operator.eq, ast.NotEq: operator.ne, ast.Lt: operator.lt, ast.LtE: operator.le, ast.Gt: operator.gt,
+    ast.GtE: operator.ge, ast.Is: operator.is_, ast.IsNot: operator.is_not,
+    ast.In: lambda a, b: a in b, ast.NotIn: lambda a, b: a not in b,
+}  # fmt: skip
+# Names that are never the program's own unless it defines them: builtins and standard-library modules.
+_LIBRARY_NAMES = frozenset(dir(builtins)) | frozenset(sys.stdlib_module_names)
+
+
+def _sum(iterable: Any, start: Any = 0) -> Any:
+    """``sum`` over numbers only (summing lists is quadratic: a program-chosen list could stall the check)."""
+    if not isinstance(start, (int, float, complex)):
+        raise TypeError("sum() with a non-numeric start is not available to the parent-side check")
+    return sum(iterable, start)
+
+
+_PURE_BUILTINS["sum"] = _sum
+
+
+class Unverifiable(Exception):
+    """The test has a shape whose verdict cannot be decided outside the sandbox."""
+
+
+class ProbeError(Exception):
+    """A probe raised in the sandbox, or its value could not be sent back as plain data."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one test snippet is run and decided.
+
+    ``kind``: ``"verified"`` (probes run in the sandbox, the asserts are decided by :func:`judge`), ``"unverified"``
+    (the snippet runs inside the sandbox, which reports whether it raised) or ``"failed"`` (decided without running:
+    not Python, or a check that would call a builtin the program redefines; ``reason`` says which).
+    """
+
+    source: str
+    kind: str
+    reason: str = ""
+    global_imports: tuple[str, ...] = ()
+    local_imports: tuple[str, ...] = ()
+    candidate: str | None = None
+    param: str | None = None
+    has: tuple[str, ...] = ()
+    probes: tuple[str, ...] = ()
+    checks: tuple[ast.expr, ...] = field(default=(), repr=False)
+    names: dict[str, Any] = field(default_factory=dict, repr=False)
+    asserts: tuple[tuple[str, range], ...] = field(default=(), repr=False)  # (source, its probes) per check
+
+    def sandbox_spec(self) -> dict[str, Any]:
+        """What the sandbox needs to run this test's probes (no expected values)."""
+        return {
+            "global_imports": list(self.global_imports),
+            "local_imports": list(self.local_imports),
+            "candidate": self.candidate,
+            "param": self.param,
+            "has": list(self.has),
+            "probes": list(self.probes),
+        }
+
+
+def plan_test(source: Any, shadowed: frozenset[str] = frozenset()) -> Plan:
+    """Split one test snippet into sandbox probes and parent-side checks (see the module docstring).
+
+    ``shadowed``: builtin names the program binds itself (:func:`program_bindings`). A call of such a name with
+    input arguments becomes a probe (natively it calls the program's function); any other use of it in a check
+    fails the test rather than evaluating the real builtin in its place. The program can only turn a verified test
+    into a failed one this way, never into an unverified one.
+    """
+    if not isinstance(source, str):
+        return Plan(str(source), "failed", f"a test must be a string, got {type(source).__name__}")
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError) as exc:
+        return Plan(source, "failed", f"{type(exc).__name__}: {exc}")
+    try:
+        return _Planner(source, shadowed).plan(tree)
+    except _Shadowed as exc:
+        return Plan(source, "failed", str(exc))
+    except (Unverifiable, RecursionError) as exc:
+        return Plan(source, "unverified", str(exc) or type(exc).__name__)
+
+
+def program_bindings(program: str) -> frozenset[str]:
+    """Builtin and standard-module names the program defines itself (``def``, ``class``, assignment, ``global``),
+    found statically. Imports are not counted: ``from numpy import sum`` keeps the name's meaning."""
+    try:
+        tree = ast.parse(program)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return frozenset()
+    names: set[str] = set()
+    stack: list[ast.AST] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.Global):
+            names.update(node.names)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            stack.extend(n for n in ast.walk(node) if isinstance(n, ast.Global))
+            continue
+        if isinstance(node, ast.Name) and isinstance(node.ctx, (ast.Store, ast.Del)):
+            names.add(node.id)
+        stack.extend(ast.iter_child_nodes(node))
+    return frozenset(names & _LIBRARY_NAMES)
+
+
+class _Shadowed(Exception):
+    """A check would evaluate a builtin that the program redefines."""
+
+
+_NOT_ALLOWED = object()  # an imported name the parent-side check cannot use
+
+
+class _Planner:
+    def __init__(self, source: str, shadowed: frozenset[str]) -> None:
+        self.source = source
+        self.shadowed = shadowed
+        self.imported: dict[str, Any] = {}  # name -> module table (dict), whitelisted value, or _NOT_ALLOWED
+        self.param: str | None = None
+        self.probes: list[str] = []
+        self.has: list[str] = []
+        self.names: dict[str, Any] = {}  # what the parent-side check may reference, by (placeholder) name
+
+    def plan(self, tree: ast.Module) -> Plan:
+        body, candidate, global_imports, local_imports = tree.body, None, [], []
+        check = _humaneval_check(body)
+        if check is not None:
+            func, candidate = check
+            for stmt in body[:-1]:
+                if stmt is func or _is_docstring(stmt):
+                    continue
+                if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                    global_imports.append(self._import(stmt))
+                elif not _is_unused_literal_assignment(stmt, tree):
+                    raise Unverifiable(f"unsupported statement before check(): {ast.unparse(stmt)[:80]}")
+            self.param, body = func.args.args[0].arg, func.body
+        asserts = []
+        for stmt in body:
+            if isinstance(stmt, ast.Assert):
+                asserts.append(stmt.test)
+            elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+                (local_imports if check is not None else global_imports).append(self._import(stmt))
+            elif not (isinstance(stmt, ast.Pass) or _is_docstring(stmt)):
+                raise Unverifiable(f"unsupported statement: {ast.unparse(stmt)[:80]}")
+        checks, sources = [], []
+        for test in asserts:
+            first = len(self.probes)
+            checks.append(self._check(test, conditional=False))
+            sources.append((ast.unparse(test), range(first, len(self.probes))))
+        return Plan(
+            self.source, "verified", global_imports=tuple(global_imports), local_imports=tuple(local_imports),
+            candidate=candidate, param=self.param, has=tuple(self.has), probes=tuple(self.probes),
+            checks=tuple(checks), names=self.names, asserts=tuple(sources),
+        )  # fmt: skip
+
+    def _import(self, stmt: ast.Import | ast.ImportFrom) -> str:
+        """Record the names an import binds (whitelisted ``math`` members stay usable); return its source."""
+        if isinstance(stmt, ast.Import):
+            for alias in stmt.names:
+                top = alias.name.split(".")[0]
+                whole = alias.asname is not None or alias.name == top  # binds the module itself
+                table = _MODULES.get(alias.name) if whole else None
+                self.imported[alias.asname or top] = _NOT_ALLOWED if table is None else table
+        else:
+            table = _MODULES.get(stmt.module or "", {}) if stmt.level == 0 else {}
+            for alias in stmt.names:
+                if alias.name == "*":
+                    raise Unverifiable("star import")
+                self.imported[alias.asname or alias.name] = table.get(alias.name, _NOT_ALLOWED)
+        return ast.unparse(stmt)
+
+    # -- classification ------------------------------------------------------------------------------------------
+
+    def _is_program_name(self, name: str) -> bool:
+        return name == self.param or (name not in self.imported and name not in _LIBRARY_NAMES)
+
+    def _probe_root(self, node: ast.expr) -> bool:
+        """A program name, then attributes, subscripts and calls whose arguments are all inputs."""
+        if isinstance(node, ast.Name):
+            return self._is_program_name(node.id) or (node.id in self.shadowed and node.id not in self.imported)
+        if isinstance(node, ast.Attribute):
+            return self._probe_root(node.value)
+        if isinstance(node, ast.Subscript):
+            return self._probe_root(node.value) and self._input(node.slice)
+        if isinstance(node, ast.Call):
+            if isinstance(node.func, ast.Attribute) and _calls_in(node.func.value):
+                return False  # a method of a returned value: its arguments may be expected values (``.equals(y)``)
+            return self._probe_root(node.func) and self._inputs(node)
+        return False
+
+    def _inputs(self, call: ast.Call) -> bool:
+        return all(not isinstance(a, ast.Starred) and self._input(a) for a in call.args) and all(
+            k.arg is not None and self._input(k.value) for k in call.keywords
+        )
+
+    def _input(self, node: ast.expr | None) -> bool:
+        """An argument computed without the program: literals, displays, operators, non-program names and calls."""
+        if node is None or isinstance(node, ast.Constant):
+            return True
+        if isinstance(node, ast.Name):
+            return not self._is_program_name(node.id)
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return all(not isinstance(e, ast.Starred) and self._input(e) for e in node.elts)
+        if isinstance(node, ast.Dict):
+            return all(k is not None and self._input(k) for k in node.keys) and all(map(self._input, node.values))
+        if isinstance(node, ast.UnaryOp):
+            return self._input(node.operand)
+        if isinstance(node, ast.BinOp):
+            return self._input(node.left) and self._input(node.right)
+        if isinstance(node, ast.Slice):
+            return self._input(node.lower) and self._input(node.upper) and self._input(node.step)
+        if isinstance(node, ast.Attribute):
+            return self._input(node.value)
+        if isinstance(node, ast.Subscript):
+            return self._input(node.value) and self._input(node.slice)
+        if isinstance(node, ast.Call):
+            return self._input(node.func) and self._inputs(node)
+        return False
+
+    # -- the parent-side check -----------------------------------------------------------------------------------
+
+    def _check(self, node: ast.expr, conditional: bool) -> ast.expr:
+        """Return ``node`` with every probe replaced by a placeholder; raise :class:`Unverifiable` if unsupported."""
+        if self._probe_root(node):
+            if conditional:
+                if _root_name(node) in self.shadowed:
+                    raise _Shadowed(f"the check calls {_root_name(node)!r}, which the program redefines")
+                raise Unverifiable(f"program call in a conditionally evaluated position: {ast.unparse(node)[:80]}")
+            self.probes.append(ast.unparse(node))
+            return self._name(f"#probe{len(self.probes) - 1}", None)
+        sub = self._check
+        if isinstance(node, ast.Constant):
+            return node
+        if isinstance(node, ast.Name):
+            return self._name(node.id, self._parent_value(node.id))
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            if any(isinstance(e, ast.Starred) for e in node.elts):
+                raise Unverifiable("starred expression")
+            return type(node)(elts=[sub(e, conditional) for e in node.elts], ctx=ast.Load())
+        if isinstance(node, ast.Dict):
+            if any(k is None for k in node.keys):
+                raise Unverifiable("dict unpacking")
+            pairs = [(sub(k, conditional), sub(v, conditional)) for k, v in zip(node.keys, node.values)]
+            return ast.Dict(keys=[k for k, _ in pairs], values=[v for _, v in pairs])
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARYOPS:
+            return ast.UnaryOp(op=node.op, operand=sub(node.operand, conditional))
+        if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+            left = sub(node.left, conditional)
+            if isinstance(node.op, ast.Mod) and not isinstance(left, ast.Constant):
+                left = ast.Call(func=self._name("#no_format", _no_format), args=[left], keywords=[])
+            return ast.BinOp(left=left, op=node.op, right=sub(node.right, conditional))
+        if isinstance(node, ast.BoolOp):
+            values = [sub(v, conditional or i > 0) for i, v in enumerate(node.values)]
+            return ast.BoolOp(op=node.op, values=values)
+        if isinstance(node, ast.Compare) and all(type(op) in _CMPOPS for op in node.ops):
+            comparators = [sub(c, conditional or i > 0) for i, c in enumerate(node.comparators)]
+            return ast.Compare(left=sub(node.left, conditional), ops=node.ops, comparators=comparators)
+        if isinstance(node, ast.IfExp):
+            test = sub(node.test, conditional)
+            return ast.IfExp(test=test, body=sub(node.body, True), orelse=sub(node.orelse, True))
+        if isinstance(node, ast.Subscript):
+            return ast.Subscript(
+                value=sub(node.value, conditional), slice=sub(node.slice, conditional), ctx=ast.Load()
+            )
+        if isinstance(node, ast.Slice):
+            parts = [None if p is None else sub(p, conditional) for p in (node.lower, node.upper, node.step)]
+            return ast.Slice(*parts)
+        if isinstance(node, ast.Attribute):
+            return self._module_member(node)
+        if isinstance(node, ast.Call):
+            if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
+                raise Unverifiable("argument unpacking")
+            func = node.func
+            if isinstance(func, ast.Name):
+                func = self._name(func.id, self._parent_value(func.id))
+            elif isinstance(func, ast.Attribute) and self._is_module(func.value):
+                func = self._module_member(func)
+            elif isinstance(func, ast.Attribute) and func.attr in _ALL_METHODS:
+                func = ast.Attribute(value=sub(func.value, conditional), attr=func.attr, ctx=ast.Load())
+            else:
+                raise Unverifiable(f"unsupported call: {ast.unparse(node)[:80]}")
+            args = [sub(a, conditional) for a in node.args]
+            keywords = [ast.keyword(arg=k.arg, value=sub(k.value, conditional)) for k in node.keywords]
+            return ast.Call(func=func, args=args, keywords=keywords)
+        raise Unverifiable(f"unsupported expression: {ast.unparse(node)[:80]}")
+
+    def _name(self, name: str, value: Any) -> ast.Name:
+        if not name.startswith("#probe"):
+            self.names[name] = value
+        return ast.Name(id=name, ctx=ast.Load())
+
+    def _parent_value(self, name: str) -> Any:
+        """The value a name has in the parent-side check (whitelisted builtins and ``math`` members only)."""
+        if name in self.imported:
+            value = self.imported[name]
+            if value is _NOT_ALLOWED or type(value) is dict:
+                raise Unverifiable(f"{name!r} is not available to the parent-side check")
+            return value
+        if name in self.shadowed:
+            raise _Shadowed(f"the check uses {name!r}, which the program redefines")
+        if name in _PURE_BUILTINS:
+            return _PURE_BUILTINS[name]
+        raise Unverifiable(f"{name!r} is not available to the parent-side check")
+
+    def _is_module(self, node: ast.expr) -> bool:
+        if not isinstance(node, ast.Name):
+            return False
+        return type(self.imported.get(node.id)) is dict or (node.id not in self.imported and node.id in _MODULES)
+
+    def _module_member(self, node: ast.Attribute) -> ast.Name:
+        """``math.isclose`` and the like, as a flat name; natively the module must be bound, so probe for that."""
+        if not self._is_module(node.value):
+            raise Unverifiable(f"unsupported attribute: {ast.unparse(node)[:80]}")
+        module = node.value.id
+        table = self.imported.get(module) or _MODULES[module]
+        if node.attr not in table:
+            raise Unverifiable(f"{module}.{node.attr} is not available to the parent-side check")
+        if module not in self.imported:
+            if module in self.shadowed:
+                raise _Shadowed(f"the check uses {module!r}, which the program redefines")
+            if module not in self.has:
+                self.has.append(module)
+        return self._name(f"{module}.{node.attr}", table[node.attr])
+
+
+def _calls_in(node: ast.expr) -> bool:
+    """Whether an attribute/subscript chain contains a call (so it is a returned value, not a program object)."""
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        if isinstance(node, ast.Call):
+            return True
+        node = node.value
+    return False
+
+
+def _root_name(node: ast.expr) -> str | None:
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Call)):
+        node = node.func if isinstance(node, ast.Call) else node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def _no_format(value: Any) -> Any:
+    """``%`` with a computed left operand: refuse string formatting (a program-chosen format could be huge)."""
+    if isinstance(value, (str, bytes, bytearray)):
+        raise TypeError("string formatting with a computed format is not available to the parent-side check")
+    return value
+
+
+def _humaneval_check(body: list[ast.stmt]) -> tuple[ast.FunctionDef, str] | None:
+    """``(def check(candidate), entry point name)`` if the snippet ends with ``check(<name>)`` calling a local def."""
+    if not body or not isinstance(body[-1], ast.Expr) or not isinstance(body[-1].value, ast.Call):
+        return None
+    call = body[-1].value
+    if not (isinstance(call.func, ast.Name) and len(call.args) == 1 and not call.keywords):
+        return None
+    if not isinstance(call.args[0], ast.Name):
+        return None
+    defs = [s for s in body[:-1] if isinstance(s, ast.FunctionDef) and s.name == call.func.id]
+    if len(defs) != 1:
+        return None
+    func = defs[0]
+    a = func.args
+    if func.decorator_list or len(a.args) != 1 or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg:
+        return None
+    return func, call.args[0].id
+
+
+def _is_docstring(stmt: ast.stmt) -> bool:
+    return isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and isinstance(stmt.value.value, str)
+
+
+def _is_unused_literal_assignment(stmt: ast.stmt, tree: ast.Module) -> bool:
+    """``METADATA = {...}``: a literal bound to a name nothing else in the snippet reads (it is not run)."""
+    if not (isinstance(stmt, ast.Assign) and len(stmt.targets) == 1 and isinstance(stmt.targets[0], ast.Name)):
+        return False
+    try:
+        ast.literal_eval(stmt.value)
+    except (ValueError, SyntaxError, TypeError, RecursionError):
+        return False
+    name = stmt.targets[0].id
+    return not any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(tree))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Plain data coming back from the sandbox
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def decode(encoded: Any, depth: int = 0) -> Any:
+    """Rebuild a value from the sandbox's tagged encoding; only exact builtin types can come out of it.
+
+    Raises ``ValueError`` for anything malformed (only a program that writes to the report channel itself can
+    produce that).
+    """
+    if depth > MAX_DEPTH or not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
+        raise ValueError("malformed value")
+    tag, args = encoded[0], encoded[1:]
+    if tag == "N" and not args:
+        return None
+    if len(args) != 1:
+        raise ValueError("malformed value")
+    arg = args[0]
+    if tag == "b" and type(arg) is bool:
+        return arg
+    if tag == "s" and type(arg) is str:
+        return arg
+    if tag == "i" and type(arg) is str:
+        return int(arg, 16)
+    if tag == "f" and type(arg) is str:
+        return float.fromhex(arg)
+    if tag == "c" and type(arg) is list and len(arg) == 2 and all(type(p) is str for p in arg):
+        return complex(float.fromhex(arg[0]), float.fromhex(arg[1]))
+    if tag in ("y", "Y") and type(arg) is str:
+        return bytes.fromhex(arg) if tag == "y" else bytearray.fromhex(arg)
+    if type(arg) is not list:
+        raise ValueError("malformed value")
+    if tag == "d":
+        pairs = [decode(p, depth + 1) for p in arg]  # each pair is encoded as a tuple
+        if not all(type(p) is tuple and len(p) == 2 for p in pairs):
+            raise ValueError("malformed dict")
+        return dict(pairs)
+    items = [decode(item, depth + 1) for item in arg]
+    containers = {"l": list, "t": tuple, "S": set, "F": frozenset}
+    if tag not in containers:
+        raise ValueError("malformed value")
+    return containers[tag](items)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The parent-side check
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class _Raised:
+    """A probe that raised in the sandbox: evaluating it raises :class:`ProbeError`, as the call would natively."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+def judge(plan: Plan, values: list[Any]) -> str | None:
+    """Evaluate the plan's asserts with the probes' values; ``None`` if all hold, else the reason it failed.
+
+    ``values[i]`` is the decoded value of probe ``i``, or a :class:`ProbeError` if it raised or could not be sent
+    back. Any exception while evaluating a check fails the test, as it would natively.
+    """
+    env = dict(plan.names)
+    for i, value in enumerate(values):
+        env[f"#probe{i}"] = _Raised(str(value)) if isinstance(value, ProbeError) else value
+    for check, (source, probes) in zip(plan.checks, plan.asserts):
+        try:
+            if not _eval(check, env):
+                got = ", ".join(f"{plan.probes[i][:60]} = {_short(values[i])}" for i in probes)
+                return f"AssertionError: assert {source[:120]}" + (f" ({got})" if got else "")
+        except ProbeError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever a native assert would raise, the test fails
+            return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _eval(node: ast.expr, env: dict[str, Any]) -> Any:
+    """A small interpreter for the node types :class:`_Planner` lets through, over plain values only."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.Name):
+        value = env[node.id]
+        if isinstance(value, _Raised):
+            raise ProbeError(value.message)
+        return value
+    if isinstance(node, ast.Tuple):
+        return tuple(_eval(e, env) for e in node.elts)
+    if isinstance(node, ast.List):
+        return [_eval(e, env) for e in node.elts]
+    if isinstance(node, ast.Set):
+        return {_eval(e, env) for e in node.elts}
+    if isinstance(node, ast.Dict):
+        return {_eval(k, env): _eval(v, env) for k, v in zip(node.keys, node.values)}
+    if isinstance(node, ast.UnaryOp):
+        return _UNARYOPS[type(node.op)](_eval(node.operand, env))
+    if isinstance(node, ast.BinOp):
+        return _binop(type(node.op), _eval(node.left, env), _eval(node.right, env))
+    if isinstance(node, ast.BoolOp):
+        for value in node.values:
+            result = _eval(value, env)
+            if bool(result) == isinstance(node.op, ast.Or):
+                break
+        return result
+    if isinstance(node, ast.Compare):
+        left = _eval(node.left, env)
+        for op, comparator in zip(node.ops, node.comparators):
+            right = _eval(comparator, env)
+            result = _CMPOPS[type(op)](left, right)
+            if not result:
+                break
+            left = right
+        return result
+    if isinstance(node, ast.IfExp):
+        return _eval(node.body, env) if _eval(node.test, env) else _eval(node.orelse, env)
+    if isinstance(node, ast.Subscript):
+        return _eval(node.value, env)[_eval(node.slice, env)]
+    if isinstance(node, ast.Slice):
+        return slice(*(None if p is None else _eval(p, env) for p in (node.lower, node.upper, node.step)))
+    if isinstance(node, ast.Call):
+        if isinstance(node.func, ast.Attribute):  # a method of a plain value
+            owner = _eval(node.func.value, env)
+            if node.func.attr not in _METHODS.get(type(owner), ()):
+                raise AttributeError(f"{type(owner).__name__}.{node.func.attr} is not available to the check")
+            func = getattr(owner, node.func.attr)
+        else:
+            func = _eval(node.func, env)
+        return func(*[_eval(a, env) for a in node.args], **{k.arg: _eval(k.value, env) for k in node.keywords})
+    raise TypeError(f"unsupported node {type(node).__name__}")  # unreachable for planned checks
+
+
+def _binop(op: type, left: Any, right: Any) -> Any:
+    """``left <op> right`` with caps on the sizes a program-chosen operand could blow up."""
+    if op is ast.Mult:
+        for count, seq in ((left, right), (right, left)):
+            if isinstance(count, int) and isinstance(seq, (str, bytes, bytearray, list, tuple)):
+                if count * len(seq) > _MAX_ITEMS:
+                    raise MemoryError("the check would build a sequence that is too large")
+    if op is ast.Pow and isinstance(left, int) and isinstance(right, int) and right > 0 and abs(left) > 1:
+        if right * left.bit_length() > _MAX_BITS:
+            raise MemoryError("the check would build an integer that is too large")
+    if op is ast.LShift and isinstance(left, int) and isinstance(right, int) and right > _MAX_BITS:
+        raise MemoryError("the check would build an integer that is too large")
+    return _BINOPS[op](left, right)
