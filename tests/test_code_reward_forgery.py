@@ -11,6 +11,7 @@ would prove nothing).
 """
 
 import json
+import os
 
 import pytest
 
@@ -32,31 +33,32 @@ def test_correct_program_still_passes():
     assert _reward(WRONG) == 0.0
 
 
-FRAME_REWRITE = (
-    WRONG
-    + """
+FRAME_REWRITE = WRONG + """
 import sys
 touched = 0
+
+def rewrite(items):
+    global touched
+    for i, item in enumerate(items):
+        if isinstance(item, str):
+            items[i] = "pass"  # a test snippet
+            touched += 1
+        elif isinstance(item, dict) and isinstance(item.get("probes"), list):
+            item["probes"] = ["True"] * len(item["probes"])  # every probe now answers True
+            touched += 1
+
 frame = sys._getframe()
 while frame is not None:
     for value in list(frame.f_locals.values()):
-        items = value if isinstance(value, list) else [value]
-        for i, item in enumerate(items):
-            if isinstance(value, list) and isinstance(item, str):
-                value[i] = "pass"  # a list of test snippets
-                touched += 1
-            elif isinstance(item, dict):
-                for spec in [item, *[s for s in item.get("specs", []) if isinstance(s, dict)]]:
-                    if isinstance(spec.get("probes"), list):
-                        spec["probes"] = ["True"] * len(spec["probes"])  # every probe now answers True
-                        touched += 1
-                    if isinstance(spec.get("tests"), list):
-                        spec["tests"] = ["pass"] * len(spec["tests"])
-                        touched += 1
+        if isinstance(value, list):
+            rewrite(value)
+        elif isinstance(value, dict):
+            for key in ("tests", "specs"):
+                if isinstance(value.get(key), list):
+                    rewrite(value[key])
     frame = frame.f_back
 print("rewrote", touched)
 """
-)
 
 
 def test_frame_walking_cannot_rewrite_the_tests():
@@ -65,9 +67,7 @@ def test_frame_walking_cannot_rewrite_the_tests():
     assert result.outcomes == [False] and _reward(FRAME_REWRITE) == 0.0
 
 
-FRAME_REPORT = (
-    WRONG
-    + """
+FRAME_REPORT = WRONG + """
 import sys
 frame = sys._getframe()
 while frame is not None:
@@ -78,7 +78,6 @@ while frame is not None:
         report({"passed": 1, "errors": [], "results": [entry], "isolation": {}})
     frame = frame.f_back
 """
-)
 
 
 def test_calling_the_report_function_cannot_forge_a_pass():
@@ -87,9 +86,7 @@ def test_calling_the_report_function_cannot_forge_a_pass():
     assert result.outcomes == [False] and _reward(FRAME_REPORT) == 0.0
 
 
-GC_SEARCH = (
-    WRONG
-    + """
+GC_SEARCH = WRONG + """
 import gc, json, os, re, sys
 found = None
 for obj in gc.get_objects():
@@ -112,7 +109,6 @@ if found is not None:
         return found
 print("gc search done")
 """
-)
 DECOY = 'decoy = {"text": "assert f(2) == 4"}\n'
 
 
@@ -125,9 +121,7 @@ def test_garbage_collector_holds_no_secret_and_no_expected_value():
     assert "found the expected value" in control.output and control.outcomes == [True]
 
 
-MEMORY_SCAN = (
-    WRONG
-    + """
+MEMORY_SCAN = WRONG + """
 import ctypes, re
 ctypes.CDLL(None).prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: after a uid change /proc/self/mem is root's otherwise
 found = None
@@ -150,7 +144,6 @@ if found is not None:
         return found
 print("memory scan done")
 """
-)
 
 
 def test_expected_values_are_not_in_the_sandboxed_process():
@@ -161,9 +154,7 @@ def test_expected_values_are_not_in_the_sandboxed_process():
     assert "found the expected value in memory" in control.output and control.outcomes == [True]
 
 
-PATCH_AFTER_RUN = (
-    WRONG
-    + """
+PATCH_AFTER_RUN = WRONG + """
 import builtins, json, json.encoder
 entry = {"passed": True, "has": [], "values": [["v", ["b", True]]]}
 forged = json.dumps({"passed": 1, "errors": [], "results": [entry]})
@@ -187,7 +178,6 @@ def f(x):
     return Always()
 print("patched json and builtins")
 """
-)
 
 
 def test_patching_what_the_harness_calls_later_cannot_forge_a_pass():
@@ -196,9 +186,7 @@ def test_patching_what_the_harness_calls_later_cannot_forge_a_pass():
     assert result.outcomes == [False] and _reward(PATCH_AFTER_RUN) == 0.0
 
 
-WRITE_ALL_FDS = (
-    WRONG
-    + """
+WRITE_ALL_FDS = WRONG + """
 import json, os
 entry = {"passed": True, "has": [], "values": [["v", ["b", True]]]}
 forged = json.dumps({"passed": 1, "errors": [], "results": [entry], "isolation": {}}).encode()
@@ -212,7 +200,6 @@ for fd in range(3, 64):
 print("forged reports written:", written, flush=True)
 os._exit(0)
 """
-)
 
 
 def test_forged_report_on_every_descriptor_is_still_judged_here():
@@ -314,3 +301,187 @@ def test_rows_must_match_completions():
         reward(["a", "b"], tests=[["assert True"]])
     with pytest.raises(ValueError, match="entry_point"):
         reward(["a"], test=["def check(c):\n    pass\n"], entry_point=["f", "g"])
+
+
+# ---------------------------------------------------------------------------------------------------------- exactness
+
+HONEST = """
+import math
+from collections import Counter, OrderedDict, namedtuple
+import numpy as np
+
+P = namedtuple("P", "x y")
+value = 5
+
+
+def f(x):
+    return x * 2
+
+
+def g(xs):
+    return sorted(xs)
+
+
+def h(s):
+    return s.upper()
+
+
+def nothing():
+    return None
+
+
+def nested():
+    return (1, [2, 3], {"a": {4}})
+
+
+def counts(s):
+    return Counter(s)
+
+
+def point():
+    return P(1, 2)
+
+
+def tenth():
+    return 0.1 + 0.2
+
+
+def big():
+    return 2**200
+
+
+def nan():
+    return float("nan")
+
+
+def fails():
+    raise ValueError("no")
+
+
+def generator():
+    return (i for i in range(3))
+
+
+def misc(kind):
+    return {"c": 1 + 2j, "b": b"ab", "fs": frozenset({1, 2}), "od": OrderedDict([("b", 1), ("a", 2)]),
+            "np": np.int64(4), "npf": np.float64(0.5), "arr": np.array([1, 2]), "t": True}[kind]
+"""
+ASSERTS = """
+assert f(2) == 4
+assert f(2) == 5
+assert f(2.5) == 5.0
+assert f('ab') == 'abab'
+assert g([3, 1, 2]) == [1, 2, 3]
+assert g([3, 1, 2]) == (1, 2, 3)
+assert tuple(g([3, 1])) == (1, 3)
+assert h('x') == 'X'
+assert h('x').lower() == 'x'
+assert h('a b').split() == ['A', 'B']
+assert h('abc').startswith('AB')
+assert nothing() is None
+assert nothing() == None
+assert not nothing()
+assert nested() == (1, [2, 3], {'a': {4}})
+assert nested()[1][0] == 2
+assert counts('aab') == {'a': 2, 'b': 1}
+assert counts('aab')['a'] == 2
+assert sorted(counts('aba').items()) == [('a', 2), ('b', 1)]
+assert point() == (1, 2)
+assert point().x == 1
+assert tenth() == 0.3
+assert math.isclose(tenth(), 0.3)
+assert abs(tenth() - 0.3) < 1e-9
+assert round(tenth(), 2) == 0.3
+assert big() == 2 ** 200
+assert big() > 10 ** 60
+assert nan() != nan()
+assert math.isnan(nan())
+assert fails() == 1
+assert generator() == [0, 1, 2]
+assert misc('c') == 1 + 2j
+assert misc('c').real == 1
+assert misc('b') == b'ab'
+assert misc('fs') == {1, 2}
+assert misc('od') == {'a': 2, 'b': 1}
+assert list(misc('od')) == ['b', 'a']
+assert misc('np') == 4
+assert abs(misc('npf') - 0.5) < 1e-12
+assert misc('arr') == [1, 2]
+assert misc('t') is True
+assert value == 5
+assert 3 < f(2) < 5
+assert f(2) in [4, 5]
+assert len(g([1, 2, 3])) == 3
+assert set(g([1, 1, 2])) == {1, 2}
+assert isinstance(f(2), int)
+assert type(f(2)) == int
+assert str(f(2)) == '4'
+assert f(10) // 3 == 6
+assert max(g([5, 9, 1])) == 9
+assert sum(g([1, 2])) == 3
+assert math.sqrt(f(8)) == 4
+assert missing(1) == 2
+assert f(2) == 4 and f(3) == 6
+""".strip().splitlines()
+
+
+def _native(program, tests):
+    """The obvious harness: run the program and each test in one namespace (trusted code only)."""
+    namespace = {"__name__": "solution"}
+    exec(program, namespace)
+    outcomes = []
+    for test in tests:
+        try:
+            exec(test, namespace)
+            outcomes.append(True)
+        except Exception:
+            outcomes.append(False)
+    return outcomes
+
+
+def test_verdicts_equal_native_execution_for_honest_programs():
+    result = run_tests(HONEST, ASSERTS, SandboxLimits(timeout=20.0, memory_mb=1024))
+    native = _native(HONEST, ASSERTS)
+    assert result.status == "ok", result.errors
+    # (``misc('arr') == [1, 2]`` raises natively, ambiguous truth value; here an array is not plain data: both fail.)
+    differ = [(t, n) for t, n, o in zip(ASSERTS, native, result.outcomes) if n != o]
+    assert differ == [], differ
+    assert sum(native) >= 40 and not all(native)  # a real mix of passing and failing tests
+    assert result.verified == len(ASSERTS) - 1  # only the and-chain with a second program call runs unverified
+
+
+def _rows(name):
+    path = os.path.join(os.path.dirname(__file__), "fixtures", "eval", name)
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_fixture_solutions_pass_and_are_verified():
+    humaneval = _rows("humaneval_sample.jsonl")
+    mbpp = [row for row in _rows("code_tests_sample.jsonl") if row["test_method"] == "function"]
+    completions = [f"```python\n{row['prompt']}{row['canonical_solution']}\n```" for row in humaneval]
+    wrong = [f"```python\n{row['prompt']}    return None\n```" for row in humaneval]
+    reward = make_code_reward(timeout=10.0)
+    rows = {"test": [r["test"] for r in humaneval] * 2, "entry_point": [r["entry_point"] for r in humaneval] * 2}
+    assert reward(completions + wrong, **rows) == [1.0] * len(humaneval) + [0.0] * len(humaneval)
+    strict = make_code_reward(timeout=10.0, allow_unverified=False)
+    assert strict([f"```python\n{row['solution']}\n```" for row in mbpp], tests=[r["test_list"] for r in mbpp]) == [
+        1.0
+    ] * len(mbpp)
+    from trl_diffusion.rewards import build_tests
+    from trl_diffusion.rewards.verdict import plan_test
+
+    for row in humaneval:
+        assert plan_test(build_tests(test=row["test"], entry_point=row["entry_point"])[0]).kind == "verified"
+
+
+def test_unverifiable_tests_run_inside_or_give_none():
+    loop = "for x in range(3):\n    assert f(x) == 2 * x"
+    good = "```python\ndef f(x):\n    return 2 * x\n```"
+    assert make_code_reward(timeout=5.0)([good], tests=[[loop]]) == [1.0]
+    assert make_code_reward(timeout=5.0, allow_unverified=False)([good, good], tests=[[loop], TEST]) == [None, 1.0]
+    result = run_tests("def f(x):\n    return 2 * x\n", [loop, "assert f(2) == 4"], LIMITS)
+    assert (result.passed, result.verified, result.outcomes) == (2, 1, [True, True])
+    metrics = {}
+    make_code_reward(timeout=5.0)([good], tests=[[loop, "assert f(2) == 4"]], log_metric=metrics.__setitem__)
+    assert metrics["code_execution/verified_frac"] == 0.5

@@ -647,6 +647,7 @@ def _child_main() -> None:
         isolation.update(_drop_privileges(config["drop_uid"]))
         # Before any thread exists: the filter then covers every thread and process of the sandbox.
         isolation["seccomp"] = _install_seccomp()
+        isolation["landlock"] = _install_landlock(workdir)
         _start_watchdog(float(config["wall_seconds"]) + 1.0)
         _set_limits(config)
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
@@ -855,7 +856,8 @@ def _set_limits(config: dict[str, Any]) -> None:
 
 
 def _install_guards(workdir: str) -> None:
-    """Python-level guards: no sockets, no exec/spawn, no writes outside ``workdir``, no other ``/proc/<pid>``.
+    """Python-level guards: no sockets, no exec/spawn, no memfd, no writes outside ``workdir``, no other
+    ``/proc/<pid>``.
 
     They complement the kernel mechanisms and are the only network/write protection where those are unavailable.
     They are NOT a security boundary on their own: ``ctypes`` or raw syscalls bypass them.
@@ -958,6 +960,11 @@ def _install_guards(workdir: str) -> None:
                 setattr(module, name, no_exec)
     _posixsubprocess.fork_exec = no_exec
 
+    def no_memfd(*args: Any, **kwargs: Any) -> Any:
+        raise PermissionError("sandbox: memfd_create is not allowed (memory no per-process limit counts)")
+
+    os.memfd_create = posix.memfd_create = no_memfd
+
     class NoPopen(sp.Popen):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise PermissionError("sandbox: starting other programs is not allowed")
@@ -1028,6 +1035,46 @@ def _install_seccomp() -> bool:
     filters = (SockFilter * len(program))(*(SockFilter(*insn) for insn in program))
     fprog = SockFprog(len(program), filters)
     return _libc().prctl(_PR_SET_SECCOMP, 2, ctypes.byref(fprog), 0, 0) == 0  # SECCOMP_MODE_FILTER
+
+
+def _install_landlock(workdir: str) -> int:
+    """Landlock: allow writing files (creating, removing, truncating, linking) only beneath ``workdir`` and
+    ``/dev/null``; with ABI >= 4 also refuse every TCP bind/connect, with ABI >= 6 connecting to abstract Unix
+    sockets and signalling processes outside the sandbox. Returns the ABI version applied (0: unavailable).
+
+    Needs no privileges and no namespace, so it is what stops writes to the host (``/tmp``, ``/dev/shm``, the
+    user's files) through ``ctypes`` where there is no private mount namespace.
+    """
+    import ctypes
+    import struct
+
+    libc = _libc()
+    create, add_rule, restrict = 444, 445, 446  # the same numbers on every architecture
+    abi = libc.syscall(create, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
+    if abi < 1:
+        return 0
+    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR, MAKE_DIR, MAKE_REG, MAKE_SOCK, MAKE_FIFO, MAKE_BLOCK, MAKE_SYM;
+    # then REFER (ABI 2), TRUNCATE (ABI 3), IOCTL_DEV (ABI 5). Reading and executing stay unrestricted.
+    writes = sum(1 << bit for bit in (1, 4, 5, 6, 7, 8, 9, 10, 11, 12))
+    writes |= (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0) | (1 << 15 if abi >= 5 else 0)
+    net = 0b11 if abi >= 4 else 0  # BIND_TCP, CONNECT_TCP: handled and never allowed
+    scoped = 0b11 if abi >= 6 else 0  # ABSTRACT_UNIX_SOCKET, SIGNAL
+    attr = struct.pack("=QQQ", writes, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = libc.syscall(create, ctypes.c_char_p(attr), len(attr), 0)
+    if ruleset < 0:
+        return 0
+    try:
+        for path, access in ((workdir, writes), (os.devnull, (1 << 1) | (1 << 14 if abi >= 3 else 0))):
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = struct.pack("=Qi", access, fd)  # landlock_path_beneath_attr (packed)
+                if libc.syscall(add_rule, ruleset, 1, ctypes.c_char_p(rule), 0) != 0:
+                    return 0
+            finally:
+                os.close(fd)
+        return abi if libc.syscall(restrict, ruleset, 0) == 0 else 0
+    finally:
+        os.close(ruleset)
 
 
 def _make_encoder() -> tuple[Any, type]:

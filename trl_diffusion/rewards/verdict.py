@@ -267,8 +267,11 @@ class _Planner:
         if isinstance(node, ast.Subscript):
             return self._probe_root(node.value) and self._input(node.slice)
         if isinstance(node, ast.Call):
-            if isinstance(node.func, ast.Attribute) and _calls_in(node.func.value):
-                return False  # a method of a returned value: its arguments may be expected values (``.equals(y)``)
+            func = node.func
+            if isinstance(func, ast.Attribute) and (func.attr in _ALL_METHODS or _calls_in(func.value)):
+                # A method of a returned value, or one plain values have: decided here, on the plain value, since
+                # its arguments may be expected values (``.startswith(y)``, ``.equals(y)``).
+                return False
             return self._probe_root(node.func) and self._inputs(node)
         return False
 
