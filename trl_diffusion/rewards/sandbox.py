@@ -35,8 +35,10 @@ The child (``_child_main`` below, executed from this same file's source, importi
   root, and a uid of its own makes the limit per sandbox); if it cannot, it refuses to run the program (fail closed);
 * sets ``no_new_privs``, drops every capability, installs a seccomp filter that refuses ``memfd_create``,
   ``memfd_secret``, SysV ``shmget``/``semget``/``msgget``, ``mq_open`` and ``io_uring_setup`` (memory that no
-  per-process limit counts), sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
-  ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and arms a watchdog that kills its process group;
+  per-process limit counts), applies Landlock (file writes only beneath its directory; no TCP, abstract sockets or
+  signals outside, where the kernel's Landlock version has them), sets ``RLIMIT_CPU``, ``RLIMIT_AS``,
+  ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and arms a watchdog that kills its
+  process group;
 * installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn, no writes outside its
   directory, no reading other processes' ``/proc`` entries. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
@@ -351,8 +353,9 @@ def _run_once(
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cgroup = None
     proc: subprocess.Popen | None = None
-    read_fd, write_fd = os.pipe()
+    read_fd = write_fd = -1
     try:
+        read_fd, write_fd = os.pipe()
         os.chmod(workdir, 0o700)
         if drop is not None:
             os.chown(workdir, drop, drop)
