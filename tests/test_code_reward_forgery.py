@@ -241,8 +241,7 @@ def test_objects_that_lie_about_equality_do_not_pass(returned):
     program = ALWAYS_EQUAL + f"def f(x):\n    return {returned}\n"
     tests = ["assert f(2) == 4", "assert f(2) == '4'", "assert f(2) == [4]", "assert f(2) == {'a': 4}",
              "assert not f(2) != 4", "assert 4 == f(2)", "assert f(2) in [4]"]  # fmt: skip
-    assert _reward(program, tests) == 0.0
-    result = run_tests(program, tests, LIMITS)
+    result = run_tests(program, tests, LIMITS)  # the reward is result.fraction (partial credit) or all_passed
     assert result.status == "ok" and not any(result.outcomes) and result.verified == len(tests)
 
 
@@ -485,3 +484,46 @@ def test_unverifiable_tests_run_inside_or_give_none():
     metrics = {}
     make_code_reward(timeout=5.0)([good], tests=[[loop, "assert f(2) == 4"]], log_metric=metrics.__setitem__)
     assert metrics["code_execution/verified_frac"] == 0.5
+
+
+# ---------------------------------------------------------------------------------------------- planner (no sandbox)
+
+
+@pytest.mark.parametrize(
+    "test, kind, probes",
+    [
+        ("assert f(2) == 4", "verified", ("f(2)",)),
+        ("assert math.isclose(f(2), 3.1, rel_tol=1e-3)", "verified", ("f(2)",)),
+        ("assert f('abc').startswith('ab')", "verified", ("f('abc')",)),  # the method runs here, on the value
+        ("assert s.count(3) == 2", "verified", ("s",)),
+        ("assert f(list(range(3)))[0] == 0", "verified", ("f(list(range(3)))[0]",)),
+        ("import math\nassert f(math.pi) > 3", "verified", ("f(math.pi)",)),
+        ("assert f(1) == 1 or g(2) == 2", "unverified", ()),  # g(2) only runs if the first test fails
+        ("assert 0 < f(1) < g(2)", "unverified", ()),
+        ("assert np.allclose(f(x), [1, 2])", "unverified", ()),  # would compare inside the sandbox
+        ("assert check(f(1), 4)", "unverified", ()),
+        ("assert f(3) == [i * i for i in range(3)]", "unverified", ()),
+        ("for x in range(3):\n    assert f(x) == x", "unverified", ()),
+        ("assert f(2) ==", "failed", ()),
+    ],
+)
+def test_plan_shapes(test, kind, probes):
+    from trl_diffusion.rewards.verdict import plan_test
+
+    plan = plan_test(test)
+    assert (plan.kind, plan.probes) == (kind, probes), plan.reason
+
+
+def test_parent_check_caps_program_chosen_sizes_and_decodes_strictly():
+    from trl_diffusion.rewards.verdict import ProbeError, decode, judge, plan_test
+
+    assert judge(plan_test("assert f(1) * 10**9 == 'x'"), ["xx"]).startswith("MemoryError")
+    assert judge(plan_test("assert 2 ** f(1) > 0"), [10**8]).startswith("MemoryError")
+    assert judge(plan_test("assert f(1) % 3 == ''"), ["%0999999999d"]).startswith("TypeError")
+    assert judge(plan_test("assert '%d' % f(1) == '4'"), [4]) is None  # a constant format is fine
+    assert judge(plan_test("assert f(1) == 2"), [ProbeError("ZeroDivisionError: x")]) == "ZeroDivisionError: x"
+    assert decode(["t", [["i", "-ff"], ["f", "0x1.8p+1"], ["s", "a"], ["N"]]]) == (-255, 3.0, "a", None)
+    assert type(decode(["d", [["t", [["b", True], ["F", [["i", "1"]]]]]]])) is dict
+    for bad in (["x", 1], ["i", 5], ["b", 1], ["d", [["l", [["i", "1"]]]]], ["l"], "s", ["S", [["l", []]]]):
+        with pytest.raises((ValueError, TypeError)):
+            decode(bad)

@@ -309,7 +309,7 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
             candidates.append([unshare, *user, *flags, "--"])
     candidates.append([])
     errors = []
-    for use_cgroup in ([True, False] if memory_cgroup_root() is not None else [False]):
+    for use_cgroup in [True, False] if memory_cgroup_root() is not None else [False]:
         for launcher in candidates:
             config = {"program": "pass", "mode": "probe", "specs": [{"probes": [], "has": []}]}
             run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)

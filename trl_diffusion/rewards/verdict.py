@@ -9,10 +9,11 @@ forge output, return objects whose ``__eq__`` always answers True) it can only c
 back, i.e. its own answers; it never sees the expected values and never evaluates the comparison.
 
 What counts as a probe (evaluated in the sandbox): an expression rooted at a program name (a name the test does not
-import and that is not a builtin, or HumanEval's ``candidate``), followed by attribute accesses, subscripts and calls
-whose arguments are *inputs*: literals, containers of literals, arithmetic on them and calls of builtins or of
-modules the test imports (``f(list(range(5)))``, ``f(math.pi)``). An argument that contains another program call is
-not an input (``check(f(x), 4)`` would evaluate the comparison inside the sandbox), so such tests are not decomposed.
+import and that is neither a builtin nor a standard-library module; or HumanEval's ``candidate``), followed by
+attribute accesses, subscripts and calls whose arguments are *inputs*: literals, containers of literals, arithmetic
+on them and calls of builtins or of modules (``f(list(range(5)))``, ``f(math.pi)``). An argument that contains
+another program call is not an input (``check(f(x), 4)`` would evaluate the comparison inside the sandbox), so
+such tests are not decomposed.
 
 What the check may contain (evaluated here): literals and displays, arithmetic (with size caps), comparisons,
 ``and``/``or``/``not``, conditional expressions, subscripts and slices, a fixed set of pure builtins (``abs``,
@@ -146,10 +147,10 @@ class Plan:
 def plan_test(source: Any, shadowed: frozenset[str] = frozenset()) -> Plan:
     """Split one test snippet into sandbox probes and parent-side checks (see the module docstring).
 
-    ``shadowed``: builtin names the program binds itself (:func:`program_bindings`). A call of such a name with
-    input arguments becomes a probe (natively it calls the program's function); any other use of it in a check
-    fails the test rather than evaluating the real builtin in its place. The program can only turn a verified test
-    into a failed one this way, never into an unverified one.
+    ``shadowed``: builtin or standard-module names the program defines itself (:func:`program_bindings`). A call of
+    such a name with input arguments becomes a probe (natively it calls the program's function); any other use of
+    it in a check fails the test rather than evaluating the real builtin in its place. The program can only turn a
+    verified test into a failed one this way, never into an unverified one.
     """
     if not isinstance(source, str):
         return Plan(str(source), "failed", f"a test must be a string, got {type(source).__name__}")
