@@ -400,7 +400,7 @@ def _run_once(
         isolation: dict[str, Any] = {}
         if cgroup is not None:
             isolation["memory_peak_bytes"] = cgroup_root.peak(cgroup)
-            cgroup_root.destroy(cgroup)
+            _destroy_cgroup(cgroup_root, cgroup)
             cgroup = None
         if config["fresh_uid"] and not config["mount_ns"]:
             _remove_files_of(drop)  # it could write to world-writable directories (/tmp, /dev/shm)
@@ -411,11 +411,18 @@ def _run_once(
             _kill_group(proc)
             _reap(proc)
         if cgroup is not None:
-            cgroup_root.destroy(cgroup)
+            _destroy_cgroup(cgroup_root, cgroup)
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)
         _rmtree(workdir)
+
+
+def _destroy_cgroup(root: Any, path: str) -> None:
+    if not root.destroy(path):
+        import logging
+
+        logging.getLogger(__name__).warning("could not remove the sandbox cgroup %s (a process would not die)", path)
 
 
 def _fresh_uid() -> int:
