@@ -21,8 +21,10 @@ import contextlib
 import copy
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 
 import torch
+from datasets import Dataset, IterableDataset
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
@@ -88,6 +90,8 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        _check_prompt_column(kwargs.get("train_dataset", pos[0] if pos else None), "train")
+        _check_prompt_column(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval")
         own_reference = args.beta != 0.0 and not isinstance(model, str) and not _is_peft(model) \
             and kwargs.get("peft_config") is None
         beta = args.beta
@@ -189,6 +193,11 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = rewards.isinf().any(0)  # gathered, so every process raises together
+        if infinite.any():
+            names = [name for name, bad in zip(self.reward_func_names, infinite.tolist()) if bad]
+            raise ValueError(f"reward functions {names} returned an infinite reward; rewards must be finite numbers "
+                             "(None, or NaN, marks 'not applicable').")
         self._rollout_rewards = rewards  # gathered across processes; used by dynamic group filtering
         return rewards
 
@@ -419,22 +428,78 @@ class _ForwardThrough:
 
 
 class _RewardErrorNamer:
-    """Wraps a synchronous reward function so that an exception inside it names the function."""
+    """Wraps a synchronous reward function so that an exception inside it, or an output that is not one number
+    (or None) per completion, names the function."""
 
     def __init__(self, func, name: str):
         self.func, self.__name__ = func, name
 
     def __call__(self, *args, **kwargs):
         try:
-            return self.func(*args, **kwargs)
+            output = self.func(*args, **kwargs)
         except Exception as error:
             raise RuntimeError(f"reward function {self.__name__!r} raised {type(error).__name__}: {error}") from error
+        return _check_reward_output(output, len(kwargs["completions"]), self.__name__)
+
+
+class _AsyncRewardErrorNamer(_RewardErrorNamer):
+    """The same for an async reward function (TRL awaits these separately, so the wrapper stays async)."""
+
+    async def __call__(self, *args, **kwargs):
+        try:
+            output = await self.func(*args, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"reward function {self.__name__!r} raised {type(error).__name__}: {error}") from error
+        return _check_reward_output(output, len(kwargs["completions"]), self.__name__)
 
 
 def _name_errors(func, name):
-    if isinstance(func, torch.nn.Module) or is_async_callable(func):
+    if isinstance(func, torch.nn.Module):
         return func
-    return _RewardErrorNamer(func, name)
+    return _AsyncRewardErrorNamer(func, name) if is_async_callable(func) else _RewardErrorNamer(func, name)
+
+
+def _check_reward_output(output, expected: int, name: str):
+    """``output`` if it is a list (or tuple, or 1-D tensor / array) of ``expected`` rewards, each a number or None
+    (TRL's "not applicable", like NaN); otherwise a ValueError naming the function. Infinite rewards are refused
+    after gathering, in ``TraceRLTrainer._calculate_rewards``."""
+    one_dimensional = getattr(output, "ndim", None) == 1
+    if isinstance(output, (str, bytes, Mapping)) or not (isinstance(output, Sequence) or one_dimensional):
+        raise ValueError(f"reward function {name!r} returned {type(output).__name__} {output!r:.80}; it must return a "
+                         "list with one reward (a number, or None for 'not applicable') per completion.")
+    if len(output) != expected:
+        raise ValueError(f"reward function {name!r} returned {len(output)} rewards for {expected} completions; it "
+                         "must return one per completion.")
+    for index, reward in enumerate(output):
+        if reward is not None and not _is_number(reward):
+            raise ValueError(f"reward function {name!r} returned {reward!r:.80} ({type(reward).__name__}) for "
+                             f"completion {index}; a reward is a number, or None for 'not applicable'.")
+    return output
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, (str, bytes)):  # float("1.0") would accept a string
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_prompt_column(dataset, split: str) -> None:
+    """GRPO reads prompts from a ``prompt`` column: say so at construction, not at the first batch."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_prompt_column(part, f"{split} ({name!r})")
+        return
+    if not isinstance(dataset, Dataset | IterableDataset):
+        return
+    columns = dataset.column_names or list(next(iter(dataset), {}))
+    if "prompt" not in columns:
+        raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
+                         "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
+                         "column, e.g. dataset.rename_column('question', 'prompt').")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
