@@ -22,6 +22,7 @@ class TraceRLConfig(GRPOConfig):
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
     * `dynamic_group_filtering`,
+    * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
       `value_train_every`), used only when the trainer is given a `value_model`.
     """
@@ -80,6 +81,14 @@ class TraceRLConfig(GRPOConfig):
         default=False,
         metadata={"help": "Drop groups whose rewards are all equal (all-or-nothing accuracy) from the loss, as the "
                   "anchors do; the fraction dropped is logged as `filtered_groups`."},
+    )
+    resume_without_rollout_state: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint that lacks TraceRL's rollout state (`rollout_buffer_<rank>.pt`; "
+                  "with a value model `value_model/` and `value_state.pt`) or whose buffers were saved by another "
+                  "number of processes or per-device batch. The cycle in progress is then generated again and a "
+                  "missing value model keeps its initial weights, so the run differs from an uninterrupted one. By "
+                  "default such a resume is refused."},
     )
 
     gamma: float = field(
