@@ -145,10 +145,11 @@ def main() -> None:
     parser.add_argument("--per_device_batch", type=int, default=2)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--overrides", type=json.loads, default={}, help="config fields and eos_scale, as JSON")
+    parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for job in args.jobs:
-        run(job, args.out, args.per_device_batch, args.max_steps, **args.overrides)
+        run(job, args.out, args.per_device_batch, args.max_steps, resume=args.resume, **args.overrides)
 
 
 if __name__ == "__main__":

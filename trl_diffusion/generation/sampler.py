@@ -4,6 +4,7 @@ records the trajectory (``unmask_step``) and the sampler's per-token log-probs."
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -81,10 +82,20 @@ class SamplingSettings:
             raise ValueError("remasking_strategy='low_confidence_dynamic' needs confidence_threshold.")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
+        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
+            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}.")
+        if self.top_k is not None and (not isinstance(self.top_k, numbers.Integral) or self.top_k < 0):
+            raise ValueError(f"top_k must be an integer >= 0 (0 or None = no top-k filtering), got {self.top_k!r}.")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
+            raise ValueError(f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}.")
+        if self.alg_temp is not None and not 0 <= self.alg_temp < math.inf:
+            raise ValueError(f"alg_temp must be finite and >= 0, got {self.alg_temp}.")
+        if not 0 <= self.eps < 1:
+            raise ValueError(f"eps must lie in [0, 1), got {self.eps}.")
+        if not 0 <= self.cfg_scale < math.inf:
+            raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}.")
         if self.cfg_scale and self.cache_mode != "none":
             raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache.")
 
@@ -129,11 +140,9 @@ def diffusion_generate(
 ) -> DiffusionGenerationOutput:
     """Decode ``max_new_tokens`` per row block by block; see ``DiffusionGenerationMixin.generate``."""
     settings.validate()
+    attention_mask = check_generation_inputs(model, input_ids, attention_mask, settings, generator)
     device = input_ids.device
     mask_id = model.mask_token_id
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids)
-    attention_mask = attention_mask.bool()
     if bool((input_ids.eq(mask_id) & attention_mask).any()):
         raise ValueError(f"the prompt contains the mask token (id {mask_id}); remove it before generating.")
     lengths = attention_mask.sum(-1).tolist()
@@ -245,6 +254,38 @@ def diffusion_generate(
 
     return _to_output(input_ids, attention_mask, layout, canvas, generated, unmask_step, logprobs, steps_taken,
                       forward.calls, mask_id, settings.pad_token_id)
+
+
+def check_generation_inputs(model, input_ids, attention_mask, settings: SamplingSettings,
+                            generator: Generators) -> torch.Tensor:
+    """Raise a ValueError naming the argument for inputs the model would fail on (or silently misread) inside
+    torch; returns the attention mask as booleans (all True when none is given)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype.is_floating_point or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must be an integer tensor, got {type(input_ids).__name__}"
+                         f"{f' of {input_ids.dtype}' if isinstance(input_ids, torch.Tensor) else ''}.")
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be 2-D [batch, prompt length], got shape {tuple(input_ids.shape)}"
+                         f"{'; use input_ids[None] for one prompt' if input_ids.dim() == 1 else ''}.")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); give at least one non-empty prompt.")
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.bool)
+    elif not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape}.")
+    attention_mask = attention_mask.bool()
+    vocab = model.get_input_embeddings().num_embeddings
+    used = input_ids[attention_mask]
+    if used.numel() and (int(used.min()) < 0 or int(used.max()) >= vocab):
+        bad = used[(used < 0) | (used >= vocab)]
+        raise ValueError(f"input_ids holds token ids outside [0, {vocab}) (the model's vocabulary), e.g. "
+                         f"{bad[:5].tolist()}.")
+    if not 0 <= settings.pad_token_id < vocab:
+        raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {settings.pad_token_id}.")
+    if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
+        raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} prompts; "
+                         "give one per prompt (or a single generator).")
+    return attention_mask
 
 
 def _max_positions(config) -> int | None:

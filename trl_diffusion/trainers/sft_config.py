@@ -103,7 +103,7 @@ class DiffusionSFTConfig(SFTConfig):
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
         if not 0 < self.mask_eps < 0.5:
             raise ValueError(f"mask_eps must be in (0, 0.5), got {self.mask_eps}.")
-        for name in ("block_size", "semi_ar_block_length", "trajectory_shrinkage"):
+        for name in ("max_length", "block_size", "semi_ar_block_length", "trajectory_shrinkage"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")

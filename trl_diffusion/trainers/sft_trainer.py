@@ -22,12 +22,14 @@ import torch
 from datasets import Dataset, IterableDataset
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
+logger = logging.get_logger(__name__)
 
 
 @dataclass
@@ -128,20 +130,28 @@ class DiffusionSFTTrainer(SFTTrainer):
     _name = "Diffusion SFT"
 
     def _save_checkpoint(self, model, trial):
-        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting."""
-        super()._save_checkpoint(model, trial)
+        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting.
+        Written before transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint
+        complete."""
         if self.args.should_save:
             step_dir = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), step_dir)
+            os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "token_count.json"), "w") as handle:
                 json.dump({"total_train_tokens": self._total_train_tokens}, handle)
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
-        path = os.path.join(checkpoint, "token_count.json") if checkpoint else None
-        if path and os.path.exists(path):
-            with open(path) as handle:
-                self._total_train_tokens = json.load(handle)["total_train_tokens"]
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, "token_count.json")
+        if not os.path.exists(path):  # a metric only: training itself resumes exactly
+            logger.warning(f"{path} is missing (not saved by DiffusionSFTTrainer?): the num_tokens metric restarts "
+                           "from 0.")
+            return
+        with open(path) as handle:
+            self._total_train_tokens = json.load(handle)["total_train_tokens"]
 
     def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -21,6 +22,7 @@ class TraceRLConfig(GRPOConfig):
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
     * `dynamic_group_filtering`,
+    * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
       `value_train_every`), used only when the trainer is given a `value_model`.
     """
@@ -80,6 +82,14 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": "Drop groups whose rewards are all equal (all-or-nothing accuracy) from the loss, as the "
                   "anchors do; the fraction dropped is logged as `filtered_groups`."},
     )
+    resume_without_rollout_state: bool = field(
+        default=False,
+        metadata={"help": "Resume from a checkpoint that lacks TraceRL's rollout state (`rollout_buffer_<rank>.pt`; "
+                  "with a value model `value_model/` and `value_state.pt`) or whose buffers were saved by another "
+                  "number of processes or per-device batch. The cycle in progress is then generated again and a "
+                  "missing value model keeps its initial weights, so the run differs from an uninterrupted one. By "
+                  "default such a resume is refused."},
+    )
 
     gamma: float = field(
         default=1.0,
@@ -122,6 +132,7 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.step_normalization not in ("step", "sequence"):
             raise ValueError(f"step_normalization must be 'step' or 'sequence', got {self.step_normalization!r}.")
+        self._check_sampling_and_scoring_fields()
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
@@ -134,3 +145,30 @@ class TraceRLConfig(GRPOConfig):
         if self.use_vllm or self.use_transformers_continuous_batching:
             raise ValueError("vLLM and continuous batching are autoregressive; diffusion rollouts use the model's "
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
+
+    def _check_sampling_and_scoring_fields(self) -> None:
+        """Ranges of the rollout and scoring fields, checked here rather than at the first rollout or scoring step
+        (NaN fails every comparison below)."""
+        for name in ("confidence_threshold", "prompt_mask_prob"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}.")
+        for low, high in (("random_mask_low", "random_mask_high"), ("coupled_low", "coupled_high")):
+            if not 0.0 < getattr(self, low) <= getattr(self, high) < 1.0:
+                raise ValueError(f"need 0 < {low} <= {high} < 1, got {low}={getattr(self, low)}, "
+                                 f"{high}={getattr(self, high)}.")
+        if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
+            raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
+        if self.max_completion_length is not None and self.max_completion_length <= 0:
+            raise ValueError(f"max_completion_length must be positive, got {self.max_completion_length}.")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be finite, got {self.temperature}.")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = no top-k filtering), got {self.top_k}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}.")
+        ignored = {"min_p": self.min_p is not None, "repetition_penalty": self.repetition_penalty != 1.0,
+                   "generation_kwargs": bool(self.generation_kwargs)}
+        if any(ignored.values()):
+            raise ValueError(f"{[name for name, set_ in ignored.items() if set_]} are not applied by diffusion "
+                             "rollouts; leave them at their defaults (min_p=None, repetition_penalty=1.0, "
+                             "generation_kwargs=None).")

@@ -21,9 +21,14 @@ import contextlib
 import copy
 import hashlib
 import os
+from collections.abc import Mapping, Sequence
 
 import torch
+from accelerate.utils import send_to_device
+from datasets import Dataset, IterableDataset
+from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
@@ -41,6 +46,8 @@ from ..value import (
     value_statistics,
 )
 from .tracerl_config import TraceRLConfig
+
+logger = logging.get_logger(__name__)
 
 
 def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
@@ -88,6 +95,8 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        _check_prompt_column(kwargs.get("train_dataset", pos[0] if pos else None), "train")
+        _check_prompt_column(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval")
         own_reference = args.beta != 0.0 and not isinstance(model, str) and not _is_peft(model) \
             and kwargs.get("peft_config") is None
         beta = args.beta
@@ -189,6 +198,11 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        infinite = rewards.isinf().any(0)  # gathered, so every process raises together
+        if infinite.any():
+            names = [name for name, bad in zip(self.reward_func_names, infinite.tolist()) if bad]
+            raise ValueError(f"reward functions {names} returned an infinite reward; rewards must be finite numbers "
+                             "(None, or NaN, marks 'not applicable').")
         self._rollout_rewards = rewards  # gathered across processes; used by dynamic group filtering
         return rewards
 
@@ -341,31 +355,75 @@ class TraceRLTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
-        GRPO's micro-step counter (per process), and the value model with its optimizer."""
-        super()._save_checkpoint(model, trial)
+        GRPO's micro-step counter (per process), and the value model with its optimizer.
+
+        Ours are written first: transformers writes ``trainer_state.json`` (without which it will not resume from
+        a folder) and only then deletes older checkpoints, so a save that fails part-way never leaves a resumable
+        checkpoint without our files, nor deletes the last complete one."""
         folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        torch.save({"step": self._step, "buffer": self._buffered_inputs},
+        if self.args.should_save and os.path.exists(os.path.join(folder, TRAINER_STATE_NAME)):
+            os.remove(os.path.join(folder, TRAINER_STATE_NAME))  # an older save's: the folder is being rewritten
+        os.makedirs(folder, exist_ok=True)
+        torch.save({"step": self._step, "buffer": self._buffered_inputs, "layout": self._rollout_layout()},
                    os.path.join(folder, f"rollout_buffer_{self.accelerator.process_index}.pt"))
         if self.value_model is not None and self.args.should_save:
             self.accelerator.unwrap_model(self.value_model).save_pretrained(os.path.join(folder, "value_model"))
             torch.save({"optimizer": self.value_optimizer.state_dict(), "value_batches": self._value_batches},
                        os.path.join(folder, "value_state.pt"))
+        self.accelerator.wait_for_everyone()  # every process's files exist before the state file marks the folder
+        super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
         path = os.path.join(checkpoint, f"rollout_buffer_{self.accelerator.process_index}.pt")
-        if os.path.exists(path):
-            saved = torch.load(path, map_location=self.accelerator.device, weights_only=False)
-            self._step, self._buffered_inputs = saved["step"], saved["buffer"]
-        value_dir = os.path.join(checkpoint, "value_model")
-        if self.value_model is not None and os.path.isdir(value_dir):
+        # to the CPU first: torch.load cannot map onto the device of a multi-process CPU run ("cpu:0")
+        saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+        problems = self._rollout_state_problems(checkpoint, saved)
+        # decided together: a process that resumed while another one raised would wait for it forever
+        flag = torch.tensor(float(bool(problems)), device=self.accelerator.device)
+        if self.accelerator.reduce(flag, reduction="sum").item() > 0:
+            found = f"checkpoint {checkpoint} cannot be resumed exactly: " + "; ".join(
+                problems or ["another process's rollout state is incomplete (see its error)"])
+            if not self.args.resume_without_rollout_state:
+                raise ValueError(f"{found}. Resume from a checkpoint saved by TraceRLTrainer with the same number of "
+                                 "processes and per-device batch, or set resume_without_rollout_state=True to resume "
+                                 "anyway (the generation cycle in progress is generated again, so the run differs "
+                                 "from an uninterrupted one).")
+            logger.warning(f"{found}. Resuming anyway (resume_without_rollout_state=True): the generation cycle in "
+                           "progress is generated again.")
+            saved = None  # on every process: one that kept its buffer would skip the others' generation collectives
+        if saved is not None:
+            self._step, self._buffered_inputs = saved["step"], send_to_device(saved["buffer"], self.accelerator.device)
+        value_dir, value_state = os.path.join(checkpoint, "value_model"), os.path.join(checkpoint, "value_state.pt")
+        if self.value_model is not None and os.path.isdir(value_dir) and os.path.exists(value_state):
             state = DiffusionValueModel.from_pretrained(value_dir).state_dict()
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
-            extra = torch.load(os.path.join(checkpoint, "value_state.pt"), map_location="cpu", weights_only=False)
+            extra = torch.load(value_state, map_location="cpu", weights_only=False)
             self.value_optimizer.load_state_dict(extra["optimizer"])
             self._value_batches = extra["value_batches"]
+
+    def _rollout_layout(self) -> dict:
+        """What a process's rollout buffer depends on: how the generation batch is split over processes."""
+        return {"num_processes": self.accelerator.num_processes,
+                "per_device_train_batch_size": self.args.per_device_train_batch_size}
+
+    def _rollout_state_problems(self, checkpoint: str, saved: dict | None) -> list[str]:
+        """What keeps ``checkpoint`` from resuming this run exactly (nothing: an empty list)."""
+        problems = []
+        if saved is None:
+            problems.append(f"rollout_buffer_{self.accelerator.process_index}.pt is missing")
+        elif saved.get("layout") != self._rollout_layout():
+            problems.append(f"its rollout buffer was saved with {saved.get('layout')}, this run has "
+                            f"{self._rollout_layout()}")
+        has_value = [os.path.exists(os.path.join(checkpoint, name)) for name in ("value_model", "value_state.pt")]
+        if self.value_model is not None:
+            problems += [f"{name} is missing" for name, exists in zip(("value_model/", "value_state.pt"), has_value)
+                         if not exists]
+        elif any(has_value):
+            problems.append("it holds a value model (value_model/) but this trainer has none; pass value_model=")
+        return problems
 
     # ------------------------------------------------------------------------------------------------ scoring
     def _compute_loss(self, model, inputs):
@@ -419,22 +477,78 @@ class _ForwardThrough:
 
 
 class _RewardErrorNamer:
-    """Wraps a synchronous reward function so that an exception inside it names the function."""
+    """Wraps a synchronous reward function so that an exception inside it, or an output that is not one number
+    (or None) per completion, names the function."""
 
     def __init__(self, func, name: str):
         self.func, self.__name__ = func, name
 
     def __call__(self, *args, **kwargs):
         try:
-            return self.func(*args, **kwargs)
+            output = self.func(*args, **kwargs)
         except Exception as error:
             raise RuntimeError(f"reward function {self.__name__!r} raised {type(error).__name__}: {error}") from error
+        return _check_reward_output(output, len(kwargs["completions"]), self.__name__)
+
+
+class _AsyncRewardErrorNamer(_RewardErrorNamer):
+    """The same for an async reward function (TRL awaits these separately, so the wrapper stays async)."""
+
+    async def __call__(self, *args, **kwargs):
+        try:
+            output = await self.func(*args, **kwargs)
+        except Exception as error:
+            raise RuntimeError(f"reward function {self.__name__!r} raised {type(error).__name__}: {error}") from error
+        return _check_reward_output(output, len(kwargs["completions"]), self.__name__)
 
 
 def _name_errors(func, name):
-    if isinstance(func, torch.nn.Module) or is_async_callable(func):
+    if isinstance(func, torch.nn.Module):
         return func
-    return _RewardErrorNamer(func, name)
+    return _AsyncRewardErrorNamer(func, name) if is_async_callable(func) else _RewardErrorNamer(func, name)
+
+
+def _check_reward_output(output, expected: int, name: str):
+    """``output`` if it is a list (or tuple, or 1-D tensor / array) of ``expected`` rewards, each a number or None
+    (TRL's "not applicable", like NaN); otherwise a ValueError naming the function. Infinite rewards are refused
+    after gathering, in ``TraceRLTrainer._calculate_rewards``."""
+    one_dimensional = getattr(output, "ndim", None) == 1
+    if isinstance(output, (str, bytes, Mapping)) or not (isinstance(output, Sequence) or one_dimensional):
+        raise ValueError(f"reward function {name!r} returned {type(output).__name__} {output!r:.80}; it must return a "
+                         "list with one reward (a number, or None for 'not applicable') per completion.")
+    if len(output) != expected:
+        raise ValueError(f"reward function {name!r} returned {len(output)} rewards for {expected} completions; it "
+                         "must return one per completion.")
+    for index, reward in enumerate(output):
+        if reward is not None and not _is_number(reward):
+            raise ValueError(f"reward function {name!r} returned {reward!r:.80} ({type(reward).__name__}) for "
+                             f"completion {index}; a reward is a number, or None for 'not applicable'.")
+    return output
+
+
+def _is_number(value) -> bool:
+    if isinstance(value, (str, bytes)):  # float("1.0") would accept a string
+        return False
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _check_prompt_column(dataset, split: str) -> None:
+    """GRPO reads prompts from a ``prompt`` column: say so at construction, not at the first batch."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _check_prompt_column(part, f"{split} ({name!r})")
+        return
+    if not isinstance(dataset, Dataset | IterableDataset):
+        return
+    columns = dataset.column_names or list(next(iter(dataset), {}))
+    if "prompt" not in columns:
+        raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
+                         "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
+                         "column, e.g. dataset.rename_column('question', 'prompt').")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -68,3 +68,5 @@ class DiffusionValueConfig(_BaseConfig):
         check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
+        if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
+            raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")

@@ -1,0 +1,255 @@
+"""A resume either continues exactly or refuses, and a save that fails part-way never leaves a newest checkpoint
+that looks complete (``trainer_state.json``) without TraceRL's rollout state.
+
+The exactness of a complete resume itself is checked in ``tests/test_distributed.py``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from transformers.trainer_utils import get_last_checkpoint
+
+from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers import sft_trainer, tracerl_trainer
+from trl_diffusion.value import DiffusionValueModel
+
+PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
+
+
+def distinct_chars(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def tracerl(out: Path, max_steps: int, value: bool = False, **overrides) -> TraceRLTrainer:
+    """A tiny SDAR TraceRL run saving every step; ``num_iterations=2`` so step 1 ends inside a generation cycle."""
+    config = dict(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                  max_steps=max_steps, logging_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
+                  denoising_steps=2, save_strategy="steps", save_steps=1, use_cpu=True, gradient_checkpointing=False,
+                  disable_tqdm=True, seed=0, bf16=False, num_iterations=2)
+    config.update(overrides)
+    model = tiny_model("sdar").train()
+    return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
+                          value_model=DiffusionValueModel.from_policy(model) if value else None)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Step-1 checkpoints of a run without and a run with a value model (each copied before a test edits it)."""
+    root = tmp_path_factory.mktemp("resume")
+    tracerl(root / "plain", 1).train()
+    tracerl(root / "value", 1, value=True).train()
+    return root
+
+
+def copy_checkpoint(checkpoints: Path, run: str, tmp_path: Path) -> Path:
+    target = tmp_path / run / "checkpoint-1"
+    shutil.copytree(checkpoints / run / "checkpoint-1", target)
+    return target
+
+
+def test_checkpoints_hold_the_rollout_state(checkpoints):
+    """What the refusal below guards: the buffer of the cycle in progress (step 1 of 2) and the value state."""
+    saved = torch.load(checkpoints / "plain" / "checkpoint-1" / "rollout_buffer_0.pt", weights_only=False)
+    assert saved["buffer"] is not None and saved["step"] == 1
+    assert saved["layout"] == {"num_processes": 1, "per_device_train_batch_size": 4}
+    assert (checkpoints / "value" / "checkpoint-1" / "value_model").is_dir()
+    assert (checkpoints / "value" / "checkpoint-1" / "value_state.pt").is_file()
+
+
+def test_resume_without_rollout_buffer_is_refused(checkpoints, tmp_path):
+    checkpoint = copy_checkpoint(checkpoints, "plain", tmp_path)
+    (checkpoint / "rollout_buffer_0.pt").unlink()
+    trainer = tracerl(tmp_path / "plain", 2)
+    with pytest.raises(ValueError, match="rollout_buffer_0.pt is missing") as error:
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert error.match("resume_without_rollout_state=True")
+    assert trainer.state.global_step == 1  # refused before any step ran
+
+
+def test_opt_out_resumes_without_the_rollout_buffer(checkpoints, tmp_path, caplog):
+    checkpoint = copy_checkpoint(checkpoints, "plain", tmp_path)
+    (checkpoint / "rollout_buffer_0.pt").unlink()
+    trainer = tracerl(tmp_path / "plain", 2, resume_without_rollout_state=True)
+    with caplog.at_level(logging.WARNING, logger=tracerl_trainer.__name__):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert trainer.state.global_step == 2
+    assert "rollout_buffer_0.pt is missing" in caplog.text and "Resuming anyway" in caplog.text
+
+
+def test_buffer_saved_with_another_batch_layout_is_refused(checkpoints, tmp_path):
+    """Rollout seeds and buffers are per process: another process count or per-device batch cannot continue it."""
+    checkpoint = copy_checkpoint(checkpoints, "plain", tmp_path)
+    saved = torch.load(checkpoint / "rollout_buffer_0.pt", weights_only=False)
+    saved["layout"]["num_processes"] = 2
+    torch.save(saved, checkpoint / "rollout_buffer_0.pt")
+    with pytest.raises(ValueError, match="saved with .'num_processes': 2"):
+        tracerl(tmp_path / "plain", 2).train(resume_from_checkpoint=str(checkpoint))
+
+
+@pytest.mark.parametrize("missing", ["value_state.pt", "value_model"])
+def test_resume_without_value_state_is_refused(checkpoints, tmp_path, missing):
+    checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)
+    path = checkpoint / missing
+    shutil.rmtree(path) if path.is_dir() else path.unlink()
+    with pytest.raises(ValueError, match=f"{missing}/? is missing"):
+        tracerl(tmp_path / "value", 2, value=True).train(resume_from_checkpoint=str(checkpoint))
+
+
+def test_value_checkpoint_resumed_without_a_value_model_is_refused(checkpoints, tmp_path):
+    checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)
+    with pytest.raises(ValueError, match="holds a value model"):
+        tracerl(tmp_path / "value", 2).train(resume_from_checkpoint=str(checkpoint))
+
+
+def complete(folder: Path) -> list[str]:
+    """The checkpoints transformers can resume from (those with ``trainer_state.json``), oldest first."""
+    found = [p for p in folder.glob("checkpoint-*") if (p / "trainer_state.json").exists()]
+    return [p.name for p in sorted(found, key=lambda p: int(p.name.split("-")[1]))]
+
+
+def failing_save(monkeypatch, marker: str, step: int, trainer) -> None:
+    """Make writes (``torch.save``, ``json.dump``) of files whose name starts with ``marker`` fail at ``step``: a crash
+    between the writes of one checkpoint."""
+    save, dump = torch.save, json.dump
+
+    def fail_if_marked(target) -> None:
+        if Path(str(getattr(target, "name", target))).name.startswith(marker) and trainer.state.global_step == step:
+            raise OSError(f"disk full while writing {marker}")
+
+    def torch_save(obj, f, *args, **kwargs):
+        fail_if_marked(f)
+        return save(obj, f, *args, **kwargs)
+
+    def json_dump(obj, fp, *args, **kwargs):
+        fail_if_marked(fp)
+        return dump(obj, fp, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", torch_save)
+    monkeypatch.setattr(json, "dump", json_dump)
+
+
+def test_failed_rollout_state_write_leaves_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """``save_total_limit=1``: transformers deletes older checkpoints after marking the new one complete, so our
+    files must be written before that."""
+    out = tmp_path / "run"
+    trainer = tracerl(out, 2, save_total_limit=1)
+    failing_save(monkeypatch, "rollout_buffer", 2, trainer)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert complete(out) == ["checkpoint-1"]
+    assert (out / "checkpoint-1" / "rollout_buffer_0.pt").exists()
+    # transformers' "latest checkpoint" is the incomplete folder, and it refuses it rather than resuming from it
+    # (no model files yet: "Can't find a valid checkpoint"; model files but no state file: FileNotFoundError)
+    assert Path(get_last_checkpoint(str(out))).name == "checkpoint-2"
+    monkeypatch.undo()
+    with pytest.raises((ValueError, FileNotFoundError), match="checkpoint-2"):
+        tracerl(out, 2).train(resume_from_checkpoint=True)
+    resumed = tracerl(out, 2)
+    resumed.train(resume_from_checkpoint=str(out / "checkpoint-1"))
+    assert resumed.state.global_step == 2
+
+
+def test_failed_write_into_an_old_checkpoint_folder_does_not_look_complete(tmp_path, monkeypatch):
+    """A folder being rewritten (an earlier run's ``checkpoint-1`` in the same output_dir) loses its old state file
+    before anything else is written."""
+    (tmp_path / "checkpoint-1").mkdir()
+    (tmp_path / "checkpoint-1" / "trainer_state.json").write_text("{}")
+    trainer = tracerl(tmp_path, 1)
+    failing_save(monkeypatch, "rollout_buffer", 1, trainer)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert complete(tmp_path) == []
+
+
+def test_failed_token_count_write_leaves_the_last_complete_sft_checkpoint(tmp_path, monkeypatch):
+    config = DiffusionSFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, max_length=32,
+                                save_strategy="steps", save_steps=1, save_total_limit=1, report_to="none",
+                                use_cpu=True, bf16=False, disable_tqdm=True, gradient_checkpointing=False)
+    data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
+    trainer = DiffusionSFTTrainer(tiny_model("sdar").train(), args=config, train_dataset=data,
+                                  processing_class=build_tokenizer())
+    failing_save(monkeypatch, "token_count", 2, trainer)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert complete(tmp_path) == ["checkpoint-1"]
+    assert (tmp_path / "checkpoint-1" / "token_count.json").exists()
+
+
+def test_sft_resume_without_token_count_warns(tmp_path, caplog):
+    """The token counter is a logged metric only (training itself resumes exactly), so its absence warns."""
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=32, save_strategy="steps",
+                  save_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                  gradient_checkpointing=False)
+    data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
+
+    def sft(max_steps):
+        return DiffusionSFTTrainer(tiny_model("sdar").train(), args=DiffusionSFTConfig(**config, max_steps=max_steps),
+                                   train_dataset=data, processing_class=build_tokenizer())
+
+    sft(1).train()
+    (tmp_path / "checkpoint-1" / "token_count.json").unlink()
+    with caplog.at_level(logging.WARNING, logger=sft_trainer.__name__):
+        sft(2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert "token_count.json is missing" in caplog.text
+
+
+# ------------------------------------------------------------------------------------------- two processes
+
+TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"
+
+
+def launch_two(out: Path, max_steps: int, resume: Path | None = None, **overrides) -> subprocess.CompletedProcess:
+    """``tests/distributed/train.py`` (TraceRL, per-device batch 2) in two CPU processes over gloo."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+               str(port), str(TRAIN), "--out", str(out), "--jobs", "tracerl", "--per_device_batch", "2",
+               "--max_steps", str(max_steps), "--overrides",
+               json.dumps({"save_strategy": "steps", "save_steps": 1, "num_iterations": 2, **overrides})]
+    if resume is not None:
+        command += ["--resume", str(resume)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    # generous bound: a process waiting for one that raised would hang until gloo's 30-minute timeout
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def logged_steps(out: Path) -> list[int]:
+    history = json.loads((out / "tracerl" / "log_history.json").read_text())
+    return [entry["step"] for entry in history if "loss" in entry]
+
+
+@pytest.mark.slow
+def test_two_processes_resume_refuse_and_opt_out_together(tmp_path):
+    """A complete two-process checkpoint resumes; with only rank 1's buffer missing both processes stop with the
+    refusal (none waits for the other), and with the opt-out both generate the cycle again (rank 0 dropping its
+    buffer too, or it would skip the collectives of rank 1's generation) and finish."""
+    def succeeded(done: subprocess.CompletedProcess) -> bool:
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        return True
+
+    assert succeeded(launch_two(tmp_path, 1))
+    checkpoint = tmp_path / "tracerl" / "checkpoint-1"
+    assert succeeded(launch_two(tmp_path, 2, resume=checkpoint)) and logged_steps(tmp_path) == [1, 2]
+    (checkpoint / "rollout_buffer_1.pt").unlink()
+    refused = launch_two(tmp_path, 2, resume=checkpoint)
+    output = refused.stdout + refused.stderr
+    assert refused.returncode != 0
+    assert "rollout_buffer_1.pt is missing" in output, output[-3000:]
+    assert "another process's rollout state is incomplete" in output, output[-3000:]
+    assert succeeded(launch_two(tmp_path, 2, resume=checkpoint, resume_without_rollout_state=True))
+    assert logged_steps(tmp_path) == [1, 2]
