@@ -165,7 +165,7 @@ def test_masking_estimators_equal_the_official_rows_and_loss(family, name, sampl
     with torch.no_grad():
         new, _, scored = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings, SEEDS)
         old, _, _ = estimate_logprobs(old_model, prompt_ids, prompt_mask, completion, steps, settings, SEEDS)
-    assert new.shape == (3, masks * WIDTH) and scored.shape == new.shape
+    assert new.shape == (3, settings.score_width(WIDTH)) == (3, masks * WIDTH) and scored.shape == new.shape
 
     # per token: the estimate equals the official row's forward, wherever a kept token is trained
     rows = official_rows(settings, committed, keep)

@@ -1,6 +1,6 @@
 """Likelihood estimators: how a trainer gets per-token log pi(completion) from a diffusion model.
 
-All four share one signature and return ``(logps, entropies, scored)`` ``[B, C]``; ``scored`` marks the tokens
+All five share one signature and return ``(logps, entropies, scored)`` ``[B, C]``; ``scored`` marks the tokens
 that received an estimate (the others carry 0 and must be left out of the loss).
 
 * ``trajectory`` (TraceRL): every committed token given the state the sampler committed it from, steps merged
@@ -12,14 +12,14 @@ that received an estimate (the others carry 0 and must be left out of the loss).
   scored exactly once in the complementary pair.
 * ``coupled_pairs`` (dLLM-RL's ``coupled``): a random mask and its complement, each an unweighted PPO row; a token
   gets the log-prob from the half that masked it (no full-mask forward, no ``1/t`` weights).
+* ``mean_field`` (d1 diffu-GRPO): the whole completion masked and prompt tokens masked with probability
+  ``prompt_mask_prob``; one state, every token scored.
 
 ``random_masking`` and ``coupled_pairs`` draw ``masks_per_response`` masks (pairs) per response, either with a mask
 probability per token (``random_mask_sampling="per_token"``, dLLM-RL's block models) or one ratio ``t`` per mask
 (``"per_row"``, dLLM-RL's full-attention models). With ``m`` masks their outputs are ``[B, m * C]``: columns
 ``k * C ... (k + 1) * C - 1`` hold the completion scored under mask ``k``. ``draw_masks(...)["row"]`` names the
 official training row of every scored token and ``row_sizes`` counts them, for dLLM-RL's loss normalisation.
-* ``mean_field`` (d1 diffu-GRPO): the whole completion masked and prompt tokens masked with probability
-  ``prompt_mask_prob``; one state, every token scored.
 
 Random masks come from one ``torch.Generator`` per row seeded with ``seeds[row]``, so old, new and reference
 log-probs (and a resumed run) see the same masks.
