@@ -1,6 +1,6 @@
 """Likelihood estimators: how a trainer gets per-token log pi(completion) from a diffusion model.
 
-All four share one signature and return ``(logps, entropies, scored)`` ``[B, C]``; ``scored`` marks the tokens
+All five share one signature and return ``(logps, entropies, scored)`` ``[B, C]``; ``scored`` marks the tokens
 that received an estimate (the others carry 0 and must be left out of the loss).
 
 * ``trajectory`` (TraceRL): every committed token given the state the sampler committed it from, steps merged
@@ -10,8 +10,16 @@ that received an estimate (the others carry 0 and must be left out of the loss).
 * ``coupled`` (DiffuCoder): ``t ~ U(low, high)``, a mask and its complement plus the fully masked completion;
   ``log pi(o_k) = (log p_0(o_k) + w_k log p_{M|~M}(o_k)) / 2`` with ``w_k = 1/t`` or ``1/(1-t)``. Every token is
   scored exactly once in the complementary pair.
+* ``coupled_pairs`` (dLLM-RL's ``coupled``): a random mask and its complement, each an unweighted PPO row; a token
+  gets the log-prob from the half that masked it (no full-mask forward, no ``1/t`` weights).
 * ``mean_field`` (d1 diffu-GRPO): the whole completion masked and prompt tokens masked with probability
   ``prompt_mask_prob``; one state, every token scored.
+
+``random_masking`` and ``coupled_pairs`` draw ``masks_per_response`` masks (pairs) per response, either with a mask
+probability per token (``random_mask_sampling="per_token"``, dLLM-RL's block models) or one ratio ``t`` per mask
+(``"per_row"``, dLLM-RL's full-attention models). With ``m`` masks their outputs are ``[B, m * C]``: columns
+``k * C ... (k + 1) * C - 1`` hold the completion scored under mask ``k``. ``draw_masks(...)["row"]`` names the
+official training row of every scored token and ``row_sizes`` counts them, for dLLM-RL's loss normalisation.
 
 Random masks come from one ``torch.Generator`` per row seeded with ``seeds[row]``, so old, new and reference
 log-probs (and a resumed run) see the same masks.
@@ -27,7 +35,10 @@ from ..generation.sampling import sampling_logits
 from ..states import NOT_COMMITTED, completion_blocks, trajectory_groups
 from .packing import build_scoring_chunks
 
-ESTIMATORS = ("trajectory", "random_masking", "coupled", "mean_field")
+ESTIMATORS = ("trajectory", "random_masking", "coupled", "coupled_pairs", "mean_field")
+MASK_SAMPLING = ("per_token", "per_row")
+MULTI_MASK_ESTIMATORS = ("random_masking", "coupled_pairs")
+"""Estimators that draw ``masks_per_response`` masks (pairs) and honour ``random_mask_sampling``."""
 
 
 @dataclass
@@ -45,6 +56,11 @@ class EstimatorSettings:
     coupled_high: float = 0.8
     prompt_mask_prob: float = 0.15
     attention_backend: str = "auto"
+    random_mask_sampling: str = "per_token"
+    masks_per_response: int = 1
+
+    def __post_init__(self) -> None:
+        self.validate()
 
     def validate(self) -> None:
         if self.name not in ESTIMATORS:
@@ -53,6 +69,20 @@ class EstimatorSettings:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
         if not 0 < self.mask_low <= self.mask_high < 1 or not 0 < self.coupled_low <= self.coupled_high < 1:
             raise ValueError("masking ratios must satisfy 0 < low <= high < 1.")
+        if self.random_mask_sampling not in MASK_SAMPLING:
+            raise ValueError(f"unknown random_mask_sampling {self.random_mask_sampling!r}; choose one of "
+                             f"{MASK_SAMPLING}.")
+        if isinstance(self.masks_per_response, bool) or not isinstance(self.masks_per_response, int) \
+                or self.masks_per_response < 1:
+            raise ValueError(f"masks_per_response must be an integer >= 1, got {self.masks_per_response!r}.")
+        if self.name not in MULTI_MASK_ESTIMATORS and (
+                self.masks_per_response != 1 or self.random_mask_sampling != "per_token"):
+            raise ValueError(f"masks_per_response and random_mask_sampling apply to the {MULTI_MASK_ESTIMATORS} "
+                             f"estimators only, not to {self.name!r} (leave them at 1 and 'per_token').")
+
+    def score_width(self, completion_width: int) -> int:
+        """Width of the estimator's ``[B, width]`` outputs: one completion per mask (pair) drawn."""
+        return completion_width * self.masks_per_response
 
 
 def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, compute_entropy: bool):
@@ -121,10 +151,9 @@ def estimate_logprobs(
         everything = torch.ones_like(committed)
         logps, entropies = run(_masked_groups(everything, blocks, committed), prompt_noise=masks["prompt_noise"])
         return logps, entropies, committed
-    if settings.name == "random_masking":
-        masked = masks["masked"]
-        logps, entropies = run(_masked_groups(masked, blocks, committed), scored=masked)
-        return logps, entropies, masked
+    if settings.name in MULTI_MASK_ESTIMATORS:
+        return _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size,
+                                  masks, settings, compute_entropy)
     first, t = masks["masked"], masks["t"]
     second = ~first & committed
     full_logps, entropies = run(_masked_groups(torch.ones_like(committed), blocks, committed))
@@ -137,20 +166,31 @@ def estimate_logprobs(
 def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torch.Tensor, prompt_width: int) -> dict:
     """The estimator's random draws, from one generator per row seeded by ``seeds[row]`` (CPU, then moved).
 
-    ``masked`` ``[B, C]``: tokens masked (``random_masking``: each with prob ``u ~ U(low, high)``; ``coupled``: the
-    first of the complementary pair, ``draw < t``); ``t`` ``[B]`` (``coupled``); ``prompt_noise`` ``[B, P]``
-    (``mean_field``). Which tokens an estimator scores is a function of these alone, so the trainer can know it
-    before any forward.
+    ``masked``: tokens masked (``coupled``: ``[B, C]``, the first of the complementary pair, ``draw < t``;
+    ``random_masking`` / ``coupled_pairs``: ``[B, m * C]``, mask ``k`` in columns ``k * C ...``, for
+    ``coupled_pairs`` the first half of pair ``k``); ``t``: ``[B]`` (``coupled``) or ``[B, m]`` (``per_row``
+    sampling); ``prompt_noise`` ``[B, P]`` (``mean_field``); ``scored``: the tokens that get an estimate;
+    ``row`` (``random_masking`` / ``coupled_pairs``): for each scored token, the index within its response of the
+    dLLM-RL training row that trains it (mask ``k`` is row ``k``; pair ``k`` is rows ``2k`` and ``2k + 1``), -1
+    elsewhere. Which tokens an estimator scores is a function of these alone, so the trainer can know it before
+    any forward.
     """
     generators = [torch.Generator().manual_seed(int(s)) for s in seeds.tolist()]
     width, device = committed.shape[1], committed.device
-    out = {"masked": None, "t": None, "prompt_noise": None, "scored": committed}
-    if settings.name == "random_masking":
-        low, high = settings.mask_low, settings.mask_high
-        probs = torch.stack([low + (high - low) * torch.rand(width, generator=g) for g in generators])
-        draws = torch.stack([torch.rand(width, generator=g) for g in generators])
-        out["masked"] = (draws < probs).to(device) & committed
-        out["scored"] = out["masked"]
+    out = {"masked": None, "t": None, "prompt_noise": None, "scored": committed, "row": None}
+    if settings.name in MULTI_MASK_ESTIMATORS:
+        masked, ratios = _sample_masks(settings, generators, width)
+        masks_per_response = settings.masks_per_response
+        live = committed.repeat(1, masks_per_response)
+        masked = masked.flatten(1).to(device) & live
+        index = torch.arange(masks_per_response, device=device).repeat_interleave(width)[None].expand_as(live)
+        out["masked"] = masked
+        if settings.random_mask_sampling == "per_row":
+            out["t"] = ratios.to(device)
+        if settings.name == "random_masking":
+            out["scored"], out["row"] = masked, torch.where(masked, index, -1)
+        else:
+            out["scored"], out["row"] = live, torch.where(live, 2 * index + (~masked).long(), -1)
     elif settings.name == "coupled":
         low, high = settings.coupled_low, settings.coupled_high
         t = torch.stack([low + (high - low) * torch.rand((), generator=g) for g in generators])
@@ -161,3 +201,69 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
         noise = torch.stack([torch.rand(prompt_width, generator=g) for g in generators])
         out["prompt_noise"] = (noise < settings.prompt_mask_prob).to(device)
     return out
+
+
+def _sample_masks(settings: EstimatorSettings, generators: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``masks_per_response`` masks per row, ``[B, m, C]``, and their ratios ``[B, m]`` (CPU).
+
+    ``per_token``: each token masked with its own probability ``u ~ U(low, high)`` (dLLM-RL's block models,
+    ``train/rl_trado.py``; the ratios returned are NaN); ``per_row``: one ``t ~ U(low, high)`` per mask, each token
+    masked with probability ``t`` (dLLM-RL's full-attention models, ``train/rl_dream.py``, ``rl_llada.py``). Draws
+    come from each row's generator in mask order, so a row's masks never depend on the other rows.
+    """
+    low, high = settings.mask_low, settings.mask_high
+    masks = torch.zeros(len(generators), settings.masks_per_response, width, dtype=torch.bool)
+    ratios = torch.full(masks.shape[:2], float("nan"))
+    for row, g in enumerate(generators):
+        for k in range(settings.masks_per_response):
+            if settings.random_mask_sampling == "per_token":
+                threshold = low + (high - low) * torch.rand(width, generator=g)
+            else:
+                threshold = ratios[row, k] = low + (high - low) * torch.rand((), generator=g)
+            masks[row, k] = torch.rand(width, generator=g) < threshold
+    return masks, ratios
+
+
+def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size, masks,
+                       settings: EstimatorSettings, compute_entropy: bool):
+    """``random_masking`` / ``coupled_pairs``: every drawn mask (pair half) is one state; all of them are scored in
+    one packed pass over the batch tiled once per state, then laid out ``[B, m * C]``."""
+    batch, width = committed.shape
+    m = settings.masks_per_response
+    masked = masks["masked"].view(batch, m, width).transpose(0, 1).reshape(m * batch, width)
+    live = committed.repeat(m, 1)
+    states = masked if settings.name == "random_masking" else torch.cat([masked, live & ~masked])
+    copies = states.shape[0] // batch
+    tiled_blocks = None if blocks is None else blocks.repeat(copies, 1)
+    tiled_completion = completion_ids.repeat(copies, 1)
+    groups = _masked_groups(states, tiled_blocks, committed.repeat(copies, 1))
+    chunks = build_scoring_chunks(prompt_ids.repeat(copies, 1), prompt_mask.repeat(copies, 1), tiled_completion,
+                                  groups, model.mask_token_id, block_size, settings.token_budget,
+                                  0, states)
+    logps, entropies = score_chunks(model, chunks, tiled_completion, settings, compute_entropy)
+
+    def per_response(values):  # [copies * B, C] -> [B, m * C], a pair's halves merged (they are disjoint)
+        if values is None:
+            return None
+        if settings.name == "coupled_pairs":
+            values = torch.where(masked, values[: m * batch], values[m * batch:])
+        return values.view(m, batch, width).transpose(0, 1).reshape(batch, m * width)
+
+    return per_response(logps), per_response(entropies), masks["scored"]
+
+
+def row_sizes(rows: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sizes of dLLM-RL training rows: ``(tokens_per_row, rows_per_response)``.
+
+    ``rows`` ``[B, W]`` from ``draw_masks(...)["row"]`` (-1 = no row); ``keep`` ``[B, W]`` the tokens the loss keeps
+    (e.g. the completion mask, tiled per mask). ``tokens_per_row`` ``[B, W]``: the number of kept tokens in each
+    token's row (0 where not kept): the official full-attention loss divides a row by it. ``rows_per_response``
+    ``[B]``: the non-empty rows of each response, the official row count (dLLM-RL drops empty rows).
+    """
+    kept = torch.where((keep > 0) & (rows >= 0), rows, -1)
+    n_rows = int(kept.max()) + 1 if bool((kept >= 0).any()) else 1
+    counts = torch.zeros(rows.shape[0], n_rows + 1, dtype=torch.long, device=rows.device)
+    counts.scatter_add_(1, kept + 1, torch.ones_like(kept))
+    counts = counts[:, 1:]
+    tokens = torch.where(kept >= 0, counts.gather(1, kept.clamp(min=0)), 0)
+    return tokens.float(), (counts > 0).sum(1)

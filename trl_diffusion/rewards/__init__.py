@@ -14,12 +14,20 @@ from .format_reward import (
     last_boxed_content,
     think_format_reward,
 )
-from .math_reward import MathAccuracyReward, extract_gold_answer, math_accuracy_reward
+from .math_reward import (
+    MathAccuracyReward,
+    OfficialMathReward,
+    extract_gold_answer,
+    make_official_math_reward,
+    math_accuracy_reward,
+    official_math_reward,
+)
 from .sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
 
 __all__ = [
     "CodeExecutionReward",
     "MathAccuracyReward",
+    "OfficialMathReward",
     "SandboxLimits",
     "SandboxResult",
     "ThinkFormatReward",
@@ -32,7 +40,9 @@ __all__ = [
     "isolation_report",
     "last_boxed_content",
     "make_code_reward",
+    "make_official_math_reward",
     "math_accuracy_reward",
+    "official_math_reward",
     "run_tests",
     "think_format_reward",
 ]

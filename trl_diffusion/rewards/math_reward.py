@@ -1,4 +1,4 @@
-"""Math answer accuracy reward, checked symbolically with math-verify.
+"""Math answer accuracy rewards: ours, checked symbolically with math-verify, and dLLM-RL's official one.
 
 The gold answer comes from the dataset row: a bare ``answer`` column ("18", "\\frac{1}{2}"), a GSM8K-style answer
 ("... #### 18"), or a full ``solution`` text whose last ``\\boxed{}`` holds the answer. The prediction is the last
@@ -8,6 +8,10 @@ are normalised to the same ``\\boxed{...}`` form before parsing so equivalent La
 math-verify's timeouts use ``signal.alarm``, which only works in the main thread; elsewhere (e.g. a trainer that
 scores rewards in a worker thread) the timeouts are switched off and the answer strings are length-capped instead,
 which bounds the worst sympy blow-ups in practice but is not a hard time limit.
+
+``official_math_reward`` / :class:`OfficialMathReward` reproduce dLLM-RL's reward (``reward/rl_reward.py``,
+``reward/math_utils.py``): the last ``\\boxed{}`` only, Hendrycks equivalence, else sympy under a hard 1 s limit
+(in a child process), and optionally 0 for a response that reached the length limit.
 """
 
 from __future__ import annotations
@@ -17,9 +21,17 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from .dllm_rl_math import SympyWorker, extract_boxed_answer, is_equiv, repeatness
 from .format_reward import completion_to_text, has_box, last_boxed_content
 
-__all__ = ["MathAccuracyReward", "extract_gold_answer", "math_accuracy_reward"]
+__all__ = [
+    "MathAccuracyReward",
+    "OfficialMathReward",
+    "extract_gold_answer",
+    "make_official_math_reward",
+    "math_accuracy_reward",
+    "official_math_reward",
+]
 
 _GSM8K_MARK = "####"
 
@@ -166,3 +178,103 @@ def math_accuracy_reward(
 ) -> list[float | None]:
     """Math accuracy with default timeouts; see :class:`MathAccuracyReward` for the full contract."""
     return _DEFAULT(completions, answer=answer, solution=solution, **kwargs)
+
+
+class OfficialMathReward:
+    """dLLM-RL's math reward (Gen-Verse/dLLM-RL ``reward/rl_reward.py``): 1.0 if the completion's answer equals the
+    gold answer by the official rules, 0.0 if not, ``None`` if the row has no gold answer.
+
+    * The answer is the content of the completion's last ``\\boxed{`` (``sample/*_rl_rollout.py``); none, or an
+      unclosed last box, scores 0.0.
+    * Equal means (``math_utils.is_equal``, 414-419): Hendrycks ``is_equiv``; otherwise, unless either side is over
+      128 characters and repetitive, sympy's comparison (:func:`~trl_diffusion.rewards.dllm_rl_math.latex_equal`)
+      within ``timeout`` seconds, run in a child process that is killed when time runs out.
+    * ``max_tokens``: a completion of at least ``max_tokens - length_margin`` tokens scores 0.0 (``rl_reward.py``
+      99-103, with ``max_token`` and margin 5); the length is ``len(completion_ids[i])``, which TRL passes to reward
+      functions. ``None`` switches this off.
+
+    The gold answer is the row's ``ground_truth_answer`` (dLLM-RL's column) or ``answer``, else ``solution``, read
+    as by :func:`extract_gold_answer`. Picklable; the child process starts at the first sympy comparison and stops
+    with ``close()``, at garbage collection or at exit.
+    """
+
+    def __init__(self, max_tokens: int | None = None, length_margin: int = 5, timeout: float = 1.0,
+                 name: str = "official_math_reward") -> None:
+        if max_tokens is not None and max_tokens <= length_margin:
+            raise ValueError(f"max_tokens must exceed length_margin ({length_margin}), got {max_tokens}.")
+        if length_margin < 0:
+            raise ValueError(f"length_margin must be >= 0, got {length_margin}.")
+        self.max_tokens, self.length_margin = max_tokens, length_margin
+        self.worker = SympyWorker(timeout=timeout)
+        self.__name__ = name
+
+    def __call__(
+        self,
+        completions: list[Any],
+        completion_ids: list[list[int]] | None = None,
+        ground_truth_answer: list[Any] | None = None,
+        answer: list[Any] | None = None,
+        solution: list[Any] | None = None,
+        log_extra: Callable[[str, list], None] | None = None,
+        **kwargs: Any,
+    ) -> list[float | None]:
+        n = len(completions)
+        answers = ground_truth_answer if ground_truth_answer is not None else answer
+        answers = list(answers) if answers is not None else [None] * n
+        solutions = list(solution) if solution is not None else [None] * n
+        if len(answers) != n or len(solutions) != n:
+            raise ValueError(f"{self.__name__}: got {n} completions but {len(answers)}/{len(solutions)} golds")
+        if self.max_tokens is not None and (completion_ids is None or len(completion_ids) != n):
+            raise ValueError(f"{self.__name__}: max_tokens is set, so it needs `completion_ids` (one list of token "
+                             "ids per completion; TRL's trainers pass them).")
+        rewards, golds, preds = [], [], []
+        for i, (completion, ans, sol) in enumerate(zip(completions, answers, solutions)):
+            gold = extract_gold_answer(ans, sol)
+            pred = extract_boxed_answer(completion_to_text(completion))
+            truncated = self.max_tokens is not None and len(completion_ids[i]) >= self.max_tokens - self.length_margin
+            if gold is None:
+                rewards.append(None)
+            elif pred is None or truncated:
+                rewards.append(0.0)
+            else:
+                rewards.append(1.0 if self.equal(pred, gold) else 0.0)
+            golds.append(gold if gold is not None else "[no gold]")
+            preds.append("[truncated]" if truncated else pred if pred is not None else "[no box]")
+        if log_extra is not None:
+            log_extra("official_math_gold", golds)
+            log_extra("official_math_pred", preds)
+        return rewards
+
+    def equal(self, prediction: str, gold: str) -> bool:
+        """dLLM-RL's ``is_equal(prediction, gold)`` (legacy mode, the one its reward uses)."""
+        if is_equiv(prediction, gold):
+            return True
+        if any(len(text) > 128 and repeatness(text) for text in (prediction, gold)):
+            return False
+        return self.worker.compare(prediction, gold)
+
+    def close(self) -> None:
+        """Stop the sympy child process (a later call starts a new one)."""
+        self.worker.close()
+
+
+def make_official_math_reward(max_tokens: int | None = None, length_margin: int = 5,
+                              timeout: float = 1.0) -> OfficialMathReward:
+    """dLLM-RL's math reward with its length rule: pass the rollout's token limit (dLLM-RL's ``max_token``, e.g. 2000
+    for TraDo; TRL's ``max_completion_length``) as ``max_tokens``; see :class:`OfficialMathReward`."""
+    return OfficialMathReward(max_tokens=max_tokens, length_margin=length_margin, timeout=timeout)
+
+
+_OFFICIAL = OfficialMathReward()
+
+
+def official_math_reward(
+    completions: list[Any],
+    ground_truth_answer: list[Any] | None = None,
+    answer: list[Any] | None = None,
+    solution: list[Any] | None = None,
+    **kwargs: Any,
+) -> list[float | None]:
+    """dLLM-RL's math check without the length rule (use :func:`make_official_math_reward` for it); see
+    :class:`OfficialMathReward`."""
+    return _OFFICIAL(completions, ground_truth_answer=ground_truth_answer, answer=answer, solution=solution, **kwargs)
