@@ -309,14 +309,12 @@ class AttentionFacts:
 
 def attention_facts(model, device=None, dtype: torch.dtype | None = None) -> AttentionFacts:
     """The ``AttentionFacts`` of ``model`` (any of our models, or a wrapper that forwards ``config``/``dtype``):
-    head size from its config; device from its weights and dtype from the active autocast, else its weights,
-    unless given (a trainer passes its mixed-precision dtype before autocast is on)."""
+    head size from its config, device and dtype from its weights unless given. The weights' dtype, not an autocast
+    one: under bf16 autocast a float32 model's normalised queries stay float32 (SDPA casts them, flex does not)."""
     model = getattr(model, "module", model)  # DistributedDataParallel and friends
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     device_type = torch.device(device if device is not None else next(model.parameters()).device).type
-    if dtype is None and device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
-        dtype = torch.get_autocast_dtype(device_type)
     return AttentionFacts(device_type, int(head_dim), dtype or model.dtype)
 
 
