@@ -2,6 +2,9 @@
 estimator, SFT objective and the value model give the same numbers (values and gradients) as the slow reference
 kept here (the whole-row head and the per-row Python builder the package used before), for all three families."""
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -34,6 +37,7 @@ from trl_diffusion.trainers.diffusion_losses import (
 from trl_diffusion.value import DiffusionValueModel
 from trl_diffusion.value.value_model import token_values
 
+ROOT = Path(__file__).parent.parent
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
 
 
@@ -372,3 +376,23 @@ def test_token_values_equal_the_whole_row_value_head(family, monkeypatch):
     assert bool((steps >= 0).any())
     torch.testing.assert_close(new, old, rtol=1e-6, atol=1e-7)
     assert_same_grads(new_grads, grads(value))
+
+
+def load_training_benchmark():
+    spec = importlib.util.spec_from_file_location("training_benchmark", ROOT / "benchmarks" / "training.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_training_benchmark_runs_the_tiny_preset_and_builds_the_4b_shape():
+    bench = load_training_benchmark()
+    record = bench.measure("packed", 1, "sdpa", bench.PRESETS["tiny"], "cpu")
+    # 2 rows x (20 clean tokens: prompt 8 + completion up to the last block + 16 copies of a 4-token block)
+    assert record["processed_tokens"] == 2 * (20 + 16 * 4) and record["scored_tokens"] == 32
+    assert record["seconds_per_step"] > 0 and "mfu" not in record  # no H200 peak to compare with on a CPU
+    assert bench.summarize([record])["table"]["packed s=1 sdpa"]["seconds_per_step"] == record["seconds_per_step"]
+    model = bench.build_model(bench.PRESETS["sdar-4b"], "meta")  # the real shapes, no memory
+    embedding = model.get_input_embeddings().weight.numel()
+    assert embedding == 151936 * 2560 and model.dtype == torch.bfloat16 and model.is_gradient_checkpointing
+    assert 4.0e9 < sum(p.numel() for p in model.parameters()) - embedding < 4.1e9
