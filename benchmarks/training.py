@@ -24,7 +24,7 @@ slightly overstates the work done: it is the count earlier measurements used, ke
 
     python benchmarks/training.py                                    # CPU, packed vs naive
     python benchmarks/training.py --preset tiny
-    python benchmarks/training.py --preset sdar-4b --device cuda --output sdar4b.json
+    python benchmarks/training.py --preset sdar-4b --device cuda --output sdar4b.json --profile
 """
 
 from __future__ import annotations
@@ -77,8 +77,9 @@ def build_model(shape: dict, device: str):
     return model
 
 
-def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str) -> dict:
-    """Seconds per forward + backward step of one configuration, with its token counts, MFU and peak memory."""
+def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, profile: bool = False) -> dict:
+    """Seconds per forward + backward step of one configuration, with its token counts, MFU and peak memory;
+    ``profile`` adds the 20 operators with the most self time in one more step (where the time goes)."""
     from trl_diffusion.estimators import (
         EstimatorSettings,
         build_scoring_chunks,
@@ -142,13 +143,30 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str) -
                       gpu=torch.cuda.get_device_name())
     else:
         record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    if profile:
+        record["profile"] = profile_step(step, is_cuda)
     return record
 
 
-def run_one(mode: str, shrinkage: int, backend: str, shape: dict, device: str, timeout: float) -> dict:
+def profile_step(step, is_cuda: bool, top: int = 20) -> list[dict]:
+    """The operators with the most self time (device time on CUDA) in one call of ``step``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
+    with torch_profile(activities=activities) as prof:
+        step()
+    key = "self_device_time_total" if is_cuda else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
+    return [{"name": e.key[:100], "self_ms": round(getattr(e, key, 0) / 1000, 2), "calls": e.count} for e in events]
+
+
+def run_one(mode: str, shrinkage: int, backend: str, shape: dict, device: str, timeout: float,
+            profile: bool = False) -> dict:
     """``measure`` in a fresh process; a failure becomes a record with its error."""
-    command = [sys.executable, __file__, "--one", json.dumps({"mode": mode, "shrinkage": shrinkage,
-                                                              "backend": backend, "shape": shape, "device": device})]
+    spec = {"mode": mode, "shrinkage": shrinkage, "backend": backend, "shape": shape, "device": device,
+            "profile": profile}
+    command = [sys.executable, __file__, "--one", json.dumps(spec)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -192,12 +210,14 @@ def main() -> None:
         kind = {"dtype": str, "checkpointing": lambda v: v.lower() in ("1", "true", "yes")}.get(name, int)
         parser.add_argument(f"--{name}", type=kind, help=f"override the preset's {name}")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+    parser.add_argument("--profile", action="store_true", help="add each configuration's top operators by time")
     parser.add_argument("--output", type=Path, help="also write the records and the summary to this JSON file")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         spec = json.loads(args.one)
-        print(json.dumps(measure(spec["mode"], spec["shrinkage"], spec["backend"], spec["shape"], spec["device"])))
+        print(json.dumps(measure(spec["mode"], spec["shrinkage"], spec["backend"], spec["shape"], spec["device"],
+                                 spec["profile"])))
         return
     preset = PRESETS[args.preset]
     shape = {name: getattr(args, name) if getattr(args, name) is not None else preset[name] for name in SHAPE}
@@ -205,7 +225,7 @@ def main() -> None:
     for shrinkage in args.shrinkage or preset["shrinkage"]:
         for backend in args.backends or preset["backends"]:
             for mode in args.modes or preset["modes"]:
-                records.append(run_one(mode, shrinkage, backend, shape, args.device, args.timeout))
+                records.append(run_one(mode, shrinkage, backend, shape, args.device, args.timeout, args.profile))
                 print(json.dumps(records[-1]), flush=True)
     summary = {"preset": args.preset, **summarize(records)}
     print(json.dumps(summary, indent=1))

@@ -48,7 +48,7 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
 step gpu_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/gpu_tests.xml"
 step training_sdar4b 200 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 95 \
-    --output "$OUT/training_sdar4b.json"
+    --profile --output "$OUT/training_sdar4b.json"
 step flex_probe 90 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
 if python3 benchmarks/generation.py --help 2>/dev/null | grep -q -- "--device"; then
     step generation 60 python3 benchmarks/generation.py --device cuda

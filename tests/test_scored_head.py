@@ -387,10 +387,11 @@ def load_training_benchmark():
 
 def test_training_benchmark_runs_the_tiny_preset_and_builds_the_4b_shape():
     bench = load_training_benchmark()
-    record = bench.measure("packed", 1, "sdpa", bench.PRESETS["tiny"], "cpu")
+    record = bench.measure("packed", 1, "sdpa", bench.PRESETS["tiny"], "cpu", profile=True)
     # 2 rows x (20 clean tokens: prompt 8 + completion up to the last block + 16 copies of a 4-token block)
     assert record["processed_tokens"] == 2 * (20 + 16 * 4) and record["scored_tokens"] == 32
     assert record["seconds_per_step"] > 0 and "mfu" not in record  # no H200 peak to compare with on a CPU
+    assert record["profile"] and all(op["self_ms"] >= 0 for op in record["profile"])
     assert bench.summarize([record])["table"]["packed s=1 sdpa"]["seconds_per_step"] == record["seconds_per_step"]
     model = bench.build_model(bench.PRESETS["sdar-4b"], "meta")  # the real shapes, no memory
     embedding = model.get_input_embeddings().weight.numel()
