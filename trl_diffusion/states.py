@@ -380,8 +380,8 @@ def resolve_attention_backend(
         raise ValueError("attention_backend='flex' cannot train on CPU: torch's flex attention has no CPU backward. "
                          "Use 'auto' or 'sdpa' on CPU (flex works there for no-grad scoring).")
     if reason is not None and facts.device_type == "cuda":
-        _log_once(f"attention_backend='flex' is not verified here: {reason}. If compiling fails, "
-                                   "use 'auto' or 'sdpa'.")
+        _log_once(f"attention_backend='flex' is not verified here: {reason}. If compiling fails, use 'auto' or "
+                  "'sdpa'.")
     return backend
 
 

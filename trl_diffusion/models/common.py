@@ -77,7 +77,7 @@ class DiffusionModelMixin:
         last positions and a 1-D tensor the given columns of every row (as in transformers); a ``(rows, cols)``
         pair of index tensors or a ``[B, L]`` boolean mask keeps those positions only and returns logits ``[N, V]``
         in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
-        rows and a vocabulary-wide head over every position is most of the memory."""
+        rows and a vocabulary-wide head over every position would be a large part of the memory."""
         if isinstance(attention_mask, str):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
