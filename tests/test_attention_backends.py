@@ -167,7 +167,8 @@ def test_flex_equals_sdpa_for_value_scoring():
 
 def test_backend_choice_and_errors():
     assert resolve_attention_backend("auto", torch.device("cpu")) == "sdpa"
-    assert resolve_attention_backend("auto", torch.device("cuda")) == "flex"
+    assert resolve_attention_backend("auto", torch.device("cuda"), 128, torch.bfloat16) == "flex"
+    assert resolve_attention_backend("auto", torch.device("cuda")) == "sdpa"  # facts unknown
     with torch.no_grad():
         assert resolve_attention_backend("flex", torch.device("cpu")) == "flex"
     with pytest.raises(ValueError, match="no CPU backward"):

@@ -15,9 +15,14 @@ Block alignment follows each family's published sampler:
 
 from __future__ import annotations
 
+import functools
+import logging
+import re
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 NOT_COMMITTED = -1
 """``unmask_step`` value of prompt, padding and never-committed positions."""
@@ -267,8 +272,9 @@ class AttentionLayout:
                                  _compile=block.device.type == "cuda")
 
     def attention_mask(self, backend: str = "auto"):
-        """The mask the model reads: a ``BlockMask`` for ``flex`` (``auto`` on CUDA), the dense boolean mask for
-        ``sdpa`` (``auto`` elsewhere)."""
+        """The mask the model reads: a ``BlockMask`` for ``flex``, the dense boolean mask for ``sdpa``. Scorers
+        resolve ``auto`` with the model's facts first (``resolve_model_attention_backend``); here, without them,
+        ``auto`` is SDPA."""
         if resolve_attention_backend(backend, self.block.device) == "flex":
             return self.block_mask()
         return self.dense()
@@ -280,16 +286,117 @@ def check_attention_backend(backend: str) -> None:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """``auto`` -> ``flex`` on CUDA (compiled block-sparse kernel), ``sdpa`` elsewhere (on CPU flex attention runs
-    eagerly, forward only)."""
+FLEX_MIN_TORCH = (2, 5)
+"""First torch release whose flex attention takes a ``BlockMask`` with grouped-query heads (``enable_gqa``)."""
+FLEX_MIN_HEAD_DIM = 16
+"""torch's compiled (Triton) flex-attention kernel rejects smaller heads: ``tl.dot`` needs an inner size >= 16."""
+FLEX_AUTO_HEAD_DIMS = (64, 128, 256)
+FLEX_AUTO_DTYPES = (torch.bfloat16, torch.float16)
+"""What ``auto`` picks compiled flex attention for on CUDA: half-precision activations and these head sizes (the
+released SDAR / TraDo models have head_dim 128). Compiling a smaller head in float32 was seen to fail ("No choices
+to select", the embedded tiny model: head_dim 32), so everything outside this set runs SDPA under ``auto``."""
+
+
+@dataclass(frozen=True)
+class AttentionFacts:
+    """What decides which attention kernel can run a model's training forwards: the device type, the head size
+    and the dtype attention runs in (None = unknown)."""
+
+    device_type: str
+    head_dim: int | None = None
+    dtype: torch.dtype | None = None
+
+
+def attention_facts(model, device=None, dtype: torch.dtype | None = None) -> AttentionFacts:
+    """The ``AttentionFacts`` of ``model`` (any of our models, or a wrapper that forwards ``config``/``dtype``):
+    head size from its config, device and dtype from its weights unless given. The weights' dtype, not an autocast
+    one: under bf16 autocast a float32 model's normalised queries stay float32 (SDPA casts them, flex does not)."""
+    model = getattr(model, "module", model)  # DistributedDataParallel and friends
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    device_type = torch.device(device if device is not None else next(model.parameters()).device).type
+    return AttentionFacts(device_type, int(head_dim), dtype or model.dtype)
+
+
+def _torch_release(version: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", version).groups()
+    return int(major), int(minor)
+
+
+def flex_attention_problem(facts: AttentionFacts, torch_version: str | None = None) -> tuple[str | None, bool]:
+    """Why compiled flex attention should not run with ``facts``: ``(reason, fatal)``; ``(None, False)`` when it
+    is the verified choice. ``fatal`` means it cannot run at all (an explicit ``"flex"`` is an error); otherwise it
+    is unverified (``auto`` avoids it, an explicit ``"flex"`` is tried). Pure: depends only on its arguments."""
+    version = torch_version or torch.__version__
+    if _torch_release(version) < FLEX_MIN_TORCH:
+        needed = ".".join(map(str, FLEX_MIN_TORCH))
+        return f"torch {version} has no flex attention with grouped-query heads (needs >= {needed})", True
+    if facts.device_type != "cuda":
+        return f"flex attention is compiled only on CUDA (device: {facts.device_type})", False
+    if facts.head_dim is None or facts.dtype is None:
+        return "the model's head size and dtype are unknown", False
+    if facts.head_dim < FLEX_MIN_HEAD_DIM:
+        return (f"torch's compiled flex attention needs head_dim >= {FLEX_MIN_HEAD_DIM} (the model has "
+                f"{facts.head_dim})"), True
+    if facts.head_dim not in FLEX_AUTO_HEAD_DIMS or facts.dtype not in FLEX_AUTO_DTYPES:
+        dtypes = "/".join(str(d).removeprefix("torch.") for d in FLEX_AUTO_DTYPES)
+        return (f"compiled flex attention is verified for head_dim in {FLEX_AUTO_HEAD_DIMS} with {dtypes} "
+                f"activations; the model has head_dim {facts.head_dim} in {str(facts.dtype).removeprefix('torch.')} "
+                "(a float32 head_dim-32 model failed to compile: 'No choices to select')"), False
+    return None, False
+
+
+def resolve_attention_backend(
+    backend: str,
+    device,
+    head_dim: int | None = None,
+    dtype: torch.dtype | None = None,
+    *,
+    training: bool | None = None,
+    torch_version: str | None = None,
+) -> str:
+    """The kernel that runs: ``"flex"`` or ``"sdpa"``; the one place this is decided.
+
+    ``auto`` takes compiled flex attention (block-sparse, no dense mask) on CUDA when ``flex_attention_problem``
+    finds nothing against it, and SDPA otherwise, saying why in one warning (once per reason). An explicit
+    ``"flex"`` that cannot run raises a ValueError saying why; one that is merely unverified is tried with a
+    warning. ``training`` (default: ``torch.is_grad_enabled()``): flex attention has no CPU backward, so training on
+    CPU with ``"flex"`` is an error (forward-only CPU scoring works). ``head_dim`` / ``dtype`` unknown: ``auto`` is
+    SDPA on CUDA too.
+    """
     check_attention_backend(backend)
+    if backend == "sdpa":
+        return backend
+    facts = AttentionFacts(torch.device(device).type, head_dim, dtype)
+    reason, fatal = flex_attention_problem(facts, torch_version)
     if backend == "auto":
-        return "flex" if torch.device(device).type == "cuda" else "sdpa"
-    if backend == "flex" and torch.device(device).type == "cpu" and torch.is_grad_enabled():
+        if reason is not None and facts.device_type == "cuda":
+            _log_once(f"attention_backend='auto' runs SDPA, not flex attention: {reason}.")
+        return "sdpa" if reason is not None else "flex"
+    if fatal:
+        raise ValueError(f"attention_backend='flex' cannot run: {reason}. Use 'auto' or 'sdpa'.")
+    training = torch.is_grad_enabled() if training is None else training
+    if facts.device_type == "cpu" and training:
         raise ValueError("attention_backend='flex' cannot train on CPU: torch's flex attention has no CPU backward. "
                          "Use 'auto' or 'sdpa' on CPU (flex works there for no-grad scoring).")
+    if reason is not None and facts.device_type == "cuda":
+        _log_once(f"attention_backend='flex' is not verified here: {reason}. If compiling fails, use 'auto' or "
+                  "'sdpa'.")
     return backend
+
+
+def resolve_model_attention_backend(backend: str, model, device=None, dtype: torch.dtype | None = None,
+                                    training: bool | None = None) -> str:
+    """``resolve_attention_backend`` for ``model`` (see ``attention_facts``). ``sdpa`` needs no facts."""
+    if backend == "sdpa":
+        return backend
+    facts = attention_facts(model, device, dtype)
+    return resolve_attention_backend(backend, facts.device_type, facts.head_dim, facts.dtype, training=training)
+
+
+@functools.cache
+def _log_once(message: str) -> None:
+    logger.warning(message)
 
 
 def noisy_clean_attention_layout(

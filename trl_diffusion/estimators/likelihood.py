@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..generation.sampling import sampling_logits
-from ..states import NOT_COMMITTED, completion_blocks, trajectory_groups
+from ..states import NOT_COMMITTED, completion_blocks, resolve_model_attention_backend, trajectory_groups
 from .packing import build_scoring_chunks
 
 ESTIMATORS = ("trajectory", "random_masking", "coupled", "coupled_pairs", "mean_field")
@@ -86,16 +86,18 @@ class EstimatorSettings:
 
 
 def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, compute_entropy: bool):
-    """Run each chunk and scatter the target tokens' log-probs (and entropies) back to ``[B, C]``."""
+    """Run each chunk and scatter the target tokens' log-probs (and entropies) back to ``[B, C]``. The LM head runs
+    only at the targets (``logits_to_keep``), never over a whole packed row."""
     logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     shift = 1 if model.logits_shift else 0
     if shift and model.block_size is not None:
         raise ValueError("packed scoring of shifted logits on a block-causal model is not supported.")
+    backend = resolve_model_attention_backend(settings.attention_backend, model, completion_ids.device)
     for chunk in chunks:
-        mask = chunk.layout.attention_mask(settings.attention_backend)
-        logits = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids).logits
-        selected = logits[chunk.chunk_row, chunk.chunk_col - shift]
+        mask = chunk.layout.attention_mask(backend)
+        selected = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
+                         logits_to_keep=(chunk.chunk_row, chunk.chunk_col - shift)).logits
         log_dist = sampling_logits(selected, settings.temperature, settings.top_k, settings.top_p,
                                    model.mask_token_id).log_softmax(-1)
         targets = completion_ids[chunk.source_row, chunk.source_col]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..states import CLEAN, NOT_COMMITTED, AttentionLayout, block_index, positions_from_padding, state_before_step
+from ..states import CLEAN, NOT_COMMITTED, AttentionLayout, block_index, state_before_step
 
 
 @dataclass
@@ -38,42 +38,8 @@ class ScoringChunk:
     source_col: torch.Tensor
 
 
-def _chunks_from_rows(rows: list[dict], pad_id: int, token_budget: int | None) -> list[ScoringChunk]:
-    """Pad variable-length packed rows into chunks whose padded size stays within ``token_budget``."""
-    chunks, current = [], []
-
-    def flush():
-        if not current:
-            return
-        width = max(r["ids"].shape[0] for r in current)
-        device = current[0]["ids"].device
-        n = len(current)
-        ids = torch.full((n, width), pad_id, dtype=torch.long, device=device)
-        pos = torch.zeros((n, width), dtype=torch.long, device=device)
-        block = torch.zeros((n, width), dtype=torch.long, device=device)
-        copy = torch.full((n, width), CLEAN, dtype=torch.long, device=device)
-        valid = torch.zeros((n, width), dtype=torch.bool, device=device)
-        rows_, cols_, srows, scols = [], [], [], []
-        for i, r in enumerate(current):
-            length = r["ids"].shape[0]
-            ids[i, :length], pos[i, :length] = r["ids"], r["pos"]
-            block[i, :length], copy[i, :length], valid[i, :length] = r["block"], r["copy"], True
-            rows_.append(torch.full_like(r["targets"], i))
-            cols_.append(r["targets"])
-            srows.append(torch.full_like(r["targets"], r["source_row"]))
-            scols.append(r["source_cols"])
-        chunks.append(ScoringChunk(ids, pos, AttentionLayout(block, copy, valid), torch.cat(rows_), torch.cat(cols_),
-                                   torch.cat(srows), torch.cat(scols)))
-        current.clear()
-
-    for row in rows:
-        candidate = current + [row]
-        size = len(candidate) * max(r["ids"].shape[0] for r in candidate)
-        if current and token_budget is not None and size > token_budget:
-            flush()
-        current.append(row)
-    flush()
-    return chunks
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(x, 0) - x
 
 
 def build_scoring_chunks(
@@ -94,56 +60,107 @@ def build_scoring_chunks(
     sampler canvas: every completion column existed during sampling). ``block_size`` None = full attention.
     ``scored`` ``[B, C]`` limits the targets (default: every token with a group); groups without a scored token
     get no row or copy. ``prompt_noise`` ``[B, P]`` masks those prompt tokens in every row (d1's estimator).
+
+    Block-causal rows keep their clean part only up to the last block that holds a copy: a copy sees clean blocks
+    strictly before its own, so later clean tokens would be seen by nothing that is scored. Built with tensor
+    operations over the whole batch (each row's real tokens are compacted first, so a position is its index).
     """
     batch, prompt_width = prompt_ids.shape
+    device = completion_ids.device
     if prompt_noise is not None:
         prompt_ids = prompt_ids.masked_fill(prompt_noise.bool() & prompt_mask.bool(), mask_token_id)
     if scored is None:
         scored = groups >= 0
-    ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    valid = torch.cat([prompt_mask.bool(), torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
-    generated = torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool),
-                           torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
-    full_groups = torch.cat([torch.full_like(prompt_ids, NOT_COMMITTED), groups], dim=1)
-    full_scored = torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool), scored.bool() & (groups >= 0)], dim=1)
-    positions = positions_from_padding(valid)
-    rows = []
-    for r in range(batch):
-        keep = valid[r]
-        r_ids, r_pos, r_gen, r_groups = ids[r][keep], positions[r][keep], generated[r][keep], full_groups[r][keep]
-        r_scored = full_scored[r][keep]
-        offset = int((~keep).sum())  # left padding removed: completion col c sits at (P - offset) + c
-        n_groups = int(r_groups.max()) + 1 if bool((r_groups >= 0).any()) else 0
-        if n_groups == 0 or not bool(r_scored.any()):
-            continue
-        completion_start = prompt_width - offset
-        live_groups = [g for g in range(n_groups) if bool((r_scored & (r_groups == g)).any())]
-        if block_size is None:
-            for g in live_groups:
-                state = state_before_step(r_ids[None], r_groups[None], r_gen[None], g, mask_token_id)[0]
-                targets = (r_scored & (r_groups == g)).nonzero().squeeze(-1)
-                rows.append({"ids": state, "pos": r_pos, "block": torch.zeros_like(r_pos),
-                             "copy": torch.full_like(r_pos, CLEAN), "targets": targets, "source_row": r,
-                             "source_cols": targets - completion_start})
-            continue
-        blocks = block_index(r_pos, block_size)
-        pieces_ids, pieces_pos, pieces_block, targets, source_cols = [r_ids], [r_pos], [blocks], [], []
-        pieces_copy = [torch.full_like(r_pos, CLEAN)]
-        cursor = len(r_ids)
-        for g in live_groups:
-            in_group = r_scored & (r_groups == g)
-            b = int(blocks[in_group][0])
-            cols = (blocks == b).nonzero().squeeze(-1)
-            state = state_before_step(r_ids[None], r_groups[None], r_gen[None], g, mask_token_id)[0][cols]
-            pieces_ids.append(state)
-            pieces_pos.append(r_pos[cols])
-            pieces_block.append(blocks[cols])
-            local = in_group[cols].nonzero().squeeze(-1)
-            targets.append(cursor + local)
-            source_cols.append(cols[local] - completion_start)
-            pieces_copy.append(torch.full_like(cols, len(pieces_copy) - 1))
-            cursor += len(cols)
-        rows.append({"ids": torch.cat(pieces_ids), "pos": torch.cat(pieces_pos), "block": torch.cat(pieces_block),
-                     "copy": torch.cat(pieces_copy), "targets": torch.cat(targets), "source_row": r,
-                     "source_cols": torch.cat(source_cols)})
-    return _chunks_from_rows(rows, pad_token_id, token_budget)
+    no = torch.zeros_like(prompt_mask, dtype=torch.bool)
+    yes = torch.ones_like(completion_ids, dtype=torch.bool)
+    valid = torch.cat([prompt_mask.bool(), yes], dim=1)
+    order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each row's real tokens first
+    ids = torch.cat([prompt_ids, completion_ids], dim=1).gather(1, order)
+    token_group = torch.cat([torch.full_like(prompt_ids, NOT_COMMITTED), groups], dim=1).gather(1, order)
+    target = torch.cat([no, scored.bool() & (groups >= 0)], dim=1).gather(1, order)
+    generated = torch.cat([no, yes], dim=1).gather(1, order)
+    source_col = order - prompt_width  # completion column of each compact position
+    n_valid = valid.sum(1)
+    if not bool(target.any()):
+        return []
+
+    # live (row, group) pairs, sorted by row then group: one noisy state each
+    rows_of, pos_of = target.nonzero(as_tuple=True)
+    n_groups = int(token_group.max()) + 1
+    pair_key = torch.unique(rows_of * n_groups + token_group[rows_of, pos_of])
+    pair_row, pair_group = torch.div(pair_key, n_groups, rounding_mode="floor"), pair_key % n_groups
+    n_pairs = len(pair_key)
+    if block_size is None:  # one whole row per pair, in the state before its group
+        seg_out, seg_src, seg_group = torch.arange(n_pairs, device=device), pair_row, pair_group
+        seg_start, seg_len = torch.zeros_like(pair_row), n_valid[pair_row]
+        seg_copy = torch.full_like(pair_row, CLEAN)
+    else:  # per row: [clean part | one copy of its block per pair]
+        first_pos = torch.full((batch * n_groups,), ids.shape[1], dtype=torch.long, device=device)
+        first_pos = first_pos.scatter_reduce(0, rows_of * n_groups + token_group[rows_of, pos_of], pos_of, "amin")
+        pair_block = torch.div(first_pos[pair_key], block_size, rounding_mode="floor")
+        out_rows, pair_out, pairs_per_row = torch.unique(pair_row, return_inverse=True, return_counts=True)
+        last_block = torch.zeros_like(out_rows).scatter_reduce(0, pair_out, pair_block, "amax")
+        copy_start = pair_block * block_size
+        n_out = len(out_rows)
+        seg_out = torch.cat([torch.arange(n_out, device=device), pair_out])
+        seg_src = torch.cat([out_rows, pair_row])
+        seg_group = torch.cat([torch.full_like(out_rows, NOT_COMMITTED), pair_group])
+        seg_start = torch.cat([torch.zeros_like(out_rows), copy_start])
+        seg_len = torch.cat([torch.minimum(n_valid[out_rows], last_block * block_size),
+                             torch.minimum(n_valid[pair_row], copy_start + block_size) - copy_start])
+        copy_rank = torch.arange(n_pairs, device=device) - _exclusive_cumsum(pairs_per_row)[pair_out]
+        seg_copy = torch.cat([torch.full_like(out_rows, CLEAN), copy_rank])
+        seg_order = torch.argsort(seg_out * 2 + (seg_group >= 0).long(), stable=True)  # clean part first
+        seg_out, seg_src, seg_group, seg_start, seg_len, seg_copy = (
+            t[seg_order] for t in (seg_out, seg_src, seg_group, seg_start, seg_len, seg_copy))
+
+    # every token of every packed row, in order
+    n_rows = int(seg_out.max()) + 1
+    row_len = torch.zeros(n_rows, dtype=torch.long, device=device).index_add_(0, seg_out, seg_len)
+    slot_seg = torch.repeat_interleave(torch.arange(len(seg_len), device=device), seg_len)
+    slot = torch.arange(len(slot_seg), device=device)
+    pos = seg_start[slot_seg] + slot - _exclusive_cumsum(seg_len)[slot_seg]
+    out_row, src_row, state = seg_out[slot_seg], seg_src[slot_seg], seg_group[slot_seg]
+    col = slot - _exclusive_cumsum(row_len)[out_row]
+    group = token_group[src_row, pos]
+    in_state = state >= 0
+    clean_ids = ids[src_row, pos]
+    state_ids = state_before_step(clean_ids[:, None], group[:, None], generated[src_row, pos][:, None], state,
+                                  mask_token_id)[:, 0]
+    slot_ids = torch.where(in_state, state_ids, clean_ids)
+    is_target = in_state & (group == state) & target[src_row, pos]
+    slot_block = block_index(pos, block_size) if block_size is not None else torch.zeros_like(pos)
+    slot_copy = seg_copy[slot_seg]
+
+    chunks = []
+    bounds = torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.cumsum(row_len, 0)]).tolist()
+    for first, last in _chunk_rows(row_len.tolist(), token_budget):
+        part = slice(bounds[first], bounds[last])
+        n, width = last - first, int(row_len[first:last].max())
+        where = (out_row[part] - first, col[part])
+        chunk_ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device).index_put(where,
+                                                                                                   slot_ids[part])
+        zeros = torch.zeros((n, width), dtype=torch.long, device=device)
+        layout = AttentionLayout(zeros.index_put(where, slot_block[part]),
+                                 torch.full_like(zeros, CLEAN).index_put(where, slot_copy[part]),
+                                 torch.zeros((n, width), dtype=torch.bool, device=device).index_put(
+                                     where, torch.ones_like(pos[part], dtype=torch.bool)))
+        targets = is_target[part]
+        chunks.append(ScoringChunk(chunk_ids, zeros.index_put(where, pos[part]), layout, where[0][targets],
+                                   where[1][targets], src_row[part][targets],
+                                   source_col[src_row[part][targets], pos[part][targets]]))
+    return chunks
+
+
+def _chunk_rows(lengths: list[int], token_budget: int | None) -> list[tuple[int, int]]:
+    """Consecutive ``[first, last)`` row ranges whose padded size (rows x longest row) stays within
+    ``token_budget`` (a row longer than the budget gets a chunk of its own)."""
+    ranges, first, longest = [], 0, 0
+    for i, length in enumerate(lengths):
+        longest_with = max(longest, length)
+        if i > first and token_budget is not None and (i - first + 1) * longest_with > token_budget:
+            ranges.append((first, i))
+            first, longest_with = i, length
+        longest = longest_with
+    ranges.append((first, len(lengths)))
+    return ranges

@@ -65,22 +65,50 @@ class DiffusionModelMixin:
         labels: torch.LongTensor | None = None,
         store_kv: bool = False,
         output_hidden_states: bool = False,
-        logits_to_keep: int = 0,
+        logits_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``attention_mask``: None, 2-D key padding, or a custom 3-/4-D mask (see ``resolve_attention_mask``; the
         string ``"full"`` that Dream's released sampler passes means no mask). ``past_key_values``: a
         ``DiffusionCache``, read by every pass and written only when ``store_kv``. Logits are returned as the
-        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``."""
+        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``.
+
+        ``logits_to_keep`` (see ``keep_positions``) runs the LM head only where logits are wanted: an int keeps the
+        last positions and a 1-D tensor the given columns of every row (as in transformers); a ``(rows, cols)``
+        pair of index tensors or a ``[B, L]`` boolean mask keeps those positions only and returns logits ``[N, V]``
+        in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
+        rows and a vocabulary-wide head over every position would be a large part of the memory."""
         if isinstance(attention_mask, str):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, store_kv=store_kv,
                          output_hidden_states=output_hidden_states)
-        hidden = out.last_hidden_state
-        if logits_to_keep:
-            hidden = hidden[:, -logits_to_keep:]
+        hidden = keep_positions(out.last_hidden_state, logits_to_keep)
+        if labels is not None and hidden.dim() != 3:
+            raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
         return causal_lm_output(self, out, self.lm_logits(hidden), labels)
+
+
+def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
+    """The part of ``hidden`` ``[B, L, ...]`` an output head should see: everything (``keep`` 0 or None), the last
+    ``keep`` positions (int), the given columns of every row (1-D tensor), or only the given positions, flattened
+    to ``[N, ...]``: a ``(rows, cols)`` pair of index tensors or a ``[B, L]`` boolean mask (row-major order)."""
+    if keep is None or (isinstance(keep, int) and keep == 0):
+        return hidden
+    if isinstance(keep, int):
+        return hidden[:, -keep:]
+    if isinstance(keep, (tuple, list)):
+        rows, cols = keep
+        return hidden[rows, cols]
+    if keep.dtype == torch.bool:
+        if keep.shape != hidden.shape[:2]:
+            raise ValueError(f"a boolean logits_to_keep must be [B, L] = {tuple(hidden.shape[:2])}, got "
+                             f"{tuple(keep.shape)}.")
+        return hidden[keep]
+    if keep.dim() == 1:
+        return hidden[:, keep]
+    raise ValueError("logits_to_keep must be an int, a 1-D index tensor, a (rows, cols) pair or a [B, L] boolean "
+                     f"mask; got a {keep.dim()}-D {keep.dtype} tensor.")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

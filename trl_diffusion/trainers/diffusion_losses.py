@@ -28,6 +28,7 @@ from ..states import (
     first_block_start,
     noisy_clean_layout,
     positions_from_padding,
+    resolve_model_attention_backend,
     state_before_step,
     step_groups,
 )
@@ -269,15 +270,19 @@ def score_tokens(
     positions). ``logits_shift`` (Dream): position i is predicted from logits[i-1], so position 0 is never
     scored. With ``mask_token_id`` the mask token is removed from the distribution, exactly as the sampler
     removes it (``generation.sampling.sampling_logits``), so training and decoding share one distribution.
-    ``attention_backend`` (``states.ATTENTION_BACKENDS``) says how the layout's mask is built."""
-    mask = batch.layout.attention_mask(attention_backend) if batch.layout is not None else None
-    out = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids)
-    logits = out.logits
+    ``attention_backend`` (``states.ATTENTION_BACKENDS``) says how the layout's mask is built. The LM head runs
+    only at the scored positions (``logits_to_keep``)."""
+    mask = None
+    if batch.layout is not None:
+        backend = resolve_model_attention_backend(attention_backend, model, batch.input_ids.device)
+        mask = batch.layout.attention_mask(backend)
     scored = batch.targets != IGNORE_INDEX
     if logits_shift:
         scored[:, 0] = False
-        logits = torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
-    log_dist = sampling_logits(logits[scored], mask_token_id=mask_token_id).log_softmax(-1)
+    rows, cols = scored.nonzero(as_tuple=True)  # row-major, the order of batch.targets[scored]
+    logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                   logits_to_keep=(rows, cols - 1 if logits_shift else cols)).logits
+    log_dist = sampling_logits(logits, mask_token_id=mask_token_id).log_softmax(-1)
     target = batch.targets[scored]
     picked = log_dist.gather(-1, target[:, None]).squeeze(-1)
     with torch.no_grad():

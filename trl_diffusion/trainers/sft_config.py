@@ -43,7 +43,8 @@ class DiffusionSFTConfig(SFTConfig):
             `"error"`.
         attention_backend (`str`, *optional*, defaults to `"auto"`):
             How training attention masks are built: `"flex"` (a flex-attention `BlockMask`, no dense mask),
-            `"sdpa"` (a dense boolean mask), or `"auto"` (flex on CUDA, SDPA elsewhere).
+            `"sdpa"` (a dense boolean mask), or `"auto"` (flex on CUDA for half precision and head_dim
+            64/128/256, SDPA otherwise; `states.resolve_attention_backend`).
     """
 
     diffusion_objective: str | None = field(
@@ -90,7 +91,8 @@ class DiffusionSFTConfig(SFTConfig):
     attention_backend: str = field(
         default="auto",
         metadata={"help": "Training attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense "
-                  "boolean mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+                  "boolean mask) or 'auto' (flex on CUDA if verified, else sdpa).",
+                  "choices": list(ATTENTION_BACKENDS)},
     )
 
     def __post_init__(self):

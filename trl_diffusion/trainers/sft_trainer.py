@@ -25,6 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
+from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
 
@@ -169,6 +170,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
         self.spec = self._validate_model(self.model, self.args, self._tokenizer)
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
+        self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
+                                                                 self.args.device, training=False)
         self._noise_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         # Our loss is normalised by `num_items_in_batch`; make Trainer always count it, over every label (it would
         # drop position 0 of each row for a "...ForCausalLM" class name) or over labels[1:] for shifted logits.
@@ -300,7 +303,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         if normaliser is None:
             normaliser = count_loss_tokens(labels, self.spec.logits_shift)
         loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, self.spec.mask_token_id,
-                                      args.loss_type, args.attention_backend)
+                                      args.loss_type, self.attention_backend)
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())

@@ -75,7 +75,8 @@ class TraceRLConfig(GRPOConfig):
     attention_backend: str = field(
         default="auto",
         metadata={"help": "Scoring attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense "
-                  "boolean mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+                  "boolean mask) or 'auto' (flex on CUDA if verified, else sdpa).",
+                  "choices": list(ATTENTION_BACKENDS)},
     )
     dynamic_group_filtering: bool = field(
         default=False,

@@ -35,7 +35,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
 from ..models import check_tokenizer
-from ..states import trajectory_groups
+from ..states import resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -133,7 +133,8 @@ class TraceRLTrainer(GRPOTrainer):
             temperature=args.temperature, token_budget=args.scoring_token_budget,
             mask_low=args.random_mask_low, mask_high=args.random_mask_high,
             coupled_low=args.coupled_low, coupled_high=args.coupled_high, prompt_mask_prob=args.prompt_mask_prob,
-            attention_backend=args.attention_backend,
+            attention_backend=resolve_model_attention_backend(args.attention_backend, base, self.accelerator.device,
+                                                              training=False),
         )
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs

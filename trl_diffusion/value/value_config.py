@@ -28,7 +28,8 @@ class DiffusionValueConfig(_BaseConfig):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
         attention_backend (`str`, *optional*, defaults to `"auto"`):
-            `"flex"` (flex-attention `BlockMask`), `"sdpa"` (dense boolean mask) or `"auto"` (flex on CUDA).
+            `"flex"` (flex-attention `BlockMask`), `"sdpa"` (dense boolean mask) or `"auto"` (flex on CUDA where
+            verified, SDPA otherwise; `states.resolve_attention_backend`).
     """
 
     learning_rate: float = field(
@@ -56,7 +57,8 @@ class DiffusionValueConfig(_BaseConfig):
     attention_backend: str = field(
         default="auto",
         metadata={"help": "Attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense boolean "
-                  "mask) or 'auto' (flex on CUDA, sdpa elsewhere).", "choices": list(ATTENTION_BACKENDS)},
+                  "mask) or 'auto' (flex on CUDA if verified, else sdpa).",
+                  "choices": list(ATTENTION_BACKENDS)},
     )
 
     def __post_init__(self):

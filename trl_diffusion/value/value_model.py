@@ -23,11 +23,11 @@ from transformers import initialization as init
 from transformers.utils import ModelOutput
 
 from ..estimators.packing import build_scoring_chunks
-from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel
+from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.sdar.modeling_sdar import SDARModel
-from ..states import trajectory_groups
+from ..states import resolve_model_attention_backend, trajectory_groups
 
 BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -85,12 +85,15 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         output_hidden_states: bool = False,
+        values_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
         **kwargs,
     ) -> ValueOutput:
-        """``attention_mask``: None, 2-D key padding or a custom 3-/4-D mask, as the backbone takes it."""
+        """``attention_mask``: None, 2-D key padding or a custom 3-/4-D mask, as the backbone takes it.
+        ``values_to_keep``: the positions to compute values at, as the LM's ``logits_to_keep`` takes them
+        (``models.common.keep_positions``; a ``(rows, cols)`` pair gives ``value`` ``[N]``)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
-        hidden = out.last_hidden_state.to(self.value_head.weight.dtype)
+        hidden = keep_positions(out.last_hidden_state, values_to_keep).to(self.value_head.weight.dtype)
         return ValueOutput(value=self.value_head(hidden).squeeze(-1).float(), hidden_states=out.hidden_states)
 
     @classmethod
@@ -153,8 +156,10 @@ def token_values(
     chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, interface.mask_token_id, block,
                                   token_budget, pad_token_id=0)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
+    backend = resolve_model_attention_backend(attention_backend, interface, completion_ids.device)
     for chunk in chunks:
-        mask = chunk.layout.attention_mask(attention_backend)
-        out = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids)
-        values = values.index_put((chunk.source_row, chunk.source_col), out.value[chunk.chunk_row, chunk.chunk_col])
+        mask = chunk.layout.attention_mask(backend)
+        out = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
+                    values_to_keep=(chunk.chunk_row, chunk.chunk_col))
+        values = values.index_put((chunk.source_row, chunk.source_col), out.value)
     return values, groups

@@ -20,6 +20,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..models import check_tokenizer
+from ..states import resolve_model_attention_backend
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
 from .value_model import DiffusionValueModel, token_values
@@ -89,6 +90,8 @@ class DiffusionValueTrainer(_BaseTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
+                                                                 training=False)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
@@ -104,7 +107,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                       inputs["unmask_step"], args.shrinkage, args.training_block_size,
                                       args.scoring_token_budget, self.accelerator.unwrap_model(model),
-                                      args.attention_backend)
+                                      self.attention_backend)
         mask = inputs["trained_mask"]
         rewards = outcome_token_rewards(inputs["reward"], groups, mask)
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The one prepared GPU check (one H200, no network): installs the wheels the image lacks, then runs, each under its
+# own time limit and all within ~9 minutes, writing logs and JSON to $OUT (default ./gpu_out):
+#   1. the GPU tests:          pytest -m gpu tests/test_gpu.py          -> gpu_tests.log, gpu_tests.xml
+#   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side -> training_sdar4b.json
+#   3. flex-attention probe:   which head sizes / dtypes compile          -> flex_probe.json
+#   4. generation benchmark:   --device cuda, when benchmarks/generation.py has that flag -> generation.log
+#
+# Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
+# (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git) and send .whl along
+# (the device tool's carry: [".whl"]). Then, from the project root:  bash scripts/gpu_check.sh
+set -u
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/gpu_out}"
+mkdir -p "$OUT"
+START=$SECONDS
+BUDGET=${GPU_CHECK_BUDGET:-540}  # seconds; a step that would start after this is skipped
+
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+        > "$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
+    export PYTHONPATH="/tmp/site:$PWD"
+else
+    echo "no .whl/ folder: using the image's packages" | tee "$OUT/install.log"
+    export PYTHONPATH="$PWD"
+fi
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+{
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+    python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'transformers', transformers.__version__, 'trl', trl.__version__)"
+} > "$OUT/environment.txt" 2>&1
+
+left() { echo $((BUDGET - (SECONDS - START))); }
+step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless the budget is spent
+    local name=$1 limit=$2
+    shift 2
+    if [ "$(left)" -lt 30 ]; then
+        echo "$name: skipped (budget spent)" | tee -a "$OUT/summary.txt"
+        return
+    fi
+    [ "$limit" -gt "$(left)" ] && limit=$(left)
+    local begin=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - begin)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+}
+
+step gpu_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=20 \
+    --junitxml="$OUT/gpu_tests.xml"
+step training_sdar4b 200 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 95 \
+    --profile --output "$OUT/training_sdar4b.json"
+step flex_probe 90 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
+if python3 benchmarks/generation.py --help 2>/dev/null | grep -q -- "--device"; then
+    step generation 60 python3 benchmarks/generation.py --device cuda
+else
+    echo "generation: skipped (benchmarks/generation.py has no --device yet)" | tee -a "$OUT/summary.txt"
+fi
+tail -n 3 "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
+echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"
