@@ -459,3 +459,60 @@ def test_value_model_trains_one_epoch_over_the_surviving_rows(tmp_path, value_ba
         longest = trained.sum(1).max().item()
         expected = sum(0.5 * advantages[b] ** 2 * len(cols) / longest for b, cols in rows) / len(rows)
         assert trainer._metrics["train"]["value/loss"][-1] == pytest.approx(expected, rel=1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ presets, errors
+
+
+def test_official_trado_settings_are_rl_trado_yaml():
+    """configs/rl_trado.yaml + rl_trado_with_value.yaml (dLLM-RL 10b4fd1), restated by hand."""
+    args = TraceRLConfig.from_official("trado", num_processes=8, output_dir="x", use_cpu=True)
+    expected = dict(num_generations=16, generation_batch_size=1024, max_completion_length=2000, block_length=4,
+                    denoising_steps=4, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9,
+                    temperature=1.0, top_k=0, top_p=1.0, shrinkage=1, training_block_size=4, epsilon=0.2, beta=0.01,
+                    kl_reference="old_policy", use_bias_correction_kl=False, log_ratio_clip=10.0,
+                    step_normalization="max_length", loss_type="tracerl", learning_rate=1e-6,
+                    lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+                    weight_decay=0.0, max_grad_norm=1.0, dynamic_group_filtering="accuracy_band",
+                    group_accuracy_low=0.2, group_accuracy_high=0.8, reward_std="population", gamma=1.0, lam=1.0,
+                    cliprange_value=0.2, value_learning_rate=5e-6, value_batch_size=256, value_train_every=1)
+    assert {k: getattr(args, k) for k in expected} == expected
+    # 8 processes x 1 response x 8 accumulation = 64 responses (~256 rows of ~4 merged steps) per optimizer step
+    assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (1, 8)
+    assert args.generation_batch_size // (1 * 8 * 8) == 16  # optimizer steps per rollout on 8 processes
+    with pytest.raises(ValueError, match="processes"):
+        TraceRLConfig.from_official("trado", num_processes=3, output_dir="x", use_cpu=True)
+    with pytest.raises(ValueError, match="official"):
+        TraceRLConfig.from_official("sdar-8b", output_dir="x", use_cpu=True)
+
+
+def test_official_dream_and_llada_settings():
+    dream = TraceRLConfig.from_official("dream", output_dir="x", use_cpu=True)
+    llada = TraceRLConfig.from_official("llada", output_dir="x", use_cpu=True)
+    assert (dream.temperature, dream.top_p, dream.top_k, dream.max_completion_length) == (0.8, 0.9, 50, 1024)
+    assert (llada.temperature, llada.max_completion_length) == (0.8, 512)
+    for args in (dream, llada):
+        assert (args.block_length, args.denoising_steps, args.shrinkage) == (32, 32, 8)
+        assert (args.step_normalization, args.loss_type, args.log_ratio_clip) == ("step", "tracerl", None)
+        assert args.generation_batch_size == 32 * 8 and args.num_generations == 8
+
+
+def test_config_errors_name_the_field():
+    def config(**fields):
+        return TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, **fields)
+
+    assert config(dynamic_group_filtering=True).dynamic_group_filtering == "all_equal"
+    assert config(dynamic_group_filtering=False).dynamic_group_filtering == "none"
+    for fields, field in [({"dynamic_group_filtering": "band"}, "dynamic_group_filtering"),
+                          ({"group_accuracy_low": 0.9}, "group_accuracy_low"),
+                          ({"step_normalization": "tokens"}, "step_normalization"),
+                          ({"step_normalization": "sequence"}, "step_normalization"),
+                          ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+                          ({"kl_reference": "initial"}, "kl_reference"),
+                          ({"sync_ref_model": True}, "sync_ref_model"),
+                          ({"log_ratio_clip": 0.0}, "log_ratio_clip"),
+                          ({"reward_std": "unbiased"}, "reward_std"),
+                          ({"multi_objective_aggregation": "normalize_then_sum"}, "reward_std"),
+                          ({"value_batch_size": 0}, "value_batch_size")]:
+        with pytest.raises(ValueError, match=field):
+            config(**fields)

@@ -196,19 +196,19 @@ class TraceRLConfig(GRPOConfig):
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
 
     @classmethod
-    def from_official(cls, name: str, **overrides) -> TraceRLConfig:
+    def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:
         """A config with dLLM-RL's published RL settings for ``name`` (see ``OFFICIAL_SETTINGS``): ``"trado"``
         (configs/rl_trado.yaml and rl_trado_with_value.yaml), ``"dream"`` (rl_dream.yaml) or ``"llada"``
         (rl_llada.yaml). ``overrides`` (any field, e.g. ``output_dir``) win.
 
         The optimizer batch holds as many responses as dLLM-RL's holds training rows on average (TraDo: 256 rows of
-        ~4 merged steps = 64 responses), one response per device per micro-step; gradient accumulation is derived
-        from the number of processes (``WORLD_SIZE``), which must divide it."""
+        ~4 merged steps = 64 responses), one response per device per micro-step: gradient accumulation is that
+        number over ``num_processes`` (default: ``WORLD_SIZE``, as set by ``accelerate launch``)."""
         if name not in OFFICIAL_SETTINGS:
             raise ValueError(f"unknown official setting {name!r}; choose one of {sorted(OFFICIAL_SETTINGS)}.")
         settings = dict(OFFICIAL_SETTINGS[name])
         per_step = settings.pop("responses_per_optimizer_step")
-        world = int(os.environ.get("WORLD_SIZE", "1"))
+        world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
         if "gradient_accumulation_steps" not in overrides and "per_device_train_batch_size" not in overrides:
             if per_step % world:
                 raise ValueError(f"{name}: {per_step} responses per optimizer step do not split over {world} "
