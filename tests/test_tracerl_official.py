@@ -516,3 +516,18 @@ def test_config_errors_name_the_field():
                           ({"value_batch_size": 0}, "value_batch_size")]:
         with pytest.raises(ValueError, match=field):
             config(**fields)
+
+
+def test_a_frozen_reference_of_an_in_memory_policy_can_be_synced(tmp_path):
+    """kl_reference='reference_model' with sync_ref_model (DiffuCoder's recipe): the trainer's own frozen copy gets
+    TRL's sync callback (TRL itself refuses to sync a reference it did not build)."""
+    from trl.trainer.callbacks import SyncRefModelCallback
+
+    args = TraceRLConfig(**base_config(tmp_path, kl_reference="reference_model", sync_ref_model=True,
+                                       ref_model_sync_steps=1, ref_model_mixup_alpha=1.0, max_steps=2,
+                                       dynamic_group_filtering="none"))
+    trainer = make_trainer(args)
+    assert any(isinstance(c, SyncRefModelCallback) for c in trainer.callback_handler.callbacks)
+    trainer.train()
+    for ours, reference in zip(trainer.model.parameters(), trainer.ref_model.parameters()):
+        torch.testing.assert_close(reference, ours)  # alpha 1: the reference is the policy after every step

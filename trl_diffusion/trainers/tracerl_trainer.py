@@ -27,6 +27,7 @@ import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
@@ -90,12 +91,13 @@ class TraceRLTrainer(GRPOTrainer):
         if own_reference:  # TRL would re-load the reference from config._name_or_path, which an in-memory model lacks
             # copy before TRL patches the policy's forward (a copy made later would call the policy's weights)
             reference = copy.deepcopy(model).eval()
+        sync_reference = args.sync_ref_model
         if own_reference or kl_to_old:  # KL against pi_old needs no reference model at all
-            args.beta = 0.0
+            args.beta, args.sync_ref_model = 0.0, False  # TRL refuses to sync a reference it did not build
         try:
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
         finally:
-            args.beta = beta
+            args.beta, args.sync_ref_model = beta, sync_reference
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if _is_peft(unwrapped) else unwrapped
         if not hasattr(base, "attention_kind"):
@@ -122,6 +124,8 @@ class TraceRLTrainer(GRPOTrainer):
             else:
                 reference = self.accelerator.prepare_model(reference, evaluation_mode=True)
             self.ref_model = reference
+            if sync_reference:
+                self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
         training_block = args.training_block_size or args.block_length
         self.estimator_settings = EstimatorSettings(
             name=args.likelihood_estimator, shrinkage=args.shrinkage, block_size=training_block,
