@@ -286,7 +286,7 @@ def test_trado_objective_equals_dllm_rl(tmp_path):
     assert_same_loss_and_gradient(trainer, batch, official_clamped)
 
 
-@pytest.mark.parametrize("family", ["dream", "llada"])
+@pytest.mark.parametrize("family", ["dream", pytest.param("llada", marks=pytest.mark.slow)])
 def test_dream_and_llada_objective_equals_dllm_rl(tmp_path, family):
     """from_official('dream' / 'llada'): rl_dream.py / rl_llada.py's loss -- one row per merged step over the
     whole response (shrinkage over every committed canvas token), each row's mean over its trained tokens, / rows.
@@ -331,7 +331,7 @@ def test_step_weights_count_only_trained_tokens():
     assert step_weights(groups).tolist()[0] == pytest.approx([0.5, 0.5, 1 / 3, 1 / 3, 1 / 3, 1.0, 0])
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+@pytest.mark.parametrize("loss_type", ["grpo", pytest.param("dr_grpo", marks=pytest.mark.slow)])
 def test_filtered_rows_leave_grpo_and_dr_grpo_denominators(tmp_path, loss_type):
     """TRL's grpo (per-sequence mean, then mean over rows) and dr_grpo (sum / (rows x max_completion_length))
     count only the rows of groups that survive the filter."""
@@ -382,6 +382,7 @@ def test_accuracy_band_needs_rewards_in_the_unit_interval(tmp_path):
 # ------------------------------------------------------------------------------------------------ updates per rollout
 
 
+@pytest.mark.slow
 def test_one_epoch_of_minibatches_against_a_fixed_old_policy(tmp_path):
     """steps_per_generation = 4 x gradient_accumulation_steps: four optimizer steps on one rollout, all against
     the same pi_old -- the first with ratio 1 and zero KL, the later ones with the ratio moved, clipping active and
@@ -518,6 +519,7 @@ def test_config_errors_name_the_field():
             config(**fields)
 
 
+@pytest.mark.slow
 def test_a_frozen_reference_of_an_in_memory_policy_can_be_synced(tmp_path):
     """kl_reference='reference_model' with sync_ref_model (DiffuCoder's recipe): the trainer's own frozen copy gets
     TRL's sync callback (TRL itself refuses to sync a reference it did not build)."""

@@ -62,7 +62,7 @@ class TraceRLTrainer(GRPOTrainer):
     Accepts everything ``GRPOTrainer`` accepts; ``args`` is a :class:`TraceRLConfig`. ``value_model`` (a
     :class:`~trl_diffusion.value.DiffusionValueModel` or a path for ``DiffusionValueModel.load``) switches on the
     value model: per-token advantages (``gamma``, ``lam``) and its own training (``cliprange_value``,
-    ``value_learning_rate``, ``value_train_every``).
+    ``value_learning_rate``, ``value_batch_size``, ``value_train_every``).
     """
 
     _tag_names = ["trl", "trl_diffusion", "tracerl"]
