@@ -242,9 +242,10 @@ class TraceRLTrainer(GRPOTrainer):
         """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's; the logged ones follow."""
         group = self.num_generations if mode == "train" else self.num_generations_eval
         advantages = population_advantages(self._rewards(), group, self.args.scale_rewards)
-        logged = self._logs["advantages"]
-        for i, value in enumerate(advantages.tolist()):
-            logged[len(logged) - len(advantages) + i] = value
+        logged = self._logs["advantages"]  # a bounded deque TRL just extended with its own advantages
+        values = advantages.tolist()[-len(logged):] if logged else []
+        for i, value in enumerate(values):
+            logged[len(logged) - len(values) + i] = value
         return self._local(advantages, local_rows)
 
     def _kept_rows(self, local_rows: int, mode: str) -> torch.Tensor:
