@@ -8,10 +8,10 @@ prints held-out greedy accuracy before and after training:
 
     accelerate launch examples/math.py
 
-The real recipe (TraDo-4B-Instruct on MATH-style data; see recipes/ for complete configs):
+The published TraDo-4B-Instruct run (dLLM-RL's MATH training set; see recipes/ for complete configs):
 
-    accelerate launch examples/math.py --model_name_or_path Gen-Verse/TraDo-4B-Instruct \
-        --dataset_name HuggingFaceH4/MATH-500 --dataset_train_split test --config recipes/trado_4b_tracerl_math.yaml
+    accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml examples/math.py \
+        --config recipes/trado_4b_tracerl_math.yaml
 
 Every TRL / TraceRL config field is a flag (``--learning_rate``, ``--likelihood_estimator``, ``--shrinkage``,
 ``--beta``, ``--push_to_hub``, ...) and ``--config file.yaml`` is accepted. Training curves are saved as
@@ -28,6 +28,9 @@ import sys
 if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
     sys.path.pop(0)
 
+import functools
+import importlib
+import inspect
 import json
 from dataclasses import dataclass, field
 
@@ -35,10 +38,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
+from trl_diffusion import rewards as reward_library
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
-from trl_diffusion.rewards import math_accuracy_reward
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -48,15 +51,29 @@ class MathScriptArguments(ScriptArguments):
     dataset_name: str | None = field(default=None, metadata={"help": "Hub name or local file of a math dataset "
                                                              "(problem/question + answer/solution columns). "
                                                              "Default: the synthetic arithmetic task."})
+    reward_funcs: list[str] = field(default_factory=lambda: ["math_accuracy_reward"],
+                                    metadata={"help": "Reward functions for a math dataset: names in "
+                                              "trl_diffusion.rewards or dotted paths (module.function). A function "
+                                              "with a `max_completion_length` parameter gets the run's value."})
+    value_model: str | None = field(
+        default=None,
+        metadata={"help": "Train with a diffusion value model: a saved value model, or a policy checkpoint whose "
+                  "backbone is copied under a zero head (as dLLM-RL initialises TraDo's)."})
+    prompt_template: str | None = field(
+        default=None,
+        metadata={"help": "A raw prompt with `{question}`, used as is without the chat template (as dLLM-RL's "
+                  "rollouts build prompts). Default: the question plus a \\boxed{} instruction as a user message, "
+                  "rendered by the tokenizer's chat template."})
     num_eval: int = field(default=200, metadata={"help": "Held-out synthetic problems for the before/after accuracy."})
     eval_every: int = field(default=25, metadata={"help": "Held-out accuracy every this many steps (synthetic)."})
 
 
-def math_dataset(name: str, config: str | None, split: str):
-    """Load a math dataset (Hub name or local json/jsonl/parquet) as conversational prompts + ``answer``."""
+def math_dataset(name: str, config: str | None, split: str, prompt_template: str | None = None):
+    """Load a math dataset (Hub name or local json/jsonl/parquet) as prompts + ``answer``: conversational, or raw
+    text from ``prompt_template``."""
     dataset = load_training_dataset(name, config, split)
     question = next((c for c in ("problem", "question", "prompt") if c in dataset.column_names), None)
-    answer = next((c for c in ("answer", "solution") if c in dataset.column_names), None)
+    answer = next((c for c in ("answer", "ground_truth_answer", "solution") if c in dataset.column_names), None)
     if question is None or answer is None:
         raise ValueError(f"{name}: need a problem/question column and an answer/solution column, "
                          f"found {dataset.column_names}.")
@@ -64,9 +81,21 @@ def math_dataset(name: str, config: str | None, split: str):
     def to_row(row):
         gold = str(row[answer])
         gold = gold.split("####")[-1].strip() if "####" in gold else gold
+        if prompt_template is not None:
+            return {"prompt": prompt_template.replace("{question}", row[question]), "answer": gold}
         return {"prompt": [{"role": "user", "content": row[question] + INSTRUCTION}], "answer": gold}
 
     return dataset.map(to_row, remove_columns=dataset.column_names)
+
+
+def load_reward(name: str, max_completion_length: int):
+    """A reward function by name (``trl_diffusion.rewards``) or dotted path; ``max_completion_length`` is bound
+    when the function takes it (e.g. to score truncated responses as wrong)."""
+    module, _, attribute = name.rpartition(".")
+    func = getattr(importlib.import_module(module) if module else reward_library, attribute)
+    if "max_completion_length" in inspect.signature(func).parameters:
+        func = functools.update_wrapper(functools.partial(func, max_completion_length=max_completion_length), func)
+    return func
 
 
 def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: ModelConfig) -> dict:
@@ -82,10 +111,12 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, held_out, script_args.eval_every,
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
-        dataset = math_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split)
-        reward = math_accuracy_reward
+        dataset = math_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split,
+                               script_args.prompt_template)
+        reward = [load_reward(name, args.max_completion_length) for name in script_args.reward_funcs]
     trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             callbacks=callbacks, peft_config=get_peft_config(model_args))
+                             callbacks=callbacks, peft_config=get_peft_config(model_args),
+                             value_model=script_args.value_model)
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     trainer.save_model(args.output_dir)
     plot = save_training_curves(

@@ -117,11 +117,14 @@ def run(script_args: ScriptArguments, args: TraceRLConfig, name: str) -> dict:
 
 def make_parser() -> TrlParser:
     parser = TrlParser((ScriptArguments, TraceRLConfig))
+    # the objective docs/value.md measured (trl_diffusion's defaults before the official objective): TRL's dapo
+    # loss, no KL, no group filter, TRL's reward std, one value step per rollout
     parser.set_defaults(
         output_dir="runs/value_arithmetic", max_steps=100, per_device_train_batch_size=64, num_generations=8,
         max_completion_length=16, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static",
         temperature=1.0, learning_rate=1e-4, value_learning_rate=1e-3, gamma=1.0, lam=1.0, cliprange_value=0.2,
-        beta=0.0, logging_steps=10, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
+        beta=0.0, loss_type="dapo", dynamic_group_filtering="none", reward_std="sample", value_batch_size=None,
+        logging_steps=10, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
         use_cpu=True, seed=0, disable_tqdm=True,
     )
     return parser

@@ -147,19 +147,24 @@ def test_two_processes_match_one_process_with_twice_the_batch(runs, job):
     assert_same_metrics(history(runs["two"] / job), history(runs["one"] / job))
 
 
+def population_z_score(rewards: torch.Tensor) -> torch.Tensor:
+    std = rewards.std(correction=0)
+    return (rewards - rewards.mean()) / std if std > 0 else torch.zeros_like(rewards)
+
+
 @pytest.mark.slow
 def test_groups_span_ranks_and_advantages_use_the_whole_group(runs):
-    """Per-device batch 2 and 4 generations per prompt: every group is split over both ranks. TRL gathers the
-    rewards, so each advantage is (r - group mean) / (group std + 1e-4) over all four completions."""
+    """Per-device batch 2 and 4 generations per prompt: every group is split over both ranks. The rewards are
+    gathered, so each advantage is (r - group mean) / (group population std) over all four completions."""
     folder = runs["two"] / "tracerl"
     split_matters = False
     for step in (1, 2):
         table = pd.read_parquet(folder / "completions" / f"completions_{step:05d}.parquet")
         assert len(table) == 4 and table["prompt"].nunique() == 1 and (table["step"] == step).all()
         rewards = torch.tensor(table["distinct_chars"].to_numpy())
-        expected = (rewards - rewards.mean()) / (rewards.std() + 1e-4)
+        expected = population_z_score(rewards)
         torch.testing.assert_close(torch.tensor(table["advantage"].to_numpy()), expected, atol=1e-4, rtol=1e-4)
-        local = torch.cat([(half - half.mean()) / (half.std() + 1e-4) for half in rewards.split(2)])
+        local = torch.cat([population_z_score(half) for half in rewards.split(2)])
         split_matters |= not torch.allclose(local, expected, atol=1e-3)
     assert split_matters, "rank-local advantages would have been the same; the check above proves nothing"
     steps = history(folder)[:-1]

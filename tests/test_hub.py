@@ -35,7 +35,7 @@ def test_push_to_hub_writes_card_and_loadable_checkpoint(tmp_path, monkeypatch):
     args = TraceRLConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_generations=4,
                          max_completion_length=8, max_steps=1, report_to="none", use_cpu=True, bf16=False,
                          gradient_checkpointing=False, save_strategy="no", hub_model_id="me/tiny-tracerl",
-                         disable_tqdm=True)
+                         disable_tqdm=True, dynamic_group_filtering="none")  # length rewards lie beyond [0, 1]
     dataset = Dataset.from_dict({"prompt": ["What is 1+2?", "abc"] * 2})
     def length(completions, **kwargs):
         return [float(len(c)) for c in completions]

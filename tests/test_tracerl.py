@@ -24,7 +24,7 @@ def make_trainer(tmp_path, family="sdar", reward=distinct_chars, model=None, pro
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False)
+                  disable_tqdm=True, seed=0, bf16=False, dynamic_group_filtering="none")  # rewards beyond [0, 1]
     peft_config = overrides.pop("peft_config", None)
     config.update(overrides)
     model = model if model is not None else tiny_model(family).train()
@@ -51,7 +51,8 @@ def test_training_step_for_every_family_and_estimator(tmp_path, family, estimato
 
 
 def test_lora(tmp_path):
-    trainer = make_trainer(tmp_path, "llada", peft_config=peft.LoraConfig(r=4, lora_alpha=8), beta=0.04)
+    trainer = make_trainer(tmp_path, "llada", peft_config=peft.LoraConfig(r=4, lora_alpha=8), beta=0.04,
+                           kl_reference="reference_model")  # the base model (adapters off) is the reference
     base = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_" not in n}
     adapters = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
     trainer.train()
@@ -61,7 +62,7 @@ def test_lora(tmp_path):
 
 
 def test_reference_model_is_a_frozen_copy(tmp_path):
-    trainer = make_trainer(tmp_path, "dream", beta=0.1, max_steps=2, num_iterations=1)
+    trainer = make_trainer(tmp_path, "dream", beta=0.1, max_steps=2, num_iterations=1, kl_reference="reference_model")
     assert trainer.ref_model is not None and trainer.ref_model is not trainer.model
     initial = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
     trainer.train()
@@ -101,7 +102,7 @@ def test_group_filtering_drops_the_equal_group_from_the_loss(tmp_path):
     for filtering in (False, True):
         trainer = make_trainer(tmp_path, "sdar", reward=half_constant, prompts=["What is 1+2?", "abc"],
                                per_device_train_batch_size=8, dynamic_group_filtering=filtering, optim="sgd",
-                               max_grad_norm=0.0)
+                               max_grad_norm=0.0, loss_type="dapo")
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
         deltas[filtering] = torch.cat([(p.detach() - before[n]).flatten()

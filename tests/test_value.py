@@ -42,7 +42,8 @@ def make_trainer(tmp_path, family="sdar", value_model=None, policy=None, **overr
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False, value_learning_rate=1e-2)
+                  disable_tqdm=True, seed=0, bf16=False, value_learning_rate=1e-2,
+                  dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
     config.update(overrides)
     policy = policy if policy is not None else tiny_model(family).train()
     value_model = value_model if value_model is not None else DiffusionValueModel.from_policy(policy)

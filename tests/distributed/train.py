@@ -90,7 +90,8 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
         return DiffusionSFTTrainer(model, args=DiffusionSFTConfig(**config), train_dataset=data,
                                    processing_class=build_tokenizer(), callbacks=callbacks)
     config.update(learning_rate=0.5, num_generations=4, max_completion_length=8, block_length=4, denoising_steps=2,
-                  log_completions=True, num_completions_to_print=0, value_learning_rate=0.5)
+                  log_completions=True, num_completions_to_print=0, value_learning_rate=0.5,
+                  dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
     config.update(overrides)
     data = Dataset.from_dict({"prompt": PROMPTS})
     return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config), train_dataset=data,

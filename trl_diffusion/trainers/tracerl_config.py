@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -10,6 +11,7 @@ from trl import GRPOConfig
 from ..estimators import ESTIMATORS
 from ..generation.sampling import REMASKING_STRATEGIES
 from ..states import ATTENTION_BACKENDS, check_attention_backend
+from .tracerl_objective import STEP_NORMALIZATIONS
 
 
 @dataclass
@@ -23,8 +25,15 @@ class TraceRLConfig(GRPOConfig):
       `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
+    * TraceRL's objective as published (`loss_type="tracerl"`, `step_normalization`, `kl_reference`,
+      `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
-      `value_train_every`), used only when the trainer is given a `value_model`.
+      `value_batch_size`, `value_train_every`), used only when the trainer is given a `value_model`.
+
+    Defaults follow the published method (the paper's objective, and dLLM-RL's code where the paper is silent and
+    the code does the same for every model family); [`TraceRLConfig.from_official`] gives dLLM-RL's per-family
+    settings exactly (e.g. TraDo's 1/L_max normalisation). Changed GRPO defaults: `loss_type="tracerl"`,
+    `beta=0.01` (k3 against the rollout policy, `kl_reference="old_policy"`), `use_bias_correction_kl=False`.
     """
 
     block_length: int = field(default=4, metadata={"help": "Rollout block length (tokens per block)."})
@@ -57,9 +66,45 @@ class TraceRLConfig(GRPOConfig):
     )
     step_normalization: str = field(
         default="step",
-        metadata={"help": "'step': each token's loss is weighted 1/|tau(t)| (tokens committed in its merged step), so "
-                  "with loss_type='grpo' a sequence's loss is the mean over its steps of per-step means (TraceRL). "
-                  "'sequence': plain per-token weighting (TRL's own)."},
+        metadata={"help": "Per-token loss weight. 'step' (the paper; dLLM-RL's Dream/LLaDA code): 1/|tau(t)|, "
+                  "|tau(t)| = the trained tokens of the token's merged step, so each step contributes the mean of its "
+                  "tokens. 'max_length' (dLLM-RL's SDAR/TraDo code): 1/L_max, L_max = the longest trained completion "
+                  "of the rollout batch. 'sequence': 1 (TRL's own).", "choices": list(STEP_NORMALIZATIONS)},
+    )
+    loss_type: str = field(
+        default="tracerl",
+        metadata={"help": "GRPO's loss aggregation, plus 'tracerl' (default; dLLM-RL): the weighted token losses "
+                  "summed and divided by the number of training rows, one row per response and merged step (with "
+                  "step_normalization='max_length' on block models: the r-th merged step of every block, as "
+                  "dLLM-RL's SDAR/TraDo code stacks them), counted over the generation batch and spread evenly over "
+                  "its optimizer steps. Masking estimators count one row per response. Any TRL loss type ('dapo', "
+                  "'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
+    )
+    beta: float = field(
+        default=0.01,
+        metadata={"help": "KL coefficient (TraceRL: 0.01). The KL is the k3 estimator against `kl_reference`."},
+    )
+    kl_reference: str = field(
+        default="old_policy",
+        metadata={"help": "What the KL term pulls towards: 'old_policy' (dLLM-RL) = the policy that sampled the "
+                  "rollout (its log-probs pi_old, no extra model); 'reference_model' (TRL's GRPO) = a frozen copy of "
+                  "the initial policy.", "choices": ["old_policy", "reference_model"]},
+    )
+    use_bias_correction_kl: bool = field(
+        default=False,
+        metadata={"help": "Multiply the per-token KL by the importance ratio (TRL's correction). Off by default, as "
+                  "in dLLM-RL."},
+    )
+    log_ratio_clip: float | None = field(
+        default=None,
+        metadata={"help": "Clamp log(pi/pi_old) to [-c, c] before the ratio is formed (dLLM-RL's SDAR/TraDo code: "
+                  "10; no gradient flows through a clamped token). None: no clamp (dLLM-RL's Dream/LLaDA code)."},
+    )
+    reward_std: str = field(
+        default="population",
+        metadata={"help": "How rewards are scaled into advantages (with scale_rewards 'group' or 'batch'): "
+                  "'population' (dLLM-RL) = (r - mean) / population std, 0 when the std is 0; 'sample' = TRL's "
+                  "(r - mean) / (unbiased std + 1e-4).", "choices": ["population", "sample"]},
     )
     scoring_token_budget: int | None = field(
         default=16384,
@@ -78,10 +123,20 @@ class TraceRLConfig(GRPOConfig):
                   "boolean mask) or 'auto' (flex on CUDA if verified, else sdpa).",
                   "choices": list(ATTENTION_BACKENDS)},
     )
-    dynamic_group_filtering: bool = field(
-        default=False,
-        metadata={"help": "Drop groups whose rewards are all equal (all-or-nothing accuracy) from the loss, as the "
-                  "anchors do; the fraction dropped is logged as `filtered_groups`."},
+    dynamic_group_filtering: str = field(
+        default="accuracy_band",
+        metadata={"help": "Which prompt groups leave the loss (and the value model's training) before training: "
+                  "'accuracy_band' (dLLM-RL) = groups whose mean reward (the accuracy of a 0/1 reward) lies outside "
+                  "[group_accuracy_low, group_accuracy_high]; needs rewards in [0, 1]. 'all_equal' = groups whose "
+                  "rewards are all equal. 'none' (also False) = keep all. Dropped groups leave every loss "
+                  "normaliser too; the fraction dropped is logged as `filtered_groups`.",
+                  "choices": ["accuracy_band", "all_equal", "none"]},
+    )
+    group_accuracy_low: float = field(
+        default=0.2, metadata={"help": "`accuracy_band`: lowest group accuracy kept (dLLM-RL: 0.2)."}
+    )
+    group_accuracy_high: float = field(
+        default=0.8, metadata={"help": "`accuracy_band`: highest group accuracy kept (dLLM-RL: 0.8)."}
     )
     resume_without_rollout_state: bool = field(
         default=False,
@@ -109,6 +164,13 @@ class TraceRLConfig(GRPOConfig):
     value_learning_rate: float = field(
         default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer."}
     )
+    value_batch_size: int | None = field(
+        default=256,
+        metadata={"help": "Value model: training rows per value optimizer step, over all processes. It takes "
+                  "ceil(rows / value_batch_size) steps per generation batch: one epoch over the rows of the groups "
+                  "that survive the filter (dLLM-RL: 8 GPUs x 32 accumulation x 1 row = 256). None: as many steps "
+                  "as the policy takes per generation batch."},
+    )
     value_train_every: int = field(
         default=1,
         metadata={"help": "Value model: train it on every k-th generation batch (1 = every one). Advantages always "
@@ -117,6 +179,7 @@ class TraceRLConfig(GRPOConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        self._check_objective()
         if self.remasking_strategy not in REMASKING_STRATEGIES:
             raise ValueError(f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of "
                              f"{REMASKING_STRATEGIES}.")
@@ -131,8 +194,6 @@ class TraceRLConfig(GRPOConfig):
         check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
-        if self.step_normalization not in ("step", "sequence"):
-            raise ValueError(f"step_normalization must be 'step' or 'sequence', got {self.step_normalization!r}.")
         self._check_sampling_and_scoring_fields()
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
@@ -173,3 +234,94 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"{[name for name, set_ in ignored.items() if set_]} are not applied by diffusion "
                              "rollouts; leave them at their defaults (min_p=None, repetition_penalty=1.0, "
                              "generation_kwargs=None).")
+    @classmethod
+    def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:
+        """A config with dLLM-RL's published RL settings for ``name`` (see ``OFFICIAL_SETTINGS``): ``"trado"``
+        (configs/rl_trado.yaml and rl_trado_with_value.yaml), ``"dream"`` (rl_dream.yaml) or ``"llada"``
+        (rl_llada.yaml). ``overrides`` (any field, e.g. ``output_dir``) win.
+
+        The optimizer batch holds as many responses as dLLM-RL's holds training rows on average (TraDo: 256 rows of
+        ~4 merged steps = 64 responses), one response per device per micro-step: gradient accumulation is that
+        number over ``num_processes`` (default: ``WORLD_SIZE``, as set by ``accelerate launch``)."""
+        if name not in OFFICIAL_SETTINGS:
+            raise ValueError(f"unknown official setting {name!r}; choose one of {sorted(OFFICIAL_SETTINGS)}.")
+        settings = dict(OFFICIAL_SETTINGS[name])
+        per_step = settings.pop("responses_per_optimizer_step")
+        world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
+        if "gradient_accumulation_steps" not in overrides and "per_device_train_batch_size" not in overrides:
+            if per_step % world:
+                raise ValueError(f"{name}: {per_step} responses per optimizer step do not split over {world} "
+                                 "processes; pass per_device_train_batch_size and gradient_accumulation_steps.")
+            settings.update(per_device_train_batch_size=1, gradient_accumulation_steps=per_step // world)
+        return cls(**{**settings, **overrides})
+
+    def _check_objective(self) -> None:
+        """Validate (and canonicalise) the TraceRL objective's fields."""
+        if isinstance(self.dynamic_group_filtering, bool):  # the former boolean field: True = drop all-equal groups
+            self.dynamic_group_filtering = "all_equal" if self.dynamic_group_filtering else "none"
+        if self.dynamic_group_filtering not in ("accuracy_band", "all_equal", "none"):
+            raise ValueError("dynamic_group_filtering must be 'accuracy_band', 'all_equal' or 'none', got "
+                             f"{self.dynamic_group_filtering!r}.")
+        if not 0.0 <= self.group_accuracy_low <= self.group_accuracy_high <= 1.0:
+            raise ValueError("need 0 <= group_accuracy_low <= group_accuracy_high <= 1, got "
+                             f"{self.group_accuracy_low} and {self.group_accuracy_high}.")
+        if self.step_normalization not in STEP_NORMALIZATIONS:
+            raise ValueError(f"step_normalization must be one of {STEP_NORMALIZATIONS}, got "
+                             f"{self.step_normalization!r}.")
+        if self.loss_type == "tracerl":
+            if self.step_normalization == "sequence":
+                raise ValueError("loss_type='tracerl' averages over training rows (response x merged step) and needs "
+                                 "step_normalization 'step' or 'max_length'; with 'sequence' use a TRL loss type "
+                                 "such as 'dapo'.")
+            if self.importance_sampling_level != "token":
+                raise ValueError("loss_type='tracerl' sums per-token terms; it needs importance_sampling_level="
+                                 "'token'.")
+        if self.kl_reference not in ("old_policy", "reference_model"):
+            raise ValueError(f"kl_reference must be 'old_policy' or 'reference_model', got {self.kl_reference!r}.")
+        if self.kl_reference == "old_policy" and self.sync_ref_model:
+            raise ValueError("sync_ref_model=True needs kl_reference='reference_model' (with 'old_policy' the KL is "
+                             "taken against the rollout policy; there is no reference model to synchronise).")
+        if self.log_ratio_clip is not None and not self.log_ratio_clip > 0:
+            raise ValueError(f"log_ratio_clip must be > 0 or None, got {self.log_ratio_clip}.")
+        if self.reward_std not in ("population", "sample"):
+            raise ValueError(f"reward_std must be 'population' or 'sample', got {self.reward_std!r}.")
+        if self.reward_std == "population" and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError("reward_std='population' scales the summed reward (multi_objective_aggregation="
+                             "'sum_then_normalize'); with 'normalize_then_sum' set reward_std='sample' (TRL's).")
+        if self.value_batch_size is not None and self.value_batch_size < 1:
+            raise ValueError(f"value_batch_size must be >= 1 or None, got {self.value_batch_size}.")
+
+
+_DLLM_RL_COMMON = dict(
+    likelihood_estimator="trajectory", loss_type="tracerl", epsilon=0.2, beta=0.01, kl_reference="old_policy",
+    use_bias_correction_kl=False, num_iterations=1, dynamic_group_filtering="accuracy_band", group_accuracy_low=0.2,
+    group_accuracy_high=0.8, scale_rewards="group", reward_std="population", learning_rate=1e-6,
+    lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
+    weight_decay=0.0, max_grad_norm=1.0,
+)
+
+OFFICIAL_SETTINGS: dict[str, dict] = {
+    # configs/rl_trado.yaml, rl_trado_with_value.yaml; train/rl_trado.py, train_trado_value.py
+    "trado": dict(
+        _DLLM_RL_COMMON, num_generations=16, generation_batch_size=64 * 16, responses_per_optimizer_step=64,
+        max_completion_length=2000, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_dynamic",
+        confidence_threshold=0.9, temperature=1.0, top_k=0, top_p=1.0, shrinkage=1, training_block_size=4,
+        step_normalization="max_length", log_ratio_clip=10.0, gamma=1.0, lam=1.0, cliprange_value=0.2,
+        value_learning_rate=5e-6, value_batch_size=256, value_train_every=1,
+    ),
+    # configs/rl_dream.yaml; train/rl_dream.py (8 GPUs x 128 accumulation x 2 rows = 2048 rows of 8 steps)
+    "dream": dict(
+        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, responses_per_optimizer_step=16,
+        max_completion_length=1024, block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static",
+        temperature=0.8, top_k=50, top_p=0.9, shrinkage=8, step_normalization="step", log_ratio_clip=None,
+    ),
+    # configs/rl_llada.yaml; train/rl_llada.py (1 GPU x 128 accumulation x 2 rows = 256 rows of 8 steps)
+    "llada": dict(
+        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, responses_per_optimizer_step=4,
+        max_completion_length=512, block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static",
+        temperature=0.8, top_k=0, top_p=1.0, shrinkage=8, step_normalization="step", log_ratio_clip=None,
+    ),
+}
+"""dLLM-RL's published RL settings per model family, as ``TraceRLConfig`` fields (plus
+``responses_per_optimizer_step``, which ``TraceRLConfig.from_official`` turns into a batch layout). Hardware
+settings (bf16, gradient checkpointing, DeepSpeed) and the run length are the recipes' (``recipes/``)."""

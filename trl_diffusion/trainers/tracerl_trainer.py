@@ -7,10 +7,11 @@ logging, callbacks — is TRL's):
   (``unmask_step``), the sampler's log-probs and per-row mask seeds travel with the batch as tensors;
 * ``_get_per_token_logps_and_entropies`` scores completions with the configured likelihood estimator
   (TraceRL's ``trajectory`` by default) instead of causal next-token log-probs;
-* the loss mask carries TraceRL's per-step weights (1/|tau(t)|) and, for masking estimators, which tokens were
-  scored;
-* optional dynamic group filtering; a frozen copy of the initial policy is the reference model when the policy is
-  given as an object;
+* the loss mask carries TraceRL's per-token weights (1/|tau(t)| or 1/L_max) and, for masking estimators, which
+  tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step);
+* the KL is taken against the rollout policy (``kl_reference="old_policy"``, dLLM-RL) or a frozen copy of the
+  initial policy (``"reference_model"``); advantages use the population std (``reward_std``);
+* group filtering (dLLM-RL's accuracy band, or all-equal groups) takes dropped groups out of every normaliser;
 * optional ``value_model``: token-wise GAE advantages over merged denoising steps replace GRPO's scalar ones, and
   the value model trains with its own optimizer on each (k-th) generation batch.
 """
@@ -31,11 +32,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
 from ..models import check_tokenizer
-from ..states import resolve_model_attention_backend, trajectory_groups
+from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -46,6 +48,10 @@ from ..value import (
     value_statistics,
 )
 from .tracerl_config import TraceRLConfig
+from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
+
+# TRL loss types that average over the rows of a micro-batch: filtered rows must leave that count too
+_ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 
 logger = logging.get_logger(__name__)
 
@@ -57,24 +63,13 @@ def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
-def step_weights(groups: torch.Tensor) -> torch.Tensor:
-    """1 / |tau(t)| for every token of merged step t (0 where nothing was committed)."""
-    weights = torch.zeros(groups.shape, dtype=torch.float32, device=groups.device)
-    for row in range(groups.shape[0]):
-        valid = groups[row] >= 0
-        if valid.any():
-            counts = torch.bincount(groups[row][valid])
-            weights[row, valid] = 1.0 / counts[groups[row][valid]].float()
-    return weights
-
-
 class TraceRLTrainer(GRPOTrainer):
     """Trajectory-aware RL for diffusion language models (TraceRL, arXiv 2509.06949) on TRL's GRPOTrainer.
 
     Accepts everything ``GRPOTrainer`` accepts; ``args`` is a :class:`TraceRLConfig`. ``value_model`` (a
     :class:`~trl_diffusion.value.DiffusionValueModel` or a path for ``DiffusionValueModel.load``) switches on the
     value model: per-token advantages (``gamma``, ``lam``) and its own training (``cliprange_value``,
-    ``value_learning_rate``, ``value_train_every``).
+    ``value_learning_rate``, ``value_batch_size``, ``value_train_every``).
     """
 
     _tag_names = ["trl", "trl_diffusion", "tracerl"]
@@ -97,26 +92,37 @@ class TraceRLTrainer(GRPOTrainer):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
         _check_prompt_column(kwargs.get("train_dataset", pos[0] if pos else None), "train")
         _check_prompt_column(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval")
-        own_reference = args.beta != 0.0 and not isinstance(model, str) and not _is_peft(model) \
-            and kwargs.get("peft_config") is None
+        kl_to_old = args.beta != 0.0 and args.kl_reference == "old_policy"
+        own_reference = args.beta != 0.0 and args.kl_reference == "reference_model" and not isinstance(model, str) \
+            and not _is_peft(model) and kwargs.get("peft_config") is None
         beta = args.beta
         reference = None
         if own_reference:  # TRL would re-load the reference from config._name_or_path, which an in-memory model lacks
             # copy before TRL patches the policy's forward (a copy made later would call the policy's weights)
             reference = copy.deepcopy(model).eval()
-            args.beta = 0.0
+        sync_reference = args.sync_ref_model
+        if own_reference or kl_to_old:  # KL against pi_old needs no reference model at all
+            args.beta, args.sync_ref_model = 0.0, False  # TRL refuses to sync a reference it did not build
         try:
             super().__init__(model, reward_funcs, args, *pos, **kwargs)
         finally:
-            args.beta = beta
+            args.beta, args.sync_ref_model = beta, sync_reference
         unwrapped = self.accelerator.unwrap_model(self.model)
         base = unwrapped.get_base_model() if _is_peft(unwrapped) else unwrapped
         if not hasattr(base, "attention_kind"):
             raise TypeError(f"{type(base).__name__} is not a diffusion model of trl_diffusion (SDAR, LLaDA, Dream).")
         _ = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
+        self.beta = beta
+        if args.loss_type == "tracerl":
+            # TRL's `dapo` branch divides by `num_items_in_batch`; TraceRL sets it to the number of training rows
+            self.loss_type = "dapo"
+        if self._entropy_bonus_enabled and args.dynamic_group_filtering != "none" \
+                and args.loss_type in _ROW_MEAN_LOSSES:
+            raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
+                             "supported (filtered rows are taken out of the row count by rescaling the loss); use "
+                             "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         if own_reference:
-            self.beta = beta
             reference.requires_grad_(False)
             if args.disable_dropout:
                 disable_dropout_in_model(reference)
@@ -127,6 +133,8 @@ class TraceRLTrainer(GRPOTrainer):
             else:
                 reference = self.accelerator.prepare_model(reference, evaluation_mode=True)
             self.ref_model = reference
+            if sync_reference:
+                self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
         training_block = args.training_block_size or args.block_length
         self.estimator_settings = EstimatorSettings(
             name=args.likelihood_estimator, shrinkage=args.shrinkage, block_size=training_block,
@@ -138,6 +146,7 @@ class TraceRLTrainer(GRPOTrainer):
         )
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
+        self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
@@ -208,51 +217,97 @@ class TraceRLTrainer(GRPOTrainer):
         return rewards
 
     def _generate_and_score_completions(self, inputs):
-        output = super()._generate_and_score_completions(inputs)
+        kl_to_old = self.beta != 0.0 and self.args.kl_reference == "old_policy"
+        beta, self.beta = self.beta, (0.0 if kl_to_old else self.beta)  # no reference forward for a KL to pi_old
+        try:
+            output = super()._generate_and_score_completions(inputs)
+        finally:
+            self.beta = beta
+        mode = "train" if self.model.training else "eval"
         scoring = self._scoring
         output.update(scoring)
-        completion_width = output["completion_ids"].shape[1]
-        weights = self._loss_weights(output["prompt_mask"], scoring)[:, :completion_width]
-        weights = _fit_width(weights, completion_width)
-        trainable = output["completion_mask"].bool() & _fit_width(scoring["unmask_step"] >= 0, completion_width)
-        mask = output["completion_mask"].float() * weights
-        mode = "train" if self.model.training else "eval"
-        if self.args.dynamic_group_filtering and self._rollout_rewards is not None:
-            keep = self._kept_rows(len(output["completion_ids"]))
-            mask = mask * keep[:, None].float()
-            trainable = trainable & keep[:, None]
-            # dropped groups leave the batch, so they leave the token normaliser too (TRL counted them)
-            kept_tokens = (output["completion_mask"] * keep[:, None]).sum()
-            output["num_items_in_batch"] = self.accelerator.gather(kept_tokens).sum()
-            self._metrics[mode]["filtered_groups"].append(1.0 - keep.float().mean().item())
-        output["completion_mask"] = mask
+        rows, width = output["completion_ids"].shape
+        completion_mask = output["completion_mask"]
+        keep = self._kept_rows(rows, mode)
+        if self.args.reward_std == "population":
+            output["advantages"] = self._population_advantages(rows, mode)
+        trainable = completion_mask.bool() & _fit_width(scoring["unmask_step"] >= 0, width) & keep[:, None]
+        weights, training_rows_ = self._loss_weights(output["prompt_mask"], scoring, trainable)
+        output["completion_mask"] = completion_mask.float() * weights
+        # TRL's normaliser (dapo: tokens; tracerl: training rows) counts only what is trained
+        count = training_rows_.sum() if self.args.loss_type == "tracerl" else (completion_mask * keep[:, None]).sum()
+        output["num_items_in_batch"] = self.accelerator.gather(count.float()).sum()
+        output["kept_rows"] = keep.float()
         if self.value_model is not None:
-            output["advantages"] = self._value_advantages(output, trainable, mode)
+            output["advantages"] = self._value_advantages(output, trainable, weights, training_rows_, mode)
         return output
 
-    def _loss_weights(self, prompt_mask: torch.Tensor, scoring: dict) -> torch.Tensor:
-        """Per-token loss weights over the canvas: 1/|tau(t)| (step normalisation) times "was scored"."""
-        steps = scoring["unmask_step"]
-        committed = steps >= 0
-        settings = self.estimator_settings
+    def _rewards(self) -> torch.Tensor:
+        """``[N]`` weighted, summed reward of every response of the generation batch (all processes), NaN where
+        every reward function declined to score (TRL's unscorable rows)."""
+        per_func = self._rollout_rewards
+        rewards = torch.nansum(per_func * self.reward_weights.to(per_func.device), dim=1)
+        return torch.where(torch.isnan(per_func).all(dim=1), torch.nan, rewards)
+
+    def _local(self, values: torch.Tensor, local_rows: int) -> torch.Tensor:
+        start = self.accelerator.process_index * local_rows
+        return values[start : start + local_rows].to(self.accelerator.device)
+
+    def _population_advantages(self, local_rows: int, mode: str) -> torch.Tensor:
+        """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's; the logged ones follow."""
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        advantages = population_advantages(self._rewards(), group, self.args.scale_rewards)
+        logged = self._logs["advantages"]  # a bounded deque TRL just extended with its own advantages
+        values = advantages.tolist()[-len(logged):] if logged else []
+        for i, value in enumerate(values):
+            logged[len(logged) - len(values) + i] = value
+        return self._local(advantages, local_rows)
+
+    def _kept_rows(self, local_rows: int, mode: str) -> torch.Tensor:
+        """``[local_rows]`` False for the rows of groups ``dynamic_group_filtering`` drops."""
+        args = self.args
+        if args.dynamic_group_filtering == "none" or self._rollout_rewards is None:
+            return torch.ones(local_rows, dtype=torch.bool, device=self.accelerator.device)
+        group = self.num_generations if mode == "train" else self.num_generations_eval
+        keep = kept_groups(self._rewards(), group, args.dynamic_group_filtering, args.group_accuracy_low,
+                           args.group_accuracy_high)
+        self._metrics[mode]["filtered_groups"].append(1.0 - keep.float().mean().item())
+        return self._local(keep, local_rows)
+
+    def _loss_weights(self, prompt_mask: torch.Tensor, scoring: dict,
+                      trainable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token loss weights ``[B, C]`` (0 outside ``trainable``) and the number of training rows ``[B]``.
+
+        Trajectory: 1/|tau(t)| (``step``), 1/L_max (``max_length``) or 1 (``sequence``); a row per merged step (for
+        ``max_length`` on block models, per r-th merged step of every block). Masking estimators: the scored tokens,
+        weighted 1/(their number) (``step``) or 1/L_max (``max_length``) under ``loss_type='tracerl'``; one row per
+        response."""
+        args, settings = self.args, self.estimator_settings
+        steps, width = scoring["unmask_step"], trainable.shape[1]
+        trained = trainable.float()
+        if args.step_normalization == "max_length":
+            longest = self.accelerator.gather(trainable.sum(1).max()[None]).max()
+            length_weight = 1.0 / longest.clamp(min=1).float()
         if settings.name != "trajectory":
-            draws = draw_masks(settings, committed, scoring["mask_seeds"], prompt_mask.shape[1])
-            return draws["scored"].float()
-        if self.args.step_normalization == "sequence":
-            return committed.float()
+            draws = draw_masks(settings, steps >= 0, scoring["mask_seeds"], prompt_mask.shape[1])
+            scored = _fit_width(draws["scored"].float(), width) * trained
+            rows = (scored.sum(1) > 0).long()
+            if args.loss_type != "tracerl" or args.step_normalization == "sequence":
+                return scored, rows
+            if args.step_normalization == "step":
+                return scored / scored.sum(1, keepdim=True).clamp(min=1), rows
+            return scored * length_weight, rows
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if _is_peft(model) else model
         block = settings.block_size if base.block_size is not None else None
-        return step_weights(trajectory_groups(steps, prompt_mask, settings.shrinkage, block))
-
-    def _kept_rows(self, local_rows: int) -> torch.Tensor:
-        """False for rows of groups whose (weighted) rewards are all equal."""
-        rewards = torch.nansum(self._rollout_rewards * self.reward_weights.to(self._rollout_rewards.device), dim=1)
-        groups = rewards.view(-1, self.num_generations)
-        varied = (groups.max(1).values - groups.min(1).values) > 0
-        keep = varied.repeat_interleave(self.num_generations)
-        start = self.accelerator.process_index * local_rows
-        return keep[start : start + local_rows].to(self.accelerator.device)
+        groups = _fit_width(trajectory_groups(steps, prompt_mask, settings.shrinkage, block), width)
+        blocks = completion_blocks(prompt_mask, width, block)
+        rows = training_rows(groups, trainable, blocks, stack_blocks=args.step_normalization == "max_length")
+        if args.step_normalization == "step":
+            return step_weights(groups, trainable), rows
+        if args.step_normalization == "max_length":
+            return trained * length_weight, rows
+        return trained, rows
 
     # ------------------------------------------------------------------------------------------------ value model
     def _setup_value_model(self, value_model, policy) -> None:
@@ -290,10 +345,11 @@ class TraceRLTrainer(GRPOTrainer):
         return token_values(self.value_model, prompt_ids, prompt_mask, canvas_ids, unmask_step, settings.shrinkage,
                             settings.block_size, settings.token_budget, unwrapped, settings.attention_backend)
 
-    def _value_advantages(self, output: dict, trainable: torch.Tensor, mode: str) -> torch.Tensor:
+    def _value_advantages(self, output: dict, trainable: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                          mode: str) -> torch.Tensor:
         """``[B, C]`` GAE advantages from the value model as it is now (GRPO's normalised reward is the outcome
-        reward on each response's last step); then, on every ``value_train_every``-th training batch, one value
-        update towards the returns."""
+        reward on each response's last step); then, on every ``value_train_every``-th training batch, one epoch of
+        value updates towards the returns over the rows that survived the group filter."""
         width = trainable.shape[1]
         inputs = (output["prompt_ids"], output["prompt_mask"], output["canvas_ids"], output["unmask_step"])
         self.value_model.eval()
@@ -307,39 +363,57 @@ class TraceRLTrainer(GRPOTrainer):
             self._metrics[mode][f"value/{name}"].append(number)
         if mode == "train":
             if self._value_batches % self.args.value_train_every == 0:
-                loss = self._train_value_model(inputs, old_values, returns, trainable)
-                self._metrics[mode]["value/loss"].append(self.accelerator.gather(loss[None]).mean().item())
+                # tracerl: the policy's token weights over training rows (dLLM-RL); otherwise a mean over tokens
+                tracerl = self.args.loss_type == "tracerl"
+                mask, units = (weights, rows) if tracerl else (trainable.float(), trainable.sum(1))
+                loss = self._train_value_model(inputs, old_values, returns, mask, units, rows)
+                if loss is not None:
+                    self._metrics[mode]["value/loss"].append(self.accelerator.gather(loss[None]).mean().item())
             self._value_batches += 1
         return advantages.detach()
 
-    def _train_value_model(self, inputs, old_values, returns, mask) -> torch.Tensor:
-        """Clipped value loss over the generation batch: as many optimizer steps as the policy takes per batch
-        (``steps_per_generation // gradient_accumulation_steps``), each averaged over its tokens.
+    def _value_updates(self, rows: torch.Tensor) -> int:
+        """Value optimizer steps for this generation batch: ceil(training rows / ``value_batch_size``) over all
+        processes (one epoch), or the policy's steps per generation batch; at most one per local response."""
+        args = self.args
+        if args.value_batch_size is None:
+            wanted = args.steps_per_generation // args.gradient_accumulation_steps
+        else:
+            total = int(self.accelerator.reduce(rows.sum(), reduction="sum").item())
+            wanted = -(-total // args.value_batch_size)
+        return max(1, min(wanted, rows.shape[0]))
+
+    def _train_value_model(self, inputs, old_values, returns, mask, units, rows) -> torch.Tensor | None:
+        """Clipped value loss over the generation batch, ``sum(mask * loss) / sum(units)`` per optimizer step
+        (``units``: training rows or tokens, over all processes), in ``_value_updates`` steps on micro-batches of
+        ``per_device_train_batch_size``. Nothing to train on (every group filtered): no step, returns None.
 
         Under DDP (and for a replicated model accelerate did not wrap, as under DeepSpeed) gradients accumulate
         locally and are averaged across processes once per step, so a micro-batch may take several forwards."""
         args, model = self.args, self.value_model
+        if self.accelerator.reduce(units.sum().float(), reduction="sum").item() == 0:
+            return None
         params = [p for p in model.parameters() if p.requires_grad]
         unwrapped = self.accelerator.unwrap_model(model)
         manual_sync = self.accelerator.num_processes > 1 and (
             unwrapped is model or isinstance(model, torch.nn.parallel.DistributedDataParallel))
         rows_all = torch.arange(old_values.shape[0], device=old_values.device)
-        updates = rows_all.chunk(max(1, args.steps_per_generation // args.gradient_accumulation_steps))
+        updates = rows_all.tensor_split(self._value_updates(rows))
         total = torch.zeros((), device=old_values.device)
         model.train()
-        for rows in updates:
-            # every rank's tokens: DDP averages gradients over ranks, so divide by the mean token count per rank
+        for chunk in updates:
+            # every rank's units: DDP averages gradients over ranks, so divide by the mean count per rank
             # (a per-rank count would make a 2-process run differ from a 1-process run with twice the batch)
-            tokens = self.accelerator.reduce(mask[rows].sum(), reduction="sum").clamp(min=1) \
+            count = self.accelerator.reduce(units[chunk].sum().float(), reduction="sum").clamp(min=1) \
                 / self.accelerator.num_processes
-            pieces = rows.split(args.per_device_train_batch_size)
+            pieces = chunk.split(args.per_device_train_batch_size)
             for i, piece in enumerate(pieces):
                 sync_now = i == len(pieces) - 1 and not manual_sync
                 with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
                     values, _ = self._token_values(*(t[piece] for t in inputs))
                     values = _fit_width(values, mask.shape[1])
                     per_token = clipped_value_loss(values, old_values[piece], returns[piece], args.cliprange_value)
-                    loss = (per_token * mask[piece]).sum() / tokens
+                    loss = (per_token * mask[piece]).sum() / count
                     loss.backward()
                 total = total + loss.detach() / len(updates)
             if manual_sync:
@@ -429,7 +503,19 @@ class TraceRLTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ scoring
     def _compute_loss(self, model, inputs):
         self._scoring = {k: inputs[k] for k in ("canvas_ids", "unmask_step", "mask_seeds", "sampler_logps")}
-        return super()._compute_loss(model, inputs)
+        if self.beta != 0.0 and self.args.kl_reference == "old_policy":
+            # k3 against pi_old; without stored old log-probs pi_old is the current policy (filled in when scored)
+            inputs = {**inputs, "ref_per_token_logps": inputs.get("old_per_token_logps")}
+        self._loss_inputs = inputs
+        try:
+            loss = super()._compute_loss(model, inputs)
+        finally:
+            self._loss_inputs = None
+        if self.args.loss_type in _ROW_MEAN_LOSSES and self.args.dynamic_group_filtering != "none":
+            # TRL averages over every row of the micro-batch; filtered rows (zero loss) must not count
+            kept = inputs["kept_rows"].sum()
+            loss = loss * (inputs["kept_rows"].numel() / kept) if kept > 0 else loss
+        return loss
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **unused):
@@ -460,7 +546,20 @@ class TraceRLTrainer(GRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["rollout/sampler_logp_gap"].append(self.accelerator.gather(gap).mean().item())
         aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
-        return logps, entropies, aux
+        return self._against_old_policy(logps), entropies, aux
+
+    def _against_old_policy(self, logps: torch.Tensor) -> torch.Tensor:
+        """Inside the loss: fill in pi_old as the KL target when the batch has no stored old log-probs (pi_old is
+        then the current policy), and clamp log(pi / pi_old) to ``log_ratio_clip`` (no gradient where clamped)."""
+        inputs = self._loss_inputs
+        if inputs is None:
+            return logps
+        if "ref_per_token_logps" in inputs and inputs["ref_per_token_logps"] is None:
+            inputs["ref_per_token_logps"] = logps.detach()
+        old, clip = inputs.get("old_per_token_logps"), self.args.log_ratio_clip
+        if clip is not None and old is not None:
+            logps = old + (logps - old).clamp(-clip, clip)
+        return logps
 
 
 class _ForwardThrough:

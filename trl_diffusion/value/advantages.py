@@ -22,11 +22,14 @@ def dense_steps(groups: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor,
     valid = mask.bool() & (groups >= 0)
     if not bool(valid.any()):
         return torch.full_like(groups, -1), 0
-    width = int(groups[valid].max()) + 1
+    # only tokens in ``mask`` index the table: tokens outside it (after the end of a completion, in filtered rows)
+    # may carry larger ids than any token inside it
+    index = torch.where(valid, groups, torch.zeros_like(groups))
+    width = int(index.max()) + 1
     present = torch.zeros(groups.shape[0], width, dtype=torch.long, device=groups.device)
-    present = present.scatter_add(1, groups.clamp(min=0), valid.long()).clamp(max=1)
+    present = present.scatter_add(1, index, valid.long()).clamp(max=1)
     rank = present.cumsum(1) - 1
-    steps = torch.where(valid, rank.gather(1, groups.clamp(min=0)), torch.full_like(groups, -1))
+    steps = torch.where(valid, rank.gather(1, index), torch.full_like(groups, -1))
     return steps, int(present.sum(1).max())
 
 
