@@ -143,3 +143,8 @@ def _race_margin(score, tokens):
     chosen = score.gather(-1, tokens[..., None]).squeeze(-1)
     gap = top2[..., 0] - top2[..., 1]
     return torch.where(chosen == top2[..., 0], gap, torch.zeros_like(gap))
+
+
+MIN_MARGIN = 1e-4
+"""Smallest decision margin a test comparing discrete outputs of two float32 paths accepts: probabilities and
+log-probs of these tiny models carry ~1e-7 of float32 noise, so 1e-4 leaves three orders of magnitude."""
