@@ -231,10 +231,12 @@ class TraceRLTrainer(GRPOTrainer):
         return step_weights(trajectory_groups(steps, prompt_mask, settings.shrinkage, block))
 
     def _kept_rows(self, local_rows: int) -> torch.Tensor:
-        """False for rows of groups whose (weighted) rewards are all equal."""
+        """False for rows of groups whose (weighted) rewards are all equal. A row every reward function left None is
+        unscorable (TRL: no reward, advantage 0), not a reward of 0, so it takes no part in the comparison."""
         rewards = torch.nansum(self._rollout_rewards * self.reward_weights.to(self._rollout_rewards.device), dim=1)
-        groups = rewards.view(-1, self.num_generations)
-        varied = (groups.max(1).values - groups.min(1).values) > 0
+        unscorable = torch.isnan(self._rollout_rewards).all(1)
+        groups = rewards.masked_fill(unscorable, float("nan")).view(-1, self.num_generations)
+        varied = (groups.nan_to_num(float("-inf")).amax(1) - groups.nan_to_num(float("inf")).amin(1)) > 0
         keep = varied.repeat_interleave(self.num_generations)
         start = self.accelerator.process_index * local_rows
         return keep[start : start + local_rows].to(self.accelerator.device)
