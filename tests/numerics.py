@@ -110,11 +110,24 @@ def _restore(states):
 
 def _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id):
     """Per position: how far the decision was from picking another token (see ``DecisionMargins``)."""
-    from trl_diffusion.generation.sampling import sampling_logits, uniform
+    from trl_diffusion.generation.sampling import sampling_logits
 
     if not temperature:
         top2 = log_dist.topk(2, dim=-1).values
         return (top2[..., 0] - top2[..., 1]).double()
+    filtered = sampling_logits(logits, temperature, None, None, mask_token_id)
+    if top_k is not None and 0 < top_k < filtered.shape[-1]:  # which tokens survive top-k is a decision too
+        ranked = filtered.topk(top_k + 1, dim=-1).values.double()
+        top_k_gap = ranked[..., top_k - 1] - ranked[..., top_k]
+    else:
+        top_k_gap = torch.full(tokens.shape, float("inf"), dtype=torch.float64)
+    return torch.minimum(top_k_gap, _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states,
+                                                     gumbel_float64, mask_token_id))
+
+
+def _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id):
+    from trl_diffusion.generation.sampling import sampling_logits, uniform
+
     if states is None:  # an unseeded draw: nothing to compare across paths
         return torch.full(tokens.shape, float("inf"), dtype=torch.float64)
     generator = _restore(states)
