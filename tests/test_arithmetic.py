@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from numerics import MIN_MARGIN, DecisionMargins
 from trl.data_utils import is_conversational
 
 from trl_diffusion.data import evaluate_accuracy, extract_boxed, make_problems, score_completion, to_dataset
@@ -114,11 +115,32 @@ def test_evaluate_accuracy_uses_chat_template_left_padding_and_greedy_batches():
         evaluate_accuracy(oracle, tokenizer, [])
 
 
-def test_evaluate_accuracy_runs_a_real_model(family):
+def test_evaluate_accuracy_runs_a_real_model(family, monkeypatch):
+    """A real model: the texts evaluate_accuracy scores are the greedy completions each chat-formatted prompt gets
+    alone (its batching and left padding change nothing), and the accuracy is the fraction of them that is right;
+    training mode is restored."""
+    from trl_diffusion.data import arithmetic
+
     model = tiny_model(family)
     model.train()
+    tokenizer = build_tokenizer()
     _, test = make_problems(0, 3, seed=0)
-    accuracy = evaluate_accuracy(model, build_tokenizer(), test, max_new_tokens=8, block_length=4,
-                                 denoising_steps=4)
-    assert 0.0 <= accuracy <= 1.0
+    scored = []
+    score = arithmetic.score_completion
+    monkeypatch.setattr(arithmetic, "score_completion", lambda text, gold: scored.append(text) or score(text, gold))
+    settings = dict(max_new_tokens=8, block_length=4, denoising_steps=4)
+    with DecisionMargins() as margins:
+        accuracy = evaluate_accuracy(model, tokenizer, test, **settings)
+    assert margins.smallest > MIN_MARGIN
     assert model.training  # training mode restored
+    alone = []
+    for problem in test:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": problem.prompt}], tokenize=False,
+                                             add_generation_prompt=True)
+        ids = torch.tensor([tokenizer.encode(text, add_special_tokens=False)])
+        out = model.generate(ids, temperature=0.0, remasking_strategy="low_confidence_static", **settings)
+        tokens = out[0, ids.shape[1]:].tolist()
+        end = next((i for i, t in enumerate(tokens) if t in tokenizer.all_special_ids), len(tokens))
+        alone.append(tokenizer.decode(tokens[:end]))
+    assert scored == alone and any(alone)
+    assert accuracy == sum(score(t, p.answer) for t, p in zip(alone, test)) / len(test)

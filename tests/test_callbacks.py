@@ -1,13 +1,16 @@
-"""Callbacks: the wall-clock budget stops training and anneals the learning rate linearly over its last part."""
+"""Callbacks: the wall-clock budget stops training and anneals the learning rate linearly over its last part;
+the training-curve PNG holds the numbers it plots."""
 
+import json
 from types import SimpleNamespace
 
 import pytest
 import torch
+from PIL import Image
 from transformers import TrainerControl, TrainerState
 from transformers.optimization import get_constant_schedule_with_warmup
 
-from trl_diffusion.callbacks import TimeBudgetCallback
+from trl_diffusion.callbacks import TimeBudgetCallback, save_training_curves
 
 
 class FakeClock:
@@ -43,3 +46,18 @@ def test_time_budget_errors():
         TimeBudgetCallback(10.0, decay_fraction=1.5)
     with pytest.raises(ValueError, match="seconds"):
         TimeBudgetCallback(0.0)
+
+
+def test_training_curves_png_holds_the_logged_numbers(tmp_path):
+    """One panel per key that was logged (400 px wide each), and the PNG's ``Curves`` chunk holds exactly the
+    (step, value) pairs of the log; a key never logged gets no panel; nothing logged, no file."""
+    history = [{"step": 1, "loss": 2.5}, {"step": 2, "loss": 1.25, "reward": 0.5}, {"step": 3, "reward": 0.75},
+               {"loss": 9.0}]  # no step: not a point of any curve
+    path = save_training_curves(history, tmp_path / "curves.png", ["loss", "reward", "never_logged"])
+    image = Image.open(path)
+    assert image.size == (2 * 400, 320)
+    assert json.loads(image.text["Curves"]) == {"loss": [[1, 2.5], [2, 1.25]], "reward": [[2, 0.5], [3, 0.75]]}
+    pixels = torch.tensor(list(image.convert("L").getdata())).view(320, 800)
+    assert all((pixels[40:280, left + 60:left + 380] < 128).any() for left in (0, 400))  # a curve in each panel
+    assert save_training_curves(history, tmp_path / "none.png", ["never_logged"]) is None
+    assert not (tmp_path / "none.png").exists()

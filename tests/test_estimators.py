@@ -3,15 +3,23 @@ deterministic masks; gradients only through committed completion tokens."""
 
 import pytest
 import torch
+from numerics import assert_close_fp32
 
 from trl_diffusion.estimators import (
     ESTIMATORS,
     EstimatorSettings,
+    draw_masks,
     estimate_logprobs,
+    likelihood,
     replay_logprobs,
     step_groups,
 )
-from trl_diffusion.states import state_before_step
+from trl_diffusion.states import (
+    attention_mask_from_positions,
+    completion_blocks,
+    positions_from_padding,
+    state_before_step,
+)
 from trl_diffusion.testing import MASK_ID, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
@@ -36,7 +44,7 @@ def test_trajectory_estimate_equals_sampler_logprobs(family, temperature):
     settings = EstimatorSettings(block_size=4, temperature=temperature)
     logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings)
     assert bool(scored.equal(steps >= 0))
-    assert (logps - sampler)[scored].abs().max() <= 1e-5
+    assert_close_fp32(logps, sampler, scored)  # the ratio new / old is exactly 1 up to float32 rounding
     assert bool((logps[~scored] == 0).all())
 
 
@@ -48,7 +56,7 @@ def test_packed_scoring_equals_naive_per_step_loop(family, budget):
                                           EstimatorSettings(block_size=4, token_budget=budget))
     sequences, full_steps = torch.cat([ids, completion], 1), torch.cat([torch.full_like(ids, -1), steps], 1)
     naive = replay_logprobs(model, sequences, mask, full_steps, block_length=4)[:, ids.shape[1]:]
-    assert (packed - naive)[scored].abs().max() <= 1e-5
+    assert_close_fp32(packed, naive, scored)
 
 
 def slow_step_groups(unmask_step, shrinkage, blocks=None):
@@ -111,8 +119,6 @@ def test_shrinkage_scores_each_merged_group_from_the_state_before_it(family):
     full_groups = torch.cat([torch.full_like(ids, -1), groups], 1)
     generated = torch.cat([torch.zeros_like(ids, dtype=torch.bool), torch.ones_like(completion, dtype=torch.bool)], 1)
     # naive: for each group, one forward of the whole sequence in the state before it
-    from trl_diffusion.states import attention_mask_from_positions, positions_from_padding
-
     valid = torch.cat([mask.bool(), torch.ones_like(completion, dtype=torch.bool)], 1)
     pos = positions_from_padding(valid)
     attn = attention_mask_from_positions(pos, pos, valid, 4 if model.block_size else None)
@@ -124,7 +130,7 @@ def test_shrinkage_scores_each_merged_group_from_the_state_before_it(family):
             logits[..., MASK_ID] = float("-inf")
             lp = logits.log_softmax(-1).gather(-1, sequences[..., None]).squeeze(-1)[:, ids.shape[1]:]
             expected = torch.where(groups == g, lp, expected)
-    assert (logps - expected)[steps >= 0].abs().max() <= 1e-5
+    assert_close_fp32(logps, expected, steps >= 0)
     assert int(groups.max()) + 1 < int(step_groups(steps, 1, blocks).max()) + 1  # fewer states than steps
 
 
@@ -140,14 +146,97 @@ def test_masks_are_deterministic_per_seed():
         assert not torch.equal(a[0], c[0])
 
 
-def test_coupled_scores_every_token_once_in_the_pair():
-    from trl_diffusion.estimators import draw_masks
+def slow_masked_logprobs(model, ids, mask, completion, hidden, block_size=4, prompt_hidden=None):
+    """log p(token | sequence with the ``hidden`` completion tokens masked) at every hidden position, from whole
+    -sequence forwards under the model's own attention: full attention, one forward per row; block-causal, one
+    forward per (row, block), the block's hidden tokens scored given clean earlier blocks."""
+    prompt = ids if prompt_hidden is None else ids.masked_fill(prompt_hidden & mask.bool(), MASK_ID)
+    valid = torch.cat([mask.bool(), torch.ones_like(completion, dtype=torch.bool)], 1)
+    positions = positions_from_padding(valid)
+    block = block_size if model.block_size is not None else None
+    attention = attention_mask_from_positions(positions, positions, valid, block)
+    blocks = completion_blocks(mask, completion.shape[1], block)
+    if blocks is None:
+        blocks = torch.zeros_like(completion)
+    out = torch.zeros(completion.shape)
+    with torch.no_grad():
+        for b in range(int(blocks.max()) + 1):
+            here = hidden & (blocks == b)
+            if not here.any():
+                continue
+            state = torch.cat([prompt, completion.masked_fill(hidden & (blocks >= b), MASK_ID)], 1)
+            logits = model.align_logits(model(state, attention_mask=attention, position_ids=positions).logits)
+            logits[..., MASK_ID] = float("-inf")
+            lp = logits.log_softmax(-1)[:, ids.shape[1]:].gather(-1, completion[..., None]).squeeze(-1)
+            out = torch.where(here, lp, out)
+    return out
 
-    committed = torch.ones(2, 16, dtype=torch.bool)
-    draws = draw_masks(EstimatorSettings(name="coupled"), committed, torch.tensor([3, 4]), 5)
-    first, second = draws["masked"], committed & ~draws["masked"]
-    assert bool((first ^ second).all())
-    assert bool(((draws["t"] >= 0.2) & (draws["t"] <= 0.8)).all())
+
+class ScoredMasks:
+    """Records the completion tokens each scoring pass of an estimator masks and scores (its ``scored``
+    argument, or every committed token when it scores them all)."""
+
+    def __init__(self, monkeypatch):
+        self.masks = []
+        original = likelihood.build_scoring_chunks
+
+        def spy(prompt_ids, prompt_mask, completion_ids, groups, *args, **kwargs):
+            scored = kwargs.get("scored", args[4] if len(args) > 4 else None)
+            self.masks.append((groups >= 0) if scored is None else scored.clone())
+            return original(prompt_ids, prompt_mask, completion_ids, groups, *args, **kwargs)
+
+        monkeypatch.setattr(likelihood, "build_scoring_chunks", spy)
+
+
+SEEDS = torch.tensor([11, 12, 13])
+
+
+def test_random_masking_equals_a_slow_per_state_computation(family, monkeypatch):
+    model = tiny_model(family, seed=4)
+    ids, mask, completion, steps, _ = rollout(model, seed=2)
+    settings = EstimatorSettings(name="random_masking", block_size=4)
+    spy = ScoredMasks(monkeypatch)
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=SEEDS)
+    hidden = draw_masks(settings, steps >= 0, SEEDS, ids.shape[1])["masked"]
+    assert len(spy.masks) == 1 and torch.equal(spy.masks[0], hidden) and torch.equal(scored, hidden)
+    assert 0.2 < hidden.float().mean() < 0.8  # a real mix of visible and masked tokens
+    assert_close_fp32(logps, slow_masked_logprobs(model, ids, mask, completion, hidden), scored)
+    assert bool((logps[~scored] == 0).all())
+
+
+def test_mean_field_equals_a_slow_computation_with_the_prompt_noise(family):
+    model = tiny_model(family, seed=4)
+    ids, mask, completion, steps, _ = rollout(model, seed=2)
+    settings = EstimatorSettings(name="mean_field", block_size=4, prompt_mask_prob=0.3)
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=SEEDS)
+    noise = draw_masks(settings, steps >= 0, SEEDS, ids.shape[1])["prompt_noise"]
+    assert (noise & mask.bool()).any()
+    expected = slow_masked_logprobs(model, ids, mask, completion, steps >= 0, prompt_hidden=noise)
+    assert_close_fp32(logps, expected, scored)
+    without_noise = slow_masked_logprobs(model, ids, mask, completion, steps >= 0)
+    assert (logps - without_noise)[scored].abs().max() > 1e-3  # the prompt noise is really applied
+
+
+def test_coupled_equals_a_slow_two_forward_computation(family, monkeypatch):
+    """DiffuCoder's coupled estimate: (log p(o | all masked) + w log p(o | its half masked)) / 2, w = 1/t for
+    the first mask and 1/(1-t) for its complement; every committed token is scored once in the pair."""
+    model = tiny_model(family, seed=4)
+    ids, mask, completion, steps, _ = rollout(model, seed=2)
+    committed = steps >= 0
+    settings = EstimatorSettings(name="coupled", block_size=4)
+    spy = ScoredMasks(monkeypatch)
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings, seeds=SEEDS)
+    full, first, second = spy.masks  # the estimator's own passes: everything, the mask, the other mask
+    assert torch.equal(full, committed) and torch.equal(scored, committed)
+    assert not (first & second).any() and torch.equal(first | second, committed)  # complementary
+    draws = draw_masks(settings, committed, SEEDS, ids.shape[1])
+    assert torch.equal(first, draws["masked"]) and first.any() and second.any()
+    t = draws["t"][:, None]
+    assert bool(((t >= 0.2) & (t <= 0.8)).all())
+    slow = {name: slow_masked_logprobs(model, ids, mask, completion, hidden)
+            for name, hidden in (("full", full), ("first", first), ("second", second))}
+    expected = 0.5 * (slow["full"] + torch.where(first, slow["first"] / t, slow["second"] / (1 - t)))
+    assert_close_fp32(logps, expected, committed)
 
 
 @pytest.mark.parametrize("name", ESTIMATORS)

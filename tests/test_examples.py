@@ -1,13 +1,20 @@
 """Examples and recipes: every recipe parses with its example's TrlParser, and the examples run end to end on the
-embedded model (tiny settings) and save their training curves."""
+embedded model (tiny settings), report held-out accuracies that can be recomputed, and save their training curves."""
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_MODEL, EMBEDDED_TASK
+from trl_diffusion.data import evaluate_accuracy, make_problems
 
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -38,17 +45,35 @@ def test_recipes_parse(recipe):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [
     ("math", ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
-              "--num_eval", "20", "--eval_every", "1"]),
-    ("sft", ["--max_steps", "3", "--per_device_train_batch_size", "32", "--num_eval", "20", "--eval_every", "2"]),
+              "--num_eval", "20", "--eval_every", "1", "--logging_steps", "1"]),
+    ("sft", ["--max_steps", "3", "--per_device_train_batch_size", "32", "--num_eval", "20", "--eval_every", "2",
+             "--logging_steps", "1"]),
     ("code", ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4"]),
 ])
 def test_example_runs(tmp_path, name, extra):
+    """The example trains, saves a model and a curves PNG holding a point per logged step; the held-out accuracy it
+    reports before and after equals the embedded model's and the saved model's accuracy recomputed here (the same
+    thread count in both processes, so the same kernels and the same greedy decisions)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
     out = subprocess.run([sys.executable, str(ROOT / "examples" / f"{name}.py"), "--output_dir", str(tmp_path),
-                          "--use_cpu", "true", *extra], capture_output=True, text=True, timeout=600)
+                          "--use_cpu", "true", *extra], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert Path(result["training_curves"]).is_file()
+    curves = json.loads(Image.open(result["training_curves"]).text["Curves"])
+    steps = int(extra[extra.index("--max_steps") + 1])
+    assert [step for step, _ in curves["loss" if name == "sft" else "reward"]] == list(range(1, steps + 1))
     assert (tmp_path / "model.safetensors").is_file()
-    if name in ("math", "sft"):
-        assert 0.0 <= result["held_out_accuracy_before"] <= 1.0
-        assert 0.0 <= result["held_out_accuracy_after"] <= 1.0
+    if name == "code":
+        return
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    held_out = make_problems(**EMBEDDED_TASK)[1][:20]
+    accuracy = {which: evaluate_accuracy(AutoModelForCausalLM.from_pretrained(path), tokenizer, held_out,
+                                         chat_template=EMBEDDED_CHAT_TEMPLATE)
+                for which, path in (("before", EMBEDDED_MODEL), ("after", tmp_path))}
+    assert result["held_out_accuracy_before"] == pytest.approx(accuracy["before"], abs=1e-4)  # reported rounded
+    assert result["held_out_accuracy_after"] == pytest.approx(accuracy["after"], abs=1e-4)
+    assert curves["eval/held_out_accuracy"][-1] == [steps, pytest.approx(accuracy["after"])]
+    if name == "math":  # the curve it reports is the one it plotted (the plot has no step-0 point)
+        assert [step for step, _ in result["accuracy_curve"]] == list(range(steps + 1))
+        assert result["accuracy_curve"][1:] == [[s, pytest.approx(a, abs=1e-4)]
+                                                for s, a in curves["eval/held_out_accuracy"]]

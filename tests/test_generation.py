@@ -2,9 +2,11 @@
 
 import pytest
 import torch
+from numerics import MIN_MARGIN, DecisionMargins, assert_close_fp32
 
 from trl_diffusion.estimators import replay_logprobs
-from trl_diffusion.generation.sampling import sampling_logits, uniform_quota
+from trl_diffusion.generation.sampling import sampling_logits
+from trl_diffusion.states import attention_mask_from_positions, state_before_step
 from trl_diffusion.testing import MASK_ID, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
@@ -34,22 +36,24 @@ def gen(model, ids, mask, **kw):
 def test_sdar_cache_is_exact(temperature):
     model = tiny_model("sdar")
     ids, mask = left_pad(PROMPTS)
-    outs = [
-        gen(
-            model,
-            ids,
-            mask,
-            use_cache=c,
-            temperature=temperature,
-            generator=torch.Generator().manual_seed(3),
-            remasking_strategy="low_confidence_dynamic",
-            confidence_threshold=0.3,
-        )
-        for c in (False, True)
-    ]
+    with DecisionMargins() as margins:
+        outs = [
+            gen(
+                model,
+                ids,
+                mask,
+                use_cache=c,
+                temperature=temperature,
+                generator=torch.Generator().manual_seed(3),
+                remasking_strategy="low_confidence_dynamic",
+                confidence_threshold=0.3,
+            )
+            for c in (False, True)
+        ]
+    assert margins.smallest > MIN_MARGIN  # no decision is a near-tie that float noise could flip
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert torch.equal(outs[0].unmask_step, outs[1].unmask_step)
-    torch.testing.assert_close(outs[0].token_logprobs, outs[1].token_logprobs, atol=1e-5, rtol=0)
+    assert_close_fp32(outs[0].token_logprobs, outs[1].token_logprobs)
 
 
 @pytest.mark.parametrize(
@@ -71,13 +75,15 @@ def test_replay_reproduces_sampler_logprobs(family, settings):
     )
     committed = out.unmask_step >= 0
     assert committed.sum() >= 12 * len(PROMPTS)
-    assert (replay - out.token_logprobs)[committed].abs().max() <= 1e-5
+    assert_close_fp32(replay, out.token_logprobs, committed)
 
 
 def test_batch_rows_equal_single_prompts(family):
     model = tiny_model(family)
     ids, mask = left_pad(PROMPTS)
-    batched = gen(model, ids, mask, use_cache=False)
+    with DecisionMargins() as margins:
+        batched = gen(model, ids, mask, use_cache=False)
+    assert margins.smallest > MIN_MARGIN
     width = ids.shape[1]
     for row, prompt in enumerate(PROMPTS):
         alone = gen(model, torch.tensor([prompt]), None)
@@ -86,59 +92,70 @@ def test_batch_rows_equal_single_prompts(family):
         assert batched.unmask_step[row, width : width + n].tolist() == alone.unmask_step[0, len(prompt) :].tolist()
 
 
-def test_static_commits_exactly_the_quota(family):
+def block_of_generated(family, prompt_length, width, block_length):
+    """Block of each generated column ``[prompt_length, width)`` of a single unpadded row: SDAR aligns blocks from
+    position 0 (its first block holds the prompt tail), LLaDA and Dream from the end of the prompt."""
+    cols = torch.arange(prompt_length, width)
+    return cols // block_length if family == "sdar" else (cols - prompt_length) // block_length
+
+
+def test_static_commits_exactly_the_quota_at_every_step_of_every_block(family):
+    """Each block's masks are committed ``uniform_quota`` at a time (capped by the masks left), one block after
+    the other, every step inside a single block."""
     model = tiny_model(family)
-    out = gen(
-        model,
-        torch.tensor([PROMPTS[0]]),
-        None,
-        max_new_tokens=16,
-        block_length=8,
-        denoising_steps=3,
-        remasking_strategy="low_confidence_static",
-    )
-    steps = out.unmask_step[0][out.unmask_step[0] >= 0]
-    counts = torch.bincount(steps).tolist()
-    quota = uniform_quota(8, 3)
-    if family == "sdar":  # first block holds the prompt tail (7 % 8 = 7 tokens), so only one mask there
-        assert counts[0] == 1
-        counts = counts[1:]
-    assert counts[: 2 * len(quota)][-len(quota) :] == quota
+    prompt = PROMPTS[0]  # 7 tokens: SDAR's first block of 8 holds 7 prompt tokens and one mask
+    out = gen(model, torch.tensor([prompt]), None, max_new_tokens=16, block_length=8, denoising_steps=3,
+              remasking_strategy="low_confidence_static")
+    steps = out.unmask_step[0, len(prompt):]
+    assert bool((steps >= 0).all())  # no stop tokens: every generated position is committed
+    blocks = block_of_generated(family, len(prompt), out.sequences.shape[1], 8)
+    expected = []  # tokens committed per step, block by block
+    for block in blocks.unique().tolist():
+        left = int((blocks == block).sum())
+        for quota in (3, 3, 2):  # 8 tokens in 3 steps, the remainder first (LLaDA's get_num_transfer_tokens)
+            if left == 0:
+                break
+            expected.append(min(quota, left))
+            left -= expected[-1]
+    assert torch.bincount(steps).tolist() == expected
+    for step in range(len(expected)):
+        assert len(blocks[steps == step].unique()) == 1  # a step commits inside one block
+    assert blocks[steps.argsort(stable=True)].diff().ge(0).all()  # blocks are decoded in order
+    assert expected[:1] == ([1] if family == "sdar" else [3])  # SDAR: the prompt tail's block has one mask
 
 
-def test_dynamic_commits_all_confident_and_at_least_quota(family):
+@pytest.mark.parametrize(("family", "threshold"), [("sdar", 0.1), ("llada", 0.1), ("dream", 0.2)])
+def test_dynamic_commits_all_confident_and_at_least_quota(family, threshold):
+    """At every step: every masked position of the current block above the threshold, and at least the quota
+    (2 per step here) or every mask the block has left. The thresholds make both rules decide some step."""
     model = tiny_model(family, seed=1)
-    threshold = 0.05
     ids = torch.tensor([PROMPTS[0][:4]])
-    out = gen(
-        model,
-        ids,
-        None,
-        max_new_tokens=16,
-        block_length=8,
-        denoising_steps=4,
-        remasking_strategy="low_confidence_dynamic",
-        confidence_threshold=threshold,
-    )
+    with DecisionMargins() as margins:
+        out = gen(model, ids, None, max_new_tokens=16, block_length=8, denoising_steps=4,
+                  remasking_strategy="low_confidence_dynamic", confidence_threshold=threshold)
+    assert margins.smallest > MIN_MARGIN  # the confidences recomputed below cannot land on the other side
     steps = out.unmask_step[0]
-    counts = torch.bincount(steps[steps >= 0])
-    assert bool((counts >= 2).all()) or counts[-1] < 2  # quota 2 per step (the last step may have fewer left)
-    # every still-masked position of the current block with confidence above the threshold was committed
-    valid = torch.ones_like(out.sequences, dtype=torch.bool)
-    generated = torch.zeros_like(valid)
+    generated = torch.zeros_like(out.sequences, dtype=torch.bool)
     generated[:, ids.shape[1] :] = True
-    from trl_diffusion.states import state_before_step
-
-    offset = 0 if family == "sdar" else ids.shape[1]  # SDAR blocks start at position 0, others after the prompt
-    block_of = (torch.arange(out.sequences.shape[1]) - offset) // 8
+    block_of = torch.full_like(steps, -1)
+    block_of[ids.shape[1] :] = block_of_generated(family, ids.shape[1], out.sequences.shape[1], 8)
+    positions = torch.arange(out.sequences.shape[1])[None]  # SDAR decodes blocks of 8: attention in blocks of 8
+    attention = attention_mask_from_positions(positions, positions, None, 8 if family == "sdar" else None)
+    quota_decided = threshold_decided = False
     for step in range(int(steps.max()) + 1):
+        block = block_of[steps == step].unique()
+        assert len(block) == 1
         state = state_before_step(out.sequences, out.unmask_step, generated, step, MASK_ID)
-        logits = model.align_logits(model(state).logits)
+        logits = model.align_logits(model(state, attention_mask=attention).logits)
         probs = sampling_logits(logits, 0.0, mask_token_id=MASK_ID).softmax(-1).max(-1).values[0]
-        current = block_of[steps == step][0]
-        masked_here = (state[0] == MASK_ID) & (block_of == current)
+        masked_here = (state[0] == MASK_ID) & (block_of == block)
         confident = masked_here & (probs > threshold)
+        committed = int((steps == step).sum())
         assert bool((steps[confident] == step).all())
+        assert committed >= min(2, int(masked_here.sum()))
+        quota_decided |= int(confident.sum()) < min(2, int(masked_here.sum()))
+        threshold_decided |= committed > 2
+    assert quota_decided and threshold_decided
 
 
 def test_sequential_goes_left_to_right():
@@ -149,15 +166,33 @@ def test_sequential_goes_left_to_right():
     assert steps.tolist() == sorted(steps.tolist())
 
 
-def test_each_row_stops_at_its_own_stop_token():
-    model = tiny_model("sdar")
+def completion_blocks_of(family, prompt_length, n, block_length=4):
+    """Block of completion column ``c`` (``c < n``) of a row whose prompt has ``prompt_length`` tokens."""
+    cols = torch.arange(n)
+    return (prompt_length + cols) // block_length if family == "sdar" else cols // block_length
+
+
+def test_each_row_stops_after_the_block_of_its_first_stop_token(family):
+    """For every row: with a stop id that row produces early, the row keeps exactly the tokens it produces without
+    stops up to the end of the block holding its first stop token and nothing after; rows that never produce it
+    are unchanged."""
+    model = tiny_model(family)
     ids, mask = left_pad(PROMPTS)
+    width = ids.shape[1]
     free = gen(model, ids, mask, max_new_tokens=16)
-    stop = int(free.sequences[0, ids.shape[1] + 1])  # a token row 0 produces in its first block
-    stopped = gen(model, ids, mask, max_new_tokens=16, stop_token_ids=[stop])
-    row0 = stopped.unmask_step[0, ids.shape[1] :]
-    assert (row0 >= 0).sum() < (free.unmask_step[0, ids.shape[1] :] >= 0).sum()
-    assert stop in stopped.sequences[0, ids.shape[1] :].tolist()
+    for row in range(len(PROMPTS)):
+        stop = int(free.sequences[row, width + 1])  # a token this row produces in its first block
+        stopped = gen(model, ids, mask, max_new_tokens=16, stop_token_ids=[stop])
+        for other, prompt in enumerate(PROMPTS):
+            tokens, steps = free.sequences[other, width:], free.unmask_step[other, width:]
+            blocks = completion_blocks_of(family, len(prompt), len(tokens))
+            hits = ((tokens == stop) & (steps >= 0)).nonzero().flatten()
+            keep = blocks <= blocks[hits[0]] if len(hits) else torch.ones_like(blocks, dtype=torch.bool)
+            expected_steps = torch.where(keep, steps, torch.full_like(steps, -1))
+            assert torch.equal(stopped.unmask_step[other, width:], expected_steps), (row, other)
+            kept = expected_steps >= 0
+            assert torch.equal(stopped.sequences[other, width:][kept], tokens[kept]), (row, other)
+        assert (stopped.unmask_step[row, width:] >= 0).sum() < (free.unmask_step[row, width:] >= 0).sum()
 
 
 def test_tokens_per_step_and_forward_passes():
@@ -169,19 +204,6 @@ def test_tokens_per_step_and_forward_passes():
     cached = gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=16, denoising_steps=2, use_cache=True)
     blocks = 5  # 7 + 16 new tokens -> blocks 1..5 of 4 (block 0 is prefilled)
     assert cached.num_forward_passes == cached.denoising_steps.item() + 1 + blocks
-
-
-def test_llada_dual_and_prefix_cache_run():
-    model = tiny_model("llada")
-    ids, mask = left_pad(PROMPTS)
-    for mode in ("prefix", "dual"):
-        out = gen(model, ids, mask, use_cache=mode)
-        assert not bool((out.sequences == MASK_ID).any())
-
-
-def test_llada_cfg_runs():
-    out = gen(tiny_model("llada"), torch.tensor([PROMPTS[0]]), None, cfg_scale=1.0)
-    assert (out.unmask_step >= 0).sum() == 12
 
 
 def test_generation_config_is_read(tmp_path):

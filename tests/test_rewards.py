@@ -203,21 +203,28 @@ def test_code_reward_humaneval_style_and_missing_tests():
 
 
 def test_code_reward_factory_pickles_and_names():
-    reward = make_code_reward(timeout=3.0, memory_mb=256, partial_credit=True)
+    reward = make_code_reward(timeout=30.0, memory_mb=256, partial_credit=True)
     clone = pickle.loads(pickle.dumps(reward))
     assert clone.__name__ == "code_execution_reward" and code_execution_reward.__name__ == "code_execution_reward"
-    assert clone.limits.timeout == 3.0 and clone.limits.memory_mb == 256 and clone.partial_credit
+    assert clone.limits.timeout == 30.0 and clone.limits.memory_mb == 256 and clone.partial_credit
     assert clone([_fenced("x = 1")], tests=[["assert x == 1"]]) == [1.0]
 
 
-def test_code_reward_runs_concurrently():
-    slow = _fenced("import time\ntime.sleep(0.5)\nok = True")
-    reward = make_code_reward(timeout=10, max_workers=4)
-    import time
+def test_code_reward_runs_concurrently(monkeypatch):
+    """max_workers=4: the four sandboxes run at the same time. Each waits at a barrier until all four have started,
+    so a serial reward cannot pass, however fast or loaded the machine (the timeout only bounds a hang)."""
+    from trl_diffusion.rewards import code_reward
 
-    start = time.monotonic()
-    assert reward([slow] * 4, tests=[["assert ok"]] * 4) == [1.0] * 4
-    assert time.monotonic() - start < 1.9  # serial would take >= 2 s
+    barrier = threading.Barrier(4, timeout=60)
+    run_tests = code_reward.run_tests
+
+    def together(*args, **kwargs):
+        barrier.wait()
+        return run_tests(*args, **kwargs)
+
+    monkeypatch.setattr(code_reward, "run_tests", together)
+    reward = make_code_reward(timeout=30, max_workers=4)
+    assert reward([_fenced("ok = True")] * 4, tests=[["assert ok"]] * 4) == [1.0] * 4
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 from datasets import Dataset
+from numerics import assert_close_fp32
 from trl import SFTConfig
 
 from trl_diffusion.models import LLaDAModelLM, SDARForCausalLM
@@ -130,7 +131,7 @@ def test_block_layout_leaves_out_unscored_noisy_blocks_exactly():
     weights = torch.cat([pad * 0.0, batch.weights], -1)
     full = ScoringBatch(full_ids, full_pos, full_mask, targets, weights)
     expected = diffusion_loss(model, full, count_loss_tokens(labels), False, MASK_ID)[0]
-    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    assert_close_fp32(loss, expected)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -218,7 +219,7 @@ def test_trajectory_reproduces_the_samplers_logprobs(family):
     rows = torch.repeat_interleave(torch.arange(len(prompts)), out.denoising_steps)
     rescored = torch.zeros_like(out.token_logprobs).index_add_(0, rows, scores.log_probs.detach())
     assert int(scores.scored.sum()) == int(committed.sum())  # every committed token scored once
-    assert (rescored - out.token_logprobs)[committed].abs().max() <= 1e-5
+    assert_close_fp32(rescored, out.token_logprobs, committed)
 
 
 def test_trajectory_rows_are_the_states_before_each_step():
@@ -285,7 +286,7 @@ def test_padding_does_not_change_the_loss_and_eos_padding_is_trained():
     model = tiny_model("llada")
     loss, _ = fast_loss(model, "random_masking", *make_batch())
     padded, _ = fast_loss(model, "random_masking", *make_batch(extra_pad=5))
-    torch.testing.assert_close(loss, padded, atol=1e-6, rtol=1e-6)
+    assert_close_fp32(padded, loss)  # padding changes the kernels' shapes, so not bit-identical
 
     examples = [{"input_ids": encode(p) + encode(c), "labels": [IGNORE_INDEX] * len(encode(p)) + encode(c),
                  "sample_index": i} for i, (p, c) in enumerate(PAIRS)]

@@ -3,6 +3,7 @@ log-prob gap, group filtering and bad inputs."""
 
 import math
 
+import numpy as np
 import peft
 import pytest
 import torch
@@ -82,12 +83,38 @@ def test_step_weights_normalise_each_merged_step():
     assert weights[0, 6] == 0 and weights.sum().item() == pytest.approx(3.0)  # one unit per step
 
 
-def test_equal_rewards_give_zero_advantage_and_filtering(tmp_path):
-    trainer = make_trainer(tmp_path, "sdar", reward=lambda completions, **kw: [1.0] * len(completions),
-                           dynamic_group_filtering=True)
+def constant(completions, **kwargs):
+    return [1.0] * len(completions)
+
+
+def one_group():
+    return [{"prompt": PROMPTS[0]}] * 4  # the 4 generations of one prompt
+
+
+def policy_gradient(trainer, output):
+    """The policy gradient of one micro-batch, flattened."""
+    trainer.model.zero_grad()
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    trainer.compute_loss(trainer.model, output).backward()
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None])
+
+
+def test_equal_rewards_give_zero_advantages_and_no_gradient(tmp_path):
+    """Equal rewards in a group: every advantage is exactly 0 and so is the gradient, while the same rollouts with
+    varied rewards do get a gradient (the loss is ~0 either way at the first iteration, so it proves nothing).
+    Dynamic group filtering drops the group."""
+    gradients = {}
+    for name, reward in (("equal", constant), ("varied", distinct_chars)):
+        trainer = make_trainer(tmp_path, "sdar", reward=reward)
+        output = trainer._generate_and_score_completions(one_group())
+        if name == "equal":
+            assert bool((output["advantages"] == 0).all())
+        gradients[name] = policy_gradient(trainer, output)
+    assert bool((gradients["equal"] == 0).all()) and gradients["varied"].abs().max() > 1e-6
+    trainer = make_trainer(tmp_path, "sdar", reward=constant, dynamic_group_filtering=True)
     trainer.train()
     logs = trainer.state.log_history[0]
-    assert logs["loss"] == 0.0 and logs["filtered_groups"] == 1.0
+    assert logs["filtered_groups"] == 1.0 and logs["grad_norm"] == 0.0
 
 
 def test_group_filtering_drops_the_equal_group_from_the_loss(tmp_path):
@@ -122,22 +149,67 @@ def test_reward_that_raises_names_the_function(tmp_path):
         trainer.train()
 
 
-def test_nan_rewards_follow_trl_none_handling(tmp_path):
-    def sometimes_nan(completions, **kwargs):
-        return [float("nan") if i % 2 else float(len(c)) for i, c in enumerate(completions)]
+def test_none_and_nan_rewards_follow_trl(tmp_path):
+    """TRL's semantics (GRPOTrainer._generate_and_score_completions): a function's None / NaN leaves that function
+    out of the row's weighted sum; a row where every function gave None is unscorable: left out of its group's
+    mean and std (Bessel-corrected), and its advantage is 0. Training on such a batch stays finite."""
 
-    trainer = make_trainer(tmp_path, reward=[sometimes_nan, distinct_chars])
+    def half_none(completions, **kwargs):  # None on odd rows and on row 0
+        return [None if i % 2 or i == 0 else float(len(c)) for i, c in enumerate(completions)]
+
+    def nan_first(completions, **kwargs):  # NaN (not None) on row 0
+        return [float("nan") if i == 0 else float(len(set(c))) for i, c in enumerate(completions)]
+
+    trainer = make_trainer(tmp_path, reward=[half_none, nan_first], reward_weights=[2.0, 1.0])
+    output = trainer._generate_and_score_completions(one_group())
+    per_function = np.array([trainer._logs["rewards"][name] for name in ("half_none", "nan_first")]).T
+    assert np.isnan(per_function[0]).all() and np.isnan(per_function[1::2, 0]).all()
+    assert not np.isnan(per_function[2:, 1]).any()
+    total = np.nansum(per_function * [2.0, 1.0], axis=1)
+    total[0] = np.nan  # unscorable
+    expected = (total - np.nanmean(total)) / (np.nanstd(total, ddof=1) + 1e-4)
+    expected[0] = 0.0
+    assert np.nanstd(total, ddof=1) > 0
+    assert output["advantages"].tolist() == pytest.approx(expected.tolist(), rel=1e-5, abs=1e-6)
     trainer.train()
-    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    logs = trainer.state.log_history[0]
+    assert math.isfinite(logs["loss"]) and math.isfinite(logs["grad_norm"]) and logs["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+
+
+def test_group_filtering_treats_an_unscorable_row_as_trl_does(tmp_path):
+    """One row unscorable (None) and the others equal: TRL gives every row advantage 0, so the group carries no
+    signal and dynamic filtering drops it (an unscorable row is not a reward of 0)."""
+
+    def none_first(completions, **kwargs):
+        return [None if i == 0 else 1.0 for i in range(len(completions))]
+
+    trainer = make_trainer(tmp_path, reward=none_first, dynamic_group_filtering=True)
+    output = trainer._generate_and_score_completions(one_group())
+    assert bool((output["advantages"] == 0).all())
+    assert trainer._metrics["train"]["filtered_groups"] == [1.0]
 
 
 def test_empty_completions(tmp_path):
+    """A policy that ends every completion at once (EOS first): the completions are empty text, and a training step
+    on them, with varied rewards so that there is a gradient, keeps every logged number and the weights finite."""
     model = tiny_model("sdar").train()
-    with torch.no_grad():
-        model.lm_head.weight[EOS_ID] = 10 * model.model.norm.weight.sign() * model.lm_head.weight.abs().max()
-    trainer = make_trainer(tmp_path, model=model)
+
+    def eos_wins(module, inputs, logits):  # EOS 20 above the best other logit, its gradient left intact
+        lift = (logits.amax(-1) + 20.0 - logits[..., EOS_ID]).detach()
+        return logits + torch.nn.functional.one_hot(torch.tensor(EOS_ID), logits.shape[-1]) * lift[..., None]
+
+    model.lm_head.register_forward_hook(eos_wins)
+    trainer = make_trainer(tmp_path, model=model, reward=lambda completions, **kw: [float(i % 3) for i in
+                                                                                   range(len(completions))])
     trainer.train()
-    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    logs = trainer.state.log_history[0]
+    assert set(trainer._logs["completion"]) == {""}
+    assert logs["completions/mean_length"] == 1.0  # the EOS alone
+    numbers = {k: v for k, v in logs.items() if isinstance(v, float)}
+    assert all(math.isfinite(v) for v in numbers.values()), numbers
+    assert logs["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
 
 
 def test_model_without_mask_token_is_rejected(tmp_path):

@@ -71,7 +71,9 @@ class TimeBudgetCallback(TrainerCallback):
 
 def save_training_curves(log_history: list[dict], path: str | Path, keys: list[str], title: str = "") -> Path | None:
     """One PNG with a panel per logged key (e.g. reward, held-out accuracy, tokens per step) against the step.
-    Keys that were never logged are skipped; returns the path, or None when nothing was logged."""
+    Keys that were never logged are skipped; returns the path, or None when nothing was logged. The plotted numbers
+    are stored in the PNG's ``Curves`` text chunk (JSON ``{key: [[step, value], ...]}``), so they can be read back
+    from the figure alone."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,6 +95,6 @@ def save_training_curves(log_history: list[dict], path: str | Path, keys: list[s
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata={"Curves": json.dumps(series)})
     plt.close(fig)
     return path

@@ -208,6 +208,7 @@ def diffusion_generate(
             masked = generated[:, start:end] & canvas[:, start:end].eq(mask_id) & active[:, None]
             if not bool(masked.any()):
                 break
+            step_generator = _drawing_rows(generator, masked.any(-1))
             if settings.cache_mode == "exact":
                 raw = forward(block, cache, cache_cols)
                 logits = raw
@@ -219,7 +220,7 @@ def diffusion_generate(
                 raw = forward(all_cols[:end] if block_causal else all_cols)
                 logits = raw[:, start - shift : end - shift]
             tokens, token_lp, log_dist = sample_tokens(
-                logits, settings.temperature, settings.top_k, settings.top_p, generator, settings.gumbel_float64,
+                logits, settings.temperature, settings.top_k, settings.top_p, step_generator, settings.gumbel_float64,
                 mask_id,
             )
             if settings.schedule == "linspace":
@@ -227,18 +228,18 @@ def diffusion_generate(
                 last = step == settings.denoising_steps - 1
                 fraction = torch.ones(()) if last else 1 - timesteps[step + 1] / timesteps[step]
                 if settings.remasking_strategy == "origin":
-                    draw = uniform(masked.shape, generator, device)
+                    draw = uniform(masked.shape, step_generator, device)
                     commit = masked & (draw < float(fraction))
                 else:
                     quota = (masked.sum(-1).float() * fraction.to(device)).long()
-                    confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, generator)
+                    confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, step_generator)
                     commit = select_commits("low_confidence_static", confidence, masked, quota,
-                                            alg_temp=settings.alg_temp, generator=generator)
+                                            alg_temp=settings.alg_temp, generator=step_generator)
             else:
                 quota = torch.full((batch,), quotas[step], device=device)
-                confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, generator)
+                confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, step_generator)
                 commit = select_commits(settings.remasking_strategy, confidence, masked, quota,
-                                        settings.confidence_threshold, settings.alg_temp, generator)
+                                        settings.confidence_threshold, settings.alg_temp, step_generator)
             region = canvas[:, start:end]
             canvas[:, start:end] = torch.where(commit, tokens, region)
             row_step = steps_taken[:, None].expand_as(commit)
@@ -286,6 +287,12 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
         raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} prompts; "
                          "give one per prompt (or a single generator).")
     return attention_mask
+def _drawing_rows(generator: Generators, has_masks: torch.Tensor) -> Generators:
+    """Per-row generators for one step: a row with nothing left to commit draws from a throwaway generator, so
+    its own generator advances only on the steps it takes, as it would alone (not in step with its batch)."""
+    if not isinstance(generator, (list, tuple)):
+        return generator
+    return [g if drawing else torch.Generator() for g, drawing in zip(generator, has_masks.tolist())]
 
 
 def _max_positions(config) -> int | None:

@@ -1,0 +1,155 @@
+"""TraceRLTrainer settings that reach the scoring and the loss: ``training_block_size`` different from the
+rollout's ``block_length``, ``step_normalization``, a temperature other than 1, asynchronous reward functions and a
+policy given as a path."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from numerics import assert_close_fp32
+
+from trl_diffusion.estimators import replay_logprobs, step_groups
+from trl_diffusion.states import completion_blocks
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer, step_weights
+
+PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
+
+
+def distinct_chars(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def make_trainer(tmp_path, model=None, reward=distinct_chars, **overrides):
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=12, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
+                  block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
+                  disable_tqdm=True, seed=0, bf16=False)
+    config.update(overrides)
+    model = model if model is not None else tiny_model("sdar").train()
+    return TraceRLTrainer(model, reward, args=TraceRLConfig(**config), train_dataset=Dataset.from_dict(
+        {"prompt": PROMPTS}), processing_class=build_tokenizer())
+
+
+def rollout_and_scores(trainer):
+    """One generation batch (the 4 generations of one prompt) and the trainer's differentiable per-token log-probs
+    of it, as its loss computes them."""
+    output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    stash = {}
+    score = trainer._get_per_token_logps_and_entropies
+
+    def keep(*args, **kwargs):
+        result = score(*args, **kwargs)
+        stash["logps"] = result[0]
+        return result
+
+    trainer._get_per_token_logps_and_entropies = keep
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    loss = trainer.compute_loss(trainer.model, output)
+    return output, stash["logps"], loss
+
+
+def full_sequences(output):
+    """``[prompt | canvas]`` and ``unmask_step`` over the same columns (-1 on the prompt)."""
+    sequences = torch.cat([output["prompt_ids"], output["canvas_ids"]], 1)
+    steps = torch.cat([torch.full_like(output["prompt_ids"], -1), output["unmask_step"]], 1)
+    return sequences, steps
+
+
+def test_training_block_size_differs_from_the_rollout_block_length(tmp_path):
+    """Rollouts in blocks of 4, scoring in blocks of 8 (block-size adaptation): the trainer scores each token given
+    the state before its merged step under block-causal attention in blocks of 8, steps merged (shrinkage 4) inside
+    those blocks (so across the rollout's blocks), and weights the loss by those merged steps."""
+    trainer = make_trainer(tmp_path, training_block_size=8, shrinkage=4)
+    output, logps, _ = rollout_and_scores(trainer)
+    sequences, steps = full_sequences(output)
+    prompt_mask, canvas_steps = output["prompt_mask"], output["unmask_step"]
+    groups = step_groups(canvas_steps, 4, completion_blocks(prompt_mask, canvas_steps.shape[1], 8))
+    full_groups = torch.cat([torch.full_like(prompt_mask, -1), groups], 1)
+    width = output["completion_ids"].shape[1]
+    prompt_width = prompt_mask.shape[1]
+    with torch.no_grad():
+        expected = replay_logprobs(trainer.model, sequences, prompt_mask, steps, block_length=8,
+                                   groups=full_groups)[:, prompt_width:prompt_width + width]
+        in_blocks_of_4 = replay_logprobs(trainer.model, sequences, prompt_mask, steps, block_length=4,
+                                         groups=full_groups)[:, prompt_width:prompt_width + width]
+    trained = output["completion_mask"] > 0
+    assert_close_fp32(logps, expected, trained)
+    assert (in_blocks_of_4 - expected)[trained].abs().max() > 1e-3  # the block size matters here
+    weights = step_weights(groups)[:, :width]
+    assert torch.equal(output["completion_mask"], weights * (output["completion_mask"] > 0))
+    assert int(groups.max()) < int(step_groups(canvas_steps, 4, completion_blocks(prompt_mask, width, 4)).max())
+
+
+@pytest.mark.parametrize("normalization", ["step", "sequence"])
+def test_step_normalization_reaches_the_loss(tmp_path, normalization):
+    """With loss_type='grpo' (ratio 1 at the first iteration): d loss / d log p_j = -A_i w_j / sum_j w_j / B, with
+    w_j = 1/|tau(t_j)| ('step': a sequence's loss is the mean over its steps of per-step means, as TraceRL) or
+    w_j = 1 ('sequence': TRL's per-token mean)."""
+    # 3 steps per block of 4 commit 2, 1, 1 tokens: steps of different sizes, so the two normalisations differ
+    trainer = make_trainer(tmp_path, loss_type="grpo", step_normalization=normalization, shrinkage=1,
+                           denoising_steps=3)
+    output, logps, loss = rollout_and_scores(trainer)
+    gradient, = torch.autograd.grad(loss, logps)
+    width = logps.shape[1]
+    committed = (output["unmask_step"][:, :width] >= 0) & (output["completion_mask"] > 0)
+    groups = step_groups(output["unmask_step"], 1, completion_blocks(output["prompt_mask"], width, 4))[:, :width]
+    weights = step_weights(groups) if normalization == "step" else committed.float()
+    weights = weights * committed
+    advantages = output["advantages"][:, None]
+    expected = -advantages * weights / weights.sum(1, keepdim=True) / len(weights)
+    assert advantages.abs().max() > 0
+    assert len(weights[committed].unique()) == (2 if normalization == "step" else 1)
+    assert_close_fp32(gradient, expected)
+
+
+def test_a_temperature_other_than_one_is_sampled_and_scored_alike(tmp_path):
+    """Rollouts at temperature 0.7 are scored at 0.7: the trainer's log-probs equal the sampler's (ratio 1), which
+    differ from scoring at temperature 1."""
+    trainer = make_trainer(tmp_path, temperature=0.7)
+    output, logps, _ = rollout_and_scores(trainer)
+    sampler = output["sampler_logps"][:, : logps.shape[1]]
+    trained = output["completion_mask"] > 0
+    assert_close_fp32(logps, sampler, trained)
+    sequences, steps = full_sequences(output)
+    prompt_width = output["prompt_mask"].shape[1]
+    with torch.no_grad():
+        at_one = replay_logprobs(trainer.model, sequences, output["prompt_mask"], steps, block_length=4)
+    at_one = at_one[:, prompt_width:prompt_width + logps.shape[1]]
+    assert (at_one - sampler)[trained].abs().max() > 1e-2
+    trainer.train()
+    assert trainer.state.log_history[0]["rollout/sampler_logp_gap"] < 1e-4
+
+
+def test_async_reward_functions_score_like_their_synchronous_twin(tmp_path):
+    async def async_distinct_chars(completions, **kwargs):
+        return distinct_chars(completions)
+
+    outputs = {}
+    for name, reward in (("sync", distinct_chars), ("async", async_distinct_chars)):
+        trainer = make_trainer(tmp_path, reward=reward)
+        output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+        outputs[name] = (list(trainer._logs["rewards"][reward.__name__]), output["advantages"])
+    assert outputs["async"][0] == outputs["sync"][0] and len(set(outputs["sync"][0])) > 1
+    assert torch.equal(outputs["async"][1], outputs["sync"][1])
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+
+
+def test_policy_given_as_a_path(tmp_path):
+    """TRL loads the policy (and, with beta > 0, the reference model) from the path; training moves the policy and
+    not the reference."""
+    tiny_model("sdar").save_pretrained(tmp_path / "policy")
+    build_tokenizer().save_pretrained(tmp_path / "policy")
+    trainer = make_trainer(tmp_path / "out", model=str(tmp_path / "policy"), beta=0.1)
+    assert type(trainer.model).__name__ == "SDARForCausalLM" and trainer.ref_model is not None
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    reference = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
+    for name, tensor in tiny_model("sdar").state_dict().items():
+        assert torch.equal(before[name], tensor)
+    trainer.train()
+    assert math.isfinite(trainer.state.log_history[0]["loss"])
+    assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
+    assert all(torch.equal(reference[n], p) for n, p in trainer.ref_model.named_parameters())
