@@ -66,7 +66,8 @@ def test_value_config_rejects_non_positive_token_budget():
 def tracerl_config(tmp_path, **overrides) -> TraceRLConfig:
     fields = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                   max_steps=1, report_to="none", block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True,
-                  bf16=False, disable_tqdm=True, gradient_checkpointing=False, seed=0)
+                  bf16=False, disable_tqdm=True, gradient_checkpointing=False, seed=0,
+                  dynamic_group_filtering="none")  # rewards beyond [0, 1]
     return TraceRLConfig(**{**fields, **overrides})
 
 

@@ -36,7 +36,8 @@ def tracerl(out: Path, max_steps: int, value: bool = False, **overrides) -> Trac
     config = dict(output_dir=str(out), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                   max_steps=max_steps, logging_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
                   denoising_steps=2, save_strategy="steps", save_steps=1, use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False, num_iterations=2)
+                  disable_tqdm=True, seed=0, bf16=False, num_iterations=2,
+                  dynamic_group_filtering="none")  # rewards beyond [0, 1]
     config.update(overrides)
     model = tiny_model("sdar").train()
     return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config),

@@ -160,7 +160,8 @@ def test_none_and_nan_rewards_follow_trl(tmp_path):
     def nan_first(completions, **kwargs):  # NaN (not None) on row 0
         return [float("nan") if i == 0 else float(len(set(c))) for i, c in enumerate(completions)]
 
-    trainer = make_trainer(tmp_path, reward=[half_none, nan_first], reward_weights=[2.0, 1.0])
+    trainer = make_trainer(tmp_path, reward=[half_none, nan_first], reward_weights=[2.0, 1.0],
+                           reward_std="sample")  # TRL's own advantages (the default is dLLM-RL's population std)
     output = trainer._generate_and_score_completions(one_group())
     per_function = np.array([trainer._logs["rewards"][name] for name in ("half_none", "nan_first")]).T
     assert np.isnan(per_function[0]).all() and np.isnan(per_function[1::2, 0]).all()

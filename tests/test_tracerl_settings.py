@@ -26,7 +26,7 @@ def make_trainer(tmp_path, model=None, reward=distinct_chars, **overrides):
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=12, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False)
+                  disable_tqdm=True, seed=0, bf16=False, dynamic_group_filtering="none")  # rewards beyond [0, 1]
     config.update(overrides)
     model = model if model is not None else tiny_model("sdar").train()
     return TraceRLTrainer(model, reward, args=TraceRLConfig(**config), train_dataset=Dataset.from_dict(
@@ -143,7 +143,7 @@ def test_policy_given_as_a_path(tmp_path):
     not the reference."""
     tiny_model("sdar").save_pretrained(tmp_path / "policy")
     build_tokenizer().save_pretrained(tmp_path / "policy")
-    trainer = make_trainer(tmp_path / "out", model=str(tmp_path / "policy"), beta=0.1)
+    trainer = make_trainer(tmp_path / "out", model=str(tmp_path / "policy"), beta=0.1, kl_reference="reference_model")
     assert type(trainer.model).__name__ == "SDARForCausalLM" and trainer.ref_model is not None
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     reference = {n: p.detach().clone() for n, p in trainer.ref_model.named_parameters()}
