@@ -24,6 +24,7 @@ import os
 
 import torch
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
@@ -41,6 +42,8 @@ from ..value import (
     value_statistics,
 )
 from .tracerl_config import TraceRLConfig
+
+logger = logging.get_logger(__name__)
 
 
 def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
@@ -106,6 +109,7 @@ class TraceRLTrainer(GRPOTrainer):
             raise TypeError(f"{type(base).__name__} is not a diffusion model of trl_diffusion (SDAR, LLaDA, Dream).")
         _ = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
+        _check_completion_fits(base, args)
         if own_reference:
             self.beta = beta
             reference.requires_grad_(False)
@@ -129,6 +133,7 @@ class TraceRLTrainer(GRPOTrainer):
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._rollout_rewards: torch.Tensor | None = None
+        self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
         if value_model is not None:
@@ -162,7 +167,7 @@ class TraceRLTrainer(GRPOTrainer):
                 prompt, prompt_mask, max_new_tokens=self.max_completion_length, block_length=self.args.block_length,
                 denoising_steps=self.args.denoising_steps, remasking_strategy=self.args.remasking_strategy,
                 confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
-                top_k=top_k, top_p=top_p, use_cache=self.args.use_cache, stop_token_ids=list(self.eos_token_ids),
+                top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache, stop_token_ids=list(self.eos_token_ids),
                 pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
             )
         width = prompt.shape[1]
@@ -190,7 +195,30 @@ class TraceRLTrainer(GRPOTrainer):
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
         self._rollout_rewards = rewards  # gathered across processes; used by dynamic group filtering
+        if self.model.training:
+            self._watch_reward_signal(rewards)
         return rewards
+
+    identical_rewards_patience = 10
+    """Training generation batches in a row in which no group's rewards differ before the trainer warns."""
+
+    def _watch_reward_signal(self, rewards: torch.Tensor) -> None:
+        """Warn (once per run of flat batches) when, for ``identical_rewards_patience`` generation batches in a row,
+        every group's completions got identical rewards: every advantage is then 0 and the policy does not move."""
+        total = torch.nansum(rewards * self.reward_weights.to(rewards.device), dim=1)
+        groups = total.view(-1, self.num_generations)
+        flat = bool(((groups.max(1).values - groups.min(1).values) == 0).all())
+        self._flat_reward_batches = self._flat_reward_batches + 1 if flat else 0
+        if self._flat_reward_batches == self.identical_rewards_patience and self.accelerator.is_main_process:
+            seen = sorted({round(v, 4) for v in total.tolist()})
+            logger.warning(
+                f"TraceRL: for {self._flat_reward_batches} generation batches in a row every group's completions got "
+                f"identical rewards (values seen: {seen[:5]}), so every advantage is 0 and nothing is learned. Check "
+                "that the prompts are in the format the model was trained on (the embedded model wants plain "
+                "prompts: to_dataset(problems, EMBEDDED_FORMAT)), that the reward function reads the right dataset "
+                "columns, that max_completion_length leaves room for an answer, and look at the completions "
+                "(log_completions=True)."
+            )
 
     def _generate_and_score_completions(self, inputs):
         output = super()._generate_and_score_completions(inputs)
@@ -229,6 +257,24 @@ class TraceRLTrainer(GRPOTrainer):
         base = model.get_base_model() if _is_peft(model) else model
         block = settings.block_size if base.block_size is not None else None
         return step_weights(trajectory_groups(steps, prompt_mask, settings.shrinkage, block))
+
+    def _own_state_tokens(self, prompt_mask: torch.Tensor, unmask_step: torch.Tensor) -> torch.Tensor:
+        """True for committed tokens the trajectory estimator scores given the state the sampler committed them
+        from: those of the first denoising step of their merged group (every committed token at shrinkage 1)."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if _is_peft(model) else model
+        settings = self.estimator_settings
+        groups = trajectory_groups(unmask_step, prompt_mask, settings.shrinkage,
+                                   settings.block_size if base.block_size is not None else None)
+        committed = groups >= 0
+        if not bool(committed.any()):
+            return committed
+        index = groups.clamp(min=0)
+        late = int(unmask_step.max()) + 1
+        first = torch.full((groups.shape[0], int(groups.max()) + 1), late, device=groups.device,
+                           dtype=unmask_step.dtype)
+        first = first.scatter_reduce(1, index, torch.where(committed, unmask_step, late), reduce="amin")
+        return committed & (unmask_step == first.gather(1, index))
 
     def _kept_rows(self, local_rows: int) -> torch.Tensor:
         """False for rows of groups whose (weighted) rewards are all equal."""
@@ -397,9 +443,17 @@ class TraceRLTrainer(GRPOTrainer):
             sampler = _fit_width(scoring["sampler_logps"], logits_to_keep)
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
                 :, prompt_width:].float().clamp(max=1)
-            gap = ((logps.detach() - sampler).abs() * committed).sum() / committed.sum().clamp(min=1)
+            difference = (logps.detach() - sampler).abs() * committed
+            gap = difference.sum() / committed.sum().clamp(min=1)
+            # tokens scored from the very state the sampler committed them from: 0 gap when the two agree, whatever
+            # the shrinkage (the full gap also measures how much merging steps changes the scored states)
+            own = committed * _fit_width(self._own_state_tokens(prompt_mask, scoring["unmask_step"]).float(),
+                                         logits_to_keep)
+            exact = (difference * own).sum() / own.sum().clamp(min=1)
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["rollout/sampler_logp_gap"].append(self.accelerator.gather(gap).mean().item())
+            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append(
+                self.accelerator.gather(exact).mean().item())
         aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
         return logps, entropies, aux
 
@@ -435,6 +489,18 @@ def _name_errors(func, name):
     if isinstance(func, torch.nn.Module) or is_async_callable(func):
         return func
     return _RewardErrorNamer(func, name)
+
+
+def _check_completion_fits(model, args: TraceRLConfig) -> None:
+    """Raise now, not at the first rollout, when ``max_completion_length`` (plus the block a block model may add)
+    leaves no room for a prompt in the model's positions."""
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    extra = args.block_length if model.block_size is not None else 0
+    if positions is not None and args.max_completion_length + extra >= positions:
+        slack = f" + block_length ({extra})" if extra else ""
+        raise ValueError(f"max_completion_length ({args.max_completion_length}){slack} leaves no room for a prompt in "
+                         f"the model's {positions} positions (max_position_embeddings); lower max_completion_length.")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
