@@ -15,7 +15,8 @@ The real recipe (TraDo-4B-Instruct on MATH-style data; see recipes/ for complete
 
 Every TRL / TraceRL config field is a flag (``--learning_rate``, ``--likelihood_estimator``, ``--shrinkage``,
 ``--beta``, ``--push_to_hub``, ...) and ``--config file.yaml`` is accepted. Training curves are saved as
-``<output_dir>/training_curves.png``.
+``<output_dir>/training_curves.png``. ``--resume_from_checkpoint true`` resumes from the last checkpoint in
+``--output_dir``. A bad argument (a mistyped model path, an invalid config value) is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -35,8 +36,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
-from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK, resolve_model_path
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
+from trl_diffusion.cli import parse_script_args, resume_checkpoint
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 from trl_diffusion.rewards import math_accuracy_reward
 
@@ -70,7 +72,7 @@ def math_dataset(name: str, config: str | None, split: str):
 
 
 def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: ModelConfig) -> dict:
-    path = model_args.model_name_or_path or str(EMBEDDED_MODEL)
+    path = resolve_model_path(model_args.model_name_or_path)
     synthetic = script_args.dataset_name is None
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype if model_args.dtype != "auto" else None)
@@ -86,7 +88,7 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         reward = math_accuracy_reward
     trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
                              callbacks=callbacks, peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     plot = save_training_curves(
         trainer.state.log_history, f"{args.output_dir}/training_curves.png",
@@ -116,4 +118,4 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    main(*parse_script_args(make_parser()))
