@@ -71,6 +71,14 @@ def test_eval_mistyped_local_path_is_one_line_exit_2(capsys, path):
     assert one_line_error(capsys, "trl-diffusion eval").endswith(f" eval: error: no such local directory: {path}")
 
 
+def test_argparse_errors_are_one_line_too(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--num_samples", "abc"])
+    assert exit_info.value.code == 2 and "invalid int value: 'abc'" in one_line_error(capsys, "trl-diffusion eval")
+    assert main(["eval", "--no_such_flag", "1"]) == 2
+    assert "--no_such_flag" in one_line_error(capsys, "trl-diffusion eval")
+
+
 def test_model_path_resolution(tmp_path):
     assert resolve_model_path(None) == str(EMBEDDED_MODEL)
     assert resolve_model_path("Gen-Verse/TraDo-4B-Instruct") == "Gen-Verse/TraDo-4B-Instruct"  # a Hub id

@@ -56,10 +56,23 @@ def check_script_args(parsed: Sequence[Any]) -> None:
                                                             getattr(args, "output_dir", None))
 
 
+def one_line_errors(parser: Any) -> Any:
+    """Make argparse's own errors (an invalid value, a missing argument) one line, ``<prog>: error: <message>``, exit
+    status 2, instead of the full usage first (hundreds of lines for a ``TrainingArguments`` parser)."""
+
+    def error(message: str) -> None:
+        print(f"{parser.prog}: error: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = error
+    return parser
+
+
 def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
     """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`. A ``ValueError`` on the way
     (a config's validation, a missing model directory, a config file key no dataclass has) exits with status 2
-    after printing ``<prog>: error: <message>``."""
+    after printing ``<prog>: error: <message>``; so do argparse's own errors (:func:`one_line_errors`)."""
+    one_line_errors(parser)
     try:
         parsed = parser.parse_args_and_config(args=argv)
         check_script_args(parsed)
@@ -75,8 +88,8 @@ def _eval(argv: list[str]) -> int:
 
     from .eval import EvalConfig, evaluate
 
-    parser = TrlParser(dataclass_types=[EvalConfig], prog="trl-diffusion eval",
-                       description="Evaluate a diffusion language model; see docs/evaluation.md.")
+    parser = one_line_errors(TrlParser(dataclass_types=[EvalConfig], prog="trl-diffusion eval",
+                                       description="Evaluate a diffusion language model; see docs/evaluation.md."))
     try:
         (config,) = parser.parse_args_and_config(args=argv)
         report = evaluate(config)
