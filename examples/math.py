@@ -26,7 +26,7 @@ import sys
 
 # This folder holds math.py and code.py, named like standard-library modules: drop it from the import path so that
 # `python examples/<name>.py` does not import this folder's files in place of the standard library's.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     sys.path.pop(0)
 
 import json

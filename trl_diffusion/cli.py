@@ -77,9 +77,13 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[A
         parsed = parser.parse_args_and_config(args=argv)
         check_script_args(parsed)
     except ValueError as exc:
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
         sys.exit(2)
     return parsed
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _eval(argv: list[str]) -> int:
@@ -94,7 +98,7 @@ def _eval(argv: list[str]) -> int:
         (config,) = parser.parse_args_and_config(args=argv)
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
-        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))
     return 0

@@ -91,8 +91,8 @@ def detect_format(columns: Iterable[str]) -> str:
         return "question_answer"
     if {"question", "ground_truth_answer"} <= cols:
         return "question_ground_truth"
-    known = "\n".join(f"  {name}: {text}" for name, text in FORMATS.items())
-    raise ValueError(f"unknown dataset format: columns {sorted(cols)} match none of the known formats:\n{known}")
+    known = "; ".join(f"{name}: {text}" for name, text in FORMATS.items())
+    raise ValueError(f"unknown dataset format: columns {sorted(cols)} match none of the known formats ({known}).")
 
 
 def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | None = None) -> list[EvalProblem]:

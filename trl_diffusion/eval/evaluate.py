@@ -27,6 +27,7 @@ _GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remask
                     "temperature", "top_k", "top_p", "use_cache", "stop_token_ids", "steps", "alg", "alg_temp", "eps",
                     "cfg_scale")
 _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
+_BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
 
 
@@ -53,7 +54,7 @@ class EvalConfig:
     max_problems: int | None = _arg(None, "Evaluate only the first N problems.")
     num_samples: int = _arg(1, "Completions per problem (n); accuracy is the mean over all of them.")
     pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
-    batch_size: int = _arg(16, "Sequences per generate() call.")
+    batch_size: int | None = _arg(None, "Sequences per generate() call (default: 16; 100 for arithmetic).")
     seed: int = _arg(0, "Seed of the sampling generator.")
     prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task).")
     system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
@@ -262,6 +263,10 @@ def evaluate(
     ks = config.resolved_pass_k()
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
+    if config.batch_size is None:
+        config = dataclasses.replace(config, batch_size=_DATASET_BATCH_SIZE.get(tag, _BATCH_SIZE))
+    if config.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
     if model is None or isinstance(model, (str, Path)):
         model, loaded_tokenizer = load_model_and_tokenizer(config)
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
