@@ -253,7 +253,7 @@ def evaluate(
 
     ``config`` fields can be overridden by keyword (``evaluate(dataset="gsm8k", num_samples=4)``). ``model`` is a
     loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
-    ``EvalConfig.dataset``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
+    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
     known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics``
     (``accuracy``, ``pass@k``..., ``avg_length``, ``tokens_per_step``, ``throughput_tokens_per_s``,
     ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the
