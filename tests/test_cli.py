@@ -39,14 +39,14 @@ def one_line_error(capsys, prog: str) -> str:
 def test_eval_defaults_match_the_embedded_models_own_evaluation():
     """No arguments: plain prompts ending in a newline (the embedded model's training format), greedy, one token per
     step -- the settings its documented 37.6% was measured with (``evaluate_accuracy``, the slow obvious path)."""
-    report = evaluate(max_problems=100, batch_size=100, output_dir="", progress=False)
+    report = evaluate(max_problems=50, output_dir="", progress=False)
     assert report["apply_chat_template"] is False and report["dataset"] == "arithmetic"
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL).eval()
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     _, test = make_problems(**EMBEDDED_TASK)
-    reference = evaluate_accuracy(model, tokenizer, test[:100], batch_size=100, chat_template=False)
+    reference = evaluate_accuracy(model, tokenizer, test[:50], batch_size=50, chat_template=False)
     assert reference > 0.2  # the embedded model answers its own prompts (through the chat template: 0.0)
-    assert report["metrics"]["accuracy"] == pytest.approx(reference, abs=0.02)
+    assert report["metrics"]["accuracy"] == pytest.approx(reference, abs=0.04)  # 2 problems: argmax ties
 
 
 def test_eval_chat_template_default_is_per_model(tmp_path):
