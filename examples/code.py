@@ -4,17 +4,22 @@
 """TraceRL on code, rewarded by running each completion's last Python block against the row's tests in the
 sandbox (``trl_diffusion.rewards.make_code_reward``).
 
-With no arguments: a smoke run on CPU with the embedded tiny model and a synthetic code task ("write f() that
-returns 47+35", tests ``assert f() == 82``). The tiny arithmetic model does not write code, so rewards stay near 0;
-it shows the pipeline end to end in a minute:
+With no arguments: the embedded tiny SDAR on a synthetic code task, on a CPU in a few minutes. Each row asks for
+``a+b`` and its test is ``assert f() == <a+b>``. The tiny model was trained on arithmetic and answers
+``\\boxed{579}`` rather than writing code, so this example turns its answer into the program
+``def f(): return <boxed text>`` (``answer_as_program``); every completion is then run in the sandbox against the
+test, and the reward rises as the model learns:
 
     accelerate launch examples/code.py
 
 A real run (DiffuCoder-style coupled GRPO or TraceRL on a code set with ``tests`` or HumanEval-style
-``test`` + ``entry_point`` columns):
+``test`` + ``entry_point`` columns; the model writes the code itself):
 
-    accelerate launch examples/code.py --model_name_or_path apple/DiffuCoder-7B-Instruct \
-        --dataset_name <your/code-rl-dataset> --likelihood_estimator coupled --config recipes/dream_tracerl_code.yaml
+    accelerate launch --config_file examples/accelerate_configs/deepspeed_zero2.yaml examples/code.py \
+        --config recipes/diffucoder_7b_coupled_code.yaml --dataset_name <your/code-rl-dataset>
+
+Every TRL / TraceRL config field is a flag and ``--config file.yaml`` is accepted; ``--resume_from_checkpoint true``
+resumes from the last checkpoint in ``--output_dir``. A bad argument is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -24,11 +29,10 @@ import sys
 
 # This folder holds math.py and code.py, named like standard-library modules: drop it from the import path so that
 # `python examples/<name>.py` does not import this folder's files in place of the standard library's.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     sys.path.pop(0)
 
 import json
-import random
 from dataclasses import dataclass, field
 
 from datasets import Dataset
@@ -36,9 +40,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
-from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model, resolve_model_path
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.data import load_training_dataset
+from trl_diffusion.cli import parse_script_args, resume_checkpoint
+from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
 from trl_diffusion.rewards import make_code_reward
 
 
@@ -52,37 +57,58 @@ class CodeScriptArguments(ScriptArguments):
     partial_credit: bool = field(default=False, metadata={"help": "Reward the fraction of tests passed."})
 
 
-def synthetic_code_tasks(n: int, seed: int = 0) -> Dataset:
-    rng = random.Random(seed)
+def synthetic_code_tasks(plain: bool) -> Dataset:
+    """The embedded model's training problems (``EMBEDDED_TASK``) as code tasks with one test, ``assert f() == a+b``.
+    ``plain``: the embedded model's own prompts (``"What is a+b?\\n"``, ``EMBEDDED_FORMAT``); otherwise a chat
+    request for the function."""
+    train, _ = make_problems(**EMBEDDED_TASK)
     rows = []
-    for _ in range(n):
-        a, b = rng.randint(0, 99), rng.randint(0, 99)
-        rows.append({"prompt": [{"role": "user", "content": f"Write a Python function f() that returns {a}+{b}."}],
-                     "tests": [f"assert f() == {a + b}"]})
+    for p in train:
+        request = f"Write a Python function f() that returns {p.a}{p.op}{p.b}, in a ```python``` code block."
+        prompt = p.prompt + "\n" if plain else [{"role": "user", "content": request}]
+        rows.append({"prompt": prompt, "tests": [f"assert f() == {p.answer}"]})
     return Dataset.from_list(rows)
 
 
+class AnswerAsProgram:
+    """Wraps a code reward for a model that answers ``\\boxed{...}`` instead of writing code: the boxed text becomes
+    the program ``def f(): return <text>`` (no box: no program, reward 0), which the sandbox runs as usual."""
+
+    def __init__(self, reward):
+        self.reward, self.__name__ = reward, reward.__name__
+
+    def __call__(self, completions, **kwargs):
+        programs = []
+        for completion in completions:
+            answer = extract_boxed(completion if isinstance(completion, str) else completion[-1]["content"])
+            programs.append(f"```python\ndef f():\n    return {answer}\n```" if answer else "")
+        return self.reward(programs, **kwargs)
+
+
 def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: ModelConfig) -> dict:
-    path = model_args.model_name_or_path or str(EMBEDDED_MODEL)
+    path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
+    reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
+                              partial_credit=script_args.partial_credit)
     if script_args.dataset_name is None:
-        dataset = synthetic_code_tasks(512, args.seed)
+        embedded = is_embedded_model(path)
+        dataset = synthetic_code_tasks(plain=embedded and EMBEDDED_FORMAT != "conversational")
+        reward = AnswerAsProgram(reward) if embedded else reward
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
-    reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
-                              partial_credit=script_args.partial_credit)
     trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
                              peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
                                 ["reward", "rollout/tokens_per_step", "completions/mean_length"],
                                 title="TraceRL on code")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None,
-              "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None}
+              "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
+              "reward_curve": rewards}
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
     print(json.dumps(result))
@@ -91,12 +117,13 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
 
 def make_parser() -> TrlParser:
     parser = TrlParser((CodeScriptArguments, TraceRLConfig, ModelConfig))
-    parser.set_defaults(output_dir="outputs/code", max_steps=5, per_device_train_batch_size=16, num_generations=4,
-                        max_completion_length=32, block_length=4, denoising_steps=4, learning_rate=2e-4, beta=0.0,
-                        logging_steps=1, save_strategy="no", report_to="none", bf16=False,
-                        gradient_checkpointing=False, seed=0)
+    # defaults for the embedded model on the synthetic task; the recipes/ configs set the published ones
+    parser.set_defaults(output_dir="outputs/code", max_steps=40, per_device_train_batch_size=64, num_generations=8,
+                        max_completion_length=16, block_length=4, denoising_steps=4,
+                        remasking_strategy="low_confidence_static", learning_rate=1e-4, beta=0.0, logging_steps=5,
+                        save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False, seed=0)
     return parser
 
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    main(*parse_script_args(make_parser()))

@@ -15,7 +15,8 @@ A real run (long-CoT SFT of SDAR/TraDo; see recipes/):
 
 Every TRL SFTConfig / DiffusionSFTConfig field is a flag (``--diffusion_objective``, ``--loss_weighting``,
 ``--pad_to_length_with_eos``, ``--assistant_only_loss``, ...); ``--config file.yaml`` is accepted. Training curves are
-saved as ``<output_dir>/training_curves.png``.
+saved as ``<output_dir>/training_curves.png``. ``--resume_from_checkpoint true`` resumes from the last checkpoint in
+``--output_dir``. A bad argument (a mistyped model path, an invalid config value) is one line on stderr, exit 2.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 
 # This folder holds math.py and code.py, named like standard-library modules: drop it from the import path so that
 # `python examples/<name>.py` does not import this folder's files in place of the standard library's.
-if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(__file__)):
+if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     sys.path.pop(0)
 
 import json
@@ -35,8 +36,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
-from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK, resolve_model_path
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
+from trl_diffusion.cli import parse_script_args, resume_checkpoint
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
@@ -49,7 +51,7 @@ class SFTScriptArguments(ScriptArguments):
 
 
 def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: ModelConfig) -> dict:
-    path = model_args.model_name_or_path or str(EMBEDDED_MODEL)
+    path = resolve_model_path(model_args.model_name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     callbacks = []
@@ -63,7 +65,7 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
                                         script_args.dataset_train_split)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                   callbacks=callbacks, peft_config=get_peft_config(model_args))
-    trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
+    trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
                                 ["loss", "mean_token_accuracy", "eval/held_out_accuracy"],
@@ -87,4 +89,4 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*make_parser().parse_args_and_config())
+    main(*parse_script_args(make_parser()))

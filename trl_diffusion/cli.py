@@ -1,13 +1,89 @@
 """The ``trl-diffusion`` command: ``trl-diffusion <command> [--flags]``. Each command parses its own flags with
-``TrlParser`` (so ``--config file.yaml`` works too) and returns an exit status."""
+``TrlParser`` (so ``--config file.yaml`` works too) and returns an exit status.
+
+:func:`parse_script_args` gives the example scripts the same behaviour: a bad argument is one line
+``<prog>: error: <what is wrong>`` on stderr and exit status 2, never a traceback.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 USAGE = "usage: trl-diffusion <command> [options]   (trl-diffusion <command> --help for its options)"
+
+
+class UsageError(ValueError):
+    """A command-line argument that cannot work; reported as one line, exit status 2."""
+
+
+def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str | bool | None:
+    """``resume_from_checkpoint`` as ``Trainer.train`` takes it. transformers' convention: ``true`` means the last
+    ``checkpoint-*`` in ``output_dir``, ``false`` / empty means none; anything else is a checkpoint directory.
+    Raises :class:`UsageError` when there is nothing to resume from."""
+    if value is None or isinstance(value, bool):
+        text = "true" if value else ""
+    else:
+        text = str(value).strip()
+    if text.lower() in ("", "false", "no", "none", "0"):
+        return None
+    if text.lower() in ("true", "yes", "1"):
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if not output_dir or not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None:
+            raise UsageError(f"resume_from_checkpoint=true but output_dir {output_dir!r} holds no checkpoint-* "
+                             "folder to resume from.")
+        return True
+    if not os.path.isdir(text):
+        raise UsageError(f"resume_from_checkpoint: no such checkpoint directory: {text}")
+    return text
+
+
+def check_script_args(parsed: Sequence[Any]) -> None:
+    """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
+    that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`) and every
+    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
+    from .assets import resolve_model_path
+
+    for args in parsed:
+        if getattr(args, "model_name_or_path", None):
+            resolve_model_path(args.model_name_or_path)
+        if hasattr(args, "resume_from_checkpoint"):
+            args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
+                                                            getattr(args, "output_dir", None))
+
+
+def one_line_errors(parser: Any) -> Any:
+    """Make argparse's own errors (an invalid value, a missing argument) one line, ``<prog>: error: <message>``, exit
+    status 2, instead of the full usage first (hundreds of lines for a ``TrainingArguments`` parser)."""
+
+    def error(message: str) -> None:
+        print(f"{parser.prog}: error: {message} (--help lists the options)", file=sys.stderr)
+        sys.exit(2)
+
+    parser.error = error
+    return parser
+
+
+def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
+    """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`. A ``ValueError`` on the way
+    (a config's validation, a missing model directory, a config file key no dataclass has) exits with status 2
+    after printing ``<prog>: error: <message>``; so do argparse's own errors (:func:`one_line_errors`)."""
+    one_line_errors(parser)
+    try:
+        parsed = parser.parse_args_and_config(args=argv)
+        check_script_args(parsed)
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
+    return parsed
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
 
 
 def _eval(argv: list[str]) -> int:
@@ -16,13 +92,13 @@ def _eval(argv: list[str]) -> int:
 
     from .eval import EvalConfig, evaluate
 
-    parser = TrlParser(dataclass_types=[EvalConfig], prog="trl-diffusion eval",
-                       description="Evaluate a diffusion language model; see docs/evaluation.md.")
-    (config,) = parser.parse_args_and_config(args=argv)
+    parser = one_line_errors(TrlParser(dataclass_types=[EvalConfig], prog="trl-diffusion eval",
+                                       description="Evaluate a diffusion language model; see docs/evaluation.md."))
     try:
+        (config,) = parser.parse_args_and_config(args=argv)
         report = evaluate(config)
-    except (FileNotFoundError, ValueError) as exc:
-        print(f"trl-diffusion eval: error: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))
     return 0

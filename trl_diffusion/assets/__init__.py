@@ -7,6 +7,9 @@ variant of the 2-digit task the from-scratch proof masters, so RL has room to im
 ``scripts/make_embedded_model.py`` reproduces it from its seed.
 """
 
+from __future__ import annotations
+
+import os
 from pathlib import Path
 
 EMBEDDED_MODEL = Path(__file__).parent / "tiny-sdar-arithmetic"
@@ -17,4 +20,37 @@ EMBEDDED_FORMAT = "prompt_completion"
 """The dataset format it was trained in: plain ``"What is a+b?\\n"`` prompts (no chat template)."""
 EMBEDDED_CHAT_TEMPLATE = EMBEDDED_FORMAT == "conversational"
 
-__all__ = ["EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK"]
+__all__ = [
+    "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK", "is_embedded_model",
+    "resolve_model_path",
+]
+
+
+def resolve_model_path(name: str | os.PathLike | None) -> str:
+    """The model to load: ``name``, or the embedded model when ``name`` is empty.
+
+    Raises ``ValueError("no such local directory: ...")`` early for a name that is written as a path (it starts
+    with ``.``, ``/`` or ``~``, or has more than one ``/``) but names no directory, instead of letting the Hub
+    client report it as a malformed repo id. A Hub id (``owner/name``) is returned unchanged.
+    """
+    if name is None or str(name) == "":
+        if not Path(EMBEDDED_MODEL, "config.json").exists():
+            raise ValueError(f"no model given and the embedded model is not installed at {EMBEDDED_MODEL}; "
+                             "pass --model_name_or_path.")
+        return str(EMBEDDED_MODEL)
+    text = str(name)
+    path = Path(text).expanduser()
+    path_like = text.startswith((".", "/", "~", "\\")) or text.count("/") > 1 or "\\" in text or path.exists()
+    if path_like and not path.is_dir():
+        raise ValueError(f"{'not a directory' if path.exists() else 'no such local directory'}: {text}")
+    return str(path) if path_like else text
+
+
+def is_embedded_model(name: str | os.PathLike | None) -> bool:
+    """Whether ``name`` (a path, or a loaded model's ``name_or_path``) is the embedded model's directory."""
+    if name is None or str(name) == "":
+        return False
+    try:
+        return Path(str(name)).expanduser().resolve() == EMBEDDED_MODEL.resolve()
+    except OSError:
+        return False

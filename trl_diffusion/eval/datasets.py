@@ -34,6 +34,8 @@ FUNCTION_PROMPT = (
     "Return the complete function, with any imports it needs, in one ```python``` code block."
 )
 ARITHMETIC_PROMPT = "{question}"
+"""The arithmetic task's user turn; without the chat template the prompt is ``"{question}\n"``, the embedded
+model's training format (``to_dataset(..., "prompt_completion")``)."""
 
 HUB_DATASETS: dict[str, tuple[str, str | None, str]] = {
     "math500": ("HuggingFaceH4/MATH-500", None, "test"),
@@ -89,8 +91,8 @@ def detect_format(columns: Iterable[str]) -> str:
         return "question_answer"
     if {"question", "ground_truth_answer"} <= cols:
         return "question_ground_truth"
-    known = "\n".join(f"  {name}: {text}" for name, text in FORMATS.items())
-    raise ValueError(f"unknown dataset format: columns {sorted(cols)} match none of the known formats:\n{known}")
+    known = "; ".join(f"{name}: {text}" for name, text in FORMATS.items())
+    raise ValueError(f"unknown dataset format: columns {sorted(cols)} match none of the known formats ({known}).")
 
 
 def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | None = None) -> list[EvalProblem]:
@@ -113,16 +115,18 @@ def load_eval_problems(
     split: str | None = None,
     max_problems: int | None = None,
     prompt_template: str | None = None,
+    chat_template: bool = True,
 ) -> tuple[str, list[EvalProblem]]:
     """Load ``dataset`` (a short name, ``arithmetic``, a local file, or a Hub ``owner/name``); return (tag, problems).
 
-    ``tag`` is a short file-name-safe name of the dataset, used for output files.
+    ``tag`` is a short file-name-safe name of the dataset, used for output files. ``chat_template`` says whether
+    the prompts will go through the chat template (the arithmetic task's plain prompts end with a newline).
     """
     if max_problems is not None and max_problems <= 0:
         raise ValueError(f"max_problems must be positive, got {max_problems}.")
     name = dataset.strip()
     if name.lower() == "arithmetic":
-        problems = _arithmetic_problems(prompt_template)
+        problems = _arithmetic_problems(prompt_template, chat_template)
         tag = "arithmetic"
     else:
         rows, tag = _load_rows(name, config, split)
@@ -235,12 +239,12 @@ def _fill(template: str, question: str) -> str:
     return template.replace("{question}", question)
 
 
-def _arithmetic_problems(template: str | None) -> list[EvalProblem]:
+def _arithmetic_problems(template: str | None, chat_template: bool) -> list[EvalProblem]:
     """The held-out split of the task the embedded model was trained on (``trl_diffusion.assets.EMBEDDED_TASK``)."""
     from ..assets import EMBEDDED_TASK
     from ..data import make_problems
 
     _, test = make_problems(**EMBEDDED_TASK)
-    template = template or ARITHMETIC_PROMPT
+    template = template or (ARITHMETIC_PROMPT if chat_template else ARITHMETIC_PROMPT + "\n")
     return [EvalProblem(f"arithmetic/{i}", _fill(template, p.prompt), "math", answer=str(p.answer))
             for i, p in enumerate(test)]

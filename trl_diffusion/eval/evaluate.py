@@ -27,6 +27,7 @@ _GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remask
                     "temperature", "top_k", "top_p", "use_cache", "stop_token_ids", "steps", "alg", "alg_temp", "eps",
                     "cfg_scale")
 _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
+_BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
 
 
@@ -44,18 +45,21 @@ class EvalConfig:
     dtype: str = _arg("auto", "Weights dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32.",
                       choices=["auto", "bfloat16", "float16", "float32"])
     device: str | None = _arg(None, "Device, e.g. cuda:0 or cpu (default: cuda if available).")
-    dataset: str = _arg("arithmetic", "math500, gsm8k, aime2024, humaneval, mbpp, arithmetic, a local "
-                        ".json/.jsonl/.parquet file, or a Hub dataset id owner/name (format detected from columns).")
+    dataset_name: str = _arg("arithmetic", "math500, gsm8k, aime2024, humaneval, mbpp, arithmetic, a local "
+                             ".json/.jsonl/.parquet file, or a Hub dataset id owner/name (format detected from "
+                             "columns). Also --dataset.", aliases=["--dataset"])
     dataset_config: str | None = _arg(None, "Hub dataset config (default: the short name's, else none).")
-    dataset_split: str | None = _arg(None, "Hub dataset split (default: the short name's, else 'test').")
+    dataset_test_split: str | None = _arg(None, "Hub dataset split to evaluate (default: the short name's, else "
+                                          "'test'). Also --dataset_split.", aliases=["--dataset_split"])
     max_problems: int | None = _arg(None, "Evaluate only the first N problems.")
     num_samples: int = _arg(1, "Completions per problem (n); accuracy is the mean over all of them.")
     pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
-    batch_size: int = _arg(16, "Sequences per generate() call.")
+    batch_size: int | None = _arg(None, "Sequences per generate() call (default: 16; 100 for arithmetic).")
     seed: int = _arg(0, "Seed of the sampling generator.")
     prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task).")
-    system_prompt: str | None = _arg(None, "Optional system message.")
-    apply_chat_template: bool = _arg(True, "Wrap the prompt in the tokenizer's chat template.")
+    system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
+    apply_chat_template: bool | None = _arg(None, "Wrap the prompt in the tokenizer's chat template (default: true, "
+                                            "false for the embedded model, which was trained on plain prompts).")
     start_with_think: bool = _arg(False, "Append <think> after the generation prompt (long-CoT models).")
     max_new_tokens: int | None = _arg(None, "Tokens to generate per completion.")
     block_length: int | None = _arg(None, "Tokens per block.")
@@ -185,26 +189,20 @@ def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits) ->
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def default_model_path() -> str:
-    """The embedded tiny model, if this installation ships it."""
-    from ..assets import EMBEDDED_MODEL
-
-    if not Path(EMBEDDED_MODEL, "config.json").exists():
-        raise ValueError(f"no model given and the embedded model is not installed at {EMBEDDED_MODEL}; "
-                         "pass --model_name_or_path.")
-    return str(EMBEDDED_MODEL)
-
-
 def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
-    """Load the model (``AutoModelForCausalLM``; families registered by ``import trl_diffusion``) and tokenizer."""
+    """Load the model (``AutoModelForCausalLM``; families registered by ``import trl_diffusion``) and tokenizer;
+    the embedded model when none is named. A path that names no directory fails before anything is loaded."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = config.model_name_or_path or default_model_path()
+    from ..assets import resolve_model_path
+
+    path = resolve_model_path(config.model_name_or_path)
+    tokenizer_path = resolve_model_path(config.tokenizer_name_or_path) if config.tokenizer_name_or_path else path
     device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
-    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer_name_or_path or path)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
     return model.to(device).eval(), tokenizer
 
@@ -255,7 +253,7 @@ def evaluate(
 
     ``config`` fields can be overridden by keyword (``evaluate(dataset="gsm8k", num_samples=4)``). ``model`` is a
     loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
-    ``EvalConfig.dataset``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
+    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
     known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics``
     (``accuracy``, ``pass@k``..., ``avg_length``, ``tokens_per_step``, ``throughput_tokens_per_s``,
     ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the
@@ -263,7 +261,12 @@ def evaluate(
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     ks = config.resolved_pass_k()
+    config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
+    if config.batch_size is None:
+        config = dataclasses.replace(config, batch_size=_DATASET_BATCH_SIZE.get(tag, _BATCH_SIZE))
+    if config.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
     if model is None or isinstance(model, (str, Path)):
         model, loaded_tokenizer = load_model_and_tokenizer(config)
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
@@ -282,6 +285,7 @@ def evaluate(
         "task": problems[0].task,
         "num_problems": len(problems),
         "num_samples": config.num_samples,
+        "apply_chat_template": config.apply_chat_template,
         "metrics": _metrics(rows, problems, config.num_samples, ks),
         "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
         "samples_file": str(samples_path) if samples_path else None,
@@ -295,7 +299,12 @@ def evaluate(
     return report
 
 
+_OLD_NAMES = {"dataset_split": "dataset_test_split"}
+"""Earlier keyword names :func:`evaluate` still accepts (the command line takes them as aliases)."""
+
+
 def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
+    overrides = {_OLD_NAMES.get(k, k): v for k, v in overrides.items()}
     names = {f.name for f in dataclasses.fields(EvalConfig)}
     unknown = sorted(set(overrides) - names)
     if unknown:
@@ -303,14 +312,34 @@ def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
     if isinstance(model, (str, Path)):
         overrides["model_name_or_path"] = str(model)
     if isinstance(dataset, (str, Path)):
-        overrides["dataset"] = str(dataset)
+        overrides["dataset_name"] = str(dataset)
     return overrides
+
+
+def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
+    """``apply_chat_template`` as set, else the model's own prompt format: plain prompts for the embedded model
+    (``trl_diffusion.assets.EMBEDDED_FORMAT``), the chat template for every other model."""
+    from ..assets import EMBEDDED_CHAT_TEMPLATE, is_embedded_model
+
+    chat = config.apply_chat_template
+    if chat is None:
+        if model is None or isinstance(model, (str, Path)):
+            embedded = not config.model_name_or_path or is_embedded_model(config.model_name_or_path)
+        else:
+            embedded = is_embedded_model(getattr(model, "name_or_path", None))
+        chat = EMBEDDED_CHAT_TEMPLATE if embedded else True
+    if config.system_prompt and not chat:
+        why = "" if config.apply_chat_template is not None else " (the default for the embedded model, trained on " \
+            "plain prompts)"
+        raise ValueError(f"system_prompt needs the chat template, but apply_chat_template is false{why}; pass "
+                         "--apply_chat_template true, or put the text in --prompt_template.")
+    return bool(chat)
 
 
 def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem]]:
     if dataset is None or isinstance(dataset, (str, Path)):
-        return load_eval_problems(config.dataset, config.dataset_config, config.dataset_split, config.max_problems,
-                                  config.prompt_template)
+        return load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
+                                  config.max_problems, config.prompt_template, config.apply_chat_template)
     rows = list(dataset)
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
     if not problems:

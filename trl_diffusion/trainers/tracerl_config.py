@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, field
 
 from trl import GRPOConfig
@@ -20,7 +21,7 @@ class TraceRLConfig(GRPOConfig):
     advantages, `loss_type`, clipping, `beta`, `num_iterations`, logging, ...). Added:
 
     * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
-      `confidence_threshold`, `use_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
+      `confidence_threshold`, `rollout_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
     * `dynamic_group_filtering`,
@@ -45,10 +46,18 @@ class TraceRLConfig(GRPOConfig):
     confidence_threshold: float = field(
         default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy."}
     )
-    use_cache: bool | str = field(
+    # annotated `str` so that the command line passes 'prefix' / 'dual' through (a bool annotation would reject
+    # them); __post_init__ turns every form into True / False / 'prefix' / 'dual'
+    rollout_cache: str = field(
         default=True,
         metadata={"help": "Rollout KV cache: True = exact cache on block models (none on full-attention ones); "
-                  "'prefix' / 'dual' = approximate caches for LLaDA/Dream."},
+                  "False = none; 'prefix' / 'dual' = approximate caches for LLaDA/Dream. (Was `use_cache`, which "
+                  "is transformers' model.config.use_cache during training.)"},
+    )
+    use_cache: str = field(
+        default=False,
+        metadata={"help": "transformers' model.config.use_cache during training (False). Deprecated here as the "
+                  "old name of `rollout_cache`: any other value is moved to `rollout_cache` with a warning."},
     )
     likelihood_estimator: str = field(
         default="trajectory",
@@ -178,6 +187,13 @@ class TraceRLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
+        self.rollout_cache = _cache_value("rollout_cache", self.rollout_cache)
+        old = _cache_value("use_cache", self.use_cache)
+        if old is not False:  # the old name of rollout_cache; keep saved model configs' use_cache a bool
+            warnings.warn(f"TraceRLConfig(use_cache={self.use_cache!r}) sets the rollout KV cache under its old "
+                          f"name; use rollout_cache={old!r}. use_cache stays transformers' model.config.use_cache "
+                          "(False).", FutureWarning, stacklevel=3)
+            self.rollout_cache, self.use_cache = old, False
         super().__post_init__()
         self._check_objective()
         if self.remasking_strategy not in REMASKING_STRATEGIES:
@@ -234,6 +250,7 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"{[name for name, set_ in ignored.items() if set_]} are not applied by diffusion "
                              "rollouts; leave them at their defaults (min_p=None, repetition_penalty=1.0, "
                              "generation_kwargs=None).")
+
     @classmethod
     def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:
         """A config with dLLM-RL's published RL settings for ``name`` (see ``OFFICIAL_SETTINGS``): ``"trado"``
@@ -325,3 +342,13 @@ OFFICIAL_SETTINGS: dict[str, dict] = {
 """dLLM-RL's published RL settings per model family, as ``TraceRLConfig`` fields (plus
 ``responses_per_optimizer_step``, which ``TraceRLConfig.from_official`` turns into a batch layout). Hardware
 settings (bf16, gradient checkpointing, DeepSpeed) and the run length are the recipes' (``recipes/``)."""
+
+_CACHE_VALUES = {"true": True, "false": False, "prefix": "prefix", "dual": "dual"}
+
+
+def _cache_value(name: str, value) -> bool | str:
+    """True / False / 'prefix' / 'dual' from a Python value or its command-line / YAML string form."""
+    key = str(value).strip().lower()
+    if key not in _CACHE_VALUES:
+        raise ValueError(f"{name} must be one of True, False, 'prefix', 'dual' (or their strings), got {value!r}.")
+    return _CACHE_VALUES[key]

@@ -55,6 +55,8 @@ _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 
 logger = logging.get_logger(__name__)
 
+logger = logging.get_logger(__name__)
+
 
 def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
     """A stable 63-bit seed for one row's random masks: the same for old, new and reference log-probs and for a
@@ -122,6 +124,7 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
+        _check_completion_fits(base, args)
         if own_reference:
             reference.requires_grad_(False)
             if args.disable_dropout:
@@ -148,6 +151,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
+        self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
         if value_model is not None:
@@ -181,7 +185,7 @@ class TraceRLTrainer(GRPOTrainer):
                 prompt, prompt_mask, max_new_tokens=self.max_completion_length, block_length=self.args.block_length,
                 denoising_steps=self.args.denoising_steps, remasking_strategy=self.args.remasking_strategy,
                 confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
-                top_k=top_k, top_p=top_p, use_cache=self.args.use_cache, stop_token_ids=list(self.eos_token_ids),
+                top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache, stop_token_ids=list(self.eos_token_ids),
                 pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
             )
         width = prompt.shape[1]
@@ -214,7 +218,30 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"reward functions {names} returned an infinite reward; rewards must be finite numbers "
                              "(None, or NaN, marks 'not applicable').")
         self._rollout_rewards = rewards  # gathered across processes; used by dynamic group filtering
+        if self.model.training:
+            self._watch_reward_signal(rewards)
         return rewards
+
+    identical_rewards_patience = 10
+    """Training generation batches in a row in which no group's rewards differ before the trainer warns."""
+
+    def _watch_reward_signal(self, rewards: torch.Tensor) -> None:
+        """Warn (once per run of flat batches) when, for ``identical_rewards_patience`` generation batches in a row,
+        every group's completions got identical rewards: every advantage is then 0 and the policy does not move."""
+        total = torch.nansum(rewards * self.reward_weights.to(rewards.device), dim=1)
+        groups = total.view(-1, self.num_generations)
+        flat = bool(((groups.max(1).values - groups.min(1).values) == 0).all())
+        self._flat_reward_batches = self._flat_reward_batches + 1 if flat else 0
+        if self._flat_reward_batches == self.identical_rewards_patience and self.accelerator.is_main_process:
+            seen = sorted({round(v, 4) for v in total.tolist()})
+            logger.warning(
+                f"TraceRL: for {self._flat_reward_batches} generation batches in a row every group's completions got "
+                f"identical rewards (values seen: {seen[:5]}), so every advantage is 0 and nothing is learned. Check "
+                "that the prompts are in the format the model was trained on (the embedded model wants plain "
+                "prompts: to_dataset(problems, EMBEDDED_FORMAT)), that the reward function reads the right dataset "
+                "columns, that max_completion_length leaves room for an answer, and look at the completions "
+                "(log_completions=True)."
+            )
 
     def _generate_and_score_completions(self, inputs):
         kl_to_old = self.beta != 0.0 and self.args.kl_reference == "old_policy"
@@ -308,6 +335,24 @@ class TraceRLTrainer(GRPOTrainer):
         if args.step_normalization == "max_length":
             return trained * length_weight, rows
         return trained, rows
+
+    def _own_state_tokens(self, prompt_mask: torch.Tensor, unmask_step: torch.Tensor) -> torch.Tensor:
+        """True for committed tokens the trajectory estimator scores given the state the sampler committed them
+        from: those of the first denoising step of their merged group (every committed token at shrinkage 1)."""
+        model = self.accelerator.unwrap_model(self.model)
+        base = model.get_base_model() if _is_peft(model) else model
+        settings = self.estimator_settings
+        groups = trajectory_groups(unmask_step, prompt_mask, settings.shrinkage,
+                                   settings.block_size if base.block_size is not None else None)
+        committed = groups >= 0
+        if not bool(committed.any()):
+            return committed
+        index = groups.clamp(min=0)
+        late = int(unmask_step.max()) + 1
+        first = torch.full((groups.shape[0], int(groups.max()) + 1), late, device=groups.device,
+                           dtype=unmask_step.dtype)
+        first = first.scatter_reduce(1, index, torch.where(committed, unmask_step, late), reduce="amin")
+        return committed & (unmask_step == first.gather(1, index))
 
     # ------------------------------------------------------------------------------------------------ value model
     def _setup_value_model(self, value_model, policy) -> None:
@@ -542,9 +587,17 @@ class TraceRLTrainer(GRPOTrainer):
             sampler = _fit_width(scoring["sampler_logps"], logits_to_keep)
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
                 :, prompt_width:].float().clamp(max=1)
-            gap = ((logps.detach() - sampler).abs() * committed).sum() / committed.sum().clamp(min=1)
+            difference = (logps.detach() - sampler).abs() * committed
+            gap = difference.sum() / committed.sum().clamp(min=1)
+            # tokens scored from the very state the sampler committed them from: 0 gap when the two agree, whatever
+            # the shrinkage (the full gap also measures how much merging steps changes the scored states)
+            own = committed * _fit_width(self._own_state_tokens(prompt_mask, scoring["unmask_step"]).float(),
+                                         logits_to_keep)
+            exact = (difference * own).sum() / own.sum().clamp(min=1)
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["rollout/sampler_logp_gap"].append(self.accelerator.gather(gap).mean().item())
+            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append(
+                self.accelerator.gather(exact).mean().item())
         aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
         return self._against_old_policy(logps), entropies, aux
 
@@ -649,6 +702,18 @@ def _check_prompt_column(dataset, split: str) -> None:
         raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
                          "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
                          "column, e.g. dataset.rename_column('question', 'prompt').")
+
+
+def _check_completion_fits(model, args: TraceRLConfig) -> None:
+    """Raise now, not at the first rollout, when ``max_completion_length`` (plus the block a block model may add)
+    leaves no room for a prompt in the model's positions."""
+    config = model.config
+    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    extra = args.block_length if model.block_size is not None else 0
+    if positions is not None and args.max_completion_length + extra >= positions:
+        slack = f" + block_length ({extra})" if extra else ""
+        raise ValueError(f"max_completion_length ({args.max_completion_length}){slack} leaves no room for a prompt in "
+                         f"the model's {positions} positions (max_position_embeddings); lower max_completion_length.")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""TraceRLTrainer's guard rails for a first run: the rollout cache under its own name (model configs stay clean),
+the completion length checked at construction, a warning when no reward differs for many batches, and a
+sampler/trainer gap that is 0 at any shrinkage when the two agree."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import TrlParser
+
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+
+PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
+
+
+def distinct_chars(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def zero_reward(completions, **kwargs):
+    return [0.0] * len(completions)
+
+
+def config(tmp_path, **overrides) -> TraceRLConfig:
+    values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                  max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
+                  denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
+                  disable_tqdm=True, seed=0, bf16=False)
+    values.update(overrides)
+    return TraceRLConfig(**values)
+
+
+def trainer(tmp_path, family="sdar", reward=distinct_chars, model=None, **overrides) -> TraceRLTrainer:
+    model = model if model is not None else tiny_model(family).train()
+    return TraceRLTrainer(model, reward, args=config(tmp_path, **overrides),
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer())
+
+
+@pytest.mark.parametrize("value, expected", [(True, True), (False, False), ("prefix", "prefix"), ("dual", "dual"),
+                                             ("true", True), ("False", False), ("DUAL", "dual")])
+def test_rollout_cache_values(tmp_path, value, expected):
+    assert config(tmp_path, rollout_cache=value).rollout_cache == expected
+
+
+def test_rollout_cache_rejects_unknown_values(tmp_path):
+    with pytest.raises(ValueError, match="rollout_cache must be one of"):
+        config(tmp_path, rollout_cache="exact-ish")
+
+
+def test_use_cache_is_read_as_the_old_name_with_a_warning(tmp_path):
+    with pytest.warns(FutureWarning, match="use rollout_cache='dual'"):
+        args = config(tmp_path, use_cache="dual")
+    assert args.rollout_cache == "dual" and args.use_cache is False
+    parser = TrlParser([TraceRLConfig])
+    common = ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true"]
+    (args,) = parser.parse_args_and_config([*common, "--rollout_cache", "dual"])
+    assert args.rollout_cache == "dual" and args.use_cache is False
+    with pytest.warns(FutureWarning):
+        (args,) = parser.parse_args_and_config([*common, "--use_cache", "prefix"])
+    assert args.rollout_cache == "prefix" and args.use_cache is False
+
+
+def test_saved_model_config_keeps_a_boolean_use_cache(tmp_path):
+    """The Trainer copies ``args.use_cache`` into ``model.config.use_cache``; the rollout cache must not go there."""
+    with pytest.warns(FutureWarning):
+        run = trainer(tmp_path, "llada", use_cache="dual")
+    assert run.args.rollout_cache == "dual"
+    run.train()
+    run.save_model(str(tmp_path / "saved"))
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert saved.get("use_cache", False) in (True, False)
+
+
+def test_completion_longer_than_the_model_fails_at_construction(tmp_path):
+    model = tiny_model("sdar", max_position_embeddings=64).train()
+    with pytest.raises(ValueError, match=r"max_completion_length \(64\) \+ block_length \(4\) leaves no room"):
+        trainer(tmp_path, model=model, max_completion_length=64)
+    trainer(tmp_path, model=model, max_completion_length=32)  # fits: no error
+
+
+def test_identical_rewards_for_many_batches_warn(tmp_path, caplog):
+    run = trainer(tmp_path, reward=zero_reward, max_steps=3)
+    run.identical_rewards_patience = 3
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
+        run.train()
+    warnings = [r.getMessage() for r in caplog.records if "identical rewards" in r.getMessage()]
+    assert len(warnings) == 1 and "3 generation batches" in warnings[0] and "EMBEDDED_FORMAT" in warnings[0]
+
+
+def test_differing_rewards_do_not_warn(tmp_path, caplog):
+    run = trainer(tmp_path, max_steps=3)
+    run.identical_rewards_patience = 3
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
+        run.train()
+    assert not [r for r in caplog.records if "identical rewards" in r.getMessage()]
+
+
+def test_own_state_tokens_are_the_first_step_of_each_merged_group(tmp_path):
+    run = trainer(tmp_path, "llada", shrinkage=2)
+    prompt_mask = torch.ones(2, 3, dtype=torch.long)
+    steps = torch.tensor([[0, 1, 2, 3, -1, -1], [0, 0, 1, 2, 2, 3]])
+    own = run._own_state_tokens(prompt_mask, steps)
+    assert own.tolist() == [[True, False, True, False, False, False], [True, True, False, True, True, False]]
+    run.estimator_settings.shrinkage = 1
+    assert run._own_state_tokens(prompt_mask, steps).tolist() == (steps >= 0).tolist()
+
+
+def test_exact_gap_is_zero_when_sampler_and_trainer_agree_at_any_shrinkage(tmp_path):
+    """At shrinkage 4 merged states differ from the sampler's, so the full gap is large by design; over tokens
+    scored from the sampler's own state the gap is rounding only."""
+    run = trainer(tmp_path, "llada", shrinkage=4, max_completion_length=16, block_length=16, denoising_steps=16,
+                  remasking_strategy="low_confidence_static", temperature=1.0)
+    run.train()
+    logs = run.state.log_history[0]
+    assert logs["rollout/sampler_logp_gap_exact"] < 1e-4
+    assert logs["rollout/sampler_logp_gap"] > 1e-2
