@@ -31,7 +31,7 @@ def config(tmp_path, **overrides) -> TraceRLConfig:
     values = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
                   max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
                   denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False)
+                  disable_tqdm=True, seed=0, bf16=False, dynamic_group_filtering="none")  # rewards beyond [0, 1]
     values.update(overrides)
     return TraceRLConfig(**values)
 
