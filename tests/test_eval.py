@@ -63,6 +63,44 @@ def test_gold_answers_prompts_and_tests():
     assert len(arithmetic) == 3 and arithmetic[0].prompt.startswith("What is ")
 
 
+STDIO_FORGERY = """
+import sys
+
+
+class Always(str):  # a str that equals everything, and whose split() does too
+    def __eq__(self, other):
+        return True
+
+    def __ne__(self, other):
+        return False
+
+    __hash__ = str.__hash__
+
+    def split(self, *args):
+        return Always()
+
+
+harness = sys._getframe(1).f_globals  # the frame that exec()s this program: the stdio harness
+harness["_stdio_run"] = lambda stdin_text: Always("forged")
+print(0)
+"""
+
+
+def test_stdio_tests_are_decided_outside_the_sandbox():
+    """Every stdio test is a probe (the program's output) plus a comparison made in this process: a correct program
+    passes with all tests verified; a program that replaces the harness's runner with one returning always-equal
+    strings, or prints a wrong answer, fails."""
+    _, problems = load_eval_problems(str(CODE_TESTS))
+    stdio = problems[0]
+    assert stdio.stdio and all("_stdio_run(" in t and ".split() ==" in t for t in stdio.tests)
+    solution = _rows(CODE_TESTS)[0]["solution"]
+    right, forged, wrong = score_completions([stdio] * 3, [f"```python\n{c}```" for c in (
+        solution, STDIO_FORGERY, "print(0)\n")])
+    assert right["reward"] == 1.0 and right["tests_verified"] == right["tests_total"] == 3
+    assert forged["reward"] == 0.0 and forged["tests_verified"] == 3
+    assert wrong["reward"] == 0.0 and wrong["tests_passed"] == 1  # "-5 5" -> "0" is right by chance
+
+
 def test_hub_names_map_to_their_sources(monkeypatch):
     import datasets
 

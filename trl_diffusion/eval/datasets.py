@@ -217,7 +217,7 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
         inputs, outputs = _as_list(row.get("test_input")), _as_list(row.get("test_output"))
         if len(inputs) != len(outputs):
             raise ValueError(f"problem {pid}: {len(inputs)} test inputs but {len(outputs)} outputs.")
-        tests = [f"assert _stdio_check({i!r}, {o!r})" for i, o in zip(inputs, outputs)]
+        tests = [f"assert _stdio_run({i!r}).split() == {o!r}.split()" for i, o in zip(inputs, outputs)]
         return EvalProblem(pid, _fill(template or STDIO_PROMPT, row["question"]), "code", tests=tests, stdio=True)
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
 
