@@ -5,6 +5,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trl_diffusion.generation import denoise
 from trl_diffusion.generation.denoise import BlockSchedule, ModelRunner
 from trl_diffusion.generation.sampler import SamplingSettings
 from trl_diffusion.generation.sampling import sampling_logits, select_commits, uniform_quota
@@ -262,6 +263,30 @@ def test_finished_rows_leave_the_batch_without_changing_any_row(sampled):
                                    alone.token_logprobs[0, len(prompt):], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family,kw", [
+    ("sdar", dict(use_cache=True)),
+    ("llada", dict(use_cache="dual")),
+    ("dream", dict(use_cache="prefix", confidence_threshold=0.01)),
+])
+def test_cpu_probe_stops_finished_blocks_without_changing_the_rollout(family, kw, monkeypatch):
+    """On the CPU a data-dependent block stops once no row has a mask left; as on CUDA (no probe) it runs its
+    planned bound. Same rollout either way (per-row generators still draw what their plan says), fewer forwards
+    with the probe, and for one prompt exactly one forward per step taken."""
+    model = tiny_model(family)
+    ids, mask = left_pad(PROMPTS[:3])
+    kw = {**dict(max_new_tokens=16, denoising_steps=4, temperature=1.0, confidence_threshold=0.05,
+                 remasking_strategy="low_confidence_dynamic"), **kw}
+    probed = gen(model, ids, mask, generator=row_generators(3), **kw)
+    with monkeypatch.context() as patch:
+        patch.setattr(denoise, "PROBE_DEVICES", ())
+        bound = gen(model, ids, mask, generator=row_generators(3), **kw)
+    assert_same_rollout(probed, bound)
+    assert probed.num_forward_passes < bound.num_forward_passes
+    alone = gen(model, ids[:1], mask[:1], generator=row_generators(1), use_cache=False,
+                **{k: v for k, v in kw.items() if k != "use_cache"})
+    assert alone.num_forward_passes == int(alone.denoising_steps)
+
+
 def test_alg_temp_samples_the_quota_without_replacement():
     """Dream's ``alg_temp``: exactly the quota, only masked positions, first pick ~ softmax(confidence / T)."""
     confidence = torch.tensor([[0.9, 0.5, 0.1, 0.7]])
@@ -324,21 +349,27 @@ class HostSyncCounter(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-SYNC_CASES = [
-    ("sdar", dict(use_cache=True)),
-    ("sdar", dict(use_cache=True, remasking_strategy="low_confidence_dynamic", temperature=1.0, top_p=0.9)),
-    ("sdar", dict(use_cache=False, remasking_strategy="random", temperature=1.0, rows=True)),
-    ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic")),
-    ("llada", dict(cfg_scale=1.0, temperature=1.0, rows=True)),
-    ("llada", dict(use_cache="prefix")),
-    ("dream", dict(steps=12, alg="entropy", alg_temp=0.5, temperature=0.5, rows=True)),
-    ("dream", dict(steps=12, alg="origin", temperature=1.0, use_cache="dual")),
+SYNC_CASES = [  # (family, generate arguments, stop tokens or not)
+    ("sdar", dict(use_cache=True), False),
+    ("sdar", dict(use_cache=True, remasking_strategy="low_confidence_dynamic", temperature=1.0, top_p=0.9), True),
+    ("sdar", dict(use_cache=False, remasking_strategy="random", temperature=1.0, rows=True), True),
+    ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic"), True),
+    ("llada", dict(cfg_scale=1.0, temperature=1.0, rows=True), False),
+    ("llada", dict(use_cache="prefix"), False),
+    ("dream", dict(steps=12, alg="entropy", alg_temp=0.5, temperature=0.5, rows=True), True),
+    ("dream", dict(steps=12, alg="origin", temperature=1.0, use_cache="dual"), False),
 ]
 
 
-@pytest.mark.parametrize("family,kw", SYNC_CASES)
-@pytest.mark.parametrize("stops", [False, True])
-def test_no_host_sync_inside_a_block(family, kw, stops):
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """Run the decode loop as on CUDA: no per-step probe of whether a data-dependent block is done (on the CPU
+    that probe is free, so the loop makes it there)."""
+    monkeypatch.setattr(denoise, "PROBE_DEVICES", ())
+
+
+@pytest.mark.parametrize("family,kw,stops", SYNC_CASES)
+def test_no_host_sync_inside_a_block(family, kw, stops, as_on_cuda):
     """Between two forwards of the decode loop the host reads nothing back from the device, except once per
     block for the per-row stop flags when there are stop tokens. (Fails on a loop that checks for remaining
     masks with ``bool(tensor)`` after every step.)"""
@@ -362,7 +393,7 @@ def test_no_host_sync_inside_a_block(family, kw, stops):
     assert (out.unmask_step >= 0).any()
 
 
-def test_no_host_sync_inside_run_block():
+def test_no_host_sync_inside_run_block(as_on_cuda):
     """Stricter, for this implementation: nothing inside ``ModelRunner.run_block`` syncs, stops or not."""
     model = tiny_model("sdar")
     ids, mask = left_pad(PROMPTS)
@@ -443,3 +474,41 @@ def test_cuda_run_block_does_not_synchronise(graphs):
             generator=row_generators(len(PROMPTS)))
     finally:
         ModelRunner.run_block = original
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on CPU: ``replay`` runs the recorded function eagerly."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+                                             temperature=1.0, rows=True),
+                                dict(remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)])
+def test_graph_runner_buffers_equal_eager(monkeypatch, kw):
+    """Everything of the CUDA-graph runner except the capture itself, on CPU: the step runs on fixed buffers
+    copied in and out per block, reads the whole cache through a mask, takes its quota from a device buffer and
+    its per-row uniforms from noise buffers refilled before each replay; rows leaving the batch resize them."""
+    from trl_diffusion.generation import cuda_graphs, sampler
+
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(kw)
+    rows = kw.pop("rows", False)
+    kw.update(max_new_tokens=20, use_cache=True)
+    free = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    kw["stop_token_ids"] = [int(free.sequences[0, ids.shape[1] + 2]), int(free.sequences[1, ids.shape[1] + 2])]
+    eager = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    recorded = []
+
+    def record(self):
+        recorded.append(self._shape)
+        return _EagerReplay(self._step), _EagerReplay(lambda: self._forward(1))
+
+    monkeypatch.setattr(cuda_graphs.CudaGraphRunner, "_record", record)
+    monkeypatch.setattr(sampler, "graphs_apply", lambda *args: True)
+    graphed = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    assert_same_rollout(eager, graphed)
+    assert eager.num_forward_passes == graphed.num_forward_passes
+    assert len(recorded) >= 2 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left

@@ -5,6 +5,8 @@ The split keeps the decode loop free of host synchronisation. Everything the hos
 block runs, how many tokens each step commits) follows from the layout and the schedule alone, so it is known
 before the block starts; everything that depends on model outputs (which tokens, which positions, whether a row
 still has masks) stays on the device, as per-row masks. A row whose block is finished rides along unchanged.
+The one exception is the CPU, where the host is the device and a data-dependent block stops once it is done
+(``PROBE_DEVICES``).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from .sampling import (
 DATA_DEPENDENT_STEPS = ("low_confidence_dynamic", "origin")
 """Strategies whose number of steps per block depends on the model's outputs (the rest are fixed by the
 schedule); for them a block runs the schedule's upper bound and finished rows ride along."""
+
+PROBE_DEVICES = ("cpu",)
+"""Devices on which the loop reads back, after each step of a data-dependent block, whether any mask is left:
+on the CPU the host is the device, so the read waits for nothing and saves the remaining forwards."""
 
 
 class BlockSchedule:
@@ -116,13 +122,18 @@ def draw_noise(settings, logits_shape: tuple[int, ...], generator: Generators, d
     return noise
 
 
+def masks_left(block: Block, mask_id: int) -> torch.Tensor:
+    """``[B, L]``: the positions of the block an active row still has to commit."""
+    return block.generated & block.tokens.eq(mask_id) & block.active[:, None]
+
+
 def denoise_step(block: Block, logits: torch.Tensor, settings, mask_id: int, generator: Generators,
                  noise: StepNoise, quota: int | torch.Tensor | None = None,
                  fraction: float | torch.Tensor | None = None) -> None:
     """Sample every masked position of the block from ``logits`` ``[B, L, V]``, choose the commits, and write
     tokens, ``unmask_step`` and log-probs in place. Device work only: no host synchronisation, no branch on
     tensor values. ``quota`` (uniform schedule) or ``fraction`` (linspace schedule) is this step's setting."""
-    masked = block.generated & block.tokens.eq(mask_id) & block.active[:, None]
+    masked = masks_left(block, mask_id)
     tokens, token_lp, log_dist = sample_tokens(logits, settings.temperature, settings.top_k, settings.top_p,
                                                generator, settings.gumbel_float64, mask_id, noise.tokens)
     strategy = settings.remasking_strategy
@@ -237,15 +248,27 @@ class ModelRunner:
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:
         """The denoising steps of ``block``: as many as the row that needs most (``row_steps``: each row's plan,
-        fixed before the block, so there is no host synchronisation inside it)."""
+        fixed before the block, so there is no host synchronisation inside it). Where the host is the device
+        (``PROBE_DEVICES``), reading whether the block is done costs nothing, so a block whose rows all finished
+        early (dynamic / origin) stops there; the draws its rows had planned are still made, so that a row's
+        random stream does not depend on when its batch stopped."""
         self.begin(block)
-        for step in range(max(row_steps)):
+        steps = max(row_steps)
+        probe = (block.tokens.device.type in PROBE_DEVICES
+                 and self.settings.remasking_strategy in DATA_DEPENDENT_STEPS)
+        for step in range(steps):
             logits = self.logits(block, step)
-            noise = draw_noise(self.settings, tuple(logits.shape), self.state.generator, logits.device,
-                               [steps > step for steps in row_steps])
+            shape = tuple(logits.shape)
+            noise = draw_noise(self.settings, shape, self.state.generator, logits.device,
+                               [planned > step for planned in row_steps])
             denoise_step(block, logits, self.settings, self.mask_id, self.state.generator, noise,
                          quota=None if quotas is None else quotas[step],
                          fraction=None if fractions is None else fractions[step])
+            if probe and step + 1 < steps and not bool(masks_left(block, self.mask_id).any()):
+                for later in range(step + 1, steps):
+                    draw_noise(self.settings, shape, self.state.generator, logits.device,
+                               [planned > later for planned in row_steps])
+                break
         self.end(block)
 
     def select_rows(self, state, rows: torch.Tensor) -> None:
@@ -253,7 +276,3 @@ class ModelRunner:
         self.state = state
         if self.cache is not None:
             self.cache.select_rows(rows)
-
-
-def make_runner(model, settings, state, block_causal: bool) -> ModelRunner:
-    return ModelRunner(model, settings, state, block_causal)

@@ -10,10 +10,12 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..states import NOT_COMMITTED, CanvasLayout
-from .denoise import Block, BlockSchedule, make_runner
+from .cuda_graphs import CudaGraphRunner, graphs_apply
+from .denoise import Block, BlockSchedule, ModelRunner
 from .sampling import REMASKING_STRATEGIES, Generators
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
+CUDA_GRAPH_MODES = ("auto", "off")
 
 
 @dataclass
@@ -52,6 +54,7 @@ class SamplingSettings:
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
     pad_token_id: int = 0
+    cuda_graphs: str = "auto"
 
     @property
     def draws_randomness(self) -> bool:
@@ -83,6 +86,8 @@ class SamplingSettings:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.cfg_scale and self.cache_mode != "none":
             raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache.")
 
@@ -192,7 +197,8 @@ def diffusion_generate(
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
     stop_ids = torch.tensor(list(settings.stop_token_ids), device=device) if settings.stop_token_ids else None
     schedule = BlockSchedule(settings)
-    runner = make_runner(model, settings, state, block_causal)
+    runner_class = CudaGraphRunner if graphs_apply(settings, device, generator) else ModelRunner
+    runner = runner_class(model, settings, state, block_causal)
     runner.prefill(layout.prefill_end)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
