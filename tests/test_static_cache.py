@@ -197,7 +197,7 @@ def planned_forward_passes(out, prompts, width, block_length, block_causal, extr
 
 
 @pytest.mark.parametrize("family,kw,extra_per_block,extra", [
-    ("sdar", dict(use_cache=True, denoising_steps=3), 1, 1),  # a commit pass per block, one prefill
+    ("sdar", dict(use_cache=True, denoising_steps=3), 0, 1),  # one prefill; commits ride on the next block
     ("sdar", dict(use_cache=False, remasking_strategy="sequential", denoising_steps=4), 0, 0),
     ("llada", dict(remasking_strategy="random", denoising_steps=3, temperature=1.0), 0, 0),
     ("dream", dict(use_cache="dual", denoising_steps=3), 0, 0),  # the refresh pass is step 0's forward
@@ -487,9 +487,10 @@ class _EagerReplay:
                                              temperature=1.0, rows=True),
                                 dict(remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)])
 def test_graph_runner_buffers_equal_eager(monkeypatch, kw):
-    """Everything of the CUDA-graph runner except the capture itself, on CPU: the step runs on fixed buffers
-    copied in and out per block, reads the whole cache through a mask, takes its quota from a device buffer and
-    its per-row uniforms from noise buffers refilled before each replay; rows leaving the batch resize them."""
+    """Everything of the CUDA-graph runner except the capture itself, on CPU: the steps (a plain one, and a first
+    one that also commits the previous block) run on fixed buffers copied in and out per block, read the whole
+    cache through a mask, take the quota from a device buffer and per-row uniforms from noise buffers refilled
+    before each replay; rows leaving the batch resize them (and the graphs are captured again)."""
     from trl_diffusion.generation import cuda_graphs, sampler
 
     model = tiny_model("sdar")
@@ -502,13 +503,13 @@ def test_graph_runner_buffers_equal_eager(monkeypatch, kw):
     eager = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
     recorded = []
 
-    def record(self):
+    def record(self, body):
         recorded.append(self._shape)
-        return _EagerReplay(self._step), _EagerReplay(lambda: self._forward(1))
+        return _EagerReplay(body)
 
     monkeypatch.setattr(cuda_graphs.CudaGraphRunner, "_record", record)
     monkeypatch.setattr(sampler, "graphs_apply", lambda *args: True)
     graphed = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
     assert_same_rollout(eager, graphed)
     assert eager.num_forward_passes == graphed.num_forward_passes
-    assert len(recorded) >= 2 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
+    assert len(recorded) >= 3 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left

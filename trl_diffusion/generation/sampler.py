@@ -143,7 +143,7 @@ def _initial_canvas(input_ids, attention_mask, layout, mask_id, pad_id, generato
     canvas[rows, dest] = input_ids[rows, cols]
     prompt_cols = torch.zeros_like(generated)
     prompt_cols[rows, dest] = True
-    canvas[generated] = mask_id
+    canvas.masked_fill_(generated, mask_id)
     return _Canvas(
         rows=list(range(batch)), canvas=canvas, unmask_step=torch.full_like(canvas, NOT_COMMITTED),
         logprobs=torch.zeros(canvas.shape, dtype=torch.float32, device=device),
