@@ -44,6 +44,7 @@ class BlockSchedule:
     def __init__(self, settings) -> None:
         self.settings = settings
         self.steps = settings.denoising_steps
+        self._known: dict[tuple[int, int], int] = {}
         if settings.schedule == "linspace":
             # Dream computes the fractions in float32 from a float32 linspace; keep those exact values
             t = torch.linspace(1, settings.eps, self.steps + 1)
@@ -57,6 +58,12 @@ class BlockSchedule:
     def steps_needed(self, masks: int, length: int) -> int:
         """Steps until a row with ``masks`` masks in a block of ``length`` has none left (for the strategies in
         ``DATA_DEPENDENT_STEPS``: an upper bound). Mirrors the device-side commit rule exactly."""
+        key = (masks, length)
+        if key not in self._known:
+            self._known[key] = self._steps_needed(masks, length)
+        return self._known[key]
+
+    def _steps_needed(self, masks: int, length: int) -> int:
         if masks <= 0:
             return 0
         if self.fractions is None:  # every step commits min(quota, masks left); dynamic commits at least that
@@ -159,7 +166,9 @@ class ModelRunner:
 
     * ``none``: every step runs the whole canvas (SDAR: up to the block's end, block-causal).
     * ``exact`` (SDAR): the prompt's full blocks are prefilled once; each step runs the block's columns against
-      the cached earlier blocks; a last pass over the finished block leaves its clean keys in the cache.
+      the cached earlier blocks; the finished block's clean keys are written by the next block's first step,
+      which runs ``[finished block | new block]`` in one forward (no separate commit pass; the last block's keys
+      are never needed).
     * ``prefix`` / ``dual`` (LLaDA, Dream; Fast-dLLM style, approximate): at the block start the whole canvas
       runs once and its keys fill the cache; later steps run only the live columns (``prefix``: the block and
       everything after it; ``dual``: the block) and overwrite just their slots.
@@ -173,6 +182,7 @@ class ModelRunner:
         self.mask_id = model.mask_token_id
         self.width = state.canvas.shape[1]
         self.cache = StaticDiffusionCache(self.width) if self.mode != "none" else None
+        self.uncommitted: Block | None = None  # exact cache: the finished block whose final keys are not cached yet
         self.calls = 0
 
     def forward(self, cols: slice, mask, keep: int = 0) -> torch.Tensor:
@@ -213,7 +223,6 @@ class ModelRunner:
         start, end, width, shift = block.start, block.end, self.width, self.shift
         length = end - start
         if self.mode == "exact":
-            self._place(start, end, end)
             self._block_mask = self._key_mask(length, end)
         elif self.mode == "none" and self.attention_block is not None:
             pos, valid = self.state.positions[:, :end], self.state.valid[:, :end]
@@ -230,7 +239,10 @@ class ModelRunner:
 
     def logits(self, block: Block, step: int) -> torch.Tensor:
         start, end, length = block.start, block.end, block.end - block.start
+        if self.mode == "exact" and step == 0 and self.uncommitted is not None:
+            return self._commit_and_step(block)
         if self.mode == "exact":
+            self._place(start, end, end)
             return self.forward(slice(start, end), self._block_mask)
         if self.mode == "none" and self.attention_block is not None:
             return self.forward(slice(0, end), self._block_mask, keep=length)
@@ -241,9 +253,20 @@ class ModelRunner:
         self._place(self._live.start, self._live.stop, self.width)
         return self.forward(self._live, self._block_mask)[:, :length]
 
+    def _commit_and_step(self, block: Block) -> torch.Tensor:
+        """Exact cache: one forward over ``[previous block, clean | this block]`` writes the previous block's
+        final keys into the cache (its queries see only earlier blocks, as a separate commit pass would) and is
+        this block's first denoising step (its queries see the cache, the previous block and themselves)."""
+        first, end = self.uncommitted.start, block.end
+        self.uncommitted = None
+        pos, valid = self.state.positions, self.state.valid
+        mask = attention_mask_from_positions(pos[:, first:end], pos[:, :end], valid[:, :end], self.attention_block)
+        self._place(first, end, end)
+        return self.forward(slice(first, end), mask, keep=end - block.start)
+
     def end(self, block: Block) -> None:
-        if self.mode == "exact":  # the commit pass: the finished block's clean keys stay in the cache
-            self.forward(slice(block.start, block.end), self._block_mask, keep=1)
+        if self.mode == "exact":  # its keys are written by the next block's first forward (none if it is the last)
+            self.uncommitted = block
 
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:
