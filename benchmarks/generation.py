@@ -2,19 +2,20 @@
 
 Presets:
 
-* ``cpu`` (default): each family x cache mode x remasking strategy x length on a small config (hidden 128,
+* ``cpu`` (the default off CUDA): each family x cache mode x remasking strategy x length on a small config (hidden 128,
   2 layers, batch 1, 32-token prompt, block 4, 4 steps per block, greedy), then ratios: the cache speed-up at
   the longest length, SDAR's cached cost per token by length, and batch 16 vs batch 1.
-* ``sdar-4b``: the rollout table of the GPU issue on random weights in the SDAR-4B / TraDo-4B shape (hidden 2560,
-  36 layers, 32 query / 8 KV heads, head_dim 128, vocab 151936, intermediate 9728; bf16 on CUDA), built on the
-  device from a config (no download): prompt 128, 256 new tokens, block 4, 4 steps per block, batch 1/16/64/128,
-  static and dynamic (threshold 0.9), exact cache and no cache (no cache at batch 1/16 only by default: without
-  a cache every step re-runs the whole sequence, which would not fit the time budget at large batch).
+* ``sdar-4b`` (the default on CUDA): the rollout table of the GPU issue on random weights in the SDAR-4B /
+  TraDo-4B shape (hidden 2560, 36 layers, 32 query / 8 KV heads, head_dim 128, vocab 151936, intermediate 9728;
+  bf16 on CUDA), built on the device from a config (no download): prompt 128, 256 new tokens, block 4, 4 steps
+  per block, batch 1/16/64/128, static and dynamic (threshold 0.9), greedy, exact cache and no cache (no cache at
+  batch 1/16 only: without a cache every step re-runs the whole sequence, which would not fit a 5-minute budget at
+  large batch). Random weights are never confident, so dynamic decoding commits about one token per step here.
 * ``tiny``: the ``sdar-4b`` table on a tiny SDAR config (runs in seconds on a CPU; checks the script).
 
     python benchmarks/generation.py                                   # CPU grid (slow for 2048 uncached)
     python benchmarks/generation.py --lengths 128 512 --families sdar
-    python benchmarks/generation.py --preset sdar-4b --device cuda    # GPU table, about 5 minutes on one H200
+    python benchmarks/generation.py --device cuda                     # the sdar-4b table (the default on CUDA)
     python benchmarks/generation.py --preset tiny                     # the same table on a tiny model
 """
 
@@ -169,7 +170,8 @@ def rollout_table(args, device: torch.device) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", choices=["cpu", *TABLES], default="cpu")
+    parser.add_argument("--preset", choices=["cpu", *TABLES],
+                        help="default: sdar-4b on CUDA, cpu elsewhere")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the models are built there)")
     parser.add_argument("--cuda_graphs", choices=["auto", "off"], default="auto",
                         help="generate()'s cuda_graphs (rollout table presets)")
@@ -181,6 +183,7 @@ def main() -> None:
     parser.add_argument("--batch_sizes_table", nargs="+", type=int, help="rollout table presets: batch sizes")
     args = parser.parse_args()
     device = torch.device(args.device)
+    args.preset = args.preset or ("sdar-4b" if device.type == "cuda" else "cpu")
     torch.manual_seed(0)
     if args.preset == "cpu":
         cpu_grid(args, device)

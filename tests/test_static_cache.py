@@ -455,25 +455,28 @@ def test_cuda_graphs_equal_eager(kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("graphs", ["off", "auto"])
-def test_cuda_run_block_does_not_synchronise(graphs):
-    """On CUDA, torch's sync debug mode raises on any synchronising call inside a block."""
+def test_cuda_run_block_does_not_synchronise(graphs, monkeypatch):
+    """On CUDA, torch's sync debug mode raises on any synchronising call inside a block (from the third block on:
+    the first two capture the graphs, and capturing synchronises once)."""
+    from trl_diffusion.generation.cuda_graphs import CudaGraphRunner
+
     model = _cuda_model("sdar")
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
-    original = ModelRunner.run_block
+    runner = CudaGraphRunner if graphs == "auto" else ModelRunner
+    original, blocks = runner.run_block, []
 
     def strict(self, *args, **kwargs):
-        torch.cuda.set_sync_debug_mode("error")
+        blocks.append(1)
+        torch.cuda.set_sync_debug_mode("error" if len(blocks) > 2 else "default")
         try:
             return original(self, *args, **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    ModelRunner.run_block = strict
-    try:
-        gen(model, ids, mask, use_cache=True, cuda_graphs=graphs, stop_token_ids=[60], temperature=1.0,
-            generator=row_generators(len(PROMPTS)))
-    finally:
-        ModelRunner.run_block = original
+    monkeypatch.setattr(runner, "run_block", strict)
+    gen(model, ids, mask, use_cache=True, cuda_graphs=graphs, max_new_tokens=32, temperature=1.0,
+        remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2, generator=row_generators(len(PROMPTS)))
+    assert len(blocks) > 4
 
 
 class _EagerReplay:

@@ -162,7 +162,8 @@ def denoise_step(block: Block, logits: torch.Tensor, settings, mask_id: int, gen
 class ModelRunner:
     """Runs the model for one cache mode over a block: ``begin`` (per-block masks; the full-canvas refresh of
     the prefix/dual caches), ``logits(step)`` (position-aligned logits of the block's columns) and ``end`` (the
-    exact cache's commit pass). Caches are ``StaticDiffusionCache``s whose slots are canvas columns.
+    exact cache remembers the finished block, whose keys the next block's first forward writes). Caches are
+    ``StaticDiffusionCache``s whose slots are canvas columns.
 
     * ``none``: every step runs the whole canvas (SDAR: up to the block's end, block-causal).
     * ``exact`` (SDAR): the prompt's full blocks are prefilled once; each step runs the block's columns against

@@ -225,7 +225,8 @@ def diffusion_generate(
         runner.run_block(block, row_steps, schedule.quotas(end - start), schedule.fractions)
         if stop_ids is not None:
             done = block.generated & block.tokens.ne(mask_id)
-            state.stopped |= (torch.isin(block.tokens, stop_ids) & done).any(-1) & block.active
+            hit = (block.tokens[..., None] == stop_ids).any(-1) & done
+            state.stopped |= hit.any(-1) & block.active
 
     state.write_into(full)
     return _to_output(input_ids, attention_mask, layout, full.canvas, full.generated, full.unmask_step,
