@@ -1,8 +1,22 @@
-"""Generation speed: tokens/s, forward passes, tokens per step and peak memory for each family x cache mode x
-remasking strategy x length, on a small config on the CPU. Prints JSON (one record per run, then ratios).
+"""Generation speed, printed as JSON (one record per run, then a summary).
 
-    python benchmarks/generation.py                       # the full grid (slow for 2048 uncached)
+Presets:
+
+* ``cpu`` (the default off CUDA): each family x cache mode x remasking strategy x length on a small config (hidden 128,
+  2 layers, batch 1, 32-token prompt, block 4, 4 steps per block, greedy), then ratios: the cache speed-up at
+  the longest length, SDAR's cached cost per token by length, and batch 16 vs batch 1.
+* ``sdar-4b`` (the default on CUDA): the rollout table of the GPU issue on random weights in the SDAR-4B /
+  TraDo-4B shape (hidden 2560, 36 layers, 32 query / 8 KV heads, head_dim 128, vocab 151936, intermediate 9728;
+  bf16 on CUDA), built on the device from a config (no download): prompt 128, 256 new tokens, block 4, 4 steps
+  per block, batch 1/16/64/128, static and dynamic (threshold 0.9), greedy, exact cache and no cache (no cache at
+  batch 1/16 only: without a cache every step re-runs the whole sequence, which would not fit a 5-minute budget at
+  large batch). Random weights are never confident, so dynamic decoding commits about one token per step here.
+* ``tiny``: the ``sdar-4b`` table on a tiny SDAR config (runs in seconds on a CPU; checks the script).
+
+    python benchmarks/generation.py                                   # CPU grid (slow for 2048 uncached)
     python benchmarks/generation.py --lengths 128 512 --families sdar
+    python benchmarks/generation.py --device cuda                     # the sdar-4b table (the default on CUDA)
+    python benchmarks/generation.py --preset tiny                     # the same table on a tiny model
 """
 
 from __future__ import annotations
@@ -14,54 +28,86 @@ import time
 
 import torch
 
+from trl_diffusion.models import SDARConfig, SDARForCausalLM
 from trl_diffusion.testing import tiny_model
 
 CACHE_MODES = {"sdar": [False, True], "llada": [False, "dual"], "dream": [False, "dual"]}
+STRATEGIES = ["low_confidence_static", "low_confidence_dynamic"]
+
+SDAR_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+               vocab_size=151936, intermediate_size=9728, max_position_embeddings=32768, rope_theta=1_000_000.0,
+               rms_norm_eps=1e-6, block_size=4, mask_token_id=151669, eos_token_id=151643, bos_token_id=151643,
+               tie_word_embeddings=False)  # SDAR-4B-Chat's config.json (docs: reference models.md)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            vocab_size=512, intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0, block_size=4,
+            mask_token_id=511, eos_token_id=0, bos_token_id=0)
+TABLES = {  # preset -> (config, prompt length, new tokens, batch sizes, batch sizes also run without a cache)
+    "sdar-4b": (SDAR_4B, 128, 256, [1, 16, 64, 128], [1, 16]),
+    "tiny": (TINY, 16, 32, [1, 4, 8], [1, 4, 8]),
+}
 
 
-def run(family: str, cache, strategy: str, length: int, batch: int, hidden: int) -> dict:
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(model, prompt: torch.Tensor, **kwargs) -> tuple[object, float]:
+    synchronize(prompt.device)
+    start = time.perf_counter()
+    out = model.generate(prompt, **kwargs)
+    synchronize(prompt.device)
+    return out, time.perf_counter() - start
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
+def record(out, seconds: float, device: torch.device, **fields) -> dict:
+    generated = int((out.unmask_step >= 0).sum())
+    return {**fields, "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
+            "ms_per_token": round(1000 * seconds / generated, 3), "forward_passes": out.num_forward_passes,
+            "ms_per_forward": round(1000 * seconds / out.num_forward_passes, 2),
+            "tokens_per_step": round(float(out.tokens_per_step.float().mean()), 3),
+            "peak_memory_mb": peak_memory_mb(device)}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The CPU grid
+# ----------------------------------------------------------------------------------------------------------
+
+
+def run(family: str, cache, strategy: str, length: int, batch: int, hidden: int, device: torch.device) -> dict:
     overrides = {"sdar": dict(hidden_size=hidden, intermediate_size=4 * hidden, max_position_embeddings=4096),
                  "llada": dict(d_model=hidden, mlp_hidden_size=4 * hidden, max_sequence_length=4096),
                  "dream": dict(hidden_size=hidden, intermediate_size=4 * hidden, max_position_embeddings=4096)}
-    model = tiny_model(family, **overrides[family])
-    prompt = torch.randint(10, 100, (batch, 32))
-    kwargs = dict(max_new_tokens=length, block_length=4, denoising_steps=4, temperature=0.0, use_cache=cache,
-                  remasking_strategy=strategy, confidence_threshold=0.9, stop_token_ids=[],
-                  return_dict_in_generate=True)
-    start = time.perf_counter()
-    out = model.generate(prompt, **kwargs)
-    seconds = time.perf_counter() - start
-    generated = int((out.unmask_step >= 0).sum())
-    return {"family": family, "cache": str(cache), "strategy": strategy, "new_tokens": length, "batch": batch,
-            "seconds": round(seconds, 3), "tokens_per_s": round(generated / seconds, 1),
-            "ms_per_token": round(1000 * seconds / generated, 3), "forward_passes": out.num_forward_passes,
-            "tokens_per_step": round(float(out.tokens_per_step.mean()), 3),
-            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    model = tiny_model(family, **overrides[family]).to(device)
+    prompt = torch.randint(10, 100, (batch, 32), device=device)
+    out, seconds = timed_generate(model, prompt, max_new_tokens=length, block_length=4, denoising_steps=4,
+                                  temperature=0.0, use_cache=cache, remasking_strategy=strategy,
+                                  confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
+    return record(out, seconds, device, family=family, cache=str(cache), strategy=strategy, new_tokens=length,
+                  batch=batch)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--families", nargs="+", default=["sdar", "llada", "dream"])
-    parser.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 2048])
-    parser.add_argument("--strategies", nargs="+", default=["low_confidence_static", "low_confidence_dynamic"])
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--batch_sizes", nargs="+", type=int, default=[1, 16], help="for the batching ratio")
-    args = parser.parse_args()
-    torch.manual_seed(0)
-    run("sdar", False, "low_confidence_static", 16, 1, args.hidden)  # warm-up (first-call overheads)
+def cpu_grid(args, device: torch.device) -> None:
+    run("sdar", False, "low_confidence_static", 16, 1, args.hidden, device)  # warm-up (first-call overheads)
     records = []
     for family in args.families:
         for cache in CACHE_MODES[family]:
             for strategy in args.strategies:
                 for length in args.lengths:
-                    records.append(run(family, cache, strategy, length, 1, args.hidden))
+                    records.append(run(family, cache, strategy, length, 1, args.hidden, device))
                     print(json.dumps(records[-1]), flush=True)
     ratios = {}
     for family in args.families:
-        def find(cache, length, batch=1, strategy="low_confidence_static", family=family):
+        def find(cache, length, strategy="low_confidence_static", family=family):
             for r in records:
                 if (r["family"], r["cache"], r["new_tokens"], r["batch"], r["strategy"]) == (
-                        family, str(cache), length, batch, strategy):
+                        family, str(cache), length, 1, strategy):
                     return r
         longest = max(args.lengths)
         cached, plain = find(CACHE_MODES[family][1], longest), find(False, longest)
@@ -69,11 +115,80 @@ def main() -> None:
         if family == "sdar":
             entry["cached_ms_per_token_by_length"] = {n: find(True, n)["ms_per_token"] for n in args.lengths}
             small, big = args.batch_sizes
-            one = run(family, True, "low_confidence_static", 128, small, args.hidden)
-            many = run(family, True, "low_confidence_static", 128, big, args.hidden)
+            one = run(family, True, "low_confidence_static", 128, small, args.hidden, device)
+            many = run(family, True, "low_confidence_static", 128, big, args.hidden, device)
             entry[f"batch_{big}_vs_{small}_tokens_per_s"] = round(many["tokens_per_s"] / one["tokens_per_s"], 2)
         ratios[family] = entry
     print(json.dumps({"ratios": ratios}, indent=1))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout table (random weights from a config, built on the device)
+# ----------------------------------------------------------------------------------------------------------
+
+
+def build_sdar(config: dict, device: torch.device) -> SDARForCausalLM:
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = SDARForCausalLM._from_config(SDARConfig(**config), dtype=dtype)
+    return model.eval()
+
+
+def rollout_table(args, device: torch.device) -> None:
+    config, prompt_length, new_tokens, batches, uncached_batches = TABLES[args.preset]
+    if args.batch_sizes_table:
+        batches = args.batch_sizes_table
+    began = time.perf_counter()
+    model = build_sdar(config, device)
+    built = time.perf_counter() - began
+    token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
+    generator = torch.Generator(device=device).manual_seed(0)
+    settings = dict(max_new_tokens=new_tokens, block_length=4, denoising_steps=4, temperature=0.0,
+                    confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True,
+                    cuda_graphs=args.cuda_graphs)
+    rows = []
+    for batch in batches:
+        prompt = torch.randint(*token_ids, (batch, prompt_length), device=device, generator=generator)
+        timed_generate(model, prompt, **{**settings, "max_new_tokens": 8, "use_cache": True})  # warm-up
+        for cache in (True, False):
+            if not cache and batch not in uncached_batches:
+                continue
+            for strategy in STRATEGIES:
+                out, seconds = timed_generate(model, prompt, use_cache=cache, remasking_strategy=strategy,
+                                              **settings)
+                rows.append(record(out, seconds, device, batch=batch, cache="exact" if cache else "none",
+                                   strategy=strategy, new_tokens=new_tokens, prompt=prompt_length))
+                print(json.dumps(rows[-1]), flush=True)
+    summary = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+               else "cpu", "torch": torch.__version__, "cuda_graphs": args.cuda_graphs,
+               "build_seconds": round(built, 1), "total_seconds": round(time.perf_counter() - began, 1),
+               "table": [{k: r[k] for k in ("batch", "cache", "strategy", "tokens_per_s", "ms_per_forward",
+                                            "tokens_per_step")} for r in rows]}
+    print(json.dumps(summary, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=["cpu", *TABLES],
+                        help="default: sdar-4b on CUDA, cpu elsewhere")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the models are built there)")
+    parser.add_argument("--cuda_graphs", choices=["auto", "off"], default="auto",
+                        help="generate()'s cuda_graphs (rollout table presets)")
+    parser.add_argument("--families", nargs="+", default=["sdar", "llada", "dream"], help="cpu preset")
+    parser.add_argument("--lengths", nargs="+", type=int, default=[128, 512, 2048], help="cpu preset")
+    parser.add_argument("--strategies", nargs="+", default=STRATEGIES, help="cpu preset")
+    parser.add_argument("--hidden", type=int, default=128, help="cpu preset")
+    parser.add_argument("--batch_sizes", nargs=2, type=int, default=[1, 16], help="cpu preset: batching ratio")
+    parser.add_argument("--batch_sizes_table", nargs="+", type=int, help="rollout table presets: batch sizes")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    args.preset = args.preset or ("sdar-4b" if device.type == "cuda" else "cpu")
+    torch.manual_seed(0)
+    if args.preset == "cpu":
+        cpu_grid(args, device)
+    else:
+        rollout_table(args, device)
 
 
 if __name__ == "__main__":

@@ -56,11 +56,11 @@ class DecisionMargins:
         return min(values) if values else float("inf")
 
     def __enter__(self):
-        from trl_diffusion.generation import sampler
+        from trl_diffusion.generation import denoise  # where the decoding step calls them
 
-        self._module = sampler
-        self._originals = (sampler.sample_tokens, sampler.select_commits)
-        sampler.sample_tokens, sampler.select_commits = self._sample_tokens, self._select_commits
+        self._module = denoise
+        self._originals = (denoise.sample_tokens, denoise.select_commits)
+        denoise.sample_tokens, denoise.select_commits = self._sample_tokens, self._select_commits
         return self
 
     def __exit__(self, *exc):
@@ -68,24 +68,26 @@ class DecisionMargins:
         return False
 
     def _sample_tokens(self, logits, temperature, top_k, top_p, generator=None, gumbel_float64=False,
-                       mask_token_id=None):
-        states = _generator_states(generator)
+                       mask_token_id=None, noise=None):
+        states = _generator_states(generator) if noise is None else ("noise", noise)
         tokens, logprobs, log_dist = self._originals[0](logits, temperature, top_k, top_p, generator,
-                                                        gumbel_float64, mask_token_id)
+                                                        gumbel_float64, mask_token_id, noise)
         margins = _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64,
                                 mask_token_id)
         self._last = (tokens, margins, temperature)
         return tokens, logprobs, log_dist
 
-    def _select_commits(self, strategy, confidence, masked, quota, threshold=None, alg_temp=None, generator=None):
-        chosen = self._originals[1](strategy, confidence, masked, quota, threshold, alg_temp, generator)
+    def _select_commits(self, strategy, confidence, masked, quota, threshold=None, alg_temp=None, generator=None,
+                        noise=None):
+        chosen = self._originals[1](strategy, confidence, masked, quota, threshold, alg_temp, generator, noise)
         tokens, margins, temperature = self._last
         record = self.token if not temperature else self.draw
         record.extend(margins[chosen].tolist())
         if strategy in ("low_confidence_static", "low_confidence_dynamic", "topk_margin", "entropy") and not alg_temp:
             scores = confidence.float()
             for row in range(masked.shape[0]):
-                k = int(min(int(quota[row]), int(masked[row].sum())))
+                row_quota = quota[row] if torch.is_tensor(quota) and quota.dim() else quota
+                k = int(min(int(row_quota), int(masked[row].sum())))
                 ranked = scores[row][masked[row]].sort(descending=True).values.double()
                 if 0 < k < len(ranked):
                     self.commit.append(float(ranked[k - 1] - ranked[k]))
@@ -103,6 +105,9 @@ def _generator_states(generator):
 
 
 def _restore(states):
+    """A generator replaying the recorded draw, or ``("noise", uniforms)`` drawn beforehand by the sampler."""
+    if isinstance(states, tuple):
+        return states
     if isinstance(states, list):
         return [torch.Generator().set_state(s) for s in states]
     return torch.Generator().set_state(states)
@@ -131,13 +136,14 @@ def _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states
     if states is None:  # an unseeded draw: nothing to compare across paths
         return torch.full(tokens.shape, float("inf"), dtype=torch.float64)
     generator = _restore(states)
+    noise = generator[1] if isinstance(generator, tuple) else None
     if gumbel_float64:
         raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
-        u = uniform(raw.shape, generator, raw.device, torch.float64)
+        u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise.double()
         score = raw - temperature * torch.log(-torch.log(u))  # log of LLaDA's exp(l) / (-log u)^T
         return _race_margin(score, tokens)
-    if isinstance(generator, list):  # inverse CDF: distance of the draw from the chosen bucket's edges
-        u = uniform(log_dist.shape[:-1], generator, log_dist.device).double()
+    if isinstance(generator, list) or noise is not None:  # inverse CDF: distance of the draw from the bucket's edges
+        u = (uniform(log_dist.shape[:-1], generator, log_dist.device) if noise is None else noise).double()
         cdf = log_dist.double().exp().cumsum(-1)
         target = u * cdf[..., -1]
         upper = cdf.gather(-1, tokens[..., None]).squeeze(-1)

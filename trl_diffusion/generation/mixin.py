@@ -16,7 +16,7 @@ _DREAM_ALGS = {"origin": "origin", "maskgit_plus": "low_confidence_static", "top
                "entropy": "entropy"}
 _ARGUMENTS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_strategy", "confidence_threshold",
               "temperature", "top_k", "top_p", "use_cache", "steps", "alg", "alg_temp", "eps", "cfg_scale",
-              "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate")
+              "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate", "cuda_graphs")
 
 
 class DiffusionGenerationMixin:
@@ -105,6 +105,7 @@ class DiffusionGenerationMixin:
             stop_token_ids=tuple(int(s) for s in stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=pick("alg_temp"), cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", pad_token_id=int(pad),
+            cuda_graphs=pick("cuda_graphs") or "auto",
         )
         return settings, bool(pick("return_dict_in_generate"))
 
@@ -122,7 +123,8 @@ class DiffusionGenerationMixin:
         ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own ``steps``, ``alg``, ``alg_temp``, ``eps``
         (linspace schedule); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's
         sample does not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput``
-        with the trajectory.
+        with the trajectory; ``cuda_graphs`` (``"auto"``: replay SDAR's exact-cache step as a CUDA graph on CUDA;
+        ``"off"``: always eager).
 
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.

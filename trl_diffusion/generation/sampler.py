@@ -10,19 +10,13 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput
 
-from ..models.cache import DiffusionCache
-from ..states import NOT_COMMITTED, CanvasLayout, attention_mask_from_positions
-from .sampling import (
-    REMASKING_STRATEGIES,
-    Generators,
-    confidence_scores,
-    sample_tokens,
-    select_commits,
-    uniform,
-    uniform_quota,
-)
+from ..states import NOT_COMMITTED, CanvasLayout
+from .cuda_graphs import CudaGraphRunner, graphs_apply
+from .denoise import Block, BlockSchedule, ModelRunner
+from .sampling import REMASKING_STRATEGIES, Generators
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
+CUDA_GRAPH_MODES = ("auto", "off")
 
 
 @dataclass
@@ -61,6 +55,13 @@ class SamplingSettings:
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
     pad_token_id: int = 0
+    cuda_graphs: str = "auto"
+
+    @property
+    def draws_randomness(self) -> bool:
+        """Whether a step draws random numbers (sampling, random commit rules)."""
+        origin = self.remasking_strategy == "origin" and self.schedule == "linspace"
+        return bool(self.temperature or self.alg_temp or origin or self.remasking_strategy == "random")
 
     def validate(self) -> None:
         if self.max_new_tokens <= 0:
@@ -96,49 +97,89 @@ class SamplingSettings:
             raise ValueError(f"eps must lie in [0, 1), got {self.eps}.")
         if not 0 <= self.cfg_scale < math.inf:
             raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}.")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
         if self.cfg_scale and self.cache_mode != "none":
             raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache.")
 
 
-class _Forward:
-    """Runs the model on some canvas columns, with the mask those columns need and an optional cache."""
+@dataclass
+class _Canvas:
+    """The working batch: per-row canvas, trajectory and stop state ``[rows, width]`` plus the layout tensors.
+    Rows that cannot commit anything more may leave it (``select``); ``rows`` maps working rows to batch rows."""
 
-    def __init__(self, model, canvas, positions, valid, attention_block, settings, prompt_cols):
-        self.model, self.canvas, self.positions, self.valid = model, canvas, positions, valid
-        self.attention_block = attention_block
-        self.cfg_scale = settings.cfg_scale
-        self.prompt_cols = prompt_cols
-        self.mask_id = model.mask_token_id
-        self.calls = 0
+    rows: list[int]
+    canvas: torch.Tensor
+    unmask_step: torch.Tensor
+    logprobs: torch.Tensor
+    steps_taken: torch.Tensor
+    stopped: torch.Tensor
+    generated: torch.Tensor
+    valid: torch.Tensor
+    positions: torch.Tensor
+    prompt_cols: torch.Tensor
+    gen_start: torch.Tensor
+    gen_end: torch.Tensor
+    generator: Generators
+    padded: bool
 
-    def __call__(self, cols: torch.Tensor, cache: DiffusionCache | None = None, cache_cols=None, store=False):
-        key_cols = cols if cache_cols is None else torch.cat([cache_cols, cols])
-        q_pos = self.positions[:, cols]
-        key_valid = self.valid[:, key_cols]
-        if self.attention_block is None and bool(key_valid.all()):
-            mask = None
-        else:
-            mask = attention_mask_from_positions(q_pos, self.positions[:, key_cols], key_valid, self.attention_block)
-        ids = self.canvas[:, cols]
-        self.calls += 1
-        if not self.cfg_scale:
-            return self.model(input_ids=ids, attention_mask=mask, position_ids=q_pos, past_key_values=cache,
-                              store_kv=store).logits
-        unconditional = ids.masked_fill(self.prompt_cols[:, cols], self.mask_id)
-        both = self.model(
-            input_ids=torch.cat([ids, unconditional]),
-            attention_mask=None if mask is None else torch.cat([mask, mask]),
-            position_ids=torch.cat([q_pos, q_pos]),
-        ).logits
-        cond, uncond = both.chunk(2)
-        return uncond + (self.cfg_scale + 1) * (cond - uncond)
+    RESULTS = ("canvas", "unmask_step", "logprobs", "steps_taken", "stopped")
+    PER_ROW = RESULTS + ("generated", "valid", "positions", "prompt_cols", "gen_start", "gen_end")
+
+    def select(self, keep: list[int], into: _Canvas) -> _Canvas:
+        """Write this batch's results into ``into`` (the full batch), then keep only the working rows ``keep``."""
+        self.write_into(into)
+        index = torch.tensor(keep, device=self.canvas.device)
+        kept = {name: getattr(self, name).index_select(0, index) for name in self.PER_ROW}
+        generator = [self.generator[i] for i in keep] if isinstance(self.generator, (list, tuple)) else self.generator
+        return _Canvas(rows=[self.rows[i] for i in keep], generator=generator, padded=self.padded, **kept)
+
+    def write_into(self, full: _Canvas) -> None:
+        if full is self:
+            return
+        index = torch.tensor(self.rows, device=self.canvas.device)
+        for name in self.RESULTS:
+            getattr(full, name)[index] = getattr(self, name)
+
+
+def _initial_canvas(input_ids, attention_mask, layout, mask_id, pad_id, generator) -> _Canvas:
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    generated, valid = layout.masks(device)
+    canvas = torch.full((batch, layout.width), pad_id, dtype=torch.long, device=device)
+    # the k-th real token of a row goes to column left_pad + k (one gather of the indices: setup, not the loop)
+    rows, cols = attention_mask.nonzero(as_tuple=True)
+    rank = attention_mask.long().cumsum(-1)[rows, cols] - 1
+    dest = torch.tensor(layout.left_pad, device=device)[rows] + rank
+    canvas[rows, dest] = input_ids[rows, cols]
+    prompt_cols = torch.zeros_like(generated)
+    prompt_cols[rows, dest] = True
+    canvas.masked_fill_(generated, mask_id)
+    return _Canvas(
+        rows=list(range(batch)), canvas=canvas, unmask_step=torch.full_like(canvas, NOT_COMMITTED),
+        logprobs=torch.zeros(canvas.shape, dtype=torch.float32, device=device),
+        steps_taken=torch.zeros(batch, dtype=torch.long, device=device),
+        stopped=torch.zeros(batch, dtype=torch.bool, device=device), generated=generated, valid=valid,
+        positions=layout.positions(device), prompt_cols=prompt_cols,
+        gen_start=torch.tensor(layout.gen_start, device=device), gen_end=torch.tensor(layout.gen_end, device=device),
+        generator=generator, padded=any(layout.left_pad) or len(set(layout.gen_end)) > 1,
+    )
+
+
+COMPACT_BELOW = 0.75
+"""Finished rows leave the working batch once the rows still decoding are at most this fraction of it (unless
+one generator shared by all rows draws random numbers: its stream would shift)."""
 
 
 def diffusion_generate(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: SamplingSettings,
     generator: Generators = None,
 ) -> DiffusionGenerationOutput:
-    """Decode ``max_new_tokens`` per row block by block; see ``DiffusionGenerationMixin.generate``."""
+    """Decode ``max_new_tokens`` per row block by block; see ``DiffusionGenerationMixin.generate``.
+
+    The host touches the device's results at most once per block (the per-row stop flags, and only when there
+    are stop tokens): the number of steps of a block follows from the layout and the schedule, and everything
+    that depends on model outputs stays on the device as per-row masks."""
     settings.validate()
     attention_mask = check_generation_inputs(model, input_ids, attention_mask, settings, generator)
     device = input_ids.device
@@ -162,99 +203,43 @@ def diffusion_generate(
             f"{max_positions} positions."
         )
 
-    batch = input_ids.shape[0]
-    generated, valid = layout.masks(device)
-    positions = layout.positions(device)
-    canvas = torch.full((batch, layout.width), settings.pad_token_id, dtype=torch.long, device=device)
-    prompt_cols = torch.zeros_like(generated)
-    for row in range(batch):
-        prompt = input_ids[row][attention_mask[row]]
-        canvas[row, layout.left_pad[row] : layout.gen_start[row]] = prompt
-        prompt_cols[row, layout.left_pad[row] : layout.gen_start[row]] = True
-    canvas[generated] = mask_id
-    unmask_step = torch.full_like(canvas, NOT_COMMITTED)
-    logprobs = torch.zeros(canvas.shape, dtype=torch.float32, device=device)
-    steps_taken = torch.zeros(batch, dtype=torch.long, device=device)
-    stopped = torch.zeros(batch, dtype=torch.bool, device=device)
-    stop_ids = torch.tensor(list(settings.stop_token_ids) or [-1], device=device)
-    shift = 1 if model.logits_shift else 0
-    attention_block = settings.block_length if block_causal else None
-    forward = _Forward(model, canvas, positions, valid, attention_block, settings, prompt_cols)
-    all_cols = torch.arange(layout.width, device=device)
-
-    cache, cache_cols = None, None
-    if settings.cache_mode == "exact":
-        cache, cache_cols = DiffusionCache(), all_cols[: layout.prefill_end]
-        if layout.prefill_end > 0:
-            forward(cache_cols, cache, None, store=True)
+    full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
+    stop_ids = torch.tensor(list(settings.stop_token_ids), device=device) if settings.stop_token_ids else None
+    schedule = BlockSchedule(settings)
+    runner_class = CudaGraphRunner if graphs_apply(settings, device, generator) else ModelRunner
+    runner = runner_class(model, settings, state, block_causal)
+    runner.prefill(layout.prefill_end)
+    # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
+    compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
 
     for start in layout.block_starts:
         end = layout.block_end(start)
-        block = all_cols[start:end]
-        active = ~stopped & (generated[:, start:end] & canvas[:, start:end].eq(mask_id)).any(-1)
-        if not bool(active.any()):
+        masks = [max(0, min(layout.gen_end[r], end) - max(layout.gen_start[r], start)) for r in state.rows]
+        stopped = state.stopped.tolist() if stop_ids is not None else [False] * len(masks)  # once per block
+        live = [m > 0 and not s for m, s in zip(masks, stopped)]
+        if not any(live):
             break
-        if settings.cache_mode in ("prefix", "dual"):
-            live_end = end if settings.cache_mode == "dual" else layout.width
-            live = all_cols[start - shift : live_end]
-            outside = torch.cat([all_cols[: start - shift], all_cols[live_end:]])
-            cache = DiffusionCache()
-            first_logits = forward(all_cols, cache, None, store=True)
-            cache.keep_columns(outside)
-            cache_cols = outside
-        quotas = uniform_quota(end - start, settings.denoising_steps) if settings.schedule == "uniform" else None
-        timesteps = torch.linspace(1, settings.eps, settings.denoising_steps + 1)
-        for step in range(settings.denoising_steps):
-            masked = generated[:, start:end] & canvas[:, start:end].eq(mask_id) & active[:, None]
-            if not bool(masked.any()):
-                break
-            step_generator = _drawing_rows(generator, masked.any(-1))
-            if settings.cache_mode == "exact":
-                raw = forward(block, cache, cache_cols)
-                logits = raw
-            elif settings.cache_mode in ("prefix", "dual"):
-                raw = first_logits[:, start - shift :] if step == 0 else forward(live, cache, cache_cols)
-                logits = raw[:, : end - start + shift]
-                logits = logits[:, :-1] if shift else logits
-            else:
-                raw = forward(all_cols[:end] if block_causal else all_cols)
-                logits = raw[:, start - shift : end - shift]
-            tokens, token_lp, log_dist = sample_tokens(
-                logits, settings.temperature, settings.top_k, settings.top_p, step_generator, settings.gumbel_float64,
-                mask_id,
-            )
-            if settings.schedule == "linspace":
-                # Dream computes the fraction in float32 from a float32 linspace; keep that for parity
-                last = step == settings.denoising_steps - 1
-                fraction = torch.ones(()) if last else 1 - timesteps[step + 1] / timesteps[step]
-                if settings.remasking_strategy == "origin":
-                    draw = uniform(masked.shape, step_generator, device)
-                    commit = masked & (draw < float(fraction))
-                else:
-                    quota = (masked.sum(-1).float() * fraction.to(device)).long()
-                    confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, step_generator)
-                    commit = select_commits("low_confidence_static", confidence, masked, quota,
-                                            alg_temp=settings.alg_temp, generator=step_generator)
-            else:
-                quota = torch.full((batch,), quotas[step], device=device)
-                confidence = confidence_scores(settings.remasking_strategy, token_lp, log_dist, step_generator)
-                commit = select_commits(settings.remasking_strategy, confidence, masked, quota,
-                                        settings.confidence_threshold, settings.alg_temp, step_generator)
-            region = canvas[:, start:end]
-            canvas[:, start:end] = torch.where(commit, tokens, region)
-            row_step = steps_taken[:, None].expand_as(commit)
-            unmask_step[:, start:end] = torch.where(commit, row_step, unmask_step[:, start:end])
-            logprobs[:, start:end] = torch.where(commit, token_lp, logprobs[:, start:end])
-            steps_taken += masked.any(-1).long()
-        if settings.cache_mode == "exact":
-            forward(block, cache, cache_cols, store=True)
-            cache_cols = torch.cat([cache_cols, block])
-        block_done = generated[:, : end] & ~canvas[:, : end].eq(mask_id)
-        hit_stop = (torch.isin(canvas[:, :end], stop_ids) & block_done).any(-1)
-        stopped |= hit_stop & active
+        if compactable and sum(live) <= COMPACT_BELOW * len(live):
+            keep = [i for i, alive in enumerate(live) if alive]
+            state = state.select(keep, full)
+            runner.select_rows(state, torch.tensor(keep, device=device))
+            masks, live = [masks[i] for i in keep], [True] * len(keep)
+        row_steps = [schedule.steps_needed(m, end - start) if alive else 0 for m, alive in zip(masks, live)]
+        block = Block(
+            start=start, end=end, tokens=state.canvas[:, start:end], generated=state.generated[:, start:end],
+            unmask_step=state.unmask_step[:, start:end], logprobs=state.logprobs[:, start:end],
+            steps_taken=state.steps_taken,
+            active=~state.stopped & (state.gen_start < end) & (state.gen_end > start),
+        )
+        runner.run_block(block, row_steps, schedule.quotas(end - start), schedule.fractions)
+        if stop_ids is not None:
+            done = block.generated & block.tokens.ne(mask_id)
+            hit = (block.tokens[..., None] == stop_ids).any(-1) & done
+            state.stopped |= hit.any(-1) & block.active
 
-    return _to_output(input_ids, attention_mask, layout, canvas, generated, unmask_step, logprobs, steps_taken,
-                      forward.calls, mask_id, settings.pad_token_id)
+    state.write_into(full)
+    return _to_output(input_ids, attention_mask, layout, full.canvas, full.generated, full.unmask_step,
+                      full.logprobs, full.steps_taken, runner.calls, mask_id, settings.pad_token_id)
 
 
 def check_generation_inputs(model, input_ids, attention_mask, settings: SamplingSettings,
@@ -287,12 +272,6 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
         raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} prompts; "
                          "give one per prompt (or a single generator).")
     return attention_mask
-def _drawing_rows(generator: Generators, has_masks: torch.Tensor) -> Generators:
-    """Per-row generators for one step: a row with nothing left to commit draws from a throwaway generator, so
-    its own generator advances only on the steps it takes, as it would alone (not in step with its batch)."""
-    if not isinstance(generator, (list, tuple)):
-        return generator
-    return [g if drawing else torch.Generator() for g, drawing in zip(generator, has_masks.tolist())]
 
 
 def _max_positions(config) -> int | None:

@@ -49,13 +49,20 @@ def sampling_logits(
 Generators = torch.Generator | list[torch.Generator] | None
 
 
-def uniform(shape: tuple[int, ...], generator: Generators, device, dtype=torch.float32) -> torch.Tensor:
+def uniform(shape: tuple[int, ...], generator: Generators, device, dtype=torch.float32,
+            rows: list[bool] | None = None) -> torch.Tensor:
     """U(0, 1) draws of ``shape``; with one generator per row (a list), row ``i`` comes from ``generator[i]`` only,
-    so a row's randomness does not depend on which other rows share its batch (or its process)."""
+    so a row's randomness does not depend on which other rows share its batch (or its process). ``rows`` (for a
+    list) says which rows draw; the others get zeros and leave their generator untouched. Per-row draws are made
+    on the host and, on CUDA, copied from pinned memory without blocking (no host synchronisation)."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for {shape[0]} rows.")
-        return torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype) for g in generator]).to(device)
+        draws = torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype) if rows is None or rows[i]
+                             else torch.zeros(shape[1:], dtype=dtype) for i, g in enumerate(generator)])
+        if torch.device(device).type == "cuda":
+            return draws.pin_memory().to(device, non_blocking=True)
+        return draws.to(device)
     return torch.rand(shape, generator=generator, dtype=dtype, device=device)
 
 
@@ -67,12 +74,14 @@ def sample_tokens(
     generator: Generators = None,
     gumbel_float64: bool = False,
     mask_token_id: int | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per position. Returns ``(tokens, logprobs, log_distribution)``.
 
     ``logprobs`` is the log-probability of each drawn token under the sampling distribution (what RL uses as
     the behaviour policy). Temperature 0 takes the argmax (no division by zero). ``gumbel_float64`` draws with
     LLaDA's float64 Gumbel-max ``argmax(exp(l) / (-log u)^T)``, an exact sample of the same distribution.
+    ``noise``: the uniforms a per-row generator list would draw here (``token_noise_shape``), drawn beforehand.
     """
     log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).log_softmax(-1)
     if not temperature:
@@ -80,10 +89,10 @@ def sample_tokens(
     elif gumbel_float64:
         # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
         raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
-        u = uniform(raw.shape, generator, raw.device, torch.float64)
+        u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
-    elif isinstance(generator, (list, tuple)):  # inverse CDF with per-row uniforms
-        u = uniform(log_dist.shape[:-1], generator, log_dist.device)
+    elif isinstance(generator, (list, tuple)) or noise is not None:  # inverse CDF with per-row uniforms
+        u = uniform(log_dist.shape[:-1], generator, log_dist.device) if noise is None else noise
         cdf = log_dist.exp().cumsum(-1)
         tokens = (cdf < u[..., None] * cdf[..., -1:]).sum(-1).clamp(max=log_dist.shape[-1] - 1)
         tokens = torch.where(torch.isfinite(log_dist.gather(-1, tokens[..., None]).squeeze(-1)), tokens,
@@ -95,14 +104,27 @@ def sample_tokens(
     return tokens, logprobs, log_dist
 
 
+def token_noise_shape(
+    logits_shape: tuple[int, ...], temperature: float, gumbel_float64: bool
+) -> tuple[tuple[int, ...], torch.dtype] | None:
+    """Shape and dtype of the uniforms ``sample_tokens`` draws with a per-row generator list (None: no draw)."""
+    if not temperature:
+        return None
+    if gumbel_float64:
+        return tuple(logits_shape), torch.float64
+    return tuple(logits_shape[:-1]), torch.float32
+
+
 def confidence_scores(
-    strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: Generators = None
+    strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: Generators = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-position confidence used to rank positions for commitment (higher commits first)."""
+    """Per-position confidence used to rank positions for commitment (higher commits first). ``noise``: the
+    uniforms the ``random`` strategy would draw, drawn beforehand."""
     if strategy in ("low_confidence_static", "low_confidence_dynamic", "sequential", "origin"):
         return logprobs.exp()
     if strategy == "random":
-        return uniform(logprobs.shape, generator, logprobs.device)
+        return uniform(logprobs.shape, generator, logprobs.device) if noise is None else noise
     if strategy == "topk_margin":
         top2 = torch.topk(log_dist.exp(), 2, dim=-1).values
         return top2[..., 0] - top2[..., 1]
@@ -122,37 +144,35 @@ def select_commits(
     strategy: str,
     confidence: torch.Tensor,
     masked: torch.Tensor,
-    quota: torch.Tensor,
+    quota: int | torch.Tensor,
     threshold: float | None = None,
     alg_temp: float | None = None,
     generator: Generators = None,
+    noise: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Boolean ``[B, L]`` of positions to commit now. Only masked positions are ever chosen.
+    """Boolean ``[B, L]`` of positions to commit now. Only masked positions are ever chosen. Runs on the device
+    (no host synchronisation).
 
-    ``quota`` ``[B]``: how many to commit (capped by the masks left). ``sequential`` takes the leftmost masks;
-    ``low_confidence_dynamic`` takes every mask above ``threshold``, at least the quota; other strategies take
-    the ``quota`` most confident masks (sampled by ``softmax(confidence / alg_temp)`` when ``alg_temp`` > 0,
-    as Dream does).
+    ``quota`` (an int, or a tensor broadcastable to ``[B]``): how many to commit (capped by the masks left).
+    ``sequential`` takes the leftmost masks; ``low_confidence_dynamic`` takes every mask above ``threshold``, at
+    least the quota; other strategies take the ``quota`` most confident masks. With ``alg_temp`` > 0 the quota
+    is sampled without replacement with probabilities ``softmax(confidence / alg_temp)`` over the masks (as
+    Dream does), by Gumbel-top-k; ``noise`` holds its uniforms when drawn beforehand.
     """
     batch, length = masked.shape
-    quota = torch.minimum(quota, masked.sum(-1))
+    quota = masked.sum(-1).clamp(max=quota)
     if strategy == "sequential":
         rank = torch.cumsum(masked.long(), dim=-1)
         return masked & (rank <= quota[:, None])
     scores = confidence.float().masked_fill(~masked, float("-inf"))
     if alg_temp:
-        probs = torch.softmax(scores / alg_temp, dim=-1)
-        chosen = torch.zeros_like(masked)
-        for row in range(batch):
-            k = int(quota[row])
-            if k > 0:
-                g = generator[row] if isinstance(generator, (list, tuple)) else generator
-                chosen[row, torch.multinomial(probs[row].cpu(), k, replacement=False, generator=g)] = True
-        return chosen & masked
+        u = uniform(masked.shape, generator, masked.device) if noise is None else noise
+        gumbel = -torch.log(-torch.log(u.float().clamp_min(torch.finfo(torch.float32).tiny)))
+        scores = torch.where(masked, torch.log_softmax(scores / alg_temp, dim=-1) + gumbel, float("-inf"))
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=masked.device).expand(batch, -1))
     chosen = masked & (rank < quota[:, None])
-    if strategy == "low_confidence_dynamic":
+    if strategy == "low_confidence_dynamic" and not alg_temp:
         if threshold is None:
             raise ValueError("low_confidence_dynamic needs a confidence_threshold.")
         chosen = chosen | (masked & (scores > threshold))

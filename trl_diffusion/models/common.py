@@ -13,7 +13,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
 from ..states import attention_mask_from_positions
-from .cache import DiffusionCache
+from .cache import DiffusionCache, StaticDiffusionCache
 
 
 class DiffusionModelMixin:
@@ -167,33 +167,27 @@ def attend(
     v: torch.Tensor,
     mask: torch.Tensor | None,
     layer_idx: int,
-    cache: DiffusionCache | None,
+    cache: DiffusionCache | StaticDiffusionCache | None,
     store: bool,
     dropout: float = 0.0,
 ) -> torch.Tensor:
-    """Scaled dot-product attention over ``[cached keys | new keys]``; writes the new keys only if ``store``.
+    """Scaled dot-product attention over the cache's keys and the new ones (``cache.update``: a growing cache
+    reads ``[cached | new]`` and appends the new keys only if ``store``; a static cache writes them in place).
 
     ``q`` ``[B, H, Q, D]``, ``k``/``v`` ``[B, KV, Q, D]`` (post-RoPE). ``mask`` is boolean (True = attend) or
     additive float, broadcastable to ``[B, H, Q, K]`` (SDPA), or a flex-attention ``BlockMask`` (flex attention,
-    no dense mask).
+    no dense mask). Grouped-query heads are expanded inside the kernel (no copy of the cached keys).
     """
     if cache is not None:
-        past = cache.layer(layer_idx)
-        if store:
-            cache.append(layer_idx, k, v)
-        if past is not None:
-            k = torch.cat([past[0], k], dim=-2)
-            v = torch.cat([past[1], v], dim=-2)
+        k, v = cache.update(layer_idx, k, v, store)
+    gqa = q.shape[1] != k.shape[1]
     if is_block_mask(mask):
         if dropout:
             raise ValueError("flex attention has no attention dropout; set attention_dropout to 0 or use "
                              "attention_backend='sdpa'.")
-        return flex_attention_kernel(q.device)(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
-    n_rep = q.shape[1] // k.shape[1]
-    if n_rep > 1:
-        k = k.repeat_interleave(n_rep, dim=1)
-        v = v.repeat_interleave(n_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False)
+        return flex_attention_kernel(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False,
+                                          enable_gqa=gqa)
 
 
 def is_block_mask(mask) -> bool:
@@ -215,7 +209,7 @@ def resolve_attention_mask(
     position_ids: torch.Tensor,
     batch: int,
     q_len: int,
-    cache: DiffusionCache | None,
+    cache: DiffusionCache | StaticDiffusionCache | None,
     block_size: int | None,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -225,11 +219,18 @@ def resolve_attention_mask(
     ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given; a flex-attention
     ``BlockMask`` (training forwards without a cache), used as given. For 2-D and
     ``None`` the structure (block-causal or full) comes from the positions. Returns the mask and the validity of
-    the new keys (what a committing cache pass stores).
+    the new keys (what a committing cache pass stores). With a ``StaticDiffusionCache`` the mask covers its read
+    window (None: all of it), as the sampler that places the cache knows which slots are visible.
     """
     past = cache.get_seq_length() if cache is not None else 0
-    k_len = past + q_len
+    k_len = cache.key_length(q_len) if cache is not None else q_len
     device = position_ids.device
+    if isinstance(cache, StaticDiffusionCache):
+        if attention_mask is None:  # every slot of the read window is visible
+            return None, torch.ones(batch, q_len, dtype=torch.bool, device=device)
+        if is_block_mask(attention_mask) or attention_mask.dim() not in (3, 4):
+            raise ValueError("a StaticDiffusionCache takes None or a 3-D / 4-D attention_mask over its read window "
+                             f"([B, 1, {q_len}, {k_len}]).")
     if is_block_mask(attention_mask):
         mask_q, mask_k = attention_mask.shape[-2:]
         if past or mask_q != q_len or mask_k != k_len or attention_mask.shape[0] not in (1, batch):
@@ -269,8 +270,11 @@ def resolve_attention_mask(
     return mask, new_valid
 
 
-def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | None, device) -> torch.Tensor:
-    """``past + arange(L)``, the transformers default."""
+def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | StaticDiffusionCache | None,
+                         device) -> torch.Tensor:
+    """``past + arange(L)``, the transformers default (a static cache's slots are not positions: pass them)."""
+    if isinstance(cache, StaticDiffusionCache):
+        raise ValueError("a StaticDiffusionCache needs explicit position_ids.")
     past = cache.get_seq_length() if cache is not None else 0
     return torch.arange(past, past + input_shape[1], device=device)[None].expand(input_shape[0], -1)
 
@@ -453,7 +457,7 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
     hidden = final_norm(hidden)
     if all_hidden is not None:
         all_hidden.append(hidden)
-    if cache is not None and store_kv:
+    if isinstance(cache, DiffusionCache) and store_kv:
         cache.append_positions(position_ids, new_valid)
     return BaseModelOutputWithPast(
         last_hidden_state=hidden, cache=cache, hidden_states=tuple(all_hidden) if all_hidden is not None else None

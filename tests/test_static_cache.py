@@ -1,0 +1,518 @@
+"""The static KV cache and the sync-free decode loop: same outputs as the slow paths, no host synchronisation
+inside a block, finished rows leaving the batch without changing anything."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from trl_diffusion.generation import denoise
+from trl_diffusion.generation.denoise import BlockSchedule, ModelRunner
+from trl_diffusion.generation.sampler import SamplingSettings
+from trl_diffusion.generation.sampling import sampling_logits, select_commits, uniform_quota
+from trl_diffusion.models.cache import DiffusionCache, StaticDiffusionCache
+from trl_diffusion.states import CanvasLayout, attention_mask_from_positions
+from trl_diffusion.testing import tiny_model
+
+PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44], [50, 51, 52, 53, 54, 55]]
+aten = torch.ops.aten
+
+
+def left_pad(prompts, pad=0):
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def gen(model, ids, mask, **kw):
+    args = dict(max_new_tokens=14, block_length=4, denoising_steps=2, temperature=0.0, stop_token_ids=[],
+                return_dict_in_generate=True)
+    args.update(kw)
+    return model.generate(ids, mask, **args)
+
+
+def row_generators(n, seed=0):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+def assert_same_rollout(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    assert torch.equal(a.unmask_step, b.unmask_step)
+    assert torch.equal(a.denoising_steps, b.denoising_steps)
+    torch.testing.assert_close(a.token_logprobs, b.token_logprobs, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The cache itself
+# ------------------------------------------------------------------------------------------------------------
+
+
+def test_static_cache_forward_equals_growing_cache(family):
+    """A block read against a prefix in the static cache gives the logits the growing cache gives."""
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.arange(12)[None].expand(2, -1)
+    block = model.block_size
+    prefix_mask = attention_mask_from_positions(pos[:, :8], pos[:, :8], None, block)
+    with torch.no_grad():
+        growing = DiffusionCache()
+        model(ids[:, :8], attention_mask=prefix_mask, position_ids=pos[:, :8], past_key_values=growing,
+              store_kv=True)
+        expected = model(ids[:, 8:], position_ids=pos[:, 8:], past_key_values=growing).logits
+        static = StaticDiffusionCache(16)
+        static.place(torch.arange(8), 8)
+        model(ids[:, :8], attention_mask=prefix_mask, position_ids=pos[:, :8], past_key_values=static)
+        static.place(torch.arange(8, 12), 12)
+        got = model(ids[:, 8:], position_ids=pos[:, 8:], past_key_values=static).logits
+        assert static.keys[0].shape[2] == 16
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if block is not None:  # SDAR: the cached forward is exact, equal to the full block-causal forward
+        torch.testing.assert_close(got, model(ids, position_ids=pos).logits[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_static_cache_writes_in_place():
+    """Committing a block writes its slots in place: the buffers are allocated once and never replaced."""
+    model = tiny_model("sdar")
+    ids = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(1))
+    pos = torch.arange(12)[None]
+    cache = StaticDiffusionCache(12)
+    with torch.no_grad():
+        cache.place(torch.arange(8), 8)
+        model(ids[:, :8], attention_mask=attention_mask_from_positions(pos[:, :8], pos[:, :8], None, 4),
+              position_ids=pos[:, :8], past_key_values=cache)
+        buffers = [k.data_ptr() for k in cache.keys]
+        before = cache.keys[0][:, :, :8].clone()
+        cache.place(torch.arange(8, 12), 12)
+        model(ids[:, 8:], position_ids=pos[:, 8:], past_key_values=cache)
+    assert [k.data_ptr() for k in cache.keys] == buffers
+    assert torch.equal(cache.keys[0][:, :, :8], before)  # the block pass wrote only its own slots
+    assert cache.keys[0][:, :, 8:].abs().sum() > 0
+
+
+def test_static_cache_errors():
+    model = tiny_model("sdar")
+    ids = torch.tensor([[20, 21, 22, 23]])
+    cache = StaticDiffusionCache(8)
+    with pytest.raises(RuntimeError, match="place"):
+        model(ids, position_ids=torch.arange(4)[None], past_key_values=cache)
+    cache.place(torch.arange(4), 4)
+    with pytest.raises(ValueError, match="position_ids"):
+        model(ids, past_key_values=cache)
+    with pytest.raises(ValueError, match="3-D / 4-D"):
+        model(ids, attention_mask=torch.ones(1, 4), position_ids=torch.arange(4)[None], past_key_values=cache)
+    with pytest.raises(ValueError, match="read window"):
+        cache.place(torch.arange(4), 9)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Generation with the static cache equals the slow paths
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["low_confidence_static", "low_confidence_dynamic"])
+@pytest.mark.parametrize("sampled", [False, True])
+def test_exact_cache_equals_no_cache_padded_with_stops(strategy, sampled):
+    """SDAR, a left-padded batch whose rows stop at different blocks (so rows leave the working batch)."""
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    free = gen(model, ids, mask)
+    stop = int(free.sequences[1, ids.shape[1] + 5])  # a token row 1 produces in its second block
+    kw = dict(remasking_strategy=strategy, confidence_threshold=0.2, stop_token_ids=[stop], max_new_tokens=22)
+    if sampled:
+        kw.update(temperature=1.0, top_k=20)
+    outs = [gen(model, ids, mask, use_cache=cache, generator=row_generators(len(PROMPTS)) if sampled else None,
+                **kw) for cache in (False, True)]
+    assert_same_rollout(*outs)
+    assert (outs[0].unmask_step >= 0).sum(-1).min() < (free.unmask_step >= 0).sum(-1).max()  # someone stopped
+
+
+def reference_fast_dllm(model, ids, mode, max_new_tokens, block_length, steps):
+    """Fast-dLLM prefix / dual cache decoding (greedy, ``low_confidence_static``, unpadded prompts), written
+    plainly with the growing ``DiffusionCache``, as the sampler ran it before the static cache: at each block
+    start the whole canvas runs once; later steps run the live columns against the keys kept from then."""
+    mask_id, shift = model.mask_token_id, int(model.logits_shift)
+    batch, prompt = ids.shape
+    width = prompt + max_new_tokens
+    x = torch.cat([ids, torch.full((batch, max_new_tokens), mask_id)], dim=1)
+    unmask = torch.full_like(x, -1)
+    logprobs = torch.zeros(x.shape)
+    taken = torch.zeros(batch, dtype=torch.long)
+    positions = torch.arange(width)[None].expand(batch, -1)
+    for start in range(prompt, width, block_length):
+        end = min(start + block_length, width)
+        live_end = end if mode == "dual" else width
+        cache = DiffusionCache()
+        first = model(x, position_ids=positions, past_key_values=cache, store_kv=True).logits
+        cache.keep_columns(torch.cat([torch.arange(start - shift), torch.arange(live_end, width)]))
+        for step, quota in enumerate(uniform_quota(end - start, steps)):
+            masked = x[:, start:end] == mask_id
+            if not masked.any():
+                break
+            if step == 0:
+                logits = first[:, start - shift: end - shift]
+            else:
+                live = slice(start - shift, live_end)
+                logits = model(x[:, live], position_ids=positions[:, live], past_key_values=cache).logits
+                logits = logits[:, : end - start]
+            log_dist = sampling_logits(logits, 0.0, mask_token_id=mask_id).log_softmax(-1)
+            lp, tokens = log_dist.max(-1)
+            confidence = lp.exp().masked_fill(~masked, float("-inf"))
+            for row in range(batch):
+                k = min(quota, int(masked[row].sum()))
+                chosen = torch.argsort(confidence[row], descending=True, stable=True)[:k]
+                cols = start + chosen
+                x[row, cols], unmask[row, cols], logprobs[row, cols] = tokens[row, chosen], taken[row], lp[row, chosen]
+            taken += masked.any(-1)
+    return x, unmask, logprobs
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("mode", ["prefix", "dual"])
+def test_prefix_and_dual_cache_equal_the_growing_cache_reference(family, mode):
+    model = tiny_model(family)
+    ids = torch.tensor([PROMPTS[0][:5], PROMPTS[2]])
+    with torch.no_grad():
+        x, unmask, logprobs = reference_fast_dllm(model, ids, mode, 14, 4, 3)
+    out = gen(model, ids, None, use_cache=mode, denoising_steps=3)
+    assert torch.equal(out.sequences, x)
+    assert torch.equal(out.unmask_step, unmask)
+    torch.testing.assert_close(out.token_logprobs, logprobs, rtol=1e-5, atol=1e-5)
+    blocks = 4  # 14 new tokens in blocks of 4 (the last holds 2)
+    assert out.num_forward_passes == blocks * 3 - 1  # a refresh + 2 live steps per block; the last block needs 2
+
+
+def planned_forward_passes(out, prompts, width, block_length, block_causal, extra_per_block, extra=0):
+    """Forward passes implied by a trajectory: per canvas block, the most denoising steps any row took in it."""
+    layout = CanvasLayout([len(p) for p in prompts], 12, block_length, block_causal)
+    steps_in_block = {}
+    for row in range(len(prompts)):
+        for col, step in enumerate(out.unmask_step[row, width:].tolist()):
+            if step >= 0:
+                block = (layout.gen_start[row] + col - layout.block_starts[0]) // block_length
+                steps_in_block.setdefault((block, row), set()).add(step)
+    per_block = {}
+    for (block, _), steps in steps_in_block.items():
+        per_block[block] = max(per_block.get(block, 0), len(steps))
+    return sum(per_block.values()) + extra_per_block * len(per_block) + extra
+
+
+@pytest.mark.parametrize("family,kw,extra_per_block,extra", [
+    ("sdar", dict(use_cache=True, denoising_steps=3), 0, 1),  # one prefill; commits ride on the next block
+    ("sdar", dict(use_cache=False, remasking_strategy="sequential", denoising_steps=4), 0, 0),
+    ("llada", dict(remasking_strategy="random", denoising_steps=3, temperature=1.0), 0, 0),
+    ("dream", dict(use_cache="dual", denoising_steps=3), 0, 0),  # the refresh pass is step 0's forward
+])
+def test_steps_per_block_are_planned_exactly(family, kw, extra_per_block, extra):
+    """For schedule-determined strategies the host plans each block's steps before it runs; the plan must equal
+    the steps the rows needed (one more would be a wasted forward, one fewer would leave masks behind). With the
+    uniform schedule every step commits a token, so the trajectory shows each block's steps."""
+    model = tiny_model(family)
+    ids, mask = left_pad(PROMPTS[:3])
+    out = gen(model, ids, mask, max_new_tokens=12, generator=row_generators(3), **kw)
+    assert not bool((out.sequences[:, ids.shape[1]:] == model.mask_token_id).any())
+    assert out.num_forward_passes == planned_forward_passes(out, PROMPTS[:3], ids.shape[1], 4,
+                                                            model.block_size is not None, extra_per_block, extra)
+
+
+@pytest.mark.parametrize("kw", [dict(steps=12, alg="entropy"), dict(steps=6, alg="maskgit_plus", use_cache="dual")])
+def test_linspace_steps_are_planned_exactly(kw):
+    """Dream's schedule can commit nothing at a step (the float32 fractions floor to 0): such steps still run, as
+    in Dream's sampler; one prompt alone runs exactly one forward per step it took."""
+    model = tiny_model("dream")
+    for prompt in PROMPTS[:3]:
+        out = gen(model, torch.tensor([prompt]), None, max_new_tokens=12, **kw)
+        assert out.num_forward_passes == int(out.denoising_steps)
+        assert not bool((out.sequences[:, len(prompt):] == model.mask_token_id).any())
+
+
+def test_schedule_bound_for_data_dependent_strategies():
+    settings = SamplingSettings(max_new_tokens=8, block_length=4, denoising_steps=4,
+                                remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9)
+    schedule = BlockSchedule(settings)
+    assert [schedule.steps_needed(m, 4) for m in range(5)] == [0, 1, 2, 3, 4]  # quota 1 per step: the bound
+    settings.denoising_steps = 2
+    assert [BlockSchedule(settings).steps_needed(m, 4) for m in range(5)] == [0, 1, 1, 2, 2]
+    dream = SamplingSettings(max_new_tokens=8, block_length=8, denoising_steps=4, schedule="linspace",
+                             remasking_strategy="origin")
+    assert BlockSchedule(dream).steps_needed(1, 8) == 4  # random commits: run the whole schedule
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_finished_rows_leave_the_batch_without_changing_any_row(sampled):
+    """Rows that stopped leave the working batch at a block boundary; every row still equals itself decoded
+    alone, and later forwards run fewer rows."""
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(max_new_tokens=24, use_cache=True, temperature=1.0 if sampled else 0.0)
+    free = gen(model, ids, mask, generator=row_generators(4), **kw)
+    stops = [int(free.sequences[0, ids.shape[1] + 2]), int(free.sequences[1, ids.shape[1] + 2])]
+    batch_sizes = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: batch_sizes.append(k["input_ids"].shape[0]),
+                                           with_kwargs=True)
+    batched = gen(model, ids, mask, generator=row_generators(4), stop_token_ids=stops, **kw)
+    hook.remove()
+    assert min(batch_sizes) < len(PROMPTS)
+    width = ids.shape[1]
+    for row, prompt in enumerate(PROMPTS):
+        alone = gen(model, torch.tensor([prompt]), None, generator=row_generators(1, seed=row),
+                    stop_token_ids=stops, **kw)
+        n = alone.sequences.shape[1] - len(prompt)
+        assert batched.sequences[row, width: width + n].tolist() == alone.sequences[0, len(prompt):].tolist()
+        assert batched.unmask_step[row, width: width + n].tolist() == alone.unmask_step[0, len(prompt):].tolist()
+        torch.testing.assert_close(batched.token_logprobs[row, width: width + n],
+                                   alone.token_logprobs[0, len(prompt):], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("sdar", dict(use_cache=True)),
+    ("llada", dict(use_cache="dual")),
+    ("dream", dict(use_cache="prefix", confidence_threshold=0.01)),
+])
+def test_cpu_probe_stops_finished_blocks_without_changing_the_rollout(family, kw, monkeypatch):
+    """On the CPU a data-dependent block stops once no row has a mask left; as on CUDA (no probe) it runs its
+    planned bound. Same rollout either way (per-row generators still draw what their plan says), fewer forwards
+    with the probe, and for one prompt exactly one forward per step taken."""
+    model = tiny_model(family)
+    ids, mask = left_pad(PROMPTS[:3])
+    kw = {**dict(max_new_tokens=16, denoising_steps=4, temperature=1.0, confidence_threshold=0.05,
+                 remasking_strategy="low_confidence_dynamic"), **kw}
+    probed = gen(model, ids, mask, generator=row_generators(3), **kw)
+    with monkeypatch.context() as patch:
+        patch.setattr(denoise, "PROBE_DEVICES", ())
+        bound = gen(model, ids, mask, generator=row_generators(3), **kw)
+    assert_same_rollout(probed, bound)
+    assert probed.num_forward_passes < bound.num_forward_passes
+    alone = gen(model, ids[:1], mask[:1], generator=row_generators(1), use_cache=False,
+                **{k: v for k, v in kw.items() if k != "use_cache"})
+    assert alone.num_forward_passes == int(alone.denoising_steps)
+
+
+def test_alg_temp_samples_the_quota_without_replacement():
+    """Dream's ``alg_temp``: exactly the quota, only masked positions, first pick ~ softmax(confidence / T)."""
+    confidence = torch.tensor([[0.9, 0.5, 0.1, 0.7]])
+    masked = torch.tensor([[True, True, True, False]])
+    generator = torch.Generator().manual_seed(0)
+    firsts = torch.zeros(4)
+    for _ in range(4000):
+        one = select_commits("low_confidence_static", confidence, masked, 1, alg_temp=0.5, generator=generator)
+        two = select_commits("low_confidence_static", confidence, masked, 2, alg_temp=0.5, generator=generator)
+        assert int(one.sum()) == 1 and int(two.sum()) == 2 and not bool((two & ~masked).any())
+        firsts += one[0].float()
+    expected = torch.softmax(torch.tensor([0.9, 0.5, 0.1]) / 0.5, -1)
+    torch.testing.assert_close(firsts[:3] / 4000, expected, rtol=0, atol=0.03)  # ~4 standard errors
+
+
+# ------------------------------------------------------------------------------------------------------------
+# No host synchronisation inside a block
+# ------------------------------------------------------------------------------------------------------------
+
+
+class HostSyncCounter(TorchDispatchMode):
+    """Counts operations that make the host wait for the device on CUDA (reading a value: ``item``/``bool``/
+    ``int``/``tolist``; output shapes that depend on values: ``nonzero``, boolean indexing, ``unique``, ...), so
+    that a CPU run shows where a CUDA run would stall. Each model forward starts a new gap: ``gaps[i]`` counts the
+    events before forward ``i`` (and ``tail`` those after the last one)."""
+
+    SYNCING = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+               aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.equal.default,
+               aten.is_nonzero.default, aten.bincount.default, aten.repeat_interleave.Tensor}
+    INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.gaps, self.tail = model, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.SYNCING or (func in self.INDEXING and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] or []))):
+            self.tail += 1
+        return func(*args, **kwargs)
+
+    def _forward_started(self, *args):
+        self.gaps.append(self.tail)
+        self.tail = 0
+
+    def _tolist(self, tensor):
+        self.tail += 1
+        return self._original_tolist(tensor)
+
+    def __enter__(self):
+        self._hook = self.model.register_forward_pre_hook(self._forward_started)
+        self._original_tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: self._tolist(t)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._original_tolist
+        self._hook.remove()
+        return super().__exit__(*exc)
+
+
+SYNC_CASES = [  # (family, generate arguments, stop tokens or not)
+    ("sdar", dict(use_cache=True), False),
+    ("sdar", dict(use_cache=True, remasking_strategy="low_confidence_dynamic", temperature=1.0, top_p=0.9), True),
+    ("sdar", dict(use_cache=False, remasking_strategy="random", temperature=1.0, rows=True), True),
+    ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic"), True),
+    ("llada", dict(cfg_scale=1.0, temperature=1.0, rows=True), False),
+    ("llada", dict(use_cache="prefix"), False),
+    ("dream", dict(steps=12, alg="entropy", alg_temp=0.5, temperature=0.5, rows=True), True),
+    ("dream", dict(steps=12, alg="origin", temperature=1.0, use_cache="dual"), False),
+]
+
+
+@pytest.fixture
+def as_on_cuda(monkeypatch):
+    """Run the decode loop as on CUDA: no per-step probe of whether a data-dependent block is done (on the CPU
+    that probe is free, so the loop makes it there)."""
+    monkeypatch.setattr(denoise, "PROBE_DEVICES", ())
+
+
+@pytest.mark.parametrize("family,kw,stops", SYNC_CASES)
+def test_no_host_sync_inside_a_block(family, kw, stops, as_on_cuda):
+    """Between two forwards of the decode loop the host reads nothing back from the device, except once per
+    block for the per-row stop flags when there are stop tokens. (Fails on a loop that checks for remaining
+    masks with ``bool(tensor)`` after every step.)"""
+    model = tiny_model(family)
+    ids, mask = left_pad(PROMPTS[:3])
+    kw = dict(kw)
+    generator = row_generators(3) if kw.pop("rows", False) else torch.Generator().manual_seed(0)
+    stop_ids = [int(gen(model, ids, mask, max_new_tokens=4).sequences[0, -1])] if stops else []
+    counter = HostSyncCounter(model)
+    with counter:
+        out = gen(model, ids, mask, max_new_tokens=16, denoising_steps=3, generator=generator,
+                  stop_token_ids=stop_ids, **kw)
+    blocks = len(CanvasLayout([len(p) for p in PROMPTS[:3]], 16, 4, model.block_size is not None).block_starts)
+    loop_gaps = counter.gaps[1:]  # gap 0 holds the setup (lengths, canvas layout) before the first forward
+    assert len(loop_gaps) >= 2 * blocks  # several forwards per block: there are in-block gaps to check
+    syncing = sum(1 for g in loop_gaps if g)
+    if stops:
+        assert syncing <= blocks and max(loop_gaps) <= 1
+    else:
+        assert syncing == 0
+    assert (out.unmask_step >= 0).any()
+
+
+def test_no_host_sync_inside_run_block(as_on_cuda):
+    """Stricter, for this implementation: nothing inside ``ModelRunner.run_block`` syncs, stops or not."""
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    counter = HostSyncCounter(model)
+    inside = []
+    original = ModelRunner.run_block
+
+    def counted(self, *args, **kwargs):
+        before = counter.tail + sum(counter.gaps)
+        original(self, *args, **kwargs)
+        inside.append(counter.tail + sum(counter.gaps) - before)
+
+    ModelRunner.run_block = counted
+    try:
+        with counter:
+            gen(model, ids, mask, use_cache=True, remasking_strategy="low_confidence_dynamic",
+                confidence_threshold=0.3, stop_token_ids=[60, 61], temperature=1.0,
+                generator=row_generators(len(PROMPTS)))
+    finally:
+        ModelRunner.run_block = original
+    assert len(inside) >= 4 and sum(inside) == 0
+
+
+def test_host_sync_counter_sees_syncs():
+    """The counter is not blind: a ``bool(tensor)`` and a boolean index between forwards are counted."""
+    model = tiny_model("sdar")
+    ids = torch.tensor([[20, 21, 22, 23]])
+    counter = HostSyncCounter(model)
+    with counter, torch.no_grad():
+        model(ids)
+        _ = bool(ids.eq(3).any()), ids[ids > 21], ids.tolist()
+        model(ids)
+    assert counter.gaps == [0, 3]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# GPU: the captured fast path equals the eager path (run where CUDA is available)
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _cuda_model(family):
+    return tiny_model(family).to("cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kw", [dict(), dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2),
+                                dict(temperature=1.0, rows=True)])
+def test_cuda_graphs_equal_eager(kw):
+    model = _cuda_model("sdar")
+    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+    kw = dict(kw)
+    rows = kw.pop("rows", False)
+    outs = [gen(model, ids, mask, use_cache=True, cuda_graphs=mode, max_new_tokens=32,
+                generator=row_generators(len(PROMPTS)) if rows else None, **kw) for mode in ("off", "auto")]
+    assert_same_rollout(*outs)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("graphs", ["off", "auto"])
+def test_cuda_run_block_does_not_synchronise(graphs, monkeypatch):
+    """On CUDA, torch's sync debug mode raises on any synchronising call inside a block (from the third block on:
+    the first two capture the graphs, and capturing synchronises once)."""
+    from trl_diffusion.generation.cuda_graphs import CudaGraphRunner
+
+    model = _cuda_model("sdar")
+    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+    runner = CudaGraphRunner if graphs == "auto" else ModelRunner
+    original, blocks = runner.run_block, []
+
+    def strict(self, *args, **kwargs):
+        blocks.append(1)
+        torch.cuda.set_sync_debug_mode("error" if len(blocks) > 2 else "default")
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    monkeypatch.setattr(runner, "run_block", strict)
+    gen(model, ids, mask, use_cache=True, cuda_graphs=graphs, max_new_tokens=32, temperature=1.0,
+        remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2, generator=row_generators(len(PROMPTS)))
+    assert len(blocks) > 4
+
+
+class _EagerReplay:
+    """Stands in for a captured CUDA graph on CPU: ``replay`` runs the recorded function eagerly."""
+
+    def __init__(self, fn):
+        self.replay = fn
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+                                             temperature=1.0, rows=True),
+                                dict(remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)])
+def test_graph_runner_buffers_equal_eager(monkeypatch, kw):
+    """Everything of the CUDA-graph runner except the capture itself, on CPU: the steps (a plain one, and a first
+    one that also commits the previous block) run on fixed buffers copied in and out per block, read the whole
+    cache through a mask, take the quota from a device buffer and per-row uniforms from noise buffers refilled
+    before each replay; rows leaving the batch resize them (and the graphs are captured again)."""
+    from trl_diffusion.generation import cuda_graphs, sampler
+
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    kw = dict(kw)
+    rows = kw.pop("rows", False)
+    kw.update(max_new_tokens=20, use_cache=True)
+    free = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    kw["stop_token_ids"] = [int(free.sequences[0, ids.shape[1] + 2]), int(free.sequences[1, ids.shape[1] + 2])]
+    eager = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    recorded = []
+
+    def record(self, body):
+        recorded.append(self._shape)
+        return _EagerReplay(body)
+
+    monkeypatch.setattr(cuda_graphs.CudaGraphRunner, "_record", record)
+    monkeypatch.setattr(sampler, "graphs_apply", lambda *args: True)
+    graphed = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    assert_same_rollout(eager, graphed)
+    assert eager.num_forward_passes == graphed.num_forward_passes
+    assert len(recorded) >= 3 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
