@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (one H200, no network): installs the wheels the image lacks, then runs, each under its
 # own time limit and all within ~9 minutes, writing logs and JSON to $OUT (default ./gpu_out):
-#   1. the GPU tests:          pytest -m gpu tests/test_gpu.py          -> gpu_tests.log, gpu_tests.xml
+#   1. the GPU tests:          pytest -m gpu tests (every gpu-marked test) -> gpu_tests.log, gpu_tests.xml
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side -> training_sdar4b.json
 #   3. flex-attention probe:   which head sizes / dtypes compile          -> flex_probe.json
-#   4. generation benchmark:   --device cuda, when benchmarks/generation.py has that flag -> generation.log
+#   4. generation benchmark:   the SDAR-4B rollout table (issue 13)       -> generation.log
 #
 # Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
 # (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git) and send .whl along
@@ -45,15 +45,11 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
     echo "$name: exit $? after $((SECONDS - begin)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
 }
 
-step gpu_tests 300 python3 -m pytest -q -m gpu tests/test_gpu.py -p no:cacheprovider --durations=20 \
+step gpu_tests 240 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/gpu_tests.xml"
 step training_sdar4b 200 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 95 \
     --profile --output "$OUT/training_sdar4b.json"
 step flex_probe 90 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
-if python3 benchmarks/generation.py --help 2>/dev/null | grep -q -- "--device"; then
-    step generation 60 python3 benchmarks/generation.py --device cuda
-else
-    echo "generation: skipped (benchmarks/generation.py has no --device yet)" | tee -a "$OUT/summary.txt"
-fi
+step generation 200 python3 benchmarks/generation.py --device cuda --preset sdar-4b
 tail -n 3 "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
 echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"
