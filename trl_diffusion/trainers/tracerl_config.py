@@ -23,18 +23,20 @@ class TraceRLConfig(GRPOConfig):
     * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
       `confidence_threshold`, `rollout_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
-      `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
+      `step_normalization`, `scoring_temperature`, `exclude_mask_token_from_softmax`, `scoring_token_budget`,
+      `attention_backend`, and the masking estimators' ratios, `random_mask_sampling` and `masks_per_response`),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * TraceRL's objective as published (`loss_type="tracerl"`, `step_normalization`, `kl_reference`,
-      `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
+      `kl_weighting`, `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
       `value_batch_size`, `value_train_every`), used only when the trainer is given a `value_model`.
 
     Defaults follow the published method (the paper's objective, and dLLM-RL's code where the paper is silent and
     the code does the same for every model family); [`TraceRLConfig.from_official`] gives dLLM-RL's per-family
-    settings exactly (e.g. TraDo's 1/L_max normalisation). Changed GRPO defaults: `loss_type="tracerl"`,
-    `beta=0.01` (k3 against the rollout policy, `kl_reference="old_policy"`), `use_bias_correction_kl=False`.
+    settings exactly (e.g. TraDo's 1/L_max normalisation, Dream's KL summed per row, raw-logit scoring). Changed
+    GRPO defaults: `loss_type="tracerl"`, `beta=0.01` (k3 against the rollout policy, `kl_reference="old_policy"`),
+    `use_bias_correction_kl=False`.
     """
 
     block_length: int = field(default=4, metadata={"help": "Rollout block length (tokens per block)."})
@@ -86,8 +88,9 @@ class TraceRLConfig(GRPOConfig):
                   "summed and divided by the number of training rows, one row per response and merged step (with "
                   "step_normalization='max_length' on block models: the r-th merged step of every block, as "
                   "dLLM-RL's SDAR/TraDo code stacks them), counted over the generation batch and spread evenly over "
-                  "its optimizer steps. Masking estimators count one row per response. Any TRL loss type ('dapo', "
-                  "'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
+                  "its optimizer steps. Masking estimators count dLLM-RL's rows: one per mask ('random_masking'), "
+                  "two per pair ('coupled_pairs'), one per response ('coupled', 'mean_field'). Any TRL loss type "
+                  "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
     )
     beta: float = field(
         default=0.01,
