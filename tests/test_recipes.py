@@ -86,7 +86,7 @@ def test_trado_4b_recipe_is_the_official_run():
     assert args.lr_scheduler_type == "constant"  # HF's enum compares equal to its name
     assert yaml.safe_load(recipe.read_text())["bf16"] is True and "deepspeed_zero3" in recipe.read_text()
     # and every objective setting of the preset
-    preset = {k: v for k, v in OFFICIAL_SETTINGS["trado"].items() if k != "responses_per_optimizer_step"}
+    preset = OFFICIAL_SETTINGS["trado"]
     assert {k: getattr(args, k) for k in preset} == preset
 
 
@@ -94,7 +94,7 @@ def test_trado_4b_recipe_is_the_official_run():
 def test_dream_and_llada_recipes_carry_their_official_settings(name):
     recipe = next(r for r in RECIPES if r.stem.startswith(name))
     _, args, _ = parse(recipe)
-    preset = {k: v for k, v in OFFICIAL_SETTINGS[name].items() if k != "responses_per_optimizer_step"}
+    preset = OFFICIAL_SETTINGS[name]
     assert {k: getattr(args, k) for k in preset} == preset
     assert isinstance(args, TraceRLConfig)
 
