@@ -8,7 +8,9 @@ logging, callbacks — is TRL's):
 * ``_get_per_token_logps_and_entropies`` scores completions with the configured likelihood estimator
   (TraceRL's ``trajectory`` by default) instead of causal next-token log-probs;
 * the loss mask carries TraceRL's per-token weights (1/|tau(t)| or 1/L_max) and, for masking estimators, which
-  tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step);
+  tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step, or
+  dLLM-RL's rows of the masking baselines); with ``masks_per_response = m`` every per-token tensor of the loss is
+  ``[B, m * C]`` (mask k in columns k * C ...); ``kl_weighting="row_sum"`` adds the KL with its own weights;
 * the KL is taken against the rollout policy (``kl_reference="old_policy"``, dLLM-RL) or a frozen copy of the
   initial policy (``"reference_model"``); advantages use the population std (``reward_std``);
 * group filtering (dLLM-RL's accuracy band, or all-equal groups) takes dropped groups out of every normaliser;
@@ -336,8 +338,10 @@ class TraceRLTrainer(GRPOTrainer):
             masks = settings.masks_per_response
             draws = draw_masks(settings, steps >= 0, scoring["mask_seeds"], prompt_mask.shape[1])
             kept = _per_mask(draws["scored"], masks, width).bool() & trainable.repeat(1, masks)
-            row = torch.zeros_like(kept, dtype=torch.long) if draws["row"] is None else _per_mask(draws["row"], masks,
-                                                                                               width)
+            if draws["row"] is None:  # coupled, mean_field: the response is one row
+                row = torch.zeros_like(kept, dtype=torch.long)
+            else:
+                row = _per_mask(draws["row"], masks, width)
             tokens_per_row, rows = row_sizes(row, kept)
             kept = kept.float()
             if args.loss_type != "tracerl" or args.step_normalization == "sequence":
