@@ -37,9 +37,8 @@ from trl_diffusion.data import arithmetic_reward, make_problems, to_dataset
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS
 
 # the toy keeps its own sizes, learning rate and value settings; the rest of dLLM-RL's TraDo settings apply
-_TOY_SIZES = {"num_generations", "generation_batch_size", "responses_per_optimizer_step", "max_completion_length",
-              "learning_rate", "gamma", "lam", "cliprange_value", "value_learning_rate", "value_batch_size",
-              "value_train_every"}
+_TOY_SIZES = {"num_generations", "generation_batch_size", "max_completion_length", "learning_rate", "gamma", "lam",
+              "cliprange_value", "value_learning_rate", "value_batch_size", "value_train_every"}
 UPDATES_PER_ROLLOUT = {"previous_defaults": 1, "paper_defaults": 1, "official_trado": 4}
 SETTINGS: dict[str, dict] = {
     "previous_defaults": dict(loss_type="dapo", beta=0.0, dynamic_group_filtering="none", reward_std="sample",

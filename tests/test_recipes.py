@@ -20,14 +20,19 @@ EVALUATION_SETS = ({name.lower() for name in HUB_DATASETS} | {repo.lower() for r
                    | {f"gen-verse/{name}" for name in DLLM_RL_EVALUATION})
 
 
-def example_parser(recipe: Path):
-    """The TrlParser of the example the recipe is launched with (examples/sft.py, code.py or math.py)."""
+def example_module(recipe: Path):
+    """The example the recipe is launched with (examples/sft.py, code.py or math.py), imported."""
     name = "sft" if "sft" in recipe.stem else "code" if "code" in recipe.stem else "math"
     spec = importlib.util.spec_from_file_location(f"recipe_example_{name}", ROOT / "examples" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
-    return module.make_parser()
+    return module
+
+
+def example_parser(recipe: Path):
+    """The TrlParser of the example the recipe is launched with."""
+    return example_module(recipe).make_parser()
 
 
 def parse(recipe: Path):
@@ -81,7 +86,7 @@ def test_trado_4b_recipe_is_the_official_run():
     assert args.lr_scheduler_type == "constant"  # HF's enum compares equal to its name
     assert yaml.safe_load(recipe.read_text())["bf16"] is True and "deepspeed_zero3" in recipe.read_text()
     # and every objective setting of the preset
-    preset = {k: v for k, v in OFFICIAL_SETTINGS["trado"].items() if k != "responses_per_optimizer_step"}
+    preset = OFFICIAL_SETTINGS["trado"]
     assert {k: getattr(args, k) for k in preset} == preset
 
 
@@ -89,6 +94,23 @@ def test_trado_4b_recipe_is_the_official_run():
 def test_dream_and_llada_recipes_carry_their_official_settings(name):
     recipe = next(r for r in RECIPES if r.stem.startswith(name))
     _, args, _ = parse(recipe)
-    preset = {k: v for k, v in OFFICIAL_SETTINGS[name].items() if k != "responses_per_optimizer_step"}
+    preset = OFFICIAL_SETTINGS[name]
     assert {k: getattr(args, k) for k in preset} == preset
     assert isinstance(args, TraceRLConfig)
+
+
+OFFICIAL_REWARD_RECIPES = [r for r in RECIPES if "official_math_reward" in r.read_text()]
+
+
+@pytest.mark.parametrize("recipe", OFFICIAL_REWARD_RECIPES, ids=[r.stem for r in OFFICIAL_REWARD_RECIPES])
+def test_recipe_reward_scores_truncated_responses_wrong(recipe):
+    """dLLM-RL's reward (rl_reward.py 99-103): a response of at least max_token - 5 tokens scores 0, with max_token
+    the run's response limit -- as examples/math.py loads the recipe's reward, at the recipe's
+    max_completion_length."""
+    script_args, args, _ = parse(recipe)
+    limit = args.max_completion_length
+    reward = example_module(recipe).load_reward("official_math_reward", limit)
+    assert reward.__name__ == "official_math_reward"
+    ids = [[7] * (limit - 5), [7] * (limit - 6)]
+    assert reward(["so \\boxed{4}"] * 2, completion_ids=ids, answer=["4", "4"]) == [0.0, 1.0]
+    assert "official_math_reward" in script_args.reward_funcs

@@ -94,13 +94,17 @@ def official_advantages_and_kept(rewards: list[float], group: int, low=0.2, high
 
 
 def new_logprobs(trainer, batch, groups=None) -> torch.Tensor:
-    """``[B, C]`` log-prob of every completion token given its state, with gradients, by the slow replay."""
+    """``[B, C]`` log-prob of every completion token given its state, with gradients, by the slow replay, at the
+    configured scoring temperature and with the mask token in the softmax or not (the official presets: raw logits,
+    mask token included, as dLLM-RL's trainers)."""
     model = trainer.accelerator.unwrap_model(trainer.model)
     sequences = torch.cat([batch["prompt_ids"], batch["canvas_ids"]], dim=1)
     pad = torch.full_like(batch["prompt_ids"], -1)
     steps = torch.cat([pad, batch["unmask_step"] if groups is None else groups], dim=1)
-    logps = replay_logprobs(model, sequences, batch["prompt_mask"], steps, trainer.args.block_length,
-                            trainer.args.temperature)
+    args = trainer.args
+    temperature = args.temperature if args.scoring_temperature is None else args.scoring_temperature
+    logps = replay_logprobs(model, sequences, batch["prompt_mask"], steps, args.block_length, temperature,
+                            exclude_mask_token=args.exclude_mask_token_from_softmax)
     return logps[:, batch["prompt_ids"].shape[1]:][:, : batch["completion_ids"].shape[1]]
 
 
@@ -232,17 +236,21 @@ def merged_steps(batch, shrinkage: int) -> torch.Tensor:
     return merged
 
 
-def official_rows_loss(trainer, batch, rows, advantages, weight, beta=0.0, log_ratio_clip=None, groups=None):
-    """sum over rows of weight(row) * sum over the row's tokens of (PPO term + beta * k3 to pi_old), / rows."""
+def official_rows_loss(trainer, batch, rows, advantages, weight, beta=0.0, log_ratio_clip=None, groups=None,
+                       kl_summed=False):
+    """sum over rows of weight(row) * sum over the row's tokens of (PPO term + beta * k3 to pi_old), / rows; with
+    ``kl_summed`` (rl_dream.py 624-631) the k3 terms are summed without the row's weight."""
     new = new_logprobs(trainer, batch, groups)
     old = batch["old_per_token_logps"]
     x = new - old
     terms = ppo_term(new, old, advantages[:, None], 0.2, log_ratio_clip)
-    if beta:
-        terms = terms + beta * (torch.exp((-x).clamp(-10.0, 10.0)) - 1.0 + x)  # rl_trado.py: linear term unclamped
+    kl = torch.exp((-x).clamp(-10.0, 10.0)) - 1.0 + x  # rl_trado.py: linear term unclamped
     total = torch.zeros(())
     for b, cols in rows:
-        total = total + weight(b, cols) * terms[b, cols].sum()
+        if kl_summed:
+            total = total + weight(b, cols) * terms[b, cols].sum() + beta * kl[b, cols].sum()
+        else:
+            total = total + weight(b, cols) * (terms[b, cols] + beta * kl[b, cols]).sum()
     return total / len(rows)
 
 
@@ -289,17 +297,20 @@ def test_trado_objective_equals_dllm_rl(tmp_path):
 @pytest.mark.parametrize("family", ["dream", pytest.param("llada", marks=pytest.mark.slow)])
 def test_dream_and_llada_objective_equals_dllm_rl(tmp_path, family):
     """from_official('dream' / 'llada'): rl_dream.py / rl_llada.py's loss -- one row per merged step over the
-    whole response (shrinkage over every committed canvas token), each row's mean over its trained tokens, / rows.
-    (Their KL sums a row's tokens unweighted; ours weights it like the policy term: compared with beta = 0.)"""
-    trainer = make_trainer(official_config(tmp_path, family, block_length=8, denoising_steps=8, shrinkage=2,
-                                           beta=0.0), family=family)
+    whole response (shrinkage over every committed canvas token), each row's mean over its trained tokens plus beta
+    times its k3 sum (kl_weighting='row_sum'), / rows; raw logits (temperature 1, the rollout's 0.8 aside) with the
+    mask token in the softmax."""
+    trainer = make_trainer(official_config(tmp_path, family, block_length=8, denoising_steps=8, shrinkage=2),
+                           family=family)
+    assert trainer.args.temperature == 0.8 and trainer.args.beta == 0.01
     batch, advantages, trained = rollout_with_official_advantages(trainer)
     groups = merged_steps(batch, 2)
     rows = step_rows(trained, groups, prompt_lengths(batch), None, 1)
     assert any(len(cols) > 1 for _, cols in rows)
 
     def official():
-        return official_rows_loss(trainer, batch, rows, advantages, lambda b, cols: 1.0 / len(cols), groups=groups)
+        return official_rows_loss(trainer, batch, rows, advantages, lambda b, cols: 1.0 / len(cols), beta=0.01,
+                                  groups=groups, kl_summed=True)
 
     assert_same_loss_and_gradient(trainer, batch, official)
 

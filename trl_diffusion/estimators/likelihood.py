@@ -58,6 +58,9 @@ class EstimatorSettings:
     attention_backend: str = "auto"
     random_mask_sampling: str = "per_token"
     masks_per_response: int = 1
+    exclude_mask_token: bool = True
+    """Leave the mask token out of the scored softmax (a committed token is never a mask; the sampler excludes it
+    too). False: dLLM-RL's trainers, which include it."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -99,7 +102,7 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
         selected = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
                          logits_to_keep=(chunk.chunk_row, chunk.chunk_col - shift)).logits
         log_dist = sampling_logits(selected, settings.temperature, settings.top_k, settings.top_p,
-                                   model.mask_token_id).log_softmax(-1)
+                                   model.mask_token_id if settings.exclude_mask_token else None).log_softmax(-1)
         targets = completion_ids[chunk.source_row, chunk.source_col]
         values = log_dist.gather(-1, targets[:, None]).squeeze(-1)
         logps = logps.index_put((chunk.source_row, chunk.source_col), values)

@@ -32,13 +32,15 @@ def replay_logprobs(
     top_k: int | None = None,
     top_p: float | None = None,
     groups: torch.Tensor | None = None,
+    exclude_mask_token: bool = True,
 ) -> torch.Tensor:
     """Log-prob of each committed token under the sampling distribution at its commit step (0 elsewhere).
 
     ``sequences`` / ``unmask_step`` as returned by ``generate`` (prompt width = ``prompt_mask.shape[1]``).
     ``block_length`` is the rollout's block length for block-causal models (default: the model's). ``groups``
-    (same layout, e.g. from ``step_groups``) replaces the steps by merged steps. One whole-sequence forward per
-    (merged) step: slow and obvious, the reference the packed scorer is tested against. Differentiable.
+    (same layout, e.g. from ``step_groups``) replaces the steps by merged steps; ``exclude_mask_token=False`` keeps
+    the mask token in the softmax (dLLM-RL's trainers). One whole-sequence forward per (merged) step: slow and
+    obvious, the reference the packed scorer is tested against. Differentiable.
     """
     if groups is not None:
         unmask_step = groups
@@ -50,7 +52,8 @@ def replay_logprobs(
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
         logits = model.align_logits(model(input_ids=state, attention_mask=mask, position_ids=positions).logits)
-        log_dist = sampling_logits(logits, temperature, top_k, top_p, model.mask_token_id).log_softmax(-1)
+        log_dist = sampling_logits(logits, temperature, top_k, top_p,
+                                   model.mask_token_id if exclude_mask_token else None).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)

@@ -191,7 +191,8 @@ class OfficialMathReward:
       within ``timeout`` seconds, run in a child process that is killed when time runs out.
     * ``max_tokens``: a completion of at least ``max_tokens - length_margin`` tokens scores 0.0 (``rl_reward.py``
       99-103, with ``max_token`` and margin 5); the length is ``len(completion_ids[i])``, which TRL passes to reward
-      functions. ``None`` switches this off.
+      functions. ``None`` switches this off, unless a call passes ``max_completion_length`` (the run's token limit;
+      ``examples/math.py`` binds it to every reward function that takes it), which then plays its part.
 
     The gold answer is the row's ``ground_truth_answer`` (dLLM-RL's column) or ``answer``, else ``solution``, read
     as by :func:`extract_gold_answer`. Picklable; the child process starts at the first sympy comparison and stops
@@ -216,22 +217,27 @@ class OfficialMathReward:
         answer: list[Any] | None = None,
         solution: list[Any] | None = None,
         log_extra: Callable[[str, list], None] | None = None,
+        max_completion_length: int | None = None,
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
+        max_tokens = self.max_tokens if self.max_tokens is not None else max_completion_length
+        if max_tokens is not None and max_tokens <= self.length_margin:
+            raise ValueError(f"{self.__name__}: max_completion_length must exceed length_margin "
+                             f"({self.length_margin}), got {max_tokens}.")
         answers = ground_truth_answer if ground_truth_answer is not None else answer
         answers = list(answers) if answers is not None else [None] * n
         solutions = list(solution) if solution is not None else [None] * n
         if len(answers) != n or len(solutions) != n:
             raise ValueError(f"{self.__name__}: got {n} completions but {len(answers)}/{len(solutions)} golds")
-        if self.max_tokens is not None and (completion_ids is None or len(completion_ids) != n):
-            raise ValueError(f"{self.__name__}: max_tokens is set, so it needs `completion_ids` (one list of token "
+        if max_tokens is not None and (completion_ids is None or len(completion_ids) != n):
+            raise ValueError(f"{self.__name__}: a token limit is set, so it needs `completion_ids` (one list of token "
                              "ids per completion; TRL's trainers pass them).")
         rewards, golds, preds = [], [], []
         for i, (completion, ans, sol) in enumerate(zip(completions, answers, solutions)):
             gold = extract_gold_answer(ans, sol)
             pred = extract_boxed_answer(completion_to_text(completion))
-            truncated = self.max_tokens is not None and len(completion_ids[i]) >= self.max_tokens - self.length_margin
+            truncated = max_tokens is not None and len(completion_ids[i]) >= max_tokens - self.length_margin
             if gold is None:
                 rewards.append(None)
             elif pred is None or truncated:
@@ -273,8 +279,12 @@ def official_math_reward(
     ground_truth_answer: list[Any] | None = None,
     answer: list[Any] | None = None,
     solution: list[Any] | None = None,
+    max_completion_length: int | None = None,
     **kwargs: Any,
 ) -> list[float | None]:
-    """dLLM-RL's math check without the length rule (use :func:`make_official_math_reward` for it); see
-    :class:`OfficialMathReward`."""
-    return _OFFICIAL(completions, ground_truth_answer=ground_truth_answer, answer=answer, solution=solution, **kwargs)
+    """dLLM-RL's math reward; see :class:`OfficialMathReward`. Its length rule (a completion of at least
+    ``max_completion_length - 5`` tokens scores 0.0) applies when ``max_completion_length`` is given:
+    ``examples/math.py`` (and so every recipe) binds the run's value; in your own script pass it with
+    ``functools.partial`` or use :func:`make_official_math_reward`."""
+    return _OFFICIAL(completions, ground_truth_answer=ground_truth_answer, answer=answer, solution=solution,
+                     max_completion_length=max_completion_length, **kwargs)

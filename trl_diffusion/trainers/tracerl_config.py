@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..estimators import ESTIMATORS
+from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS
 from ..generation.sampling import REMASKING_STRATEGIES
 from ..states import ATTENTION_BACKENDS, check_attention_backend
 from .tracerl_objective import STEP_NORMALIZATIONS
@@ -23,18 +23,20 @@ class TraceRLConfig(GRPOConfig):
     * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
       `confidence_threshold`, `rollout_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
-      `step_normalization`, `scoring_token_budget`, `attention_backend` and the estimators' masking ratios),
+      `step_normalization`, `scoring_temperature`, `exclude_mask_token_from_softmax`, `scoring_token_budget`,
+      `attention_backend`, and the masking estimators' ratios, `random_mask_sampling` and `masks_per_response`),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * TraceRL's objective as published (`loss_type="tracerl"`, `step_normalization`, `kl_reference`,
-      `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
+      `kl_weighting`, `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
       `value_batch_size`, `value_train_every`), used only when the trainer is given a `value_model`.
 
     Defaults follow the published method (the paper's objective, and dLLM-RL's code where the paper is silent and
     the code does the same for every model family); [`TraceRLConfig.from_official`] gives dLLM-RL's per-family
-    settings exactly (e.g. TraDo's 1/L_max normalisation). Changed GRPO defaults: `loss_type="tracerl"`,
-    `beta=0.01` (k3 against the rollout policy, `kl_reference="old_policy"`), `use_bias_correction_kl=False`.
+    settings exactly (e.g. TraDo's 1/L_max normalisation, Dream's KL summed per row, raw-logit scoring). Changed
+    GRPO defaults: `loss_type="tracerl"`, `beta=0.01` (k3 against the rollout policy, `kl_reference="old_policy"`),
+    `use_bias_correction_kl=False`.
     """
 
     block_length: int = field(default=4, metadata={"help": "Rollout block length (tokens per block)."})
@@ -86,12 +88,20 @@ class TraceRLConfig(GRPOConfig):
                   "summed and divided by the number of training rows, one row per response and merged step (with "
                   "step_normalization='max_length' on block models: the r-th merged step of every block, as "
                   "dLLM-RL's SDAR/TraDo code stacks them), counted over the generation batch and spread evenly over "
-                  "its optimizer steps. Masking estimators count one row per response. Any TRL loss type ('dapo', "
-                  "'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
+                  "its optimizer steps. Masking estimators count dLLM-RL's rows: one per mask ('random_masking'), "
+                  "two per pair ('coupled_pairs'), one per response ('coupled', 'mean_field'). Any TRL loss type "
+                  "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
     )
     beta: float = field(
         default=0.01,
         metadata={"help": "KL coefficient (TraceRL: 0.01). The KL is the k3 estimator against `kl_reference`."},
+    )
+    kl_weighting: str = field(
+        default="as_policy",
+        metadata={"help": "Per-token weight of the KL term: 'as_policy' = the policy term's weight (1/|tau(t)| or "
+                  "1/L_max; dLLM-RL's SDAR/TraDo code); 'row_sum' = 1, each row's KL summed over its tokens before "
+                  "the division by the number of rows (dLLM-RL's Dream/LLaDA code). 'row_sum' needs "
+                  "loss_type='tracerl'.", "choices": ["as_policy", "row_sum"]},
     )
     kl_reference: str = field(
         default="old_policy",
@@ -119,8 +129,39 @@ class TraceRLConfig(GRPOConfig):
         default=16384,
         metadata={"help": "Maximum padded tokens per scoring forward (packed rows are chunked to stay under it)."},
     )
-    random_mask_low: float = field(default=0.1, metadata={"help": "`random_masking`: lowest per-token mask prob."})
-    random_mask_high: float = field(default=0.9, metadata={"help": "`random_masking`: highest per-token mask prob."})
+    scoring_temperature: float | None = field(
+        default=None,
+        metadata={"help": "Temperature of the distribution the trainer scores (new, old and reference log-probs). "
+                  "None: the rollout's `temperature`, so that re-scoring a fresh trajectory reproduces the sampler's "
+                  "log-probs. dLLM-RL's trainers score raw logits (1.0), also for rollouts sampled at 0.8."},
+    )
+    exclude_mask_token_from_softmax: bool = field(
+        default=True,
+        metadata={"help": "Scoring: leave the mask token out of the softmax (a committed token is never a mask, and "
+                  "the rollout sampler never samples it). False: dLLM-RL's trainers, whose softmax includes it; the "
+                  "trainer's log-probs then differ slightly from the sampler's. Rollouts always exclude it."},
+    )
+    random_mask_low: float = field(
+        default=0.1, metadata={"help": "`random_masking` / `coupled_pairs`: lowest mask probability (dLLM-RL's "
+                               "lower_p)."}
+    )
+    random_mask_high: float = field(
+        default=0.9, metadata={"help": "`random_masking` / `coupled_pairs`: highest mask probability (dLLM-RL's "
+                               "upper_p)."}
+    )
+    random_mask_sampling: str = field(
+        default="per_token",
+        metadata={"help": "`random_masking` / `coupled_pairs`: 'per_token' = each token masked with its own "
+                  "probability u ~ U(random_mask_low, random_mask_high) (dLLM-RL's SDAR/TraDo code); 'per_row' = one "
+                  "ratio t ~ U(low, high) per mask, every token masked with probability t (dLLM-RL's Dream/LLaDA "
+                  "code). Ignored by the other estimators.", "choices": list(MASK_SAMPLING)},
+    )
+    masks_per_response: int = field(
+        default=1,
+        metadata={"help": "`random_masking` / `coupled_pairs`: masks (pairs) drawn per response, each one dLLM-RL "
+                  "training row (a pair: two). dLLM-RL's mask_times_per_sample: 35 for Dream/LLaDA, 1 for "
+                  "SDAR/TraDo. Ignored by the other estimators."},
+    )
     coupled_low: float = field(default=0.2, metadata={"help": "`coupled`: lowest mask ratio t."})
     coupled_high: float = field(default=0.8, metadata={"help": "`coupled`: highest mask ratio t."})
     prompt_mask_prob: float = field(
@@ -240,6 +281,16 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"max_completion_length must be positive, got {self.max_completion_length}.")
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature}.")
+        if self.scoring_temperature is not None and not (math.isfinite(self.scoring_temperature)
+                                                         and self.scoring_temperature > 0):
+            raise ValueError("scoring_temperature must be a finite number > 0 (or None: the rollout temperature), "
+                             f"got {self.scoring_temperature}.")
+        if self.random_mask_sampling not in MASK_SAMPLING:
+            raise ValueError(f"random_mask_sampling must be one of {MASK_SAMPLING}, got "
+                             f"{self.random_mask_sampling!r}.")
+        if isinstance(self.masks_per_response, bool) or not isinstance(self.masks_per_response, int) \
+                or self.masks_per_response < 1:
+            raise ValueError(f"masks_per_response must be an integer >= 1, got {self.masks_per_response!r}.")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no top-k filtering), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
@@ -255,22 +306,22 @@ class TraceRLConfig(GRPOConfig):
     def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:
         """A config with dLLM-RL's published RL settings for ``name`` (see ``OFFICIAL_SETTINGS``): ``"trado"``
         (configs/rl_trado.yaml and rl_trado_with_value.yaml), ``"dream"`` (rl_dream.yaml) or ``"llada"``
-        (rl_llada.yaml). ``overrides`` (any field, e.g. ``output_dir``) win.
+        (rl_llada.yaml). ``overrides`` (any field, e.g. ``output_dir``) win; ``likelihood_estimator=
+        "random_masking"`` or ``"coupled_pairs"`` gives dLLM-RL's ``training.method`` ``random_masking`` or
+        ``coupled`` with that family's masking settings.
 
-        The optimizer batch holds as many responses as dLLM-RL's holds training rows on average (TraDo: 256 rows of
-        ~4 merged steps = 64 responses), one response per device per micro-step: gradient accumulation is that
-        number over ``num_processes`` (default: ``WORLD_SIZE``, as set by ``accelerate launch``)."""
+        The optimizer batch holds as many responses as dLLM-RL's holds training rows (``OFFICIAL_ROWS``), one
+        response per device per micro-step: gradient accumulation is that number over ``num_processes`` (default:
+        ``WORLD_SIZE``, as set by ``accelerate launch``), rounded to the nearest layout that splits the rollout into
+        whole optimizer steps when it does not divide exactly."""
         if name not in OFFICIAL_SETTINGS:
             raise ValueError(f"unknown official setting {name!r}; choose one of {sorted(OFFICIAL_SETTINGS)}.")
-        settings = dict(OFFICIAL_SETTINGS[name])
-        per_step = settings.pop("responses_per_optimizer_step")
+        settings = {**OFFICIAL_SETTINGS[name], **overrides}
         world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
         if "gradient_accumulation_steps" not in overrides and "per_device_train_batch_size" not in overrides:
-            if per_step % world:
-                raise ValueError(f"{name}: {per_step} responses per optimizer step do not split over {world} "
-                                 "processes; pass per_device_train_batch_size and gradient_accumulation_steps.")
-            settings.update(per_device_train_batch_size=1, gradient_accumulation_steps=per_step // world)
-        return cls(**{**settings, **overrides})
+            settings.update(per_device_train_batch_size=1,
+                            gradient_accumulation_steps=_official_accumulation(name, settings, world))
+        return cls(**settings)
 
     def _check_objective(self) -> None:
         """Validate (and canonicalise) the TraceRL objective's fields."""
@@ -293,6 +344,11 @@ class TraceRLConfig(GRPOConfig):
             if self.importance_sampling_level != "token":
                 raise ValueError("loss_type='tracerl' sums per-token terms; it needs importance_sampling_level="
                                  "'token'.")
+        if self.kl_weighting not in ("as_policy", "row_sum"):
+            raise ValueError(f"kl_weighting must be 'as_policy' or 'row_sum', got {self.kl_weighting!r}.")
+        if self.kl_weighting == "row_sum" and self.loss_type != "tracerl":
+            raise ValueError("kl_weighting='row_sum' sums each training row's KL before dividing by the number of "
+                             f"rows, which only loss_type='tracerl' counts; got loss_type={self.loss_type!r}.")
         if self.kl_reference not in ("old_policy", "reference_model"):
             raise ValueError(f"kl_reference must be 'old_policy' or 'reference_model', got {self.kl_reference!r}.")
         if self.kl_reference == "old_policy" and self.sync_ref_model:
@@ -315,33 +371,73 @@ _DLLM_RL_COMMON = dict(
     group_accuracy_high=0.8, scale_rewards="group", reward_std="population", learning_rate=1e-6,
     lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
     weight_decay=0.0, max_grad_norm=1.0,
+    # the trainers score raw logits, mask token in the softmax (rl_trado.py 660, 727; rl_dream.py 455, 609; rl_llada.py
+    # 439, 579)
+    scoring_temperature=1.0, exclude_mask_token_from_softmax=False,
+    # the random_masking / coupled baselines' lower_p / upper_p (used when likelihood_estimator selects them)
+    random_mask_low=0.1, random_mask_high=0.9,
 )
 
 OFFICIAL_SETTINGS: dict[str, dict] = {
     # configs/rl_trado.yaml, rl_trado_with_value.yaml; train/rl_trado.py, train_trado_value.py
     "trado": dict(
-        _DLLM_RL_COMMON, num_generations=16, generation_batch_size=64 * 16, responses_per_optimizer_step=64,
-        max_completion_length=2000, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_dynamic",
-        confidence_threshold=0.9, temperature=1.0, top_k=0, top_p=1.0, shrinkage=1, training_block_size=4,
-        step_normalization="max_length", log_ratio_clip=10.0, gamma=1.0, lam=1.0, cliprange_value=0.2,
-        value_learning_rate=5e-6, value_batch_size=256, value_train_every=1,
+        _DLLM_RL_COMMON, num_generations=16, generation_batch_size=64 * 16, max_completion_length=2000,
+        block_length=4, denoising_steps=4, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.9,
+        temperature=1.0, top_k=0, top_p=1.0, shrinkage=1, training_block_size=4, step_normalization="max_length",
+        log_ratio_clip=10.0, kl_weighting="as_policy", random_mask_sampling="per_token", masks_per_response=1,
+        gamma=1.0, lam=1.0, cliprange_value=0.2, value_learning_rate=5e-6, value_batch_size=256,
+        value_train_every=1,
     ),
-    # configs/rl_dream.yaml; train/rl_dream.py (8 GPUs x 128 accumulation x 2 rows = 2048 rows of 8 steps)
+    # configs/rl_dream.yaml; train/rl_dream.py
     "dream": dict(
-        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, responses_per_optimizer_step=16,
-        max_completion_length=1024, block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static",
-        temperature=0.8, top_k=50, top_p=0.9, shrinkage=8, step_normalization="step", log_ratio_clip=None,
+        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, max_completion_length=1024,
+        block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static", temperature=0.8, top_k=50,
+        top_p=0.9, shrinkage=8, step_normalization="step", log_ratio_clip=None, kl_weighting="row_sum",
+        random_mask_sampling="per_row", masks_per_response=35,
     ),
-    # configs/rl_llada.yaml; train/rl_llada.py (1 GPU x 128 accumulation x 2 rows = 256 rows of 8 steps)
+    # configs/rl_llada.yaml; train/rl_llada.py
     "llada": dict(
-        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, responses_per_optimizer_step=4,
-        max_completion_length=512, block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static",
-        temperature=0.8, top_k=0, top_p=1.0, shrinkage=8, step_normalization="step", log_ratio_clip=None,
+        _DLLM_RL_COMMON, num_generations=8, generation_batch_size=32 * 8, max_completion_length=512,
+        block_length=32, denoising_steps=32, remasking_strategy="low_confidence_static", temperature=0.8, top_k=0,
+        top_p=1.0, shrinkage=8, step_normalization="step", log_ratio_clip=None, kl_weighting="row_sum",
+        random_mask_sampling="per_row", masks_per_response=35,
     ),
 }
-"""dLLM-RL's published RL settings per model family, as ``TraceRLConfig`` fields (plus
-``responses_per_optimizer_step``, which ``TraceRLConfig.from_official`` turns into a batch layout). Hardware
-settings (bf16, gradient checkpointing, DeepSpeed) and the run length are the recipes' (``recipes/``)."""
+"""dLLM-RL's published RL settings per model family, as ``TraceRLConfig`` fields. Its configs train TraceRL
+(``training.method: TraceRL``); the masking fields are its settings for the ``random_masking`` / ``coupled``
+baselines, used when ``likelihood_estimator`` selects them. Hardware settings (bf16, gradient checkpointing,
+DeepSpeed) and the run length are the recipes' (``recipes/``); the batch layout comes from ``OFFICIAL_ROWS``."""
+
+OFFICIAL_ROWS: dict[str, dict[str, int]] = {
+    # GPUs x gradient accumulation x rows per micro-batch; a TraDo response has ~4 rows (the most merged steps in a
+    # block, block 4), a Dream one 1024 / 8 merged steps, a LLaDA one 512 / 8
+    "trado": dict(rows_per_optimizer_step=8 * 32 * 1, trajectory_rows_per_response=4),
+    "dream": dict(rows_per_optimizer_step=8 * 128 * 2, trajectory_rows_per_response=128),
+    "llada": dict(rows_per_optimizer_step=1 * 128 * 2, trajectory_rows_per_response=64),
+}
+"""dLLM-RL's training rows per optimizer step, and the TraceRL rows of a typical response, per family."""
+
+
+def _official_accumulation(name: str, settings: dict, world: int) -> int:
+    """Gradient accumulation (one response per device per micro-step) that gives about as many training rows per
+    optimizer step as dLLM-RL's: a divisor of the micro-steps per rollout, so that each rollout is whole steps."""
+    estimator = settings["likelihood_estimator"]
+    rows = OFFICIAL_ROWS[name]
+    if estimator == "trajectory":
+        per_response = rows["trajectory_rows_per_response"]
+    elif estimator in MULTI_MASK_ESTIMATORS:  # a mask is one row, a coupled pair two
+        per_response = settings["masks_per_response"] * (2 if estimator == "coupled_pairs" else 1)
+    else:
+        raise ValueError(f"dLLM-RL has no likelihood_estimator={estimator!r} ('coupled' is DiffuCoder's; dLLM-RL's "
+                         "coupled method is 'coupled_pairs'): choose 'trajectory', 'random_masking' or "
+                         "'coupled_pairs', or pass per_device_train_batch_size and gradient_accumulation_steps.")
+    batch = settings["generation_batch_size"]
+    if batch is None or batch % world:
+        raise ValueError(f"{name}: a rollout of {batch} responses does not split over {world} processes; pass "
+                         "per_device_train_batch_size and gradient_accumulation_steps.")
+    micro_steps, wanted = batch // world, rows["rows_per_optimizer_step"] / per_response / world
+    divisors = [d for d in range(1, micro_steps + 1) if micro_steps % d == 0]
+    return min(divisors, key=lambda d: (abs(d - wanted), -d))
 
 _CACHE_VALUES = {"true": True, "false": False, "prefix": "prefix", "dual": "dual"}
 

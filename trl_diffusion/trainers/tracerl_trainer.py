@@ -8,7 +8,9 @@ logging, callbacks — is TRL's):
 * ``_get_per_token_logps_and_entropies`` scores completions with the configured likelihood estimator
   (TraceRL's ``trajectory`` by default) instead of causal next-token log-probs;
 * the loss mask carries TraceRL's per-token weights (1/|tau(t)| or 1/L_max) and, for masking estimators, which
-  tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step);
+  tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step, or
+  dLLM-RL's rows of the masking baselines); with ``masks_per_response = m`` every per-token tensor of the loss is
+  ``[B, m * C]`` (mask k in columns k * C ...); ``kl_weighting="row_sum"`` adds the KL with its own weights;
 * the KL is taken against the rollout policy (``kl_reference="old_policy"``, dLLM-RL) or a frozen copy of the
   initial policy (``"reference_model"``); advantages use the population std (``reward_std``);
 * group filtering (dLLM-RL's accuracy band, or all-equal groups) takes dropped groups out of every normaliser;
@@ -35,7 +37,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
-from ..estimators import EstimatorSettings, draw_masks, estimate_logprobs
+from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..models import check_tokenizer
 from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
@@ -52,8 +54,6 @@ from .tracerl_objective import kept_groups, population_advantages, step_weights,
 
 # TRL loss types that average over the rows of a micro-batch: filtered rows must leave that count too
 _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
-
-logger = logging.get_logger(__name__)
 
 logger = logging.get_logger(__name__)
 
@@ -139,14 +139,22 @@ class TraceRLTrainer(GRPOTrainer):
             if sync_reference:
                 self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
         training_block = args.training_block_size or args.block_length
+        multi_mask = args.likelihood_estimator in MULTI_MASK_ESTIMATORS
         self.estimator_settings = EstimatorSettings(
             name=args.likelihood_estimator, shrinkage=args.shrinkage, block_size=training_block,
-            temperature=args.temperature, token_budget=args.scoring_token_budget,
-            mask_low=args.random_mask_low, mask_high=args.random_mask_high,
+            temperature=args.temperature if args.scoring_temperature is None else args.scoring_temperature,
+            token_budget=args.scoring_token_budget, mask_low=args.random_mask_low, mask_high=args.random_mask_high,
             coupled_low=args.coupled_low, coupled_high=args.coupled_high, prompt_mask_prob=args.prompt_mask_prob,
             attention_backend=resolve_model_attention_backend(args.attention_backend, base, self.accelerator.device,
                                                               training=False),
+            random_mask_sampling=args.random_mask_sampling if multi_mask else "per_token",
+            masks_per_response=args.masks_per_response if multi_mask else 1,
+            exclude_mask_token=args.exclude_mask_token_from_softmax,
         )
+        if self.estimator_settings.masks_per_response > 1 and args.off_policy_mask_threshold is not None:
+            raise ValueError("off_policy_mask_threshold compares the scored log-probs with the sampler's, one per "
+                             "completion token; with masks_per_response > 1 every token is scored once per mask. "
+                             "Set off_policy_mask_threshold=None or masks_per_response=1.")
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
@@ -259,14 +267,22 @@ class TraceRLTrainer(GRPOTrainer):
         if self.args.reward_std == "population":
             output["advantages"] = self._population_advantages(rows, mode)
         trainable = completion_mask.bool() & _fit_width(scoring["unmask_step"] >= 0, width) & keep[:, None]
-        weights, training_rows_ = self._loss_weights(output["prompt_mask"], scoring, trainable)
-        output["completion_mask"] = completion_mask.float() * weights
+        weights, training_rows_, trained = self._loss_weights(output["prompt_mask"], scoring, trainable)
+        # with m masks per response every per-token tensor of the loss is [B, m * C], mask k in columns k * C ...
+        masks = self.estimator_settings.masks_per_response
+        output["completion_mask"] = completion_mask.float().repeat(1, masks) * weights
+        if self.args.kl_weighting == "row_sum":
+            output["kl_weights"] = trained  # every trained token's KL counts once: a row's KL is its sum
         # TRL's normaliser (dapo: tokens; tracerl: training rows) counts only what is trained
         count = training_rows_.sum() if self.args.loss_type == "tracerl" else (completion_mask * keep[:, None]).sum()
         output["num_items_in_batch"] = self.accelerator.gather(count.float()).sum()
         output["kept_rows"] = keep.float()
         if self.value_model is not None:
-            output["advantages"] = self._value_advantages(output, trainable, weights, training_rows_, mode)
+            # the value model scores trajectory states, one value per completion token: its loss takes each token's
+            # weights summed over the masks, and its advantages are tiled over them
+            folded = weights.view(rows, masks, width).sum(1)
+            advantages = self._value_advantages(output, trainable, folded, training_rows_, mode)
+            output["advantages"] = advantages.repeat(1, masks)
         return output
 
     def _rewards(self) -> torch.Tensor:
@@ -302,13 +318,16 @@ class TraceRLTrainer(GRPOTrainer):
         return self._local(keep, local_rows)
 
     def _loss_weights(self, prompt_mask: torch.Tensor, scoring: dict,
-                      trainable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token loss weights ``[B, C]`` (0 outside ``trainable``) and the number of training rows ``[B]``.
+                      trainable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per-token loss weights ``[B, W]``, the number of training rows ``[B]`` and the trained tokens ``[B, W]``
+        (1 where a token is in the loss, once per row that trains it); ``W = masks_per_response x C``.
 
         Trajectory: 1/|tau(t)| (``step``), 1/L_max (``max_length``) or 1 (``sequence``); a row per merged step (for
-        ``max_length`` on block models, per r-th merged step of every block). Masking estimators: the scored tokens,
-        weighted 1/(their number) (``step``) or 1/L_max (``max_length``) under ``loss_type='tracerl'``; one row per
-        response."""
+        ``max_length`` on block models, per r-th merged step of every block). Masking estimators, under
+        ``loss_type='tracerl'``: the scored tokens weighted 1/(their row's size) (``step``) or 1/L_max
+        (``max_length``); dLLM-RL's rows (``random_masking``: one per mask, ``coupled_pairs``: two per pair;
+        ``coupled`` / ``mean_field``: one per response), empty rows not counted. Under TRL's loss types the scored
+        tokens, 1/masks_per_response each (the masks' estimates averaged)."""
         args, settings = self.args, self.estimator_settings
         steps, width = scoring["unmask_step"], trainable.shape[1]
         trained = trainable.float()
@@ -316,14 +335,20 @@ class TraceRLTrainer(GRPOTrainer):
             longest = self.accelerator.gather(trainable.sum(1).max()[None]).max()
             length_weight = 1.0 / longest.clamp(min=1).float()
         if settings.name != "trajectory":
+            masks = settings.masks_per_response
             draws = draw_masks(settings, steps >= 0, scoring["mask_seeds"], prompt_mask.shape[1])
-            scored = _fit_width(draws["scored"].float(), width) * trained
-            rows = (scored.sum(1) > 0).long()
+            kept = _per_mask(draws["scored"], masks, width).bool() & trainable.repeat(1, masks)
+            if draws["row"] is None:  # coupled, mean_field: the response is one row
+                row = torch.zeros_like(kept, dtype=torch.long)
+            else:
+                row = _per_mask(draws["row"], masks, width)
+            tokens_per_row, rows = row_sizes(row, kept)
+            kept = kept.float()
             if args.loss_type != "tracerl" or args.step_normalization == "sequence":
-                return scored, rows
+                return kept / masks, rows, kept
             if args.step_normalization == "step":
-                return scored / scored.sum(1, keepdim=True).clamp(min=1), rows
-            return scored * length_weight, rows
+                return kept / tokens_per_row.clamp(min=1), rows, kept
+            return kept * length_weight, rows, kept
         model = self.accelerator.unwrap_model(self.model)
         base = model.get_base_model() if _is_peft(model) else model
         block = settings.block_size if base.block_size is not None else None
@@ -331,10 +356,10 @@ class TraceRLTrainer(GRPOTrainer):
         blocks = completion_blocks(prompt_mask, width, block)
         rows = training_rows(groups, trainable, blocks, stack_blocks=args.step_normalization == "max_length")
         if args.step_normalization == "step":
-            return step_weights(groups, trainable), rows
+            return step_weights(groups, trainable), rows, trained
         if args.step_normalization == "max_length":
-            return trained * length_weight, rows
-        return trained, rows
+            return trained * length_weight, rows, trained
+        return trained, rows, trained
 
     def _own_state_tokens(self, prompt_mask: torch.Tensor, unmask_step: torch.Tensor) -> torch.Tensor:
         """True for committed tokens the trajectory estimator scores given the state the sampler committed them
@@ -548,19 +573,44 @@ class TraceRLTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ scoring
     def _compute_loss(self, model, inputs):
         self._scoring = {k: inputs[k] for k in ("canvas_ids", "unmask_step", "mask_seeds", "sampler_logps")}
+        inputs = dict(inputs)  # filled in while scoring; the buffered batch stays as it was
         if self.beta != 0.0 and self.args.kl_reference == "old_policy":
             # k3 against pi_old; without stored old log-probs pi_old is the current policy (filled in when scored)
-            inputs = {**inputs, "ref_per_token_logps": inputs.get("old_per_token_logps")}
+            inputs["ref_per_token_logps"] = inputs.get("old_per_token_logps")
         self._loss_inputs = inputs
+        beta = self.beta
+        summed_kl = beta != 0.0 and self.args.kl_weighting == "row_sum"
+        if summed_kl:
+            self.beta = 0.0  # TRL's KL would carry the policy weights: added below with its own
         try:
             loss = super()._compute_loss(model, inputs)
+            if summed_kl:
+                loss = loss + beta * self._summed_kl(inputs)
         finally:
-            self._loss_inputs = None
+            self._loss_inputs, self.beta = None, beta
         if self.args.loss_type in _ROW_MEAN_LOSSES and self.args.dynamic_group_filtering != "none":
             # TRL averages over every row of the micro-batch; filtered rows (zero loss) must not count
             kept = inputs["kept_rows"].sum()
             loss = loss * (inputs["kept_rows"].numel() / kept) if kept > 0 else loss
         return loss
+
+    def _summed_kl(self, inputs: dict) -> torch.Tensor:
+        """``kl_weighting='row_sum'``: the k3 KL of every trained token with weight 1 (``kl_weights``), over TRL's
+        ``tracerl`` / ``dapo`` normaliser (the training rows of one accumulation window), so a row adds its summed
+        KL (dLLM-RL's Dream/LLaDA code). Logged as ``kl`` like TRL's (mean over the loss mask)."""
+        logps, reference = inputs["scored_logps"], inputs["ref_per_token_logps"]
+        kl = torch.exp(reference - logps) - (reference - logps) - 1
+        if self.args.use_bias_correction_kl:
+            old = inputs.get("old_per_token_logps")
+            kl = kl * torch.exp(logps - (logps.detach() if old is None else old))
+        mode = "train" if self.model.training else "eval"
+        normalizer = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+        if mode == "train":
+            normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
+        mask = inputs["completion_mask"]
+        totals = self.accelerator.reduce(torch.stack([(kl * mask).sum(), mask.sum()]).detach(), reduction="sum")
+        self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
+        return (kl * inputs["kl_weights"]).sum() / normalizer
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **unused):
@@ -581,8 +631,9 @@ class TraceRLTrainer(GRPOTrainer):
             )
             logps.append(lp)
             entropies.append(ent)
-        logps = _fit_width(torch.cat(logps), logits_to_keep)
-        entropies = _fit_width(torch.cat(entropies), logits_to_keep) if compute_entropy else None
+        masks = self.estimator_settings.masks_per_response
+        logps = _per_mask(torch.cat(logps), masks, logits_to_keep)
+        entropies = _per_mask(torch.cat(entropies), masks, logits_to_keep) if compute_entropy else None
         if torch.is_grad_enabled() and self.estimator_settings.name == "trajectory":
             sampler = _fit_width(scoring["sampler_logps"], logits_to_keep)
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
@@ -612,6 +663,7 @@ class TraceRLTrainer(GRPOTrainer):
         old, clip = inputs.get("old_per_token_logps"), self.args.log_ratio_clip
         if clip is not None and old is not None:
             logps = old + (logps - old).clamp(-clip, clip)
+        inputs["scored_logps"] = logps
         return logps
 
 
@@ -721,6 +773,13 @@ def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
     if tensor.shape[-1] >= width:
         return tensor[..., :width]
     return torch.nn.functional.pad(tensor, (0, width - tensor.shape[-1]))
+
+
+def _per_mask(tensor: torch.Tensor, masks: int, width: int) -> torch.Tensor:
+    """An estimator's ``[B, masks x canvas]`` output as ``[B, masks x width]``: each mask's columns cut or
+    zero-padded to the completion width (``_fit_width`` per mask)."""
+    batch = tensor.shape[0]
+    return _fit_width(tensor.view(batch, masks, -1), width).reshape(batch, masks * width)
 
 
 def _is_peft(model) -> bool:
