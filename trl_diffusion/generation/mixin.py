@@ -105,7 +105,7 @@ class DiffusionGenerationMixin:
             stop_token_ids=tuple(int(s) for s in stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=pick("alg_temp"), cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", pad_token_id=int(pad),
-            cuda_graphs=pick("cuda_graphs") or "auto",
+            cuda_graphs=pick("cuda_graphs") or "off",
         )
         return settings, bool(pick("return_dict_in_generate"))
 
@@ -123,8 +123,8 @@ class DiffusionGenerationMixin:
         ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own ``steps``, ``alg``, ``alg_temp``, ``eps``
         (linspace schedule); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's
         sample does not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput``
-        with the trajectory; ``cuda_graphs`` (``"auto"``: replay SDAR's exact-cache step as a CUDA graph on CUDA;
-        ``"off"``: always eager).
+        with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is measured on a GPU: always eager;
+        ``"auto"``: replay SDAR's exact-cache step as a CUDA graph on CUDA).
 
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.

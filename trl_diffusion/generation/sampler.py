@@ -55,7 +55,7 @@ class SamplingSettings:
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
     pad_token_id: int = 0
-    cuda_graphs: str = "auto"
+    cuda_graphs: str = "off"
 
     @property
     def draws_randomness(self) -> bool:
