@@ -265,11 +265,14 @@ def test_host_sockets_files_and_ports_are_unreachable(isolation, host_endpoints)
 
 
 def test_private_root_shows_no_host_directories(isolation):
-    """Only system and interpreter directories exist; /tmp holds nothing but the sandbox's own directory."""
+    """Only system and interpreter directories exist; /tmp holds the sandbox's own directory and nothing else but
+    the path down to the interpreter when that lives under /tmp (a virtualenv in a checkout there, as in CI)."""
     _needs(isolation, "private_root")
     program = (
-        "import os\nroot = sorted(os.listdir('/'))\n"
-        "only_ours = os.listdir('/tmp') == [os.path.basename(os.getcwd())]\n"
+        "import os, sys\nroot = sorted(os.listdir('/'))\n"
+        "interpreter = [os.path.abspath(p) + '/' for p in (sys.prefix, sys.base_prefix, *sys.path) if p]\n"
+        "others = [e for e in os.listdir('/tmp') if e != os.path.basename(os.getcwd())]\n"
+        "only_ours = all(any(p.startswith(f'/tmp/{e}/') for p in interpreter) for e in others)\n"
         "home = [p for p in ('/home', '/root/.ssh', '/run', '/var', '/sys', '/dev/shm') if os.path.exists(p)]\n"
     )
     tests = ["assert only_ours", "assert home == []", "assert 'usr' in root and 'proc' in root"]
