@@ -41,6 +41,14 @@ MULTI_MASK_ESTIMATORS = ("random_masking", "coupled_pairs")
 """Estimators that draw ``masks_per_response`` masks (pairs) and honour ``random_mask_sampling``."""
 
 
+def check_mask_options(random_mask_sampling: str, masks_per_response: int) -> None:
+    """Raise a ValueError naming the field for masking options no estimator can use (settings and configs)."""
+    if random_mask_sampling not in MASK_SAMPLING:
+        raise ValueError(f"random_mask_sampling must be one of {MASK_SAMPLING}, got {random_mask_sampling!r}.")
+    if isinstance(masks_per_response, bool) or not isinstance(masks_per_response, int) or masks_per_response < 1:
+        raise ValueError(f"masks_per_response must be an integer >= 1, got {masks_per_response!r}.")
+
+
 @dataclass
 class EstimatorSettings:
     name: str = "trajectory"
@@ -72,12 +80,7 @@ class EstimatorSettings:
             raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
         if not 0 < self.mask_low <= self.mask_high < 1 or not 0 < self.coupled_low <= self.coupled_high < 1:
             raise ValueError("masking ratios must satisfy 0 < low <= high < 1.")
-        if self.random_mask_sampling not in MASK_SAMPLING:
-            raise ValueError(f"unknown random_mask_sampling {self.random_mask_sampling!r}; choose one of "
-                             f"{MASK_SAMPLING}.")
-        if isinstance(self.masks_per_response, bool) or not isinstance(self.masks_per_response, int) \
-                or self.masks_per_response < 1:
-            raise ValueError(f"masks_per_response must be an integer >= 1, got {self.masks_per_response!r}.")
+        check_mask_options(self.random_mask_sampling, self.masks_per_response)
         if self.name not in MULTI_MASK_ESTIMATORS and (
                 self.masks_per_response != 1 or self.random_mask_sampling != "per_token"):
             raise ValueError(f"masks_per_response and random_mask_sampling apply to the {MULTI_MASK_ESTIMATORS} "

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS
+from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampling import REMASKING_STRATEGIES
 from ..states import ATTENTION_BACKENDS, check_attention_backend
 from .tracerl_objective import STEP_NORMALIZATIONS
@@ -285,12 +285,7 @@ class TraceRLConfig(GRPOConfig):
                                                          and self.scoring_temperature > 0):
             raise ValueError("scoring_temperature must be a finite number > 0 (or None: the rollout temperature), "
                              f"got {self.scoring_temperature}.")
-        if self.random_mask_sampling not in MASK_SAMPLING:
-            raise ValueError(f"random_mask_sampling must be one of {MASK_SAMPLING}, got "
-                             f"{self.random_mask_sampling!r}.")
-        if isinstance(self.masks_per_response, bool) or not isinstance(self.masks_per_response, int) \
-                or self.masks_per_response < 1:
-            raise ValueError(f"masks_per_response must be an integer >= 1, got {self.masks_per_response!r}.")
+        check_mask_options(self.random_mask_sampling, self.masks_per_response)
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no top-k filtering), got {self.top_k}.")
         if not 0.0 < self.top_p <= 1.0:
