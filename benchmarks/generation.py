@@ -17,6 +17,7 @@ Presets:
     python benchmarks/generation.py --lengths 128 512 --families sdar
     python benchmarks/generation.py --device cuda                     # the sdar-4b table (the default on CUDA)
     python benchmarks/generation.py --preset tiny                     # the same table on a tiny model
+    python benchmarks/generation.py --count_ops                       # torch ops per cached SDAR token (cpu model)
 """
 
 from __future__ import annotations
@@ -122,6 +123,26 @@ def cpu_grid(args, device: torch.device) -> None:
     print(json.dumps({"ratios": ratios}, indent=1))
 
 
+def count_ops(args, device: torch.device, new_tokens: int = 128) -> None:
+    """Torch operations dispatched from Python per generated token, SDAR exact cache, static, batch 1 (the CPU
+    grid's model): a count that does not depend on how busy the machine is, unlike the wall time of a step that is
+    bound by per-operation overhead."""
+    from torch.profiler import profile
+
+    model = tiny_model("sdar", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                       max_position_embeddings=4096).to(device)
+    prompt = torch.randint(10, 100, (1, 32), device=device)
+    settings = dict(block_length=4, denoising_steps=4, temperature=0.0, use_cache=True, stop_token_ids=[],
+                    remasking_strategy="low_confidence_static", return_dict_in_generate=True)
+    model.generate(prompt, max_new_tokens=16, **settings)  # warm-up
+    with profile() as prof:
+        model.generate(prompt, max_new_tokens=new_tokens, **settings)
+    top_level = [e for e in prof.events() if e.name.startswith("aten::")
+                 and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    print(json.dumps({"family": "sdar", "cache": "exact", "new_tokens": new_tokens, "hidden": args.hidden,
+                      "torch_ops_per_token": round(len(top_level) / new_tokens, 1)}))
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The rollout table (random weights from a config, built on the device)
 # ----------------------------------------------------------------------------------------------------------
@@ -181,11 +202,15 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="cpu preset")
     parser.add_argument("--batch_sizes", nargs=2, type=int, default=[1, 16], help="cpu preset: batching ratio")
     parser.add_argument("--batch_sizes_table", nargs="+", type=int, help="rollout table presets: batch sizes")
+    parser.add_argument("--count_ops", action="store_true",
+                        help="print the torch operations per cached SDAR token (cpu preset's model) and stop")
     args = parser.parse_args()
     device = torch.device(args.device)
     args.preset = args.preset or ("sdar-4b" if device.type == "cuda" else "cpu")
     torch.manual_seed(0)
-    if args.preset == "cpu":
+    if args.count_ops:
+        count_ops(args, device)
+    elif args.preset == "cpu":
         cpu_grid(args, device)
     else:
         rollout_table(args, device)

@@ -274,6 +274,47 @@ def test_gradient_checkpointing_gives_same_gradients(family):
     torch.testing.assert_close(grads[0], grads[1])
 
 
+def _release_rms_norm(x, weight, eps):
+    """The releases' eager RMSNorm, written out: fp32 variance, cast back, then the weight."""
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _release_rotary(x, positions, theta, full_precision):
+    """The HF rotate-half RoPE of the releases, written out: ``x * cos + rotate_half(x) * sin``."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    emb = (positions.float()[..., None] * inv_freq).repeat(1, 1, 2)[:, None]
+    cos, sin = emb.cos(), emb.sin()
+    rotated = torch.cat([-x[..., dim // 2:], x[..., : dim // 2]], dim=-1)
+    if full_precision:
+        rotated32 = torch.cat([-x.float()[..., dim // 2:], x.float()[..., : dim // 2]], dim=-1)
+        return (x.float() * cos + rotated32 * sin).to(x.dtype)
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_and_rotary_equal_the_releases_formulas(dtype):
+    """``rms_norm`` (one ``F.rms_norm`` call) and ``apply_rotary`` (a roll and a signed sin table) compute exactly the
+    releases' arithmetic; only the number of operations changed. Checked at far positions, where RoPE errors show."""
+    from trl_diffusion.models.common import apply_rotary, rms_norm, rotary_cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    x = (3 * torch.randn(2, 5, 64, generator=g)).to(dtype)
+    weight = (0.5 + torch.rand(64, generator=g)).to(dtype)
+    # fp32: equal up to a last-place difference; bf16: up to one bf16 rounding step flipped by such a difference
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-5)
+    torch.testing.assert_close(rms_norm(x, weight, 1e-6), _release_rms_norm(x, weight, 1e-6), **tol)
+    q = torch.randn(2, 4, 5, 32, generator=g).to(dtype)
+    k = torch.randn(2, 2, 5, 32, generator=g).to(dtype)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [1000, 1001, 1002, 2040, 4095]])
+    cos, signed_sin = rotary_cos_sin(positions, 32, 10000.0)
+    for full_precision in (False, True):
+        rq, rk = apply_rotary(q, k, cos, signed_sin, full_precision)
+        torch.testing.assert_close(rq, _release_rotary(q, positions, 10000.0, full_precision), **tol)
+        torch.testing.assert_close(rk, _release_rotary(k, positions, 10000.0, full_precision), **tol)
+
+
 def test_bf16_forward_is_close_to_fp32_also_at_far_positions(family):
     """RoPE depends on relative positions only, so fp32 logits at positions 480-495 equal those at 0-15; in bf16 they
     stay within bf16 rounding of them (mean error ~2% of the mean |logit|). RoPE angles computed in bf16 (an 8-bit
