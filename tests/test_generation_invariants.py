@@ -8,16 +8,10 @@ from numerics import MIN_MARGIN, DecisionMargins, assert_close_fp32
 
 from trl_diffusion.generation.sampling import sampling_logits
 from trl_diffusion.states import state_before_step
-from trl_diffusion.testing import EOS_ID, MASK_ID, tiny_model
+from trl_diffusion.testing import EOS_ID, MASK_ID, left_pad, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
 
-
-def left_pad(prompts):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def gen(model, ids, mask=None, **kw):

@@ -11,17 +11,11 @@ from trl_diffusion.generation.sampler import SamplingSettings
 from trl_diffusion.generation.sampling import sampling_logits, select_commits, uniform_quota
 from trl_diffusion.models.cache import DiffusionCache, StaticDiffusionCache
 from trl_diffusion.states import CanvasLayout, attention_mask_from_positions
-from trl_diffusion.testing import tiny_model
+from trl_diffusion.testing import left_pad, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44], [50, 51, 52, 53, 54, 55]]
 aten = torch.ops.aten
 
-
-def left_pad(prompts, pad=0):
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
 
 
 def gen(model, ids, mask, **kw):

@@ -94,3 +94,11 @@ def tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Modul
     """A tiny model of ``family`` (``sdar``, ``llada`` or ``dream``) with seeded weights, in eval mode."""
     config = TINY_CONFIGS[family](**config_overrides)
     return seeded_fill_(MODEL_CLASSES[family](config), seed).eval()
+
+
+def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` for token-id prompts of different lengths, left-padded with ``pad``."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
