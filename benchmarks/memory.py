@@ -9,6 +9,7 @@ above what was allocated before the step. Prints one JSON record per configurati
 
     python benchmarks/memory.py                        # CPU, L in 128 256 512 1024
     python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
+    python benchmarks/memory.py --lengths 512 --vocab 151936 --dtype bfloat16   # a released vocabulary, bf16
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _reset_peak_rss() -> bool:
 
 
 def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
-            device: str) -> dict:
+            device: str, dtype: str = "float32") -> dict:
     """One forward + backward of the packed estimator; returns the step's peak memory and shape facts."""
     from trl_diffusion.estimators import EstimatorSettings, build_scoring_chunks, estimate_logprobs, step_groups
     from trl_diffusion.states import block_index
@@ -69,7 +70,8 @@ def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, lay
     torch.manual_seed(0)
     model = tiny_model("sdar", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                        num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
-                       head_dim=64, vocab_size=vocab, max_position_embeddings=prompt + length + 64).to(device)
+                       head_dim=64, vocab_size=vocab, max_position_embeddings=prompt + length + 64).to(
+                           device, getattr(torch, dtype))
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -108,7 +110,7 @@ def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, lay
             "packed_row_tokens": int(chunks[0].input_ids.shape[1]), "forwards": len(chunks),
             "rows_per_forward": max(int(c.input_ids.shape[0]) for c in chunks),
             "peak_mb": round(peak, 1), "seconds": round(seconds, 2), "method": method, "device": device,
-            "model": {"hidden": hidden, "layers": layers, "vocab": vocab,
+            "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
                       "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
 
 
@@ -122,14 +124,16 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=32768)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights")
     parser.add_argument("--output", type=Path, help="also write the records to this JSON file")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = [str(v) for v in ("--batch", args.batch, "--prompt", args.prompt, "--hidden", args.hidden,
-                              "--layers", args.layers, "--vocab", args.vocab, "--device", args.device)]
+                              "--layers", args.layers, "--vocab", args.vocab, "--device", args.device,
+                              "--dtype", args.dtype)]
     if args.one:
         record = measure(args.one[0], int(args.one[1]), args.batch, args.prompt, args.hidden, args.layers,
-                         args.vocab, args.device)
+                         args.vocab, args.device, args.dtype)
         print(json.dumps(record))
         return
     records = []

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trl_diffusion.estimators import (
     EstimatorSettings,
@@ -16,7 +17,8 @@ from trl_diffusion.estimators import (
     likelihood,
     step_groups,
 )
-from trl_diffusion.generation.sampling import sampling_logits
+from trl_diffusion.generation import sampling
+from trl_diffusion.generation.sampling import sampling_logits, target_scores
 from trl_diffusion.states import (
     CLEAN,
     NOT_COMMITTED,
@@ -274,11 +276,20 @@ def test_vectorised_builder_keeps_each_copy_and_trims_only_unseen_clean_blocks()
     assert trimmed > 0
 
 
+def score_in_pieces(monkeypatch, piece_rows, vocab):
+    """Make ``target_scores`` work on pieces of ``piece_rows`` positions (None: the default, one piece here)."""
+    if piece_rows is not None:
+        monkeypatch.setattr(sampling, "SCORING_PIECE_ELEMENTS", piece_rows * vocab)
+
+
+@pytest.mark.parametrize("piece_rows", [None, 3])
 @pytest.mark.parametrize("name", ["trajectory", "random_masking", "coupled", "mean_field"])
-def test_estimators_equal_the_whole_row_head(family, name, monkeypatch):
+def test_estimators_equal_the_whole_row_head(family, name, piece_rows, monkeypatch):
     """log-probs, entropies and gradients through the scored-positions head and the vectorised layouts equal the
-    whole-row head over the per-row layouts (float64 weights; the head's log-softmax runs in float32 in both)."""
+    whole-row head over the per-row layouts (float64 weights; the head's log-softmax runs in float32 in both),
+    also when the float32 scoring runs in pieces of 3 positions, recomputed in the backward pass."""
     model = tiny_model(family).double()
+    score_in_pieces(monkeypatch, piece_rows, model.config.vocab_size)
     ids, mask, completion, steps = rollout(model)
     steps[0, -4:] = -1  # an uncommitted tail: its clean block is trimmed from the packed row
     settings = EstimatorSettings(name=name, block_size=4, token_budget=80, temperature=0.9, top_k=50)
@@ -334,9 +345,11 @@ SFT_CASES = [("sdar", "block"), ("sdar", "complementary"), ("sdar", "trajectory"
              ("dream", "semi_ar"), ("dream", "complementary"), ("dream", "trajectory")]
 
 
+@pytest.mark.parametrize("piece_rows", [None, 3])
 @pytest.mark.parametrize(("family", "objective"), SFT_CASES)
-def test_sft_objectives_equal_the_whole_row_head(family, objective):
+def test_sft_objectives_equal_the_whole_row_head(family, objective, piece_rows, monkeypatch):
     model = tiny_model(family).double()
+    score_in_pieces(monkeypatch, piece_rows, model.config.vocab_size)
     ids, labels, valid, steps = sft_rows()
     batch = build_objective(objective, ids, labels, valid, sample_generators([0, 1], 0, 0), mask_token_id=MASK_ID,
                             block_size=model.block_size, semi_ar_block_length=4, unmask_step=steps, shrinkage=1)
@@ -354,6 +367,60 @@ def test_sft_objectives_equal_the_whole_row_head(family, objective):
     assert torch.equal(scores.is_top1[scored], top1)
     torch.testing.assert_close(loss.detach(), reference_loss.detach(), rtol=1e-6, atol=0.0)
     assert_same_grads(new_grads, grads(model))
+
+
+class Float32Sizes(TorchDispatchMode):
+    """Records the size of every float32 tensor an operation produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.sizes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.sizes.append(tensor.numel())
+        return out
+
+
+@pytest.mark.parametrize("entropy_grad", [True, False])
+def test_target_scores_never_hold_a_whole_float32_vocabulary_tensor(monkeypatch, entropy_grad):
+    """bf16 logits [N, V]: log-probs, entropies, top-1 and the gradient equal the one-piece computation (float64),
+    while no float32 tensor larger than a piece (2 positions x V) is ever made, forward or backward, and none of
+    the pieces is kept for the backward pass (each is recomputed there)."""
+    n, vocab = 24, 64
+    g = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(n, vocab, generator=g)).bfloat16().requires_grad_()
+    settings = dict(temperature=0.7, top_k=20, mask_token_id=5)
+    ranked = sampling_logits(logits.detach(), **settings).argsort(dim=-1, descending=True, stable=True)
+    targets = ranked[torch.arange(n), torch.arange(n) % 4]  # within the top-k; the top-1 every 4th position
+    weights = torch.randn(n, generator=g)
+    monkeypatch.setattr(sampling, "SCORING_PIECE_ELEMENTS", 2 * vocab)
+    saved = []  # float32 elements kept for the backward pass (not counting what a checkpoint recomputes)
+
+    def pack(tensor):
+        saved.append(tensor.numel() if tensor.dtype == torch.float32 else 0)
+        return tensor
+
+    with Float32Sizes() as sizes:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            picked, entropy, top1 = target_scores(logits, targets, **settings, entropy=True,
+                                                  entropy_grad=entropy_grad, top1=True)
+            loss = ((picked + entropy) * weights).sum()
+        loss.backward()
+    assert max(sizes.sizes) == 2 * vocab and entropy.requires_grad == entropy_grad
+    assert sum(saved) <= 4 * n  # per-position values only: the vocabulary-wide pieces are recomputed
+    reference = logits.detach().double().requires_grad_()
+    log_dist = sampling_logits(reference, **settings).log_softmax(-1)  # float32, as the pieces compute it
+    ref_picked = log_dist.gather(-1, targets[:, None])[:, 0]
+    probs = log_dist.exp()
+    ref_entropy = -(probs * log_dist.masked_fill(probs == 0, 0.0)).sum(-1)
+    ((ref_picked + (ref_entropy if entropy_grad else ref_entropy.detach())) * weights).sum().backward()
+    torch.testing.assert_close(picked, ref_picked.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(entropy.detach(), ref_entropy.detach(), rtol=1e-6, atol=1e-6)
+    assert torch.equal(top1, log_dist.argmax(-1) == targets) and int(top1.sum()) == n // 4
+    torch.testing.assert_close(logits.grad, reference.grad.bfloat16())
 
 
 def test_token_values_equal_the_whole_row_value_head(family):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.sampling import sampling_logits
+from ..generation.sampling import target_scores
 from ..states import NOT_COMMITTED, completion_blocks, resolve_model_attention_backend, trajectory_groups
 from .packing import build_scoring_chunks
 
@@ -104,14 +104,12 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
         mask = chunk.layout.attention_mask(backend)
         selected = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
                          logits_to_keep=(chunk.chunk_row, chunk.chunk_col - shift)).logits
-        log_dist = sampling_logits(selected, settings.temperature, settings.top_k, settings.top_p,
-                                   model.mask_token_id if settings.exclude_mask_token else None).log_softmax(-1)
         targets = completion_ids[chunk.source_row, chunk.source_col]
-        values = log_dist.gather(-1, targets[:, None]).squeeze(-1)
+        values, ent, _ = target_scores(selected, targets, settings.temperature, settings.top_k, settings.top_p,
+                                       model.mask_token_id if settings.exclude_mask_token else None,
+                                       entropy=compute_entropy)
         logps = logps.index_put((chunk.source_row, chunk.source_col), values)
         if compute_entropy:
-            probs = log_dist.exp()
-            ent = -(probs * log_dist.masked_fill(probs == 0, 0.0)).sum(-1)
             entropies = entropies.index_put((chunk.source_row, chunk.source_col), ent)
     return logps, entropies
 

@@ -4,6 +4,7 @@ trainers (which must score tokens under exactly the distribution the sampler dre
 from __future__ import annotations
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 REMASKING_STRATEGIES = (
     "sequential",
@@ -44,6 +45,54 @@ def sampling_logits(
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+SCORING_PIECE_ELEMENTS = 2**25
+"""Positions x vocabulary of float32 work ``target_scores`` does at once (128 MiB per float32 tensor)."""
+
+
+def target_scores(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    mask_token_id: int | None = None,
+    entropy: bool = False,
+    entropy_grad: bool = True,
+    top1: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """What the trainers score at ``N`` positions: the log-prob of each target ``[N]`` under the sampling
+    distribution of ``logits`` ``[N, V]`` (``sampling_logits``, float32), and optionally its entropy (differentiable
+    unless ``entropy_grad=False``) and whether the target is its top-1.
+
+    The float32 work runs on pieces of at most ``SCORING_PIECE_ELEMENTS`` positions x vocabulary and, when
+    gradients flow, each piece is recomputed in the backward pass (activation checkpointing), so no float32
+    ``[N, V]`` tensor exists whole: at 2,048 targets and a 152k vocabulary one is 1.2 GB, and the log-softmax, its
+    input copy and its gradient would each be one. Values and gradients equal the one-piece computation (every
+    operation is per position)."""
+    settings = (temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1)
+    rows = max(1, SCORING_PIECE_ELEMENTS // logits.shape[-1])
+    if logits.shape[0] <= rows:
+        return _piece_scores(logits, targets, *settings)
+    recompute = torch.is_grad_enabled() and logits.requires_grad
+    pieces = [checkpoint(_piece_scores, piece, piece_targets, *settings, use_reentrant=False) if recompute
+              else _piece_scores(piece, piece_targets, *settings)
+              for piece, piece_targets in zip(logits.split(rows), targets.split(rows))]
+    return tuple(torch.cat(parts) if parts[0] is not None else None for parts in zip(*pieces))
+
+
+def _piece_scores(logits, targets, temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1):
+    log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).log_softmax(-1)
+    picked = log_dist.gather(-1, targets[:, None]).squeeze(-1)
+    ent = is_top1 = None
+    if entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            probs = log_dist.exp()
+            ent = -(probs * log_dist.masked_fill(probs == 0, 0.0)).sum(-1)
+    if top1:
+        is_top1 = log_dist.detach().argmax(-1) == targets
+    return picked, ent, is_top1
 
 
 Generators = torch.Generator | list[torch.Generator] | None

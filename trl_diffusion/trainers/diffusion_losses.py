@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.sampling import sampling_logits
+from ..generation.sampling import target_scores
 from ..states import (
     AttentionLayout,
     block_index,
@@ -282,12 +282,8 @@ def score_tokens(
     rows, cols = scored.nonzero(as_tuple=True)  # row-major, the order of batch.targets[scored]
     logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                    logits_to_keep=(rows, cols - 1 if logits_shift else cols)).logits
-    log_dist = sampling_logits(logits, mask_token_id=mask_token_id).log_softmax(-1)
-    target = batch.targets[scored]
-    picked = log_dist.gather(-1, target[:, None]).squeeze(-1)
-    with torch.no_grad():
-        entropy = -(log_dist.exp() * log_dist.clamp(min=torch.finfo(log_dist.dtype).min)).sum(-1)
-        top1 = log_dist.argmax(-1) == target
+    picked, entropy, top1 = target_scores(logits, batch.targets[scored], mask_token_id=mask_token_id, entropy=True,
+                                          entropy_grad=False, top1=True)
     zeros = torch.zeros(scored.shape, dtype=picked.dtype, device=picked.device)
     return TokenScores(
         log_probs=zeros.masked_scatter(scored, picked),
