@@ -22,11 +22,11 @@ import torch.nn.functional as F
 
 def layout(length: int, device: str):
     """A packed row: 8 prompt tokens, a clean completion, one 4-token noisy copy per completion block."""
-    from trl_diffusion.states import noisy_clean_attention_layout
+    from trl_diffusion.states import noisy_clean_attention_layout, noisy_columns
 
     positions = torch.arange(length, device=device)[None]
     valid = torch.ones_like(positions, dtype=torch.bool)
-    return noisy_clean_attention_layout(positions, valid, 4, noisy_start=8)
+    return noisy_clean_attention_layout(positions, valid, 4, noisy_columns(positions >= 8))
 
 
 def probe(head_dim: int, dtype: torch.dtype, lengths: list[int], device: str) -> dict:

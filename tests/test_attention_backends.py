@@ -16,6 +16,7 @@ from trl_diffusion.states import (
     AttentionLayout,
     block_index,
     noisy_clean_attention_layout,
+    noisy_columns,
     positions_from_padding,
     resolve_attention_backend,
 )
@@ -53,7 +54,8 @@ def test_noisy_clean_layout_matches_the_element_by_element_definition():
     _, _, valid = padded_rows()
     positions = positions_from_padding(valid)
     block_size, start = 4, 4
-    dense = noisy_clean_attention_layout(positions, valid, block_size, start).dense()[:, 0]
+    cols = torch.arange(valid.shape[1]).expand_as(valid)
+    dense = noisy_clean_attention_layout(positions, valid, block_size, noisy_columns(cols >= start)).dense()[:, 0]
     blocks = block_index(positions, block_size)
     length, n_noisy = valid.shape[1], valid.shape[1] - start
     for b in range(2):
@@ -101,7 +103,8 @@ def test_block_mask_defines_the_dense_mask_on_every_real_query(block_size):
     positions = positions_from_padding(valid)
     layouts = [AttentionLayout.plain(positions, valid, block_size)]
     if block_size is not None:
-        layouts.append(noisy_clean_attention_layout(positions, valid, block_size, noisy_start=4))
+        cols = torch.arange(valid.shape[1]).expand_as(valid)
+        layouts.append(noisy_clean_attention_layout(positions, valid, block_size, noisy_columns(cols >= 4)))
     with torch.no_grad():
         for layout in layouts:
             dense, flex = layout.dense()[:, 0], flex_mask_as_dense(layout)[:, 0]

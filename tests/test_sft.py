@@ -112,26 +112,44 @@ def test_block_objective_equals_per_block_forwards(weighting):
 
 
 def test_block_layout_leaves_out_unscored_noisy_blocks_exactly():
-    """The noisy copy starts at the first block with a masked token (left padding included); scoring with the
-    full noisy copy gives the same loss."""
+    """The noisy copy holds, per row, only the blocks with a masked token (left padding included); loss and
+    gradients equal scoring with the whole noisy copy."""
     model = tiny_model("sdar")
-    ids, labels, valid = make_batch()
+    ids, labels, valid = make_batch(PAIRS * 2)
     shift = (~valid).sum(-1)  # move every row's padding to the left
     ids, labels, valid = (torch.stack([x[r].roll(int(shift[r])) for r in range(len(x))]) for x in (ids, labels, valid))
-    loss, batch = fast_loss(model, "block", ids, labels, valid)
-    width = ids.shape[1]
-    n_noisy = batch.input_ids.shape[1] - width
-    assert n_noisy < width
-    noisy = ids.clone()
-    noisy[:, width - n_noisy :] = batch.input_ids[:, :n_noisy]
+    generators = [torch.Generator().manual_seed(s) for s in (0, 1, 2, 3, 4, 6)]  # some rows leave blocks unmasked
+    batch = build_objective("block", ids, labels, valid, generators, mask_token_id=MASK_ID, block_size=4)
+    loss = diffusion_loss(model, batch, count_loss_tokens(labels), False, MASK_ID)[0]
+    loss.backward()
+    compact_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    draws = [row_mask(torch.Generator().manual_seed(s), valid[r], labels[r]) for r, s in enumerate((0, 1, 2, 3, 4, 6))]
+    masked = torch.stack([completion & (u < t) for (t,), u, completion in draws])
+    ratio = torch.stack([t for (t,), _, _ in draws])
     positions = positions_from_padding(valid)
-    full_ids, full_pos, full_mask = noisy_clean_layout(noisy, ids, positions, valid, model.block_size)
-    pad = torch.full((len(ids), width - n_noisy), IGNORE_INDEX)
-    targets = torch.cat([pad, batch.targets], -1)
-    weights = torch.cat([pad * 0.0, batch.weights], -1)
-    full = ScoringBatch(full_ids, full_pos, full_mask, targets, weights)
-    expected = diffusion_loss(model, full, count_loss_tokens(labels), False, MASK_ID)[0]
-    assert_close_fp32(loss, expected)
+    blocks = positions // 4
+    width = ids.shape[1]
+    gaps = 0  # completion blocks after a row's first masked block with nothing masked in them
+    for row in range(len(ids)):  # the built noisy tokens: exactly the real tokens of the row's masked blocks
+        masked_blocks = set(blocks[row][masked[row]].tolist())
+        expected = sum(int(blocks[row, c]) in masked_blocks and bool(valid[row, c]) for c in range(width))
+        assert int(batch.layout.valid[row, : batch.input_ids.shape[1] - width].sum()) == expected
+        if masked_blocks:
+            gaps += len(set(range(min(masked_blocks), int(blocks[row].max()) + 1)) - masked_blocks)
+    assert gaps > 0
+    full_ids, full_pos, full_layout = noisy_clean_layout(ids.masked_fill(masked, MASK_ID), ids, positions, valid, 4)
+    targets = torch.where(masked, ids, IGNORE_INDEX)
+    weights = masked.float() / ratio[:, None]
+    ignore = torch.full_like(targets, IGNORE_INDEX)
+    full = ScoringBatch(full_ids, full_pos, full_layout, torch.cat([targets, ignore], -1),
+                        torch.cat([weights, weights * 0], -1))
+    expected_loss = diffusion_loss(model, full, count_loss_tokens(labels), False, MASK_ID)[0]
+    expected_loss.backward()
+    assert_close_fp32(loss, expected_loss)
+    for name, p in model.named_parameters():
+        assert_close_fp32(compact_grads[name], p.grad)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])
@@ -181,10 +199,14 @@ def test_complementary_scores_each_token_once_and_equals_reference(family):
     model = tiny_model(family)
     ids, labels, valid = make_batch()
     loss, batch = fast_loss(model, "complementary", ids, labels, valid)
-    width = batch.targets.shape[1] - ids.shape[1] if model.block_size else ids.shape[1]
-    scored = (batch.targets[:, :width] != IGNORE_INDEX).view(len(ids), 2, width)
-    completion = (labels != IGNORE_INDEX)[:, -width:]
-    assert torch.equal(scored.sum(1), completion.long())  # every completion token exactly once per pair
+    width = ids.shape[1]
+    n_scorable = batch.targets.shape[1] - width if model.block_size else width  # [x_t | x_0]: the noisy part
+    scored = batch.targets[:, :n_scorable] != IGNORE_INDEX
+    # back to columns through the position ids (rows are right-padded: a token's position is its column)
+    hits = torch.zeros(len(scored), width, dtype=torch.long).scatter_add_(1, batch.position_ids[:, :n_scorable],
+                                                                        scored.long())
+    completion = labels != IGNORE_INDEX
+    assert torch.equal(hits.view(len(ids), 2, width).sum(1), completion.long())  # each token once per pair
     logp = logp_block_causal if model.block_size else logp_full_attention
     total = 0.0
     for row, g in enumerate(gens(len(ids))):
@@ -259,21 +281,26 @@ def test_prompt_and_padding_are_never_masked_or_scored(objective, family):
     batch = build_objective(objective, ids, labels, valid, gens(len(ids)), mask_token_id=MASK_ID,
                             block_size=model.block_size, semi_ar_block_length=4)
     width = ids.shape[1]
-    layout = model.block_size is not None  # [x_t | x_0]: the noisy copy covers the last n_noisy columns
+    layout = model.block_size is not None  # [x_t | x_0]: the noisy copy holds the blocks with a masked token
     n_noisy = batch.input_ids.shape[1] - width if layout else width
-    cols = slice(width - n_noisy, width)
-    assert not layout or n_noisy < width  # leading prompt-only blocks need no noisy copy
+    assert not layout or n_noisy < width  # prompt-only blocks need no noisy copy
     for r in range(batch.input_ids.shape[0]):
         noisy, targets, weights = batch.input_ids[r, :n_noisy], batch.targets[r, :n_noisy], batch.weights[r, :n_noisy]
+        if layout:  # the built noisy tokens, and their columns (rows are right-padded: position = column)
+            built = batch.layout.valid[r, :n_noisy]
+            noisy, targets, weights = noisy[built], targets[built], weights[built]
+            cols = batch.position_ids[r, :n_noisy][built]
+            source = next(i for i in range(len(ids)) if torch.equal(batch.input_ids[r, n_noisy:], ids[i]))
+        else:  # the sample this row comes from: the one it agrees with off the masked positions
+            cols = torch.arange(width)
+            source = next(i for i in range(len(ids)) if torch.equal(noisy[noisy != MASK_ID], ids[i][noisy != MASK_ID]))
         hidden = noisy == MASK_ID
-        # the sample this row comes from: the one it agrees with off the masked positions
-        source = next(i for i in range(len(ids)) if torch.equal(noisy[~hidden], ids[i, cols][~hidden]))
+        assert torch.equal(noisy[~hidden], ids[source, cols][~hidden])
         not_completion = labels[source, cols] == IGNORE_INDEX
         assert not (hidden & not_completion).any(), "a prompt or padding position was masked"
         assert (targets[not_completion] == IGNORE_INDEX).all() and (weights[not_completion] == 0).all()
         if layout:  # the clean copy is context only
             assert (batch.targets[r, n_noisy:] == IGNORE_INDEX).all()
-            assert torch.equal(batch.input_ids[r, n_noisy:], ids[source])
     # padding keys are hidden from every real query
     if batch.layout is not None:
         mask = batch.layout.dense()[0, 0]

@@ -399,22 +399,33 @@ def _log_once(message: str) -> None:
     logger.warning(message)
 
 
-def noisy_clean_attention_layout(
-    positions: torch.Tensor, valid: torch.Tensor, block_size: int, noisy_start: int = 0
-) -> AttentionLayout:
-    """BD3-LM layout of ``[x_t[noisy_start:] | x_0]``: the noisy copy of each block is its own copy (it sees
-    itself and the clean blocks before it), the clean row is block-causal.
+def noisy_columns(keep: torch.Tensor) -> torch.Tensor:
+    """Source columns ``[B, W]`` of a noisy copy that builds only the ``keep`` ``[B, L]`` columns of each row: its
+    kept columns in order, left-aligned, then -1 (a padding slot) up to ``W``, the most any row keeps (at least 1)."""
+    width = max(1, int(keep.sum(-1).max()) if keep.numel() else 0)
+    order = torch.sort((~keep).to(torch.uint8), dim=-1, stable=True).indices[:, :width]
+    return torch.where(keep.gather(-1, order), order, -1)
 
-    ``positions`` / ``valid`` ``[B, L]`` describe the clean row; noisy copies of leading blocks with nothing to
-    score can be left out (``noisy_start``), since nothing attends to them. Blocks are aligned from each row's
-    position 0, as the block-causal sampler aligns them.
+
+def noisy_clean_attention_layout(
+    positions: torch.Tensor, valid: torch.Tensor, block_size: int, columns: torch.Tensor | None = None
+) -> AttentionLayout:
+    """BD3-LM layout of ``[x_t[columns] | x_0]``: the noisy copy of each block is its own copy (it sees itself and
+    the clean blocks before it), the clean row is block-causal.
+
+    ``positions`` / ``valid`` ``[B, L]`` describe the clean row. ``columns`` (``noisy_columns``; default: all) says
+    which noisy tokens are built: noisy blocks with nothing to score can be left out, since nothing attends to
+    them. Blocks are aligned from each row's position 0, as the block-causal sampler aligns them.
     """
     block = block_index(positions, block_size)
-    noisy_block = block[:, noisy_start:]
+    if columns is None:
+        columns = torch.arange(block.shape[-1], device=block.device).expand_as(block)
+    source = columns.clamp(min=0)
+    noisy_block = block.gather(-1, source)
     return AttentionLayout(
         block=torch.cat([noisy_block, block], dim=-1),
         copy=torch.cat([noisy_block, torch.full_like(block, CLEAN)], dim=-1),
-        valid=torch.cat([valid[:, noisy_start:], valid], dim=-1).bool(),
+        valid=torch.cat([valid.bool().gather(-1, source) & (columns >= 0), valid.bool()], dim=-1),
     )
 
 
@@ -424,24 +435,28 @@ def noisy_clean_layout(
     positions: torch.Tensor,
     valid: torch.Tensor,
     block_size: int,
-    noisy_start: int = 0,
+    columns: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionLayout]:
-    """``[x_t[noisy_start:] | x_0]`` in one row: ``(input_ids, position_ids, attention layout)``.
+    """``[x_t[columns] | x_0]`` in one row: ``(input_ids, position_ids, attention layout)``.
 
     Both halves carry the clean row's position ids, so the noisy copy of a block is placed exactly where the
     sampler denoises it, with every earlier block clean (see ``noisy_clean_attention_layout``)."""
-    ids = torch.cat([noisy_ids[:, noisy_start:], clean_ids], dim=-1)
-    pos = torch.cat([positions[:, noisy_start:], positions], dim=-1)
-    return ids, pos, noisy_clean_attention_layout(positions, valid, block_size, noisy_start)
+    if columns is None:
+        columns = torch.arange(clean_ids.shape[-1], device=clean_ids.device).expand_as(clean_ids)
+    source = columns.clamp(min=0)
+    ids = torch.cat([noisy_ids.gather(-1, source), clean_ids], dim=-1)
+    pos = torch.cat([positions.gather(-1, source), positions], dim=-1)
+    return ids, pos, noisy_clean_attention_layout(positions, valid, block_size, columns)
 
 
-def first_block_start(scored: torch.Tensor, positions: torch.Tensor, block_size: int) -> int:
-    """The first column of the earliest block (over the batch) holding a ``scored`` position: the noisy copy of
-    the ``[x_t | x_0]`` layout can start there. Returns the row length when nothing is scored."""
-    length = scored.shape[-1]
-    cols = torch.arange(length, device=scored.device).expand_as(scored)
-    starts = cols - positions % block_size
-    return int(torch.where(scored, starts, length).min()) if length else 0
+def blocks_with(scored: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[B, L]``: whether the block of each position (blocks from each row's position 0) holds a ``scored``
+    position of its row."""
+    block = block_index(positions, block_size)
+    width = int(block.max()) + 1 if block.numel() else 0
+    has = torch.zeros(block.shape[0], width, dtype=torch.long, device=block.device)
+    has = has.scatter_reduce(1, block, scored.long(), "amax")
+    return has.gather(1, block).bool()
 
 
 def blocks_from_prompt_end(completion: torch.Tensor, block_length: int) -> torch.Tensor:

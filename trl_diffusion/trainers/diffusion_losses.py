@@ -25,8 +25,9 @@ from ..states import (
     AttentionLayout,
     block_index,
     blocks_from_prompt_end,
-    first_block_start,
+    blocks_with,
     noisy_clean_layout,
+    noisy_columns,
     positions_from_padding,
     resolve_model_attention_backend,
     state_before_step,
@@ -129,17 +130,19 @@ def _masked_targets(input_ids: torch.Tensor, masked: torch.Tensor) -> torch.Tens
 
 
 def _rows(noisy, clean, masked, weights, valid, block_size) -> ScoringBatch:
-    """Rows scored as they stand (full attention), or as ``[x_t | x_0]`` for block models; the noisy copy starts at
-    the first block with a masked token (earlier noisy blocks would be scored by nobody and seen by nobody)."""
+    """Rows scored as they stand (full attention), or as ``[x_t | x_0]`` for block models, whose noisy copy holds
+    only the blocks with a masked token (the others would be scored by nobody and seen by nobody)."""
     positions = positions_from_padding(valid)
     targets = _masked_targets(clean, masked)
     if block_size is None:
         return ScoringBatch(noisy, positions, _attention(positions, valid, None), targets, weights)
-    start = min(first_block_start(masked, positions, block_size), clean.shape[-1] - 1)
-    ids, pos, mask = noisy_clean_layout(noisy, clean, positions, valid, block_size, start)
-    ignore = torch.full_like(targets, IGNORE_INDEX)
-    targets = torch.cat([targets[:, start:], ignore], -1)
-    return ScoringBatch(ids, pos, mask, targets, torch.cat([weights[:, start:], weights * 0], -1))
+    columns = noisy_columns(blocks_with(masked, positions, block_size) & valid.bool())
+    ids, pos, mask = noisy_clean_layout(noisy, clean, positions, valid, block_size, columns)
+    built = columns >= 0
+    noisy_targets = torch.where(built, targets.gather(-1, columns.clamp(min=0)), IGNORE_INDEX)
+    noisy_weights = torch.where(built, weights.gather(-1, columns.clamp(min=0)), 0.0)
+    return ScoringBatch(ids, pos, mask, torch.cat([noisy_targets, torch.full_like(targets, IGNORE_INDEX)], -1),
+                        torch.cat([noisy_weights, weights * 0], -1))
 
 
 # ------------------------------------------------------------------------------------------------------------
