@@ -46,10 +46,10 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
     echo "$name: exit $? after $((SECONDS - begin)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
 }
 
-step generation 150 python3 benchmarks/generation.py --device cuda --preset sdar-4b
-step training_sdar4b 150 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 70 \
+step generation 140 python3 benchmarks/generation.py --device cuda --preset sdar-4b
+step training_sdar4b 130 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 62 \
     --profile --output "$OUT/training_sdar4b.json"
-step gpu_tests 200 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
+step gpu_tests 230 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/gpu_tests.xml"
 step flex_probe 40 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
 tail -n 3 "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
