@@ -428,35 +428,60 @@ def test_host_sync_counter_sees_syncs():
 # ------------------------------------------------------------------------------------------------------------
 
 
-def _cuda_model(family):
-    return tiny_model(family).to("cuda")
+GRAPH_CASES = [  # (family, generate arguments): every cache mode a graph runner replays, greedy and sampled
+    ("sdar", dict(use_cache=True)),
+    ("sdar", dict(use_cache=True, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+                  temperature=1.0, rows=True)),
+    ("sdar", dict(use_cache=True, remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)),
+    ("llada", dict(use_cache="dual")),
+    ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+                   temperature=1.0, rows=True)),
+    ("dream", dict(use_cache="dual", steps=10, alg="entropy", alg_temp=0.5, temperature=0.5, rows=True)),
+    ("dream", dict(use_cache="dual", steps=10, alg="origin", temperature=1.0, rows=True)),
+]
+
+
+def _graph_case(family, kw, device="cpu"):
+    """Model, prompts and generate arguments of a ``GRAPH_CASES`` entry (20 new tokens: five blocks)."""
+    model = tiny_model(family).to(device)
+    ids, mask = (t.to(device) for t in left_pad(PROMPTS))
+    kw = dict(kw, max_new_tokens=20)
+    if kw.pop("rows", False):
+        kw["generator"] = lambda: row_generators(len(PROMPTS))
+    return model, ids, mask, kw
+
+
+def _generate(model, ids, mask, kw, **more):
+    args = {**kw, **more}
+    if callable(args.get("generator")):
+        args["generator"] = args["generator"]()  # fresh per-row generators for every run
+    return gen(model, ids, mask, **args)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kw", [dict(), dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2),
-                                dict(temperature=1.0, rows=True)])
-def test_cuda_graphs_equal_eager(kw):
-    model = _cuda_model("sdar")
-    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
-    kw = dict(kw)
-    rows = kw.pop("rows", False)
-    outs = [gen(model, ids, mask, use_cache=True, cuda_graphs=mode, max_new_tokens=32,
-                generator=row_generators(len(PROMPTS)) if rows else None, **kw) for mode in ("off", "auto")]
+@pytest.mark.parametrize("family,kw", GRAPH_CASES)
+def test_cuda_graphs_equal_eager(family, kw):
+    model, ids, mask, kw = _graph_case(family, kw, "cuda")
+    outs = [_generate(model, ids, mask, kw, cuda_graphs=mode) for mode in ("off", "auto")]
     assert_same_rollout(*outs)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "dual")])
 @pytest.mark.parametrize("graphs", ["off", "auto"])
-def test_cuda_run_block_does_not_synchronise(graphs, monkeypatch):
+def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch):
     """On CUDA, torch's sync debug mode raises on any synchronising call inside a block (from the third block on:
     the first two capture the graphs, and capturing synchronises once)."""
-    from trl_diffusion.generation.cuda_graphs import CudaGraphRunner
+    from trl_diffusion.generation.cuda_graphs import graph_runner
 
-    model = _cuda_model("sdar")
+    model = tiny_model(family).to("cuda")
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
-    runner = CudaGraphRunner if graphs == "auto" else ModelRunner
+    settings = SamplingSettings(max_new_tokens=32, block_length=4, denoising_steps=2, cache_mode=
+                                "exact" if cache is True else cache, cuda_graphs=graphs)
+    runner = graph_runner(settings, ids.device, None)
+    assert (runner is ModelRunner) == (graphs == "off")
     original, blocks = runner.run_block, []
 
     def strict(self, *args, **kwargs):
@@ -468,7 +493,7 @@ def test_cuda_run_block_does_not_synchronise(graphs, monkeypatch):
             torch.cuda.set_sync_debug_mode("default")
 
     monkeypatch.setattr(runner, "run_block", strict)
-    gen(model, ids, mask, use_cache=True, cuda_graphs=graphs, max_new_tokens=32, temperature=1.0,
+    gen(model, ids, mask, use_cache=cache, cuda_graphs=graphs, max_new_tokens=32, temperature=1.0,
         remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2, generator=row_generators(len(PROMPTS)))
     assert len(blocks) > 4
 
@@ -480,33 +505,56 @@ class _EagerReplay:
         self.replay = fn
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
-                                             temperature=1.0, rows=True),
-                                dict(remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)])
-def test_graph_runner_buffers_equal_eager(monkeypatch, kw):
-    """Everything of the CUDA-graph runner except the capture itself, on CPU: the steps (a plain one, and a first
-    one that also commits the previous block) run on fixed buffers copied in and out per block, read the whole
-    cache through a mask, take the quota from a device buffer and per-row uniforms from noise buffers refilled
-    before each replay; rows leaving the batch resize them (and the graphs are captured again)."""
+@pytest.mark.parametrize("family,kw", GRAPH_CASES)
+def test_graph_runner_buffers_equal_eager(monkeypatch, family, kw):
+    """Everything of the CUDA-graph runners except the capture itself, on CPU: the steps (SDAR: a plain one, and a
+    first one that also commits the previous block; LLaDA/Dream: an eager first step that refreshes the dual cache,
+    then replays) run on fixed buffers copied in and out per block, read the whole cache through a mask, take the
+    quota or Dream's fraction from a device buffer and per-row uniforms from noise buffers refilled before each
+    replay; rows leaving the batch resize them (and the graphs are captured again)."""
     from trl_diffusion.generation import cuda_graphs, sampler
 
-    model = tiny_model("sdar")
-    ids, mask = left_pad(PROMPTS)
-    kw = dict(kw)
-    rows = kw.pop("rows", False)
-    kw.update(max_new_tokens=20, use_cache=True)
-    free = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
-    kw["stop_token_ids"] = [int(free.sequences[0, ids.shape[1] + 2]), int(free.sequences[1, ids.shape[1] + 2])]
-    eager = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    model, ids, mask, kw = _graph_case(family, kw)
+    free = _generate(model, ids, mask, kw)
+    stops = [int(free.sequences[row, ids.shape[1] + 2]) for row in (0, 1)]  # two rows stop after their 1st block
+    eager = _generate(model, ids, mask, kw, stop_token_ids=stops)
     recorded = []
 
     def record(self, body):
         recorded.append(self._shape)
         return _EagerReplay(body)
 
-    monkeypatch.setattr(cuda_graphs.CudaGraphRunner, "_record", record)
-    monkeypatch.setattr(sampler, "graphs_apply", lambda *args: True)
-    graphed = gen(model, ids, mask, generator=row_generators(4) if rows else None, **kw)
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
+    monkeypatch.setattr(sampler, "graph_runner", lambda settings, device, generator: cuda_graphs.graph_runner(
+        settings, torch.device("cuda"), generator))  # what CUDA would pick, run on the CPU
+    graphed = _generate(model, ids, mask, kw, stop_token_ids=stops, cuda_graphs="auto")
     assert_same_rollout(eager, graphed)
     assert eager.num_forward_passes == graphed.num_forward_passes
-    assert len(recorded) >= 3 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
+    assert len(recorded) >= 2 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
+
+
+def _settings(**kw):
+    return SamplingSettings(**{**dict(max_new_tokens=8, block_length=4, denoising_steps=2, cache_mode="exact",
+                                      cuda_graphs="auto"), **kw})
+
+
+@pytest.mark.parametrize("kw,generator,expected", [
+    (dict(), None, "ExactCacheGraphRunner"),
+    (dict(cache_mode="dual"), None, "DualCacheGraphRunner"),
+    (dict(cache_mode="dual", schedule="linspace", remasking_strategy="origin"), "rows", "DualCacheGraphRunner"),
+    (dict(temperature=1.0), "rows", "ExactCacheGraphRunner"),
+    (dict(temperature=1.0), None, "ExactCacheGraphRunner"),  # the default CUDA generator draws inside the graph
+    (dict(temperature=0.0), "one", "ExactCacheGraphRunner"),  # one generator, but greedy: nothing is drawn
+    (dict(temperature=1.0), "one", "ModelRunner"),  # one generator that draws: its stream must match the eager one
+    (dict(cuda_graphs="off"), None, "ModelRunner"),
+    (dict(cache_mode="prefix"), None, "ModelRunner"),
+    (dict(cache_mode="none"), None, "ModelRunner"),
+    (dict(cache_mode="none", cfg_scale=1.0), None, "ModelRunner"),
+])
+def test_graph_runner_choice(kw, generator, expected):
+    """Which runner ``cuda_graphs="auto"`` uses on CUDA (and never off CUDA)."""
+    from trl_diffusion.generation.cuda_graphs import graph_runner
+
+    generator = {"rows": row_generators(2), "one": torch.Generator(), None: None}[generator]
+    assert graph_runner(_settings(**kw), torch.device("cuda"), generator).__name__ == expected
+    assert graph_runner(_settings(**kw), torch.device("cpu"), generator) is ModelRunner

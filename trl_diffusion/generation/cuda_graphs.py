@@ -1,4 +1,4 @@
-"""CUDA-graph replay of SDAR's exact-cache denoising steps (``cuda_graphs="auto"`` on CUDA).
+"""CUDA-graph replay of the cached samplers' denoising steps (``cuda_graphs="auto"`` on CUDA).
 
 UNMEASURED: written for CUDA and never run in CI (no GPU there). ``tests/test_static_cache.py`` checks
 everything but the capture itself on the CPU (with the capture replaced by eager replay) and has GPU-marked
@@ -6,37 +6,51 @@ tests that compare it with the eager path. The eager ``ModelRunner`` stays the r
 
 A denoising step (forward over the block against the static cache, sampling, commit selection, trajectory
 writes) has static shapes and no host synchronisation, so it is captured once per batch shape and replayed: one
-launch per step instead of thousands of kernel launches. Two graphs: a plain step, and a block's first step that
-also writes the previous block's final keys (``ModelRunner._commit_and_step``). The graphs read and write fixed
-buffers; a block's state is copied into them before its steps and back after. The forward attends over the
-whole cache (a fixed read window) with a mask that hides the slots after the block. Randomness: greedy decoding
-and per-row generator lists (their uniforms are drawn on the host and copied into buffers before each replay)
-give the eager results; with ``generator=None`` the default CUDA generator draws inside the graph (the same
-distribution, another stream). If a capture fails the runner warns and decodes eagerly.
+launch per step instead of thousands of kernel launches. The graphs read and write fixed buffers; a block's state
+is copied into them before its steps and back after, and each step's quota (uniform schedule) or fraction (Dream's
+linspace schedule) is written to a device buffer before the replay.
+
+* SDAR's exact cache (``ExactCacheGraphRunner``): two graphs, a plain step and a block's first step that also
+  writes the previous block's final keys (``ModelRunner._commit_and_step``). The forward attends over the whole
+  cache (a fixed read window) with a mask that hides the slots after the block.
+* LLaDA's and Dream's dual cache (``DualCacheGraphRunner``): a block's first step runs eagerly (its forward over
+  the whole canvas refreshes the cache); the later steps, a forward over the block's columns (for Dream, also the
+  column before it) against the whole cache, are one graph.
+* The prefix cache runs eagerly: its window (the block and everything after it) shrinks from block to block, so
+  every block would need a capture of its own.
+
+Randomness: greedy decoding and per-row generator lists (their uniforms are drawn on the host and copied into
+buffers before each replay) give the eager results; with ``generator=None`` the default CUDA generator draws inside
+the graph (the same distribution, another stream). If a capture fails the runner warns and decodes eagerly.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 
-from .denoise import Block, ModelRunner, StepNoise, denoise_step, draw_noise
+from .denoise import Block, ModelRunner, denoise_step, draw_noise
 
 STATE = ("tokens", "unmask_step", "logprobs", "steps_taken")
 """The block buffers a step writes (copied back to the canvas after the block)."""
+LOADED = (*STATE, "generated", "active")
+"""The block buffers a step reads."""
 
 
-def graphs_apply(settings, device: torch.device, generator) -> bool:
-    """Whether ``cuda_graphs="auto"`` replays captured steps for this call."""
+def graph_runner(settings, device: torch.device, generator) -> type[ModelRunner]:
+    """The runner class for this call: a graph runner where ``cuda_graphs="auto"`` applies, else the eager one."""
     single_generator = generator is not None and not isinstance(generator, (list, tuple))
-    return (settings.cuda_graphs == "auto" and device.type == "cuda" and settings.cache_mode == "exact"
-            and settings.schedule == "uniform" and not settings.cfg_scale
-            and not (single_generator and settings.draws_randomness))
+    if (settings.cuda_graphs != "auto" or device.type != "cuda" or settings.cfg_scale
+            or (single_generator and settings.draws_randomness)):
+        return ModelRunner
+    return {"exact": ExactCacheGraphRunner, "dual": DualCacheGraphRunner}.get(settings.cache_mode, ModelRunner)
 
 
-class CudaGraphRunner(ModelRunner):
-    """``ModelRunner`` for the exact cache whose denoising steps are replayed CUDA graphs."""
+class GraphRunner(ModelRunner):
+    """What the graph runners share: the block's buffers, the step's schedule and noise buffers, capture, and the
+    fall-back to the eager loop if a capture fails. Subclasses add their forward's inputs (``_input_buffers``)."""
 
     def __init__(self, model, settings, state, block_causal: bool) -> None:
         super().__init__(model, settings, state, block_causal)
@@ -48,63 +62,39 @@ class CudaGraphRunner(ModelRunner):
         rows, length = block.tokens.shape
         device = block.tokens.device
         self._shape, self._graphs, self._logits_shape = (rows, length), {}, None
-        self._buf = Block(start=0, end=0, tokens=block.tokens.clone(), generated=block.generated.clone(),
-                          unmask_step=block.unmask_step.clone(), logprobs=block.logprobs.clone(),
-                          steps_taken=block.steps_taken.clone(), active=block.active.clone())
-        self._previous = torch.zeros_like(block.tokens)  # the previous block's final tokens
-        self._positions = torch.zeros(rows, 2 * length, dtype=torch.long, device=device)  # [previous | this]
-        self._slots = torch.zeros(2 * length, dtype=torch.long, device=device)
-        self._masks = {fused: torch.zeros(rows, 1, (1 + fused) * length, self.width, dtype=torch.bool,
-                                          device=device) for fused in (False, True)}
+        self._buf = Block(start=0, end=0, **{name: getattr(block, name).clone() for name in LOADED})
         self._quota = torch.zeros((), dtype=torch.long, device=device)
-        self._noise = StepNoise()
+        self._fraction = torch.zeros((), dtype=torch.float32, device=device)
+        self._input_buffers(rows, length, device)
 
-    def _load(self, block: Block, previous: Block | None) -> None:
-        buf, state, length = self._buf, self.state, self._shape[1]
-        for name in (*STATE, "generated", "active"):
-            getattr(buf, name).copy_(getattr(block, name))
-        device = self._slots.device
-        cols = torch.arange(self.width, device=device)
-        self._positions[:, length:].copy_(state.positions[:, block.start:block.end])
-        self._slots[length:].copy_(torch.arange(block.start, block.end, device=device))
-        self._masks[False].copy_((state.valid & (cols < block.end))[:, None, None, :].expand_as(self._masks[False]))
-        if previous is None:
-            return
-        self._previous.copy_(state.canvas[:, previous.start:previous.end])
-        self._positions[:, :length].copy_(state.positions[:, previous.start:previous.end])
-        self._slots[:length].copy_(torch.arange(previous.start, previous.end, device=device))
-        query_end = torch.cat([torch.full((length,), previous.end, device=device),
-                               torch.full((length,), block.end, device=device)])
-        self._masks[True].copy_((state.valid[:, None, :] & (cols < query_end[:, None]))[:, None])
+    def _input_buffers(self, rows: int, length: int, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def _load_state(self, block: Block) -> None:
+        for name in LOADED:
+            getattr(self._buf, name).copy_(getattr(block, name))
 
     def _store(self, block: Block) -> None:
         for name in STATE:
             getattr(block, name).copy_(getattr(self._buf, name))
 
-    def _forward(self, fused: bool) -> torch.Tensor:
-        length = self._shape[1]
-        if fused:
-            self.cache.place(self._slots, self.width)
-            ids, positions = torch.cat([self._previous, self._buf.tokens], dim=1), self._positions
-        else:
-            self.cache.place(self._slots[length:], self.width)
-            ids, positions = self._buf.tokens, self._positions[:, length:]
-        return self.model(input_ids=ids, attention_mask=self._masks[fused], position_ids=positions,
-                          past_key_values=self.cache, logits_to_keep=length).logits
+    def _size_noise(self, logits_shape: tuple[int, ...]) -> None:
+        """Noise buffers for steps with ``logits_shape`` (zeros; draws nothing)."""
+        self._logits_shape = logits_shape
+        self._noise = draw_noise(self.settings, logits_shape, self.state.generator, self._quota.device,
+                                 [False] * logits_shape[0])
 
-    def _graph(self, fused: bool):
-        """The captured step (``fused``: the first step that also commits the previous block), captured once."""
-        if fused not in self._graphs:
-            if self._logits_shape is None:  # size the noise buffers (zeros; draws nothing)
-                self._logits_shape = (*self._shape, self._forward(False).shape[-1])
-                self._noise = draw_noise(self.settings, self._logits_shape, self.state.generator,
-                                         self._slots.device, [False] * self._shape[0])
-            self._graphs[fused] = self._record(lambda: denoise_step(
-                self._buf, self._forward(fused), self.settings, self.mask_id, self.state.generator, self._noise,
-                quota=self._quota))
-        return self._graphs[fused]
+    def _capture(self, key, forward: Callable[[], torch.Tensor]):
+        """The graph of one kind of step (``key``): ``forward``'s logits through ``denoise_step`` on the buffers,
+        captured the first time it is needed."""
+        if key not in self._graphs:
+            linspace = self.settings.schedule == "linspace"
+            self._graphs[key] = self._record(lambda: denoise_step(
+                self._buf, forward(), self.settings, self.mask_id, self.state.generator, self._noise,
+                quota=None if linspace else self._quota, fraction=self._fraction if linspace else None))
+        return self._graphs[key]
 
-    def _record(self, body):
+    def _record(self, body: Callable[[], None]):
         """Warm ``body`` up on a side stream, undo the warm-up's writes, capture it."""
         saved = [getattr(self._buf, name).clone() for name in STATE]
         side = torch.cuda.Stream()
@@ -119,6 +109,71 @@ class CudaGraphRunner(ModelRunner):
             body()
         return graph
 
+    def _replay(self, graph, step: int, row_steps: list[int], quotas: list[int] | None,
+                fractions: list[float] | None) -> None:
+        """Write step ``step``'s quota or fraction and the per-row uniforms (drawn on the host, as eagerly) into
+        their buffers, then replay."""
+        if quotas is not None:
+            self._quota.fill_(quotas[step])
+        if fractions is not None:
+            self._fraction.fill_(fractions[step])
+        fresh = draw_noise(self.settings, self._logits_shape, self.state.generator, self._quota.device,
+                           [planned > step for planned in row_steps])
+        for name in ("tokens", "confidence", "commit"):
+            if getattr(fresh, name) is not None:
+                getattr(self._noise, name).copy_(getattr(fresh, name))
+        graph.replay()
+        self.calls += 1
+
+    def _fall_back(self, error: RuntimeError) -> None:
+        warnings.warn(f"CUDA-graph capture failed ({error}); decoding eagerly. Pass cuda_graphs='off' to skip the "
+                      "attempt.", stacklevel=3)
+        self._failed = True
+
+    def select_rows(self, state, rows: torch.Tensor) -> None:
+        super().select_rows(state, rows)
+        self._shape = None  # buffers and graphs follow the new batch size
+
+
+class ExactCacheGraphRunner(GraphRunner):
+    """SDAR's exact cache: every step of a block is a replayed graph (a block's first step also commits the
+    previous block's keys)."""
+
+    def _input_buffers(self, rows: int, length: int, device: torch.device) -> None:
+        self._previous = torch.zeros(rows, length, dtype=torch.long, device=device)  # the previous block's tokens
+        self._positions = torch.zeros(rows, 2 * length, dtype=torch.long, device=device)  # [previous | this]
+        self._slots = torch.zeros(2 * length, dtype=torch.long, device=device)
+        self._masks = {fused: torch.zeros(rows, 1, (1 + fused) * length, self.width, dtype=torch.bool,
+                                          device=device) for fused in (False, True)}
+
+    def _load(self, block: Block, previous: Block | None) -> None:
+        self._load_state(block)
+        state, length = self.state, self._shape[1]
+        device = self._slots.device
+        cols = torch.arange(self.width, device=device)
+        self._positions[:, length:].copy_(state.positions[:, block.start:block.end])
+        self._slots[length:].copy_(torch.arange(block.start, block.end, device=device))
+        self._masks[False].copy_((state.valid & (cols < block.end))[:, None, None, :].expand_as(self._masks[False]))
+        if previous is None:
+            return
+        self._previous.copy_(state.canvas[:, previous.start:previous.end])
+        self._positions[:, :length].copy_(state.positions[:, previous.start:previous.end])
+        self._slots[:length].copy_(torch.arange(previous.start, previous.end, device=device))
+        query_end = torch.cat([torch.full((length,), previous.end, device=device),
+                               torch.full((length,), block.end, device=device)])
+        self._masks[True].copy_((state.valid[:, None, :] & (cols < query_end[:, None]))[:, None])
+
+    def _forward(self, fused: bool) -> torch.Tensor:
+        length = self._shape[1]
+        if fused:
+            self.cache.place(self._slots, self.width)
+            ids, positions = torch.cat([self._previous, self._buf.tokens], dim=1), self._positions
+        else:
+            self.cache.place(self._slots[length:], self.width)
+            ids, positions = self._buf.tokens, self._positions[:, length:]
+        return self.model(input_ids=ids, attention_mask=self._masks[fused], position_ids=positions,
+                          past_key_values=self.cache, logits_to_keep=length).logits
+
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:
         if self._failed:
@@ -129,24 +184,67 @@ class CudaGraphRunner(ModelRunner):
         self._load(block, previous)
         steps = max(row_steps)
         try:
-            graphs = [self._graph(previous is not None and step == 0) for step in range(min(steps, 2))]
+            if self._logits_shape is None:
+                self._size_noise((*self._shape, self._forward(False).shape[-1]))
+            graphs = [self._capture(fused, lambda fused=fused: self._forward(fused))
+                      for fused in [previous is not None and step == 0 for step in range(min(steps, 2))]]
         except RuntimeError as error:  # unmeasured path: never let it break generation
-            warnings.warn(f"CUDA-graph capture failed ({error}); decoding eagerly. Pass cuda_graphs='off' to "
-                          "skip the attempt.", stacklevel=2)
-            self._failed = True
+            self._fall_back(error)
             return super().run_block(block, row_steps, quotas, fractions)
         for step in range(steps):
-            self._quota.fill_(quotas[step])
-            fresh = draw_noise(self.settings, self._logits_shape, self.state.generator, self._slots.device,
-                               [planned > step for planned in row_steps])
-            for name in ("tokens", "confidence", "commit"):  # per-row uniforms drawn on the host, as eagerly
-                if getattr(fresh, name) is not None:
-                    getattr(self._noise, name).copy_(getattr(fresh, name))
-            graphs[min(step, 1)].replay()
-            self.calls += 1
+            self._replay(graphs[min(step, 1)], step, row_steps, quotas, fractions)
         self._store(block)
         self.uncommitted = block
 
-    def select_rows(self, state, rows: torch.Tensor) -> None:
-        super().select_rows(state, rows)
-        self._shape = None  # buffers and graphs follow the new batch size
+
+class DualCacheGraphRunner(GraphRunner):
+    """LLaDA's and Dream's dual cache: a block's first step runs eagerly (the whole-canvas forward that refreshes
+    the cache); its later steps are one replayed graph."""
+
+    def _input_buffers(self, rows: int, length: int, device: torch.device) -> None:
+        live = length + self.shift
+        self._before = torch.zeros(rows, self.shift, dtype=torch.long, device=device)  # Dream: the column before
+        self._positions = torch.zeros(rows, live, dtype=torch.long, device=device)
+        self._slots = torch.zeros(live, dtype=torch.long, device=device)
+        self._mask = (torch.zeros(rows, 1, live, self.width, dtype=torch.bool, device=device)
+                      if self.state.padded else None)
+
+    def _load(self, block: Block) -> None:
+        """Copy in the block's state and the forward's inputs (``begin`` set the live window and its mask)."""
+        self._load_state(block)
+        live, state = self._live, self.state
+        self._before.copy_(state.canvas[:, live.start:block.start])
+        self._positions.copy_(state.positions[:, live])
+        self._slots.copy_(torch.arange(live.start, live.stop, device=self._slots.device))
+        if self._mask is not None:
+            self._mask.copy_(self._block_mask)
+
+    def _forward(self) -> torch.Tensor:
+        self.cache.place(self._slots, self.width)
+        ids = torch.cat([self._before, self._buf.tokens], dim=1) if self.shift else self._buf.tokens
+        logits = self.model(input_ids=ids, attention_mask=self._mask, position_ids=self._positions,
+                            past_key_values=self.cache).logits
+        return logits[:, : self._shape[1]]
+
+    def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
+                  fractions: list[float] | None) -> None:
+        if self._failed:
+            return super().run_block(block, row_steps, quotas, fractions)
+        self.begin(block)
+        steps = max(row_steps)
+        self.run_steps(block, row_steps, quotas, fractions, last=min(steps, 1))
+        if steps <= 1:
+            return
+        if self._shape != tuple(block.tokens.shape):
+            self._buffers(block)
+        self._load(block)
+        try:
+            if self._logits_shape is None:
+                self._size_noise(tuple(self._first_logits.shape))
+            graph = self._capture("step", self._forward)
+        except RuntimeError as error:  # unmeasured path: never let it break generation
+            self._fall_back(error)
+            return self.run_steps(block, row_steps, quotas, fractions, first=1)
+        for step in range(1, steps):
+            self._replay(graph, step, row_steps, quotas, fractions)
+        self._store(block)

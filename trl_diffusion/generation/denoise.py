@@ -272,15 +272,21 @@ class ModelRunner:
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:
         """The denoising steps of ``block``: as many as the row that needs most (``row_steps``: each row's plan,
-        fixed before the block, so there is no host synchronisation inside it). Where the host is the device
-        (``PROBE_DEVICES``), reading whether the block is done costs nothing, so a block whose rows all finished
-        early (dynamic / origin) stops there; the draws its rows had planned are still made, so that a row's
-        random stream does not depend on when its batch stopped."""
+        fixed before the block, so there is no host synchronisation inside it)."""
         self.begin(block)
-        steps = max(row_steps)
-        probe = (block.tokens.device.type in PROBE_DEVICES
+        self.run_steps(block, row_steps, quotas, fractions)
+        self.end(block)
+
+    def run_steps(self, block: Block, row_steps: list[int], quotas: list[int] | None,
+                  fractions: list[float] | None, first: int = 0, last: int | None = None) -> None:
+        """Steps ``first`` to ``last - 1`` of a begun block (by default to its end), eagerly. Where the host is the
+        device (``PROBE_DEVICES``), reading whether the block is done costs nothing, so a block run to its end whose
+        rows all finished early (dynamic / origin) stops there; the draws its rows had planned are still made, so
+        that a row's random stream does not depend on when its batch stopped."""
+        steps = max(row_steps) if last is None else last
+        probe = (last is None and block.tokens.device.type in PROBE_DEVICES
                  and self.settings.remasking_strategy in DATA_DEPENDENT_STEPS)
-        for step in range(steps):
+        for step in range(first, steps):
             logits = self.logits(block, step)
             shape = tuple(logits.shape)
             noise = draw_noise(self.settings, shape, self.state.generator, logits.device,
@@ -293,7 +299,6 @@ class ModelRunner:
                     draw_noise(self.settings, shape, self.state.generator, logits.device,
                                [planned > later for planned in row_steps])
                 break
-        self.end(block)
 
     def select_rows(self, state, rows: torch.Tensor) -> None:
         """Follow the working batch after finished rows left it (``rows``: the kept rows of the old batch)."""
