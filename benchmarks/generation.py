@@ -11,12 +11,20 @@ Presets:
   per block, batch 1/16/64/128, static and dynamic (threshold 0.9), greedy, exact cache and no cache (no cache at
   batch 1/16 only: without a cache every step re-runs the whole sequence, which would not fit a 5-minute budget at
   large batch). Random weights are never confident, so dynamic decoding commits about one token per step here.
-* ``tiny``: the ``sdar-4b`` table on a tiny SDAR config (runs in seconds on a CPU; checks the script).
+* ``llada-1.6b``: the same kind of table for LLaDA's caches on random weights in a 1.6B LLaDA shape (LLaDA-8B's
+  vocabulary 126464 and head_dim 128; d_model 2048, 22 layers, 16 heads, MLP 5632): batch 16, prompt 128, 256 new
+  tokens, block 32, 32 steps per block (one token per step), static; no cache, prefix and dual cache.
+* ``tiny`` / ``llada-tiny``: the ``sdar-4b`` / ``llada-1.6b`` tables on tiny configs (seconds on a CPU; check the
+  script).
+
+With ``--cuda_graphs auto`` (the default) a table also has one eager row (``cuda_graphs`` "off": the first cache
+mode, the smallest batch, static), the baseline the replayed steps are compared with.
 
     python benchmarks/generation.py                                   # CPU grid (slow for 2048 uncached)
     python benchmarks/generation.py --lengths 128 512 --families sdar
     python benchmarks/generation.py --device cuda                     # the sdar-4b table (the default on CUDA)
     python benchmarks/generation.py --preset tiny                     # the same table on a tiny model
+    python benchmarks/generation.py --device cuda --preset llada-1.6b # LLaDA: no cache, prefix, dual
     python benchmarks/generation.py --count_ops                       # torch ops per cached SDAR token (cpu model)
 """
 
@@ -29,7 +37,7 @@ import time
 
 import torch
 
-from trl_diffusion.models import SDARConfig, SDARForCausalLM
+from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM
 from trl_diffusion.testing import tiny_model
 
 CACHE_MODES = {"sdar": [False, True], "llada": [False, "dual"], "dream": [False, "dual"]}
@@ -42,9 +50,26 @@ SDAR_4B = dict(hidden_size=2560, num_hidden_layers=36, num_attention_heads=32, n
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             vocab_size=512, intermediate_size=128, max_position_embeddings=1024, rope_theta=10000.0, block_size=4,
             mask_token_id=511, eos_token_id=0, bos_token_id=0)
-TABLES = {  # preset -> (config, prompt length, new tokens, batch sizes, batch sizes also run without a cache)
-    "sdar-4b": (SDAR_4B, 128, 256, [1, 16, 64, 128], [1, 16]),
-    "tiny": (TINY, 16, 32, [1, 4, 8], [1, 4, 8]),
+LLADA_1_6B = dict(d_model=2048, n_layers=22, n_heads=16, n_kv_heads=16, mlp_hidden_size=5632, vocab_size=126464,
+                  embedding_size=126464, max_sequence_length=4096, rope=True, rope_theta=500000.0,
+                  rope_full_precision=True, weight_tying=False, block_type="llama", activation_type="silu",
+                  layer_norm_type="rms", rms_norm_eps=1e-5, include_bias=False, mask_token_id=126336,
+                  eos_token_id=126081, pad_token_id=126081)  # LLaDA-8B-Instruct's config.json, narrower and shallower
+LLADA_TINY = {**LLADA_1_6B, **dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128,
+                                   vocab_size=512, embedding_size=512, mask_token_id=511, eos_token_id=0,
+                                   pad_token_id=0)}
+MODELS = {"sdar": (SDARConfig, SDARForCausalLM), "llada": (LLaDAConfig, LLaDAModelLM)}
+TABLES = {  # preset -> the rollout table's model and settings
+    "sdar-4b": dict(family="sdar", config=SDAR_4B, prompt=128, new_tokens=256, block=4, steps=4,
+                    batches=[1, 16, 64, 128], uncached_batches=[1, 16], caches=[True], strategies=STRATEGIES),
+    "tiny": dict(family="sdar", config=TINY, prompt=16, new_tokens=32, block=4, steps=4, batches=[1, 4, 8],
+                 uncached_batches=[1, 4, 8], caches=[True], strategies=STRATEGIES),
+    "llada-1.6b": dict(family="llada", config=LLADA_1_6B, prompt=128, new_tokens=256, block=32, steps=32,
+                       batches=[16], uncached_batches=[16], caches=["dual", "prefix"],
+                       strategies=["low_confidence_static"]),
+    "llada-tiny": dict(family="llada", config=LLADA_TINY, prompt=16, new_tokens=32, block=8, steps=8,
+                       batches=[1, 4], uncached_batches=[1, 4], caches=["dual", "prefix"],
+                       strategies=["low_confidence_static"]),
 }
 
 
@@ -148,45 +173,54 @@ def count_ops(args, device: torch.device, new_tokens: int = 128) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_sdar(config: dict, device: torch.device) -> SDARForCausalLM:
+def build_model(family: str, config: dict, device: torch.device):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config_class, model_class = MODELS[family]
     torch.manual_seed(0)
     with torch.device(device):
-        model = SDARForCausalLM._from_config(SDARConfig(**config), dtype=dtype)
+        model = model_class._from_config(config_class(**config), dtype=dtype)
     return model.eval()
 
 
 def rollout_table(args, device: torch.device) -> None:
-    config, prompt_length, new_tokens, batches, uncached_batches = TABLES[args.preset]
-    if args.batch_sizes_table:
-        batches = args.batch_sizes_table
+    table = TABLES[args.preset]
+    config, prompt_length, new_tokens = table["config"], table["prompt"], table["new_tokens"]
+    batches = args.batch_sizes_table or table["batches"]
     began = time.perf_counter()
-    model = build_sdar(config, device)
+    model = build_model(table["family"], config, device)
     built = time.perf_counter() - began
     token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
-    generator = torch.Generator(device=device).manual_seed(0)
-    settings = dict(max_new_tokens=new_tokens, block_length=4, denoising_steps=4, temperature=0.0,
-                    confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True,
-                    cuda_graphs=args.cuda_graphs)
-    rows = []
-    for batch in batches:
-        prompt = torch.randint(*token_ids, (batch, prompt_length), device=device, generator=generator)
-        timed_generate(model, prompt, **{**settings, "max_new_tokens": 8, "use_cache": True})  # warm-up
-        for cache in (True, False):
-            if not cache and batch not in uncached_batches:
-                continue
-            for strategy in STRATEGIES:
-                out, seconds = timed_generate(model, prompt, use_cache=cache, remasking_strategy=strategy,
-                                              **settings)
-                rows.append(record(out, seconds, device, batch=batch, cache="exact" if cache else "none",
-                                   strategy=strategy, new_tokens=new_tokens, prompt=prompt_length))
-                print(json.dumps(rows[-1]), flush=True)
+    settings = dict(max_new_tokens=new_tokens, block_length=table["block"], denoising_steps=table["steps"],
+                    temperature=0.0, confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
+    # (batch, cache, strategy, cuda_graphs) rows: cached, then uncached where affordable, then the eager baseline
+    runs = [(batch, cache, strategy, args.cuda_graphs) for batch in batches
+            for cache in table["caches"] + ([False] if batch in table["uncached_batches"] else [])
+            for strategy in table["strategies"]]
+    if args.cuda_graphs == "auto":
+        runs.append((min(batches), table["caches"][0], "low_confidence_static", "off"))
+    rows, warm = [], set()
+    for batch, cache, strategy, graphs in runs:
+        prompt = torch.randint(*token_ids, (batch, prompt_length), device=device,
+                               generator=torch.Generator(device=device).manual_seed(batch))
+        if (batch, cache, graphs) not in warm:  # first calls compile kernels / capture graphs
+            timed_generate(model, prompt, **{**settings, "max_new_tokens": table["block"]}, use_cache=cache,
+                           cuda_graphs=graphs)
+            warm.add((batch, cache, graphs))
+        out, seconds = timed_generate(model, prompt, use_cache=cache, remasking_strategy=strategy,
+                                      cuda_graphs=graphs, **settings)
+        rows.append(record(out, seconds, device, batch=batch, cache=cache_name(cache), strategy=strategy,
+                           cuda_graphs=graphs, new_tokens=new_tokens, prompt=prompt_length))
+        print(json.dumps(rows[-1]), flush=True)
     summary = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-               else "cpu", "torch": torch.__version__, "cuda_graphs": args.cuda_graphs,
-               "build_seconds": round(built, 1), "total_seconds": round(time.perf_counter() - began, 1),
-               "table": [{k: r[k] for k in ("batch", "cache", "strategy", "tokens_per_s", "ms_per_forward",
-                                            "tokens_per_step")} for r in rows]}
+               else "cpu", "torch": torch.__version__, "build_seconds": round(built, 1),
+               "total_seconds": round(time.perf_counter() - began, 1),
+               "table": [{k: r[k] for k in ("batch", "cache", "strategy", "cuda_graphs", "tokens_per_s",
+                                            "ms_per_forward", "tokens_per_step")} for r in rows]}
     print(json.dumps(summary, indent=1))
+
+
+def cache_name(cache) -> str:
+    return {True: "exact", False: "none"}.get(cache, cache)
 
 
 def main() -> None:

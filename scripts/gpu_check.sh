@@ -5,7 +5,8 @@
 #   1. generation benchmark:   the SDAR-4B rollout table (issue 13's targets)   -> generation.log
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side (MFU) -> training_sdar4b.json
 #   3. the GPU tests:          pytest -m gpu tests (every gpu-marked test)      -> gpu_tests.log, gpu_tests.xml
-#   4. flex-attention probe:   which head sizes / dtypes compile                -> flex_probe.json
+#   4. generation benchmark:   the LLaDA-1.6B table (no cache, prefix, dual)    -> generation_llada.log
+#   5. flex-attention probe:   which head sizes / dtypes compile                -> flex_probe.json
 #
 # Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
 # (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git) and send .whl along
@@ -47,10 +48,11 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
 }
 
 step generation 140 python3 benchmarks/generation.py --device cuda --preset sdar-4b
-step training_sdar4b 130 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 62 \
+step training_sdar4b 125 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 60 \
     --profile --output "$OUT/training_sdar4b.json"
-step gpu_tests 230 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
+step gpu_tests 210 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
     --junitxml="$OUT/gpu_tests.xml"
-step flex_probe 40 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
+step generation_llada 40 python3 benchmarks/generation.py --device cuda --preset llada-1.6b
+step flex_probe 25 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
 tail -n 3 "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
 echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"

@@ -1,0 +1,50 @@
+"""``benchmarks/generation.py``'s rollout tables run (tiny presets) and build the GPU presets' shapes."""
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_generation_benchmark():
+    spec = importlib.util.spec_from_file_location("generation_benchmark", ROOT / "benchmarks" / "generation.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("preset,caches", [("tiny", ["exact", "none"]), ("llada-tiny", ["dual", "prefix", "none"])])
+def test_rollout_table_rows(capsys, preset, caches):
+    """One row per cache mode and strategy (uncached too at these batch sizes), then the eager baseline; every row
+    decodes the whole table's tokens, one per step."""
+    bench = load_generation_benchmark()
+    table = bench.TABLES[preset]
+    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=[4], cuda_graphs="auto"),
+                        torch.device("cpu"))
+    out = capsys.readouterr().out
+    records = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
+    summary = json.loads(out[out.index("\n{\n") + 1:])
+    expected = [(cache, strategy, "auto") for cache in caches for strategy in table["strategies"]]
+    expected.append((caches[0], "low_confidence_static", "off"))
+    assert [(r["cache"], r["strategy"], r["cuda_graphs"]) for r in records] == expected
+    assert all(r["batch"] == 4 and r["tokens_per_step"] == 1.0 and r["tokens_per_s"] > 0 for r in records)
+    assert [r["tokens_per_s"] for r in summary["table"]] == [r["tokens_per_s"] for r in records]
+    # one token per step: a forward per new token (the exact cache: and one prefill of the prompt's full blocks)
+    assert all(table["new_tokens"] <= r["forward_passes"] <= table["new_tokens"] + 1 for r in records)
+
+
+def test_generation_presets_have_the_stated_sizes():
+    bench = load_generation_benchmark()
+    sizes = {}
+    for preset in ("sdar-4b", "llada-1.6b"):
+        table = bench.TABLES[preset]
+        model = bench.build_model(table["family"], table["config"], torch.device("meta"))
+        sizes[preset] = sum(p.numel() for p in model.parameters())
+        assert model.dtype == torch.float32  # bf16 is for CUDA only
+    assert 4.4e9 < sizes["sdar-4b"] < 4.5e9
+    assert 1.6e9 < sizes["llada-1.6b"] < 1.7e9
