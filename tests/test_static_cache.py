@@ -3,9 +3,11 @@ inside a block, finished rows leaving the batch without changing anything."""
 
 import pytest
 import torch
+from numerics import assert_close_fp32
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from trl_diffusion.generation import denoise
+from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
+from trl_diffusion.generation import cuda_graphs, denoise, sampler
 from trl_diffusion.generation.denoise import BlockSchedule, ModelRunner
 from trl_diffusion.generation.sampler import SamplingSettings
 from trl_diffusion.generation.sampling import sampling_logits, select_commits, uniform_quota
@@ -474,13 +476,11 @@ def test_cuda_graphs_equal_eager(family, kw):
 def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch):
     """On CUDA, torch's sync debug mode raises on any synchronising call inside a block (from the third block on:
     the first two capture the graphs, and capturing synchronises once)."""
-    from trl_diffusion.generation.cuda_graphs import graph_runner
-
     model = tiny_model(family).to("cuda")
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
     settings = SamplingSettings(max_new_tokens=32, block_length=4, denoising_steps=2, cache_mode=
                                 "exact" if cache is True else cache, cuda_graphs=graphs)
-    runner = graph_runner(settings, ids.device, None)
+    runner = cuda_graphs.graph_runner(settings, ids.device, None)
     assert (runner is ModelRunner) == (graphs == "off")
     original, blocks = runner.run_block, []
 
@@ -512,25 +512,61 @@ def test_graph_runner_buffers_equal_eager(monkeypatch, family, kw):
     then replays) run on fixed buffers copied in and out per block, read the whole cache through a mask, take the
     quota or Dream's fraction from a device buffer and per-row uniforms from noise buffers refilled before each
     replay; rows leaving the batch resize them (and the graphs are captured again)."""
-    from trl_diffusion.generation import cuda_graphs, sampler
-
     model, ids, mask, kw = _graph_case(family, kw)
     free = _generate(model, ids, mask, kw)
     stops = [int(free.sequences[row, ids.shape[1] + 2]) for row in (0, 1)]  # two rows stop after their 1st block
     eager = _generate(model, ids, mask, kw, stop_token_ids=stops)
     recorded = []
-
-    def record(self, body):
-        recorded.append(self._shape)
-        return _EagerReplay(body)
-
-    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
-    monkeypatch.setattr(sampler, "graph_runner", lambda settings, device, generator: cuda_graphs.graph_runner(
-        settings, torch.device("cuda"), generator))  # what CUDA would pick, run on the CPU
+    _force_graph_runners(monkeypatch, recorded)
     graphed = _generate(model, ids, mask, kw, stop_token_ids=stops, cuda_graphs="auto")
     assert_same_rollout(eager, graphed)
     assert eager.num_forward_passes == graphed.num_forward_passes
     assert len(recorded) >= 2 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
+
+
+def _force_graph_runners(monkeypatch, recorded=None):
+    """Use the graph runners CUDA would use, on the CPU, with each capture replaced by an eager call."""
+    def record(self, body):
+        if recorded is not None:
+            recorded.append(self._shape)
+        return _EagerReplay(body)
+
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
+    monkeypatch.setattr(sampler, "graph_runner", lambda settings, device, generator: cuda_graphs.graph_runner(
+        settings, torch.device("cuda"), generator))
+
+
+def _replay_matches_the_sampler(model, ids, mask, out):
+    """TraceRL's trajectory estimate of a rollout equals the log-probs the sampler recorded."""
+    width = ids.shape[1]
+    completion, steps = out.sequences[:, width:], out.unmask_step[:, width:]
+    settings = EstimatorSettings(block_size=model.block_size, temperature=1.0)
+    logps, _, scored = estimate_logprobs(model, ids, mask, completion, steps, settings)
+    assert bool(scored.equal(steps >= 0)) and bool(scored.any())
+    assert_close_fp32(logps, out.token_logprobs[:, width:], scored)
+
+
+def test_tracerl_replays_a_graph_runner_rollout(monkeypatch):
+    """A rollout of the (CPU-run) graph runner, sampled with per-row generators and the exact cache, is scored by
+    TraceRL's trajectory estimator exactly as the sampler scored it."""
+    _force_graph_runners(monkeypatch)
+    model = tiny_model("sdar")
+    ids, mask = left_pad(PROMPTS)
+    out = gen(model, ids, mask, use_cache=True, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
+              remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+              generator=row_generators(len(PROMPTS)))
+    _replay_matches_the_sampler(model, ids, mask, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tracerl_replays_a_cuda_graph_rollout():
+    model = tiny_model("sdar").to("cuda")
+    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+    out = gen(model, ids, mask, use_cache=True, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
+              remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+              generator=row_generators(len(PROMPTS)))
+    _replay_matches_the_sampler(model, ids, mask, out)
 
 
 def _settings(**kw):
@@ -553,8 +589,7 @@ def _settings(**kw):
 ])
 def test_graph_runner_choice(kw, generator, expected):
     """Which runner ``cuda_graphs="auto"`` uses on CUDA (and never off CUDA)."""
-    from trl_diffusion.generation.cuda_graphs import graph_runner
-
+    graph_runner = cuda_graphs.graph_runner
     generator = {"rows": row_generators(2), "one": torch.Generator(), None: None}[generator]
     assert graph_runner(_settings(**kw), torch.device("cuda"), generator).__name__ == expected
     assert graph_runner(_settings(**kw), torch.device("cpu"), generator) is ModelRunner
