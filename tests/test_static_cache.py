@@ -438,8 +438,11 @@ GRAPH_CASES = [  # (family, generate arguments): every cache mode a graph runner
     ("llada", dict(use_cache="dual")),
     ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
                    temperature=1.0, rows=True)),
+    ("llada", dict(use_cache="prefix", denoising_steps=4, remasking_strategy="low_confidence_dynamic",
+                   confidence_threshold=0.2, temperature=1.0, rows=True)),
     ("dream", dict(use_cache="dual", steps=10, alg="entropy", alg_temp=0.5, temperature=0.5, rows=True)),
     ("dream", dict(use_cache="dual", steps=10, alg="origin", temperature=1.0, rows=True)),
+    ("dream", dict(use_cache="prefix", steps=15, alg="maskgit_plus", temperature=0.0)),
 ]
 
 
@@ -471,18 +474,19 @@ def test_cuda_graphs_equal_eager(family, kw):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "dual")])
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("llada", "prefix"), ("dream", "dual")])
 @pytest.mark.parametrize("graphs", ["off", "auto"])
 def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch):
-    """On CUDA, torch's sync debug mode raises on any synchronising call inside a block (from the third block on:
-    the first two capture the graphs, and capturing synchronises once)."""
+    """On CUDA, torch's sync debug mode raises on any synchronising call inside a block, from the third block on
+    (the first ones also initialise CUDA libraries) and except while a graph is captured (capturing synchronises;
+    the prefix cache captures in every block)."""
     model = tiny_model(family).to("cuda")
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
-    settings = SamplingSettings(max_new_tokens=32, block_length=4, denoising_steps=2, cache_mode=
+    settings = SamplingSettings(max_new_tokens=32, block_length=4, denoising_steps=3, cache_mode=
                                 "exact" if cache is True else cache, cuda_graphs=graphs)
     runner = cuda_graphs.graph_runner(settings, ids.device, None)
     assert (runner is ModelRunner) == (graphs == "off")
-    original, blocks = runner.run_block, []
+    original, original_record, blocks, captures = runner.run_block, cuda_graphs.GraphRunner._record, [], []
 
     def strict(self, *args, **kwargs):
         blocks.append(1)
@@ -492,10 +496,21 @@ def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
+    def record(self, body):
+        captures.append(1)
+        mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            return original_record(self, body)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+
     monkeypatch.setattr(runner, "run_block", strict)
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
     gen(model, ids, mask, use_cache=cache, cuda_graphs=graphs, max_new_tokens=32, temperature=1.0,
-        remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2, generator=row_generators(len(PROMPTS)))
-    assert len(blocks) > 4
+        denoising_steps=3, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
+        generator=row_generators(len(PROMPTS)))
+    assert len(blocks) > 4 and (len(captures) > 0) == (graphs == "auto")
 
 
 class _EagerReplay:
@@ -522,6 +537,8 @@ def test_graph_runner_buffers_equal_eager(monkeypatch, family, kw):
     assert_same_rollout(eager, graphed)
     assert eager.num_forward_passes == graphed.num_forward_passes
     assert len(recorded) >= 2 and recorded[0][0] == 4 and recorded[-1][0] < 4  # recaptured after rows left
+    if kw.get("use_cache") == "prefix":  # the window shrinks: each of the five blocks captures its own graph
+        assert len(recorded) == 5
 
 
 def _force_graph_runners(monkeypatch, recorded=None):
@@ -576,14 +593,14 @@ def _settings(**kw):
 
 @pytest.mark.parametrize("kw,generator,expected", [
     (dict(), None, "ExactCacheGraphRunner"),
-    (dict(cache_mode="dual"), None, "DualCacheGraphRunner"),
-    (dict(cache_mode="dual", schedule="linspace", remasking_strategy="origin"), "rows", "DualCacheGraphRunner"),
+    (dict(cache_mode="dual"), None, "WindowCacheGraphRunner"),
+    (dict(cache_mode="dual", schedule="linspace", remasking_strategy="origin"), "rows", "WindowCacheGraphRunner"),
+    (dict(cache_mode="prefix"), None, "WindowCacheGraphRunner"),
     (dict(temperature=1.0), "rows", "ExactCacheGraphRunner"),
     (dict(temperature=1.0), None, "ExactCacheGraphRunner"),  # the default CUDA generator draws inside the graph
     (dict(temperature=0.0), "one", "ExactCacheGraphRunner"),  # one generator, but greedy: nothing is drawn
     (dict(temperature=1.0), "one", "ModelRunner"),  # one generator that draws: its stream must match the eager one
     (dict(cuda_graphs="off"), None, "ModelRunner"),
-    (dict(cache_mode="prefix"), None, "ModelRunner"),
     (dict(cache_mode="none"), None, "ModelRunner"),
     (dict(cache_mode="none", cfg_scale=1.0), None, "ModelRunner"),
 ])

@@ -13,11 +13,11 @@ linspace schedule) is written to a device buffer before the replay.
 * SDAR's exact cache (``ExactCacheGraphRunner``): two graphs, a plain step and a block's first step that also
   writes the previous block's final keys (``ModelRunner._commit_and_step``). The forward attends over the whole
   cache (a fixed read window) with a mask that hides the slots after the block.
-* LLaDA's and Dream's dual cache (``DualCacheGraphRunner``): a block's first step runs eagerly (its forward over
-  the whole canvas refreshes the cache); the later steps, a forward over the block's columns (for Dream, also the
-  column before it) against the whole cache, are one graph.
-* The prefix cache runs eagerly: its window (the block and everything after it) shrinks from block to block, so
-  every block would need a capture of its own.
+* LLaDA's and Dream's prefix and dual caches (``WindowCacheGraphRunner``): a block's first step runs eagerly (its
+  forward over the whole canvas refreshes the cache); the later steps, a forward over the live window against the
+  whole cache, are replayed. The dual window (the block; for Dream, also the column before it) keeps its width,
+  so one capture serves every block; the prefix window (the block and every column after it) shrinks from block
+  to block, so each block captures its own.
 
 Randomness: greedy decoding and per-row generator lists (their uniforms are drawn on the host and copied into
 buffers before each replay) give the eager results; with ``generator=None`` the default CUDA generator draws inside
@@ -45,7 +45,8 @@ def graph_runner(settings, device: torch.device, generator) -> type[ModelRunner]
     if (settings.cuda_graphs != "auto" or device.type != "cuda" or settings.cfg_scale
             or (single_generator and settings.draws_randomness)):
         return ModelRunner
-    return {"exact": ExactCacheGraphRunner, "dual": DualCacheGraphRunner}.get(settings.cache_mode, ModelRunner)
+    return {"exact": ExactCacheGraphRunner, "prefix": WindowCacheGraphRunner, "dual": WindowCacheGraphRunner}.get(
+        settings.cache_mode, ModelRunner)
 
 
 class GraphRunner(ModelRunner):
@@ -197,23 +198,35 @@ class ExactCacheGraphRunner(GraphRunner):
         self.uncommitted = block
 
 
-class DualCacheGraphRunner(GraphRunner):
-    """LLaDA's and Dream's dual cache: a block's first step runs eagerly (the whole-canvas forward that refreshes
-    the cache); its later steps are one replayed graph."""
+class WindowCacheGraphRunner(GraphRunner):
+    """LLaDA's and Dream's prefix and dual caches: a block's first step runs eagerly (the whole-canvas forward that
+    refreshes the cache); its later steps, a forward over the live window (``begin`` sets it: dual, the block;
+    prefix, the block and every column after it; Dream, also the column before) against the whole cache, are a
+    replayed graph. The dual window keeps its width, so one capture serves every block; the prefix window
+    shrinks, so each block captures its own (and the previous block's graph is dropped)."""
 
     def _input_buffers(self, rows: int, length: int, device: torch.device) -> None:
-        live = length + self.shift
-        self._before = torch.zeros(rows, self.shift, dtype=torch.long, device=device)  # Dream: the column before
-        self._positions = torch.zeros(rows, live, dtype=torch.long, device=device)
-        self._slots = torch.zeros(live, dtype=torch.long, device=device)
-        self._mask = (torch.zeros(rows, 1, live, self.width, dtype=torch.bool, device=device)
+        self._width = None
+
+    def _window_buffers(self) -> None:
+        """Inputs of a forward over the live window (a new capture when its width changes)."""
+        live, rows, device = self._live, self._shape[0], self._quota.device
+        width = live.stop - live.start
+        if width == self._width:
+            return
+        self._width, self._graphs = width, {}
+        self._ids = torch.zeros(rows, width, dtype=torch.long, device=device)  # the block's part is replaced
+        self._positions = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self._slots = torch.zeros(width, dtype=torch.long, device=device)
+        self._mask = (torch.zeros(rows, 1, width, self.width, dtype=torch.bool, device=device)
                       if self.state.padded else None)
 
     def _load(self, block: Block) -> None:
-        """Copy in the block's state and the forward's inputs (``begin`` set the live window and its mask)."""
+        """Copy in the block's state and the window's inputs (``begin`` set the window and its mask)."""
         self._load_state(block)
+        self._window_buffers()
         live, state = self._live, self.state
-        self._before.copy_(state.canvas[:, live.start:block.start])
+        self._ids.copy_(state.canvas[:, live])
         self._positions.copy_(state.positions[:, live])
         self._slots.copy_(torch.arange(live.start, live.stop, device=self._slots.device))
         if self._mask is not None:
@@ -221,10 +234,11 @@ class DualCacheGraphRunner(GraphRunner):
 
     def _forward(self) -> torch.Tensor:
         self.cache.place(self._slots, self.width)
-        ids = torch.cat([self._before, self._buf.tokens], dim=1) if self.shift else self._buf.tokens
+        length, shift = self._shape[1], self.shift
+        ids = torch.cat([self._ids[:, :shift], self._buf.tokens, self._ids[:, shift + length:]], dim=1)
         logits = self.model(input_ids=ids, attention_mask=self._mask, position_ids=self._positions,
                             past_key_values=self.cache).logits
-        return logits[:, : self._shape[1]]
+        return logits[:, :length]
 
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:

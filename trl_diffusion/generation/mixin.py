@@ -124,8 +124,8 @@ class DiffusionGenerationMixin:
         (linspace schedule); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's
         sample does not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput``
         with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is measured on a GPU: always eager;
-        ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's dual cache as
-        CUDA graphs).
+        ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's prefix and dual
+        caches as CUDA graphs).
 
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.
