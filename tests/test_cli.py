@@ -155,3 +155,13 @@ def test_example_resumes_from_the_last_checkpoint_with_true(tmp_path):
     math.main(*parsed)
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and any("resumed_from_here" in h for h in state["log_history"])
+
+
+def test_eval_cuda_graphs_flag_reaches_generate():
+    parser = TrlParser(dataclass_types=[EvalConfig])
+    (config,) = parser.parse_args_and_config(["--cuda_graphs", "auto"])
+    assert config.generate_kwargs()["cuda_graphs"] == "auto"
+    (config,) = parser.parse_args_and_config([])
+    assert "cuda_graphs" not in config.generate_kwargs()  # the model's generation_config, then "off"
+    with pytest.raises(SystemExit):
+        parser.parse_args_and_config(["--cuda_graphs", "on"])

@@ -1,6 +1,7 @@
 """What only a GPU shows: compiled flex attention against SDPA (values and gradients) for the SFT objectives and
 TraceRL scoring, generation on CUDA equal to the CPU, the exact KV cache, a bf16 + gradient checkpointing + LoRA
-TraceRL run (SDPA and compiled flex), the three examples and ``trl-diffusion eval``, all on CUDA.
+TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, the three examples and ``trl-diffusion
+eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
 
 Skipped without CUDA. One command runs them all (under 5 minutes on one H200)::
 
@@ -151,7 +152,8 @@ def test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, backend):
     config = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                            max_completion_length=8, max_steps=2, logging_steps=1, report_to="none",
                            learning_rate=1e-2, block_length=4, denoising_steps=2, save_strategy="no", bf16=True,
-                           gradient_checkpointing=True, disable_tqdm=True, seed=0, beta=0.0)
+                           gradient_checkpointing=True, disable_tqdm=True, seed=0, beta=0.0,
+                           dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
     trainer = TraceRLTrainer(model, distinct_chars, args=config, processing_class=build_tokenizer(),
                              train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?", "Say hi", "abc", "7-3?"]}),
                              peft_config=peft.LoraConfig(r=4, lora_alpha=8))
@@ -162,6 +164,33 @@ def test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, backend):
     assert all(math.isfinite(log["loss"]) for log in trainer.state.log_history if "loss" in log)
     assert all(torch.equal(base[n], p.detach()) for n, p in trainer.model.named_parameters() if n in base)
     assert any(not torch.equal(adapters[n], p.detach()) for n, p in trainer.model.named_parameters() if n in adapters)
+
+
+def test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch):
+    """``rollout_cuda_graphs="auto"``: the rollouts run on the exact-cache graph runner without falling back, and
+    the trainer scores their tokens as the sampler did (float32: the exact-state gap is rounding only)."""
+    from trl_diffusion.generation import cuda_graphs
+
+    fell_back, original = [], cuda_graphs.ExactCacheGraphRunner.run_block
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        fell_back.append(self._failed)
+
+    monkeypatch.setattr(cuda_graphs.ExactCacheGraphRunner, "run_block", spy)
+    config = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=12, max_steps=2, logging_steps=1, report_to="none",
+                           learning_rate=1e-2, block_length=4, denoising_steps=2, save_strategy="no", bf16=False,
+                           gradient_checkpointing=False, disable_tqdm=True, seed=0, beta=0.0,
+                           rollout_cuda_graphs="auto", temperature=1.0, dynamic_group_filtering="none")
+    trainer = TraceRLTrainer(tiny_model("sdar").to(CUDA).train(), distinct_chars, args=config,
+                             processing_class=build_tokenizer(),
+                             train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?", "Say hi", "abc", "7-3?"]}))
+    trainer.train()
+    assert fell_back and not any(fell_back)
+    gaps = [log["rollout/sampler_logp_gap_exact"] for log in trainer.state.log_history
+            if "rollout/sampler_logp_gap_exact" in log]
+    assert gaps and max(gaps) < 1e-3
 
 
 def run(command, timeout):

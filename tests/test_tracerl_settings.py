@@ -13,7 +13,7 @@ from trl_diffusion.estimators import replay_logprobs, step_groups
 from trl_diffusion.states import completion_blocks
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
-from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer, step_weights
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer, _check_rollout_cuda_graphs, step_weights
 
 PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
 
@@ -153,3 +153,35 @@ def test_policy_given_as_a_path(tmp_path):
     assert math.isfinite(trainer.state.log_history[0]["loss"])
     assert any(not torch.equal(before[n], p) for n, p in trainer.model.named_parameters())
     assert all(torch.equal(reference[n], p) for n, p in trainer.ref_model.named_parameters())
+
+
+def test_rollout_cuda_graphs_reaches_generate(tmp_path, monkeypatch):
+    """``rollout_cuda_graphs`` is the rollouts' ``cuda_graphs`` (on the CPU they decode eagerly either way)."""
+    from trl_diffusion.generation import sampler
+
+    seen = []
+    choose = sampler.graph_runner
+
+    def spy(settings, device, generator):
+        seen.append(settings.cuda_graphs)
+        return choose(settings, device, generator)
+
+    monkeypatch.setattr(sampler, "graph_runner", spy)
+    trainer = make_trainer(tmp_path, rollout_cuda_graphs="auto")
+    trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    assert seen == ["auto"]
+    with pytest.raises(ValueError, match="rollout_cuda_graphs must be 'auto' or 'off'"):
+        TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, rollout_cuda_graphs="on")
+
+
+@pytest.mark.parametrize("fsdp,zero_stage,fails", [(True, None, True), (False, 3, True), (False, 2, False),
+                                                   (False, None, False)])
+def test_rollout_cuda_graphs_refuse_parameter_gathering(tmp_path, fsdp, zero_stage, fails):
+    args = TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, rollout_cuda_graphs="auto")
+    if fails:
+        with pytest.raises(ValueError, match="cannot be used with"):
+            _check_rollout_cuda_graphs(args, fsdp, zero_stage)
+    else:
+        _check_rollout_cuda_graphs(args, fsdp, zero_stage)
+    args.rollout_cuda_graphs = "off"
+    _check_rollout_cuda_graphs(args, fsdp, zero_stage)  # eager rollouts work with every setup

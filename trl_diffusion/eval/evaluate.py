@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 _GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_strategy", "confidence_threshold",
                     "temperature", "top_k", "top_p", "use_cache", "stop_token_ids", "steps", "alg", "alg_temp", "eps",
-                    "cfg_scale")
+                    "cfg_scale", "cuda_graphs")
 _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
 _BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
@@ -77,6 +77,9 @@ class EvalConfig:
     alg_temp: float | None = _arg(None, "Dream: confidence temperature.")
     eps: float | None = _arg(None, "Dream: final mask ratio of the linspace schedule.")
     cfg_scale: float | None = _arg(None, "LLaDA classifier-free guidance scale.")
+    cuda_graphs: str | None = _arg(None, "auto: on CUDA, replay the cached denoising steps as CUDA graphs (greedy "
+                                   "decoding only here: sampling shares one generator, which needs the eager loop); "
+                                   "off: eager (the default).", choices=["auto", "off"])
     code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox.")
     code_memory_mb: int = _arg(1024, "Address-space limit of a code sandbox, MiB.")
     code_workers: int = _arg(4, "Code sandboxes run concurrently.")

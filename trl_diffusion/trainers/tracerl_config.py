@@ -56,6 +56,13 @@ class TraceRLConfig(GRPOConfig):
                   "False = none; 'prefix' / 'dual' = approximate caches for LLaDA/Dream. (Was `use_cache`, which "
                   "is transformers' model.config.use_cache during training.)"},
     )
+    rollout_cuda_graphs: str = field(
+        default="off",
+        metadata={"help": "generate()'s `cuda_graphs` for rollouts: 'auto' replays the cached denoising steps as CUDA "
+                  "graphs on CUDA (SDAR's exact cache, LLaDA/Dream's prefix and dual caches; not yet measured on a "
+                  "GPU); 'off' decodes eagerly. Not with DeepSpeed ZeRO-3 or FSDP, whose parameter gathering "
+                  "cannot be captured.", "choices": ["auto", "off"]},
+    )
     use_cache: str = field(
         default=False,
         metadata={"help": "transformers' model.config.use_cache during training (False). Deprecated here as the "
@@ -237,6 +244,8 @@ class TraceRLConfig(GRPOConfig):
             self.rollout_cache, self.use_cache = old, False
         super().__post_init__()
         self._check_objective()
+        if self.rollout_cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"rollout_cuda_graphs must be 'auto' or 'off', got {self.rollout_cuda_graphs!r}.")
         if self.remasking_strategy not in REMASKING_STRATEGIES:
             raise ValueError(f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of "
                              f"{REMASKING_STRATEGIES}.")

@@ -125,6 +125,8 @@ class TraceRLTrainer(GRPOTrainer):
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         _check_completion_fits(base, args)
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
         if own_reference:
             reference.requires_grad_(False)
             if args.disable_dropout:
@@ -194,6 +196,7 @@ class TraceRLTrainer(GRPOTrainer):
                 denoising_steps=self.args.denoising_steps, remasking_strategy=self.args.remasking_strategy,
                 confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
                 top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache, stop_token_ids=list(self.eos_token_ids),
+                cuda_graphs=self.args.rollout_cuda_graphs,
                 pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
             )
         width = prompt.shape[1]
@@ -766,6 +769,15 @@ def _check_completion_fits(model, args: TraceRLConfig) -> None:
         slack = f" + block_length ({extra})" if extra else ""
         raise ValueError(f"max_completion_length ({args.max_completion_length}){slack} leaves no room for a prompt in "
                          f"the model's {positions} positions (max_position_embeddings); lower max_completion_length.")
+
+
+def _check_rollout_cuda_graphs(args: TraceRLConfig, fsdp: bool, zero_stage: int | None) -> None:
+    """CUDA-graph rollouts replay the forward as captured; FSDP and DeepSpeed ZeRO-3 gather parameters inside it
+    (hooks, communication), which a capture cannot hold."""
+    if args.rollout_cuda_graphs == "auto" and (fsdp or zero_stage == 3):
+        raise ValueError(f"rollout_cuda_graphs='auto' cannot be used with {'FSDP' if fsdp else 'DeepSpeed ZeRO-3'}: "
+                         "its parameter gathering inside the forward cannot be captured in a CUDA graph. Set "
+                         "rollout_cuda_graphs='off'.")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
