@@ -4,7 +4,9 @@
 # priority (the limits sum to the budget, so a slow step cannot crowd out the ones after it):
 #   1. generation benchmark:   the SDAR-4B rollout table (issue 13's targets)   -> generation.log
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side (MFU) -> training_sdar4b.json
-#   3. the GPU tests:          pytest -m gpu tests (every gpu-marked test)      -> gpu_tests.log, gpu_tests.xml
+#   3. the GPU tests:          pytest -m gpu, CUDA-graph decoding first (it decides cuda_graphs' default), then
+#                              every other gpu-marked test; -v, so a log cut by its limit still names each result
+#                                                                            -> gpu_graph_tests.log, gpu_tests.log
 #   4. generation benchmark:   the LLaDA-1.6B table (no cache, prefix, dual)    -> generation_llada.log
 #   5. flex-attention probe:   which head sizes / dtypes compile                -> flex_probe.json
 #
@@ -50,9 +52,11 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
 step generation 140 python3 benchmarks/generation.py --device cuda --preset sdar-4b
 step training_sdar4b 125 python3 benchmarks/training.py --preset sdar-4b --device cuda --timeout 60 \
     --profile --output "$OUT/training_sdar4b.json"
-step gpu_tests 210 python3 -m pytest -q -m gpu tests -p no:cacheprovider --durations=20 \
-    --junitxml="$OUT/gpu_tests.xml"
+step gpu_graph_tests 50 python3 -m pytest -v -m gpu tests/test_static_cache.py -p no:cacheprovider \
+    --junitxml="$OUT/gpu_graph_tests.xml"
+step gpu_tests 160 python3 -m pytest -v -m gpu tests --ignore=tests/test_static_cache.py -p no:cacheprovider \
+    --durations=20 --junitxml="$OUT/gpu_tests.xml"
 step generation_llada 40 python3 benchmarks/generation.py --device cuda --preset llada-1.6b
 step flex_probe 25 python3 scripts/flex_probe.py --device cuda --output "$OUT/flex_probe.json"
-tail -n 3 "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
+tail -n 3 "$OUT/gpu_graph_tests.log" "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
 echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"
