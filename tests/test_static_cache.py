@@ -484,7 +484,7 @@ def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch)
     ids, mask = (t.cuda() for t in left_pad(PROMPTS))
     settings = SamplingSettings(max_new_tokens=32, block_length=4, denoising_steps=3, cache_mode=
                                 "exact" if cache is True else cache, cuda_graphs=graphs)
-    runner = cuda_graphs.graph_runner(settings, ids.device, None)
+    runner = cuda_graphs.runner_class(settings, ids.device, None)
     assert (runner is ModelRunner) == (graphs == "off")
     original, original_record, blocks, captures = runner.run_block, cuda_graphs.GraphRunner._record, [], []
 
@@ -549,7 +549,7 @@ def _force_graph_runners(monkeypatch, recorded=None):
         return _EagerReplay(body)
 
     monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
-    monkeypatch.setattr(sampler, "graph_runner", lambda settings, device, generator: cuda_graphs.graph_runner(
+    monkeypatch.setattr(sampler, "runner_class", lambda settings, device, generator: cuda_graphs.runner_class(
         settings, torch.device("cuda"), generator))
 
 
@@ -606,7 +606,6 @@ def _settings(**kw):
 ])
 def test_graph_runner_choice(kw, generator, expected):
     """Which runner ``cuda_graphs="auto"`` uses on CUDA (and never off CUDA)."""
-    graph_runner = cuda_graphs.graph_runner
     generator = {"rows": row_generators(2), "one": torch.Generator(), None: None}[generator]
-    assert graph_runner(_settings(**kw), torch.device("cuda"), generator).__name__ == expected
-    assert graph_runner(_settings(**kw), torch.device("cpu"), generator) is ModelRunner
+    assert cuda_graphs.runner_class(_settings(**kw), torch.device("cuda"), generator).__name__ == expected
+    assert cuda_graphs.runner_class(_settings(**kw), torch.device("cpu"), generator) is ModelRunner

@@ -160,13 +160,13 @@ def test_rollout_cuda_graphs_reaches_generate(tmp_path, monkeypatch):
     from trl_diffusion.generation import sampler
 
     seen = []
-    choose = sampler.graph_runner
+    choose = sampler.runner_class
 
     def spy(settings, device, generator):
         seen.append(settings.cuda_graphs)
         return choose(settings, device, generator)
 
-    monkeypatch.setattr(sampler, "graph_runner", spy)
+    monkeypatch.setattr(sampler, "runner_class", spy)
     trainer = make_trainer(tmp_path, rollout_cuda_graphs="auto")
     trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
     assert seen == ["auto"]

@@ -39,7 +39,7 @@ LOADED = (*STATE, "generated", "active")
 """The block buffers a step reads."""
 
 
-def graph_runner(settings, device: torch.device, generator) -> type[ModelRunner]:
+def runner_class(settings, device: torch.device, generator) -> type[ModelRunner]:
     """The runner class for this call: a graph runner where ``cuda_graphs="auto"`` applies, else the eager one."""
     single_generator = generator is not None and not isinstance(generator, (list, tuple))
     if (settings.cuda_graphs != "auto" or device.type != "cuda" or settings.cfg_scale

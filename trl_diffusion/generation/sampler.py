@@ -11,7 +11,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..states import NOT_COMMITTED, CanvasLayout
-from .cuda_graphs import graph_runner
+from .cuda_graphs import runner_class
 from .denoise import Block, BlockSchedule
 from .sampling import REMASKING_STRATEGIES, Generators
 
@@ -206,7 +206,7 @@ def diffusion_generate(
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
     stop_ids = torch.tensor(list(settings.stop_token_ids), device=device) if settings.stop_token_ids else None
     schedule = BlockSchedule(settings)
-    runner = graph_runner(settings, device, generator)(model, settings, state, block_causal)
+    runner = runner_class(settings, device, generator)(model, settings, state, block_causal)
     runner.prefill(layout.prefill_end)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
