@@ -13,7 +13,7 @@ from trl_diffusion.generation.sampler import SamplingSettings
 from trl_diffusion.generation.sampling import sampling_logits, select_commits, uniform_quota
 from trl_diffusion.models.cache import DiffusionCache, StaticDiffusionCache
 from trl_diffusion.states import CanvasLayout, attention_mask_from_positions
-from trl_diffusion.testing import left_pad, tiny_model
+from trl_diffusion.testing import MASK_ID, left_pad, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44], [50, 51, 52, 53, 54, 55]]
 aten = torch.ops.aten
@@ -463,6 +463,7 @@ def _generate(model, ids, mask, kw, **more):
     return gen(model, ids, mask, **args)
 
 
+@pytest.mark.filterwarnings("error:CUDA-graph capture failed")  # a fallback would compare eager with eager
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,kw", GRAPH_CASES)
@@ -472,6 +473,7 @@ def test_cuda_graphs_equal_eager(family, kw):
     assert_same_rollout(*outs)
 
 
+@pytest.mark.filterwarnings("error:CUDA-graph capture failed")  # a fallback would compare eager with eager
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("llada", "prefix"), ("dream", "dual")])
@@ -511,6 +513,27 @@ def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch)
         denoising_steps=3, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
         generator=row_generators(len(PROMPTS)))
     assert len(blocks) > 4 and (len(captures) > 0) == (graphs == "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.filterwarnings("error:CUDA-graph capture failed")
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "prefix")])
+def test_cuda_graphs_draw_inside_the_graph(family, cache):
+    """``generator=None`` and sampling: the default CUDA generator draws inside the graph (not the eager stream, so
+    no token comparison). Every position is decoded with a finite log-prob <= 0, and two calls sample differently
+    (the graph's random offsets advance)."""
+    model = tiny_model(family).to("cuda")
+    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+    torch.manual_seed(0)
+    outs = [gen(model, ids, mask, use_cache=cache, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
+                denoising_steps=2) for _ in range(2)]
+    for out in outs:
+        generated = out.unmask_step >= 0
+        assert bool((generated.sum(-1) >= 16).all()) and not bool((out.sequences == MASK_ID).any())
+        logprobs = out.token_logprobs[generated]
+        assert bool(torch.isfinite(logprobs).all()) and bool((logprobs <= 0).all())
+    assert not torch.equal(outs[0].sequences, outs[1].sequences)
 
 
 class _EagerReplay:
@@ -553,6 +576,36 @@ def _force_graph_runners(monkeypatch, recorded=None):
         settings, torch.device("cuda"), generator))
 
 
+@pytest.mark.parametrize("family,kw", [GRAPH_CASES[1], GRAPH_CASES[5], GRAPH_CASES[7]])  # exact, prefix, dual
+@pytest.mark.parametrize("fail_at", [0, 1])
+def test_a_failed_capture_falls_back_to_the_eager_loop(monkeypatch, family, kw, fail_at):
+    """A capture that raises (the first one, or a later one mid-rollout) warns, finishes the rollout eagerly with
+    the eager results, and later calls decode eagerly without trying again."""
+    model, ids, mask, kw = _graph_case(family, kw)
+    free = _generate(model, ids, mask, kw)
+    kw["stop_token_ids"] = [int(free.sequences[row, ids.shape[1] + 2]) for row in (0, 1)]  # the dual cache's
+    eager = _generate(model, ids, mask, kw)  # second capture comes when these two rows leave the batch
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", False)
+    _force_graph_runners(monkeypatch)
+    captures = []
+
+    def record(self, body):
+        captures.append(1)
+        if len(captures) > fail_at:
+            raise RuntimeError("capture failed for the test")
+        return _EagerReplay(body)
+
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", record)
+    with pytest.warns(UserWarning, match="CUDA-graph capture failed"):
+        graphed = _generate(model, ids, mask, kw, cuda_graphs="auto")
+    assert_same_rollout(eager, graphed)
+    assert eager.num_forward_passes == graphed.num_forward_passes and len(captures) == fail_at + 1
+    assert cuda_graphs.CAPTURE_FAILED
+    settings = SamplingSettings(max_new_tokens=8, block_length=4, denoising_steps=2, cache_mode="exact",
+                                cuda_graphs="auto")
+    assert cuda_graphs.runner_class(settings, torch.device("cuda"), None) is ModelRunner
+
+
 def _replay_matches_the_sampler(model, ids, mask, out):
     """TraceRL's trajectory estimate of a rollout equals the log-probs the sampler recorded."""
     width = ids.shape[1]
@@ -575,6 +628,7 @@ def test_tracerl_replays_a_graph_runner_rollout(monkeypatch):
     _replay_matches_the_sampler(model, ids, mask, out)
 
 
+@pytest.mark.filterwarnings("error:CUDA-graph capture failed")  # a fallback would compare eager with eager
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_tracerl_replays_a_cuda_graph_rollout():

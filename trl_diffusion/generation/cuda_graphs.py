@@ -21,7 +21,8 @@ linspace schedule) is written to a device buffer before the replay.
 
 Randomness: greedy decoding and per-row generator lists (their uniforms are drawn on the host and copied into
 buffers before each replay) give the eager results; with ``generator=None`` the default CUDA generator draws inside
-the graph (the same distribution, another stream). If a capture fails the runner warns and decodes eagerly.
+the graph (the same distribution, another stream). If a capture fails the runner warns and decodes eagerly, and so
+do later calls in the process.
 """
 
 from __future__ import annotations
@@ -39,10 +40,14 @@ LOADED = (*STATE, "generated", "active")
 """The block buffers a step reads."""
 
 
+CAPTURE_FAILED = False
+"""Set when a capture failed in this process: later calls decode eagerly (see ``GraphRunner._fall_back``)."""
+
+
 def runner_class(settings, device: torch.device, generator) -> type[ModelRunner]:
     """The runner class for this call: a graph runner where ``cuda_graphs="auto"`` applies, else the eager one."""
     single_generator = generator is not None and not isinstance(generator, (list, tuple))
-    if (settings.cuda_graphs != "auto" or device.type != "cuda" or settings.cfg_scale
+    if (settings.cuda_graphs != "auto" or device.type != "cuda" or settings.cfg_scale or CAPTURE_FAILED
             or (single_generator and settings.draws_randomness)):
         return ModelRunner
     return {"exact": ExactCacheGraphRunner, "prefix": WindowCacheGraphRunner, "dual": WindowCacheGraphRunner}.get(
@@ -96,18 +101,32 @@ class GraphRunner(ModelRunner):
         return self._graphs[key]
 
     def _record(self, body: Callable[[], None]):
-        """Warm ``body`` up on a side stream, undo the warm-up's writes, capture it."""
+        """Warm ``body`` up on a side stream of the buffers' device, undo the warm-up's writes, capture it there.
+
+        ``CUDAGraph.capture_begin`` / ``capture_end`` rather than ``torch.cuda.graph``: the latter also runs
+        ``gc.collect()`` and empties the allocator's cache at every capture (the prefix cache captures every
+        block), and a capture that fails in its ``__exit__`` would leave the capture stream current. Here the
+        stream context is restored whatever happens. ``thread_local``: CUDA calls of other threads (data loader,
+        NCCL watchdog) cannot spoil the capture."""
+        device = self._quota.device
         saved = [getattr(self._buf, name).clone() for name in STATE]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            body()
-        torch.cuda.current_stream().wait_stream(side)
-        for name, value in zip(STATE, saved):
-            getattr(self._buf, name).copy_(value)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
+        with torch.cuda.device(device):
+            main, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                body()
+            main.wait_stream(side)
+            for name, value in zip(STATE, saved):
+                getattr(self._buf, name).copy_(value)
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    body()
+                finally:
+                    graph.capture_end()
+            main.wait_stream(side)
         return graph
 
     def _replay(self, graph, step: int, row_steps: list[int], quotas: list[int] | None,
@@ -123,13 +142,23 @@ class GraphRunner(ModelRunner):
         for name in ("tokens", "confidence", "commit"):
             if getattr(fresh, name) is not None:
                 getattr(self._noise, name).copy_(getattr(fresh, name))
-        graph.replay()
+        if self._quota.device.type == "cuda":  # a graph launches on the current device's stream
+            with torch.cuda.device(self._quota.device):
+                graph.replay()
+        else:  # the CPU tests, whose "graphs" are eager calls
+            graph.replay()
         self.calls += 1
 
     def _fall_back(self, error: RuntimeError) -> None:
-        warnings.warn(f"CUDA-graph capture failed ({error}); decoding eagerly. Pass cuda_graphs='off' to skip the "
-                      "attempt.", stacklevel=3)
+        """Decode eagerly from here on, in this process: a failed capture can leave CUDA state behind (its memory
+        pool is never released), so later calls do not try again."""
+        global CAPTURE_FAILED
+        CAPTURE_FAILED = True
         self._failed = True
+        if self._quota.device.type == "cuda":
+            torch.cuda.synchronize(self._quota.device)
+        warnings.warn(f"CUDA-graph capture failed ({error}); decoding eagerly, here and in later generate() calls "
+                      "of this process. Pass cuda_graphs='off' to skip the attempt.", stacklevel=3)
 
     def select_rows(self, state, rows: torch.Tensor) -> None:
         super().select_rows(state, rows)
