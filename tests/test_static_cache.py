@@ -435,6 +435,7 @@ GRAPH_CASES = [  # (family, generate arguments): every cache mode a graph runner
     ("sdar", dict(use_cache=True, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
                   temperature=1.0, rows=True)),
     ("sdar", dict(use_cache=True, remasking_strategy="random", alg_temp=0.5, temperature=0.7, rows=True)),
+    ("sdar", dict(use_cache=True, steps=10, alg="topk_margin", temperature=0.0)),  # Dream's linspace schedule
     ("llada", dict(use_cache="dual")),
     ("llada", dict(use_cache="dual", remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
                    temperature=1.0, rows=True)),
@@ -576,7 +577,7 @@ def _force_graph_runners(monkeypatch, recorded=None):
         settings, torch.device("cuda"), generator))
 
 
-@pytest.mark.parametrize("family,kw", [GRAPH_CASES[1], GRAPH_CASES[5], GRAPH_CASES[7]])  # exact, prefix, dual
+@pytest.mark.parametrize("family,kw", [GRAPH_CASES[1], GRAPH_CASES[6], GRAPH_CASES[8]])  # exact, prefix, dual
 @pytest.mark.parametrize("fail_at", [0, 1])
 def test_a_failed_capture_falls_back_to_the_eager_loop(monkeypatch, family, kw, fail_at):
     """A capture that raises (the first one, or a later one mid-rollout) warns, finishes the rollout eagerly with
