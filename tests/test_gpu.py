@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 ROOT = Path(__file__).parent.parent
 CUDA = torch.device("cuda")
+"""Where these tests run; ``tests/test_gpu_setups.py`` sets it to the CPU to run their set-ups in CI."""
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
 WIDE_HEADS = {"sdar": dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64),
               "llada": dict(d_model=256, n_heads=4, n_kv_heads=4),
@@ -153,7 +154,8 @@ def test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, backend):
                            max_completion_length=8, max_steps=2, logging_steps=1, report_to="none",
                            learning_rate=1e-2, block_length=4, denoising_steps=2, save_strategy="no", bf16=True,
                            gradient_checkpointing=True, disable_tqdm=True, seed=0, beta=0.0,
-                           dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
+                           dynamic_group_filtering="none",  # distinct_chars rewards lie beyond [0, 1]
+                           use_cpu=CUDA.type == "cpu")
     trainer = TraceRLTrainer(model, distinct_chars, args=config, processing_class=build_tokenizer(),
                              train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?", "Say hi", "abc", "7-3?"]}),
                              peft_config=peft.LoraConfig(r=4, lora_alpha=8))
@@ -182,7 +184,8 @@ def test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch):
                            max_completion_length=12, max_steps=2, logging_steps=1, report_to="none",
                            learning_rate=1e-2, block_length=4, denoising_steps=2, save_strategy="no", bf16=False,
                            gradient_checkpointing=False, disable_tqdm=True, seed=0, beta=0.0,
-                           rollout_cuda_graphs="auto", temperature=1.0, dynamic_group_filtering="none")
+                           rollout_cuda_graphs="auto", temperature=1.0, dynamic_group_filtering="none",
+                           use_cpu=CUDA.type == "cpu")
     trainer = TraceRLTrainer(tiny_model("sdar").to(CUDA).train(), distinct_chars, args=config,
                              processing_class=build_tokenizer(),
                              train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?", "Say hi", "abc", "7-3?"]}))
@@ -198,12 +201,16 @@ def run(command, timeout):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.mark.parametrize(("name", "extra"), [
+EXAMPLE_RUNS = [
     ("math", ["--max_steps", "4", "--per_device_train_batch_size", "16", "--num_generations", "4",
               "--num_eval", "32", "--eval_every", "4"]),
     ("sft", ["--max_steps", "20", "--per_device_train_batch_size", "32", "--num_eval", "32", "--eval_every", "20"]),
     ("code", ["--max_steps", "2", "--per_device_train_batch_size", "4", "--num_generations", "4"]),
-])
+]
+EVAL_FLAGS = ["--max_problems", "16", "--device", "cuda", "--progress", "false"]
+
+
+@pytest.mark.parametrize(("name", "extra"), EXAMPLE_RUNS)
 def test_example_runs_on_cuda(tmp_path, name, extra):
     """The README's commands, on the GPU with their defaults (``math.py`` crashed here when ``auto`` compiled flex
     attention for the embedded model's small heads)."""
@@ -216,8 +223,7 @@ def test_example_runs_on_cuda(tmp_path, name, extra):
 
 
 def test_cli_eval_on_cuda(tmp_path):
-    out = run([sys.executable, "-m", "trl_diffusion.cli", "eval", "--max_problems", "16", "--device", "cuda",
-               "--output_dir", str(tmp_path), "--progress", "false"], 300)
+    out = run([sys.executable, "-m", "trl_diffusion.cli", "eval", *EVAL_FLAGS, "--output_dir", str(tmp_path)], 300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
     assert report["num_problems"] == 16 and 0.0 <= report["metrics"]["accuracy"] <= 1.0

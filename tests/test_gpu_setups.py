@@ -1,0 +1,54 @@
+"""The gpu tests' set-ups, run on the CPU in CI: a gpu test whose arguments no longer fit the code (a new default
+that rejects its inputs, a renamed flag) fails here instead of in the one short GPU run a session may get. What only
+a GPU shows (compiled flex attention, CUDA graphs, CUDA vs CPU) stays in the gpu tests themselves."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import test_gpu
+import torch
+from trl import TrlParser
+
+from trl_diffusion.cli import parse_script_args
+from trl_diffusion.eval import EvalConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def on_the_cpu(monkeypatch):
+    monkeypatch.setattr(test_gpu, "CUDA", torch.device("cpu"))
+
+
+def test_bf16_lora_tracerl_steps_set_up(tmp_path, on_the_cpu):
+    test_gpu.test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, "sdpa")
+
+
+def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, monkeypatch):
+    """The graph runners forced on the CPU, each capture replaced by an eager call (as in test_static_cache)."""
+    from trl_diffusion.generation import cuda_graphs, sampler
+
+    class EagerReplay:
+        def __init__(self, fn):
+            self.replay = fn
+
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", lambda self, body: EagerReplay(body))
+    monkeypatch.setattr(sampler, "runner_class", lambda settings, device, generator: cuda_graphs.runner_class(
+        settings, torch.device("cuda"), generator))
+    test_gpu.test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize(("name", "extra"), test_gpu.EXAMPLE_RUNS)
+def test_example_flags_parse(tmp_path, name, extra):
+    spec = importlib.util.spec_from_file_location(f"gpu_setup_example_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    parse_script_args(module.make_parser(), ["--output_dir", str(tmp_path), "--use_cpu", "true", *extra])
+
+
+def test_eval_flags_parse():
+    (config,) = TrlParser(dataclass_types=[EvalConfig]).parse_args_and_config(test_gpu.EVAL_FLAGS)
+    assert config.max_problems == 16 and config.device == "cuda"
