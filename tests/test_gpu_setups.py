@@ -1,6 +1,7 @@
-"""The gpu tests' set-ups, run on the CPU in CI: a gpu test whose arguments no longer fit the code (a new default
-that rejects its inputs, a renamed flag) fails here instead of in the one short GPU run a session may get. What only
-a GPU shows (compiled flex attention, CUDA graphs, CUDA vs CPU) stays in the gpu tests themselves."""
+"""The gpu tests' set-ups (``tests/test_gpu.py``, and the sampling one of ``tests/test_static_cache.py``), run on
+the CPU in CI: a gpu test whose arguments no longer fit the code (a new default that rejects its inputs, a renamed
+flag) fails here instead of in the one short GPU run a session may get. What only a GPU shows (compiled flex
+attention, captured CUDA graphs, CUDA vs CPU) stays in the gpu tests themselves."""
 
 import importlib.util
 import sys
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import test_gpu
+import test_static_cache
 import torch
 from trl import TrlParser
 
@@ -26,8 +28,10 @@ def test_bf16_lora_tracerl_steps_set_up(tmp_path, on_the_cpu):
     test_gpu.test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, "sdpa")
 
 
-def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, monkeypatch):
-    """The graph runners forced on the CPU, each capture replaced by an eager call (as in test_static_cache)."""
+@pytest.fixture
+def graph_runners_on_the_cpu(monkeypatch):
+    """The graph runners CUDA would use, forced on the CPU, each capture replaced by an eager call (as in
+    test_static_cache)."""
     from trl_diffusion.generation import cuda_graphs, sampler
 
     class EagerReplay:
@@ -37,7 +41,16 @@ def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, monkeypatch):
     monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", lambda self, body: EagerReplay(body))
     monkeypatch.setattr(sampler, "runner_class", lambda settings, device, generator: cuda_graphs.runner_class(
         settings, torch.device("cuda"), generator))
+
+
+def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, graph_runners_on_the_cpu, monkeypatch):
     test_gpu.test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "prefix")])
+def test_sampling_inside_cuda_graphs_set_up(graph_runners_on_the_cpu, monkeypatch, family, cache):
+    monkeypatch.setattr(test_static_cache, "GPU", torch.device("cpu"))
+    test_static_cache.test_cuda_graphs_draw_inside_the_graph(family, cache)
 
 
 @pytest.mark.parametrize(("name", "extra"), test_gpu.EXAMPLE_RUNS)

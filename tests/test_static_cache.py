@@ -447,6 +447,10 @@ GRAPH_CASES = [  # (family, generate arguments): every cache mode a graph runner
 ]
 
 
+GPU = torch.device("cuda")
+"""Where the gpu tests below run; ``tests/test_gpu_setups.py`` runs one of them on the CPU."""
+
+
 def _graph_case(family, kw, device="cpu"):
     """Model, prompts and generate arguments of a ``GRAPH_CASES`` entry (20 new tokens: five blocks)."""
     model = tiny_model(family).to(device)
@@ -524,8 +528,8 @@ def test_cuda_graphs_draw_inside_the_graph(family, cache):
     """``generator=None`` and sampling: the default CUDA generator draws inside the graph (not the eager stream, so
     no token comparison). Every position is decoded with a finite log-prob <= 0, and two calls sample differently
     (the graph's random offsets advance)."""
-    model = tiny_model(family).to("cuda")
-    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+    model = tiny_model(family).to(GPU)
+    ids, mask = (t.to(GPU) for t in left_pad(PROMPTS))
     torch.manual_seed(0)
     outs = [gen(model, ids, mask, use_cache=cache, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
                 denoising_steps=2) for _ in range(2)]
