@@ -3,20 +3,15 @@ the CPU in CI: a gpu test whose arguments no longer fit the code (a new default 
 flag) fails here instead of in the one short GPU run a session may get. What only a GPU shows (compiled flex
 attention, captured CUDA graphs, CUDA vs CPU) stays in the gpu tests themselves."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import test_gpu
 import test_static_cache
 import torch
+from test_cli import load_example
 from trl import TrlParser
 
 from trl_diffusion.cli import parse_script_args
 from trl_diffusion.eval import EvalConfig
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -30,17 +25,7 @@ def test_bf16_lora_tracerl_steps_set_up(tmp_path, on_the_cpu):
 
 @pytest.fixture
 def graph_runners_on_the_cpu(monkeypatch):
-    """The graph runners CUDA would use, forced on the CPU, each capture replaced by an eager call (as in
-    test_static_cache)."""
-    from trl_diffusion.generation import cuda_graphs, sampler
-
-    class EagerReplay:
-        def __init__(self, fn):
-            self.replay = fn
-
-    monkeypatch.setattr(cuda_graphs.GraphRunner, "_record", lambda self, body: EagerReplay(body))
-    monkeypatch.setattr(sampler, "runner_class", lambda settings, device, generator: cuda_graphs.runner_class(
-        settings, torch.device("cuda"), generator))
+    test_static_cache._force_graph_runners(monkeypatch)
 
 
 def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, graph_runners_on_the_cpu, monkeypatch):
@@ -55,11 +40,7 @@ def test_sampling_inside_cuda_graphs_set_up(graph_runners_on_the_cpu, monkeypatc
 
 @pytest.mark.parametrize(("name", "extra"), test_gpu.EXAMPLE_RUNS)
 def test_example_flags_parse(tmp_path, name, extra):
-    spec = importlib.util.spec_from_file_location(f"gpu_setup_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    parse_script_args(module.make_parser(), ["--output_dir", str(tmp_path), "--use_cpu", "true", *extra])
+    parse_script_args(load_example(name).make_parser(), ["--output_dir", str(tmp_path), "--use_cpu", "true", *extra])
 
 
 def test_eval_flags_parse():
