@@ -53,6 +53,7 @@ def build_scoring_chunks(
     pad_token_id: int = 0,
     scored: torch.Tensor | None = None,
     prompt_noise: torch.Tensor | None = None,
+    completion_mask: torch.Tensor | None = None,
 ) -> list[ScoringChunk]:
     """Chunks that score completion tokens given the state before their group.
 
@@ -60,6 +61,8 @@ def build_scoring_chunks(
     sampler canvas: every completion column existed during sampling). ``block_size`` None = full attention.
     ``scored`` ``[B, C]`` limits the targets (default: every token with a group); groups without a scored token
     get no row or copy. ``prompt_noise`` ``[B, P]`` masks those prompt tokens in every row (d1's estimator).
+    ``completion_mask`` ``[B, C]``: the columns that belong to each row's canvas (default: all); the rest is
+    right padding of rows with shorter canvases and is left out of every state.
 
     Block-causal rows keep their clean part only up to the last block that holds a copy: a copy sees clean blocks
     strictly before its own, so later clean tokens would be seen by nothing that is scored. Built with tensor
@@ -72,12 +75,12 @@ def build_scoring_chunks(
     if scored is None:
         scored = groups >= 0
     no = torch.zeros_like(prompt_mask, dtype=torch.bool)
-    yes = torch.ones_like(completion_ids, dtype=torch.bool)
+    yes = torch.ones_like(completion_ids, dtype=torch.bool) if completion_mask is None else completion_mask.bool()
     valid = torch.cat([prompt_mask.bool(), yes], dim=1)
     order = torch.sort((~valid).to(torch.int8), dim=1, stable=True).indices  # each row's real tokens first
     ids = torch.cat([prompt_ids, completion_ids], dim=1).gather(1, order)
     token_group = torch.cat([torch.full_like(prompt_ids, NOT_COMMITTED), groups], dim=1).gather(1, order)
-    target = torch.cat([no, scored.bool() & (groups >= 0)], dim=1).gather(1, order)
+    target = torch.cat([no, scored.bool() & (groups >= 0) & yes], dim=1).gather(1, order)
     generated = torch.cat([no, yes], dim=1).gather(1, order)
     source_col = order - prompt_width  # completion column of each compact position
     n_valid = valid.sum(1)

@@ -141,6 +141,7 @@ def token_values(
     token_budget: int | None = None,
     interface: DiffusionValueModel | None = None,
     attention_backend: str = "auto",
+    completion_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(values, groups)`` ``[B, C]``: the value of every committed completion token given the state before its
     merged step (0 elsewhere), and the merged-step ids (``states.trajectory_groups``) the states were built from.
@@ -148,13 +149,15 @@ def token_values(
     ``model`` is a ``DiffusionValueModel``, possibly wrapped (DDP, ...): then ``interface`` is the unwrapped one,
     which answers ``mask_token_id`` / ``block_size``. ``completion_ids`` / ``unmask_step`` cover the whole sampler
     canvas. ``block_size`` is the training block size of a block-causal model (default: the model's).
-    ``attention_backend``: how the packed masks are built (``states.ATTENTION_BACKENDS``). Differentiable.
+    ``attention_backend``: how the packed masks are built (``states.ATTENTION_BACKENDS``). ``completion_mask``
+    ``[B, C]`` marks each row's own canvas when rows of different canvas lengths are right-padded to one width
+    (default: every column is part of every row's canvas); the padding is never shown to the model. Differentiable.
     """
     interface = interface if interface is not None else model
     block = (block_size or interface.block_size) if interface.block_size is not None else None
     groups = trajectory_groups(unmask_step, prompt_mask, shrinkage, block)
     chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, interface.mask_token_id, block,
-                                  token_budget, pad_token_id=0)
+                                  token_budget, pad_token_id=0, completion_mask=completion_mask)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     backend = resolve_model_attention_backend(attention_backend, interface, completion_ids.device)
     for chunk in chunks:

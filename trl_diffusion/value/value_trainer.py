@@ -29,8 +29,9 @@ TRAJECTORY_COLUMNS = ("prompt_ids", "completion_ids", "unmask_step", "reward")
 
 
 class TrajectoryCollator:
-    """Pads rollouts: prompts left (``prompt_mask``), canvases right (``unmask_step`` = -1 there), and marks the
-    trained tokens (committed, and up to the first stop token when ``stop_token_ids`` is given)."""
+    """Pads rollouts: prompts left (``prompt_mask``), canvases right (``completion_mask`` = 0 and ``unmask_step`` =
+    -1 there, so a shorter canvas is scored as it was sampled, whatever rows share its batch), and marks the trained
+    tokens (committed, and up to the first stop token when ``stop_token_ids`` is given)."""
 
     def __init__(self, pad_token_id: int, stop_token_ids: list[int] | None = None) -> None:
         self.pad_token_id, self.stop_token_ids = pad_token_id, stop_token_ids
@@ -50,6 +51,7 @@ class TrajectoryCollator:
             "prompt_ids": pad(prompts, padding_value=self.pad_token_id, padding_side="left"),
             "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
             "completion_ids": completion_ids,
+            "completion_mask": pad([torch.ones_like(c) for c in completions], padding_value=0, padding_side="right"),
             "unmask_step": unmask_step,
             "trained_mask": trained,
             "reward": torch.tensor([float(e["reward"]) for e in examples]),
@@ -107,7 +109,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                       inputs["unmask_step"], args.shrinkage, args.training_block_size,
                                       args.scoring_token_budget, self.accelerator.unwrap_model(model),
-                                      self.attention_backend)
+                                      self.attention_backend, inputs["completion_mask"])
         mask = inputs["trained_mask"]
         rewards = outcome_token_rewards(inputs["reward"], groups, mask)
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
