@@ -106,9 +106,10 @@ class DiffusionDataCollator:
                 "tell it from a masked position. Remove it from the data."
             )
         if any(index is None for index in indices):
-            # Without prepared data (skip_prepare_dataset), seed each sample from its content.
-            indices = [hash(tuple(ids.tolist())) % (2**31) if index is None else index
-                       for index, ids in zip(indices, input_ids)]
+            # Without prepared data (skip_prepare_dataset), seed each sample from its content, padding left out so
+            # the seed does not depend on the rows it is batched with.
+            indices = [hash(tuple(ids[row_valid].tolist())) % (2**31) if index is None else index
+                       for index, ids, row_valid in zip(indices, input_ids, valid)]
         batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
         if any(step is not None for step in steps):
             width = input_ids.shape[1]
@@ -159,6 +160,13 @@ class DiffusionSFTTrainer(SFTTrainer):
         args = self._to_diffusion_config(model, args)
         if compute_loss_func is not None:
             raise ValueError("compute_loss_func is not supported: the diffusion objective is the loss.")
+        for name in ("compute_metrics", "preprocess_logits_for_metrics"):
+            if kwargs.get(name) is not None:  # Trainer would skip them silently: the loss returns no logits
+                raise ValueError(
+                    f"{name} is not supported: the diffusion loss scores masked copies of each sequence, so there are "
+                    "no logits of the clean sequence to pass on. Evaluation logs eval_loss, eval_entropy and "
+                    "eval_mean_token_accuracy; compute other metrics in a TrainerCallback's on_evaluate."
+                )
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
         if train_dataset is not None:
@@ -349,8 +357,9 @@ def _align_unmask_step(example: dict, args: DiffusionSFTConfig) -> dict:
     if len(steps) != len(positions):
         raise ValueError(
             f"'unmask_step' has {len(example['unmask_step'])} entries but the row has {len(positions)} completion "
-            "tokens; give one step per completion token (tokenize the data yourself, with 'input_ids' and "
-            "'completion_mask', if the completion text does not re-tokenize to the generated tokens)."
+            "tokens; give one step per completion token (tokenize the data yourself, with 'input_ids', "
+            "'completion_mask' and completion_only_loss=True, if the completion text does not re-tokenize to the "
+            "generated tokens)."
         )
     full = [-1] * len(example["input_ids"])
     for position, step in zip(positions, steps):
