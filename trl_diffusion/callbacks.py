@@ -12,8 +12,9 @@ from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
 
 
 class HeldOutAccuracyCallback(TrainerCallback):
-    """Greedy held-out accuracy on arithmetic problems every ``every`` optimizer steps, logged as
-    ``eval/held_out_accuracy`` (through the trainer's log, so it reaches ``report_to``) and kept in ``curve``."""
+    """Greedy held-out accuracy on arithmetic problems every ``every`` optimizer steps, appended to
+    ``state.log_history`` as ``eval/held_out_accuracy`` (read by ``save_training_curves``; a callback has no
+    ``Trainer.log``, so ``report_to`` integrations do not receive it), printed as JSON and kept in ``curve``."""
 
     def __init__(self, model, tokenizer, problems: list[ArithmeticProblem], every: int, **generate_kwargs):
         self.model, self.tokenizer, self.problems, self.every = model, tokenizer, problems, every
