@@ -58,9 +58,9 @@ _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 logger = logging.get_logger(__name__)
 
 
-def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
+def mask_seed(seed: int, rollout_step: int | str, sample_index: int) -> int:
     """A stable 63-bit seed for one row's random masks: the same for old, new and reference log-probs and for a
-    resumed run, different across rows and rollouts."""
+    resumed run, different across rows and rollouts (``rollout_step``: ``TraceRLTrainer._rollout_key``)."""
     digest = hashlib.sha256(f"{seed}:{rollout_step}:{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -161,6 +161,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
+        self._eval_rollouts = [-1, 0]  # [global step, eval generation batches run at it]: see _rollout_key
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
@@ -177,7 +178,7 @@ class TraceRLTrainer(GRPOTrainer):
         prompt_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
         rows = len(prompt_ids)
         first = self.accelerator.process_index * rows
-        rollout_step = self.state.global_step
+        rollout_step = self._rollout_key()
         seeds = torch.tensor([mask_seed(self.args.seed, rollout_step, first + i) for i in range(rows)])
         # one sampling generator per row, keyed like the masks: a row's rollout does not depend on its batch or
         # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
@@ -220,6 +221,20 @@ class TraceRLTrainer(GRPOTrainer):
             completion_ids.append(canvas[row, :length].tolist())
             completion_logps.append(logps[row, :length].tolist())
         return completion_ids, completion_logps
+
+    def _rollout_key(self) -> int | str:
+        """What keys this generation batch's random streams (sampling and masks), unique per generation batch: the
+        optimizer step, plus the micro-step within it when a step generates several batches (steps_per_generation *
+        num_iterations < gradient_accumulation_steps), plus the batch index for evaluation (every eval batch runs at
+        the same step). Without the extra parts those batches would reuse the same streams row for row."""
+        step = self.state.global_step
+        if self.model.training:
+            within = self._step % self.args.gradient_accumulation_steps
+            return step if within == 0 else f"{step}.{within}"
+        if self._eval_rollouts[0] != step:
+            self._eval_rollouts = [step, 0]
+        self._eval_rollouts[1] += 1
+        return f"eval:{step}.{self._eval_rollouts[1] - 1}"
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)

@@ -1,0 +1,45 @@
+"""Regression tests from a review of the RL side (TraceRLTrainer, its config and estimators)."""
+
+from datasets import Dataset
+
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+
+
+def recording_trainer(tmp_path, seen: list, **overrides) -> TraceRLTrainer:
+    """A trainer on one repeated prompt whose reward function records every generation batch's completions."""
+
+    def reward(completions, completion_ids, **kwargs):
+        seen.append([tuple(ids) for ids in completion_ids])
+        return [float(len(set(c))) for c in completions]
+
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                  max_completion_length=8, max_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
+                  denoising_steps=2, save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+                  dynamic_group_filtering="none")
+    config.update(overrides)
+    dataset = Dataset.from_dict({"prompt": ["abc"] * 8})
+    return TraceRLTrainer(tiny_model("llada").train(), reward, args=TraceRLConfig(**config), train_dataset=dataset,
+                          eval_dataset=dataset, processing_class=build_tokenizer())
+
+
+def test_generation_batches_of_one_optimizer_step_draw_fresh_samples(tmp_path):
+    # gradient_accumulation_steps = 2 x steps_per_generation: two generation batches per optimizer step, which used
+    # to share the step's seeds row for row (identical completions for identical prompts)
+    seen = []
+    recording_trainer(tmp_path, seen, gradient_accumulation_steps=2, steps_per_generation=1).train()
+    assert len(seen) == 2
+    assert seen[0] != seen[1]
+
+
+def test_evaluation_batches_draw_fresh_samples(tmp_path):
+    seen = []
+    trainer = recording_trainer(tmp_path, seen, per_device_eval_batch_size=4)
+    trainer.evaluate()  # 8 prompts x 4 generations in batches of 4: all batches at step 0
+    batches = len(seen)
+    assert batches > 1
+    assert len(set(map(tuple, seen))) == batches  # every batch sampled afresh (the prompt is the same)
+    trainer.evaluate()  # a second evaluation at the same step samples again
+    assert len(set(map(tuple, seen))) == 2 * batches
+
