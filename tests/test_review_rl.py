@@ -1,5 +1,7 @@
 """Regression tests from a review of the RL side (TraceRLTrainer, its config and estimators)."""
 
+import pytest
+import torch
 from datasets import Dataset
 
 from trl_diffusion.testing import build_tokenizer, tiny_model
@@ -43,3 +45,35 @@ def test_evaluation_batches_draw_fresh_samples(tmp_path):
     trainer.evaluate()  # a second evaluation at the same step samples again
     assert len(set(map(tuple, seen))) == 2 * batches
 
+
+def off_policy_mask_calls(tmp_path, estimator: str, masks: int) -> list:
+    """The (KL to the reference, kept) of every off-policy-mask call in one first-iteration step on a 0/1 reward."""
+    calls = []
+    trainer = recording_trainer(tmp_path, [], likelihood_estimator=estimator, masks_per_response=masks,
+                                off_policy_mask_threshold=0.05, per_device_train_batch_size=8)
+    original = trainer.get_off_policy_mask
+
+    def spy(advantages, per_token_logps, sampling_per_token_logps, mask, off_policy_threshold):
+        kept = original(advantages=advantages, per_token_logps=per_token_logps,
+                        sampling_per_token_logps=sampling_per_token_logps, mask=mask,
+                        off_policy_threshold=off_policy_threshold)
+        kl = ((sampling_per_token_logps - per_token_logps.detach()) * mask).sum(1) / mask.sum(1).clamp(min=1)
+        calls.append((kl, kept, advantages))
+        return kept
+
+    trainer.get_off_policy_mask = spy
+    trainer.train()
+    return calls
+
+
+@pytest.mark.parametrize("estimator,masks", [("random_masking", 1), ("mean_field", 1), ("random_masking", 2)])
+def test_off_policy_mask_drops_nothing_on_policy(tmp_path, estimator, masks):
+    # first iteration, weights unchanged: pi_theta == pi_old, so the off-policy mask must keep every sequence. It
+    # used to compare the masking estimates with the sampler's trajectory log-probs (other quantities) and dropped
+    # negative-advantage sequences; with several masks it was refused
+    calls = off_policy_mask_calls(tmp_path, estimator, masks)
+    assert calls
+    for kl, kept, advantages in calls:
+        assert (advantages < 0).any()  # the mask could drop something
+        assert torch.equal(kl, torch.zeros_like(kl))
+        assert bool((kept == 1).all())

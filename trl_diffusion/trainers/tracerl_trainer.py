@@ -153,10 +153,6 @@ class TraceRLTrainer(GRPOTrainer):
             masks_per_response=args.masks_per_response if multi_mask else 1,
             exclude_mask_token=args.exclude_mask_token_from_softmax,
         )
-        if self.estimator_settings.masks_per_response > 1 and args.off_policy_mask_threshold is not None:
-            raise ValueError("off_policy_mask_threshold compares the scored log-probs with the sampler's, one per "
-                             "completion token; with masks_per_response > 1 every token is scored once per mask. "
-                             "Set off_policy_mask_threshold=None or masks_per_response=1.")
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
@@ -279,6 +275,10 @@ class TraceRLTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         scoring = self._scoring
         output.update(scoring)
+        # TRL's off-policy sequence mask would compare the scored log-probs with these, the sampler's log-probs of
+        # the trajectory; the masking estimators (and merged steps, another scoring temperature) score other
+        # quantities, so it measures pi_theta against pi_old as the trainer scores them (TRL's non-vLLM rule)
+        output.pop("sampling_per_token_logps", None)
         rows, width = output["completion_ids"].shape
         completion_mask = output["completion_mask"]
         keep = self._kept_rows(rows, mode)
