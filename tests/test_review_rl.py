@@ -77,3 +77,34 @@ def test_off_policy_mask_drops_nothing_on_policy(tmp_path, estimator, masks):
         assert (advantages < 0).any()  # the mask could drop something
         assert torch.equal(kl, torch.zeros_like(kl))
         assert bool((kept == 1).all())
+
+
+def filtered_grad_norm(tmp_path, loss_type: str, per_device: int, accumulation: int) -> float:
+    """The gradient norm of one optimizer step over one generation batch of 4 responses (2 prompts x 2), one of
+    whose groups gets equal rewards and is filtered out."""
+
+    def reward(prompts, completions, **kwargs):
+        return [1.0 if p == "abc" else float(len(set(c))) for p, c in zip(prompts, completions)]
+
+    args = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=per_device,
+                         gradient_accumulation_steps=accumulation, generation_batch_size=4, num_generations=2,
+                         max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
+                         max_grad_norm=1e9, block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True,
+                         bf16=False, disable_tqdm=True, seed=0, dynamic_group_filtering="all_equal",
+                         loss_type=loss_type, step_normalization="sequence", beta=0.0)
+    trainer = TraceRLTrainer(tiny_model("llada").train(), reward, args=args, processing_class=build_tokenizer(),
+                             train_dataset=Dataset.from_dict({"prompt": ["abc", "What is 1+2?"]}))
+    trainer.train()
+    assert trainer.state.log_history[0]["filtered_groups"] == 0.5
+    return trainer.state.log_history[0]["grad_norm"]
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
+def test_row_mean_losses_leave_filtered_rows_out_under_gradient_accumulation(tmp_path, loss_type):
+    # the same rollout (same seeds, one generation per optimizer step) in one micro-batch of 4 or four of 1: the
+    # gradient must not depend on the split. Filtered rows used to leave only their own micro-batch's row count,
+    # so with one row per micro-batch they still counted (half the gradient here)
+    whole = filtered_grad_norm(tmp_path / "whole", loss_type, per_device=4, accumulation=1)
+    split = filtered_grad_norm(tmp_path / "split", loss_type, per_device=1, accumulation=4)
+    assert whole > 0
+    assert split == pytest.approx(whole, rel=1e-4)

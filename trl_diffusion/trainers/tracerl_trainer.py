@@ -295,6 +295,12 @@ class TraceRLTrainer(GRPOTrainer):
         count = training_rows_.sum() if self.args.loss_type == "tracerl" else (completion_mask * keep[:, None]).sum()
         output["num_items_in_batch"] = self.accelerator.gather(count.float()).sum()
         output["kept_rows"] = keep.float()
+        if self.args.loss_type in _ROW_MEAN_LOSSES:
+            # these losses average over every row of a micro-batch (and over the accumulation steps): filtered rows
+            # must leave that count, over the generation batch of every process (as the other losses' normaliser)
+            kept, total = self.accelerator.reduce(torch.stack([keep.sum(), torch.tensor(rows, device=keep.device)])
+                                                  .float(), reduction="sum")
+            output["kept_row_scale"] = total / kept if kept > 0 else torch.ones_like(total)
         if self.value_model is not None:
             # the value model scores trajectory states, one value per completion token: its loss takes each token's
             # weights summed over the masks, and its advantages are tiled over them
@@ -606,10 +612,9 @@ class TraceRLTrainer(GRPOTrainer):
                 loss = loss + beta * self._summed_kl(inputs)
         finally:
             self._loss_inputs, self.beta = None, beta
-        if self.args.loss_type in _ROW_MEAN_LOSSES and self.args.dynamic_group_filtering != "none":
-            # TRL averages over every row of the micro-batch; filtered rows (zero loss) must not count
-            kept = inputs["kept_rows"].sum()
-            loss = loss * (inputs["kept_rows"].numel() / kept) if kept > 0 else loss
+        if self.args.loss_type in _ROW_MEAN_LOSSES:
+            # TRL averages over every row; filtered rows (zero loss) must not count (see kept_row_scale)
+            loss = loss * inputs["kept_row_scale"]
         return loss
 
     def _summed_kl(self, inputs: dict) -> torch.Tensor:
