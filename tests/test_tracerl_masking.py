@@ -9,7 +9,6 @@ train/rl_dream.py 307-404, 600-631)."""
 
 import pytest
 import torch
-from datasets import Dataset
 from test_tracerl_official import (
     PROMPTS,
     assert_same_loss_and_gradient,
@@ -22,9 +21,8 @@ from test_tracerl_official import (
     trained_tokens,
 )
 
-from trl_diffusion.testing import MASK_ID, build_tokenizer, tiny_model
+from trl_diffusion.testing import MASK_ID, tiny_model
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS, TraceRLConfig
-from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
 from trl_diffusion.value import DiffusionValueModel
 
 EPS = 0.2
@@ -277,14 +275,6 @@ def test_official_preset_refuses_diffucoders_coupled_layout():
 def test_masking_and_scoring_config_errors_name_the_field(fields, field):
     with pytest.raises(ValueError, match=field):
         TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, **fields)
-
-
-def test_several_masks_refuse_the_off_policy_mask(tmp_path):
-    args = TraceRLConfig(**base_config(tmp_path, likelihood_estimator="random_masking", masks_per_response=2,
-                                       off_policy_mask_threshold=0.5))
-    with pytest.raises(ValueError, match="off_policy_mask_threshold"):
-        TraceRLTrainer(tiny_model("sdar"), banded_reward, args=args, processing_class=build_tokenizer(),
-                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
 
 
 def test_presets_list_only_config_fields():

@@ -58,9 +58,9 @@ _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 logger = logging.get_logger(__name__)
 
 
-def mask_seed(seed: int, rollout_step: int, sample_index: int) -> int:
+def mask_seed(seed: int, rollout_step: int | str, sample_index: int) -> int:
     """A stable 63-bit seed for one row's random masks: the same for old, new and reference log-probs and for a
-    resumed run, different across rows and rollouts."""
+    resumed run, different across rows and rollouts (``rollout_step``: ``TraceRLTrainer._rollout_key``)."""
     digest = hashlib.sha256(f"{seed}:{rollout_step}:{sample_index}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
@@ -153,14 +153,11 @@ class TraceRLTrainer(GRPOTrainer):
             masks_per_response=args.masks_per_response if multi_mask else 1,
             exclude_mask_token=args.exclude_mask_token_from_softmax,
         )
-        if self.estimator_settings.masks_per_response > 1 and args.off_policy_mask_threshold is not None:
-            raise ValueError("off_policy_mask_threshold compares the scored log-probs with the sampler's, one per "
-                             "completion token; with masks_per_response > 1 every token is scored once per mask. "
-                             "Set off_policy_mask_threshold=None or masks_per_response=1.")
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
+        self._eval_rollouts = [-1, 0]  # [global step, eval generation batches run at it]: see _rollout_key
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
@@ -177,7 +174,7 @@ class TraceRLTrainer(GRPOTrainer):
         prompt_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
         rows = len(prompt_ids)
         first = self.accelerator.process_index * rows
-        rollout_step = self.state.global_step
+        rollout_step = self._rollout_key()
         seeds = torch.tensor([mask_seed(self.args.seed, rollout_step, first + i) for i in range(rows)])
         # one sampling generator per row, keyed like the masks: a row's rollout does not depend on its batch or
         # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
@@ -220,6 +217,20 @@ class TraceRLTrainer(GRPOTrainer):
             completion_ids.append(canvas[row, :length].tolist())
             completion_logps.append(logps[row, :length].tolist())
         return completion_ids, completion_logps
+
+    def _rollout_key(self) -> int | str:
+        """What keys this generation batch's random streams (sampling and masks), unique per generation batch: the
+        optimizer step, plus the micro-step within it when a step generates several batches (steps_per_generation *
+        num_iterations < gradient_accumulation_steps), plus the batch index for evaluation (every eval batch runs at
+        the same step). Without the extra parts those batches would reuse the same streams row for row."""
+        step = self.state.global_step
+        if self.model.training:
+            within = self._step % self.args.gradient_accumulation_steps
+            return step if within == 0 else f"{step}.{within}"
+        if self._eval_rollouts[0] != step:
+            self._eval_rollouts = [step, 0]
+        self._eval_rollouts[1] += 1
+        return f"eval:{step}.{self._eval_rollouts[1] - 1}"
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -264,6 +275,10 @@ class TraceRLTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         scoring = self._scoring
         output.update(scoring)
+        # TRL's off-policy sequence mask would compare the scored log-probs with these, the sampler's log-probs of
+        # the trajectory; the masking estimators (and merged steps, another scoring temperature) score other
+        # quantities, so it measures pi_theta against pi_old as the trainer scores them (TRL's non-vLLM rule)
+        output.pop("sampling_per_token_logps", None)
         rows, width = output["completion_ids"].shape
         completion_mask = output["completion_mask"]
         keep = self._kept_rows(rows, mode)
@@ -280,6 +295,12 @@ class TraceRLTrainer(GRPOTrainer):
         count = training_rows_.sum() if self.args.loss_type == "tracerl" else (completion_mask * keep[:, None]).sum()
         output["num_items_in_batch"] = self.accelerator.gather(count.float()).sum()
         output["kept_rows"] = keep.float()
+        if self.args.loss_type in _ROW_MEAN_LOSSES:
+            # these losses average over every row of a micro-batch (and over the accumulation steps): filtered rows
+            # must leave that count, over the generation batch of every process (as the other losses' normaliser)
+            kept, total = self.accelerator.reduce(torch.stack([keep.sum(), torch.tensor(rows, device=keep.device)])
+                                                  .float(), reduction="sum")
+            output["kept_row_scale"] = total / kept if kept > 0 else torch.ones_like(total)
         if self.value_model is not None:
             # the value model scores trajectory states, one value per completion token: its loss takes each token's
             # weights summed over the masks, and its advantages are tiled over them
@@ -591,10 +612,9 @@ class TraceRLTrainer(GRPOTrainer):
                 loss = loss + beta * self._summed_kl(inputs)
         finally:
             self._loss_inputs, self.beta = None, beta
-        if self.args.loss_type in _ROW_MEAN_LOSSES and self.args.dynamic_group_filtering != "none":
-            # TRL averages over every row of the micro-batch; filtered rows (zero loss) must not count
-            kept = inputs["kept_rows"].sum()
-            loss = loss * (inputs["kept_rows"].numel() / kept) if kept > 0 else loss
+        if self.args.loss_type in _ROW_MEAN_LOSSES:
+            # TRL averages over every row; filtered rows (zero loss) must not count (see kept_row_scale)
+            loss = loss * inputs["kept_row_scale"]
         return loss
 
     def _summed_kl(self, inputs: dict) -> torch.Tensor:
