@@ -79,6 +79,11 @@ class SamplingSettings:
             raise ValueError(
                 f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of {REMASKING_STRATEGIES}."
             )
+        if self.schedule == "linspace" and self.remasking_strategy in ("sequential", "low_confidence_dynamic"):
+            raise ValueError(
+                f"remasking_strategy={self.remasking_strategy!r} does not go with Dream's `steps` / `alg` (linspace "
+                "schedule, which commits a fraction of the masks by confidence); use denoising_steps instead."
+            )
         if self.remasking_strategy == "low_confidence_dynamic" and self.confidence_threshold is None:
             raise ValueError("remasking_strategy='low_confidence_dynamic' needs confidence_threshold.")
         if self.cache_mode not in CACHE_MODES:
