@@ -94,3 +94,16 @@ def test_stop_token_ids_from_the_generation_config():
     assert settings_of(model).stop_token_ids == (IM_END_ID,)
     assert settings_of(model, eos_token_id=EOS_ID).stop_token_ids == (EOS_ID,)  # the call's eos wins
     assert settings_of(model, stop_token_ids=[]).stop_token_ids == ()
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_a_generation_that_fills_the_context_exactly_is_allowed(family):
+    """8 prompt + 8 new tokens on a 16-position model (SDAR: whole blocks of 4) fit; one more token does not.
+    (The check used to add a whole block for SDAR, rejecting a generation that fits.)"""
+    positions = {"sdar": dict(max_position_embeddings=16), "llada": dict(max_sequence_length=16)}[family]
+    model = tiny_model(family, **positions)
+    prompts = torch.tensor([list(range(20, 28)), list(range(30, 38))])
+    out = model.generate(prompts, max_new_tokens=8, block_length=4, stop_token_ids=[])
+    assert out.shape == (2, 16)
+    with pytest.raises(ValueError, match="positions"):
+        model.generate(prompts, max_new_tokens=9, block_length=4)
