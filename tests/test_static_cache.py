@@ -21,8 +21,9 @@ aten = torch.ops.aten
 
 
 def gen(model, ids, mask, **kw):
-    args = dict(max_new_tokens=14, block_length=4, denoising_steps=2, temperature=0.0, stop_token_ids=[],
-                return_dict_in_generate=True)
+    args = dict(max_new_tokens=14, block_length=4, temperature=0.0, stop_token_ids=[], return_dict_in_generate=True)
+    if "steps" not in kw:  # Dream's `steps` (whole generation) and `denoising_steps` (per block) exclude each other
+        args["denoising_steps"] = 2
     args.update(kw)
     return model.generate(ids, mask, **args)
 
@@ -376,8 +377,8 @@ def test_no_host_sync_inside_a_block(family, kw, stops, as_on_cuda):
     stop_ids = [int(gen(model, ids, mask, max_new_tokens=4).sequences[0, -1])] if stops else []
     counter = HostSyncCounter(model)
     with counter:
-        out = gen(model, ids, mask, max_new_tokens=16, denoising_steps=3, generator=generator,
-                  stop_token_ids=stop_ids, **kw)
+        per_block = {} if "steps" in kw else dict(denoising_steps=3)  # Dream's steps=12: 3 per block of 4
+        out = gen(model, ids, mask, max_new_tokens=16, generator=generator, stop_token_ids=stop_ids, **per_block, **kw)
     blocks = len(CanvasLayout([len(p) for p in PROMPTS[:3]], 16, 4, model.block_size is not None).block_starts)
     loop_gaps = counter.gaps[1:]  # gap 0 holds the setup (lengths, canvas layout) before the first forward
     assert len(loop_gaps) >= 2 * blocks  # several forwards per block: there are in-block gaps to check

@@ -16,7 +16,8 @@ _DREAM_ALGS = {"origin": "origin", "maskgit_plus": "low_confidence_static", "top
                "entropy": "entropy"}
 _ARGUMENTS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_strategy", "confidence_threshold",
               "temperature", "top_k", "top_p", "use_cache", "steps", "alg", "alg_temp", "eps", "cfg_scale",
-              "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate", "cuda_graphs")
+              "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate", "cuda_graphs",
+              "max_length", "do_sample")
 
 
 class DiffusionGenerationMixin:
@@ -47,38 +48,56 @@ class DiffusionGenerationMixin:
 
     def _family_defaults(self) -> dict:
         block = self.block_size or 32
-        return {"max_new_tokens": 128, "block_length": block, "denoising_steps": block,
+        return {"max_new_tokens": 128, "block_length": block,
                 "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9, "temperature": 1.0,
                 "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0}
 
-    def _resolve_settings(self, kwargs: dict) -> tuple[SamplingSettings, bool]:
+    def _resolve_settings(self, kwargs: dict, prompt_width: int = 0) -> tuple[SamplingSettings, bool]:
+        """Each argument from the call, else ``generation_config``, else the family default. ``prompt_width``: the
+        columns of ``input_ids``, which transformers' ``max_length`` counts."""
         unknown = set(kwargs) - set(_ARGUMENTS) - {"generation_config", "generator"}
         if unknown:
             raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}; accepted: {_ARGUMENTS}.")
         config = kwargs.pop("generation_config", None) or getattr(self, "generation_config", None)
         defaults = self._family_defaults()
 
-        def pick(name):
+        def from_config(name):
+            return getattr(config, name, None) if config is not None else None
+
+        def pick(name, default=None):  # ``default`` for the names without a family default
             if kwargs.get(name) is not None:
                 return kwargs[name]
-            value = getattr(config, name, None) if config is not None else None
-            return value if value is not None else defaults.get(name)
+            value = from_config(name)
+            return value if value is not None else defaults.get(name, default)
 
-        max_new_tokens = pick("max_new_tokens")
+        max_new_tokens = self._max_new_tokens(kwargs, from_config, prompt_width)
+        if max_new_tokens is None:
+            max_new_tokens = defaults["max_new_tokens"]
         block_length = pick("block_length")
         strategy = pick("remasking_strategy")
-        schedule, steps = "uniform", pick("denoising_steps")
-        alg = kwargs.get("alg") or (getattr(config, "alg", None) if kwargs.get("remasking_strategy") is None else None)
-        dream_steps = kwargs.get("steps") or (getattr(config, "steps", None) if alg else None)
+        schedule, steps = "uniform", pick("denoising_steps", block_length)  # default: one token per step
+        # the call's block-wise arguments win over Dream's `alg` / `steps` from the config (and vice versa)
+        blockwise_call = kwargs.get("remasking_strategy") is not None or kwargs.get("denoising_steps") is not None
+        alg = kwargs.get("alg") or (None if blockwise_call else from_config("alg"))
+        if kwargs.get("alg") is not None and kwargs.get("remasking_strategy") is not None:
+            raise ValueError("give either alg (Dream's name) or remasking_strategy, not both.")
+        if kwargs.get("steps") is not None and kwargs.get("denoising_steps") is not None:
+            raise ValueError("give either steps (over the whole generation, Dream's) or denoising_steps (per block), "
+                             "not both.")
         if alg is not None or kwargs.get("steps") is not None:
             # Dream's published arguments: `steps` over the whole generation, `alg` confidences, linspace schedule.
             if alg is not None and alg not in _DREAM_ALGS:
                 raise ValueError(f"unknown alg {alg!r}; Dream's algorithms are {sorted(_DREAM_ALGS)}.")
-            strategy = _DREAM_ALGS[alg or "origin"]
+            if alg is not None or kwargs.get("remasking_strategy") is None:
+                strategy = _DREAM_ALGS[alg or "origin"]
             schedule = "linspace"
-            if kwargs.get("block_length") is None and getattr(config, "block_length", None) is None:
+            if kwargs.get("block_length") is None and from_config("block_length") is None:
                 block_length = max_new_tokens
-            steps = steps_for_dream(dream_steps or max_new_tokens, max_new_tokens, block_length)
+            if kwargs.get("denoising_steps") is not None:
+                steps = kwargs["denoising_steps"]
+            else:
+                dream_steps = kwargs.get("steps") or (from_config("steps") if alg else None)
+                steps = steps_for_dream(dream_steps or max_new_tokens, max_new_tokens, block_length)
         use_cache = pick("use_cache")
         if isinstance(use_cache, str):
             cache_mode = use_cache
@@ -87,7 +106,14 @@ class DiffusionGenerationMixin:
         else:  # the approximate LLaDA/Dream caches are opt-in by name only
             cache_mode = "none"
         temperature = pick("temperature")
+        do_sample = kwargs.get("do_sample")
+        if do_sample is None and kwargs.get("temperature") is None:
+            do_sample = from_config("do_sample")
+        if do_sample is False:  # transformers: do_sample=False is greedy whatever the temperature
+            temperature = 0.0
         stop = kwargs.get("stop_token_ids")
+        if stop is None and kwargs.get("eos_token_id") is None:
+            stop = from_config("stop_token_ids")
         if stop is None:
             eos = pick("eos_token_id")
             if eos is None:
@@ -109,14 +135,31 @@ class DiffusionGenerationMixin:
         )
         return settings, bool(pick("return_dict_in_generate"))
 
+    @staticmethod
+    def _max_new_tokens(kwargs: dict, from_config, prompt_width: int) -> int | None:
+        """``max_new_tokens``, or transformers' ``max_length`` (prompt columns + new tokens) less the prompt: from
+        the call, then from the config; ``max_new_tokens`` wins at the same level."""
+        for source in (kwargs.get, from_config):
+            if source("max_new_tokens") is not None:
+                return source("max_new_tokens")
+            max_length = source("max_length")
+            if max_length is not None:
+                if max_length <= prompt_width:
+                    raise ValueError(f"max_length ({max_length}) leaves no room after the prompt ({prompt_width} "
+                                     "columns); set max_new_tokens instead.")
+                return max_length - prompt_width
+        return None
+
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """Diffusion decoding, block by block.
 
         Arguments (each also read from ``generation_config`` / ``generation_config.json``):
-        ``max_new_tokens``; ``block_length``; ``denoising_steps`` (per block); ``remasking_strategy``
+        ``max_new_tokens`` (or transformers' ``max_length``: prompt columns + new tokens); ``block_length``;
+        ``denoising_steps`` (per block; default ``block_length``); ``remasking_strategy``
         (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
-        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy); ``top_k``; ``top_p``;
+        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy; ``do_sample=False`` too);
+        ``top_k``; ``top_p``;
         ``use_cache`` (True = SDAR's exact cache; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn
         on the approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their
         output); ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
@@ -131,7 +174,8 @@ class DiffusionGenerationMixin:
         alone. Returns ``sequences`` (prompt + completion) or the output object.
         """
         generator = kwargs.pop("generator", None)
-        settings, return_dict = self._resolve_settings(kwargs)
+        width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() else 0
+        settings, return_dict = self._resolve_settings(kwargs, width)
         was_training = self.training
         self.eval()
         try:

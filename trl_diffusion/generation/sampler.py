@@ -79,6 +79,11 @@ class SamplingSettings:
             raise ValueError(
                 f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of {REMASKING_STRATEGIES}."
             )
+        if self.schedule == "linspace" and self.remasking_strategy in ("sequential", "low_confidence_dynamic"):
+            raise ValueError(
+                f"remasking_strategy={self.remasking_strategy!r} does not go with Dream's `steps` / `alg` (linspace "
+                "schedule, which commits a fraction of the masks by confidence); use denoising_steps instead."
+            )
         if self.remasking_strategy == "low_confidence_dynamic" and self.confidence_threshold is None:
             raise ValueError("remasking_strategy='low_confidence_dynamic' needs confidence_threshold.")
         if self.cache_mode not in CACHE_MODES:
@@ -196,11 +201,12 @@ def diffusion_generate(
         raise ValueError("the exact KV cache needs block-causal attention; use 'prefix' or 'dual' for this model.")
     layout = CanvasLayout(lengths, settings.max_new_tokens, settings.block_length, block_causal)
     max_positions = _max_positions(model.config)
-    longest = max(lengths) + settings.max_new_tokens + (settings.block_length if block_causal else 0)
+    longest = max(end - pad for end, pad in zip(layout.gen_end, layout.left_pad))  # a row's positions
     if max_positions is not None and longest > max_positions:
         raise ValueError(
-            f"prompt ({max(lengths)} tokens) + max_new_tokens ({settings.max_new_tokens}) exceeds the model's "
-            f"{max_positions} positions."
+            f"prompt ({max(lengths)} tokens) + max_new_tokens ({settings.max_new_tokens}) "
+            f"{'rounded up to whole blocks ' if block_causal else ''}needs {longest} positions; the model has "
+            f"{max_positions}."
         )
 
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
