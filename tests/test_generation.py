@@ -72,6 +72,19 @@ def test_replay_reproduces_sampler_logprobs(family, settings):
     assert_close_fp32(replay, out.token_logprobs, committed)
 
 
+def test_replay_reproduces_sampler_logprobs_of_right_padded_prompts(family):
+    """generate() returns ``[prompt as given | completion]``: with right padding, pad columns sit between a prompt
+    and its completion, and Dream's shifted logits must come from the last real token, not the pad before."""
+    model = tiny_model(family)
+    ids, mask = left_pad(PROMPTS)
+    ids, mask = ids.flip(1), mask.flip(1)  # right-padded (token order reversed: any prompt will do)
+    out = gen(model, ids, mask, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    replay = replay_logprobs(model, out.sequences, mask, out.unmask_step, block_length=4, temperature=1.0)
+    committed = out.unmask_step >= 0
+    assert committed.sum() >= 12 * len(PROMPTS)
+    assert_close_fp32(replay, out.token_logprobs, committed)
+
+
 def test_batch_rows_equal_single_prompts(family):
     model = tiny_model(family)
     ids, mask = left_pad(PROMPTS)

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
+from trl_diffusion import TraceRLConfig
 from trl_diffusion.testing import EOS_ID, IM_END_ID, tiny_model
 
 PROMPT = torch.tensor([[20, 21, 22, 23, 24]])
@@ -107,3 +108,16 @@ def test_a_generation_that_fills_the_context_exactly_is_allowed(family):
     assert out.shape == (2, 16)
     with pytest.raises(ValueError, match="positions"):
         model.generate(prompts, max_new_tokens=9, block_length=4)
+
+
+def test_origin_needs_dreams_linspace_schedule():
+    """'origin' over per-block denoising steps would silently decode as low_confidence_static."""
+    model = tiny_model("dream")
+    with pytest.raises(ValueError, match="origin"):
+        model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, block_length=4, denoising_steps=4,
+                       remasking_strategy="origin")
+    with pytest.raises(ValueError, match="origin"):
+        TraceRLConfig(output_dir="unused", remasking_strategy="origin", use_cpu=True, bf16=False)
+    out = model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, alg="origin", steps=8, temperature=0.0,
+                         return_dict_in_generate=True)
+    assert int((out.unmask_step >= 0).sum()) == 8

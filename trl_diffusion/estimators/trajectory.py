@@ -13,8 +13,8 @@ from ..states import attention_mask_from_positions, positions_from_padding, stat
 
 
 def trajectory_layout(prompt_mask: torch.Tensor, completion_width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(valid, generated)`` ``[B, P + C]`` for left-padded prompts followed by ``completion_width`` generated
-    columns, as ``generate`` lays them out. Every completion column was part of the sampler's canvas."""
+    """``(valid, generated)`` ``[B, P + C]`` for padded prompts (as given) followed by ``completion_width``
+    generated columns, as ``generate`` lays them out. Every completion column was part of the sampler's canvas."""
     batch = prompt_mask.shape[0]
     completion = torch.ones(batch, completion_width, dtype=torch.bool, device=prompt_mask.device)
     valid = torch.cat([prompt_mask.bool(), completion], dim=1)
@@ -51,10 +51,23 @@ def replay_logprobs(
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
-        logits = model.align_logits(model(input_ids=state, attention_mask=mask, position_ids=positions).logits)
+        logits = _aligned_logits(model, model(input_ids=state, attention_mask=mask, position_ids=positions).logits,
+                                 valid)
         log_dist = sampling_logits(logits, temperature, top_k, top_p,
                                    model.mask_token_id if exclude_mask_token else None).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)
     return out
+
+
+def _aligned_logits(model, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Logits indexed by the position of the token they predict. A shifted model (Dream) predicts a token from the
+    previous real token, which for right-padded prompts is not the previous column: read each column's logits from
+    the last valid column before it (the column before, for left-padded rows, as ``model.align_logits``)."""
+    if not model.logits_shift:
+        return logits
+    columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+    last_valid = torch.where(valid, columns, 0).cummax(dim=1).values
+    source = torch.cat([last_valid[:, :1], last_valid[:, :-1]], dim=1)
+    return logits.gather(1, source[..., None].expand_as(logits))

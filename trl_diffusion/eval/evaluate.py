@@ -65,7 +65,7 @@ class EvalConfig:
     block_length: int | None = _arg(None, "Tokens per block.")
     denoising_steps: int | None = _arg(None, "Denoising steps per block (<= block_length).")
     remasking_strategy: str | None = _arg(None, "sequential, low_confidence_static, low_confidence_dynamic, random, "
-                                          "topk_margin, entropy or origin.")
+                                          "topk_margin or entropy (Dream's origin: --alg origin).")
     confidence_threshold: float | None = _arg(None, "Threshold of low_confidence_dynamic.")
     temperature: float | None = _arg(None, "Sampling temperature (0 = greedy).")
     top_k: int | None = _arg(None, "Top-k filtering (0 or none = off).")

@@ -84,6 +84,12 @@ class SamplingSettings:
                 f"remasking_strategy={self.remasking_strategy!r} does not go with Dream's `steps` / `alg` (linspace "
                 "schedule, which commits a fraction of the masks by confidence); use denoising_steps instead."
             )
+        if self.remasking_strategy == "origin" and self.schedule != "linspace":
+            raise ValueError(
+                "remasking_strategy='origin' is Dream's random commit rule over its linspace schedule: pass "
+                "alg='origin' and steps (over the whole generation) instead; with denoising_steps per block use "
+                "'random' or a confidence strategy."
+            )
         if self.remasking_strategy == "low_confidence_dynamic" and self.confidence_threshold is None:
             raise ValueError("remasking_strategy='low_confidence_dynamic' needs confidence_threshold.")
         if self.cache_mode not in CACHE_MODES:

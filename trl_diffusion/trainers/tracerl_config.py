@@ -14,6 +14,9 @@ from ..generation.sampling import REMASKING_STRATEGIES
 from ..states import ATTENTION_BACKENDS, check_attention_backend
 from .tracerl_objective import STEP_NORMALIZATIONS
 
+ROLLOUT_STRATEGIES = tuple(name for name in REMASKING_STRATEGIES if name != "origin")
+"""Strategies of a per-block rollout schedule (``denoising_steps``); Dream's ``origin`` needs its linspace one."""
+
 
 @dataclass
 class TraceRLConfig(GRPOConfig):
@@ -43,7 +46,7 @@ class TraceRLConfig(GRPOConfig):
     denoising_steps: int = field(default=4, metadata={"help": "Rollout denoising steps per block."})
     remasking_strategy: str = field(
         default="low_confidence_dynamic",
-        metadata={"help": f"Rollout remasking strategy, one of {REMASKING_STRATEGIES}."},
+        metadata={"help": f"Rollout remasking strategy, one of {ROLLOUT_STRATEGIES}."},
     )
     confidence_threshold: float = field(
         default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy."}
@@ -97,7 +100,8 @@ class TraceRLConfig(GRPOConfig):
                   "dLLM-RL's SDAR/TraDo code stacks them), counted over the generation batch and spread evenly over "
                   "its optimizer steps. Masking estimators count dLLM-RL's rows: one per mask ('random_masking'), "
                   "two per pair ('coupled_pairs'), one per response ('coupled', 'mean_field'). Any TRL loss type "
-                  "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) works as in GRPOTrainer."},
+                  "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) aggregates as in GRPOTrainer, over the token weights "
+                  "of step_normalization: exactly GRPOTrainer's loss needs step_normalization='sequence'."},
     )
     beta: float = field(
         default=0.01,
@@ -246,9 +250,10 @@ class TraceRLConfig(GRPOConfig):
         self._check_objective()
         if self.rollout_cuda_graphs not in ("auto", "off"):
             raise ValueError(f"rollout_cuda_graphs must be 'auto' or 'off', got {self.rollout_cuda_graphs!r}.")
-        if self.remasking_strategy not in REMASKING_STRATEGIES:
-            raise ValueError(f"unknown remasking_strategy {self.remasking_strategy!r}; choose one of "
-                             f"{REMASKING_STRATEGIES}.")
+        if self.remasking_strategy not in ROLLOUT_STRATEGIES:
+            raise ValueError(f"remasking_strategy {self.remasking_strategy!r} is not a rollout strategy; choose "
+                             f"one of {ROLLOUT_STRATEGIES} (Dream's 'origin' runs over its own linspace schedule, "
+                             "not denoising_steps per block).")
         if self.likelihood_estimator not in ESTIMATORS:
             raise ValueError(f"unknown likelihood_estimator {self.likelihood_estimator!r}; choose one of "
                              f"{ESTIMATORS}.")
