@@ -2,11 +2,14 @@
 fix it guards."""
 
 import json
+import pickle
+import threading
 
 import pytest
 
 from trl_diffusion.cli import main
 from trl_diffusion.eval import load_eval_problems
+from trl_diffusion.rewards import MathAccuracyReward
 
 
 def _write_jsonl(path, rows):
@@ -49,3 +52,31 @@ def test_a_split_or_config_for_a_local_file_is_an_error(tmp_path):
     with pytest.raises(ValueError, match=r"dataset_config='main'.*built-in task"):
         load_eval_problems("arithmetic", config="main")
     assert len(load_eval_problems(path)[1]) == 1
+
+
+# ------------------------------------------------------------------------------------------------ math reward
+
+
+def _in_thread(fn, limit=300.0):
+    out = {}
+    thread = threading.Thread(target=lambda: out.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(limit)
+    assert not thread.is_alive(), "the reward hung in a worker thread"
+    return out["value"]
+
+
+def test_math_reward_off_the_main_thread_cannot_be_hung_by_a_short_answer():
+    """math-verify's timeouts only work in the main thread; a 13-character power tower used to hang the reward
+    for good when called from any other thread (the length cap does not bound it)."""
+    reward = MathAccuracyReward(parsing_timeout=1, verify_timeout=1)
+    try:
+        completions = [r"\boxed{9^{9^{9^{9}}}}", r"\boxed{\frac{1}{2}}", "The final answer is 18.", r"\boxed{19}"]
+        golds = ["18", "0.5", "18", "18"]
+        assert _in_thread(lambda: reward(completions, answer=golds)) == [0.0, 1.0, 1.0, 0.0]
+        assert reward.worker is not None and reward.worker.pid is not None  # checked in the child, which is alive
+        # The main thread keeps math-verify's own timeouts and gives the same scores without a child.
+        assert reward(completions[1:], answer=golds[1:]) == [1.0, 1.0, 0.0]
+        assert pickle.loads(pickle.dumps(reward))(completions[1:2], answer=golds[1:2]) == [1.0]
+    finally:
+        reward.close()
