@@ -101,7 +101,13 @@ def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | Non
         raise ValueError("the dataset has no rows.")
     rows = [{str(k).lower(): v for k, v in row.items()} for row in rows]
     fmt = detect_format(rows[0])
-    problems = [_convert(fmt, row, index, prompt_template) for index, row in enumerate(rows)]
+    problems = []
+    for index, row in enumerate(rows):
+        try:
+            problems.append(_convert(fmt, row, index, prompt_template))
+        except KeyError as exc:  # the format was detected from the first row; a later row may lack a column
+            raise ValueError(f"row {index} has no {exc.args[0]!r} column, which format {fmt!r} (detected from the "
+                             f"first row's columns) needs; its columns are {sorted(row)}.") from None
     bad = [p.id for p in problems if (p.answer is None if p.task == "math" else not p.tests)]
     if bad:
         what = "gold answer" if problems[0].task == "math" else "tests"
@@ -125,6 +131,12 @@ def load_eval_problems(
     if max_problems is not None and max_problems <= 0:
         raise ValueError(f"max_problems must be positive, got {max_problems}.")
     name = dataset.strip()
+    hub_only = [f"{flag}={value!r}" for flag, value in (("dataset_config", config), ("dataset_test_split", split))
+                if value is not None]
+    if hub_only and (name.lower() == "arithmetic" or _is_local(name)):
+        raise ValueError(f"{' and '.join(hub_only)}: these flags apply to Hub datasets only, but {name!r} is "
+                         f"{'the built-in task' if name.lower() == 'arithmetic' else 'a local file'}, evaluated "
+                         "whole; leave them unset (or put the split you want in a file of its own).")
     if name.lower() == "arithmetic":
         problems = _arithmetic_problems(prompt_template, chat_template)
         tag = "arithmetic"
@@ -134,9 +146,14 @@ def load_eval_problems(
     return tag, problems[:max_problems]
 
 
-def _load_rows(name: str, config: str | None, split: str | None) -> tuple[list[dict], str]:
+def _is_local(name: str) -> bool:
     path = Path(name).expanduser()
-    if path.suffix.lower() in LOCAL_EXTENSIONS or path.exists():
+    return path.suffix.lower() in LOCAL_EXTENSIONS or path.exists()
+
+
+def _load_rows(name: str, config: str | None, split: str | None) -> tuple[list[dict], str]:
+    if _is_local(name):
+        path = Path(name).expanduser()
         return _read_local(path), path.stem
     if name.lower() in HUB_DATASETS:
         repo, default_config, default_split = HUB_DATASETS[name.lower()]
@@ -167,12 +184,21 @@ def _read_local(path: Path) -> list[dict]:
             return [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path} is neither JSON nor JSON lines: {exc}") from None
-    if isinstance(data, dict):  # {"rows": [...]} or one object per line stored as a single object
+    if isinstance(data, dict):  # {"rows": [...]}, or a single problem (a one-line JSON lines file)
         lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-        data = lists[0] if len(lists) == 1 else [data]
+        data = lists[0] if len(lists) == 1 and not _is_problem(data) else [data]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"{path} must hold a list of JSON objects (one per problem).")
     return data
+
+
+def _is_problem(row: dict) -> bool:
+    """Whether one JSON object is itself a problem in a known format (it may hold a list of objects, e.g. hints)."""
+    try:
+        detect_format(row)
+    except ValueError:
+        return False
+    return True
 
 
 def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:

@@ -5,9 +5,10 @@ The gold answer comes from the dataset row: a bare ``answer`` column ("18", "\\f
 ``\\boxed{}`` of the completion when there is one, otherwise whatever math-verify extracts from the text. Both sides
 are normalised to the same ``\\boxed{...}`` form before parsing so equivalent LaTeX compares equal.
 
-math-verify's timeouts use ``signal.alarm``, which only works in the main thread; elsewhere (e.g. a trainer that
-scores rewards in a worker thread) the timeouts are switched off and the answer strings are length-capped instead,
-which bounds the worst sympy blow-ups in practice but is not a hard time limit.
+math-verify's timeouts use ``signal.alarm``, which only works in the main thread. Elsewhere (e.g. a trainer that
+scores rewards in a worker thread, or an ``async`` wrapper on TRL's event-loop thread) a completion is checked in a
+child process, in its main thread with the same timeouts, which is killed if it has not answered in time: a short
+answer such as ``\\boxed{9^{9^{9^9}}}`` would otherwise hang the caller for good.
 
 ``official_math_reward`` / :class:`OfficialMathReward` reproduce dLLM-RL's reward (``reward/rl_reward.py``,
 ``reward/math_utils.py``): the last ``\\boxed{}`` only, Hendrycks equivalence, else sympy under a hard 1 s limit
@@ -23,6 +24,9 @@ from typing import Any
 
 from .dllm_rl_math import SympyWorker, extract_boxed_answer, is_equiv, repeatness
 from .format_reward import completion_to_text, has_box, last_boxed_content
+from .math_verify_check import as_boxed as _as_boxed
+from .math_verify_check import boot_command, verify_source
+from .math_verify_check import extraction_configs as _configs
 
 __all__ = [
     "MathAccuracyReward",
@@ -65,11 +69,12 @@ class MathAccuracyReward:
     Args:
         parsing_timeout: seconds allowed for each math-verify parse (main thread only).
         verify_timeout: seconds allowed for each math-verify comparison (main thread only).
-        max_answer_chars: answers longer than this score 0.0 without parsing (guards sympy in worker threads).
+        max_answer_chars: answers longer than this score 0.0 without parsing.
 
     Rows are read from the ``answer`` and/or ``solution`` dataset columns TRL passes as keyword lists. A row whose
     gold answer cannot be found or parsed gets ``None``, which TRL treats as NaN and leaves out of the reward.
-    A callable class (not a closure) so it pickles for multi-process rollouts.
+    Called outside the main thread, each completion is checked in a child process (see the module docstring;
+    ``close()`` stops it). A callable class (not a closure) so it pickles for multi-process rollouts.
     """
 
     def __init__(self, parsing_timeout: int = 5, verify_timeout: int = 5, max_answer_chars: int = 1000) -> None:
@@ -77,6 +82,7 @@ class MathAccuracyReward:
         self.verify_timeout = verify_timeout
         self.max_answer_chars = max_answer_chars
         self.__name__ = "math_accuracy_reward"
+        self.worker: SympyWorker | None = None  # the child process that checks completions off the main thread
 
     def __call__(
         self,
@@ -103,7 +109,7 @@ class MathAccuracyReward:
             pred = last_boxed_content(text)
             if gold not in parsed_golds:
                 parsed_golds[gold] = self._parse_gold(gold, in_main)
-            rewards.append(self._score(text, parsed_golds[gold], in_main))
+            rewards.append(self._score(text, gold, parsed_golds[gold], in_main))
             golds.append(gold if gold is not None else "[no gold]")
             preds.append(pred if pred is not None else "[no box]")
         if log_extra is not None:
@@ -113,7 +119,12 @@ class MathAccuracyReward:
 
     def score(self, text: str, gold: str | None, in_main: bool = True) -> float | None:
         """Score one completion text against one bare gold answer (see the class docstring for the values)."""
-        return self._score(text, self._parse_gold(gold, in_main), in_main)
+        return self._score(text, gold, self._parse_gold(gold, in_main), in_main)
+
+    def close(self) -> None:
+        """Stop the child process used off the main thread (a later call starts a new one)."""
+        if self.worker is not None:
+            self.worker.close()
 
     def _parse_gold(self, gold: str | None, in_main: bool) -> list | None:
         """math-verify parse of a bare gold answer; ``None`` if absent, too long or unparseable."""
@@ -128,46 +139,33 @@ class MathAccuracyReward:
             return None
         return parsed or None
 
-    def _score(self, text: str, gold_parsed: list | None, in_main: bool) -> float | None:
-        """Compare the completion's final answer with an already parsed gold answer."""
-        from math_verify import parse, verify
-        from math_verify.errors import TimeoutException
-
+    def _score(self, text: str, gold: str | None, gold_parsed: list | None, in_main: bool) -> float | None:
+        """Compare the completion's final answer with the gold answer (``gold_parsed``: its math-verify parse)."""
         if gold_parsed is None:
             return None
         boxed = last_boxed_content(text)
-        timeout = self._timeout(in_main)
-        try:
-            if boxed is not None:
-                if len(boxed) > self.max_answer_chars:
-                    return 0.0
-                pred_parsed = parse(_as_boxed(boxed), extraction_config=_configs(), parsing_timeout=timeout)
-            elif has_box(text):
-                return 0.0  # the last box is unclosed: no final answer, and earlier boxes are not answers
-            else:
-                pred_parsed = parse(text[-self.max_answer_chars * 4 :], parsing_timeout=timeout)
-            if not pred_parsed:
+        if boxed is not None:
+            if len(boxed) > self.max_answer_chars:
                 return 0.0
-            ok = verify(gold_parsed, pred_parsed, timeout_seconds=self.verify_timeout if in_main else None)
-        except (Exception, TimeoutException):
-            return 0.0
-        return 1.0 if ok else 0.0
+            source = _as_boxed(boxed)
+        elif has_box(text):
+            return 0.0  # the last box is unclosed: no final answer, and earlier boxes are not answers
+        else:
+            source = text[-self.max_answer_chars * 4 :]
+        if not in_main:
+            return 1.0 if self._child().compare(source, _as_boxed(gold)) else 0.0
+        return 1.0 if verify_source(source, gold_parsed, self.parsing_timeout, self.verify_timeout) else 0.0
+
+    def _child(self) -> SympyWorker:
+        """The child process checking completions in its main thread; killed past the timeouts plus a margin."""
+        if self.worker is None:
+            limit = 2 * self.parsing_timeout + self.verify_timeout + 2  # both parses, the comparison, the pipe
+            self.worker = SympyWorker(timeout=limit, command=boot_command(self.parsing_timeout, self.verify_timeout))
+        return self.worker
 
     def _timeout(self, in_main: bool) -> int | None:
         """math-verify's signal-based timeout only works in the main thread; elsewhere it must be off."""
         return self.parsing_timeout if in_main else None
-
-
-def _configs() -> list:
-    """Extraction targets for a ``$\\boxed{...}$``-wrapped answer: LaTeX with the box first, then plain expressions."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
-
-    return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-
-
-def _as_boxed(answer: str) -> str:
-    r"""Wrap a bare answer as ``$\boxed{...}$`` so math-verify parses all of it as a single LaTeX answer."""
-    return "$\\boxed{" + answer + "}$"
 
 
 _DEFAULT = MathAccuracyReward()
