@@ -103,6 +103,12 @@ def test_math_last_box_wins_and_missing_gold_is_none():
     assert math_accuracy_reward([r"\boxed{3} no wait \boxed{4"], answer=["3"]) == [0.0]  # truncated last box
 
 
+def test_math_a_full_stop_inside_the_box_is_not_part_of_the_answer():
+    """AIME-style solutions end with ``\\boxed{104.}``; math-verify alone reads that as no answer."""
+    texts = [r"so \boxed{104.}", r"\boxed{\frac{1}{2} .}", r"\boxed{105.}", r"\boxed{3.5.}", r"\boxed{1, 2, \ldots}"]
+    assert math_accuracy_reward(texts, answer=["104", r"\frac{1}{2}", "104", "3.5", "1"]) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
 def test_math_accepts_trl_kwargs_and_logs():
     logged = {}
     kwargs = dict(TRL_KWARGS, log_extra=lambda name, values: logged.setdefault(name, values))

@@ -147,7 +147,7 @@ class MathAccuracyReward:
         if boxed is not None:
             if len(boxed) > self.max_answer_chars:
                 return 0.0
-            source = _as_boxed(boxed)
+            source = _as_boxed(_without_final_period(boxed))
         elif has_box(text):
             return 0.0  # the last box is unclosed: no final answer, and earlier boxes are not answers
         else:
@@ -166,6 +166,13 @@ class MathAccuracyReward:
     def _timeout(self, in_main: bool) -> int | None:
         """math-verify's signal-based timeout only works in the main thread; elsewhere it must be off."""
         return self.parsing_timeout if in_main else None
+
+
+def _without_final_period(answer: str) -> str:
+    r"""A boxed answer without the sentence's full stop written inside the box (``\boxed{104.}``, as in some AIME
+    solutions): math-verify reads ``104.`` and ``\frac{1}{2}.`` as no answer; a trailing period changes no value."""
+    stripped = answer.rstrip()
+    return stripped[:-1].rstrip() if stripped.endswith(".") and not stripped.endswith("..") else answer
 
 
 _DEFAULT = MathAccuracyReward()
