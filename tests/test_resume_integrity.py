@@ -99,6 +99,18 @@ def test_buffer_saved_with_another_batch_layout_is_refused(checkpoints, tmp_path
         tracerl(tmp_path / "plain", 2).train(resume_from_checkpoint=str(checkpoint))
 
 
+def test_buffer_without_the_row_scale_of_a_row_mean_loss_is_refused(tmp_path):
+    """A rollout buffer saved before ``kept_row_scale`` existed cannot continue a ``grpo`` run (its loss reads it)."""
+    tracerl(tmp_path / "grpo", 1, loss_type="grpo").train()
+    path = tmp_path / "grpo" / "checkpoint-1" / "rollout_buffer_0.pt"
+    saved = torch.load(path, weights_only=False)
+    for batch in saved["buffer"]:
+        del batch["kept_row_scale"]
+    torch.save(saved, path)
+    with pytest.raises(ValueError, match="lacks the kept_row_scale"):
+        tracerl(tmp_path / "grpo", 2, loss_type="grpo").train(resume_from_checkpoint=str(path.parent))
+
+
 @pytest.mark.parametrize("missing", ["value_state.pt", "value_model"])
 def test_resume_without_value_state_is_refused(checkpoints, tmp_path, missing):
     checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)

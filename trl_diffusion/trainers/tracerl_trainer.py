@@ -586,6 +586,10 @@ class TraceRLTrainer(GRPOTrainer):
         elif saved.get("layout") != self._rollout_layout():
             problems.append(f"its rollout buffer was saved with {saved.get('layout')}, this run has "
                             f"{self._rollout_layout()}")
+        elif self.args.loss_type in _ROW_MEAN_LOSSES and any("kept_row_scale" not in batch
+                                                             for batch in saved["buffer"] or []):
+            problems.append(f"its rollout buffer lacks the kept_row_scale that loss_type={self.args.loss_type!r} "
+                            "needs (saved by an older trl_diffusion)")
         has_value = [os.path.exists(os.path.join(checkpoint, name)) for name in ("value_model", "value_state.pt")]
         if self.value_model is not None:
             problems += [f"{name} is missing" for name, exists in zip(("value_model/", "value_state.pt"), has_value)
