@@ -220,7 +220,8 @@ def resolve_attention_mask(
     """Turn the user's ``attention_mask`` into the 4-D mask every layer uses.
 
     Accepted: ``None``; a 2-D key-padding mask ``[B, past + L]`` (1 = real token); a 3-D ``[B, Q, K]`` or 4-D
-    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given; a flex-attention
+    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 of any dtype (True = attend; see ``is_visibility_mask``) or additive
+    float, used as given; a flex-attention
     ``BlockMask`` (training forwards without a cache), used as given. For 2-D and
     ``None`` the structure (block-causal or full) comes from the positions. Returns the mask and the validity of
     the new keys (what a committing cache pass stores). With a ``StaticDiffusionCache`` the mask covers its read
@@ -248,10 +249,7 @@ def resolve_attention_mask(
                 f"attention_mask of shape {tuple(attention_mask.shape)} does not fit {q_len} queries and {k_len} "
                 f"keys (batch {batch}); expected [B, 1, {q_len}, {k_len}] or [B, {q_len}, {k_len}]."
             )
-        if not mask.dtype.is_floating_point:
-            mask = mask.bool()
-        else:
-            mask = mask.to(dtype)
+        mask = mask.bool() if is_visibility_mask(mask) else mask.to(dtype)
         return mask, torch.ones(batch, q_len, dtype=torch.bool, device=device)
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape != (batch, k_len):
@@ -272,6 +270,19 @@ def resolve_attention_mask(
         return None, new_valid
     mask = attention_mask_from_positions(position_ids.expand(batch, -1), key_positions, key_valid, block_size)
     return mask, new_valid
+
+
+def is_visibility_mask(mask: torch.Tensor) -> bool:
+    """Whether a 3-/4-D ``mask`` says who may attend (True / 1 = attend) rather than adding a bias to the scores.
+
+    Boolean and integer masks do. So does a floating mask of 0s and 1s with at least one 1: the releases' samplers
+    pass such masks (SDAR's ``block_diffusion_generate`` builds a float ``tril`` of ones) and the released models
+    read them as visibility; taken as additive, a +1 bias on visible keys, they would mask nothing. Any other
+    floating mask (0 / -inf or a finite minimum, or all zeros) is additive."""
+    if not mask.dtype.is_floating_point:
+        return True
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all()) and bool(ones.any())
 
 
 def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | StaticDiffusionCache | None,

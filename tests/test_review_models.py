@@ -1,0 +1,31 @@
+"""Review of the model layer as a transformers / peft user meets it: masks in the releases' formats, LLaDA's
+resize and tied head, and the loss under transformers' Trainer with gradient accumulation."""
+
+import pytest
+import torch
+
+from trl_diffusion.states import attention_mask_from_positions
+from trl_diffusion.testing import tiny_model
+
+FAMILIES = ["sdar", "llada", "dream"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_float_zero_one_mask_means_visibility_as_in_the_releases(family):
+    """SDAR's released ``block_diffusion_generate`` passes a float ``tril`` of ones ``[1, Q, K]`` and the released
+    models read 1 as "may attend". Taken as an additive bias it would mask nothing."""
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12)[None].expand(2, -1)
+    valid = torch.ones(2, 12, dtype=torch.bool)
+    valid[0, :3] = False
+    visible = attention_mask_from_positions(positions, positions, valid, model.block_size or 4)  # block-causal
+    with torch.no_grad():
+        expected = model(ids, attention_mask=visible, position_ids=positions).logits
+        for mask in (visible.float(), visible[:, 0].float(), visible.double()):
+            torch.testing.assert_close(model(ids, attention_mask=mask, position_ids=positions).logits, expected)
+        additive = torch.zeros(visible.shape).masked_fill(~visible, float("-inf"))  # still read as a bias
+        torch.testing.assert_close(model(ids, attention_mask=additive, position_ids=positions).logits, expected)
+        everything = torch.ones(2, 1, 12, 12, dtype=torch.bool)  # every key visible (no block structure)
+        torch.testing.assert_close(model(ids, attention_mask=everything.float(), position_ids=positions).logits,
+                                   model(ids, attention_mask=everything, position_ids=positions).logits)
