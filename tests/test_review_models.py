@@ -3,6 +3,7 @@ resize and tied head, and the loss under transformers' Trainer with gradient acc
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from trl_diffusion.states import attention_mask_from_positions
 from trl_diffusion.testing import tiny_model
@@ -29,3 +30,34 @@ def test_float_zero_one_mask_means_visibility_as_in_the_releases(family):
         everything = torch.ones(2, 1, 12, 12, dtype=torch.bool)  # every key visible (no block structure)
         torch.testing.assert_close(model(ids, attention_mask=everything.float(), position_ids=positions).logits,
                                    model(ids, attention_mask=everything, position_ids=positions).logits)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_llada_resize_token_embeddings_then_reload(tied, tmp_path):
+    """Adding a token to LLaDA resizes ``wte`` and the ``ff_out`` head, and the saved config rebuilds that size."""
+    model = tiny_model("llada", weight_tying=tied)
+    old = model.config.embedding_size
+    model.resize_token_embeddings(old + 8, mean_resizing=False)
+    assert model.config.vocab_size == model.config.embedding_size == old + 8
+    assert model.get_input_embeddings().weight.shape[0] == old + 8
+    if not tied:
+        assert model.get_output_embeddings().weight.shape[0] == old + 8
+    ids = torch.tensor([[5, old + 7, 9, old, 11]])
+    logits = model(ids).logits
+    assert logits.shape[-1] == old + 8
+    model.save_pretrained(tmp_path)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reloaded.config.embedding_size == old + 8
+    torch.testing.assert_close(reloaded(ids).logits, logits, rtol=0, atol=0)
+
+
+def test_llada_weight_tying_builds_and_uses_the_embedding_as_head(tmp_path):
+    """``weight_tying`` (the config class's default) has no ``ff_out`` head; logits come from ``wte``."""
+    model = tiny_model("llada", weight_tying=True)
+    assert "ff_out" not in model.model.transformer
+    ids = torch.randint(5, 100, (1, 6))
+    hidden = model.model(ids).last_hidden_state
+    torch.testing.assert_close(model(ids).logits, hidden @ model.model.transformer.wte.weight.T)
+    model.save_pretrained(tmp_path)
+    torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits,
+                               model(ids).logits, rtol=0, atol=0)
