@@ -3,7 +3,8 @@ resize and tied head, and the loss under transformers' Trainer with gradient acc
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from datasets import Dataset
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from trl_diffusion.states import attention_mask_from_positions
 from trl_diffusion.testing import tiny_model
@@ -61,3 +62,48 @@ def test_llada_weight_tying_builds_and_uses_the_embedding_as_head(tmp_path):
     model.save_pretrained(tmp_path)
     torch.testing.assert_close(AutoModelForCausalLM.from_pretrained(tmp_path).eval()(ids).logits,
                                model(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_labels_loss_with_num_items_in_batch_is_the_sum_over_it(family):
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[0, :5] = -100
+    out = model(ids, labels=labels)
+    logits = model.align_logits(out.logits).double()
+    token_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                   ignore_index=-100, reduction="none")
+    torch.testing.assert_close(out.loss.double(), token_loss.sum() / 11, rtol=1e-5, atol=0)
+    for count in (40, torch.tensor(40)):
+        loss = model(ids, labels=labels, num_items_in_batch=count).loss
+        torch.testing.assert_close(loss.double(), token_loss.sum() / 40, rtol=1e-5, atol=0)
+
+
+def test_trainer_with_gradient_accumulation_takes_the_token_mean_step(tmp_path):
+    """transformers' Trainer passes ``num_items_in_batch`` to a forward with ``**kwargs`` and then leaves the loss
+    undivided by the accumulation steps. One SGD step (lr 1) over two micro-batches must move the weights by minus
+    the gradient of the token-mean loss over both rows (7 + 4 labelled tokens, position 0 included)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 100, (2, 8), generator=generator)
+    labels = ids.clone()
+    labels[0, 7] = -100
+    labels[1, 4:] = -100
+    dataset = Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+    reference = tiny_model("sdar").train()
+    out = reference(ids, labels=labels)
+    logits = reference.align_logits(out.logits)
+    total = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                              ignore_index=-100, reduction="sum")
+    (total / 11).backward()
+    expected_step = -reference.lm_head.weight.grad
+
+    model = tiny_model("sdar").train()
+    before = model.lm_head.weight.detach().clone()
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, gradient_accumulation_steps=2,
+                             max_steps=1, learning_rate=1.0, optim="sgd", lr_scheduler_type="constant",
+                             weight_decay=0.0, max_grad_norm=0.0, report_to="none", use_cpu=True,
+                             save_strategy="no", disable_tqdm=True)
+    Trainer(model=model, args=args, train_dataset=dataset).train()
+    torch.testing.assert_close(model.lm_head.weight.detach() - before, expected_step, rtol=1e-4, atol=1e-6)

@@ -66,12 +66,16 @@ class DiffusionModelMixin:
         store_kv: bool = False,
         output_hidden_states: bool = False,
         logits_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``attention_mask``: None, 2-D key padding, or a custom 3-/4-D mask (see ``resolve_attention_mask``; the
         string ``"full"`` that Dream's released sampler passes means no mask). ``past_key_values``: a
         ``DiffusionCache``, read by every pass and written only when ``store_kv``. Logits are returned as the
-        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``.
+        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``. The loss is the
+        mean over labelled tokens, or, given transformers' ``num_items_in_batch`` (what ``Trainer`` passes to a
+        forward with ``**kwargs``, and then does not divide the loss by the accumulation steps), the summed loss
+        divided by it.
 
         ``logits_to_keep`` (see ``keep_positions``) runs the LM head only where logits are wanted: an int keeps the
         last positions and a 1-D tensor the given columns of every row (as in transformers); a ``(rows, cols)``
@@ -86,7 +90,7 @@ class DiffusionModelMixin:
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
         if labels is not None and hidden.dim() != 3:
             raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
-        return causal_lm_output(self, out, self.lm_logits(hidden), labels)
+        return causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
 
 
 def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
@@ -403,6 +407,9 @@ class QwenStyleLM(DiffusionModelMixin):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        # transformers derives "ForCausalLM" from the class name, and Trainer then counts num_items_in_batch over
+        # labels[..., 1:] (a next-token loss); ours scores every label at its own position.
+        self.loss_type = None
         self.model = self.backbone_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -496,15 +503,24 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
     return hidden, position_ids, mask, new_valid
 
 
-def diffusion_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``labels`` (-100 ignored) against position-aligned logits."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+def diffusion_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                      num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``labels`` (-100 ignored) against position-aligned logits: the mean, or the sum divided by
+    ``num_items_in_batch`` (the labelled tokens of the whole accumulated batch, as transformers' losses do)."""
+    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+    total = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
-def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels) -> CausalLMOutputWithPast:
+def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels,
+                     num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutputWithPast:
     loss = None
     if labels is not None:
-        loss = diffusion_lm_loss(model.align_logits(lm_logits), labels)
+        loss = diffusion_lm_loss(model.align_logits(lm_logits), labels, num_items_in_batch)
     return CausalLMOutputWithPast(
         loss=loss,
         logits=lm_logits,
