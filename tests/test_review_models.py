@@ -33,6 +33,14 @@ def test_float_zero_one_mask_means_visibility_as_in_the_releases(family):
                                    model(ids, attention_mask=everything, position_ids=positions).logits)
 
 
+def test_llada_attention_bias_is_refused_not_ignored():
+    """LLaDA's released forward honours ``attention_bias``; silently dropping it would attend everywhere."""
+    model = tiny_model("llada")
+    bias = torch.tril(torch.ones(6, 6, dtype=torch.bool))[None, None]
+    with pytest.raises(ValueError, match="attention_bias"):
+        model(torch.randint(5, 100, (1, 6)), attention_bias=bias)
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_llada_resize_token_embeddings_then_reload(tied, tmp_path):
     """Adding a token to LLaDA resizes ``wte`` and the ``ff_out`` head, and the saved config rebuilds that size."""

@@ -82,6 +82,9 @@ class DiffusionModelMixin:
         pair of index tensors or a ``[B, L]`` boolean mask keeps those positions only and returns logits ``[N, V]``
         in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
         rows and a vocabulary-wide head over every position would be a large part of the memory."""
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
+                             "attention_mask (True / 1 = attend, or an additive float mask).")
         if isinstance(attention_mask, str):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
