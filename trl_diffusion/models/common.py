@@ -66,18 +66,25 @@ class DiffusionModelMixin:
         store_kv: bool = False,
         output_hidden_states: bool = False,
         logits_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
+        num_items_in_batch: int | torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``attention_mask``: None, 2-D key padding, or a custom 3-/4-D mask (see ``resolve_attention_mask``; the
         string ``"full"`` that Dream's released sampler passes means no mask). ``past_key_values``: a
         ``DiffusionCache``, read by every pass and written only when ``store_kv``. Logits are returned as the
-        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``.
+        release computes them (Dream's shifted); ``labels`` are compared after ``align_logits``. The loss is the
+        mean over labelled tokens, or, given transformers' ``num_items_in_batch`` (what ``Trainer`` passes to a
+        forward with ``**kwargs``, and then does not divide the loss by the accumulation steps), the summed loss
+        divided by it.
 
         ``logits_to_keep`` (see ``keep_positions``) runs the LM head only where logits are wanted: an int keeps the
         last positions and a 1-D tensor the given columns of every row (as in transformers); a ``(rows, cols)``
         pair of index tensors or a ``[B, L]`` boolean mask keeps those positions only and returns logits ``[N, V]``
         in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
         rows and a vocabulary-wide head over every position would be a large part of the memory."""
+        if kwargs.get("attention_bias") is not None:
+            raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
+                             "attention_mask (True / 1 = attend, or an additive float mask).")
         if isinstance(attention_mask, str):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -86,7 +93,7 @@ class DiffusionModelMixin:
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
         if labels is not None and hidden.dim() != 3:
             raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
-        return causal_lm_output(self, out, self.lm_logits(hidden), labels)
+        return causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
 
 
 def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
@@ -220,7 +227,8 @@ def resolve_attention_mask(
     """Turn the user's ``attention_mask`` into the 4-D mask every layer uses.
 
     Accepted: ``None``; a 2-D key-padding mask ``[B, past + L]`` (1 = real token); a 3-D ``[B, Q, K]`` or 4-D
-    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 (True = attend) or additive float, used as given; a flex-attention
+    ``[B, 1 | H, Q, K]`` mask, boolean/0-1 of any dtype (True = attend; see ``is_visibility_mask``) or additive
+    float, used as given; a flex-attention
     ``BlockMask`` (training forwards without a cache), used as given. For 2-D and
     ``None`` the structure (block-causal or full) comes from the positions. Returns the mask and the validity of
     the new keys (what a committing cache pass stores). With a ``StaticDiffusionCache`` the mask covers its read
@@ -248,10 +256,7 @@ def resolve_attention_mask(
                 f"attention_mask of shape {tuple(attention_mask.shape)} does not fit {q_len} queries and {k_len} "
                 f"keys (batch {batch}); expected [B, 1, {q_len}, {k_len}] or [B, {q_len}, {k_len}]."
             )
-        if not mask.dtype.is_floating_point:
-            mask = mask.bool()
-        else:
-            mask = mask.to(dtype)
+        mask = mask.bool() if is_visibility_mask(mask) else mask.to(dtype)
         return mask, torch.ones(batch, q_len, dtype=torch.bool, device=device)
     if attention_mask is not None:
         if attention_mask.dim() != 2 or attention_mask.shape != (batch, k_len):
@@ -272,6 +277,19 @@ def resolve_attention_mask(
         return None, new_valid
     mask = attention_mask_from_positions(position_ids.expand(batch, -1), key_positions, key_valid, block_size)
     return mask, new_valid
+
+
+def is_visibility_mask(mask: torch.Tensor) -> bool:
+    """Whether a 3-/4-D ``mask`` says who may attend (True / 1 = attend) rather than adding a bias to the scores.
+
+    Boolean and integer masks do. So does a floating mask of 0s and 1s with at least one 1: the releases' samplers
+    pass such masks (SDAR's ``block_diffusion_generate`` builds a float ``tril`` of ones) and the released models
+    read them as visibility; taken as additive, a +1 bias on visible keys, they would mask nothing. Any other
+    floating mask (0 / -inf or a finite minimum, or all zeros) is additive."""
+    if not mask.dtype.is_floating_point:
+        return True
+    ones = mask == 1
+    return bool(((mask == 0) | ones).all()) and bool(ones.any())
 
 
 def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | StaticDiffusionCache | None,
@@ -392,6 +410,9 @@ class QwenStyleLM(DiffusionModelMixin):
 
     def __init__(self, config) -> None:
         super().__init__(config)
+        # transformers derives "ForCausalLM" from the class name, and Trainer then counts num_items_in_batch over
+        # labels[..., 1:] (a next-token loss); ours scores every label at its own position.
+        self.loss_type = None
         self.model = self.backbone_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -485,15 +506,24 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
     return hidden, position_ids, mask, new_valid
 
 
-def diffusion_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of ``labels`` (-100 ignored) against position-aligned logits."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+def diffusion_lm_loss(logits: torch.Tensor, labels: torch.Tensor,
+                      num_items_in_batch: int | torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``labels`` (-100 ignored) against position-aligned logits: the mean, or the sum divided by
+    ``num_items_in_batch`` (the labelled tokens of the whole accumulated batch, as transformers' losses do)."""
+    flat_logits, flat_labels = logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if num_items_in_batch is None:
+        return F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+    total = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
 
 
-def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels) -> CausalLMOutputWithPast:
+def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels,
+                     num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutputWithPast:
     loss = None
     if labels is not None:
-        loss = diffusion_lm_loss(model.align_logits(lm_logits), labels)
+        loss = diffusion_lm_loss(model.align_logits(lm_logits), labels, num_items_in_batch)
     return CausalLMOutputWithPast(
         loss=loss,
         logits=lm_logits,

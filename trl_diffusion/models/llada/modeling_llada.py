@@ -121,9 +121,11 @@ class LLaDAModel(LLaDAPreTrainedModel):
 
 
 class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGenerationMixin):
-    """The released class name (``architectures: ["LLaDAModelLM"]``)."""
+    """The released class name (``architectures: ["LLaDAModelLM"]``).
 
-    _tied_weights_keys = {"model.transformer.ff_out.weight": "model.transformer.wte.weight"}
+    With ``weight_tying`` there is no ``ff_out`` head: the logits use ``wte``'s weight directly (as the release
+    does), so there are no weights for transformers to tie.
+    """
 
     def __init__(self, config: LLaDAConfig) -> None:
         super().__init__(config)
@@ -138,6 +140,17 @@ class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGeneratio
 
     def get_output_embeddings(self):
         return self.model.transformer["ff_out"] if "ff_out" in self.model.transformer else None
+
+    def set_output_embeddings(self, value):
+        self.model.transformer["ff_out"] = value
+
+    def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
+        """transformers' resize (``wte`` and the ``ff_out`` head), keeping ``config.embedding_size`` (what sizes
+        both when the model is built again from the saved config) equal to the new number of rows."""
+        embeddings = super().resize_token_embeddings(*args, **kwargs)
+        if self.config.embedding_size is not None:
+            self.config.embedding_size = embeddings.num_embeddings
+        return embeddings
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if "ff_out" in self.model.transformer:
