@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -42,15 +43,26 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     return text
 
 
+LOCAL_DATASET_SUFFIXES = (".json", ".jsonl", ".parquet")
+"""File names the examples load as a local dataset (``trl_diffusion.data.load_training_dataset``)."""
+
+
 def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
-    that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`) and every
-    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
+    that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`), a ``dataset_name`` that
+    names a local file (it must exist), ``reward_funcs`` (a list, not one name) and every ``resume_from_checkpoint``
+    (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import resolve_model_path
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
             resolve_model_path(args.model_name_or_path)
+        dataset = getattr(args, "dataset_name", None)
+        if dataset and dataset.endswith(LOCAL_DATASET_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
+            raise UsageError(f"dataset_name: no such dataset file: {dataset}")
+        if isinstance(getattr(args, "reward_funcs", None), str):
+            raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "
+                             f"config file write reward_funcs: [{args.reward_funcs}]).")
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
@@ -68,11 +80,35 @@ def one_line_errors(parser: Any) -> Any:
     return parser
 
 
+def check_config_values(parser: Any) -> Any:
+    """Make a ``--config`` file's numbers and booleans pass the type check their flags pass. TrlParser sets a YAML
+    value as the flag's default, and argparse converts (so checks) only string defaults: ``max_steps: 2.5`` or
+    ``num_generations: 8.0`` reached the trainer as floats and failed mid-run. Raises ``ValueError`` naming the key."""
+    kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
+    set_defaults_with_config = parser.set_defaults_with_config
+
+    def checked(**config: Any) -> list[str]:
+        for action in parser._actions:
+            value, kind = config.get(action.dest), kinds.get(getattr(action.type, "__name__", ""))
+            if value is None or kind is None:
+                continue
+            for item in value if isinstance(value, list) else [value]:
+                try:
+                    action.type(str(item))
+                except (TypeError, ValueError, argparse.ArgumentTypeError):
+                    raise ValueError(f"config file: {action.dest}: expected {kind}, got {item!r}.") from None
+        return set_defaults_with_config(**config)
+
+    parser.set_defaults_with_config = checked
+    return parser
+
+
 def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
     """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`. A ``ValueError`` on the way
-    (a config's validation, a missing model directory, a config file key no dataclass has) exits with status 2
-    after printing ``<prog>: error: <message>``; so do argparse's own errors (:func:`one_line_errors`)."""
-    one_line_errors(parser)
+    (a config's validation, a config file value of the wrong type, a missing model directory or dataset file, a
+    config file key no dataclass has) exits with status 2 after printing ``<prog>: error: <message>``; so do
+    argparse's own errors (:func:`one_line_errors`)."""
+    one_line_errors(check_config_values(parser))
     try:
         parsed = parser.parse_args_and_config(args=argv)
         check_script_args(parsed)
@@ -92,8 +128,9 @@ def _eval(argv: list[str]) -> int:
 
     from .eval import EvalConfig, evaluate
 
-    parser = one_line_errors(TrlParser(dataclass_types=[EvalConfig], prog="trl-diffusion eval",
-                                       description="Evaluate a diffusion language model; see docs/evaluation.md."))
+    parser = one_line_errors(check_config_values(TrlParser(
+        dataclass_types=[EvalConfig], prog="trl-diffusion eval",
+        description="Evaluate a diffusion language model; see docs/evaluation.md.")))
     try:
         (config,) = parser.parse_args_and_config(args=argv)
         report = evaluate(config)
