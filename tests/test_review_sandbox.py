@@ -53,3 +53,37 @@ ctypes.PyDLL(None).sleep(120)  # holds the GIL: the watchdog thread never runs; 
         for pid in _pids_named(marker):
             os.kill(pid, signal.SIGKILL)
 
+
+P = 2**61 - 1  # hash(k * P) == 0 for every int k: distinct values the program can choose freely
+
+
+def test_decode_refuses_many_distinct_values_of_one_hash():
+    """A set (or a check's ``set(f(x))``) of n such values costs n**2 comparisons in the trainer, under its GIL:
+    32000 of them (1 MB, the default report cap) held the trainer for seconds per completion."""
+    from trl_diffusion.rewards.verdict import _MAX_SAME_HASH, decode
+
+    def ints(values, tag="l"):
+        return [tag, [["i", format(v, "x")] for v in values]]
+
+    colliding = [k * P for k in range(_MAX_SAME_HASH + 1)]
+    for tag in ("l", "S", "t", "F"):
+        with pytest.raises(ValueError, match="share one hash"):
+            decode(ints(colliding, tag))
+    with pytest.raises(ValueError, match="share one hash"):
+        decode(["d", [["t", [["i", format(v, "x")], ["N"]]] for v in colliding]])
+    with pytest.raises(ValueError, match="share one hash"):  # nested in tuples, as set elements
+        decode(["S", [["t", [["i", format(v, "x")]]] for v in colliding]])
+    assert decode(ints(colliding[:-1], "S")) == set(colliding[:-1])
+    assert decode(ints([P] * 1000)) == [P] * 1000  # equal values are one value
+    assert decode(ints(range(100_000), "S")) == set(range(100_000))
+    assert len(decode(["l", [["f", "nan"]] * 100])) == 100  # every NaN hashes by identity
+
+
+def test_probe_of_colliding_values_fails_instead_of_stalling_the_trainer():
+    program = f"def f(x):\n    return [k * {P} for k in range(2000)]\n"
+    tests = ["assert set(f(1)) == {0}", "assert len(f(1)) == 2000", "assert f(1)[1] == %d" % P]
+    result = run_tests(program, tests, SandboxLimits(timeout=20.0))
+    # The value is refused, so even the length check fails (a deliberate difference from native execution); a
+    # single element of it is plain data.
+    assert result.status == "ok" and result.outcomes == [False, False, True], result
+    assert "share one hash" in result.errors[0] and "share one hash" in result.errors[1]
