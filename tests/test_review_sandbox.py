@@ -81,9 +81,22 @@ def test_decode_refuses_many_distinct_values_of_one_hash():
 
 def test_probe_of_colliding_values_fails_instead_of_stalling_the_trainer():
     program = f"def f(x):\n    return [k * {P} for k in range(2000)]\n"
-    tests = ["assert set(f(1)) == {0}", "assert len(f(1)) == 2000", "assert f(1)[1] == %d" % P]
+    tests = ["assert set(f(1)) == {0}", "assert len(f(1)) == 2000", f"assert f(1)[1] == {P}"]
     result = run_tests(program, tests, SandboxLimits(timeout=20.0))
     # The value is refused, so even the length check fails (a deliberate difference from native execution); a
     # single element of it is plain data.
     assert result.status == "ok" and result.outcomes == [False, False, True], result
     assert "share one hash" in result.errors[0] and "share one hash" in result.errors[1]
+
+
+def test_extract_code_is_linear_in_a_long_line_without_newline():
+    """The fence pattern backtracked quadratically over a fence followed by a long line (a degenerate repetition
+    such as a policy emits): about 30 s for these 300k characters, in the trainer's main thread."""
+    from trl_diffusion.rewards.code_reward import extract_code
+
+    text = "```" + "python" * 50_000
+    start = time.monotonic()
+    assert extract_code(text) is None
+    assert time.monotonic() - start < 10.0  # a generous "it did not stall" bound, not a speed check
+    assert extract_code("```Python3 extra words\nx = 1\n```") == "x = 1\n"  # the tag is the info line's first word
+    assert extract_code("``` py\nx = 1\n```\n```js\ny\n```") == "x = 1\n"
