@@ -27,7 +27,10 @@ from .verdict import plan_test
 
 __all__ = ["CodeExecutionReward", "build_tests", "code_execution_reward", "extract_code", "make_code_reward"]
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+# The info line may not hold a backtick (as in CommonMark); the language is read from it separately. Matching it
+# inside this pattern (``[A-Za-z...]*[^\n]*``) backtracked quadratically over a long line without a newline.
+_FENCE = re.compile(r"```([^`\n]*)\n(.*?)```", re.DOTALL)
+_LANG = re.compile(r"[ \t]*([A-Za-z0-9_+.-]*)")
 _PYTHON_TAGS = {"python", "py", "python3"}
 
 
@@ -37,7 +40,7 @@ def extract_code(text: str) -> str | None:
     Tagged blocks win so that a trailing untagged block (often sample output) is not mistaken for the solution.
     Blocks in other languages are ignored and an unterminated block (a truncated completion) does not count.
     """
-    blocks = [(lang.lower(), body) for lang, body in _FENCE.findall(text)]
+    blocks = [(_LANG.match(info).group(1).lower(), body) for info, body in _FENCE.findall(text)]
     for wanted in (lambda lang: lang in _PYTHON_TAGS, lambda lang: lang == ""):
         chosen = [body for lang, body in blocks if wanted(lang)]
         if chosen:

@@ -21,8 +21,9 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
   ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
-  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, and (without
-  a PID namespace) every process of the run's own uid.
+  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
+  namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
+  process of the run's own uid.
 
 The child (``_child_main`` below, executed from this same file's source, importing only the standard library):
 
@@ -353,7 +354,7 @@ def _run_once(
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cgroup = None
     proc: subprocess.Popen | None = None
-    read_fd = write_fd = -1
+    read_fd = write_fd = init_fd = -1
     try:
         read_fd, write_fd = os.pipe()
         os.chmod(workdir, 0o700)
@@ -391,9 +392,12 @@ def _run_once(
         )
         os.close(write_fd)
         write_fd = -1
+        if "--fork" in launcher:  # before the child has its program: it cannot have moved yet
+            init_fd = _namespace_init(proc, start + limits.timeout)
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc.stdin, json.dumps(config).encode()), daemon=True).start()
         output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes)
+        _kill_pidfd(init_fd)
         _kill_group(proc)
         if config["fresh_uid"] and "--pid" not in launcher:
             _kill_uid(drop)  # without a PID namespace, this also catches processes that left the group
@@ -408,11 +412,12 @@ def _run_once(
         return _finish(output, report, status, returncode, time.monotonic() - start, launcher, isolation)
     finally:
         if proc is not None and proc.returncode is None:  # only reached through an unexpected exception
+            _kill_pidfd(init_fd)
             _kill_group(proc)
             _reap(proc)
         if cgroup is not None:
             _destroy_cgroup(cgroup_root, cgroup)
-        for fd in (read_fd, write_fd):
+        for fd in (read_fd, write_fd, init_fd):
             if fd >= 0:
                 os.close(fd)
         _rmtree(workdir)
@@ -524,6 +529,52 @@ def _remove_files_of(uid: int) -> None:
                     os.unlink(entry.path)
             except OSError:
                 pass
+
+
+def _namespace_init(proc: subprocess.Popen, deadline: float) -> int:
+    """A pidfd of ``unshare --fork``'s child, the PID namespace's init, taken while it still waits for its config.
+
+    Killing that process ends every process of the namespace. Killing ``unshare``'s process group does not reach it
+    if the program cleared its parent-death signal and left the group (``prctl``, ``setsid``), or killed
+    ``unshare`` itself; it would then outlive the run, re-parented to the host's init, where a pidfd still names it.
+    ``-1`` if it cannot be found before ``deadline`` or this kernel has no pidfds (then only a cgroup catches it).
+    """
+    while time.monotonic() < deadline and proc.poll() is None:
+        for pid in _children_of(proc.pid):
+            try:
+                fd = os.pidfd_open(pid)
+            except ProcessLookupError:
+                continue
+            except (AttributeError, OSError):
+                return -1
+            if _parent_of(pid) == proc.pid:  # not a reused pid: the descriptor names unshare's child
+                return fd
+            os.close(fd)
+        time.sleep(0.002)
+    return -1
+
+
+def _children_of(parent: int) -> list[int]:
+    """Pids whose parent is ``parent``."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit() and _parent_of(int(entry)) == parent]
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent pid from ``/proc/<pid>/stat`` (after the last ``)``: the command name may hold any bytes)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rpartition(b")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _kill_pidfd(fd: int) -> None:
+    """SIGKILL the process a pidfd names (``-1``: none); ignore "already gone"."""
+    if fd >= 0:
+        try:
+            signal.pidfd_send_signal(fd, signal.SIGKILL)
+        except OSError:
+            pass
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

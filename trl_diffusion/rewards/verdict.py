@@ -43,6 +43,7 @@ __all__ = ["MAX_DEPTH", "Plan", "ProbeError", "decode", "judge", "plan_test", "p
 MAX_DEPTH = 100  # nesting depth of a value sent back by a probe (the sandbox's encoder uses the same bound)
 _MAX_ITEMS = 10**7  # largest sequence an arithmetic operation of a check may build
 _MAX_BITS = 10**6  # largest integer (in bits) ``**`` and ``<<`` of a check may build
+_MAX_SAME_HASH = 16  # distinct numbers/strings of one hash in a probe's value (see decode)
 
 _PURE_BUILTINS = {
     name: getattr(builtins, name)
@@ -473,12 +474,18 @@ def _is_unused_literal_assignment(stmt: ast.stmt, tree: ast.Module) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def decode(encoded: Any, depth: int = 0) -> Any:
+def decode(encoded: Any) -> Any:
     """Rebuild a value from the sandbox's tagged encoding; only exact builtin types can come out of it.
 
     Raises ``ValueError`` for anything malformed (only a program that writes to the report channel itself can
-    produce that).
+    produce that), and for a value holding more than ``_MAX_SAME_HASH`` distinct numbers or strings of one hash
+    (``k * (2**61 - 1)`` for many ``k``): a set or dict of those, built here by the decoder or by a check such as
+    ``set(f(x)) == {...}``, takes quadratic time while holding the trainer's GIL.
     """
+    return _decode(encoded, 0, {})
+
+
+def _decode(encoded: Any, depth: int, hashes: dict[int, list[Any]]) -> Any:
     if depth > MAX_DEPTH or not isinstance(encoded, list) or not encoded or not isinstance(encoded[0], str):
         raise ValueError("malformed value")
     tag, args = encoded[0], encoded[1:]
@@ -489,28 +496,44 @@ def decode(encoded: Any, depth: int = 0) -> Any:
     arg = args[0]
     if tag == "b" and type(arg) is bool:
         return arg
-    if tag == "s" and type(arg) is str:
-        return arg
-    if tag == "i" and type(arg) is str:
-        return int(arg, 16)
-    if tag == "f" and type(arg) is str:
-        return float.fromhex(arg)
-    if tag == "c" and type(arg) is list and len(arg) == 2 and all(type(p) is str for p in arg):
-        return complex(float.fromhex(arg[0]), float.fromhex(arg[1]))
-    if tag in ("y", "Y") and type(arg) is str:
-        return bytes.fromhex(arg) if tag == "y" else bytearray.fromhex(arg)
+    if tag in "sifcy" and len(tag) == 1:
+        return _scalar(tag, arg, hashes)
+    if tag == "Y" and type(arg) is str:
+        return bytearray.fromhex(arg)
     if type(arg) is not list:
         raise ValueError("malformed value")
     if tag == "d":
-        pairs = [decode(p, depth + 1) for p in arg]  # each pair is encoded as a tuple
+        pairs = [_decode(p, depth + 1, hashes) for p in arg]  # each pair is encoded as a tuple
         if not all(type(p) is tuple and len(p) == 2 for p in pairs):
             raise ValueError("malformed dict")
         return dict(pairs)
-    items = [decode(item, depth + 1) for item in arg]
+    items = [_decode(item, depth + 1, hashes) for item in arg]
     containers = {"l": list, "t": tuple, "S": set, "F": frozenset}
     if tag not in containers:
         raise ValueError("malformed value")
     return containers[tag](items)
+
+
+def _scalar(tag: str, arg: Any, hashes: dict[int, list[Any]]) -> Any:
+    """Decode a hashable scalar and count it among the distinct values of its hash."""
+    if tag == "s" and type(arg) is str:
+        value = arg
+    elif tag == "i" and type(arg) is str:
+        value = int(arg, 16)
+    elif tag == "f" and type(arg) is str:
+        value = float.fromhex(arg)
+    elif tag == "c" and type(arg) is list and len(arg) == 2 and all(type(p) is str for p in arg):
+        value = complex(float.fromhex(arg[0]), float.fromhex(arg[1]))
+    elif tag == "y" and type(arg) is str:
+        value = bytes.fromhex(arg)
+    else:
+        raise ValueError("malformed value")
+    same = hashes.setdefault(hash(value), [])
+    if value not in same:
+        if len(same) >= _MAX_SAME_HASH:
+            raise ValueError(f"more than {_MAX_SAME_HASH} distinct values share one hash")
+        same.append(value)
+    return value
 
 
 # ----------------------------------------------------------------------------------------------------------------
