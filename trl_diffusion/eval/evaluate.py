@@ -267,6 +267,8 @@ def evaluate(
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     ks = config.resolved_pass_k()
+    if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
+        raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
     if config.batch_size is None:
