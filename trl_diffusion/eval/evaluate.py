@@ -281,7 +281,7 @@ def evaluate(
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
     settings = _check_model(model, tokenizer, config.generate_kwargs(tag))
-    if config.num_samples > 1 and settings.temperature == 0 and settings.remasking_strategy != "random":
+    if config.num_samples > 1 and _deterministic(settings):
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
@@ -366,6 +366,13 @@ def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:
     settings, _ = model._resolve_settings(dict(generate_kwargs))
     settings.validate()
     return settings
+
+
+def _deterministic(settings: Any) -> bool:
+    """Whether every sample of a prompt decodes the same: no random commit rule (``random``, Dream's ``origin``,
+    ``alg_temp``) and no token sampling (temperature 0, or top-k 1, which keeps only the argmax)."""
+    greedy = dataclasses.replace(settings, temperature=0.0) if settings.top_k == 1 else settings
+    return not greedy.draws_randomness
 
 
 def _output_path(output_dir: str | None, model_name: str, tag: str) -> Path | None:
