@@ -8,6 +8,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -247,6 +248,16 @@ def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[
 # --------------------------------------------------------------------------------------------------------------------
 
 
+def _check_single_process() -> None:
+    """Refuse a launch with several processes: each would evaluate every problem and all of them would write the
+    same output files at once (the run is not data-parallel)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        raise ValueError(f"evaluation runs in a single process, but this launch has {world} (WORLD_SIZE): each "
+                         "would evaluate every problem and write the same files. Run it without accelerate launch / "
+                         "torchrun (one process, one device).")
+
+
 def evaluate(
     config: EvalConfig | None = None,
     *,
@@ -266,6 +277,7 @@ def evaluate(
     resolved sampler settings), ``samples_file``, ``metrics_file``.
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
+    _check_single_process()
     ks = config.resolved_pass_k()
     if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")

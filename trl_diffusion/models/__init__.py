@@ -28,8 +28,10 @@ named ``ff_out`` like its LM head (``transformer.ff_out``), and a name matches b
 def register_models() -> None:
     """Register every family with AutoConfig, AutoModel, AutoModelForCausalLM and AutoModelForMaskedLM.
 
-    ``AutoModel`` maps to the model *with* its LM head, as the releases' ``auto_map`` does (``DreamModel`` and
-    ``LLaDAModelLM`` are LM-head classes), so ``AutoModel.from_pretrained`` keeps loading released weights.
+    ``AutoModel`` maps to the model *with* its LM head, as Dream's and LLaDA's ``auto_map`` do (``DreamModel`` and
+    ``LLaDAModelLM`` are LM-head classes), so ``AutoModel.from_pretrained`` keeps loading released weights. SDAR's
+    ``auto_map`` sends ``AutoModel`` to its backbone (``SDARModel``); here it too gives the LM (``SDARModel`` is
+    importable for the backbone alone), so that one call loads every family the same way.
     """
     for model_type, (config_cls, model_cls) in FAMILIES.items():
         AutoConfig.register(model_type, config_cls, exist_ok=True)
