@@ -70,6 +70,9 @@ def step_gae(
     values = values.float()
     token_rewards = token_rewards.float()
     steps, num_steps = dense_steps(groups, mask)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    if num_steps == 0:  # no token takes part (e.g. every group of the batch filtered out)
+        return torch.zeros_like(values), torch.zeros_like(values)
     batch = values.shape[0]
     r_star = step_means(token_rewards, steps, num_steps)
     v_star = step_means(values, steps, num_steps)
@@ -85,7 +88,6 @@ def step_gae(
     nxt = (steps + 1).clamp(min=0)
     returns = token_rewards + gamma * ret.gather(1, nxt)
     advantages = token_rewards - values + gamma * v_next.gather(1, nxt) + gamma * lam * adv.gather(1, nxt)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
     return torch.where(valid, advantages, zero), torch.where(valid, returns, zero)
 
 
