@@ -265,6 +265,12 @@ class TraceRLConfig(GRPOConfig):
         check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
+        if self.training_block_size is not None and self.training_block_size % self.block_length:
+            warnings.warn(f"training_block_size={self.training_block_size} is not a multiple of block_length="
+                          f"{self.block_length}: a block model then scores a token with the earlier training blocks "
+                          "shown whole and clean, including tokens the sampler committed after it, so its log-prob is "
+                          "not the one it was sampled with (the trajectory estimate is exact only for multiples, e.g. "
+                          "4 -> 8).", stacklevel=3)
         self._check_sampling_and_scoring_fields()
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
