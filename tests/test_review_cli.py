@@ -4,12 +4,11 @@ single name where a list is expected) stop the run early with one line naming th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from test_cli import load_example
 from trl import TrlParser
 
 from trl_diffusion.cli import main, parse_script_args
@@ -18,14 +17,6 @@ ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 RECIPE_EXAMPLE = {"sdar_4b_long_cot_sft": "sft", "diffucoder_7b_coupled_code": "code"}
 CPU = ["--bf16", "false", "--tf32", "false", "--use_cpu", "true"]
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"review_cli_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_line_error(capsys, prog: str) -> str:
