@@ -8,8 +8,10 @@ import math
 
 import pytest
 import torch
+from datasets import Dataset
 
-from trl_diffusion.testing import EOS_ID, MASK_ID, tiny_model
+from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, tiny_model
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.trainers.diffusion_losses import (
     IGNORE_INDEX,
     build_objective,
@@ -37,16 +39,17 @@ def make_rows(seed=1):
     return ids, labels, valid
 
 
-def log_probs(model, seq):
-    """float64 log-probs over the vocabulary without the mask token; row i predicts token i."""
+def log_probs(model, seq, exclude_mask=True):
+    """float64 log-probs over the vocabulary (without the mask token if ``exclude_mask``); row i predicts token i."""
     logits = model(seq[None]).logits[0].double()
     if model.logits_shift:  # Dream: logits[i - 1] predict token i
         logits = torch.cat([logits[:1], logits[:-1]])
-    logits[:, MASK_ID] = -math.inf
+    if exclude_mask:
+        logits[:, MASK_ID] = -math.inf
     return logits.log_softmax(-1)
 
 
-def nll(model, noisy, clean, scored):
+def nll(model, noisy, clean, scored, exclude_mask=True):
     """Sum of -log p(clean[i] | noisy) over scored i: one forward for full attention, one per block otherwise."""
     b = model.block_size or len(clean)
     total = 0.0
@@ -54,14 +57,14 @@ def nll(model, noisy, clean, scored):
         if not any(scored[start : start + b]):
             continue
         seq = noisy if model.block_size is None else torch.cat([clean[:start], noisy[start : start + b]])
-        logp = log_probs(model, seq)
+        logp = log_probs(model, seq, exclude_mask)
         for i in range(start, min(start + b, len(clean))):
             if scored[i] and not (model.logits_shift and i == 0):
                 total -= logp[i, clean[i]].item()
     return total
 
 
-def reference(model, objective, ids, labels, valid, eps, weighting, block_length):
+def reference(model, objective, ids, labels, valid, eps, weighting, block_length, exclude_mask=True):
     """The loss from the definitions, row by row, drawing each sample's numbers as documented: the ratios, then
     one uniform per real token."""
     total = 0.0
@@ -88,15 +91,15 @@ def reference(model, objective, ids, labels, valid, eps, weighting, block_length
                 cases.append((hidden, scored, float(t)))
         for hidden, scored, ratio in cases:
             weight = 1 / ratio if weighting == "elbo" else 1.0
-            total += weight * nll(model, x.masked_fill(torch.tensor(hidden), MASK_ID), x, scored)
+            total += weight * nll(model, x.masked_fill(torch.tensor(hidden), MASK_ID), x, scored, exclude_mask)
     return total / int(count_loss_tokens(labels, model.logits_shift))
 
 
-def loss_of(model, objective, ids, labels, valid, **kwargs):
+def loss_of(model, objective, ids, labels, valid, excluded=MASK_ID, **kwargs):
     batch = build_objective(objective, ids, labels, valid, sample_generators(list(range(len(ids))), 0, 0),
                             mask_token_id=MASK_ID, block_size=model.block_size, **kwargs)
     shift = model.logits_shift
-    return diffusion_loss(model, batch, count_loss_tokens(labels, shift), shift, MASK_ID)[0].item()
+    return diffusion_loss(model, batch, count_loss_tokens(labels, shift), shift, excluded)[0].item()
 
 
 @pytest.mark.parametrize("family,objective", [("dream", "semi_ar"), ("dream", "complementary"),
@@ -108,6 +111,31 @@ def test_objective_equals_the_definition_in_unusual_rows(family, objective, eps,
     got = loss_of(model, objective, ids, labels, valid, eps=eps, weighting=weighting, semi_ar_block_length=3)
     want = reference(model, objective, ids, labels, valid, eps, weighting, 3)
     assert got == pytest.approx(want, rel=1e-5)  # the scorer works in float32
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_whole_vocabulary_loss_equals_the_released_cross_entropy(family):
+    """exclude_mask_token_from_softmax=False (no excluded id): the released SFT losses' softmax, mask included."""
+    model = tiny_model(family).double()
+    ids, labels, valid = make_rows()
+    got = loss_of(model, "semi_ar", ids, labels, valid, excluded=None, eps=1e-3, weighting="elbo",
+                  semi_ar_block_length=3)
+    assert got == pytest.approx(reference(model, "semi_ar", ids, labels, valid, 1e-3, "elbo", 3, False), rel=1e-5)
+    assert got != pytest.approx(reference(model, "semi_ar", ids, labels, valid, 1e-3, "elbo", 3), rel=1e-5)
+
+
+def test_the_trainer_passes_exclude_mask_token_from_softmax_on(tmp_path):
+    tokenizer = build_tokenizer()
+    data = Dataset.from_list([{"prompt": "What is 12+7?\n", "completion": "\\boxed{19}"}] * 2)
+    losses = {}
+    for exclude in (True, False):
+        args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=64,
+                                  per_device_train_batch_size=2, exclude_mask_token_from_softmax=exclude)
+        trainer = DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=data, processing_class=tokenizer)
+        batch = trainer.data_collator([trainer.train_dataset[i] for i in range(2)])
+        losses[exclude] = trainer.compute_loss(trainer.model, batch).item()
+    mask_share = losses[False] - losses[True]  # -log(1 - p(mask)) per scored token, averaged: small, positive
+    assert 0 < mask_share < 0.1 * losses[True]
 
 
 def trajectory_reference(model, ids, labels, valid, unmask_step, shrinkage):

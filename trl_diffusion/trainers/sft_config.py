@@ -27,6 +27,9 @@ class DiffusionSFTConfig(SFTConfig):
             `"elbo"` weights each masked token by 1/t (t = its mask ratio); `"none"` weights all by 1.
         mask_eps (`float`, *optional*, defaults to `1e-3`):
             Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1).
+        exclude_mask_token_from_softmax (`bool`, *optional*, defaults to `True`):
+            Leave the mask token out of the loss's softmax; `False` scores over the whole vocabulary, as the
+            released SFT code does.
         block_size (`int` or `None`, *optional*):
             Block size for block-causal models. `None` uses the model's; another value retrains the model at that
             block size and is written to `model.config.block_size`.
@@ -63,6 +66,12 @@ class DiffusionSFTConfig(SFTConfig):
     mask_eps: float = field(
         default=1e-3,
         metadata={"help": "Smallest mask ratio: t = eps + (1 - eps) * u, u ~ U(0, 1)."},
+    )
+    exclude_mask_token_from_softmax: bool = field(
+        default=True,
+        metadata={"help": "Leave the mask token out of the softmax the loss is computed with (the sampler never "
+                  "samples it). False: the released SFT code's loss (SDAR, LLaDA, Dream, dLLM-RL), a cross-entropy "
+                  "over the whole vocabulary, mask token included."},
     )
     block_size: int | None = field(
         default=None,

@@ -310,8 +310,9 @@ class DiffusionSFTTrainer(SFTTrainer):
         normaliser = num_items_in_batch
         if normaliser is None:
             normaliser = count_loss_tokens(labels, self.spec.logits_shift)
-        loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, self.spec.mask_token_id,
-                                      args.loss_type, self.attention_backend)
+        excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
+        loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, excluded, args.loss_type,
+                                      self.attention_backend)
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
