@@ -666,16 +666,16 @@ class TraceRLTrainer(GRPOTrainer):
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
                 :, prompt_width:].float().clamp(max=1)
             difference = (logps.detach() - sampler).abs() * committed
-            gap = difference.sum() / committed.sum().clamp(min=1)
             # tokens scored from the very state the sampler committed them from: 0 gap when the two agree, whatever
             # the shrinkage (the full gap also measures how much merging steps changes the scored states)
             own = committed * _fit_width(self._own_state_tokens(prompt_mask, scoring["unmask_step"]).float(),
                                          logits_to_keep)
-            exact = (difference * own).sum() / own.sum().clamp(min=1)
+            # pooled over every process's tokens (not a mean of per-process means: processes hold different counts)
+            totals = self.accelerator.reduce(torch.stack([difference.sum(), committed.sum(), (difference * own).sum(),
+                                                          own.sum()]), reduction="sum")
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["rollout/sampler_logp_gap"].append(self.accelerator.gather(gap).mean().item())
-            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append(
-                self.accelerator.gather(exact).mean().item())
+            self._metrics[mode]["rollout/sampler_logp_gap"].append((totals[0] / totals[1].clamp(min=1)).item())
+            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append((totals[2] / totals[3].clamp(min=1)).item())
         aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
         return self._against_old_policy(logps), entropies, aux
 

@@ -1,0 +1,33 @@
+"""Multi-process metrics that must not depend on how the batch is split over processes (two CPU processes over
+gloo against one process with twice the per-device batch)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_distributed import TWO_CPU_PROCESSES, accelerate_launch, history, train
+
+GAP_METRICS = ("rollout/sampler_logp_gap", "rollout/sampler_logp_gap_exact")
+
+
+@pytest.mark.slow
+def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
+    """The gap is a mean over every process's committed tokens, not a mean of per-process means: with merged steps
+    (shrinkage 2, a gap far from 0) and completions of different lengths (so the processes hold different token
+    counts) it equals the one-process value."""
+    overrides = dict(eos_scale=7.0, seed=2, shrinkage=2, step_normalization="sequence", loss_type="dapo")
+    accelerate_launch(TWO_CPU_PROCESSES, train.__file__, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
+                      "--max_steps", "1", "--jobs", "tracerl", "--overrides", json.dumps(overrides), timeout=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.run("tracerl", tmp_path / "one", 4, 1, **overrides)
+    finally:
+        torch.set_num_threads(threads)
+    two, one = history(tmp_path / "two" / "tracerl")[0], history(tmp_path / "one" / "tracerl")[0]
+    assert one["completions/min_length"] < one["completions/max_length"]  # unequal token counts per process
+    assert one["rollout/sampler_logp_gap"] > 0.1  # far from float noise: a mean of means differs at ~1e-3
+    for name in GAP_METRICS:
+        assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
