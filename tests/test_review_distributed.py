@@ -3,7 +3,9 @@ gloo against one process with twice the per-device batch)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,3 +33,29 @@ def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
     assert one["rollout/sampler_logp_gap"] > 0.1  # far from float noise: a mean of means differs at ~1e-3
     for name in GAP_METRICS:
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
+
+
+SFT_EVAL = ("eval_entropy", "eval_mean_token_accuracy", "eval_scored_tokens")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("samples", [5, 7])
+def test_sft_eval_metrics_ignore_the_padding_of_the_last_batch(tmp_path, samples):
+    """5 or 7 eval samples, global eval batch 4: accelerate pads each process's last batch with samples from the
+    start (5: process 1 holds only padding; 7: half of it). The token metrics count every real sample once, as one
+    process with batch 4 does (``gather_for_metrics`` of per-process sums kept process 0's sum, padding included)."""
+    script = Path(train.__file__).with_name("sft_eval.py")
+    accelerate_launch(TWO_CPU_PROCESSES, script, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
+                      "--samples", str(samples), timeout=300)
+    spec = importlib.util.spec_from_file_location("sft_eval", script)
+    sft_eval = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sft_eval)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = sft_eval.run(tmp_path / "one", 4, samples)
+    finally:
+        torch.set_num_threads(threads)
+    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    for name in SFT_EVAL:
+        assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name
