@@ -35,6 +35,29 @@ def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
 
 
+ROLLOUT_METRICS = ("rollout/tokens_per_step", "rollout/forward_passes", "rollout/denoising_steps_per_block")
+
+
+@pytest.mark.slow
+def test_rollout_metrics_cover_every_process(tmp_path):
+    """Dynamic decoding (a low confidence threshold) commits a varying number of tokens per step, so the processes'
+    rows differ: the sampler metrics describe all of them, as one process sampling the whole batch does (they were
+    process 0's own)."""
+    overrides = dict(eos_scale=5.0, seed=1, denoising_steps=4, confidence_threshold=0.2)
+    accelerate_launch(TWO_CPU_PROCESSES, train.__file__, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
+                      "--max_steps", "1", "--jobs", "tracerl", "--overrides", json.dumps(overrides), timeout=300)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.run("tracerl", tmp_path / "one", 4, 1, **overrides)
+    finally:
+        torch.set_num_threads(threads)
+    two, one = history(tmp_path / "two" / "tracerl")[0], history(tmp_path / "one" / "tracerl")[0]
+    assert one["rollout/tokens_per_step"] not in (1.0, 2.0)  # rows commit different numbers of tokens per step
+    for name in ROLLOUT_METRICS:
+        assert two[name] == pytest.approx(one[name], rel=1e-5), name
+
+
 SFT_EVAL = ("eval_entropy", "eval_mean_token_accuracy", "eval_scored_tokens")
 
 
