@@ -297,6 +297,9 @@ class DiffusionSFTTrainer(SFTTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         args = self.args
+        real = self._real_rows(inputs["input_ids"].shape[0]) if mode == "eval" else None
+        if real:  # score only the real samples of a padded last eval batch
+            inputs = {k: v[:real] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
         epoch = int(self.state.epoch or 0) if mode == "train" else 0
         generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch)
         labels = inputs["labels"]
@@ -316,23 +319,38 @@ class DiffusionSFTTrainer(SFTTrainer):
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
         if args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        self._log_metrics(mode, inputs, scores)
+        self._log_metrics(mode, inputs, scores, counted=real != 0)
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
 
-    def _log_metrics(self, mode: str, inputs, scores) -> None:
-        gather = self.accelerator.gather_for_metrics
-        num_scored = gather(scores.scored.sum()).sum()
-        entropy = gather(scores.entropy.detach().sum()).sum()
-        correct = gather(scores.is_top1.sum()).sum()
+    def _real_rows(self, rows: int) -> int | None:
+        """How many of this eval batch's ``rows`` are real samples (None: all). When the dataset size is not a
+        multiple of the global batch, accelerate fills every process's last batch with samples from the start; in
+        process order, the first ``remainder`` rows of that global batch are the real ones."""
+        state = self.accelerator.gradient_state
+        if not state.end_of_dataloader or state.remainder <= 0:
+            return None
+        real = min(rows, max(0, state.remainder - self.accelerator.process_index * rows))
+        return None if real == rows else real
+
+    def _log_metrics(self, mode: str, inputs, scores, counted: bool = True) -> None:
+        """Token metrics summed over every process (``counted=False``: this process adds nothing, its batch being
+        only padding). Not ``gather_for_metrics``: it would cut the per-process sums to the padded batch's sample
+        count."""
+        gather = self.accelerator.gather
+        keep = 1 if counted else 0
+        num_scored = gather(scores.scored.sum() * keep).sum()
+        entropy = gather(scores.entropy.detach().sum() * keep).sum()
+        correct = gather(scores.is_top1.sum() * keep).sum()
         metrics = self._metrics[mode]
         metrics["entropy"].append((entropy / num_scored).item() if num_scored > 0 else 0.0)
         metrics["mean_token_accuracy"].append((correct / num_scored).item() if num_scored > 0 else 0.0)
         metrics["scored_tokens"].append(num_scored.item())
         if mode == "train":
             tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
-            self._total_train_tokens += int(gather(torch.as_tensor(tokens, device=self.accelerator.device)).sum())
+            self._total_train_tokens += int(self.accelerator.gather_for_metrics(
+                torch.as_tensor(tokens, device=self.accelerator.device)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
 
 

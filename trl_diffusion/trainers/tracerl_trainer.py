@@ -157,6 +157,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
+        self._rollout_stats: list[float] = []  # this process's sampler statistics of the last rollout
         self._eval_rollouts = [-1, 0]  # [global step, eval generation batches run at it]: see _rollout_key
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
@@ -200,12 +201,11 @@ class TraceRLTrainer(GRPOTrainer):
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
         self._scoring = {"canvas_ids": canvas, "unmask_step": steps, "mask_seeds": seeds.to(device),
                          "sampler_logps": logps}
-        mode = "train" if self.model.training else "eval"
-        blocks_done = (steps >= 0).any(0).sum().float() / self.args.block_length
-        self._metrics[mode]["rollout/tokens_per_step"].append(out.tokens_per_step.mean().item())
-        self._metrics[mode]["rollout/forward_passes"].append(float(out.num_forward_passes))
-        self._metrics[mode]["rollout/denoising_steps_per_block"].append(
-            (out.denoising_steps.float().mean() / blocks_done.clamp(min=1)).item())
+        blocks_done = (steps >= 0).any(0).sum().item() / self.args.block_length
+        # logged in _log_rollout_stats, over every process (no collective here: TRL may call this method a
+        # different number of times per process)
+        self._rollout_stats = [out.tokens_per_step.float().sum().item(), out.denoising_steps.float().sum().item(),
+                               float(rows), float(out.num_forward_passes), blocks_done]
         completion_ids, completion_logps = [], []
         stop = torch.tensor(list(self.eos_token_ids), device=device)
         for row in range(rows):
@@ -273,6 +273,7 @@ class TraceRLTrainer(GRPOTrainer):
         finally:
             self.beta = beta
         mode = "train" if self.model.training else "eval"
+        self._log_rollout_stats(mode)
         scoring = self._scoring
         output.update(scoring)
         # TRL's off-policy sequence mask would compare the scored log-probs with these, the sampler's log-probs of
@@ -308,6 +309,20 @@ class TraceRLTrainer(GRPOTrainer):
             advantages = self._value_advantages(output, trainable, folded, training_rows_, mode)
             output["advantages"] = advantages.repeat(1, masks)
         return output
+
+    def _log_rollout_stats(self, mode: str) -> None:
+        """The sampler's metrics over every process's rows, as one process sampling the whole generation batch
+        would log them: per-row sums and row counts are added; the batch-level counts (forward passes, blocks
+        reached) are the largest of any process."""
+        if not self._rollout_stats:  # a rollout_func generated (on every process): no sampler statistics
+            return
+        stats = torch.tensor(self._rollout_stats, device=self.accelerator.device)
+        sums = self.accelerator.reduce(stats[:3].clone(), reduction="sum")
+        largest = self.accelerator.gather(stats[None, 3:].clone()).amax(0)
+        self._metrics[mode]["rollout/tokens_per_step"].append((sums[0] / sums[2]).item())
+        self._metrics[mode]["rollout/forward_passes"].append(largest[0].item())
+        self._metrics[mode]["rollout/denoising_steps_per_block"].append(
+            (sums[1] / sums[2] / largest[1].clamp(min=1)).item())
 
     def _rewards(self) -> torch.Tensor:
         """``[N]`` weighted, summed reward of every response of the generation batch (all processes), NaN where
@@ -666,16 +681,16 @@ class TraceRLTrainer(GRPOTrainer):
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
                 :, prompt_width:].float().clamp(max=1)
             difference = (logps.detach() - sampler).abs() * committed
-            gap = difference.sum() / committed.sum().clamp(min=1)
             # tokens scored from the very state the sampler committed them from: 0 gap when the two agree, whatever
             # the shrinkage (the full gap also measures how much merging steps changes the scored states)
             own = committed * _fit_width(self._own_state_tokens(prompt_mask, scoring["unmask_step"]).float(),
                                          logits_to_keep)
-            exact = (difference * own).sum() / own.sum().clamp(min=1)
+            # pooled over every process's tokens (not a mean of per-process means: processes hold different counts)
+            totals = self.accelerator.reduce(torch.stack([difference.sum(), committed.sum(), (difference * own).sum(),
+                                                          own.sum()]), reduction="sum")
             mode = "train" if self.model.training else "eval"
-            self._metrics[mode]["rollout/sampler_logp_gap"].append(self.accelerator.gather(gap).mean().item())
-            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append(
-                self.accelerator.gather(exact).mean().item())
+            self._metrics[mode]["rollout/sampler_logp_gap"].append((totals[0] / totals[1].clamp(min=1)).item())
+            self._metrics[mode]["rollout/sampler_logp_gap_exact"].append((totals[2] / totals[3].clamp(min=1)).item())
         aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
         return self._against_old_policy(logps), entropies, aux
 
