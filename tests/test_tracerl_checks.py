@@ -120,3 +120,12 @@ def test_exact_gap_is_zero_when_sampler_and_trainer_agree_at_any_shrinkage(tmp_p
     logs = run.state.log_history[0]
     assert logs["rollout/sampler_logp_gap_exact"] < 1e-4
     assert logs["rollout/sampler_logp_gap"] > 1e-2
+
+
+@pytest.mark.parametrize("name", ["tools", "rollout_func"])
+def test_multi_turn_rollouts_are_refused(tmp_path, name):
+    """TRL's tools / custom rollouts would replace the diffusion trajectories the trainer scores."""
+    with pytest.raises(ValueError, match=name):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path),
+                       train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=build_tokenizer(),
+                       **{name: [len] if name == "tools" else (lambda *a, **k: None)})

@@ -92,6 +92,12 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        multi_turn = [name for name in ("tools", "rollout_func", "environment_factory")
+                      if kwargs.get(name) is not None]
+        if multi_turn:
+            raise ValueError(f"{', '.join(multi_turn)} (TRL's tool calling / custom rollouts) cannot be used with "
+                             "TraceRLTrainer: its rollouts are diffusion trajectories from model.generate(), and "
+                             "the trainer scores exactly the states they record.")
         _check_prompt_column(kwargs.get("train_dataset", pos[0] if pos else None), "train")
         _check_prompt_column(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval")
         kl_to_old = args.beta != 0.0 and args.kl_reference == "old_policy"
