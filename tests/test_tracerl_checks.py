@@ -122,6 +122,21 @@ def test_exact_gap_is_zero_when_sampler_and_trainer_agree_at_any_shrinkage(tmp_p
     assert logs["rollout/sampler_logp_gap"] > 1e-2
 
 
+def test_gap_is_a_token_mean_whatever_the_loss_weights(tmp_path):
+    """The gap averages over committed tokens; the loss weights TRL hands around as the completion mask (1/|tau|
+    with 'step', 1/L_max with 'max_length', 1 with 'sequence') must not weight it."""
+    gaps = []
+    for normalization in ("sequence", "step", "max_length"):
+        run = trainer(tmp_path / normalization, "llada", shrinkage=2, max_completion_length=16, block_length=16,
+                      denoising_steps=16, remasking_strategy="low_confidence_dynamic", confidence_threshold=0.015,
+                      temperature=1.0, step_normalization=normalization, loss_type="dapo")
+        run.train()
+        gaps.append(run.state.log_history[0]["rollout/sampler_logp_gap"])
+        assert run.state.log_history[0]["rollout/tokens_per_step"] > 1.2  # steps commit unequal numbers of tokens
+    assert gaps[0] > 1e-2
+    assert gaps[1] == pytest.approx(gaps[0], rel=1e-6) and gaps[2] == pytest.approx(gaps[0], rel=1e-6)
+
+
 @pytest.mark.parametrize("name", ["tools", "rollout_func"])
 def test_multi_turn_rollouts_are_refused(tmp_path, name):
     """TRL's tools / custom rollouts would replace the diffusion trajectories the trainer scores."""

@@ -684,8 +684,9 @@ class TraceRLTrainer(GRPOTrainer):
         entropies = _per_mask(torch.cat(entropies), masks, logits_to_keep) if compute_entropy else None
         if torch.is_grad_enabled() and self.estimator_settings.name == "trajectory":
             sampler = _fit_width(scoring["sampler_logps"], logits_to_keep)
-            committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * attention_mask[
-                :, prompt_width:].float().clamp(max=1)
+            # the completion part of ``attention_mask`` carries the loss weights (1/|tau|, ...): any weight > 0 counts
+            committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * (
+                attention_mask[:, prompt_width:] > 0).float()
             difference = (logps.detach() - sampler).abs() * committed
             # tokens scored from the very state the sampler committed them from: 0 gap when the two agree, whatever
             # the shrinkage (the full gap also measures how much merging steps changes the scored states)
