@@ -14,12 +14,8 @@ from test_distributed import TWO_CPU_PROCESSES, accelerate_launch, history, trai
 GAP_METRICS = ("rollout/sampler_logp_gap", "rollout/sampler_logp_gap_exact")
 
 
-@pytest.mark.slow
-def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
-    """The gap is a mean over every process's committed tokens, not a mean of per-process means: with merged steps
-    (shrinkage 2, a gap far from 0) and completions of different lengths (so the processes hold different token
-    counts) it equals the one-process value."""
-    overrides = dict(eos_scale=7.0, seed=2, shrinkage=2, step_normalization="sequence", loss_type="dapo")
+def first_logs_two_and_one(tmp_path, **overrides) -> tuple[dict, dict]:
+    """The first logged step of one TraceRL step on 2 processes x 2 rows and on 1 process x 4 rows."""
     accelerate_launch(TWO_CPU_PROCESSES, train.__file__, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
                       "--max_steps", "1", "--jobs", "tracerl", "--overrides", json.dumps(overrides), timeout=300)
     threads = torch.get_num_threads()
@@ -28,7 +24,16 @@ def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
         train.run("tracerl", tmp_path / "one", 4, 1, **overrides)
     finally:
         torch.set_num_threads(threads)
-    two, one = history(tmp_path / "two" / "tracerl")[0], history(tmp_path / "one" / "tracerl")[0]
+    return history(tmp_path / "two" / "tracerl")[0], history(tmp_path / "one" / "tracerl")[0]
+
+
+@pytest.mark.slow
+def test_sampler_logp_gap_is_pooled_over_processes(tmp_path):
+    """The gap is a mean over every process's committed tokens, not a mean of per-process means: with merged steps
+    (shrinkage 2, a gap far from 0) and completions of different lengths (so the processes hold different token
+    counts) it equals the one-process value."""
+    two, one = first_logs_two_and_one(tmp_path, eos_scale=7.0, seed=2, shrinkage=2, step_normalization="sequence",
+                                      loss_type="dapo")
     assert one["completions/min_length"] < one["completions/max_length"]  # unequal token counts per process
     assert one["rollout/sampler_logp_gap"] > 0.1  # far from float noise: a mean of means differs at ~1e-3
     for name in GAP_METRICS:
@@ -43,16 +48,7 @@ def test_rollout_metrics_cover_every_process(tmp_path):
     """Dynamic decoding (a low confidence threshold) commits a varying number of tokens per step, so the processes'
     rows differ: the sampler metrics describe all of them, as one process sampling the whole batch does (they were
     process 0's own)."""
-    overrides = dict(eos_scale=5.0, seed=1, denoising_steps=4, confidence_threshold=0.2)
-    accelerate_launch(TWO_CPU_PROCESSES, train.__file__, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
-                      "--max_steps", "1", "--jobs", "tracerl", "--overrides", json.dumps(overrides), timeout=300)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train.run("tracerl", tmp_path / "one", 4, 1, **overrides)
-    finally:
-        torch.set_num_threads(threads)
-    two, one = history(tmp_path / "two" / "tracerl")[0], history(tmp_path / "one" / "tracerl")[0]
+    two, one = first_logs_two_and_one(tmp_path, eos_scale=5.0, seed=1, denoising_steps=4, confidence_threshold=0.2)
     assert one["rollout/tokens_per_step"] not in (1.0, 2.0)  # rows commit different numbers of tokens per step
     for name in ROLLOUT_METRICS:
         assert two[name] == pytest.approx(one[name], rel=1e-5), name
