@@ -320,8 +320,6 @@ class TraceRLTrainer(GRPOTrainer):
         """The sampler's metrics over every process's rows, as one process sampling the whole generation batch
         would log them: per-row sums and row counts are added; the batch-level counts (forward passes, blocks
         reached) are the largest of any process."""
-        if not self._rollout_stats:  # a rollout_func generated (on every process): no sampler statistics
-            return
         stats = torch.tensor(self._rollout_stats, device=self.accelerator.device)
         sums = self.accelerator.reduce(stats[:3].clone(), reduction="sum")
         largest = self.accelerator.gather(stats[None, 3:].clone()).amax(0)
