@@ -43,22 +43,19 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     return text
 
 
-LOCAL_DATASET_SUFFIXES = (".json", ".jsonl", ".parquet")
-"""File names the examples load as a local dataset (``trl_diffusion.data.load_training_dataset``)."""
-
-
 def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`), a ``dataset_name`` that
     names a local file (it must exist), ``reward_funcs`` (a list, not one name) and every ``resume_from_checkpoint``
     (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import resolve_model_path
+    from .data.loading import LOCAL_SUFFIXES
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
             resolve_model_path(args.model_name_or_path)
         dataset = getattr(args, "dataset_name", None)
-        if dataset and dataset.endswith(LOCAL_DATASET_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
+        if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
         if isinstance(getattr(args, "reward_funcs", None), str):
             raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from datasets import Dataset, load_dataset
 
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
+"""File names read as a local dataset file rather than a Hub name."""
+
 
 def load_training_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
     """``name`` is a local ``.json`` / ``.jsonl`` / ``.parquet`` file (its single split is used) or a Hub dataset
     (``config`` and ``split`` apply)."""
-    if name.endswith((".json", ".jsonl", ".parquet")):
+    if name.endswith(LOCAL_SUFFIXES):
         kind = "parquet" if name.endswith(".parquet") else "json"
         return load_dataset(kind, data_files=name, split="train")
     return load_dataset(name, config, split=split)
