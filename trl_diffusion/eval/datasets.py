@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data.loading import LOCAL_SUFFIXES
 from ..rewards import build_tests, extract_gold_answer
 
 __all__ = [
@@ -45,7 +46,7 @@ HUB_DATASETS: dict[str, tuple[str, str | None, str]] = {
     "mbpp": ("google-research-datasets/mbpp", "full", "test"),
 }
 """Short name -> (Hub repo, config, split)."""
-LOCAL_EXTENSIONS = (".json", ".jsonl", ".parquet")
+LOCAL_EXTENSIONS = LOCAL_SUFFIXES  # the file names the training examples read as local files too
 
 FORMATS: dict[str, str] = {
     "humaneval": "prompt + test + entry_point (HumanEval): complete the function, run check(entry_point)",
