@@ -2,6 +2,7 @@
 ``reward/reward.py``): grading, prompts and metrics, on small rows in the real benchmark formats."""
 
 import importlib
+import json
 
 import pytest
 
@@ -88,7 +89,7 @@ def test_evaluate_uses_the_chosen_grader(model_and_tokenizer, monkeypatch):
 
 def test_local_file_rows_keep_their_gold(tmp_path):
     path = tmp_path / "aime.jsonl"
-    path.write_text("\n".join(__import__("json").dumps(r) for r in AIME_ROWS) + "\n")
+    path.write_text("\n".join(json.dumps(r) for r in AIME_ROWS) + "\n")
     _, problems = load_eval_problems(str(path))
     assert [p.id for p in problems] == ["67", "84"] and [p.answer for p in problems] == ["025", "033"]
 
@@ -102,3 +103,62 @@ def test_cli_takes_the_grader(capsys):
     with pytest.raises(SystemExit):
         main(["eval", "--help"])
     assert "--math_grader" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+# dLLM-RL's math prompts as its sample scripts write them (jinja2 templates, rendered with problem=...).
+OFFICIAL_JINJA = {
+    "dllm_rl_sdar": "<|im_start|>user\n{{problem}}\nPlease reason step by step, and put your final answer within "
+                    "\\boxed{}.<|im_end|>\n<|im_start|>assistant\n",
+    "dllm_rl_sdar_think": "<|im_start|>user\nYou need to put your final answer in \\boxed{}. This is the problem:\n"
+                          "{{problem}}<|im_end|>\n<|im_start|>assistant<think>\n",
+    "dllm_rl_llada": "<|startoftext|><|start_header_id|>user<|end_header_id|>You need to put your final answer in "
+                     "\\boxed{}. This is the problem:\n{{problem}}<|eot_id|><|startoftext|><|start_header_id|>"
+                     "assistant<|end_header_id|>\n",
+    "dllm_rl_dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nYou need to put "
+                     "your final answer in \\boxed{}. This is the problem:\n{{problem}}<|im_end|>\n"
+                     "<|im_start|>assistant\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(OFFICIAL_JINJA))
+def test_prompt_presets_are_dllm_rl_prompts_as_rendered(name):
+    """jinja2 drops a template's final newline (keep_trailing_newline=False), so dLLM-RL's prompts end at
+    ``assistant``: the preset must be the rendered text, character for character."""
+    from jinja2 import Template
+
+    from trl_diffusion.eval import PROMPT_PRESETS
+
+    question = "What is $1+1$? {x}\n"
+    rendered = Template(OFFICIAL_JINJA[name]).render(problem=question)
+    assert not rendered.endswith("\n")
+    assert PROMPT_PRESETS[name].replace("{question}", question) == rendered
+    problems = problems_from_rows([{"question": question, "answer": "2"}], prompt_template=name)
+    assert problems[0].prompt == rendered
+
+
+def test_evaluate_feeds_a_preset_without_the_chat_template(model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    seen = []
+    ev = importlib.import_module("trl_diffusion.eval.evaluate")
+    real = ev.score_completions
+
+    def spy(problems, completions, *args):
+        seen.extend(problems)
+        return real(problems, completions, *args)
+
+    rows = GSM8K_ROWS[:1]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ev, "score_completions", spy)
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=rows, prompt_template="dllm_rl_sdar",
+                          temperature=0.0, **FAST)
+    assert report["apply_chat_template"] is False
+    assert seen[0].prompt == "<|im_start|>user\nHow many dollars?\nPlease reason step by step, and put your " \
+                                    "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant"
+    with pytest.raises(ValueError, match="whole prompt"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=rows, prompt_template="dllm_rl_sdar",
+                 apply_chat_template=True, **FAST)
+    with pytest.raises(ValueError, match="dllm_rl_sdar_think"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=rows, prompt_template="dllm_rl_sdar",
+                 start_with_think=True, **FAST)
+

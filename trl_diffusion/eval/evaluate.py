@@ -26,7 +26,7 @@ from ..rewards import (
     run_tests,
 )
 from ..rewards.dllm_rl_math import extract_boxed_answer
-from .datasets import EvalProblem, load_eval_problems, problems_from_rows
+from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -67,7 +67,9 @@ class EvalConfig:
     pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
     batch_size: int | None = _arg(None, "Sequences per generate() call (default: 16; 100 for arithmetic).")
     seed: int = _arg(0, "Seed of the sampling generator.")
-    prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task).")
+    prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task), or a "
+                                       "dLLM-RL prompt by name, used without the chat template: dllm_rl_sdar (SDAR "
+                                       "/ TraDo), dllm_rl_sdar_think, dllm_rl_llada, dllm_rl_dream.")
     system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
     apply_chat_template: bool | None = _arg(None, "Wrap the prompt in the tokenizer's chat template (default: true, "
                                             "false for the embedded model, which was trained on plain prompts).")
@@ -361,10 +363,19 @@ def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
 
 def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
     """``apply_chat_template`` as set, else the model's own prompt format: plain prompts for the embedded model
-    (``trl_diffusion.assets.EMBEDDED_FORMAT``), the chat template for every other model."""
+    (``trl_diffusion.assets.EMBEDDED_FORMAT``) and for a :data:`PROMPT_PRESETS` prompt (a whole prompt), the chat
+    template for every other model."""
     from ..assets import EMBEDDED_CHAT_TEMPLATE, is_embedded_model
 
     chat = config.apply_chat_template
+    if config.prompt_template in PROMPT_PRESETS:
+        if chat:
+            raise ValueError(f"prompt_template={config.prompt_template!r} is a whole prompt (chat markup included), "
+                             "so it cannot go through the chat template: leave apply_chat_template unset or false.")
+        if config.start_with_think:
+            raise ValueError("start_with_think adds <think> to the chat template's prompt; dLLM-RL's thinking prompt "
+                             "has its own instruction: pass prompt_template='dllm_rl_sdar_think' instead.")
+        chat = False
     if chat is None:
         if model is None or isinstance(model, (str, Path)):
             embedded = not config.model_name_or_path or is_embedded_model(config.model_name_or_path)
