@@ -3,6 +3,7 @@
 
 import importlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +163,21 @@ def test_evaluate_feeds_a_preset_without_the_chat_template(model_and_tokenizer):
         evaluate(model=model, tokenizer=tokenizer, dataset=rows, prompt_template="dllm_rl_sdar",
                  start_with_think=True, **FAST)
 
+
+
+def test_recipes_use_dllm_rl_prompts_as_rendered():
+    """The TraceRL recipes train on dLLM-RL's rollout prompts (the same templates as its eval scripts)."""
+    import yaml
+
+    from trl_diffusion.eval import PROMPT_PRESETS
+
+    recipes = Path(__file__).parents[1] / "recipes"
+    family = {"trado_4b": "dllm_rl_sdar", "trado_8b": "dllm_rl_sdar", "llada_8b": "dllm_rl_llada",
+              "dream_7b": "dllm_rl_dream"}
+    checked = 0
+    for path in sorted(recipes.glob("*_tracerl_math.yaml")):
+        template = yaml.safe_load(path.read_text()).get("prompt_template")
+        key = next(v for k, v in family.items() if path.name.startswith(k))
+        assert template == PROMPT_PRESETS[key], path.name
+        checked += 1
+    assert checked == 4
