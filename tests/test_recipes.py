@@ -69,7 +69,7 @@ def test_trado_4b_recipe_is_the_official_run():
     assert (script_args.dataset_name, script_args.dataset_train_split) == ("Gen-Verse/MATH_train", "train")
     assert script_args.reward_funcs == ["official_math_reward"]
     assert script_args.prompt_template == ("<|im_start|>user\n{question}\nPlease reason step by step, and put your "
-                                           "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant\n")
+                                           "final answer within \\boxed{}.<|im_end|>\n<|im_start|>assistant")
     assert script_args.value_model == "Gen-Verse/TraDo-4B-Instruct"
     # 64 prompts x 16 responses per rollout, 80 rollouts of 16 optimizer steps on 8 GPUs
     assert (args.num_generations, args.generation_batch_size) == (16, 1024)

@@ -17,6 +17,7 @@ __all__ = [
     "HUB_DATASETS",
     "LOCAL_EXTENSIONS",
     "MATH_PROMPT",
+    "PROMPT_PRESETS",
     "EvalProblem",
     "detect_format",
     "load_eval_problems",
@@ -34,6 +35,19 @@ FUNCTION_PROMPT = (
     "Complete the following Python function.\n```python\n{question}```\n"
     "Return the complete function, with any imports it needs, in one ```python``` code block."
 )
+_DLLM_RL_BOXED = "You need to put your final answer in \\boxed{}. This is the problem:\n{question}"
+PROMPT_PRESETS: dict[str, str] = {
+    "dllm_rl_sdar": "<|im_start|>user\n" + MATH_PROMPT + "<|im_end|>\n<|im_start|>assistant",
+    "dllm_rl_sdar_think": "<|im_start|>user\n" + _DLLM_RL_BOXED + "<|im_end|>\n<|im_start|>assistant<think>",
+    "dllm_rl_llada": "<|startoftext|><|start_header_id|>user<|end_header_id|>" + _DLLM_RL_BOXED
+                     + "<|eot_id|><|startoftext|><|start_header_id|>assistant<|end_header_id|>",
+    "dllm_rl_dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + _DLLM_RL_BOXED
+                     + "<|im_end|>\n<|im_start|>assistant",
+}
+"""``prompt_template`` names for dLLM-RL's math prompts, whole prompts used without the chat template, exactly as its
+``sample/{trado,sdar,llada,dream}_sample.py`` and ``*_rl_rollout.py`` render them: SDAR / TraDo (``_think``:
+``start_with_think``), LLaDA, Dream. jinja2 drops the templates' final newline, so they end at ``assistant``
+(``<think>``, ``<|end_header_id|>``)."""
 ARITHMETIC_PROMPT = "{question}"
 """The arithmetic task's user turn; without the chat template the prompt is ``"{question}\n"``, the embedded
 model's training format (``to_dataset(..., "prompt_completion")``)."""
@@ -260,7 +274,9 @@ def _as_list(value: Any) -> list[str]:
 
 
 def _fill(template: str, question: str) -> str:
-    """Put the question where ``{question}`` is; every other character of the template is kept as written."""
+    """Put the question where ``{question}`` is; every other character of the template is kept as written. A name in
+    :data:`PROMPT_PRESETS` stands for its prompt."""
+    template = PROMPT_PRESETS.get(template, template)
     if "{question}" not in template:
         raise ValueError(f"prompt_template must contain '{{question}}', got {template!r}.")
     return template.replace("{question}", question)

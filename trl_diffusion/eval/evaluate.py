@@ -17,8 +17,16 @@ from typing import Any
 
 import torch
 
-from ..rewards import MathAccuracyReward, SandboxLimits, extract_code, last_boxed_content, run_tests
-from .datasets import EvalProblem, load_eval_problems, problems_from_rows
+from ..rewards import (
+    MathAccuracyReward,
+    OfficialMathReward,
+    SandboxLimits,
+    extract_code,
+    last_boxed_content,
+    run_tests,
+)
+from ..rewards.dllm_rl_math import extract_boxed_answer
+from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -29,6 +37,8 @@ _GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remask
                     "cfg_scale", "cuda_graphs")
 _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
 _BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
+MATH_GRADERS = ("math_verify", "official")
+"""``math_grader`` values: math-verify (our reward), or dLLM-RL's ``is_equal`` as its ``reward/reward.py`` scores."""
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
 
 
@@ -57,7 +67,9 @@ class EvalConfig:
     pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
     batch_size: int | None = _arg(None, "Sequences per generate() call (default: 16; 100 for arithmetic).")
     seed: int = _arg(0, "Seed of the sampling generator.")
-    prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task).")
+    prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task), or a "
+                                       "dLLM-RL prompt by name, used without the chat template: dllm_rl_sdar (SDAR "
+                                       "/ TraDo), dllm_rl_sdar_think, dllm_rl_llada, dllm_rl_dream.")
     system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
     apply_chat_template: bool | None = _arg(None, "Wrap the prompt in the tokenizer's chat template (default: true, "
                                             "false for the embedded model, which was trained on plain prompts).")
@@ -81,6 +93,9 @@ class EvalConfig:
     cuda_graphs: str | None = _arg(None, "auto: on CUDA, replay the cached denoising steps as CUDA graphs (greedy "
                                    "decoding only here: sampling shares one generator, which needs the eager loop); "
                                    "off: eager (the default).", choices=["auto", "off"])
+    math_grader: str = _arg("math_verify", "Math scoring: math_verify (the last \\boxed{}, else math-verify's own "
+                            "extraction from the text) or official (dLLM-RL's eval: the last \\boxed{} only, "
+                            "Hendrycks is_equiv, else sympy within 1 s; no box scores 0).", choices=list(MATH_GRADERS))
     code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox.")
     code_memory_mb: int = _arg(1024, "Address-space limit of a code sandbox, MiB.")
     code_workers: int = _arg(4, "Code sandboxes run concurrently.")
@@ -97,6 +112,12 @@ class EvalConfig:
                 raise ValueError(f"use_cache must be one of {sorted(_CACHE_VALUES)}, got {kwargs['use_cache']!r}.")
             kwargs["use_cache"] = _CACHE_VALUES[value]
         return {**_DATASET_GENERATION_DEFAULTS.get(dataset_tag or "", {}), **kwargs}
+
+    def math_reward(self) -> MathAccuracyReward | OfficialMathReward:
+        """The reward that scores math completions (``math_grader``); raises for an unknown grader."""
+        if self.math_grader not in MATH_GRADERS:
+            raise ValueError(f"math_grader must be one of {list(MATH_GRADERS)}, got {self.math_grader!r}.")
+        return OfficialMathReward() if self.math_grader == "official" else MathAccuracyReward()
 
     def resolved_pass_k(self) -> list[int]:
         """The k values to report; raises if one is outside ``[1, num_samples]``."""
@@ -152,11 +173,12 @@ def score_completions(
     completions: list[str],
     limits: SandboxLimits | None = None,
     workers: int = 4,
-    math_reward: MathAccuracyReward | None = None,
+    math_reward: MathAccuracyReward | OfficialMathReward | None = None,
 ) -> list[dict[str, Any]]:
     """Score ``completions[i]`` against ``problems[i]``. Each result has ``reward`` (1.0 / 0.0, or ``None`` when
-    the gold answer cannot be parsed) and details: ``prediction`` (math: last boxed answer) or ``tests_passed`` /
-    ``tests_total`` / ``status`` / ``errors`` (code)."""
+    the gold answer cannot be parsed) and details: ``prediction`` (math: the last boxed answer as ``math_reward``
+    reads it; default :class:`MathAccuracyReward`) or ``tests_passed`` / ``tests_total`` / ``status`` / ``errors``
+    (code)."""
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions.")
     results: list[dict[str, Any]] = [{} for _ in problems]
@@ -165,8 +187,9 @@ def score_completions(
     if math_idx:
         reward = math_reward or MathAccuracyReward()
         scores = reward([completions[i] for i in math_idx], answer=[problems[i].answer for i in math_idx])
+        boxed = extract_boxed_answer if isinstance(reward, OfficialMathReward) else last_boxed_content
         for i, score in zip(math_idx, scores):
-            pred = last_boxed_content(completions[i])
+            pred = boxed(completions[i])
             results[i] = {"reward": score, "gold": problems[i].answer, "prediction": pred}
     if code_idx:
         limits = limits or SandboxLimits()
@@ -279,6 +302,7 @@ def evaluate(
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     _check_single_process()
     ks = config.resolved_pass_k()
+    config.math_reward()  # an unknown grader fails before the model loads
     if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
@@ -306,6 +330,7 @@ def evaluate(
         "num_problems": len(problems),
         "num_samples": config.num_samples,
         "apply_chat_template": config.apply_chat_template,
+        "math_grader": config.math_grader if problems[0].task == "math" else None,
         "metrics": _metrics(rows, problems, config.num_samples, ks),
         "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
         "samples_file": str(samples_path) if samples_path else None,
@@ -338,10 +363,19 @@ def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
 
 def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
     """``apply_chat_template`` as set, else the model's own prompt format: plain prompts for the embedded model
-    (``trl_diffusion.assets.EMBEDDED_FORMAT``), the chat template for every other model."""
+    (``trl_diffusion.assets.EMBEDDED_FORMAT``) and for a :data:`PROMPT_PRESETS` prompt (a whole prompt), the chat
+    template for every other model."""
     from ..assets import EMBEDDED_CHAT_TEMPLATE, is_embedded_model
 
     chat = config.apply_chat_template
+    if config.prompt_template in PROMPT_PRESETS:
+        if chat:
+            raise ValueError(f"prompt_template={config.prompt_template!r} is a whole prompt (chat markup included), "
+                             "so it cannot go through the chat template: leave apply_chat_template unset or false.")
+        if config.start_with_think:
+            raise ValueError("start_with_think adds <think> to the chat template's prompt; dLLM-RL's thinking prompt "
+                             "has its own instruction: pass prompt_template='dllm_rl_sdar_think' instead.")
+        chat = False
     if chat is None:
         if model is None or isinstance(model, (str, Path)):
             embedded = not config.model_name_or_path or is_embedded_model(config.model_name_or_path)
@@ -415,7 +449,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb)
     generator = torch.Generator(device=device).manual_seed(config.seed)
-    math_reward = MathAccuracyReward()
+    math_reward = config.math_reward()
     rows: list[dict[str, Any]] = []
     seconds, forward_passes = 0.0, 0
     handle = samples_path.open("w", encoding="utf-8") if samples_path else None
@@ -448,6 +482,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             bar.set_postfix(acc=f"{_mean([r['reward'] for r in rows if r['reward'] is not None]):.3f}")
     finally:
         bar.close()
+        math_reward.close()
         if handle:
             handle.close()
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
