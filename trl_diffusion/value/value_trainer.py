@@ -69,7 +69,7 @@ class DiffusionValueTrainer(_BaseTrainer):
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
                  optimizers=(None, None)):
         if isinstance(model, str):
-            model = DiffusionValueModel.load(model)
+            model = DiffusionValueModel.load(model, dtype=torch.float32)  # as TRL loads a model path
         if not isinstance(model, DiffusionValueModel):
             raise TypeError(f"model must be a DiffusionValueModel, got {type(model).__name__}.")
         if args is None:
