@@ -11,12 +11,20 @@ from pathlib import Path
 import pytest
 import torch
 from datasets import Dataset
+from numerics import assert_close_fp32
 
 from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.states import trajectory_groups
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
-from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
+from trl_diffusion.value import (
+    DiffusionValueConfig,
+    DiffusionValueModel,
+    DiffusionValueTrainer,
+    outcome_token_rewards,
+    step_gae,
+)
 
 PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
 
@@ -34,6 +42,81 @@ def tracerl(tmp_path, model, value_model, **overrides) -> TraceRLTrainer:
     return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
                           value_model=value_model)
+
+
+# ------------------------------------------------------------------------------------------------ GAE
+
+
+def collapse(steps: list[int], k: int) -> list[int]:
+    """dLLM-RL's ``collapse_k_unique``: every k consecutive distinct step ids of a block map to the group's last."""
+    distinct = sorted(set(steps))
+    last = {v: distinct[min((i // k + 1) * k - 1, len(distinct) - 1)] for i, v in enumerate(distinct)}
+    return [last[s] for s in steps]
+
+
+def official_gae(step_map, blocks, trainable, reward, values, gamma, lam, shrink):
+    """dLLM-RL's train_trado_value.py GAE for one response, in float64: merge steps per block, put the reward on
+    the trainable tokens of the last step, step means, backward recursions, back to tokens. ``step_map`` holds
+    global sampler steps (-1 = never committed); ``blocks`` is each token's block."""
+    merged = list(step_map)
+    for b in set(blocks):
+        cols = [i for i, blk in enumerate(blocks) if blk == b and step_map[i] >= 0]
+        for i, m in zip(cols, collapse([step_map[i] for i in cols], shrink)):
+            merged[i] = m
+    cols = [i for i in range(len(merged)) if trainable[i] and merged[i] >= 0]
+    last = max(merged[i] for i in cols)
+    r = {i: reward if merged[i] == last else 0.0 for i in cols}
+    steps = sorted({merged[i] for i in cols})
+    members = [[i for i in cols if merged[i] == s] for s in steps]
+    r_star = [sum(r[i] for i in m) / len(m) for m in members] + [0.0]
+    v_star = [sum(values[i] for i in m) / len(m) for m in members] + [0.0]
+    big_r, big_a = [0.0] * (len(steps) + 1), [0.0] * (len(steps) + 1)
+    for t in reversed(range(len(steps))):
+        big_r[t] = r_star[t] + gamma * big_r[t + 1]
+        big_a[t] = r_star[t] - v_star[t] + gamma * v_star[t + 1] + gamma * lam * big_a[t + 1]
+    advantages, returns = [0.0] * len(merged), [0.0] * len(merged)
+    for i in cols:
+        t = steps.index(merged[i])
+        returns[i] = r[i] + gamma * big_r[t + 1]
+        advantages[i] = r[i] - values[i] + gamma * v_star[t + 1] + gamma * lam * big_a[t + 1]
+    return advantages, returns
+
+
+def test_step_gae_equals_dllm_rls_definitions_in_float64():
+    """Blocks decoded one after the other, several tokens per step (dynamic decoding), shrinkage 1-3, gamma and
+    lambda below 1, tokens outside the trained mask, never-committed tokens: equal to the float64 transcription."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        block = (2, 4)[trial % 2]
+        shrink = 1 + trial % 3
+        gamma, lam = (1.0, 0.9, 0.5)[trial % 3], (1.0, 0.7, 0.0)[trial // 3 % 3]
+        lengths = torch.randint(1, 8, (3,), generator=rng).tolist()
+        width = 12
+        prompt_mask = torch.tensor([[0] * (max(lengths) - n) + [1] * n for n in lengths])
+        blocks = (torch.tensor(lengths)[:, None] + torch.arange(width)) // block  # blocks from position 0
+        unmask = torch.full((3, width), -1)
+        for row in range(3):
+            step = 0
+            for b in blocks[row].unique().tolist():
+                cols = (blocks[row] == b).nonzero().flatten()
+                cols = cols[torch.randperm(len(cols), generator=rng)].tolist()
+                while cols:  # 1 to 3 tokens per step
+                    n = int(torch.randint(1, 4, (), generator=rng))
+                    unmask[row, cols[:n]] = step
+                    cols, step = cols[n:], step + 1
+        unmask[0, -2:] = -1
+        trainable = (torch.rand(3, width, generator=rng) < 0.85) & (unmask >= 0)
+        trainable[:, 0] = True
+        values = torch.randn(3, width, generator=rng)
+        reward = torch.randn(3, generator=rng)
+        groups = trajectory_groups(unmask, prompt_mask, shrink, block)
+        advantages, returns = step_gae(outcome_token_rewards(reward, groups, trainable), values, groups, trainable,
+                                       gamma, lam)
+        for row in range(3):
+            expected = official_gae(unmask[row].tolist(), blocks[row].tolist(), trainable[row].tolist(),
+                                    reward[row].item(), values[row].double().tolist(), gamma, lam, shrink)
+            assert_close_fp32(advantages[row], torch.tensor(expected[0]))
+            assert_close_fp32(returns[row], torch.tensor(expected[1]))
 
 
 # ------------------------------------------------------------------------------------------------ dtype
