@@ -179,3 +179,18 @@ def test_math_example_saves_the_trained_value_model(tmp_path):
     assert result["value_model"] == f"{tmp_path}/value_model"
     value = DiffusionValueModel.from_pretrained(result["value_model"])
     assert value.config.model_type == "sdar" and value.value_head.weight.shape[0] == 1
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+
+
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), None])
+def test_value_dataset_rejects_a_reward_that_is_not_a_finite_number(tmp_path, reward):
+    """A NaN reward made the loss NaN and every weight NaN after one step, with a logged loss of 0 (transformers
+    filters NaN losses from the log); None failed in the collator with a bare TypeError."""
+    rows = {"prompt": ["a", "b"], "completion_ids": [[10, 11, 12, 13]] * 2, "unmask_step": [[0, 1, 1, 2]] * 2,
+            "reward": [1.0, reward]}
+    args = DiffusionValueConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none")
+    with pytest.raises(ValueError, match=r"row 1: 'reward' must be a finite number"):
+        DiffusionValueTrainer(DiffusionValueModel.from_policy(tiny_model("sdar")), args=args,
+                              train_dataset=Dataset.from_dict(rows), processing_class=build_tokenizer())
