@@ -121,11 +121,16 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
                              value_model=script_args.value_model)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
+    value_dir = None
+    if trainer.value_model is not None:  # trainer.save_model saves the policy only
+        value_dir = f"{args.output_dir}/value_model"  # loadable with --value_model
+        if args.should_save:
+            trainer.accelerator.unwrap_model(trainer.value_model).save_pretrained(value_dir)
     plot = save_training_curves(
         trainer.state.log_history, f"{args.output_dir}/training_curves.png",
         ["reward", "eval/held_out_accuracy", "rollout/tokens_per_step", "rollout/sampler_logp_gap"],
         title=f"TraceRL ({args.likelihood_estimator}) on {script_args.dataset_name or 'synthetic arithmetic'}")
-    result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None}
+    result = {"output_dir": args.output_dir, "value_model": value_dir, "training_curves": str(plot) if plot else None}
     if synthetic:
         curve = callbacks[0].curve
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1],

@@ -223,7 +223,8 @@ class TraceRLConfig(GRPOConfig):
                   "V_clip = V_old + clip(V - V_old, -cliprange_value, cliprange_value)."},
     )
     value_learning_rate: float = field(
-        default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer."}
+        default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer, constant "
+                                "(lr_scheduler_type and warm-up apply to the policy only)."}
     )
     value_batch_size: int | None = field(
         default=256,

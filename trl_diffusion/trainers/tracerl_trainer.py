@@ -425,8 +425,10 @@ class TraceRLTrainer(GRPOTrainer):
     # ------------------------------------------------------------------------------------------------ value model
     def _setup_value_model(self, value_model, policy) -> None:
         """Check the value model against the policy, place and prepare it like the policy, give it an optimizer."""
+        args = self.args
         if isinstance(value_model, (str, os.PathLike)):
-            value_model = DiffusionValueModel.load(str(value_model))
+            # in float32 unless model_init_kwargs names a dtype, as TRL loads a policy path
+            value_model = DiffusionValueModel.load(str(value_model), dtype=_path_dtype(args.model_init_kwargs))
         if not isinstance(value_model, DiffusionValueModel):
             raise TypeError(f"value_model must be a DiffusionValueModel, got {type(value_model).__name__}.")
         if value_model.mask_token_id != policy.mask_token_id:
@@ -442,7 +444,11 @@ class TraceRLTrainer(GRPOTrainer):
                              f"({policy.attention_kind}); use a backbone of the policy's family.")
         if getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError("a value model under FSDP2 is not supported yet; use DDP, FSDP1 or DeepSpeed.")
-        args = self.args
+        if value_model.dtype in (torch.bfloat16, torch.float16):
+            logger.warning(f"the value model's weights are {value_model.dtype} and its AdamW keeps no float32 copy: "
+                           f"an update smaller than their rounding is lost (at value_learning_rate="
+                           f"{args.value_learning_rate:g} most weights of a pretrained backbone never move). Pass a "
+                           "float32 value model, or its path (loaded in float32).")
         if args.gradient_checkpointing:
             value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
         if args.disable_dropout:
@@ -712,6 +718,12 @@ class TraceRLTrainer(GRPOTrainer):
             logps = old + (logps - old).clamp(-clip, clip)
         inputs["scored_logps"] = logps
         return logps
+
+
+def _path_dtype(model_init_kwargs: dict | None):
+    """The dtype TRL loads a model path in: ``model_init_kwargs["dtype"]``, float32 when unset."""
+    dtype = (model_init_kwargs or {}).get("dtype", "float32")
+    return getattr(torch, dtype) if dtype in ("bfloat16", "float16", "float32") else dtype
 
 
 class _ForwardThrough:

@@ -8,6 +8,7 @@ TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from functools import partial
 from typing import Any
@@ -69,7 +70,7 @@ class DiffusionValueTrainer(_BaseTrainer):
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
                  optimizers=(None, None)):
         if isinstance(model, str):
-            model = DiffusionValueModel.load(model)
+            model = DiffusionValueModel.load(model, dtype=torch.float32)  # as TRL loads a model path
         if not isinstance(model, DiffusionValueModel):
             raise TypeError(f"model must be a DiffusionValueModel, got {type(model).__name__}.")
         if args is None:
@@ -155,7 +156,11 @@ def _prepare_dataset(dataset: Dataset, tokenizer) -> Dataset:
         raise ValueError(f"a value dataset needs 'prompt' or 'prompt_ids', 'completion_ids', 'unmask_step' and "
                          f"'reward' columns; missing {missing or ['prompt / prompt_ids']} (has {sorted(columns)}).")
 
-    def process(example: dict) -> dict:
+    def process(example: dict, index: int) -> dict:
+        reward = example["reward"]
+        if not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            # a NaN reward would make the loss NaN and every weight NaN after the step (the logged loss stays 0)
+            raise ValueError(f"row {index}: 'reward' must be a finite number, got {reward!r}.")
         if len(example["completion_ids"]) != len(example["unmask_step"]):
             raise ValueError(f"completion_ids ({len(example['completion_ids'])}) and unmask_step "
                              f"({len(example['unmask_step'])}) must have the same length.")
@@ -169,4 +174,4 @@ def _prepare_dataset(dataset: Dataset, tokenizer) -> Dataset:
             ids = tokenizer(text=prompt)["input_ids"]
         return {"prompt_ids": list(ids)}
 
-    return dataset.map(process)
+    return dataset.map(process, with_indices=True)
