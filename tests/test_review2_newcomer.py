@@ -107,3 +107,11 @@ def test_example_flags_that_would_be_ignored_are_refused(capsys, flag):
     assert exit_info.value.code == 2
     message = capsys.readouterr().err.strip().splitlines()[-1]
     assert f": error: {flag}: not used by the example scripts" in message
+
+
+def test_grpo_cache_implementation_is_refused_not_ignored():
+    """GRPO's ``cache_implementation`` configures transformers' autoregressive ``generate``; diffusion rollouts never
+    read it (before, ``cache_implementation="static"`` was accepted and changed nothing). The error names the field
+    that does set the rollout cache."""
+    with pytest.raises(ValueError, match=r"\['cache_implementation'\].*rollout_cache"):
+        TraceRLConfig("unused", cache_implementation="static", **CPU)
