@@ -13,6 +13,7 @@ from test_cli import load_example
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.cli import parse_script_args
+from trl_diffusion.rewards import OfficialMathReward, math_accuracy_reward
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
@@ -115,3 +116,15 @@ def test_grpo_cache_implementation_is_refused_not_ignored():
     that does set the rollout cache."""
     with pytest.raises(ValueError, match=r"\['cache_implementation'\].*rollout_cache"):
         TraceRLConfig("unused", cache_implementation="static", **CPU)
+
+
+@pytest.mark.parametrize("reward", [math_accuracy_reward, OfficialMathReward()], ids=["math_accuracy", "official"])
+def test_math_reward_without_any_gold_column_says_which_columns_it_reads(reward):
+    """A TRL dataset whose gold column has another name (``ground_truth``): before, every reward was ``None`` and the
+    run trained on nothing (TRL only warns that all reward functions returned None). A row without a gold answer in
+    a column that exists still scores ``None``."""
+    kwargs = dict(prompts=["q"], completion_ids=[[1]], trainer_state=None)
+    with pytest.raises(ValueError, match=r"'answer' or 'solution'.*\['ground_truth'\].*rename_column"):
+        reward([r"\boxed{2}"], ground_truth=["2"], **kwargs)
+    assert reward([r"\boxed{2}", r"\boxed{2}"], answer=["2", None], **{**kwargs, "prompts": ["q", "q"],
+                                                                         "completion_ids": [[1], [1]]}) == [1.0, None]
