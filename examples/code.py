@@ -36,13 +36,12 @@ import json
 from dataclasses import dataclass, field
 
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
-from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model, resolve_model_path
+from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.cli import parse_script_args, resume_checkpoint
+from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
 from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
 from trl_diffusion.rewards import make_code_reward
 
@@ -86,13 +85,11 @@ class AnswerAsProgram:
 
 
 def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: ModelConfig) -> dict:
-    path = resolve_model_path(model_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model, tokenizer = load_pretrained(model_args)
     reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
                               partial_credit=script_args.partial_credit)
     if script_args.dataset_name is None:
-        embedded = is_embedded_model(path)
+        embedded = is_embedded_model(model.name_or_path)
         dataset = synthetic_code_tasks(plain=embedded and EMBEDDED_FORMAT != "conversational")
         reward = AnswerAsProgram(reward) if embedded else reward
     else:

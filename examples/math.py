@@ -35,14 +35,13 @@ import inspect
 import json
 from dataclasses import dataclass, field
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion import rewards as reward_library
-from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK, resolve_model_path
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import parse_script_args, resume_checkpoint
+from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -101,10 +100,8 @@ def load_reward(name: str, max_completion_length: int):
 
 
 def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: ModelConfig) -> dict:
-    path = resolve_model_path(model_args.model_name_or_path)
+    model, tokenizer = load_pretrained(model_args)
     synthetic = script_args.dataset_name is None
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=model_args.dtype if model_args.dtype != "auto" else None)
     callbacks, held_out = [], None
     if synthetic:
         train, test = make_problems(**EMBEDDED_TASK)

@@ -32,13 +32,12 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 import json
 from dataclasses import dataclass, field
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
-from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK, resolve_model_path
+from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import parse_script_args, resume_checkpoint
+from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
@@ -51,9 +50,7 @@ class SFTScriptArguments(ScriptArguments):
 
 
 def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: ModelConfig) -> dict:
-    path = resolve_model_path(model_args.model_name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model, tokenizer = load_pretrained(model_args)
     callbacks = []
     if script_args.dataset_name is None:
         train, test = make_problems(**EMBEDDED_TASK)

@@ -43,11 +43,36 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     return text
 
 
+UNUSED_MODEL_FLAGS = {
+    "trust_remote_code": "import trl_diffusion registers SDAR, LLaDA and Dream with the Auto classes.",
+    "attn_implementation": "attention kernels follow attention_backend (training) and the masks the sampler builds.",
+    "load_in_4bit": "quantized loading is not supported.",
+    "load_in_8bit": "quantized loading is not supported.",
+}
+"""TRL flags (``ModelConfig``, ``GRPOConfig`` / ``SFTConfig``) the example scripts do not apply: setting one is an
+error rather than silently ignored."""
+
+
+def load_pretrained(model_args: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` as the example scripts train them, from TRL's ``ModelConfig``: ``model_name_or_path``
+    (the embedded model when empty) at ``model_revision``, in ``dtype`` (``ModelConfig``'s default float32 keeps
+    float32 weights under bf16 mixed precision, as TRL's own scripts do; ``auto`` keeps the checkpoint's)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .assets import resolve_model_path
+
+    path = resolve_model_path(model_args.model_name_or_path)
+    revision = model_args.model_revision
+    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=model_args.dtype)
+    return model, tokenizer
+
+
 def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`), a ``dataset_name`` that
-    names a local file (it must exist), ``reward_funcs`` (a list, not one name) and every ``resume_from_checkpoint``
-    (rewritten in place to what ``Trainer.train`` takes)."""
+    names a local file (it must exist), ``reward_funcs`` (a list, not one name), no flag of ``UNUSED_MODEL_FLAGS``, and
+    every ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
 
@@ -60,6 +85,10 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         if isinstance(getattr(args, "reward_funcs", None), str):
             raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "
                              f"config file write reward_funcs: [{args.reward_funcs}]).")
+        unused = [flag for flag, set_ in UNUSED_MODEL_FLAGS.items() if getattr(args, flag, None) not in (None, False)]
+        if unused:
+            raise UsageError(f"{', '.join('--' + flag for flag in unused)}: not used by the example scripts; "
+                             + " ".join(UNUSED_MODEL_FLAGS[flag] for flag in unused))
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))

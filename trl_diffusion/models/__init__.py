@@ -3,7 +3,7 @@
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from .cache import DiffusionCache
-from .common import DiffusionModelMixin, check_tokenizer
+from .common import DiffusionModelMixin, check_tokenizer, model_argument
 from .dream import DreamConfig, DreamModel
 from .llada import LLaDAConfig, LLaDAModelLM
 from .sdar import SDARConfig, SDARForCausalLM, SDARModel
@@ -47,6 +47,7 @@ __all__ = [
     "DiffusionCache",
     "DiffusionModelMixin",
     "check_tokenizer",
+    "model_argument",
     "DreamConfig",
     "DreamModel",
     "LLaDAConfig",

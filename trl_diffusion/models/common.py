@@ -4,6 +4,7 @@ committing KV cache, mask handling, and the Qwen-style decoder used by SDAR (Qwe
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -547,3 +548,19 @@ def check_tokenizer(tokenizer, model) -> None:
         raise ValueError(
             f"the tokenizer's mask token id ({tok_mask}) differs from the model's mask_token_id ({mask_id})."
         )
+
+
+def model_argument(model, processing_class, trainer: str):
+    """``model`` as a trainer's ``__init__`` takes it: a path (``str`` or ``os.PathLike``, e.g.
+    ``trl_diffusion.assets.EMBEDDED_MODEL``) becomes a ``str``, which TRL loads; a model object given without a
+    ``processing_class`` must have been loaded from somewhere (``config._name_or_path``), since TRL loads the
+    tokenizer from there. Raises a ``ValueError`` saying what to pass otherwise."""
+    if isinstance(model, os.PathLike):
+        return os.fspath(model)
+    if isinstance(model, str) or processing_class is not None:
+        return model
+    config = getattr(model, "config", None)
+    if config is not None and not getattr(config, "_name_or_path", ""):
+        raise ValueError(f"{trainer}: pass processing_class= (the tokenizer). The model was built in memory, not "
+                         "loaded from a path, so there is no name to load its tokenizer from.")
+    return model

@@ -72,9 +72,10 @@ class MathAccuracyReward:
         max_answer_chars: answers longer than this score 0.0 without parsing.
 
     Rows are read from the ``answer`` and/or ``solution`` dataset columns TRL passes as keyword lists. A row whose
-    gold answer cannot be found or parsed gets ``None``, which TRL treats as NaN and leaves out of the reward.
-    Called outside the main thread, each completion is checked in a child process (see the module docstring;
-    ``close()`` stops it). A callable class (not a closure) so it pickles for multi-process rollouts.
+    gold answer cannot be found or parsed gets ``None``, which TRL treats as NaN and leaves out of the reward; a
+    call with neither column (a dataset whose gold column has another name) is a ``ValueError``. Called outside the
+    main thread, each completion is checked in a child process (see the module docstring; ``close()`` stops it). A
+    callable class (not a closure) so it pickles for multi-process rollouts.
     """
 
     def __init__(self, parsing_timeout: int = 5, verify_timeout: int = 5, max_answer_chars: int = 1000) -> None:
@@ -93,6 +94,8 @@ class MathAccuracyReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
+        if answer is None and solution is None:
+            raise _no_gold_column(self.__name__, "'answer' or 'solution'", kwargs)
         answers = list(answer) if answer is not None else [None] * n
         solutions = list(solution) if solution is not None else [None] * n
         if len(answers) != n or len(solutions) != n:
@@ -168,6 +171,18 @@ class MathAccuracyReward:
         return self.parsing_timeout if in_main else None
 
 
+_TRL_REWARD_KWARGS = {"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+"""Keyword arguments TRL passes to a reward function that are not dataset columns."""
+
+
+def _no_gold_column(name: str, columns: str, kwargs: dict) -> ValueError:
+    """The error for a call without any gold-answer column (a row without a gold answer scores None instead)."""
+    given = sorted(set(kwargs) - _TRL_REWARD_KWARGS)
+    return ValueError(f"{name} reads the gold answer from a {columns} dataset column; none was passed (the other "
+                      f"columns: {given}). Rename the gold answer's column, e.g. "
+                      "dataset.rename_column('ground_truth', 'answer').")
+
+
 def _without_final_period(answer: str) -> str:
     r"""A boxed answer without the sentence's full stop written inside the box (``\boxed{104.}``, as in some AIME
     solutions): math-verify reads ``104.`` and ``\frac{1}{2}.`` as no answer; a trailing period changes no value."""
@@ -200,8 +215,8 @@ class OfficialMathReward:
       ``examples/math.py`` binds it to every reward function that takes it), which then plays its part.
 
     The gold answer is the row's ``ground_truth_answer`` (dLLM-RL's column) or ``answer``, else ``solution``, read
-    as by :func:`extract_gold_answer`. Picklable; the child process starts at the first sympy comparison and stops
-    with ``close()``, at garbage collection or at exit.
+    as by :func:`extract_gold_answer` (a call with none of these columns is a ``ValueError``). Picklable; the child
+    process starts at the first sympy comparison and stops with ``close()``, at garbage collection or at exit.
     """
 
     def __init__(self, max_tokens: int | None = None, length_margin: int = 5, timeout: float = 1.0,
@@ -231,6 +246,8 @@ class OfficialMathReward:
             raise ValueError(f"{self.__name__}: max_completion_length must exceed length_margin "
                              f"({self.length_margin}), got {max_tokens}.")
         answers = ground_truth_answer if ground_truth_answer is not None else answer
+        if answers is None and solution is None:
+            raise _no_gold_column(self.__name__, "'ground_truth_answer', 'answer' or 'solution'", kwargs)
         answers = list(answers) if answers is not None else [None] * n
         solutions = list(solution) if solution is not None else [None] * n
         if len(answers) != n or len(solutions) != n:

@@ -25,6 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
+from ..models import model_argument
 from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
@@ -157,6 +158,7 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):
+        model = model_argument(model, processing_class, type(self).__name__)
         args = self._to_diffusion_config(model, args)
         if compute_loss_func is not None:
             raise ValueError("compute_loss_func is not supported: the diffusion objective is the loss.")

@@ -312,11 +312,13 @@ class TraceRLConfig(GRPOConfig):
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}.")
         ignored = {"min_p": self.min_p is not None, "repetition_penalty": self.repetition_penalty != 1.0,
-                   "generation_kwargs": bool(self.generation_kwargs)}
+                   "generation_kwargs": bool(self.generation_kwargs),
+                   "cache_implementation": self.cache_implementation is not None}
         if any(ignored.values()):
             raise ValueError(f"{[name for name, set_ in ignored.items() if set_]} are not applied by diffusion "
                              "rollouts; leave them at their defaults (min_p=None, repetition_penalty=1.0, "
-                             "generation_kwargs=None).")
+                             "generation_kwargs=None, cache_implementation=None). The rollout KV cache is "
+                             "`rollout_cache`.")
 
     @classmethod
     def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:

@@ -38,7 +38,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
-from ..models import check_tokenizer
+from ..models import check_tokenizer, model_argument
 from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
@@ -87,6 +87,8 @@ class TraceRLTrainer(GRPOTrainer):
     }
 
     def __init__(self, model, reward_funcs=None, args: TraceRLConfig | None = None, *pos, value_model=None, **kwargs):
+        model = model_argument(model, kwargs.get("processing_class", pos[2] if len(pos) > 2 else None),
+                               type(self).__name__)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")

@@ -20,7 +20,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
-from ..models import check_tokenizer
+from ..models import check_tokenizer, model_argument
 from ..states import resolve_model_attention_backend
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
@@ -69,6 +69,7 @@ class DiffusionValueTrainer(_BaseTrainer):
     def __init__(self, model, args: DiffusionValueConfig | None = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
                  optimizers=(None, None)):
+        model = model_argument(model, processing_class, type(self).__name__)
         if isinstance(model, str):
             model = DiffusionValueModel.load(model, dtype=torch.float32)  # as TRL loads a model path
         if not isinstance(model, DiffusionValueModel):
