@@ -78,3 +78,14 @@ def test_lora_rollouts_run_under_the_training_autocast(tmp_path):
         trainer.train()
         autocast[lora] = seen
     assert autocast[False] == autocast[True] == {"rollout": {True}, "training": {True}}
+
+
+def test_reference_of_a_passed_peft_model_is_its_initial_adapter(tmp_path):
+    """docs/tracerl.md: with a ``PeftModel`` passed (a trained adapter) and ``kl_reference="reference_model"``, the
+    reference is a frozen copy of that adapter (TRL's ``ref`` adapter), not the base model: the KL of the first
+    step, taken before any update, is 0 although the adapter is far from the identity."""
+    policy = with_adapter(tiny_model("sdar"), seed=3).train()
+    trainer = make_tracerl(tmp_path, policy, beta=0.04, kl_reference="reference_model")
+    assert set(trainer.model.peft_config) == {"default", "ref"}
+    trainer.train()
+    assert trainer.state.log_history[0]["kl"] == 0.0
