@@ -2,6 +2,7 @@
 adapter, and the trainers with ``peft_config``."""
 
 import peft
+import pytest
 import torch
 from datasets import Dataset
 from numerics import assert_close_fp32
@@ -9,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.value import DiffusionValueModel
 
 PROMPT = torch.randint(5, 100, (2, 6), generator=torch.Generator().manual_seed(0))
 GREEDY = dict(max_new_tokens=8, block_length=4, denoising_steps=4, temperature=0.0)
@@ -95,3 +97,22 @@ def test_lora_rollouts_are_scored_as_sampled(tmp_path, family):
                            peft_config=peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False))
     trainer.train()
     assert trainer.state.log_history[0]["rollout/sampler_logp_gap_exact"] < 1e-4
+
+
+def test_value_model_from_a_lora_policy_asks_to_merge(tmp_path):
+    """A value model copies a plain policy: a policy with LoRA layers injected in place (the model object a
+    trainer's ``peft_config`` wrapped), or a saved adapter directory, used to fail with a state-dict key
+    ``RuntimeError`` (``from_policy``) or "Unrecognized model" (``load``); each now says to merge the adapters, and
+    the merged policy gives a value model."""
+    tiny_model("sdar").save_pretrained(tmp_path / "base")
+    policy = AutoModelForCausalLM.from_pretrained(tmp_path / "base")
+    wrapped = with_adapter(policy)
+    wrapped.save_pretrained(tmp_path / "adapter")  # names the base model's directory
+    for source in (policy, str(tmp_path / "adapter"), wrapped):
+        with pytest.raises(TypeError, match="merge the PEFT adapters first"):
+            DiffusionValueModel.from_policy(source)
+    with pytest.raises(ValueError, match="holds a PEFT adapter"):
+        DiffusionValueModel.load(str(tmp_path / "adapter"))
+    merged = wrapped.merge_and_unload()
+    value = DiffusionValueModel.from_policy(merged)
+    assert torch.equal(value.model.layers[0].self_attn.q_proj.weight, merged.model.layers[0].self_attn.q_proj.weight)
