@@ -150,6 +150,11 @@ class DiffusionGenerationMixin:
                 return max_length - prompt_width
         return None
 
+    def prepare_inputs_for_generation(self, input_ids: torch.LongTensor, **kwargs) -> dict:
+        """transformers' per-step input hook. peft's ``PeftModelForCausalLM`` (``LoraConfig(task_type="CAUSAL_LM")``,
+        ``AutoPeftModelForCausalLM``) reads it when it wraps a model; diffusion ``generate`` does not call it."""
+        return {"input_ids": input_ids, **kwargs}
+
     @torch.no_grad()
     def generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None = None, **kwargs):
         """Diffusion decoding, block by block.

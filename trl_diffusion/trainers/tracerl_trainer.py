@@ -27,7 +27,7 @@ import os
 from collections.abc import Mapping, Sequence
 
 import torch
-from accelerate.utils import send_to_device
+from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -196,15 +196,23 @@ class TraceRLTrainer(GRPOTrainer):
                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped,
             torch.no_grad(),
         ):
-            model = unwrapped.get_base_model() if _is_peft(unwrapped) else unwrapped
-            out = model.generate(
-                prompt, prompt_mask, max_new_tokens=self.max_completion_length, block_length=self.args.block_length,
-                denoising_steps=self.args.denoising_steps, remasking_strategy=self.args.remasking_strategy,
-                confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
-                top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache, stop_token_ids=list(self.eos_token_ids),
-                cuda_graphs=self.args.rollout_cuda_graphs,
-                pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
-            )
+            peft_model = _is_peft(unwrapped)
+            model = unwrapped.get_base_model() if peft_model else unwrapped
+            # accelerate runs the prepared model's forward under its mixed-precision autocast; a PEFT model's base
+            # model generates through its own forward, so it gets the same autocast here (without the weight-cast
+            # cache, which a CUDA-graph capture must not fill) and samples the policy the trainer scores
+            precision = (self.accelerator.autocast(AutocastKwargs(cache_enabled=False)) if peft_model
+                         else contextlib.nullcontext())
+            with precision:
+                out = model.generate(
+                    prompt, prompt_mask, max_new_tokens=self.max_completion_length,
+                    block_length=self.args.block_length, denoising_steps=self.args.denoising_steps,
+                    remasking_strategy=self.args.remasking_strategy,
+                    confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
+                    top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache,
+                    stop_token_ids=list(self.eos_token_ids), cuda_graphs=self.args.rollout_cuda_graphs,
+                    pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
+                )
         width = prompt.shape[1]
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
         self._scoring = {"canvas_ids": canvas, "unmask_step": steps, "mask_seeds": seeds.to(device),

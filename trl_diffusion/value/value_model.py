@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import initialization as init
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, find_adapter_config_file
 
 from ..estimators.packing import build_scoring_chunks
 from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
@@ -32,6 +32,9 @@ from ..states import resolve_model_attention_backend, trajectory_groups
 BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                "trust_remote_code")
+_MERGE_ADAPTERS = ("a value model copies a plain policy's weights; merge the PEFT adapters first: "
+                   "model.merge_and_unload(), or for a saved adapter "
+                   "peft.AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload().")
 
 
 @dataclass
@@ -111,8 +114,8 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         ``AutoModelForCausalLM`` and ``kwargs``); zero head, same dtype and device. Shares no tensors with it."""
         if isinstance(policy, (str, os.PathLike)):
             policy = AutoModelForCausalLM.from_pretrained(policy, **kwargs)
-        if hasattr(policy, "get_base_model"):  # PEFT: the adapters are not part of the copy
-            raise TypeError("from_policy takes a plain policy; merge PEFT adapters first (merge_and_unload()).")
+        if _has_adapters(policy):  # the copy would drop them (and their keys do not fit the backbone)
+            raise TypeError(f"from_policy got a policy with PEFT adapters: {_MERGE_ADAPTERS}")
         config = copy.deepcopy(policy.config)
         config.architectures = [cls.__name__]
         value = cls(config).to(device=policy.device, dtype=policy.dtype)
@@ -124,10 +127,20 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
     def load(cls, name_or_path: str, **kwargs) -> DiffusionValueModel:
         """``from_pretrained`` for a saved value model, ``from_policy`` for a policy checkpoint."""
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        if find_adapter_config_file(name_or_path, **{k: v for k, v in hub.items() if k != "trust_remote_code"}):
+            raise ValueError(f"{name_or_path} holds a PEFT adapter, not a model: {_MERGE_ADAPTERS}")
         config = AutoConfig.from_pretrained(name_or_path, **hub)
         if cls.__name__ in (getattr(config, "architectures", None) or []):
             return cls.from_pretrained(name_or_path, config=config, **kwargs)
         return cls.from_policy(name_or_path, **kwargs)
+
+
+def _has_adapters(model: nn.Module) -> bool:
+    """True for a PEFT model, and for a model with adapter layers injected in place (``get_peft_model`` changes the
+    model it wraps; transformers' ``load_adapter`` and loading an adapter directory inject them too)."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return hasattr(model, "get_base_model") or any(isinstance(m, BaseTunerLayer) for m in model.modules())
 
 
 def token_values(
