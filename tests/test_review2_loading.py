@@ -1,0 +1,149 @@
+"""Loading and saving checkpoints in the released formats (models.md): local directories with the released
+config.json fields (auto_map, architectures, torch_dtype, extras), sharded safetensors with an index,
+generation_config.json and tokenizer files built with `tokenizers`, loaded through the Auto classes."""
+
+import json
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+import trl_diffusion  # noqa: F401  (registers the families)
+from trl_diffusion.testing import tiny_model
+
+# Released config.json fields beyond the config class's own (models.md), at tiny sizes.
+RELEASED_EXTRAS = {
+    "sdar": {
+        "architectures": ["SDARForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                     "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
+        "attn_implementation": "flex_attention", "debug": False, "ep_size": 1, "fuse_cross_entropy": True,
+        "micro_forward": False, "skip_checkpoint": False, "use_deepep": False, "rope_scaling": None,
+        "sliding_window": None, "use_cache": False, "torch_dtype": "bfloat16", "transformers_version": "4.52.4",
+    },
+    "llada": {
+        "architectures": ["LLaDAModelLM"],
+        "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig",
+                     "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM",
+                     "AutoModel": "modeling_llada.LLaDAModelLM"},
+        "init_device": "meta", "init_fn": "mitchell", "precision": "amp_bf16", "use_cache": False,
+        "transformers_version": "4.46.3",
+    },
+    "dream": {
+        "architectures": ["DreamModel"],
+        "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
+        "use_mrope": False, "rope_scaling": None, "sliding_window": None, "use_cache": True,
+        "torch_dtype": "bfloat16", "transformers_version": "4.46.2",
+    },
+}
+# The released generation_config.json files (token ids those of the tiny tokenizer: eos/pad 0).
+RELEASED_GENERATION = {
+    "sdar": {"bos_token_id": 0, "do_sample": True, "eos_token_id": [2, 0], "pad_token_id": 0, "temperature": 0.6,
+             "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"},
+    "llada": {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 0, "transformers_version": "4.38.2"},
+    "dream": {"_from_model_config": True, "alg": "origin", "alg_temp": None, "bos_token_id": 0, "eos_token_id": 0,
+              "eps": 0.001, "mask_token_id": None, "output_history": False, "pad_token_id": 0, "steps": 512,
+              "temperature": 0.0, "top_k": None, "top_p": None, "transformers_version": "4.46.2"},
+}
+
+
+def write_shards(state: dict, directory, shards: int = 2) -> None:
+    """``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``, as the releases ship them."""
+    keys, weight_map = sorted(state), {}
+    per = -(-len(keys) // shards)
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        part = {k: state[k].contiguous() for k in keys[i * per:(i + 1) * per]}
+        save_file(part, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+
+
+def write_released(family: str, directory, dtype=torch.float32, shards: int = 2, **overrides):
+    """A released-format checkpoint of a tiny seeded model; returns the model."""
+    directory.mkdir(parents=True, exist_ok=True)
+    model = tiny_model(family, **overrides)
+    config = model.config.to_dict()
+    config.pop("dtype", None)
+    config.update(RELEASED_EXTRAS[family])
+    (directory / "config.json").write_text(json.dumps(config))
+    (directory / "generation_config.json").write_text(json.dumps(RELEASED_GENERATION[family]))
+    write_shards({k: v.to(dtype) for k, v in model.state_dict().items()}, directory, shards)
+    return model
+
+
+def byte_vocab() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's byte-to-character map), id = byte value."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {chars[b]: b for b in range(256)}
+
+
+def write_qwen_vocab_files(directory, added: dict[str, int]) -> None:
+    """``vocab.json`` + ``merges.txt`` + ``added_tokens.json`` (what Dream ships instead of tokenizer.json)."""
+    (directory / "vocab.json").write_text(json.dumps(byte_vocab()))
+    (directory / "merges.txt").write_text("#version: 0.2\n")
+    (directory / "added_tokens.json").write_text(json.dumps(added))
+
+
+def added_tokens_decoder(added: dict[str, int], special: set[str]) -> dict:
+    return {str(i): {"content": t, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                     "special": t in special} for t, i in added.items()}
+
+
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DREAM_ADDED = {"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258, "<|beginoftext|>": 259, "<|mask|>": 260}
+
+
+def write_dream_tokenizer(directory) -> None:
+    """Dream-v0-Instruct-7B's tokenizer files: slow-tokenizer vocab files, ``tokenizer_class: DreamTokenizer``
+    with its remote-code ``auto_map``, mask and bos as additional special tokens, pad == eos."""
+    write_qwen_vocab_files(directory, DREAM_ADDED)
+    config = {
+        "add_bos_token": False, "add_prefix_space": False,
+        "added_tokens_decoder": added_tokens_decoder(DREAM_ADDED, set(DREAM_ADDED)),
+        "additional_special_tokens": ["<|beginoftext|>", "<|mask|>"],
+        "auto_map": {"AutoTokenizer": ["tokenization_dream.DreamTokenizer", None]},
+        "bos_token": "<|beginoftext|>", "chat_template": QWEN_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>", "errors": "replace", "mask_token": "<|mask|>", "model_max_length": 131072,
+        "pad_token": "<|endoftext|>", "split_special_tokens": False, "tokenizer_class": "DreamTokenizer",
+        "unk_token": None,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+DREAM_IDS = dict(vocab_size=264, mask_token_id=260, pad_token_id=256, eos_token_id=256, bos_token_id=256)
+
+
+# ------------------------------------------------------------------------------------------- generation_config.json
+
+
+def test_released_dream_generation_config_survives_save_and_trl_changes(tmp_path):
+    """Dream's generation_config.json says temperature 0.0 without do_sample. transformers refuses to save that once
+    the config is changed (TRL sets generation_config.pad_token_id to the tokenizer's), and the loaded config was
+    not even marked unmodified, so a released Dream model could not be saved at all (every trainer checkpoint)."""
+    write_released("dream", tmp_path / "dream")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "dream")
+    expected = model._resolve_settings({})[0]
+    assert expected.temperature == 0.0 and expected.remasking_strategy == "origin"
+    model.save_pretrained(tmp_path / "as_loaded")
+    model.generation_config.pad_token_id = 4  # what GRPOTrainer does with a tokenizer whose pad differs
+    model.save_pretrained(tmp_path / "changed")
+    for saved in ("as_loaded", "changed"):
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / saved)
+        settings = reloaded._resolve_settings({})[0]
+        assert settings.temperature == 0.0 and settings.remasking_strategy == "origin"
+        assert settings.denoising_steps == expected.denoising_steps and settings.eps == expected.eps
+        assert reloaded._resolve_settings({"temperature": 0.5})[0].temperature == 0.5
+    assert reloaded.generation_config.pad_token_id == 4
