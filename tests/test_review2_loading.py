@@ -6,7 +6,7 @@ import json
 
 import torch
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl_diffusion  # noqa: F401  (registers the families)
 from trl_diffusion.testing import tiny_model
@@ -147,3 +147,26 @@ def test_released_dream_generation_config_survives_save_and_trl_changes(tmp_path
         assert settings.denoising_steps == expected.denoising_steps and settings.eps == expected.eps
         assert reloaded._resolve_settings({"temperature": 0.5})[0].temperature == 0.5
     assert reloaded.generation_config.pad_token_id == 4
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizers
+
+
+def test_dream_tokenizer_loads_without_remote_code(tmp_path):
+    """Dream's tokenizer_config.json names `DreamTokenizer` (remote code, a renamed slow Qwen2 tokenizer);
+    AutoTokenizer refused it without trust_remote_code, so `trl-diffusion eval` and the examples could not load
+    the Dream recipes' model."""
+    directory = tmp_path / "dream"
+    write_released("dream", directory, **DREAM_IDS)
+    write_dream_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert type(tokenizer).__name__ == "DreamTokenizer"
+    assert (tokenizer.mask_token, tokenizer.mask_token_id) == ("<|mask|>", 260)
+    assert tokenizer.eos_token_id == tokenizer.pad_token_id == 256 and tokenizer.bos_token_id == 259
+    assert tokenizer("hi <|im_end|><|mask|>")["input_ids"] == [ord("h"), ord("i"), ord(" "), 258, 260]
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "1+1?"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert text == "<|im_start|>user\n1+1?<|im_end|>\n<|im_start|>assistant\n"
+    from trl_diffusion.models import check_tokenizer
+
+    check_tokenizer(tokenizer, AutoModelForCausalLM.from_pretrained(directory))
