@@ -4,6 +4,7 @@ generation_config.json and tokenizer files built with `tokenizers`, loaded throu
 
 import json
 
+import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -170,3 +171,20 @@ def test_dream_tokenizer_loads_without_remote_code(tmp_path):
     from trl_diffusion.models import check_tokenizer
 
     check_tokenizer(tokenizer, AutoModelForCausalLM.from_pretrained(directory))
+
+
+# ------------------------------------------------------------------------------------------------ wrong checkpoints
+
+
+def test_llada_moe_checkpoint_is_named_in_the_error(tmp_path):
+    """LLaDA-MoE's config.json says model_type "llada" too; the error told the user to set the dense model's OLMo
+    options (block_type, rope, ...) in its config, which would only lead to a key-mismatch error."""
+    config = {"model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "num_experts": 4,
+              "num_experts_per_tok": 2, "expert_intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
+              "max_position_embeddings": 4096, "hidden_act": "silu", "qk_layernorm": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="LLaDA-MoE checkpoints .*LLaDAMoEModelLM.* are not supported"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
