@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import trl_diffusion  # noqa: F401  (registers the families)
@@ -124,7 +125,43 @@ def write_dream_tokenizer(directory) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
 
 
+LLADA_ADDED = {"<|startoftext|>": 256, "<|endoftext|>": 257, "<|start_header_id|>": 258, "<|end_header_id|>": 259,
+               "<|eot_id|>": 260, "<|mdm_mask|>": 261}
+LLADA_CHAT_TEMPLATE = (  # LLaDA-8B-Instruct's: bos on the first message, the assistant header always appended
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}"
+)
+
+
+def write_tokenizer_json(directory, added: dict[str, int]) -> None:
+    """A byte-level BPE ``tokenizer.json`` (no merges) with ``added`` as special added tokens at their ids."""
+    backend = Tokenizer(models.BPE(vocab=byte_vocab(), merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    for token, index in sorted(added.items(), key=lambda item: item[1]):
+        assert backend.get_vocab_size(with_added_tokens=True) == index
+        backend.add_special_tokens([AddedToken(token, normalized=False)])
+    backend.save(str(directory / "tokenizer.json"))
+
+
+def write_llada_tokenizer(directory) -> None:
+    """LLaDA-8B-Instruct's tokenizer files: a ``PreTrainedTokenizerFast`` with bos/eos/pad and **no mask token**
+    (the mask id comes from config.json's ``mask_token_id``)."""
+    write_tokenizer_json(directory, LLADA_ADDED)
+    config = {
+        "add_bos_token": False, "add_eos_token": False,
+        "added_tokens_decoder": added_tokens_decoder(LLADA_ADDED, set(LLADA_ADDED)),
+        "bos_token": "<|startoftext|>", "chat_template": LLADA_CHAT_TEMPLATE, "clean_up_tokenization_spaces": False,
+        "eos_token": "<|endoftext|>", "fast_tokenizer": True, "model_input_names": ["input_ids", "attention_mask"],
+        "pad_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast", "trust_remote_code": True,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 DREAM_IDS = dict(vocab_size=264, mask_token_id=260, pad_token_id=256, eos_token_id=256, bos_token_id=256)
+LLADA_IDS = dict(vocab_size=264, embedding_size=264, mask_token_id=261, pad_token_id=257, eos_token_id=257)
 
 
 # ------------------------------------------------------------------------------------------- generation_config.json
@@ -188,3 +225,30 @@ def test_llada_moe_checkpoint_is_named_in_the_error(tmp_path):
               metadata={"format": "pt"})
     with pytest.raises(ValueError, match="LLaDA-MoE checkpoints .*LLaDAMoEModelLM.* are not supported"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_llada_released_tokenizer_without_mask_token_trains_with_sft(tmp_path):
+    """LLaDA's tokenizer declares no mask token (the id is config.json's mask_token_id, as check_tokenizer, TraceRL,
+    the value trainer and eval accept); DiffusionSFTTrainer refused it, so LLaDA-8B could not be fine-tuned with
+    its own tokenizer (examples/sft.py has no way to set one)."""
+    from datasets import Dataset
+
+    from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
+
+    directory = tmp_path / "llada"
+    write_released("llada", directory, **LLADA_IDS)
+    write_llada_tokenizer(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    assert tokenizer.mask_token_id is None and tokenizer.convert_tokens_to_ids("<|mdm_mask|>") == 261
+    data = Dataset.from_list([{"prompt": [{"role": "user", "content": "1+1?"}],
+                               "completion": [{"role": "assistant", "content": "2"}]}] * 2)
+    args = DiffusionSFTConfig(output_dir=str(tmp_path / "out"), report_to=[], use_cpu=True, bf16=False,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True,
+                              diffusion_objective="random_masking")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    assert trainer.spec.mask_token_id == 261
+    trainer.train()
+    model.config.mask_token_id = 300  # a mask id the tokenizer cannot hold is still refused
+    with pytest.raises(ValueError, match="no mask token and the model's mask id 300 is outside"):
+        DiffusionSFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
