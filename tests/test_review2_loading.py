@@ -72,7 +72,9 @@ def write_released(family: str, directory, dtype=torch.float32, shards: int = 2,
     config.update(RELEASED_EXTRAS[family])
     (directory / "config.json").write_text(json.dumps(config))
     (directory / "generation_config.json").write_text(json.dumps(RELEASED_GENERATION[family]))
-    write_shards({k: v.to(dtype) for k, v in model.state_dict().items()}, directory, shards)
+    tied = getattr(model.config, "tie_word_embeddings", False)  # a tied release ships no head
+    state = {k: v.to(dtype) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    write_shards(state, directory, shards)
     return model
 
 
@@ -162,6 +164,36 @@ def write_llada_tokenizer(directory) -> None:
 
 DREAM_IDS = dict(vocab_size=264, mask_token_id=260, pad_token_id=256, eos_token_id=256, bos_token_id=256)
 LLADA_IDS = dict(vocab_size=264, embedding_size=264, mask_token_id=261, pad_token_id=257, eos_token_id=257)
+
+
+# ------------------------------------------------------------------------------------------ round trips (coverage)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_sharded_released_checkpoint_round_trip(family, tied, tmp_path):
+    """Sharded bf16 release with its remote-code files present: dtype="auto" and trust_remote_code=True still give
+    our class in bf16 with the released logits; tied checkpoints ship no head. What we save loads back with
+    identical logits and keeps the released identity fields (what the released remote code dispatches on)."""
+    tie = {"llada": {"weight_tying": tied}}.get(family, {"tie_word_embeddings": tied})
+    source = tmp_path / "release"
+    model = write_released(family, source, dtype=torch.bfloat16, **tie).to(torch.bfloat16)
+    head = {"llada": "model.transformer.ff_out.weight"}.get(family, "lm_head.weight")
+    index = json.loads((source / "model.safetensors.index.json").read_text())["weight_map"]
+    assert (head in index) is not tied and len(set(index.values())) == 2
+    for name in ("configuration", "modeling"):  # the release's remote code, which must not be imported
+        (source / f"{name}_{family}.py").write_text("raise ImportError('remote code was imported')\n")
+    ids = torch.randint(4, 100, (2, 9))
+    loaded = AutoModelForCausalLM.from_pretrained(source, dtype="auto", trust_remote_code=True)
+    assert type(loaded) is type(model) and loaded.dtype == torch.bfloat16
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    loaded.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    for field in ("architectures", "auto_map", "model_type", "mask_token_id", "fuse_cross_entropy", "init_fn",
+                  "use_mrope"):
+        assert saved.get(field) == json.loads((source / "config.json").read_text()).get(field), field
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert again.dtype == torch.bfloat16
+    torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 # ------------------------------------------------------------------------------------------- generation_config.json
