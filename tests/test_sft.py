@@ -528,8 +528,9 @@ def test_clear_errors(tmp_path):
                             train_dataset=data, processing_class=TOKENIZER)
     no_mask = build_tokenizer()
     no_mask.mask_token = None
-    with pytest.raises(ValueError, match="no mask token"):
-        DiffusionSFTTrainer(fresh("sdar"), args=config(tmp_path), train_dataset=data, processing_class=no_mask)
+    with pytest.raises(ValueError, match="no mask token"):  # and the model's mask id is not one of its tokens
+        DiffusionSFTTrainer(fresh("sdar", mask_token_id=len(no_mask)), args=config(tmp_path), train_dataset=data,
+                            processing_class=no_mask)
     with pytest.raises(ValueError, match="mask token id"):
         DiffusionSFTTrainer(fresh("sdar", mask_token_id=MASK_ID + 1), args=config(tmp_path), train_dataset=data,
                             processing_class=TOKENIZER)

@@ -40,10 +40,15 @@ class DiffusionGenerationMixin:
         if path is None:
             return
         values = json.loads(Path(path).read_text())
+        if values.get("temperature") == 0 and values.get("do_sample") is not True:
+            # greedy (Dream's release: temperature 0.0, no do_sample), in the form transformers accepts: it refuses
+            # to save a temperature without do_sample once the config is changed (TRL sets its pad_token_id)
+            values = {**{k: v for k, v in values.items() if k != "temperature"}, "do_sample": False}
         config = GenerationConfig.from_dict(values)
         for name, value in values.items():  # keep the diffusion fields (block_length, denoising_steps, ...)
             if not name.startswith("_") and getattr(config, name, None) is None:
                 setattr(config, name, value)
+        config._original_object_hash = hash(config)  # as loaded: unmodified, so saving it back only warns
         self.generation_config = config
 
     def _family_defaults(self) -> dict:

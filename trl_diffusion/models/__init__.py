@@ -1,10 +1,10 @@
 """Model families and their registration with the transformers Auto classes."""
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 
 from .cache import DiffusionCache
 from .common import DiffusionModelMixin, check_tokenizer, model_argument
-from .dream import DreamConfig, DreamModel
+from .dream import DreamConfig, DreamModel, DreamTokenizer
 from .llada import LLaDAConfig, LLaDAModelLM
 from .sdar import SDARConfig, SDARForCausalLM, SDARModel
 
@@ -26,7 +26,8 @@ named ``ff_out`` like its LM head (``transformer.ff_out``), and a name matches b
 
 
 def register_models() -> None:
-    """Register every family with AutoConfig, AutoModel, AutoModelForCausalLM and AutoModelForMaskedLM.
+    """Register every family with AutoConfig, AutoModel, AutoModelForCausalLM and AutoModelForMaskedLM, and
+    Dream's tokenizer class with AutoTokenizer.
 
     ``AutoModel`` maps to the model *with* its LM head, as Dream's and LLaDA's ``auto_map`` do (``DreamModel`` and
     ``LLaDAModelLM`` are LM-head classes), so ``AutoModel.from_pretrained`` keeps loading released weights. SDAR's
@@ -37,6 +38,8 @@ def register_models() -> None:
         AutoConfig.register(model_type, config_cls, exist_ok=True)
         for auto in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM):
             auto.register(config_cls, model_cls, exist_ok=True)
+    # Dream's released tokenizer_config.json names `DreamTokenizer` (remote code); ours is the same Qwen2 tokenizer
+    AutoTokenizer.register(DreamConfig, DreamTokenizer, exist_ok=True)
     from peft.utils import constants
 
     constants.TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING.update(LORA_TARGET_MODULES)
@@ -50,6 +53,7 @@ __all__ = [
     "model_argument",
     "DreamConfig",
     "DreamModel",
+    "DreamTokenizer",
     "LLaDAConfig",
     "LLaDAModelLM",
     "SDARConfig",

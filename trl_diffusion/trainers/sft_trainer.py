@@ -25,7 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
-from ..models import model_argument
+from ..models import check_tokenizer, model_argument
 from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
@@ -173,8 +173,6 @@ class DiffusionSFTTrainer(SFTTrainer):
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
-        if processing_class is not None:
-            self._check_tokenizer(processing_class)
         if not isinstance(model, str):
             self._validate_model(model, args, processing_class)
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
@@ -236,16 +234,6 @@ class DiffusionSFTTrainer(SFTTrainer):
                 f"completion token); the {name} dataset has {sorted(columns)}."
             )
 
-    @staticmethod
-    def _check_tokenizer(processing_class) -> None:
-        tokenizer = getattr(processing_class, "tokenizer", processing_class)
-        if tokenizer.mask_token_id is None:
-            raise ValueError(
-                f"the tokenizer ({type(tokenizer).__name__}) has no mask token. Diffusion training masks tokens: set "
-                "`tokenizer.mask_token` to the model's mask token (e.g. '<|MASK|>' for SDAR, '<|mdm_mask|>' for "
-                "LLaDA, '<|mask|>' for Dream)."
-            )
-
     def _validate_model(self, model, args: DiffusionSFTConfig, processing_class) -> DiffusionModelSpec:
         base = _unwrap(model)
         if args.block_size is not None and getattr(base, "block_size", None) not in (None, args.block_size):
@@ -260,13 +248,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             raise ValueError("block-causal models with shifted logits are not supported.")
         resolve_objective(args.diffusion_objective, spec)
         if processing_class is not None:
-            self._check_tokenizer(processing_class)
             tokenizer = getattr(processing_class, "tokenizer", processing_class)
-            if tokenizer.mask_token_id != spec.mask_token_id:
-                raise ValueError(
-                    f"the tokenizer's mask token id ({tokenizer.mask_token_id}, {tokenizer.mask_token!r}) differs "
-                    f"from model.mask_token_id ({spec.mask_token_id}); they must be the same token."
-                )
+            check_tokenizer(tokenizer, base)  # LLaDA's released tokenizer has no mask token: the config's id is used
             if tokenizer.pad_token_id is not None and tokenizer.pad_token_id == spec.mask_token_id:
                 raise ValueError("the pad token is the mask token; use a different pad token (e.g. EOS).")
         return spec

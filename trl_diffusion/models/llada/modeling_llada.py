@@ -24,6 +24,12 @@ from .configuration_llada import LLaDAConfig
 
 def _check_supported(config: LLaDAConfig) -> None:
     """The released LLaDA models use exactly this subset of the OLMo options; refuse the rest clearly."""
+    if any("MoE" in a for a in config.architectures or []) or getattr(config, "num_experts", None):
+        # LLaDA-MoE's config.json also says model_type "llada"
+        raise ValueError(
+            f"LLaDA-MoE checkpoints (architectures {config.architectures}) are not supported: trl_diffusion's LLaDA "
+            "is the dense LLaDA-8B / LLaDA-1.5 architecture (architectures ['LLaDAModelLM'])."
+        )
     wanted = {
         "block_type": "llama",
         "activation_type": "silu",
