@@ -89,6 +89,27 @@ def test_do_sample_false_is_greedy_whatever_the_temperature():
     assert torch.equal(run(temperature=1.0), sampled)  # a call's temperature beats the config's do_sample
 
 
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_nothing_about_sampling_is_greedy_as_in_transformers(family):
+    """No temperature and no do_sample (call or config; LLaDA's released generation_config.json names neither) is
+    greedy, as transformers' generate() and LLaDA's reference generate(); do_sample=True alone samples at 1.0, and a
+    config's temperature without do_sample still samples at it."""
+    model = tiny_model(family)
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=EOS_ID)  # LLaDA's release: ids only
+    kwargs = dict(max_new_tokens=8, block_length=4, stop_token_ids=[])
+
+    def run(**kw):
+        return model.generate(PROMPT, generator=torch.Generator().manual_seed(0), **kwargs, **kw)
+
+    greedy, sampled = run(temperature=0.0), run(temperature=1.0)
+    assert not torch.equal(greedy, sampled)
+    assert settings_of(model, **kwargs).temperature == 0.0
+    assert torch.equal(run(), greedy)
+    assert torch.equal(run(do_sample=True), sampled)
+    model.generation_config = GenerationConfig(temperature=1.0)
+    assert torch.equal(run(), sampled)
+
+
 def test_stop_token_ids_from_the_generation_config():
     model = tiny_model("sdar")
     model.generation_config.stop_token_ids = [IM_END_ID]

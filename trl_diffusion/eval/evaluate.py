@@ -80,7 +80,8 @@ class EvalConfig:
     remasking_strategy: str | None = _arg(None, "sequential, low_confidence_static, low_confidence_dynamic, random, "
                                           "topk_margin or entropy (Dream's origin: --alg origin).")
     confidence_threshold: float | None = _arg(None, "Threshold of low_confidence_dynamic.")
-    temperature: float | None = _arg(None, "Sampling temperature (0 = greedy).")
+    temperature: float | None = _arg(None, "Sampling temperature (0 = greedy; default: the model's generation "
+                                     "config, greedy when it sets none).")
     top_k: int | None = _arg(None, "Top-k filtering (0 or none = off).")
     top_p: float | None = _arg(None, "Top-p filtering.")
     use_cache: str | None = _arg(None, "KV cache: true (SDAR exact), false, prefix or dual (LLaDA/Dream).")

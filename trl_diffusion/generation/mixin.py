@@ -54,7 +54,7 @@ class DiffusionGenerationMixin:
     def _family_defaults(self) -> dict:
         block = self.block_size or 32
         return {"max_new_tokens": 128, "block_length": block,
-                "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9, "temperature": 1.0,
+                "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9,
                 "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0}
 
     def _resolve_settings(self, kwargs: dict, prompt_width: int = 0) -> tuple[SamplingSettings, bool]:
@@ -116,6 +116,8 @@ class DiffusionGenerationMixin:
             do_sample = from_config("do_sample")
         if do_sample is False:  # transformers: do_sample=False is greedy whatever the temperature
             temperature = 0.0
+        elif temperature is None:  # do_sample=True samples at temperature 1; nothing set is greedy (transformers)
+            temperature = 1.0 if do_sample else 0.0
         stop = kwargs.get("stop_token_ids")
         if stop is None and kwargs.get("eos_token_id") is None:
             stop = from_config("stop_token_ids")
@@ -168,8 +170,8 @@ class DiffusionGenerationMixin:
         ``max_new_tokens`` (or transformers' ``max_length``: prompt columns + new tokens); ``block_length``;
         ``denoising_steps`` (per block; default ``block_length``); ``remasking_strategy``
         (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
-        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy; ``do_sample=False`` too);
-        ``top_k``; ``top_p``;
+        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy; ``do_sample=False`` too;
+        greedy when neither it nor ``do_sample`` is set anywhere, as in transformers); ``top_k``; ``top_p``;
         ``use_cache`` (True = SDAR's exact cache; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn
         on the approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their
         output); ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
