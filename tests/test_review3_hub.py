@@ -1,8 +1,12 @@
 """Review round 3, what the trainers hand to the user: saved outputs, checkpoints, model cards, callbacks."""
 
+import json
+import os
 import re
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -76,3 +80,46 @@ def test_sft_card_quick_start_registers_the_models(tmp_path):
     code = quick_start((tmp_path / "README.md").read_text())
     assert code.index("import trl_diffusion") < code.index("from transformers import pipeline")
     assert "max_new_tokens=128, return_full_text=False" in code
+
+
+TIME_BUDGET_WORKER = '''
+import json, sys, torch
+from accelerate import PartialState
+from transformers import TrainerControl, TrainerState
+from trl_diffusion.callbacks import TimeBudgetCallback
+world = PartialState(cpu=True)
+offset = 3.0 * world.process_index  # the processes' clocks disagree by 3 s
+clock = [0.0]
+callback = TimeBudgetCallback(100.0, decay_fraction=0.5, clock=lambda: clock[0] + offset)
+callback.on_train_begin(None, TrainerState(), TrainerControl())
+optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+seen = []
+for now in (10.0, 60.0, 98.0, 99.0, 101.0):
+    clock[0] = now + (5.0 if world.process_index else 0.0)  # and they reach a step at different times
+    control = callback.on_step_end(type("A", (), {"learning_rate": 1.0}), TrainerState(), TrainerControl(),
+                                   optimizer=optimizer)
+    seen.append([optimizer.param_groups[0]["lr"], control.should_training_stop])
+open(sys.argv[1] + f"/rank{world.process_index}.json", "w").write(json.dumps(seen))
+'''
+
+
+@pytest.mark.slow  # two processes
+def test_time_budget_stops_every_process_at_the_same_step(tmp_path):
+    """Each process read its own clock: one stopped while the other ran another step (a hang in its next
+    collective under DDP), and they stepped with different learning rates. Process 0's clock now decides."""
+    root = Path(__file__).resolve().parents[1]
+    script = tmp_path / "worker.py"
+    script.write_text(TIME_BUDGET_WORKER)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(root / "examples" / "accelerate_configs" / "cpu_two_processes.yaml"), "--main_process_port",
+               str(port), str(script), str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=root)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{i}.json").read_text()) for i in (0, 1))
+    assert rank0 == rank1
+    assert [stop for _, stop in rank0] == [False, False, False, False, True]
+    assert [lr for lr, _ in rank0[:4]] == pytest.approx([1.0, 0.8, 0.04, 0.02])

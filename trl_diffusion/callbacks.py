@@ -6,6 +6,9 @@ import json
 import time
 from pathlib import Path
 
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast
 from transformers import TrainerCallback
 
 from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
@@ -46,7 +49,8 @@ class TimeBudgetCallback(TrainerCallback):
     """Stop training once ``seconds`` of training have passed, and anneal by wall time: over the last
     ``decay_fraction`` of the budget the learning rate falls linearly from ``args.learning_rate`` to 0
     (warmup-stable-decay keyed on time, so a time-boxed run ends annealed however fast the machine is). Meant for a
-    constant schedule after warmup; checked after every optimizer step."""
+    constant schedule after warmup; checked after every optimizer step. With several processes the time is process
+    0's, so every process anneals and stops at the same step."""
 
     def __init__(self, seconds: float, decay_fraction: float = 0.0, clock=time.perf_counter) -> None:
         if seconds <= 0 or not 0.0 <= decay_fraction <= 1.0:
@@ -57,8 +61,17 @@ class TimeBudgetCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.clock()
 
+    def elapsed(self) -> float:
+        """Seconds since training began, by process 0's clock: by their own clocks processes would stop at different
+        steps (the others then wait forever in the next collective) and step with different learning rates."""
+        seconds = self.clock() - self.start
+        world = PartialState()
+        if world.num_processes > 1:
+            seconds = broadcast(torch.tensor([seconds], dtype=torch.float64, device=world.device)).item()
+        return seconds
+
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        remaining = self.seconds - (self.clock() - self.start)
+        remaining = self.seconds - self.elapsed()
         if remaining <= 0:
             control.should_training_stop = True
         elif remaining < self.decay_fraction * self.seconds:
