@@ -123,3 +123,30 @@ def test_time_budget_stops_every_process_at_the_same_step(tmp_path):
     assert rank0 == rank1
     assert [stop for _, stop in rank0] == [False, False, False, False, True]
     assert [lr for lr, _ in rank0[:4]] == pytest.approx([1.0, 0.8, 0.04, 0.02])
+
+
+def test_held_out_accuracy_logs_the_starting_point_once(capsys):
+    """The accuracy measured when training begins (the "before" point) was kept in ``curve`` only, so the training
+    curve read from ``log_history`` started at the first ``every`` step. It is now logged, once per step (a resume
+    at a step already logged adds no second point), and only the main process prints it."""
+    from transformers import TrainerControl, TrainerState
+
+    from trl_diffusion.callbacks import HELD_OUT_KEY, HeldOutAccuracyCallback
+    from trl_diffusion.data import make_problems
+
+    problems = make_problems(num_train=1, num_test=3, seed=0)[1]
+    callback = HeldOutAccuracyCallback(tiny_model("sdar"), build_tokenizer(), problems, every=2, max_new_tokens=4)
+    state, control = TrainerState(), TrainerControl()
+    callback.on_train_begin(None, state, control)
+    for step in (1, 2, 3):
+        state.global_step = step
+        callback.on_step_end(None, state, control)
+    callback.on_train_end(None, state, control)
+    assert [entry["step"] for entry in state.log_history if HELD_OUT_KEY in entry] == [0, 2, 3]
+    assert [step for step, _ in callback.curve] == [0, 2, 3]
+    assert len(capsys.readouterr().out.splitlines()) == 3
+    resumed = HeldOutAccuracyCallback(callback.model, callback.tokenizer, problems, every=2, max_new_tokens=4)
+    state.is_world_process_zero = False  # another process: measures and logs, does not print
+    resumed.on_train_begin(None, state, control)
+    assert [entry["step"] for entry in state.log_history if HELD_OUT_KEY in entry] == [0, 2, 3]
+    assert resumed.curve[0][0] == 3 and capsys.readouterr().out == ""

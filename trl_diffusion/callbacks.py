@@ -13,36 +13,45 @@ from transformers import TrainerCallback
 
 from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
 
+HELD_OUT_KEY = "eval/held_out_accuracy"
+
 
 class HeldOutAccuracyCallback(TrainerCallback):
-    """Greedy held-out accuracy on arithmetic problems every ``every`` optimizer steps, appended to
-    ``state.log_history`` as ``eval/held_out_accuracy`` (read by ``save_training_curves``; a callback has no
-    ``Trainer.log``, so ``report_to`` integrations do not receive it), printed as JSON and kept in ``curve``."""
+    """Greedy held-out accuracy on arithmetic problems when training begins, every ``every`` optimizer steps and
+    when it ends, appended to ``state.log_history`` as ``eval/held_out_accuracy`` (read by
+    ``save_training_curves``; once per step, also across a resume; a callback has no ``Trainer.log``, so
+    ``report_to`` integrations do not receive it), printed as JSON by the main process and kept in ``curve``. Every
+    process measures (the model must be whole on each: not under ZeRO-3 / FSDP)."""
 
     def __init__(self, model, tokenizer, problems: list[ArithmeticProblem], every: int, **generate_kwargs):
         self.model, self.tokenizer, self.problems, self.every = model, tokenizer, problems, every
         self.generate_kwargs = generate_kwargs
         self.curve: list[tuple[int, float]] = []
 
-    def measure(self, step: int) -> float:
+    def measure(self, step: int, announce: bool = True) -> float:
         accuracy = evaluate_accuracy(self.model, self.tokenizer, self.problems, **self.generate_kwargs)
         self.curve.append((step, round(accuracy, 4)))
-        print(json.dumps({"step": step, "held_out_accuracy": round(accuracy, 4)}), flush=True)
+        if announce:
+            print(json.dumps({"step": step, "held_out_accuracy": round(accuracy, 4)}), flush=True)
         return accuracy
+
+    def _record(self, state) -> None:
+        step = state.global_step
+        accuracy = self.measure(step, announce=state.is_world_process_zero)
+        if not any(entry.get("step") == step and HELD_OUT_KEY in entry for entry in state.log_history):
+            state.log_history.append({"step": step, HELD_OUT_KEY: accuracy})
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.curve:
-            self.measure(state.global_step)
+            self._record(state)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every and state.global_step % self.every == 0:
-            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": self.measure(
-                state.global_step)})
+            self._record(state)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.curve[-1][0] != state.global_step:
-            accuracy = self.measure(state.global_step)
-            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": accuracy})
+            self._record(state)
 
 
 class TimeBudgetCallback(TrainerCallback):
