@@ -6,47 +6,60 @@ import json
 import time
 from pathlib import Path
 
+import torch
+from accelerate import PartialState
+from accelerate.utils import broadcast
 from transformers import TrainerCallback
 
 from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
 
+HELD_OUT_KEY = "eval/held_out_accuracy"
+
 
 class HeldOutAccuracyCallback(TrainerCallback):
-    """Greedy held-out accuracy on arithmetic problems every ``every`` optimizer steps, appended to
-    ``state.log_history`` as ``eval/held_out_accuracy`` (read by ``save_training_curves``; a callback has no
-    ``Trainer.log``, so ``report_to`` integrations do not receive it), printed as JSON and kept in ``curve``."""
+    """Greedy held-out accuracy on arithmetic problems when training begins, every ``every`` optimizer steps and
+    when it ends, appended to ``state.log_history`` as ``eval/held_out_accuracy`` (read by
+    ``save_training_curves``; once per step, also across a resume; a callback has no ``Trainer.log``, so
+    ``report_to`` integrations do not receive it), printed as JSON by the main process and kept in ``curve``. Every
+    process measures (the model must be whole on each: not under ZeRO-3 / FSDP)."""
 
     def __init__(self, model, tokenizer, problems: list[ArithmeticProblem], every: int, **generate_kwargs):
         self.model, self.tokenizer, self.problems, self.every = model, tokenizer, problems, every
         self.generate_kwargs = generate_kwargs
         self.curve: list[tuple[int, float]] = []
 
-    def measure(self, step: int) -> float:
+    def measure(self, step: int, announce: bool = True) -> float:
         accuracy = evaluate_accuracy(self.model, self.tokenizer, self.problems, **self.generate_kwargs)
         self.curve.append((step, round(accuracy, 4)))
-        print(json.dumps({"step": step, "held_out_accuracy": round(accuracy, 4)}), flush=True)
+        if announce:
+            print(json.dumps({"step": step, "held_out_accuracy": round(accuracy, 4)}), flush=True)
         return accuracy
+
+    def _record(self, state) -> None:
+        step = state.global_step
+        accuracy = self.measure(step, announce=state.is_world_process_zero)
+        if not any(entry.get("step") == step and HELD_OUT_KEY in entry for entry in state.log_history):
+            state.log_history.append({"step": step, HELD_OUT_KEY: accuracy})
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not self.curve:
-            self.measure(state.global_step)
+            self._record(state)
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.every and state.global_step % self.every == 0:
-            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": self.measure(
-                state.global_step)})
+            self._record(state)
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.curve[-1][0] != state.global_step:
-            accuracy = self.measure(state.global_step)
-            state.log_history.append({"step": state.global_step, "eval/held_out_accuracy": accuracy})
+            self._record(state)
 
 
 class TimeBudgetCallback(TrainerCallback):
     """Stop training once ``seconds`` of training have passed, and anneal by wall time: over the last
     ``decay_fraction`` of the budget the learning rate falls linearly from ``args.learning_rate`` to 0
     (warmup-stable-decay keyed on time, so a time-boxed run ends annealed however fast the machine is). Meant for a
-    constant schedule after warmup; checked after every optimizer step."""
+    constant schedule after warmup; checked after every optimizer step. With several processes the time is process
+    0's, so every process anneals and stops at the same step."""
 
     def __init__(self, seconds: float, decay_fraction: float = 0.0, clock=time.perf_counter) -> None:
         if seconds <= 0 or not 0.0 <= decay_fraction <= 1.0:
@@ -57,8 +70,17 @@ class TimeBudgetCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, **kwargs):
         self.start = self.clock()
 
+    def elapsed(self) -> float:
+        """Seconds since training began, by process 0's clock: by their own clocks processes would stop at different
+        steps (the others then wait forever in the next collective) and step with different learning rates."""
+        seconds = self.clock() - self.start
+        world = PartialState()
+        if world.num_processes > 1:
+            seconds = broadcast(torch.tensor([seconds], dtype=torch.float64, device=world.device)).item()
+        return seconds
+
     def on_step_end(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        remaining = self.seconds - (self.clock() - self.start)
+        remaining = self.seconds - self.elapsed()
         if remaining <= 0:
             control.should_training_stop = True
         elif remaining < self.decay_fraction * self.seconds:

@@ -25,6 +25,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer
 
+from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
@@ -131,6 +132,11 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "sft", "diffusion", "trl-diffusion"]
     _name = "Diffusion SFT"
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        model_id = self.hub_model_id or self.args.output_dir
+        finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}))
 
     def _save_checkpoint(self, model, trial):
         """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting.

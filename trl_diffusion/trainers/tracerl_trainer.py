@@ -38,6 +38,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
+from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
@@ -557,6 +558,18 @@ class TraceRLTrainer(GRPOTrainer):
         return total
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        """TRL's card; its quick start samples with the rollout settings the policy was trained with."""
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        args = self.args
+        sampler = {"max_new_tokens": args.max_completion_length, "block_length": args.block_length,
+                   "denoising_steps": args.denoising_steps, "remasking_strategy": args.remasking_strategy}
+        if args.remasking_strategy == "low_confidence_dynamic":
+            sampler["confidence_threshold"] = args.confidence_threshold
+        sampler.update(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
+                       use_cache=args.rollout_cache)
+        finish_model_card(self, policy_quick_start(self.hub_model_id or args.output_dir, sampler))
+
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
         GRPO's micro-step counter (per process), and the value model with its optimizer.

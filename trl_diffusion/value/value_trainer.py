@@ -20,6 +20,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
+from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..states import resolve_model_attention_backend
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
@@ -96,6 +97,10 @@ class DiffusionValueTrainer(_BaseTrainer):
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
                                                                  training=False)
+
+    def create_model_card(self, model_name=None, dataset_name=None, tags=None):
+        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        finish_model_card(self, value_quick_start(self.hub_model_id or self.args.output_dir))
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
