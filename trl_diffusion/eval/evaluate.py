@@ -107,7 +107,8 @@ class EvalConfig:
                             choices=list(CODE_GRADERS))
     code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox "
                                "(code_grader sandbox).")
-    code_memory_mb: int = _arg(1024, "Address-space limit of a code sandbox, MiB.")
+    code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB (whole sandbox with a memory cgroup, "
+                                "always each process's address space).")
     code_workers: int = _arg(4, "Code sandboxes run concurrently.")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
