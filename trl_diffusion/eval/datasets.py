@@ -11,11 +11,13 @@ from typing import Any
 
 from ..data.loading import LOCAL_SUFFIXES
 from ..rewards import build_tests, extract_gold_answer
+from ..rewards.dllm_rl_code import stdio_test
 
 __all__ = [
     "FORMATS",
     "HUB_DATASETS",
     "LOCAL_EXTENSIONS",
+    "CODE_PROMPT_PRESETS",
     "MATH_PROMPT",
     "PROMPT_PRESETS",
     "EvalProblem",
@@ -36,18 +38,39 @@ FUNCTION_PROMPT = (
     "Return the complete function, with any imports it needs, in one ```python``` code block."
 )
 _DLLM_RL_BOXED = "You need to put your final answer in \\boxed{}. This is the problem:\n{question}"
+_SDAR_TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant"
+_DREAM_SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+_LLADA_TURN = ("<|startoftext|><|start_header_id|>user<|end_header_id|>{}<|eot_id|><|startoftext|>"
+               "<|start_header_id|>assistant<|end_header_id|>")
+_DLLM_RL_FUNCTION = ("{question}\nPlace your code within a single Python code block ```python ```. Do not include "
+                     "more than one code block. ")
+_DLLM_RL_STDIO = ("This is the problem:\n{question}\n{space}You should put your code in ```python ```. Use input() to "
+                  "read input and print() to produce output in your script. ")
 PROMPT_PRESETS: dict[str, str] = {
-    "dllm_rl_sdar": "<|im_start|>user\n" + MATH_PROMPT + "<|im_end|>\n<|im_start|>assistant",
-    "dllm_rl_sdar_think": "<|im_start|>user\n" + _DLLM_RL_BOXED + "<|im_end|>\n<|im_start|>assistant<think>",
-    "dllm_rl_llada": "<|startoftext|><|start_header_id|>user<|end_header_id|>" + _DLLM_RL_BOXED
-                     + "<|eot_id|><|startoftext|><|start_header_id|>assistant<|end_header_id|>",
-    "dllm_rl_dream": "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n" + _DLLM_RL_BOXED
-                     + "<|im_end|>\n<|im_start|>assistant",
-}
-"""``prompt_template`` names for dLLM-RL's math prompts, whole prompts used without the chat template, exactly as its
+    "dllm_rl_sdar": _SDAR_TURN.format(MATH_PROMPT),
+    "dllm_rl_sdar_think": _SDAR_TURN.format(_DLLM_RL_BOXED) + "<think>",
+    "dllm_rl_llada": _LLADA_TURN.format(_DLLM_RL_BOXED),
+    "dllm_rl_dream": _DREAM_SYSTEM + _SDAR_TURN.format(_DLLM_RL_BOXED),
+}  # fmt: skip
+"""``prompt_template`` names for dLLM-RL's prompts, whole prompts used without the chat template, exactly as its
 ``sample/{trado,sdar,llada,dream}_sample.py`` and ``*_rl_rollout.py`` render them: SDAR / TraDo (``_think``:
 ``start_with_think``), LLaDA, Dream. jinja2 drops the templates' final newline, so they end at ``assistant``
-(``<think>``, ``<|end_header_id|>``)."""
+(``<think>``, ``<|end_header_id|>``). These are the math prompts; code rows get :data:`CODE_PROMPT_PRESETS`."""
+CODE_PROMPT_PRESETS: dict[str, tuple[str, str]] = {
+    "dllm_rl_sdar": (_SDAR_TURN.format(_DLLM_RL_FUNCTION) + "\n",
+                     _SDAR_TURN.format(_DLLM_RL_STDIO.replace("{space}", ""))),
+    "dllm_rl_sdar_think": (_SDAR_TURN.format(_DLLM_RL_FUNCTION) + "\n",
+                           _SDAR_TURN.format(_DLLM_RL_STDIO.replace("{space}", "")) + "<think>"),
+    "dllm_rl_llada": (_LLADA_TURN.format(_DLLM_RL_FUNCTION) + "\n",
+                      _LLADA_TURN.format(_DLLM_RL_STDIO.replace("{space}", " "))),
+    "dllm_rl_dream": (_DREAM_SYSTEM + _SDAR_TURN.format(_DLLM_RL_FUNCTION) + "\n",
+                      _DREAM_SYSTEM + _SDAR_TURN.format(_DLLM_RL_STDIO.replace("{space}", ""))),
+}  # fmt: skip
+"""The same names' code prompts (``test_method`` ``function``, ``stdio``), as dLLM-RL renders them for its code files
+(``code_tests`` format): a ``function`` prompt ends with the line break after ``assistant``, then comes the row's
+``prefix`` (the start of the answer, which the completion continues), and jinja2 drops the final newline of that
+whole text. Only ``stdio`` has a ``<think>``
+variant (``start_with_think``); LLaDA's stdio prompt has a space before "You should"."""
 ARITHMETIC_PROMPT = "{question}"
 """The arithmetic task's user turn; without the chat template the prompt is ``"{question}\n"``, the embedded
 model's training format (``to_dataset(..., "prompt_completion")``)."""
@@ -79,7 +102,9 @@ class EvalProblem:
 
     ``task`` is ``"math"`` (``answer`` holds the gold answer as the math reward reads it) or ``"code"`` (``tests``:
     snippets run in the program's namespace; ``prefix`` goes before the model's code; ``stdio``: each test feeds
-    stdin to the program and compares stdout). ``prompt`` is the user turn, instruction included.
+    stdin to the program and compares stdout; ``time_limit``: dLLM-RL's ``test_time_limit``, read by its grader).
+    ``prompt`` is the user turn, instruction included (a :data:`PROMPT_PRESETS` prompt: the whole prompt).
+    ``response_prefix`` ends the prompt and starts the answer: scoring reads it followed by the completion.
     """
 
     id: str
@@ -89,6 +114,8 @@ class EvalProblem:
     tests: list[str] = field(default_factory=list)
     prefix: str = ""
     stdio: bool = False
+    response_prefix: str = ""
+    time_limit: float | None = None
 
 
 def detect_format(columns: Iterable[str]) -> str:
@@ -228,6 +255,11 @@ def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:
 
 def _convert(fmt: str, row: dict, index: int, template: str | None) -> EvalProblem:
     pid = str(row.get("task_id", row.get("id", row.get("unique_id", index))))
+    if template in PROMPT_PRESETS and fmt in ("humaneval", "mbpp"):
+        raise ValueError(f"prompt_template={template!r} is dLLM-RL's prompt, which it renders from its own code files "
+                         f"(question, test_method, test_list, prefix: the `code_tests` format), not from {fmt!r} "
+                         "rows: evaluate its copy (e.g. Gen-Verse/HumanEval, Gen-Verse/MBPP as a local file) or "
+                         "pass a prompt_template with {question}.")
     if fmt == "humaneval":
         tests = build_tests(test=row["test"], entry_point=row["entry_point"]) or []
         return EvalProblem(pid, _fill(template or FUNCTION_PROMPT, row["prompt"]), "code", tests=tests,
@@ -248,18 +280,28 @@ def _convert(fmt: str, row: dict, index: int, template: str | None) -> EvalProbl
 
 
 def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProblem:
-    """dLLM-RL's code schema: ``test_method`` ``function`` (``test_list`` asserts, ``prefix``) or ``stdio``."""
+    """dLLM-RL's code schema: ``test_method`` ``function`` (``test_list`` asserts, ``prefix``) or ``stdio``. With a
+    :data:`PROMPT_PRESETS` name the prompt is dLLM-RL's, and a function row's ``prefix`` ends it."""
     method = str(row["test_method"]).lower()
+    limit = row.get("test_time_limit")
+    limit = float(limit) if limit is not None else None
+    preset = CODE_PROMPT_PRESETS.get(template) if template in PROMPT_PRESETS else None
     if method == "function":
         tests = build_tests(tests=row.get("test_list")) or []
+        prefix = row.get("prefix") or ""
+        if preset is not None:  # jinja2 renders template + prefix and drops the final newline
+            prompt = _fill(preset[0], row["question"]) + prefix
+            prompt = prompt[:-1] if prompt.endswith("\n") else prompt
+            return EvalProblem(pid, prompt, "code", tests=tests, response_prefix=prefix, time_limit=limit)
         return EvalProblem(pid, _fill(template or CODE_PROMPT, row["question"]), "code", tests=tests,
-                           prefix=row.get("prefix") or "")
+                           prefix=prefix, time_limit=limit)
     if method == "stdio":
         inputs, outputs = _as_list(row.get("test_input")), _as_list(row.get("test_output"))
         if len(inputs) != len(outputs):
             raise ValueError(f"problem {pid}: {len(inputs)} test inputs but {len(outputs)} outputs.")
-        tests = [f"assert _stdio_run({i!r}).split() == {o!r}.split()" for i, o in zip(inputs, outputs)]
-        return EvalProblem(pid, _fill(template or STDIO_PROMPT, row["question"]), "code", tests=tests, stdio=True)
+        tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+        prompt = _fill(preset[1] if preset is not None else template or STDIO_PROMPT, row["question"])
+        return EvalProblem(pid, prompt, "code", tests=tests, stdio=True, time_limit=limit)
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
 
 

@@ -25,10 +25,11 @@ from ..rewards import (
     last_boxed_content,
     run_tests,
 )
+from ..rewards.dllm_rl_code import extract_code_official, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
-__all__ = ["EvalConfig", "evaluate", "pass_at_k", "score_completions"]
+__all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperatur
 _BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
 MATH_GRADERS = ("math_verify", "official")
 """``math_grader`` values: math-verify (our reward), or dLLM-RL's ``is_equal`` as its ``reward/reward.py`` scores."""
+CODE_GRADERS = ("sandbox", "official")
+"""``code_grader`` values: the code reward's extraction and ``code_timeout`` (ours), or dLLM-RL's
+(``reward/execute.py``: ``python`` fences only, the row's ``test_time_limit``, one run per stdio case)."""
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
 
 
@@ -97,8 +101,15 @@ class EvalConfig:
     math_grader: str = _arg("math_verify", "Math scoring: math_verify (the last \\boxed{}, else math-verify's own "
                             "extraction from the text) or official (dLLM-RL's eval: the last \\boxed{} only, "
                             "Hendrycks is_equiv, else sympy within 1 s; no box scores 0).", choices=list(MATH_GRADERS))
-    code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox.")
-    code_memory_mb: int = _arg(1024, "Address-space limit of a code sandbox, MiB.")
+    code_grader: str = _arg("sandbox", "Code scoring: sandbox (the code reward's extraction: the last ```python, "
+                            "else untagged, block; --code_timeout per completion) or official (dLLM-RL's execute.py: "
+                            "the last ```python block only; the row's test_time_limit (default 1 s) + 2 s per "
+                            "function completion, test_time_limit per stdio case, each case its own run).",
+                            choices=list(CODE_GRADERS))
+    code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox "
+                               "(code_grader sandbox).")
+    code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB (whole sandbox with a memory cgroup, "
+                                "always each process's address space).")
     code_workers: int = _arg(4, "Code sandboxes run concurrently.")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
@@ -119,6 +130,11 @@ class EvalConfig:
         if self.math_grader not in MATH_GRADERS:
             raise ValueError(f"math_grader must be one of {list(MATH_GRADERS)}, got {self.math_grader!r}.")
         return OfficialMathReward() if self.math_grader == "official" else MathAccuracyReward()
+
+    def check_code_grader(self) -> None:
+        """Raise for an unknown ``code_grader``."""
+        if self.code_grader not in CODE_GRADERS:
+            raise ValueError(f"code_grader must be one of {list(CODE_GRADERS)}, got {self.code_grader!r}.")
 
     def resolved_pass_k(self) -> list[int]:
         """The k values to report; raises if one is outside ``[1, num_samples]``."""
@@ -142,44 +158,20 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 # Scoring
 # --------------------------------------------------------------------------------------------------------------------
 
-_STDIO_HARNESS = '''import io as _io
-import sys as _sys
-
-_SOLUTION = compile({source!r}, "<solution>", "exec")
-
-
-def _stdio_run(stdin_text):
-    real_in, real_out = _sys.stdin, _sys.stdout
-    out = _io.TextIOWrapper(_io.BytesIO(), encoding="utf-8")
-    _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
-    _sys.stdout = out
-    try:
-        try:
-            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": __builtins__}})
-        except SystemExit:
-            pass
-        out.flush()
-    finally:
-        _sys.stdin, _sys.stdout = real_in, real_out
-    return out.buffer.getvalue().decode("utf-8", "replace")
-'''
-"""Runs a stdin/stdout program once per test and returns what it printed. Each test is
-``assert _stdio_run(<input>).split() == <expected>.split()``: the sandbox runs only the call, and the comparison
-with the expected output (whitespace normalised) is decided outside it (``trl_diffusion.rewards.verdict``), so the
-expected output never enters the sandboxed process."""
-
-
 def score_completions(
     problems: list[EvalProblem],
     completions: list[str],
     limits: SandboxLimits | None = None,
     workers: int = 4,
     math_reward: MathAccuracyReward | OfficialMathReward | None = None,
+    code_grader: str = "sandbox",
 ) -> list[dict[str, Any]]:
     """Score ``completions[i]`` against ``problems[i]``. Each result has ``reward`` (1.0 / 0.0, or ``None`` when
     the gold answer cannot be parsed) and details: ``prediction`` (math: the last boxed answer as ``math_reward``
     reads it; default :class:`MathAccuracyReward`) or ``tests_passed`` / ``tests_total`` / ``status`` / ``errors``
-    (code)."""
+    (code), scored by ``code_grader`` (``EvalConfig.code_grader``)."""
+    if code_grader not in CODE_GRADERS:
+        raise ValueError(f"code_grader must be one of {list(CODE_GRADERS)}, got {code_grader!r}.")
     if len(problems) != len(completions):
         raise ValueError(f"{len(problems)} problems but {len(completions)} completions.")
     results: list[dict[str, Any]] = [{} for _ in problems]
@@ -195,22 +187,27 @@ def score_completions(
     if code_idx:
         limits = limits or SandboxLimits()
         with ThreadPoolExecutor(max_workers=max(1, min(workers, len(code_idx)))) as pool:
-            scored = pool.map(lambda i: _score_code(problems[i], completions[i], limits), code_idx)
+            scored = pool.map(lambda i: _score_code(problems[i], completions[i], limits, code_grader), code_idx)
             for i, result in zip(code_idx, scored):
                 results[i] = result
     return results
 
 
-def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits) -> dict[str, Any]:
-    """Run the completion's last Python block (the code reward's extraction) and the tests in the sandbox."""
-    code = extract_code(completion)
+def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits, grader: str) -> dict[str, Any]:
+    """Run the code of ``response_prefix`` + completion (the last Python block, as ``grader`` reads it) and the
+    tests in the sandbox."""
+    text = problem.response_prefix + completion
+    code = extract_code_official(text) if grader == "official" else extract_code(text)
     if code is None:
         return {"reward": 0.0, "status": "no_code", "tests_passed": 0, "tests_total": len(problem.tests), "errors": []}
     if problem.stdio:
-        program = _STDIO_HARNESS.format(source=code)
+        program = stdio_program(code)
     else:
         program = f"{problem.prefix}\n{code}" if problem.prefix else code
-    result = run_tests(program, problem.tests, limits)
+    if grader == "official":
+        result = run_official(program, problem.tests, problem.stdio, problem.time_limit, limits)
+    else:
+        result = run_tests(program, problem.tests, limits)
     return {"reward": float(result.all_passed), "status": result.status, "tests_passed": result.passed,
             "tests_total": result.total, "tests_verified": result.verified, "errors": result.errors[:3]}
 
@@ -304,6 +301,7 @@ def evaluate(
     _check_single_process()
     ks = config.resolved_pass_k()
     config.math_reward()  # an unknown grader fails before the model loads
+    config.check_code_grader()
     if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
@@ -332,6 +330,7 @@ def evaluate(
         "num_samples": config.num_samples,
         "apply_chat_template": config.apply_chat_template,
         "math_grader": config.math_grader if problems[0].task == "math" else None,
+        "code_grader": config.code_grader if problems[0].task == "code" else None,
         "metrics": _metrics(rows, problems, config.num_samples, ks),
         "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
         "samples_file": str(samples_path) if samples_path else None,
@@ -470,7 +469,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             forward_passes += int(out.num_forward_passes or 0)
             decoded = [_completion(tokenizer, row[ids.shape[1]:].tolist(), stop_ids) for row in out.sequences]
             scores = score_completions([problems[i] for i, _ in batch], [t for t, _ in decoded], limits,
-                                       config.code_workers, math_reward)
+                                       config.code_workers, math_reward, config.code_grader)
             for j, ((i, s), (text, length), score) in enumerate(zip(batch, decoded, scores)):
                 row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
                        "length": length, "tokens_per_step": float(out.tokens_per_step[j]),

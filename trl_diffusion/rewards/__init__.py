@@ -7,6 +7,13 @@ be scored (no gold answer / no tests), which TRL excludes. See ``docs/rewards.md
 """
 
 from .code_reward import CodeExecutionReward, build_tests, code_execution_reward, extract_code, make_code_reward
+from .dllm_rl_code import (
+    OfficialCodeReward,
+    extract_code_official,
+    make_official_code_reward,
+    official_code_outcomes,
+    official_code_reward,
+)
 from .format_reward import (
     ThinkFormatReward,
     boxed_format_reward,
@@ -27,6 +34,7 @@ from .sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
 __all__ = [
     "CodeExecutionReward",
     "MathAccuracyReward",
+    "OfficialCodeReward",
     "OfficialMathReward",
     "SandboxLimits",
     "SandboxResult",
@@ -36,12 +44,16 @@ __all__ = [
     "code_execution_reward",
     "completion_to_text",
     "extract_code",
+    "extract_code_official",
     "extract_gold_answer",
     "isolation_report",
     "last_boxed_content",
     "make_code_reward",
+    "make_official_code_reward",
     "make_official_math_reward",
     "math_accuracy_reward",
+    "official_code_outcomes",
+    "official_code_reward",
     "official_math_reward",
     "run_tests",
     "think_format_reward",

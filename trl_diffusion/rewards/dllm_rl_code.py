@@ -1,0 +1,256 @@
+"""dLLM-RL's code reward and code check (Gen-Verse/dLLM-RL at 10b4fd1), on its code schema, run in our sandbox.
+
+dLLM-RL's rows (its PrimeIntellect training set, its LiveCodeBench / MBPP / HumanEval files) hold ``test_method``
+(``function`` or ``stdio``), ``test_list`` (asserts; ``function``) or ``test_input`` / ``test_output`` (``stdio``),
+``prefix`` (``function``: the start of the answer, written at the end of the prompt) and ``test_time_limit``.
+What it does with them, rule for rule:
+
+* **Code** (``extract_code`` in ``sample/*_rl_rollout.py`` / ``*_sample.py``): the last
+  ``re.findall(r"```python(.*?)```", text, re.DOTALL)`` match, stripped, where ``text`` is ``prefix`` + completion
+  for ``function`` rows and the completion for ``stdio`` rows. Untagged or ``py`` fences do not count.
+* **function** (``reward/rl_execute.py``, ``evaluate_function_dataset``): the code runs, then each assert in its
+  namespace; one process per completion, ``test_time_limit + 2`` s (default limit 1) for all of it; a timeout or
+  an exception in the code fails every test.
+* **stdio** (``evaluate_stdio_dataset``): one process per test case with ``test_time_limit`` s, the input on stdin
+  (``input()`` and ``sys.stdin``), ``__name__ == "__main__"``; passes if its output equals the expected one up to
+  whitespace (``" ".join(x.split())``); an exception fails the case.
+* **Reward** (``reward/rl_code_reward.py``): the number of tests passed, z-scored in the group by the trainer (no
+  length rule for code). The eval metric (``reward/reward.py``) counts a sample correct when every test passes.
+
+Deliberate difference: a program (or test) that raises ``SystemExit`` passes every test there (``exit()`` at the top
+of a completion earns the full reward); here it fails them, as in :mod:`.code_reward`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from typing import Any
+
+from .format_reward import completion_to_text
+from .sandbox import SandboxLimits, SandboxResult, run_tests
+
+__all__ = [
+    "DEFAULT_TIME_LIMIT",
+    "OfficialCodeReward",
+    "extract_code_official",
+    "make_official_code_reward",
+    "official_code_outcomes",
+    "official_code_reward",
+    "run_official",
+    "stdio_program",
+    "stdio_test",
+]
+
+_FENCE = re.compile(r"```python(.*?)```", re.DOTALL)
+DEFAULT_TIME_LIMIT = 1.0
+"""dLLM-RL's ``test_time_limit`` when a row has none (``item.get("test_time_limit", 1)``)."""
+FUNCTION_SLACK = 2.0
+"""Seconds dLLM-RL adds to a ``function`` row's limit (``spawn_slack``); its ``stdio`` cases get none."""
+
+_STDIO_HARNESS = '''import io as _io
+import sys as _sys
+
+_SOLUTION = compile({source!r}, "<solution>", "exec")
+
+
+def _stdio_run(stdin_text):
+    real_in, real_out = _sys.stdin, _sys.stdout
+    out = _io.TextIOWrapper(_io.BytesIO(), encoding="utf-8")
+    _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
+    _sys.stdout = out
+    try:
+        try:
+            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": __builtins__}})
+        except SystemExit:
+            pass
+        out.flush()
+    finally:
+        _sys.stdin, _sys.stdout = real_in, real_out
+    return out.buffer.getvalue().decode("utf-8", "replace")
+'''
+
+
+def stdio_program(code: str) -> str:
+    """The sandbox program for a stdin/stdout solution: ``_stdio_run(input)`` runs ``code`` once with that input
+    (``__name__ == "__main__"``; ``SystemExit`` ends the run normally) and returns what it printed."""
+    return _STDIO_HARNESS.format(source=code)
+
+
+def stdio_test(test_input: str, test_output: str) -> str:
+    """One stdio test for :func:`stdio_program`: the output must equal ``test_output`` up to whitespace. The sandbox
+    runs only the call; the comparison is decided outside it (``verdict``), so the expected output never enters the
+    sandboxed process."""
+    return f"assert _stdio_run({test_input!r}).split() == {test_output!r}.split()"
+
+
+def extract_code_official(text: str) -> str | None:
+    """dLLM-RL's extraction: the last ``` ```python ... ``` ``` match, stripped; ``None`` without one (dLLM-RL runs a
+    sentence instead, which fails every test)."""
+    matches = _FENCE.findall(text)
+    return matches[-1].strip() if matches else None
+
+
+def _as_list(value: Any) -> list[str]:
+    """A test column as a list of strings (a JSON-encoded list in a string column is decoded)."""
+    if isinstance(value, str):
+        try:
+            decoded = json.loads(value)
+        except ValueError:
+            decoded = None
+        value = decoded if isinstance(decoded, list) else [value]
+    return [str(v) for v in (value or [])]
+
+
+def run_official(
+    program: str,
+    tests: list[str],
+    stdio: bool,
+    time_limit: float | None = None,
+    limits: SandboxLimits | None = None,
+    python: str | None = None,
+    function_slack: float = FUNCTION_SLACK,
+    stdio_slack: float = 0.0,
+) -> SandboxResult:
+    """Run ``tests`` against ``program`` with dLLM-RL's time limits: one sandbox run of ``time_limit +
+    function_slack`` seconds for a ``function`` row (program and all asserts), one run of ``time_limit +
+    stdio_slack`` seconds per test for a ``stdio`` row (``program`` from :func:`stdio_program`). ``limits`` gives
+    the other sandbox limits; ``time_limit`` ``None`` is dLLM-RL's default, 1 s. ``outcomes`` has one verdict per
+    test; ``status`` is the first run's that was not ``"ok"``."""
+    limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    base = limits or SandboxLimits()
+    if not stdio:
+        result = run_tests(program, tests, replace(base, timeout=limit + function_slack), python)
+        result.outcomes = result.outcomes or [False] * len(tests)  # a sandbox error reports no outcomes
+        return result
+    case_limits = replace(base, timeout=limit + stdio_slack)
+    runs = [run_tests(program, [test], case_limits, python) for test in tests]
+    outcomes = [run.all_passed for run in runs]
+    return SandboxResult(
+        next((r.status for r in runs if r.status != "ok"), "ok"),
+        passed=sum(outcomes),
+        total=len(tests),
+        returncode=runs[-1].returncode if runs else None,
+        output="".join(r.output for r in runs)[-10_000:],
+        duration=sum(r.duration for r in runs),
+        errors=[f"test {i}: {e}" for i, r in enumerate(runs) for e in r.errors][:20],
+        isolation=runs[0].isolation if runs else {},
+        verified=sum(r.verified for r in runs),
+        outcomes=outcomes,
+    )
+
+
+def official_code_outcomes(
+    code: str | None,
+    test_method: str,
+    test_list: Any = None,
+    test_input: Any = None,
+    test_output: Any = None,
+    time_limit: float | None = None,
+    limits: SandboxLimits | None = None,
+    python: str | None = None,
+    function_slack: float = FUNCTION_SLACK,
+    stdio_slack: float = 0.0,
+) -> list[bool]:
+    """One verdict per test of a dLLM-RL row (its columns as arguments) for the extracted ``code`` (``None``: every
+    test fails), run by :func:`run_official`."""
+    method = str(test_method).lower()
+    if method not in ("function", "stdio"):
+        raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
+    if method == "function":
+        tests = [t for t in _as_list(test_list) if t.strip()]
+    else:
+        inputs, outputs = _as_list(test_input), _as_list(test_output)
+        if len(inputs) != len(outputs):
+            raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
+        tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+    if code is None or not tests:
+        return [False] * len(tests)
+    program = stdio_program(code) if method == "stdio" else code
+    return run_official(program, tests, method == "stdio", time_limit, limits, python, function_slack,
+                        stdio_slack).outcomes
+
+
+class OfficialCodeReward:
+    """dLLM-RL's code reward on its code schema (module docstring): the **number** of tests passed, which the
+    trainer z-scores within the group (dLLM-RL's advantage; any scale of it gives the same z-scores). Rows without
+    ``test_method`` or without tests get ``None``. A callable class, so it pickles."""
+
+    def __init__(
+        self,
+        memory_mb: int = 1024,
+        max_workers: int = 4,
+        function_slack: float = FUNCTION_SLACK,
+        stdio_slack: float = 0.0,
+        python: str | None = None,
+        name: str = "official_code_reward",
+    ) -> None:
+        self.limits = SandboxLimits(memory_mb=memory_mb)
+        self.max_workers = max(1, max_workers)
+        self.function_slack, self.stdio_slack = function_slack, stdio_slack
+        self.python = python
+        self.__name__ = name
+
+    def __call__(
+        self,
+        completions: list[Any],
+        test_method: list[Any] | None = None,
+        test_list: list[Any] | None = None,
+        test_input: list[Any] | None = None,
+        test_output: list[Any] | None = None,
+        prefix: list[Any] | None = None,
+        test_time_limit: list[Any] | None = None,
+        log_metric: Callable[[str, float], None] | None = None,
+        **kwargs: Any,
+    ) -> list[float | None]:
+        n = len(completions)
+        columns = {"test_method": test_method, "test_list": test_list, "test_input": test_input,
+                   "test_output": test_output, "prefix": prefix, "test_time_limit": test_time_limit}
+        for column, values in columns.items():
+            if values is not None and len(values) != n:
+                raise ValueError(f"{self.__name__}: got {n} completions but {len(values)} values in the `{column}` "
+                                 "column; pass one row per completion.")
+        rows = [{k: (v[i] if v is not None else None) for k, v in columns.items()} for i in range(n)]
+        texts = [completion_to_text(c) for c in completions]
+        with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
+            return list(pool.map(self._score, texts, rows))
+
+    def _score(self, completion: str, row: dict[str, Any]) -> float | None:
+        method = row["test_method"]
+        if method is None:
+            return None
+        stdio = str(method).lower() == "stdio"
+        code = extract_code_official(completion if stdio else (row["prefix"] or "") + completion)
+        outcomes = official_code_outcomes(code, method, row["test_list"], row["test_input"], row["test_output"],
+                                          row["test_time_limit"], self.limits, self.python, self.function_slack,
+                                          self.stdio_slack)
+        return float(sum(outcomes)) if outcomes else None
+
+
+def make_official_code_reward(
+    memory_mb: int = 1024,
+    max_workers: int = 4,
+    function_slack: float = FUNCTION_SLACK,
+    stdio_slack: float = 0.0,
+    python: str | None = None,
+    name: str = "official_code_reward",
+) -> OfficialCodeReward:
+    """Build dLLM-RL's code reward (see :class:`OfficialCodeReward`).
+
+    Args:
+        memory_mb: memory of each sandbox run (dLLM-RL has no memory limit).
+        max_workers: completions checked concurrently.
+        function_slack: seconds added to a ``function`` row's ``test_time_limit`` (dLLM-RL: 2).
+        stdio_slack: seconds added to each ``stdio`` case's limit (dLLM-RL: 0; its limit also covers starting a
+            Python process, as ours covers starting the sandbox).
+        python: interpreter for the sandbox (default: the current one).
+        name: ``__name__`` shown in TRL logs.
+    """
+    return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name)
+
+
+official_code_reward = OfficialCodeReward()
+"""dLLM-RL's code reward with its limits (see :class:`OfficialCodeReward`)."""
