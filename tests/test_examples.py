@@ -73,7 +73,7 @@ def test_example_runs(tmp_path, name, extra):
     assert result["held_out_accuracy_before"] == pytest.approx(accuracy["before"], abs=1e-4)  # reported rounded
     assert result["held_out_accuracy_after"] == pytest.approx(accuracy["after"], abs=1e-4)
     assert curves["eval/held_out_accuracy"][-1] == [steps, pytest.approx(accuracy["after"])]
-    if name == "math":  # the curve it reports is the one it plotted (the plot has no step-0 point)
+    if name == "math":  # the curve it reports is the one it plotted, starting point (step 0) included
         assert [step for step, _ in result["accuracy_curve"]] == list(range(steps + 1))
-        assert result["accuracy_curve"][1:] == [[s, pytest.approx(a, abs=1e-4)]
-                                                for s, a in curves["eval/held_out_accuracy"]]
+        assert result["accuracy_curve"] == [[s, pytest.approx(a, abs=1e-4)]
+                                            for s, a in curves["eval/held_out_accuracy"]]
