@@ -38,3 +38,41 @@ def test_each_rows_cuda_peak_memory_is_its_own(monkeypatch):
     prompt = types.SimpleNamespace(device=torch.device("cuda"))
     bench.timed_generate(model, prompt)
     assert calls.index("reset") < calls.index("generate") and calls.count("sync") == 2
+
+
+def _static_cache_gpu_tests_on_the_cpu(monkeypatch):
+    import test_static_cache
+
+    test_static_cache._force_graph_runners(monkeypatch)
+    monkeypatch.setattr(test_static_cache, "GPU", torch.device("cpu"))
+    return test_static_cache
+
+
+def test_cuda_graph_gpu_tests_fail_when_auto_decodes_eagerly(monkeypatch):
+    """The gpu tests comparing ``cuda_graphs="auto"`` with the eager path fail when "auto" quietly picks the eager
+    runner (they passed, comparing eager with eager: after any earlier test's failed capture, which makes every
+    later call in the process decode eagerly, or if the runner choice stopped picking a graph runner)."""
+    import pytest
+
+    from trl_diffusion.generation import cuda_graphs
+    from trl_diffusion.generation.denoise import ModelRunner
+
+    tests = _static_cache_gpu_tests_on_the_cpu(monkeypatch)
+    family, kw = tests.GRAPH_CASES[1]
+    tests.test_cuda_graphs_equal_eager(family, kw, monkeypatch)  # the set-up runs the graph runner
+    monkeypatch.setattr(cuda_graphs, "runner_class", lambda settings, device, generator: ModelRunner)
+    for run in (lambda: tests.test_cuda_graphs_equal_eager(family, kw, monkeypatch),
+                lambda: tests.test_cuda_graphs_draw_inside_the_graph("sdar", True, monkeypatch),
+                lambda: tests.test_tracerl_replays_a_cuda_graph_rollout(monkeypatch)):
+        with pytest.raises(AssertionError):
+            run()
+
+
+def test_cuda_graph_gpu_tests_do_not_inherit_an_earlier_failed_capture(monkeypatch):
+    """A capture that failed in an earlier test leaves ``CAPTURE_FAILED`` set for the process; each gpu test starts
+    from a clear flag, so it checks its own captures."""
+    from trl_diffusion.generation import cuda_graphs
+
+    tests = _static_cache_gpu_tests_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", True)
+    tests.test_cuda_graphs_draw_inside_the_graph("llada", "dual", monkeypatch)
