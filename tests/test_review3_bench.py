@@ -3,10 +3,16 @@
 
 import argparse
 import json
+import os
+import subprocess
 import types
+from pathlib import Path
 
+import pytest
 import torch
 from test_generation_benchmark import load_generation_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rollout_rows(capsys, preset: str, batches: list[int]) -> list[dict]:
@@ -76,3 +82,54 @@ def test_cuda_graph_gpu_tests_do_not_inherit_an_earlier_failed_capture(monkeypat
     tests = _static_cache_gpu_tests_on_the_cpu(monkeypatch)
     monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", True)
     tests.test_cuda_graphs_draw_inside_the_graph("llada", "dual", monkeypatch)
+
+
+def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path, monkeypatch):
+    """gpu_check.sh kills the training benchmark at its step's time limit: the JSON file holds every record measured
+    before that (it was written only at the end, so a cut run left none)."""
+    import sys
+
+    from test_scored_head import load_training_benchmark
+
+    bench = load_training_benchmark()
+    measured = []
+
+    def run_one(mode, shrinkage, backend, *args):
+        if measured:
+            raise KeyboardInterrupt  # stands in for the outer time limit's signal
+        measured.append({"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "seconds_per_step": 1.0,
+                         "processed_tokens_per_s": 2.0, "scored_tokens_per_s": 1.0})
+        return measured[-1]
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    output = tmp_path / "training.json"
+    monkeypatch.setattr(sys, "argv", ["training.py", "--preset", "tiny", "--backends", "sdpa", "flex",
+                                      "--output", str(output)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    saved = json.loads(output.read_text())
+    assert saved["records"] == measured and saved["table"]["packed s=1 sdpa"]["seconds_per_step"] == 1.0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """``GPU_CHECK_TINY=1 bash scripts/gpu_check.sh`` runs every step of the GPU check (same scripts and flags, tiny
+    presets, CPU): each exits 0 and leaves its output (the gpu tests are collected, and skip)."""
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_BUDGET": "900"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    steps = ["generation", "training_sdar4b", "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe"]
+    assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
+    assert summary.count(": exit 0 ") == len(steps), summary
+    for log in ("gpu_graph_tests", "gpu_tests"):
+        assert " skipped" in (tmp_path / f"{log}.log").read_text() and (tmp_path / f"{log}.xml").is_file()
+    training = json.loads((tmp_path / "training_sdar4b.json").read_text())
+    assert training["records"] and all("error" not in r and r["seconds_per_step"] > 0 for r in training["records"])
+    probe = json.loads((tmp_path / "flex_probe.json").read_text())
+    assert probe and all("length_40" in r for r in probe)
+    for log in ("generation", "generation_llada"):
+        rows = [json.loads(line) for line in (tmp_path / f"{log}.log").read_text().splitlines()
+                if line.startswith('{"')]
+        assert rows and all(r["tokens_per_s"] > 0 for r in rows)
