@@ -18,7 +18,9 @@ Presets:
   script).
 
 With ``--cuda_graphs auto`` (the default) a table also has one eager row (``cuda_graphs`` "off": the first cache
-mode, the smallest batch, static), the baseline the replayed steps are compared with.
+mode, the smallest batch, static), the baseline the replayed steps are compared with. A table's rows run in order
+of priority, so that a run cut short by a time limit keeps the targets: every cached row (by batch), the eager
+baseline, then the uncached rows. ``peak_memory_mb`` is each call's own peak on CUDA, the process's so far on a CPU.
 
     python benchmarks/generation.py                                   # CPU grid (slow for 2048 uncached)
     python benchmarks/generation.py --lengths 128 512 --families sdar
@@ -79,7 +81,10 @@ def synchronize(device: torch.device) -> None:
 
 
 def timed_generate(model, prompt: torch.Tensor, **kwargs) -> tuple[object, float]:
+    """One ``generate`` call's output and wall time; on CUDA the peak-memory counter starts afresh with it."""
     synchronize(prompt.device)
+    if prompt.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(prompt.device)
     start = time.perf_counter()
     out = model.generate(prompt, **kwargs)
     synchronize(prompt.device)
@@ -87,6 +92,7 @@ def timed_generate(model, prompt: torch.Tensor, **kwargs) -> tuple[object, float
 
 
 def peak_memory_mb(device: torch.device) -> float:
+    """CUDA: the peak of the last timed call; CPU: the process's peak resident memory so far (it never resets)."""
     if device.type == "cuda":
         return round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
@@ -192,12 +198,14 @@ def rollout_table(args, device: torch.device) -> None:
     token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
     settings = dict(max_new_tokens=new_tokens, block_length=table["block"], denoising_steps=table["steps"],
                     temperature=0.0, confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
-    # (batch, cache, strategy, cuda_graphs) rows: cached, then uncached where affordable, then the eager baseline
-    runs = [(batch, cache, strategy, args.cuda_graphs) for batch in batches
-            for cache in table["caches"] + ([False] if batch in table["uncached_batches"] else [])
+    # (batch, cache, strategy, cuda_graphs) rows in order of priority, so that a run cut short by a time limit
+    # keeps the targets: every cached row, then the eager baseline, then the uncached rows (the slowest)
+    runs = [(batch, cache, strategy, args.cuda_graphs) for batch in batches for cache in table["caches"]
             for strategy in table["strategies"]]
     if args.cuda_graphs == "auto":
         runs.append((min(batches), table["caches"][0], "low_confidence_static", "off"))
+    runs += [(batch, False, strategy, args.cuda_graphs) for batch in batches if batch in table["uncached_batches"]
+             for strategy in table["strategies"]]
     rows, warm = [], set()
     for batch, cache, strategy, graphs in runs:
         prompt = torch.randint(*token_ids, (batch, prompt_length), device=device,

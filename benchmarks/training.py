@@ -211,7 +211,8 @@ def main() -> None:
         parser.add_argument(f"--{name}", type=kind, help=f"override the preset's {name}")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
     parser.add_argument("--profile", action="store_true", help="add each configuration's top operators by time")
-    parser.add_argument("--output", type=Path, help="also write the records and the summary to this JSON file")
+    parser.add_argument("--output", type=Path,
+                        help="also write the records and the summary to this JSON file (rewritten after each record)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
@@ -227,10 +228,10 @@ def main() -> None:
             for mode in args.modes or preset["modes"]:
                 records.append(run_one(mode, shrinkage, backend, shape, args.device, args.timeout, args.profile))
                 print(json.dumps(records[-1]), flush=True)
-    summary = {"preset": args.preset, **summarize(records)}
+                summary = {"preset": args.preset, **summarize(records)}
+                if args.output:  # after every record: a run killed by an outer time limit keeps what it measured
+                    args.output.write_text(json.dumps({"records": records, **summary}, indent=1))
     print(json.dumps(summary, indent=1))
-    if args.output:
-        args.output.write_text(json.dumps({"records": records, **summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -180,6 +180,7 @@ def test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch):
         fell_back.append(self._failed)
 
     monkeypatch.setattr(cuda_graphs.ExactCacheGraphRunner, "run_block", spy)
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", False)  # an earlier test's failed capture is not this one's
     config = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                            max_completion_length=12, max_steps=2, logging_steps=1, report_to="none",
                            learning_rate=1e-2, block_length=4, denoising_steps=2, save_strategy="no", bf16=False,

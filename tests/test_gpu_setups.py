@@ -32,10 +32,24 @@ def test_tracerl_cuda_graph_rollouts_set_up(tmp_path, on_the_cpu, graph_runners_
     test_gpu.test_tracerl_rollouts_replay_cuda_graphs(tmp_path, monkeypatch)
 
 
-@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "prefix")])
-def test_sampling_inside_cuda_graphs_set_up(graph_runners_on_the_cpu, monkeypatch, family, cache):
+@pytest.fixture
+def static_cache_on_the_cpu(monkeypatch):
     monkeypatch.setattr(test_static_cache, "GPU", torch.device("cpu"))
-    test_static_cache.test_cuda_graphs_draw_inside_the_graph(family, cache)
+
+
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "prefix")])
+def test_sampling_inside_cuda_graphs_set_up(graph_runners_on_the_cpu, static_cache_on_the_cpu, monkeypatch, family,
+                                            cache):
+    test_static_cache.test_cuda_graphs_draw_inside_the_graph(family, cache, monkeypatch)
+
+
+@pytest.mark.parametrize("family,kw", test_static_cache.GRAPH_CASES)
+def test_cuda_graphs_equal_eager_set_up(graph_runners_on_the_cpu, static_cache_on_the_cpu, monkeypatch, family, kw):
+    test_static_cache.test_cuda_graphs_equal_eager(family, kw, monkeypatch)
+
+
+def test_tracerl_replays_a_cuda_graph_rollout_set_up(graph_runners_on_the_cpu, static_cache_on_the_cpu, monkeypatch):
+    test_static_cache.test_tracerl_replays_a_cuda_graph_rollout(monkeypatch)
 
 
 @pytest.mark.parametrize(("name", "extra"), test_gpu.EXAMPLE_RUNS)

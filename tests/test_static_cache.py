@@ -449,7 +449,7 @@ GRAPH_CASES = [  # (family, generate arguments): every cache mode a graph runner
 
 
 GPU = torch.device("cuda")
-"""Where the gpu tests below run; ``tests/test_gpu_setups.py`` runs one of them on the CPU."""
+"""Where the gpu tests below run; ``tests/test_gpu_setups.py`` runs their set-ups on the CPU."""
 
 
 def _graph_case(family, kw, device="cpu"):
@@ -460,6 +460,25 @@ def _graph_case(family, kw, device="cpu"):
     if kw.pop("rows", False):
         kw["generator"] = lambda: row_generators(len(PROMPTS))
     return model, ids, mask, kw
+
+
+def _graph_runners_used(monkeypatch) -> list[type]:
+    """The runner classes ``generate`` picks from here on (a gpu test asserts they are graph runners). Clears the
+    process-wide flag a failed capture sets: otherwise ``cuda_graphs="auto"`` would decode eagerly in every test
+    after the first failure, and a test comparing it with the eager path would pass on eager vs eager."""
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", False)
+    used, choose = [], sampler.runner_class
+
+    def spy(settings, device, generator):
+        used.append(choose(settings, device, generator))
+        return used[-1]
+
+    monkeypatch.setattr(sampler, "runner_class", spy)
+    return used
+
+
+def _only_graph_runners(used: list[type]) -> bool:
+    return bool(used) and all(issubclass(runner, cuda_graphs.GraphRunner) for runner in used)
 
 
 def _generate(model, ids, mask, kw, **more):
@@ -473,10 +492,12 @@ def _generate(model, ids, mask, kw, **more):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("family,kw", GRAPH_CASES)
-def test_cuda_graphs_equal_eager(family, kw):
-    model, ids, mask, kw = _graph_case(family, kw, "cuda")
-    outs = [_generate(model, ids, mask, kw, cuda_graphs=mode) for mode in ("off", "auto")]
-    assert_same_rollout(*outs)
+def test_cuda_graphs_equal_eager(family, kw, monkeypatch):
+    model, ids, mask, kw = _graph_case(family, kw, GPU)
+    eager = _generate(model, ids, mask, kw, cuda_graphs="off")
+    used = _graph_runners_used(monkeypatch)
+    assert_same_rollout(eager, _generate(model, ids, mask, kw, cuda_graphs="auto"))
+    assert _only_graph_runners(used)
 
 
 @pytest.mark.filterwarnings("error:CUDA-graph capture failed")  # a fallback would compare eager with eager
@@ -525,15 +546,17 @@ def test_cuda_run_block_does_not_synchronise(family, cache, graphs, monkeypatch)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.filterwarnings("error:CUDA-graph capture failed")
 @pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", "prefix")])
-def test_cuda_graphs_draw_inside_the_graph(family, cache):
+def test_cuda_graphs_draw_inside_the_graph(family, cache, monkeypatch):
     """``generator=None`` and sampling: the default CUDA generator draws inside the graph (not the eager stream, so
     no token comparison). Every position is decoded with a finite log-prob <= 0, and two calls sample differently
     (the graph's random offsets advance)."""
     model = tiny_model(family).to(GPU)
     ids, mask = (t.to(GPU) for t in left_pad(PROMPTS))
     torch.manual_seed(0)
+    used = _graph_runners_used(monkeypatch)
     outs = [gen(model, ids, mask, use_cache=cache, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
                 denoising_steps=2) for _ in range(2)]
+    assert _only_graph_runners(used)
     for out in outs:
         generated = out.unmask_step >= 0
         assert bool((generated.sum(-1) >= 16).all()) and not bool((out.sequences == MASK_ID).any())
@@ -637,12 +660,14 @@ def test_tracerl_replays_a_graph_runner_rollout(monkeypatch):
 @pytest.mark.filterwarnings("error:CUDA-graph capture failed")  # a fallback would compare eager with eager
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_tracerl_replays_a_cuda_graph_rollout():
-    model = tiny_model("sdar").to("cuda")
-    ids, mask = (t.cuda() for t in left_pad(PROMPTS))
+def test_tracerl_replays_a_cuda_graph_rollout(monkeypatch):
+    model = tiny_model("sdar").to(GPU)
+    ids, mask = (t.to(GPU) for t in left_pad(PROMPTS))
+    used = _graph_runners_used(monkeypatch)
     out = gen(model, ids, mask, use_cache=True, cuda_graphs="auto", temperature=1.0, max_new_tokens=16,
               remasking_strategy="low_confidence_dynamic", confidence_threshold=0.2,
               generator=row_generators(len(PROMPTS)))
+    assert _only_graph_runners(used)
     _replay_matches_the_sampler(model, ids, mask, out)
 
 

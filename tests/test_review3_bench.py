@@ -1,0 +1,135 @@
+"""Review of the measurement code the one GPU run executes: ``benchmarks/generation.py``, ``benchmarks/training.py``,
+``scripts/gpu_check.sh`` and the gpu tests' guards, checked on the CPU (tiny presets; no timing is asserted)."""
+
+import argparse
+import json
+import os
+import subprocess
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from test_generation_benchmark import load_generation_benchmark
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def rollout_rows(capsys, preset: str, batches: list[int]) -> list[dict]:
+    bench = load_generation_benchmark()
+    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=batches, cuda_graphs="auto"),
+                        torch.device("cpu"))
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
+
+
+def test_rollout_table_runs_the_targets_before_the_slow_uncached_rows(capsys):
+    """gpu_check.sh gives the sdar-4b table a time limit and keeps only the rows printed before it: the cached rows
+    of every batch size (batch 128 is the issue's target) come first, then the eager baseline, then the uncached
+    rows (the slowest; they used to come before the larger batches)."""
+    rows = rollout_rows(capsys, "tiny", [1, 4])
+    kinds = [("cached" if r["cache"] != "none" else "uncached") + ("" if r["cuda_graphs"] == "auto" else " eager")
+             for r in rows]
+    assert kinds == ["cached"] * 4 + ["cached eager"] + ["uncached"] * 4
+    assert [r["batch"] for r in rows] == [1, 1, 4, 4, 1, 1, 1, 4, 4]
+
+
+def test_each_rows_cuda_peak_memory_is_its_own(monkeypatch):
+    """On CUDA every row's ``peak_memory_mb`` is the peak of its own generate call: the counter is reset before the
+    call (it was never reset, so the eager batch-1 row reported the batch-128 rows' peak)."""
+    bench = load_generation_benchmark()
+    calls = []
+    monkeypatch.setattr(bench.torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append("reset"))
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda device=None: calls.append("sync"))
+    model = types.SimpleNamespace(generate=lambda prompt, **kwargs: calls.append("generate"))
+    prompt = types.SimpleNamespace(device=torch.device("cuda"))
+    bench.timed_generate(model, prompt)
+    assert calls.index("reset") < calls.index("generate") and calls.count("sync") == 2
+
+
+def _static_cache_gpu_tests_on_the_cpu(monkeypatch):
+    import test_static_cache
+
+    test_static_cache._force_graph_runners(monkeypatch)
+    monkeypatch.setattr(test_static_cache, "GPU", torch.device("cpu"))
+    return test_static_cache
+
+
+def test_cuda_graph_gpu_tests_fail_when_auto_decodes_eagerly(monkeypatch):
+    """The gpu tests comparing ``cuda_graphs="auto"`` with the eager path fail when "auto" quietly picks the eager
+    runner (they passed, comparing eager with eager: after any earlier test's failed capture, which makes every
+    later call in the process decode eagerly, or if the runner choice stopped picking a graph runner)."""
+    import pytest
+
+    from trl_diffusion.generation import cuda_graphs
+    from trl_diffusion.generation.denoise import ModelRunner
+
+    tests = _static_cache_gpu_tests_on_the_cpu(monkeypatch)
+    family, kw = tests.GRAPH_CASES[1]
+    tests.test_cuda_graphs_equal_eager(family, kw, monkeypatch)  # the set-up runs the graph runner
+    monkeypatch.setattr(cuda_graphs, "runner_class", lambda settings, device, generator: ModelRunner)
+    for run in (lambda: tests.test_cuda_graphs_equal_eager(family, kw, monkeypatch),
+                lambda: tests.test_cuda_graphs_draw_inside_the_graph("sdar", True, monkeypatch),
+                lambda: tests.test_tracerl_replays_a_cuda_graph_rollout(monkeypatch)):
+        with pytest.raises(AssertionError):
+            run()
+
+
+def test_cuda_graph_gpu_tests_do_not_inherit_an_earlier_failed_capture(monkeypatch):
+    """A capture that failed in an earlier test leaves ``CAPTURE_FAILED`` set for the process; each gpu test starts
+    from a clear flag, so it checks its own captures."""
+    from trl_diffusion.generation import cuda_graphs
+
+    tests = _static_cache_gpu_tests_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(cuda_graphs, "CAPTURE_FAILED", True)
+    tests.test_cuda_graphs_draw_inside_the_graph("llada", "dual", monkeypatch)
+
+
+def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path, monkeypatch):
+    """gpu_check.sh kills the training benchmark at its step's time limit: the JSON file holds every record measured
+    before that (it was written only at the end, so a cut run left none)."""
+    import sys
+
+    from test_scored_head import load_training_benchmark
+
+    bench = load_training_benchmark()
+    measured = []
+
+    def run_one(mode, shrinkage, backend, *args):
+        if measured:
+            raise KeyboardInterrupt  # stands in for the outer time limit's signal
+        measured.append({"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "seconds_per_step": 1.0,
+                         "processed_tokens_per_s": 2.0, "scored_tokens_per_s": 1.0})
+        return measured[-1]
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    output = tmp_path / "training.json"
+    monkeypatch.setattr(sys, "argv", ["training.py", "--preset", "tiny", "--backends", "sdpa", "flex",
+                                      "--output", str(output)])
+    with pytest.raises(KeyboardInterrupt):
+        bench.main()
+    saved = json.loads(output.read_text())
+    assert saved["records"] == measured and saved["table"]["packed s=1 sdpa"]["seconds_per_step"] == 1.0
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_on_the_cpu(tmp_path):
+    """``GPU_CHECK_TINY=1 bash scripts/gpu_check.sh`` runs every step of the GPU check (same scripts and flags, tiny
+    presets, CPU): each exits 0 and leaves its output (the gpu tests are collected, and skip)."""
+    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_BUDGET": "900"}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = (tmp_path / "summary.txt").read_text()
+    steps = ["generation", "training_sdar4b", "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe"]
+    assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
+    assert summary.count(": exit 0 ") == len(steps), summary
+    for log in ("gpu_graph_tests", "gpu_tests"):
+        assert " skipped" in (tmp_path / f"{log}.log").read_text() and (tmp_path / f"{log}.xml").is_file()
+    training = json.loads((tmp_path / "training_sdar4b.json").read_text())
+    assert training["records"] and all("error" not in r and r["seconds_per_step"] > 0 for r in training["records"])
+    probe = json.loads((tmp_path / "flex_probe.json").read_text())
+    assert probe and all("length_40" in r for r in probe)
+    for log in ("generation", "generation_llada"):
+        rows = [json.loads(line) for line in (tmp_path / f"{log}.log").read_text().splitlines()
+                if line.startswith('{"')]
+        assert rows and all(r["tokens_per_s"] > 0 for r in rows)
