@@ -11,8 +11,11 @@
 #   5. flex-attention probe:   which head sizes / dtypes compile                -> flex_probe.json
 #
 # Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
-# (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git) and send .whl along
-# (the device tool's carry: [".whl"]). Then, from the project root:  bash scripts/gpu_check.sh
+# (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git), plus the pure-Python wheels
+# the gpu tests and the math reward need in case the image lacks them:
+#   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform any -d .whl \
+#       pytest pluggy iniconfig math-verify==0.9.0 latex2sympy2_extended antlr4-python3-runtime==4.13.2
+# and send .whl along (the device tool's carry: [".whl"]). Then, from the project root:  bash scripts/gpu_check.sh
 #
 # GPU_CHECK_TINY=1 runs the same steps on the CPU with the tiny presets (a dry run of this script, e.g. with
 # GPU_CHECK_BUDGET=300; the gpu tests skip there). The pytest steps continue past a test module that fails to
@@ -37,6 +40,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
     python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'trl', trl.__version__)"
+    python3 -c "import pytest, math_verify; print('pytest', pytest.__version__, 'math_verify ok')"
 } > "$OUT/environment.txt" 2>&1
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
