@@ -11,7 +11,7 @@ from typing import Any
 
 from ..data.loading import LOCAL_SUFFIXES
 from ..rewards import build_tests, extract_gold_answer
-from ..rewards.dllm_rl_code import stdio_test
+from ..rewards.dllm_rl_code import as_string_list, stdio_test
 
 __all__ = [
     "FORMATS",
@@ -296,23 +296,13 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
         return EvalProblem(pid, _fill(template or CODE_PROMPT, row["question"]), "code", tests=tests,
                            prefix=prefix, time_limit=limit)
     if method == "stdio":
-        inputs, outputs = _as_list(row.get("test_input")), _as_list(row.get("test_output"))
+        inputs, outputs = as_string_list(row.get("test_input")), as_string_list(row.get("test_output"))
         if len(inputs) != len(outputs):
             raise ValueError(f"problem {pid}: {len(inputs)} test inputs but {len(outputs)} outputs.")
         tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
         prompt = _fill(preset[1] if preset is not None else template or STDIO_PROMPT, row["question"])
         return EvalProblem(pid, prompt, "code", tests=tests, stdio=True, time_limit=limit)
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
-
-
-def _as_list(value: Any) -> list[str]:
-    if isinstance(value, str):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            decoded = None
-        value = decoded if isinstance(decoded, list) else [value]
-    return [str(v) for v in (value or [])]
 
 
 def _fill(template: str, question: str) -> str:

@@ -94,7 +94,7 @@ def extract_code_official(text: str) -> str | None:
     return matches[-1].strip() if matches else None
 
 
-def _as_list(value: Any) -> list[str]:
+def as_string_list(value: Any) -> list[str]:
     """A test column as a list of strings (a JSON-encoded list in a string column is decoded)."""
     if isinstance(value, str):
         try:
@@ -161,9 +161,9 @@ def official_code_outcomes(
     if method not in ("function", "stdio"):
         raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
     if method == "function":
-        tests = [t for t in _as_list(test_list) if t.strip()]
+        tests = [t for t in as_string_list(test_list) if t.strip()]
     else:
-        inputs, outputs = _as_list(test_input), _as_list(test_output)
+        inputs, outputs = as_string_list(test_input), as_string_list(test_output)
         if len(inputs) != len(outputs):
             raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
         tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
