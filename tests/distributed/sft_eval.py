@@ -42,3 +42,4 @@ if __name__ == "__main__":
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     run(args.out, args.per_device_batch, args.samples)
+    train.shut_down()

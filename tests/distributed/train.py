@@ -139,6 +139,14 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
     return built
 
 
+def shut_down() -> None:
+    """Leave the process group together: a process that exits while gloo's threads are still up can abort with
+    "terminate called without an active exception" (seen once in CI after an otherwise finished run)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
@@ -151,6 +159,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     for job in args.jobs:
         run(job, args.out, args.per_device_batch, args.max_steps, resume=args.resume, **args.overrides)
+    shut_down()
 
 
 if __name__ == "__main__":
