@@ -100,6 +100,8 @@ for now in (10.0, 60.0, 98.0, 99.0, 101.0):
                                    optimizer=optimizer)
     seen.append([optimizer.param_groups[0]["lr"], control.should_training_stop])
 open(sys.argv[1] + f"/rank{world.process_index}.json", "w").write(json.dumps(seen))
+world.wait_for_everyone()
+world.destroy_process_group()  # leave gloo together: exiting with its threads up can abort the process
 '''
 
 

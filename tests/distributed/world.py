@@ -15,3 +15,5 @@ if __name__ == "__main__":
     facts = {"num_processes": state.num_processes, "distributed_type": str(state.distributed_type),
              "backend": state.backend}
     (out / f"rank{state.process_index}.json").write_text(json.dumps(facts))
+    state.wait_for_everyone()
+    state.destroy_process_group()  # leave gloo together: exiting with its threads up can abort the process
