@@ -21,7 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .format_reward import completion_to_text
+from .format_reward import check_column_lengths, completion_to_text
 from .sandbox import SandboxLimits, SandboxResult, run_tests
 from .verdict import plan_test
 
@@ -115,12 +115,7 @@ class CodeExecutionReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
-        for column, values in (("tests", tests), ("test", test), ("entry_point", entry_point)):
-            if values is not None and len(values) != n:
-                raise ValueError(
-                    f"{self.__name__}: got {n} completions but {len(values)} values in the `{column}` column; "
-                    "pass one row per completion."
-                )
+        check_column_lengths(self.__name__, n, {"tests": tests, "test": test, "entry_point": entry_point})
         rows = zip(
             tests if tests is not None else [None] * n,
             test if test is not None else [None] * n,

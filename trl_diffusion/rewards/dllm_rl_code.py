@@ -30,7 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from .format_reward import completion_to_text
+from .format_reward import check_column_lengths, completion_to_text
 from .sandbox import SandboxLimits, SandboxResult, run_tests
 
 __all__ = [
@@ -209,10 +209,7 @@ class OfficialCodeReward:
         n = len(completions)
         columns = {"test_method": test_method, "test_list": test_list, "test_input": test_input,
                    "test_output": test_output, "prefix": prefix, "test_time_limit": test_time_limit}
-        for column, values in columns.items():
-            if values is not None and len(values) != n:
-                raise ValueError(f"{self.__name__}: got {n} completions but {len(values)} values in the `{column}` "
-                                 "column; pass one row per completion.")
+        check_column_lengths(self.__name__, n, columns)
         rows = [{k: (v[i] if v is not None else None) for k, v in columns.items()} for i in range(n)]
         texts = [completion_to_text(c) for c in completions]
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:

@@ -133,3 +133,12 @@ def think_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
 
 
 _DEFAULT_THINK = ThinkFormatReward()
+
+
+def check_column_lengths(reward_name: str, completions: int, columns: dict[str, Any]) -> None:
+    """Raise a ValueError naming the first dataset column (given, not None) whose length is not one value per
+    completion: what TRL passes a reward function is one row per completion."""
+    for column, values in columns.items():
+        if values is not None and len(values) != completions:
+            raise ValueError(f"{reward_name}: got {completions} completions but {len(values)} values in the "
+                             f"`{column}` column; pass one row per completion.")
