@@ -108,6 +108,10 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
               "reward_curve": rewards}
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
+    # last, after everything that needs the other processes: leave the process group together (a process exiting with
+    # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
+    trainer.accelerator.wait_for_everyone()
+    trainer.accelerator.end_training()
     print(json.dumps(result))
     return result
 

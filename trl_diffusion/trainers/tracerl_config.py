@@ -205,7 +205,8 @@ class TraceRLConfig(GRPOConfig):
                   "with a value model `value_model/` and `value_state.pt`) or whose buffers were saved by another "
                   "number of processes or per-device batch. The cycle in progress is then generated again and a "
                   "missing value model keeps its initial weights, so the run differs from an uninterrupted one. By "
-                  "default such a resume is refused."},
+                  "default such a resume is refused. A checkpoint saved with `save_only_model=True` is refused "
+                  "either way (it has no optimizer states)."},
     )
 
     gamma: float = field(

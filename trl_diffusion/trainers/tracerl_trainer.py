@@ -572,7 +572,9 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
-        GRPO's micro-step counter (per process), and the value model with its optimizer.
+        GRPO's micro-step counter (per process), and the value model with its optimizer. With ``save_only_model``
+        the value model's weights are saved without its optimizer, as transformers saves the policy's, and the
+        buffer records the setting so that a resume is refused (see ``_load_optimizer_and_scheduler``).
 
         Ours are written first: transformers writes ``trainer_state.json`` (without which it will not resume from
         a folder) and only then deletes older checkpoints, so a save that fails part-way never leaves a resumable
@@ -581,12 +583,14 @@ class TraceRLTrainer(GRPOTrainer):
         if self.args.should_save and os.path.exists(os.path.join(folder, TRAINER_STATE_NAME)):
             os.remove(os.path.join(folder, TRAINER_STATE_NAME))  # an older save's: the folder is being rewritten
         os.makedirs(folder, exist_ok=True)
-        torch.save({"step": self._step, "buffer": self._buffered_inputs, "layout": self._rollout_layout()},
+        torch.save({"step": self._step, "buffer": self._buffered_inputs, "layout": self._rollout_layout(),
+                    "save_only_model": self.args.save_only_model},
                    os.path.join(folder, f"rollout_buffer_{self.accelerator.process_index}.pt"))
         if self.value_model is not None and self.args.should_save:
             self.accelerator.unwrap_model(self.value_model).save_pretrained(os.path.join(folder, "value_model"))
-            torch.save({"optimizer": self.value_optimizer.state_dict(), "value_batches": self._value_batches},
-                       os.path.join(folder, "value_state.pt"))
+            if not self.args.save_only_model:
+                torch.save({"optimizer": self.value_optimizer.state_dict(), "value_batches": self._value_batches},
+                           os.path.join(folder, "value_state.pt"))
         self.accelerator.wait_for_everyone()  # every process's files exist before the state file marks the folder
         super()._save_checkpoint(model, trial)
 
@@ -599,8 +603,17 @@ class TraceRLTrainer(GRPOTrainer):
         saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
         problems = self._rollout_state_problems(checkpoint, saved)
         # decided together: a process that resumed while another one raised would wait for it forever
-        flag = torch.tensor(float(bool(problems)), device=self.accelerator.device)
-        if self.accelerator.reduce(flag, reduction="sum").item() > 0:
+        only_model = saved is not None and saved.get("save_only_model", False)
+        flags = torch.tensor([float(only_model), float(bool(problems))], device=self.accelerator.device)
+        any_only_model, any_problem = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
+        if any_only_model:
+            raise ValueError(f"checkpoint {checkpoint} was saved with save_only_model=True: it holds model weights "
+                             "only (no optimizer, scheduler or RNG state, nor the value model's optimizer), and "
+                             "transformers documents such checkpoints as not resumable. Start a new run from its "
+                             f"weights (model_name_or_path={checkpoint}, with a value model value_model="
+                             f"{os.path.join(checkpoint, 'value_model')}), or train with save_only_model=False to be "
+                             "able to resume.")
+        if any_problem:
             found = f"checkpoint {checkpoint} cannot be resumed exactly: " + "; ".join(
                 problems or ["another process's rollout state is incomplete (see its error)"])
             if not self.args.resume_without_rollout_state:
