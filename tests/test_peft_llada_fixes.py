@@ -1,11 +1,17 @@
 """peft mixed-adapter batches through diffusion generate(), and ``cast_lm_head_to_fp32`` with LLaDA."""
 
+import math
+
 import peft
 import pytest
 import torch
+from datasets import Dataset
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
+from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.generation import cuda_graphs, sampler
-from trl_diffusion.testing import left_pad, tiny_model
+from trl_diffusion.testing import build_tokenizer, left_pad, tiny_model
 
 NAMES = ["one", "two", "__base__", "two"]  # one per prompt; "__base__" is peft's name for no adapter
 PROMPTS = [[11, 12, 13, 14, 15, 16], [21, 22, 23, 24], [31, 32, 33, 34, 35, 36], [41, 42, 43, 44, 45]]
@@ -97,3 +103,54 @@ def test_mixed_adapters_refused_on_cuda_graphs(monkeypatch):
     with pytest.raises(ValueError, match="cuda_graphs='off'"):
         wrapped.generate(ids, mask, adapter_names=NAMES, max_new_tokens=8, block_length=4, denoising_steps=4,
                          use_cache=True)
+
+
+def score(completions, **kwargs):
+    return [float(len(set(c))) for c in completions]
+
+
+def test_cast_lm_head_to_fp32_with_llada(tmp_path):
+    """TRL's ``cast_lm_head_to_fp32`` reads and assigns ``model.lm_head``; LLaDA's output layer is
+    ``model.transformer.ff_out`` and TraceRLTrainer's ``__init__`` raised AttributeError. LLaDA now exposes it as
+    ``lm_head`` (stored under its released key): on a bf16 model the head runs in float32 (float32 logits, in the
+    rollouts and in training), the saved checkpoint has exactly the released keys and reloads, and the cast model
+    trains on with DiffusionSFT (whose TRL config has no such flag)."""
+    model = tiny_model("llada").to(torch.bfloat16).train()
+    logits = []
+    model.model.transformer.ff_out.register_forward_hook(
+        lambda module, args, output: logits.append((torch.is_grad_enabled(), output.dtype)))  # (training, dtype)
+    args = TraceRLConfig(output_dir=str(tmp_path / "rl"), per_device_train_batch_size=4, num_generations=4,
+                         max_completion_length=8, max_steps=1, report_to="none", block_length=4, denoising_steps=2,
+                         save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
+                         cast_lm_head_to_fp32=True, dynamic_group_filtering="none")
+    dataset = Dataset.from_dict({"prompt": ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]})
+    trainer = TraceRLTrainer(model, score, args=args, train_dataset=dataset, processing_class=build_tokenizer())
+    trainer.train()
+    head = model.model.transformer.ff_out
+    assert model.lm_head is head and head.weight.dtype == torch.float32
+    assert model.model.transformer.wte.weight.dtype == torch.bfloat16
+    assert set(logits) == {(False, torch.float32), (True, torch.float32)}  # rollouts and training
+    assert math.isfinite(trainer.state.log_history[-1]["train_loss"])
+
+    trainer.save_model(str(tmp_path / "saved"))
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as saved:
+        assert set(saved.keys()) == set(tiny_model("llada").state_dict())
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32)
+    assert torch.equal(reloaded.model.transformer.ff_out.weight, head.weight)
+
+    data = Dataset.from_dict({"prompt": ["1+1=", "2+2="], "completion": ["2", "4"]})
+    sft = DiffusionSFTTrainer(model, args=DiffusionSFTConfig(
+        output_dir=str(tmp_path / "sft"), report_to=[], use_cpu=True, bf16=False, max_steps=1,
+        per_device_train_batch_size=2, save_strategy="no", disable_tqdm=True), train_dataset=data,
+        processing_class=build_tokenizer())
+    logits.clear()
+    sft.train()
+    assert set(logits) == {(True, torch.float32)} and math.isfinite(sft.state.log_history[-1]["train_loss"])
+
+
+def test_cast_lm_head_to_fp32_refuses_a_tied_llada(tmp_path):
+    """A LLaDA with ``weight_tying`` has no separate output layer to cast (TRL's flag is for untied heads)."""
+    args = TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none", cast_lm_head_to_fp32=True)
+    with pytest.raises(ValueError, match="cast_lm_head_to_fp32=True needs a separate output layer"):
+        TraceRLTrainer(tiny_model("llada", weight_tying=True), score, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": ["a"]}), processing_class=build_tokenizer())
