@@ -11,8 +11,9 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..states import NOT_COMMITTED, CanvasLayout
-from .cuda_graphs import runner_class
+from .cuda_graphs import GraphRunner, runner_class
 from .denoise import Block, BlockSchedule
+from .peft_rows import WorkingRows, follow_working_rows
 from .sampling import REMASKING_STRATEGIES, Generators
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
@@ -216,13 +217,26 @@ def diffusion_generate(
         )
 
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
-    stop_ids = torch.tensor(list(settings.stop_token_ids), device=device) if settings.stop_token_ids else None
-    schedule = BlockSchedule(settings)
-    runner = runner_class(settings, device, generator)(model, settings, state, block_causal)
-    runner.prefill(layout.prefill_end)
+    runner_type = runner_class(settings, device, generator)
+    runner = runner_type(model, settings, state, block_causal)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
+    with follow_working_rows(model, len(state.rows), issubclass(runner_type, GraphRunner)) as working:
+        runner.prefill(layout.prefill_end)
+        state = _decode_blocks(state, full, runner, layout, settings, compactable, working)
+    state.write_into(full)
+    return _to_output(input_ids, attention_mask, layout, full.canvas, full.generated, full.unmask_step,
+                      full.logprobs, full.steps_taken, runner.calls, mask_id, settings.pad_token_id)
 
+
+def _decode_blocks(state: _Canvas, full: _Canvas, runner, layout: CanvasLayout, settings: SamplingSettings,
+                   compactable: bool, working: WorkingRows) -> _Canvas:
+    """Run the blocks in order; finished rows leave the working batch (``working`` follows it). Returns the
+    working batch at the end."""
+    mask_id = runner.mask_id
+    device = state.canvas.device
+    stop_ids = torch.tensor(list(settings.stop_token_ids), device=device) if settings.stop_token_ids else None
+    schedule = BlockSchedule(settings)
     for start in layout.block_starts:
         end = layout.block_end(start)
         masks = [max(0, min(layout.gen_end[r], end) - max(layout.gen_start[r], start)) for r in state.rows]
@@ -234,6 +248,7 @@ def diffusion_generate(
             keep = [i for i, alive in enumerate(live) if alive]
             state = state.select(keep, full)
             runner.select_rows(state, torch.tensor(keep, device=device))
+            working.rows = state.rows
             masks, live = [masks[i] for i in keep], [True] * len(keep)
         row_steps = [schedule.steps_needed(m, end - start) if alive else 0 for m, alive in zip(masks, live)]
         block = Block(
@@ -247,10 +262,7 @@ def diffusion_generate(
             done = block.generated & block.tokens.ne(mask_id)
             hit = (block.tokens[..., None] == stop_ids).any(-1) & done
             state.stopped |= hit.any(-1) & block.active
-
-    state.write_into(full)
-    return _to_output(input_ids, attention_mask, layout, full.canvas, full.generated, full.unmask_step,
-                      full.logprobs, full.steps_taken, runner.calls, mask_id, settings.pad_token_id)
+    return state
 
 
 def check_generation_inputs(model, input_ids, attention_mask, settings: SamplingSettings,

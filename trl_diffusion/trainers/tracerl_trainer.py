@@ -95,6 +95,9 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        if args.cast_lm_head_to_fp32 and not isinstance(model, str) and model.get_output_embeddings() is None:
+            raise ValueError("cast_lm_head_to_fp32=True needs a separate output layer; this model computes its logits "
+                             "from the input embeddings (LLaDA with weight_tying=True).")
         multi_turn = [name for name in ("tools", "rollout_func", "environment_factory")
                       if kwargs.get(name) is not None]
         if multi_turn:

@@ -150,6 +150,18 @@ class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGeneratio
     def set_output_embeddings(self, value):
         self.model.transformer["ff_out"] = value
 
+    @property
+    def lm_head(self) -> nn.Linear | None:
+        """The output layer under the name TRL reads and assigns (``cast_lm_head_to_fp32``); it stays stored as
+        ``model.transformer.ff_out``, the released key names. None with ``weight_tying`` (no separate layer)."""
+        return self.get_output_embeddings()
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "lm_head":  # nn.Module would register the layer a second time, under a new state-dict key
+            self.set_output_embeddings(value)
+        else:
+            super().__setattr__(name, value)
+
     def resize_token_embeddings(self, *args, **kwargs) -> nn.Embedding:
         """transformers' resize (``wte`` and the ``ff_out`` head), keeping ``config.embedding_size`` (what sizes
         both when the model is built again from the saved config) equal to the new number of rows."""
