@@ -125,8 +125,9 @@ class DiffusionSFTConfig(SFTConfig):
         if self.pad_to_length_with_eos and self.diffusion_objective == "trajectory":
             raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
                              "completion tokens and their steps.")
-        if self.packing or self.padding_free:
+        if self.packing or self.padding_free or self.eval_packing:
             raise ValueError(
-                "packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional attention would "
-                "cross document boundaries. Set packing=False and padding_free=False."
+                "packing / eval_packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional "
+                "attention would cross document boundaries. Set packing=False, eval_packing=False (or None) and "
+                "padding_free=False."
             )

@@ -1,0 +1,32 @@
+"""Review of the TRL fields a user sets on DiffusionSFTConfig / DiffusionValueConfig: each test guards a field that
+was accepted and then silently ignored or silently wrong with the diffusion objectives."""
+
+import pytest
+from datasets import Dataset
+
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+
+PAIRS = [("What is 12+7?\n", "\\boxed{19}"), ("Hi!\n", "\\boxed{-3}"), ("What is 3+4?\n", "\\boxed{7}")]
+
+
+def sft_args(tmp_path, **kw):
+    defaults = dict(output_dir=str(tmp_path), report_to=[], bf16=False, save_strategy="no", use_cpu=True,
+                    max_length=64, disable_tqdm=True, per_device_train_batch_size=2, max_steps=1,
+                    gradient_checkpointing=False)
+    return DiffusionSFTConfig(**{**defaults, **kw})
+
+
+def prompt_completion():
+    return Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS])
+
+
+def test_eval_packing_is_refused(tmp_path):
+    """eval_packing=True packed the eval set (TRL packs it even with packing=False): the three samples became one
+    63-token row whose documents attended to each other under full attention, and eval_loss was computed on it."""
+    with pytest.raises(ValueError, match="eval_packing"):
+        sft_args(tmp_path, eval_packing=True)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, eval_packing=False),
+                                  train_dataset=prompt_completion(), eval_dataset=prompt_completion(),
+                                  processing_class=build_tokenizer())
+    assert len(trainer.eval_dataset) == len(PAIRS)  # one row per sample
