@@ -6,6 +6,7 @@ from datasets import Dataset
 
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+from trl_diffusion.value import DiffusionValueConfig
 
 PAIRS = [("What is 12+7?\n", "\\boxed{19}"), ("Hi!\n", "\\boxed{-3}"), ("What is 3+4?\n", "\\boxed{7}")]
 
@@ -30,3 +31,11 @@ def test_eval_packing_is_refused(tmp_path):
                                   train_dataset=prompt_completion(), eval_dataset=prompt_completion(),
                                   processing_class=build_tokenizer())
     assert len(trainer.eval_dataset) == len(PAIRS)  # one row per sample
+
+
+def test_value_config_refuses_label_smoothing(tmp_path):
+    """DiffusionValueTrainer's loss is 0.5 (V - R)^2: label_smoothing_factor=0.3 was accepted and changed nothing
+    (same loss and weights as 0.0 after a step)."""
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.3)
+    DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.0)
