@@ -4,7 +4,7 @@ was accepted and then silently ignored or silently wrong with the diffusion obje
 import pytest
 from datasets import Dataset
 
-from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.value import DiffusionValueConfig
 
@@ -39,3 +39,35 @@ def test_value_config_refuses_label_smoothing(tmp_path):
     with pytest.raises(ValueError, match="label_smoothing_factor"):
         DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.3)
     DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.0)
+
+
+def tokenized_rows(with_steps=False):
+    tokenizer = build_tokenizer()
+    rows = []
+    for p, c in PAIRS:
+        prompt, completion = tokenizer.encode(p), tokenizer.encode(c) + [EOS_ID]
+        row = {"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion}
+        if with_steps:  # per completion token, as the prepared path takes it
+            row["unmask_step"] = list(range(len(completion)))
+        rows.append(row)
+    return rows
+
+
+SKIP = {"skip_prepare_dataset": True}
+
+
+@pytest.mark.parametrize("field", [dict(overlong_policy="error"), dict(pad_to_length_with_eos=True)])
+def test_skip_prepare_dataset_rows_longer_than_max_length_are_refused(tmp_path, field):
+    """skip_prepare_dataset skips TRL's truncation and our length check: overlong_policy='error' let 25-token rows
+    through max_length=8, and pad_to_length_with_eos gave a 25-wide batch instead of the fixed 8-token canvas."""
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, max_length=8, dataset_kwargs=SKIP,
+                                                                     **field),
+                                  train_dataset=Dataset.from_list(tokenized_rows()), processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match="longer than max_length=8"):
+        next(iter(trainer.get_train_dataloader()))
+    fits = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, max_length=32, dataset_kwargs=SKIP,
+                                                                  **field),
+                               train_dataset=Dataset.from_list(tokenized_rows()), processing_class=build_tokenizer())
+    batch = next(iter(fits.get_train_dataloader()))  # rows that fit still collate
+    if "pad_to_length_with_eos" in field:
+        assert batch["input_ids"].shape[1] == 32
