@@ -14,7 +14,7 @@ PAIRS = [("What is 12+7?\n", "\\boxed{19}"), ("Hi!\n", "\\boxed{-3}"), ("What is
 def sft_args(tmp_path, **kw):
     defaults = dict(output_dir=str(tmp_path), report_to=[], bf16=False, save_strategy="no", use_cpu=True,
                     max_length=64, disable_tqdm=True, per_device_train_batch_size=2, max_steps=1,
-                    gradient_checkpointing=False)
+                    gradient_checkpointing=False, logging_steps=1)
     return DiffusionSFTConfig(**{**defaults, **kw})
 
 
@@ -71,3 +71,20 @@ def test_skip_prepare_dataset_rows_longer_than_max_length_are_refused(tmp_path, 
     batch = next(iter(fits.get_train_dataloader()))  # rows that fit still collate
     if "pad_to_length_with_eos" in field:
         assert batch["input_ids"].shape[1] == 32
+
+
+def test_skip_prepare_dataset_unmask_step_must_cover_every_position(tmp_path):
+    """Prepared rows get unmask_step spread over the sequence; skipped rows are used as given. A per-completion-token
+    column (the prepared path's format) landed on the prompt's positions and failed in the loss with 'some
+    completion tokens have no recorded unmask_step'; the error now says what the column must hold."""
+    args = sft_args(tmp_path, diffusion_objective="trajectory", dataset_kwargs=SKIP)
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(tokenized_rows(True)),
+                                  processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match="one per position of input_ids"):
+        next(iter(trainer.get_train_dataloader()))
+    full = [{**row, "unmask_step": [-1] * (len(row["input_ids"]) - len(row["unmask_step"])) + row["unmask_step"]}
+            for row in tokenized_rows(True)]
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(full),
+                                  processing_class=build_tokenizer())
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] > 0

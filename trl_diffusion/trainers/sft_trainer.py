@@ -104,6 +104,11 @@ class DiffusionDataCollator:
                     "'error' or pad_to_length_with_eos=True). Rows of skip_prepare_dataset are not truncated or "
                     "checked during preparation: shorten them yourself, or raise max_length."
                 )
+            if step is not None and len(step) != length:
+                raise ValueError(
+                    f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
+                    "position; with skip_prepare_dataset, give one per position of input_ids (-1 on the prompt)."
+                )
         if self.pad_to_length is not None:
             for example in examples:
                 labels = list(example.get("labels", example["input_ids"]))
