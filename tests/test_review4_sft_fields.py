@@ -88,3 +88,12 @@ def test_skip_prepare_dataset_unmask_step_must_cover_every_position(tmp_path):
                                   processing_class=build_tokenizer())
     trainer.train()
     assert trainer.state.log_history[0]["loss"] > 0
+
+
+def test_use_liger_kernel_is_refused(tmp_path):
+    """Liger maps model types to kernels and has none for sdar / llada / Dream: use_liger_kernel=True patched
+    nothing (liger only logs it) and the diffusion loss never used a fused cross-entropy."""
+    with pytest.raises(ValueError, match="use_liger_kernel"):
+        sft_args(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ValueError, match="use_liger_kernel"):
+        DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, use_liger_kernel=True)
