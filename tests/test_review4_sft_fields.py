@@ -60,9 +60,9 @@ SKIP = {"skip_prepare_dataset": True}
 def test_skip_prepare_dataset_rows_longer_than_max_length_are_refused(tmp_path, field):
     """skip_prepare_dataset skips TRL's truncation and our length check: overlong_policy='error' let 25-token rows
     through max_length=8, and pad_to_length_with_eos gave a 25-wide batch instead of the fixed 8-token canvas."""
-    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, max_length=8, dataset_kwargs=SKIP,
-                                                                     **field),
-                                  train_dataset=Dataset.from_list(tokenized_rows()), processing_class=build_tokenizer())
+    args = sft_args(tmp_path, max_length=8, dataset_kwargs=SKIP, **field)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=Dataset.from_list(tokenized_rows()),
+                                  processing_class=build_tokenizer())
     with pytest.raises(ValueError, match="longer than max_length=8"):
         next(iter(trainer.get_train_dataloader()))
     fits = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, max_length=32, dataset_kwargs=SKIP,
