@@ -10,6 +10,10 @@ from ..states import ATTENTION_BACKENDS, check_attention_backend
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
+LIGER_UNSUPPORTED = (
+    "use_liger_kernel=True is not supported: Liger has no kernels for the sdar / llada / Dream model types, so it "
+    "would patch nothing, and the diffusion losses compute their own log-softmax. Set use_liger_kernel=False."
+)
 
 
 @dataclass
@@ -125,8 +129,11 @@ class DiffusionSFTConfig(SFTConfig):
         if self.pad_to_length_with_eos and self.diffusion_objective == "trajectory":
             raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
                              "completion tokens and their steps.")
-        if self.packing or self.padding_free:
+        if self.use_liger_kernel:
+            raise ValueError(LIGER_UNSUPPORTED)
+        if self.packing or self.padding_free or self.eval_packing:
             raise ValueError(
-                "packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional attention would "
-                "cross document boundaries. Set packing=False and padding_free=False."
+                "packing / eval_packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional "
+                "attention would cross document boundaries. Set packing=False, eval_packing=False (or None) and "
+                "padding_free=False."
             )

@@ -81,18 +81,34 @@ def resolve_objective(objective: str | None, spec: DiffusionModelSpec) -> str:
 
 class DiffusionDataCollator:
     """Wraps the SFT collator: pads with trained-on EOS to a fixed length (optional), carries
-    ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token."""
+    ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token.
+    ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be."""
 
-    def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None) -> None:
+    def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None,
+                 max_length: int | None = None) -> None:
         self.base = base
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id
         self.pad_to_length = pad_to_length
+        self.max_length = max_length
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         examples = [dict(example) for example in examples]
         indices = [example.pop("sample_index", None) for example in examples]
         steps = [example.pop("unmask_step", None) for example in examples]
+        for example, step in zip(examples, steps):
+            length = len(example["input_ids"])
+            if self.max_length is not None and length > self.max_length:
+                raise ValueError(
+                    f"a row of {length} tokens is longer than max_length={self.max_length} (with overlong_policy="
+                    "'error' or pad_to_length_with_eos=True). Rows of skip_prepare_dataset are not truncated or "
+                    "checked during preparation: shorten them yourself, or raise max_length."
+                )
+            if step is not None and len(step) != length:
+                raise ValueError(
+                    f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
+                    "position; with skip_prepare_dataset, give one per position of input_ids (-1 on the prompt)."
+                )
         if self.pad_to_length is not None:
             for example in examples:
                 labels = list(example.get("labels", example["input_ids"]))
@@ -192,8 +208,9 @@ class DiffusionSFTTrainer(SFTTrainer):
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = self.spec.logits_shift
         pad_to = self.args.max_length if self.args.pad_to_length_with_eos else None
+        limit = self.args.max_length if self.args.overlong_policy == "error" or pad_to else None
         self.data_collator = DiffusionDataCollator(
-            self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to
+            self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit
         )
 
     # ---------------------------------------------------------------------------------------------- validation

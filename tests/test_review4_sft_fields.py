@@ -1,0 +1,99 @@
+"""Review of the TRL fields a user sets on DiffusionSFTConfig / DiffusionValueConfig: each test guards a field that
+was accepted and then silently ignored or silently wrong with the diffusion objectives."""
+
+import pytest
+from datasets import Dataset
+
+from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+from trl_diffusion.value import DiffusionValueConfig
+
+PAIRS = [("What is 12+7?\n", "\\boxed{19}"), ("Hi!\n", "\\boxed{-3}"), ("What is 3+4?\n", "\\boxed{7}")]
+
+
+def sft_args(tmp_path, **kw):
+    defaults = dict(output_dir=str(tmp_path), report_to=[], bf16=False, save_strategy="no", use_cpu=True,
+                    max_length=64, disable_tqdm=True, per_device_train_batch_size=2, max_steps=1,
+                    gradient_checkpointing=False, logging_steps=1)
+    return DiffusionSFTConfig(**{**defaults, **kw})
+
+
+def prompt_completion():
+    return Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS])
+
+
+def test_eval_packing_is_refused(tmp_path):
+    """eval_packing=True packed the eval set (TRL packs it even with packing=False): the three samples became one
+    63-token row whose documents attended to each other under full attention, and eval_loss was computed on it."""
+    with pytest.raises(ValueError, match="eval_packing"):
+        sft_args(tmp_path, eval_packing=True)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, eval_packing=False),
+                                  train_dataset=prompt_completion(), eval_dataset=prompt_completion(),
+                                  processing_class=build_tokenizer())
+    assert len(trainer.eval_dataset) == len(PAIRS)  # one row per sample
+
+
+def test_value_config_refuses_label_smoothing(tmp_path):
+    """DiffusionValueTrainer's loss is 0.5 (V - R)^2: label_smoothing_factor=0.3 was accepted and changed nothing
+    (same loss and weights as 0.0 after a step)."""
+    with pytest.raises(ValueError, match="label_smoothing_factor"):
+        DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.3)
+    DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, label_smoothing_factor=0.0)
+
+
+def tokenized_rows(with_steps=False):
+    tokenizer = build_tokenizer()
+    rows = []
+    for p, c in PAIRS:
+        prompt, completion = tokenizer.encode(p), tokenizer.encode(c) + [EOS_ID]
+        row = {"input_ids": prompt + completion, "labels": [-100] * len(prompt) + completion}
+        if with_steps:  # per completion token, as the prepared path takes it
+            row["unmask_step"] = list(range(len(completion)))
+        rows.append(row)
+    return rows
+
+
+SKIP = {"skip_prepare_dataset": True}
+
+
+@pytest.mark.parametrize("field", [dict(overlong_policy="error"), dict(pad_to_length_with_eos=True)])
+def test_skip_prepare_dataset_rows_longer_than_max_length_are_refused(tmp_path, field):
+    """skip_prepare_dataset skips TRL's truncation and our length check: overlong_policy='error' let 25-token rows
+    through max_length=8, and pad_to_length_with_eos gave a 25-wide batch instead of the fixed 8-token canvas."""
+    args = sft_args(tmp_path, max_length=8, dataset_kwargs=SKIP, **field)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=Dataset.from_list(tokenized_rows()),
+                                  processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match="longer than max_length=8"):
+        next(iter(trainer.get_train_dataloader()))
+    fits = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, max_length=32, dataset_kwargs=SKIP,
+                                                                  **field),
+                               train_dataset=Dataset.from_list(tokenized_rows()), processing_class=build_tokenizer())
+    batch = next(iter(fits.get_train_dataloader()))  # rows that fit still collate
+    if "pad_to_length_with_eos" in field:
+        assert batch["input_ids"].shape[1] == 32
+
+
+def test_skip_prepare_dataset_unmask_step_must_cover_every_position(tmp_path):
+    """Prepared rows get unmask_step spread over the sequence; skipped rows are used as given. A per-completion-token
+    column (the prepared path's format) landed on the prompt's positions and failed in the loss with 'some
+    completion tokens have no recorded unmask_step'; the error now says what the column must hold."""
+    args = sft_args(tmp_path, diffusion_objective="trajectory", dataset_kwargs=SKIP)
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(tokenized_rows(True)),
+                                  processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match="one per position of input_ids"):
+        next(iter(trainer.get_train_dataloader()))
+    full = [{**row, "unmask_step": [-1] * (len(row["input_ids"]) - len(row["unmask_step"])) + row["unmask_step"]}
+            for row in tokenized_rows(True)]
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(full),
+                                  processing_class=build_tokenizer())
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] > 0
+
+
+def test_use_liger_kernel_is_refused(tmp_path):
+    """Liger maps model types to kernels and has none for sdar / llada / Dream: use_liger_kernel=True patched
+    nothing (liger only logs it) and the diffusion loss never used a fused cross-entropy."""
+    with pytest.raises(ValueError, match="use_liger_kernel"):
+        sft_args(tmp_path, use_liger_kernel=True)
+    with pytest.raises(ValueError, match="use_liger_kernel"):
+        DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, use_liger_kernel=True)
