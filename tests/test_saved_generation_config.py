@@ -6,6 +6,7 @@ in-memory generation_config, which evaluation during training reads, stays as it
 import json
 import logging
 
+import peft
 import pytest
 import torch
 from datasets import Dataset
@@ -34,14 +35,14 @@ def length_reward(completions, **kwargs):
     return [len(c) / 10 for c in completions]
 
 
-def released_trainer(tmp_path, family: str, **overrides) -> TraceRLTrainer:
+def released_trainer(tmp_path, family: str, peft_config=None, **overrides) -> TraceRLTrainer:
     """A trainer on a released-format checkpoint of ``family`` (its released generation_config.json included)."""
     write_released(family, tmp_path / "released")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "released")
     args = TraceRLConfig(output_dir=str(tmp_path / "out"), **{**CPU, "save_strategy": "no", **SAMPLERS[family],
                                                                **overrides})
     return TraceRLTrainer(model, length_reward, args=args, processing_class=build_tokenizer(),
-                          train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 4}))
+                          train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 4}), peft_config=peft_config)
 
 
 def explicit_rollout_settings(trainer) -> dict:
@@ -152,6 +153,24 @@ def test_opting_out_keeps_the_generation_config(tmp_path):
     trainer.create_model_card(model_name="tiny")
     card = (tmp_path / "out" / "README.md").read_text()
     assert "block_length=4, denoising_steps=2, " in card.split("generator([")[1]  # passed to the pipeline
+
+
+def test_peft_adapter_folder_carries_the_sampler(tmp_path):
+    """peft does not read an adapter folder's generation_config.json; passed to generate() it samples as the
+    rollouts did (docs/tracerl.md)."""
+    trainer = released_trainer(tmp_path, "sdar", peft_config=peft.LoraConfig(r=4, lora_alpha=8))
+    policy = trainer.model
+    assert isinstance(policy, peft.PeftModel)
+    with torch.no_grad():  # a fresh adapter is the identity
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.normal_(generator=torch.Generator().manual_seed(1))
+    trainer.save_model()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "released")
+    loaded = peft.PeftModel.from_pretrained(base, tmp_path / "out")
+    config = GenerationConfig.from_pretrained(tmp_path / "out")
+    expected = sample(policy, 0, **explicit_rollout_settings(trainer))
+    assert torch.equal(sample(loaded, 0, generation_config=config), expected)
 
 
 def test_only_the_writing_process_writes(tmp_path, monkeypatch):
