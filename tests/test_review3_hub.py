@@ -47,8 +47,9 @@ def test_tracerl_card_quick_start_runs_and_samples_as_the_rollouts(tmp_path):
     trainer.create_model_card(model_name="tiny")
     card = (tmp_path / "README.md").read_text()
     code = quick_start(card)
+    comment = " ".join(line[2:] for line in code.splitlines() if line.startswith("# "))  # generation_config.json's
     assert ("max_new_tokens=8, block_length=4, denoising_steps=2, remasking_strategy='low_confidence_dynamic', "
-            "confidence_threshold=0.9, temperature=0.7, top_k=5, top_p=1.0, use_cache=True") in code
+            "confidence_threshold=0.9, temperature=0.7, top_k=5, top_p=1.0, use_cache=True") in comment
     assert "- trl_diffusion: " in card and "2509.06949" in card
     run_fresh(code.replace('device_map="auto"', 'device_map="cpu"'))
 

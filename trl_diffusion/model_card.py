@@ -10,21 +10,29 @@ from __future__ import annotations
 
 import os
 import re
+import textwrap
 
 QUICK_START = re.compile(r"(## Quick start\n\n```python\n).*?(```)", re.S)
 FRAMEWORK_VERSIONS = "### Framework versions\n\n"
 REGISTER = "import trl_diffusion  # registers the SDAR / LLaDA / Dream model classes with transformers\n"
 
 
-def policy_quick_start(model_id: str | None, generate_kwargs: dict) -> str:
+def policy_quick_start(model_id: str | None, generate_kwargs: dict, in_generation_config: bool = False) -> str:
     """Chat with the trained policy through ``pipeline``; ``generate_kwargs``: sampler arguments for ``generate()``
-    (e.g. the rollout settings a TraceRL policy was trained with)."""
-    arguments = "".join(f"{name}={value!r}, " for name, value in generate_kwargs.items())
+    (e.g. the rollout settings a TraceRL policy was trained with). ``in_generation_config``: the saved
+    ``generation_config.json`` already holds them, so the code names them in a comment instead of passing them."""
+    settings = ", ".join(f"{name}={value!r}" for name, value in generate_kwargs.items())
+    arguments, note = "".join(f"{name}={value!r}, " for name, value in generate_kwargs.items()), ""
+    if in_generation_config:
+        text = (f"generation_config.json holds the sampler the policy was trained with ({settings}); arguments "
+                "passed here win over it")
+        arguments, note = "", "".join(f"# {line}\n" for line in textwrap.wrap(text, 116, break_on_hyphens=False))
     return (
         f"{REGISTER}from transformers import pipeline\n\n"
         'question = "If you had a time machine, but could only go to the past or the future once and never return, '
         'which would you choose and why?"\n'
         f'generator = pipeline("text-generation", model="{model_id}", device_map="auto")\n'
+        f"{note}"
         f'output = generator([{{"role": "user", "content": question}}], {arguments}return_full_text=False)[0]\n'
         'print(output["generated_text"])\n'
     )

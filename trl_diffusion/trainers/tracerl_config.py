@@ -24,7 +24,8 @@ class TraceRLConfig(GRPOConfig):
     advantages, `loss_type`, clipping, `beta`, `num_iterations`, logging, ...). Added:
 
     * the diffusion sampler used for rollouts (`block_length`, `denoising_steps`, `remasking_strategy`,
-      `confidence_threshold`, `rollout_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields),
+      `confidence_threshold`, `rollout_cache`; `temperature`, `top_k`, `top_p` are GRPO's own fields), and
+      `save_rollout_generation_config` (saved models carry that sampler in `generation_config.json`),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_temperature`, `exclude_mask_token_from_softmax`, `scoring_token_budget`,
       `attention_backend`, and the masking estimators' ratios, `random_mask_sampling` and `masks_per_response`),
@@ -65,6 +66,14 @@ class TraceRLConfig(GRPOConfig):
                   "graphs on CUDA (SDAR's exact cache, LLaDA/Dream's prefix and dual caches; not yet measured on a "
                   "GPU); 'off' decodes eagerly. Not with DeepSpeed ZeRO-3 or FSDP, whose parameter gathering "
                   "cannot be captured.", "choices": ["auto", "off"]},
+    )
+    save_rollout_generation_config: bool = field(
+        default=True,
+        metadata={"help": "Write the rollout sampler (max_new_tokens, block_length, denoising_steps, "
+                  "remasking_strategy, confidence_threshold, temperature, top_k, top_p, the KV cache, the stop ids) "
+                  "into the generation_config.json of every saved model and checkpoint, so that generate() with no "
+                  "arguments samples as the rollouts did. The model's generation_config in memory is not changed. "
+                  "False: save the generation_config as loaded (plus TRL's pad_token_id)."},
     )
     use_cache: str = field(
         default=False,

@@ -29,6 +29,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
+from transformers import GenerationConfig
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -193,8 +194,6 @@ class TraceRLTrainer(GRPOTrainer):
         # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
         generator = [torch.Generator().manual_seed(mask_seed(self.args.seed + 1, rollout_step, first + i))
                      for i in range(rows)]
-        top_k = self.args.top_k or None
-        top_p = self.args.top_p if self.args.top_p < 1.0 else None
         with (
             unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped,
@@ -208,15 +207,9 @@ class TraceRLTrainer(GRPOTrainer):
             precision = (self.accelerator.autocast(AutocastKwargs(cache_enabled=False)) if peft_model
                          else contextlib.nullcontext())
             with precision:
-                out = model.generate(
-                    prompt, prompt_mask, max_new_tokens=self.max_completion_length,
-                    block_length=self.args.block_length, denoising_steps=self.args.denoising_steps,
-                    remasking_strategy=self.args.remasking_strategy,
-                    confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
-                    top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache,
-                    stop_token_ids=list(self.eos_token_ids), cuda_graphs=self.args.rollout_cuda_graphs,
-                    pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
-                )
+                out = model.generate(prompt, prompt_mask, **self._rollout_sampler(),
+                                     cuda_graphs=self.args.rollout_cuda_graphs, return_dict_in_generate=True,
+                                     generator=generator)
         width = prompt.shape[1]
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
         self._scoring = {"canvas_ids": canvas, "unmask_step": steps, "mask_seeds": seeds.to(device),
@@ -237,6 +230,16 @@ class TraceRLTrainer(GRPOTrainer):
             completion_ids.append(canvas[row, :length].tolist())
             completion_logps.append(logps[row, :length].tolist())
         return completion_ids, completion_logps
+
+    def _rollout_sampler(self) -> dict:
+        """The ``generate()`` arguments of every rollout that decide its tokens (``cuda_graphs`` and the generators
+        aside); also what a saved model's ``generation_config.json`` holds (``_rollout_generation_config``)."""
+        args = self.args
+        return {"max_new_tokens": self.max_completion_length, "block_length": args.block_length,
+                "denoising_steps": args.denoising_steps, "remasking_strategy": args.remasking_strategy,
+                "confidence_threshold": args.confidence_threshold, "temperature": args.temperature,
+                "top_k": args.top_k or 0, "top_p": args.top_p, "use_cache": args.rollout_cache,
+                "stop_token_ids": list(self.eos_token_ids), "pad_token_id": self._tokenizer.pad_token_id}
 
     def _rollout_key(self) -> int | str:
         """What keys this generation batch's random streams (sampling and masks), unique per generation batch: the
@@ -562,16 +565,42 @@ class TraceRLTrainer(GRPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        """TRL's card; its quick start samples with the rollout settings the policy was trained with."""
+        """TRL's card; its quick start samples with the rollout settings the policy was trained with (named in a
+        comment when the saved ``generation_config.json`` holds them, passed to the pipeline when it does not)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        args = self.args
-        sampler = {"max_new_tokens": args.max_completion_length, "block_length": args.block_length,
-                   "denoising_steps": args.denoising_steps, "remasking_strategy": args.remasking_strategy}
-        if args.remasking_strategy == "low_confidence_dynamic":
-            sampler["confidence_threshold"] = args.confidence_threshold
-        sampler.update(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
-                       use_cache=args.rollout_cache)
-        finish_model_card(self, policy_quick_start(self.hub_model_id or args.output_dir, sampler))
+        sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id")}
+        if self.args.remasking_strategy != "low_confidence_dynamic":
+            del sampler["confidence_threshold"]
+        quick_start = policy_quick_start(self.hub_model_id or self.args.output_dir, sampler,
+                                         in_generation_config=self.args.save_rollout_generation_config)
+        finish_model_card(self, quick_start)
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then, on the process that writes, the
+        rollout sampler into ``generation_config.json`` (``save_rollout_generation_config``)."""
+        super()._save(output_dir, state_dict=state_dict)
+        if self.args.save_rollout_generation_config and self.args.should_save:
+            self._rollout_generation_config().save_pretrained(output_dir or self.args.output_dir)
+
+    def _rollout_generation_config(self) -> GenerationConfig:
+        """A copy of the policy's generation config with the rollout sampler written in, in the names ``generate()``
+        reads, so that ``generate()`` without arguments samples as the rollouts did. The policy's own config is left
+        as it is: training and evaluation keep reading it as before.
+
+        The rollouts pass these arguments on top of that config, so its other fields (``alg_temp``, ``eps``,
+        ``cfg_scale``, ...) apply to them too and stay; Dream's ``alg`` / ``steps`` go, as a call's block-wise
+        arguments turn them off. ``do_sample=True`` (TraceRL's temperature is > 0) is what transformers' validation
+        asks of a config with a temperature, top-k or top-p."""
+        model = self.accelerator.unwrap_model(self.model)
+        model = model.get_base_model() if _is_peft(model) else model
+        config = copy.deepcopy(model.generation_config)
+        for name in ("alg", "steps"):
+            if name in vars(config):
+                delattr(config, name)
+        for name, value in {**self._rollout_sampler(), "do_sample": True}.items():
+            setattr(config, name, value)
+        config._from_model_config = False  # else GenerationConfig.from_pretrained would drop the diffusion fields
+        return config
 
     def _save_checkpoint(self, model, trial):
         """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
