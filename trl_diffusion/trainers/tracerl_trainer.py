@@ -190,8 +190,6 @@ class TraceRLTrainer(GRPOTrainer):
         # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
         generator = [torch.Generator().manual_seed(mask_seed(self.args.seed + 1, rollout_step, first + i))
                      for i in range(rows)]
-        top_k = self.args.top_k or None
-        top_p = self.args.top_p if self.args.top_p < 1.0 else None
         with (
             unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped,
@@ -210,7 +208,11 @@ class TraceRLTrainer(GRPOTrainer):
                     block_length=self.args.block_length, denoising_steps=self.args.denoising_steps,
                     remasking_strategy=self.args.remasking_strategy,
                     confidence_threshold=self.args.confidence_threshold, temperature=self.args.temperature,
-                    top_k=top_k, top_p=top_p, use_cache=self.args.rollout_cache,
+                    # every sampler argument is given (top_k 0 and top_p 1.0 = off, alg_temp and cfg_scale 0 = none):
+                    # one left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k
+                    # 20 and top_p 0.95), not from this config
+                    top_k=self.args.top_k or 0, top_p=self.args.top_p, alg_temp=0.0, cfg_scale=0.0,
+                    use_cache=self.args.rollout_cache,
                     stop_token_ids=list(self.eos_token_ids), cuda_graphs=self.args.rollout_cuda_graphs,
                     pad_token_id=self._tokenizer.pad_token_id, return_dict_in_generate=True, generator=generator,
                 )
