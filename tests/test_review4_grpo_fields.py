@@ -52,3 +52,28 @@ def test_rollouts_follow_the_config_not_the_checkpoints_generation_config(tmp_pa
         assert settings.temperature == 1.0 and not settings.top_k and settings.top_p in (None, 1.0)
         assert not settings.alg_temp and not settings.cfg_scale
     assert trainer.state.log_history[0]["rollout/sampler_logp_gap_exact"] < 1e-4
+
+
+@pytest.mark.parametrize("normalization", ["step", "max_length"])
+def test_top_entropy_quantile_keeps_its_fraction_of_the_trained_tokens(tmp_path, normalization):
+    # the completion mask TRL hands to get_high_entropy_mask carries the loss weights; TRL compared entropy * weight
+    # with the quantile of the raw entropies, so top_entropy_quantile=0.5 kept 4 of 128 tokens under 'step' weights
+    # and none under 'max_length' (1/L_max): the loss was 0 and nothing was learned
+    trainer = make_trainer(tmp_path, top_entropy_quantile=0.5, step_normalization=normalization,
+                           max_completion_length=16)
+    calls = []
+    original = trainer.get_high_entropy_mask
+
+    def spy(entropies, mask, threshold):
+        kept = original(entropies, mask, threshold)
+        calls.append((kept, mask))
+        return kept
+
+    trainer.get_high_entropy_mask = spy
+    trainer.train()
+    assert calls
+    for kept, mask in calls:
+        trained = mask > 0
+        assert not bool((mask[trained] == 1).all())  # the weights are not 0/1: the case that went wrong
+        assert not bool((kept & ~trained).any())
+        assert int(kept.sum()) >= int(trained.sum()) // 2  # entropy >= the median: at least half of them

@@ -671,6 +671,12 @@ class TraceRLTrainer(GRPOTrainer):
             loss = loss * inputs["kept_row_scale"]
         return loss
 
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's ``top_entropy_quantile`` mask over the trained tokens. The completion mask TRL passes carries the
+        loss weights (1/|tau(t)|, 1/L_max), and TRL compares ``entropy * mask`` with the quantile: the mask's 0/1
+        form keeps the intended fraction of tokens."""
+        return super().get_high_entropy_mask(entropies, (mask > 0).to(entropies.dtype), threshold)
+
     def _summed_kl(self, inputs: dict) -> torch.Tensor:
         """``kl_weighting='row_sum'``: the k3 KL of every trained token with weight 1 (``kl_weights``), over TRL's
         ``tracerl`` / ``dapo`` normaliser (the training rows of one accumulation window), so a row adds its summed
