@@ -2,7 +2,6 @@
 works as in TRL with diffusion rollouts and scoring, or is refused when the config or trainer is built."""
 
 import pytest
-import torch
 from datasets import Dataset
 from transformers import GenerationConfig
 

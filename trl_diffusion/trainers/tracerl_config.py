@@ -287,8 +287,8 @@ class TraceRLConfig(GRPOConfig):
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
         if self.neftune_noise_alpha is not None:
             raise ValueError("neftune_noise_alpha adds fresh noise to the input embeddings at every training-mode "
-                             "forward, so rollouts, pi_old and the scored log-probs would each come from another noisy "
-                             "policy; leave it None (NEFTune is an SFT technique).")
+                             "forward, so rollouts, pi_old and the scored log-probs would each come from another "
+                             "noisy policy; leave it None (NEFTune is an SFT technique).")
         if self.label_smoothing_factor != 0.0:
             raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
                              "labels); leave it at 0.0.")
