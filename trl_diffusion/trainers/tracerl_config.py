@@ -295,6 +295,13 @@ class TraceRLConfig(GRPOConfig):
         if self.use_vllm or self.use_transformers_continuous_batching:
             raise ValueError("vLLM and continuous batching are autoregressive; diffusion rollouts use the model's "
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
+        if self.neftune_noise_alpha is not None:
+            raise ValueError("neftune_noise_alpha adds fresh noise to the input embeddings at every training-mode "
+                             "forward, so rollouts, pi_old and the scored log-probs would each come from another "
+                             "noisy policy; leave it None (NEFTune is an SFT technique).")
+        if self.label_smoothing_factor != 0.0:
+            raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
+                             "labels); leave it at 0.0.")
 
     def _check_sampling_and_scoring_fields(self) -> None:
         """Ranges of the rollout and scoring fields, checked here rather than at the first rollout or scoring step

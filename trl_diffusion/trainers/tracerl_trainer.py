@@ -238,7 +238,11 @@ class TraceRLTrainer(GRPOTrainer):
         return {"max_new_tokens": self.max_completion_length, "block_length": args.block_length,
                 "denoising_steps": args.denoising_steps, "remasking_strategy": args.remasking_strategy,
                 "confidence_threshold": args.confidence_threshold, "temperature": args.temperature,
-                "top_k": args.top_k or 0, "top_p": args.top_p, "use_cache": args.rollout_cache,
+                # every sampler argument is given (top_k 0 and top_p 1.0 = off, alg_temp and cfg_scale 0 = none): one
+                # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
+                # top_p 0.95), not from this config
+                "top_k": args.top_k or 0, "top_p": args.top_p, "alg_temp": 0.0, "cfg_scale": 0.0,
+                "use_cache": args.rollout_cache,
                 "stop_token_ids": list(self.eos_token_ids), "pad_token_id": self._tokenizer.pad_token_id}
 
     def _rollout_key(self) -> int | str:
@@ -571,6 +575,8 @@ class TraceRLTrainer(GRPOTrainer):
         sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id")}
         if self.args.remasking_strategy != "low_confidence_dynamic":
             del sampler["confidence_threshold"]
+        if self.args.save_rollout_generation_config:  # named in a comment: leave out the settings that mean "none"
+            sampler = {k: v for k, v in sampler.items() if k not in ("alg_temp", "cfg_scale")}
         quick_start = policy_quick_start(self.hub_model_id or self.args.output_dir, sampler,
                                          in_generation_config=self.args.save_rollout_generation_config)
         finish_model_card(self, quick_start)
@@ -587,10 +593,9 @@ class TraceRLTrainer(GRPOTrainer):
         reads, so that ``generate()`` without arguments samples as the rollouts did. The policy's own config is left
         as it is: training and evaluation keep reading it as before.
 
-        The rollouts pass these arguments on top of that config, so its other fields (``alg_temp``, ``eps``,
-        ``cfg_scale``, ...) apply to them too and stay; Dream's ``alg`` / ``steps`` go, as a call's block-wise
-        arguments turn them off. ``do_sample=True`` (TraceRL's temperature is > 0) is what transformers' validation
-        asks of a config with a temperature, top-k or top-p."""
+        The rollouts pass every sampler argument, so the config's other fields stay as they are; Dream's ``alg`` /
+        ``steps`` go, as a call's block-wise arguments turn them off. ``do_sample=True`` (TraceRL's temperature is
+        > 0) is what transformers' validation asks of a config with a temperature, top-k or top-p."""
         model = self.accelerator.unwrap_model(self.model)
         model = model.get_base_model() if _is_peft(model) else model
         config = copy.deepcopy(model.generation_config)
@@ -713,6 +718,12 @@ class TraceRLTrainer(GRPOTrainer):
             # TRL averages over every row; filtered rows (zero loss) must not count (see kept_row_scale)
             loss = loss * inputs["kept_row_scale"]
         return loss
+
+    def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
+        """TRL's ``top_entropy_quantile`` mask over the trained tokens. The completion mask TRL passes carries the
+        loss weights (1/|tau(t)|, 1/L_max), and TRL compares ``entropy * mask`` with the quantile: the mask's 0/1
+        form keeps the intended fraction of tokens."""
+        return super().get_high_entropy_mask(entropies, (mask > 0).to(entropies.dtype), threshold)
 
     def _summed_kl(self, inputs: dict) -> torch.Tensor:
         """``kl_weighting='row_sum'``: the k3 KL of every trained token with weight 1 (``kl_weights``), over TRL's

@@ -1,0 +1,86 @@
+"""Regression tests from a review of TRL's GRPOConfig fields under TraceRLConfig / TraceRLTrainer: each field either
+works as in TRL with diffusion rollouts and scoring, or is refused when the config or trainer is built."""
+
+import pytest
+from datasets import Dataset
+from transformers import GenerationConfig
+
+from trl_diffusion.generation import mixin
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+
+
+def odd_distinct(completions, **kwargs):
+    """A 0/1 reward that differs within groups of the tiny models' completions."""
+    return [float(len(set(c)) % 2) for c in completions]
+
+
+def make_trainer(tmp_path, family="sdar", model=None, **overrides) -> TraceRLTrainer:
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=8, num_generations=4, max_completion_length=8,
+                  max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2, block_length=4,
+                  denoising_steps=2, save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, seed=0,
+                  dynamic_group_filtering="none")
+    config.update(overrides)
+    dataset = Dataset.from_dict({"prompt": ["abc", "wxyz1"] * 4})
+    model = model if model is not None else tiny_model(family).train()
+    return TraceRLTrainer(model, odd_distinct, args=TraceRLConfig(**config), train_dataset=dataset,
+                          processing_class=build_tokenizer())
+
+
+def test_rollouts_follow_the_config_not_the_checkpoints_generation_config(tmp_path, monkeypatch):
+    # TraDo's generation_config.json holds Qwen3's top_k 20 / top_p 0.95. TraceRLConfig's top_k=0 / top_p=1.0 (TRL's
+    # "off", and dLLM-RL's settings in from_official("trado")) reached generate() as None, which reads the checkpoint's
+    # values: rollouts were filtered (here top_k 2: sampler log-prob gap 1.2 instead of 0) although nothing asked
+    model = tiny_model("sdar").train()
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.6, top_k=2, top_p=0.95, alg_temp=0.5,
+                                               cfg_scale=1.5)
+    resolved = []
+    original = mixin.DiffusionGenerationMixin._resolve_settings
+
+    def spy(self, kwargs, prompt_width=0):
+        settings, as_dict = original(self, kwargs, prompt_width)
+        resolved.append(settings)
+        return settings, as_dict
+
+    monkeypatch.setattr(mixin.DiffusionGenerationMixin, "_resolve_settings", spy)
+    trainer = make_trainer(tmp_path, model=model)
+    trainer.train()
+    assert resolved
+    for settings in resolved:
+        assert settings.temperature == 1.0 and not settings.top_k and settings.top_p in (None, 1.0)
+        assert not settings.alg_temp and not settings.cfg_scale
+    assert trainer.state.log_history[0]["rollout/sampler_logp_gap_exact"] < 1e-4
+
+
+@pytest.mark.parametrize("normalization", ["step", "max_length"])
+def test_top_entropy_quantile_keeps_its_fraction_of_the_trained_tokens(tmp_path, normalization):
+    # the completion mask TRL hands to get_high_entropy_mask carries the loss weights; TRL compared entropy * weight
+    # with the quantile of the raw entropies, so top_entropy_quantile=0.5 kept 4 of 128 tokens under 'step' weights
+    # and none under 'max_length' (1/L_max): the loss was 0 and nothing was learned
+    trainer = make_trainer(tmp_path, top_entropy_quantile=0.5, step_normalization=normalization,
+                           max_completion_length=16)
+    calls = []
+    original = trainer.get_high_entropy_mask
+
+    def spy(entropies, mask, threshold):
+        kept = original(entropies, mask, threshold)
+        calls.append((kept, mask))
+        return kept
+
+    trainer.get_high_entropy_mask = spy
+    trainer.train()
+    assert calls
+    for kept, mask in calls:
+        trained = mask > 0
+        assert not bool((mask[trained] == 1).all())  # the weights are not 0/1: the case that went wrong
+        assert not bool((kept & ~trained).any())
+        assert int(kept.sum()) >= int(trained.sum()) // 2  # entropy >= the median: at least half of them
+
+
+@pytest.mark.parametrize("field,value", [("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1)])
+def test_training_arguments_the_policy_loss_cannot_apply_are_refused(tmp_path, field, value):
+    # both were accepted: NEFTune noised rollouts and scoring independently (tiny LLaDA: sampler log-prob gap 1.64
+    # nats instead of 0), and label smoothing changed nothing
+    with pytest.raises(ValueError, match=field):
+        TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **{field: value})
