@@ -78,7 +78,8 @@ def test_top_entropy_quantile_keeps_its_fraction_of_the_trained_tokens(tmp_path,
         assert int(kept.sum()) >= int(trained.sum()) // 2  # entropy >= the median: at least half of them
 
 
-@pytest.mark.parametrize("field,value", [("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1)])
+@pytest.mark.parametrize("field,value", [("neftune_noise_alpha", 5.0), ("label_smoothing_factor", 0.1),
+                                         ("use_liger_kernel", True)])
 def test_training_arguments_the_policy_loss_cannot_apply_are_refused(tmp_path, field, value):
     # both were accepted: NEFTune noised rollouts and scoring independently (tiny LLaDA: sampler log-prob gap 1.64
     # nats instead of 0), and label smoothing changed nothing

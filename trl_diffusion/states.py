@@ -286,6 +286,15 @@ def check_attention_backend(backend: str) -> None:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
 
 
+def check_no_liger_kernel(use_liger_kernel: bool) -> None:
+    """Refuse ``use_liger_kernel`` (configs call it at construction): Liger has no kernels for these model types,
+    so it would patch nothing, and the diffusion losses compute their own log-softmax."""
+    if use_liger_kernel:
+        raise ValueError("use_liger_kernel=True is not supported: Liger has no kernels for the sdar / llada / Dream "
+                         "model types, so it would patch nothing, and the diffusion losses compute their own "
+                         "log-softmax. Set use_liger_kernel=False.")
+
+
 FLEX_MIN_TORCH = (2, 5)
 """First torch release whose flex attention takes a ``BlockMask`` with grouped-query heads (``enable_gqa``)."""
 FLEX_MIN_HEAD_DIM = 16

@@ -6,16 +6,10 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend
+from ..states import ATTENTION_BACKENDS, check_attention_backend, check_no_liger_kernel
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
-LIGER_UNSUPPORTED = (
-    "use_liger_kernel=True is not supported: Liger has no kernels for the sdar / llada / Dream model types, so it "
-    "would patch nothing, and the diffusion losses compute their own log-softmax. Set use_liger_kernel=False."
-)
-
-
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
     """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
@@ -129,8 +123,7 @@ class DiffusionSFTConfig(SFTConfig):
         if self.pad_to_length_with_eos and self.diffusion_objective == "trajectory":
             raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
                              "completion tokens and their steps.")
-        if self.use_liger_kernel:
-            raise ValueError(LIGER_UNSUPPORTED)
+        check_no_liger_kernel(self.use_liger_kernel)
         if self.packing or self.padding_free or self.eval_packing:
             raise ValueError(
                 "packing / eval_packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional "

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend
+from ..states import ATTENTION_BACKENDS, check_attention_backend, check_no_liger_kernel
 
 
 @dataclass
@@ -72,9 +72,7 @@ class DiffusionValueConfig(_BaseConfig):
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
             raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
-        if self.use_liger_kernel:
-            raise ValueError("use_liger_kernel=True is not supported: Liger has no kernels for the sdar / llada / "
-                             "Dream model types, so it would patch nothing. Set use_liger_kernel=False.")
+        check_no_liger_kernel(self.use_liger_kernel)
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the value model: its loss is a squared error "
                              "to the returns, not a cross-entropy over labels.")
