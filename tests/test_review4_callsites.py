@@ -74,3 +74,14 @@ def test_held_out_greedy_ignores_stray_generation_config_values(family, values):
     model = tiny_model(family)
     model.generation_config = GenerationConfig(**values)
     assert generate_completions(model, build_tokenizer(), PROMPTS) == held_out_reference(family, PROMPTS)
+
+
+@pytest.mark.parametrize("dream_args", [{"alg": "entropy", "steps": 8}, {"steps": 8}, {"alg": "topk_margin"}])
+def test_held_out_measure_takes_dreams_alg_and_steps(dream_args):
+    # generate_kwargs "override the defaults", but Dream's published arguments failed with errors about arguments the
+    # caller never gave ("give either alg or remasking_strategy", "either steps or denoising_steps")
+    model, prompts = tiny_model("dream"), PROMPTS[:4]
+    strategy = {} if "alg" in dream_args else {"remasking_strategy": "low_confidence_static"}
+    expected = reference_completions("dream", prompts, max_new_tokens=16, block_length=16, temperature=0.0,
+                                     **strategy, **dream_args)
+    assert generate_completions(model, build_tokenizer(), prompts, **dream_args) == expected

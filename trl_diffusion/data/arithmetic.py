@@ -146,10 +146,12 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
     ``generation_config`` does not: no top-k / top-p (SDAR's and TraDo's released files hold Qwen3's top_k 20 and
     top_p 0.95, which would filter the greedy confidences), no ``alg_temp``, no guidance, and no approximate cache
     (``use_cache=True``: SDAR's exact cache, none on LLaDA / Dream; a saved TraceRL policy may hold "prefix")."""
-    settings = {"max_new_tokens": 16, "block_length": model.block_size or 16,
-                "remasking_strategy": "low_confidence_static", "temperature": 0.0, "top_k": 0, "top_p": 1.0,
-                "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, **generate_kwargs}
-    settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
+    settings = {"max_new_tokens": 16, "block_length": model.block_size or 16, "temperature": 0.0, "top_k": 0,
+                "top_p": 1.0, "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, **generate_kwargs}
+    if generate_kwargs.get("alg") is None:  # Dream's `alg` names the commit rule itself
+        settings.setdefault("remasking_strategy", "low_confidence_static")
+    if generate_kwargs.get("steps") is None:  # Dream's `steps` (whole generation) replaces the per-block steps
+        settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
@@ -172,7 +174,7 @@ def evaluate_accuracy(model, tokenizer, problems: list[ArithmeticProblem], batch
     """Fraction of ``problems`` whose greedy completion (chat template, left padding, ``model.generate`` at
     temperature 0) boxes exactly the right answer. ``generate_kwargs`` override the defaults (16 new tokens, block
     length = model block size or 16, ``low_confidence_static`` with one token per denoising step, no top-k / top-p;
-    see ``generate_completions``)."""
+    see ``generate_completions``); Dream's ``alg`` / ``steps`` replace the strategy / the per-block steps."""
     if not problems:
         raise ValueError("no problems to evaluate.")
     was_training = model.training
