@@ -4,6 +4,7 @@ harness): a loaded checkpoint's ``generation_config`` must not change what a cal
 import json
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_diffusion.data.arithmetic import _chat_prompt, _completion_text, generate_completions, make_problems
@@ -85,3 +86,16 @@ def test_held_out_measure_takes_dreams_alg_and_steps(dream_args):
     expected = reference_completions("dream", prompts, max_new_tokens=16, block_length=16, temperature=0.0,
                                      **strategy, **dream_args)
     assert generate_completions(model, build_tokenizer(), prompts, **dream_args) == expected
+
+
+@pytest.mark.parametrize("arguments, name", [({"steps": 0}, "steps"), ({"steps": -4}, "steps"),
+                                             ({"max_new_tokens": 0}, "max_new_tokens"),
+                                             ({"block_length": 0}, "block_length")])
+def test_dream_schedule_refuses_non_positive_values(arguments, name):
+    # under Dream's released generation_config (alg "origin", steps 512) a call's steps=0 (e.g. `trl-diffusion eval
+    # --steps 0`) silently became the config's 512 steps; max_new_tokens=0 / block_length=0 crashed with
+    # ZeroDivisionError before any check
+    model = tiny_model("dream")
+    model.generation_config = GenerationConfig(alg="origin", steps=512, eps=1e-3)
+    with pytest.raises(ValueError, match=name):
+        model.generate(torch.tensor([[5, 6, 7]]), **{"max_new_tokens": 16, **arguments})
