@@ -140,10 +140,18 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
                          **generate_kwargs) -> list[str]:
     """Greedy completions of ``prompts`` with ``model.generate`` (left-padded batches). With ``chat_template`` the
     prompts are chat-formatted (conversational datasets); without, they are ``prompt + "\\n"`` as in the
-    ``prompt_completion`` format."""
-    settings = {"max_new_tokens": 16, "block_length": model.block_size or 16,
-                "remasking_strategy": "low_confidence_static", "temperature": 0.0, **generate_kwargs}
-    settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
+    ``prompt_completion`` format.
+
+    Every setting that changes the tokens is given (``generate_kwargs`` override them), so the model's
+    ``generation_config`` does not: no top-k / top-p (SDAR's and TraDo's released files hold Qwen3's top_k 20 and
+    top_p 0.95, which would filter the greedy confidences), no ``alg_temp``, no guidance, and no approximate cache
+    (``use_cache=True``: SDAR's exact cache, none on LLaDA / Dream; a saved TraceRL policy may hold "prefix")."""
+    settings = {"max_new_tokens": 16, "block_length": model.block_size or 16, "temperature": 0.0, "top_k": 0,
+                "top_p": 1.0, "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, **generate_kwargs}
+    if generate_kwargs.get("alg") is None:  # Dream's `alg` names the commit rule itself
+        settings.setdefault("remasking_strategy", "low_confidence_static")
+    if generate_kwargs.get("steps") is None:  # Dream's `steps` (whole generation) replaces the per-block steps
+        settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
     padding_side = tokenizer.padding_side
     tokenizer.padding_side = "left"
     device = next(model.parameters()).device
@@ -164,8 +172,9 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
 def evaluate_accuracy(model, tokenizer, problems: list[ArithmeticProblem], batch_size: int = 64,
                       **generate_kwargs) -> float:
     """Fraction of ``problems`` whose greedy completion (chat template, left padding, ``model.generate`` at
-    temperature 0) boxes exactly the right answer. ``generate_kwargs`` override the defaults
-    (16 new tokens, block length = model block size or 16, one token per denoising step)."""
+    temperature 0) boxes exactly the right answer. ``generate_kwargs`` override the defaults (16 new tokens, block
+    length = model block size or 16, ``low_confidence_static`` with one token per denoising step, no top-k / top-p;
+    see ``generate_completions``); Dream's ``alg`` / ``steps`` replace the strategy / the per-block steps."""
     if not problems:
         raise ValueError("no problems to evaluate.")
     was_training = model.training

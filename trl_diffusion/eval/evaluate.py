@@ -86,8 +86,10 @@ class EvalConfig:
     confidence_threshold: float | None = _arg(None, "Threshold of low_confidence_dynamic.")
     temperature: float | None = _arg(None, "Sampling temperature (0 = greedy; default: the model's generation "
                                      "config, greedy when it sets none).")
-    top_k: int | None = _arg(None, "Top-k filtering (0 or none = off).")
-    top_p: float | None = _arg(None, "Top-p filtering.")
+    top_k: int | None = _arg(None, "Top-k filtering (0 = off; default: the model's generation config, e.g. SDAR's "
+                             "and TraDo's top_k 20, else off).")
+    top_p: float | None = _arg(None, "Top-p filtering (1.0 = off; default: the model's generation config, e.g. "
+                               "SDAR's and TraDo's top_p 0.95, else off).")
     use_cache: str | None = _arg(None, "KV cache: true (SDAR exact), false, prefix or dual (LLaDA/Dream).")
     stop_token_ids: list[int] | None = _arg(None, "Token ids that end a completion (default: the model's eos).")
     steps: int | None = _arg(None, "Dream: total denoising steps over the whole generation.")

@@ -101,8 +101,10 @@ class DiffusionGenerationMixin:
             if kwargs.get("denoising_steps") is not None:
                 steps = kwargs["denoising_steps"]
             else:
-                dream_steps = kwargs.get("steps") or (from_config("steps") if alg else None)
-                steps = steps_for_dream(dream_steps or max_new_tokens, max_new_tokens, block_length)
+                dream_steps = kwargs["steps"] if kwargs.get("steps") is not None else (
+                    from_config("steps") if alg else None)
+                steps = steps_for_dream(max_new_tokens if dream_steps is None else dream_steps, max_new_tokens,
+                                        block_length)
         use_cache = pick("use_cache")
         if isinstance(use_cache, str):
             cache_mode = use_cache

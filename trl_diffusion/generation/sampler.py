@@ -333,6 +333,9 @@ def _to_output(input_ids, attention_mask, layout, canvas, generated, unmask_step
 
 def steps_for_dream(total_steps: int, max_new_tokens: int, block_length: int) -> int:
     """Dream's ``steps`` counts the whole generation; convert it to steps per block."""
+    for name, value in (("steps", total_steps), ("max_new_tokens", max_new_tokens), ("block_length", block_length)):
+        if value <= 0:  # 0 is not "unset": the caller's steps=0 used to become the config's (Dream's 512)
+            raise ValueError(f"{name} must be positive, got {value}.")
     blocks = math.ceil(max_new_tokens / block_length)
     if total_steps % blocks:
         raise ValueError(f"steps ({total_steps}) must be divisible by the number of blocks ({blocks}).")
