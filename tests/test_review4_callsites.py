@@ -5,20 +5,12 @@ import json
 
 import pytest
 import torch
+from test_review2_loading import RELEASED_GENERATION  # the released generation_config.json files
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from trl_diffusion.data.arithmetic import _chat_prompt, _completion_text, generate_completions, make_problems
 from trl_diffusion.testing import build_tokenizer, tiny_model
 
-# The released generation_config.json files, token ids those of the tiny tokenizer (eos/pad 0, end of turn 2).
-RELEASED_GENERATION = {
-    "sdar": {"bos_token_id": 0, "do_sample": True, "eos_token_id": [2, 0], "pad_token_id": 0, "temperature": 0.6,
-             "top_k": 20, "top_p": 0.95, "transformers_version": "4.51.0"},
-    "llada": {"_from_model_config": True, "bos_token_id": 1, "eos_token_id": 0, "transformers_version": "4.38.2"},
-    "dream": {"_from_model_config": True, "alg": "origin", "alg_temp": None, "bos_token_id": 0, "eos_token_id": 0,
-              "eps": 0.001, "mask_token_id": None, "output_history": False, "pad_token_id": 0, "steps": 512,
-              "temperature": 0.0, "top_k": None, "top_p": None, "transformers_version": "4.46.2"},
-}
 PROMPTS = [p.prompt for p in make_problems(0, 14, seed=3)[1][6:]]
 
 
