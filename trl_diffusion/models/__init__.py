@@ -6,6 +6,7 @@ from .cache import DiffusionCache
 from .common import DiffusionModelMixin, check_tokenizer, model_argument
 from .dream import DreamConfig, DreamModel, DreamTokenizer
 from .llada import LLaDAConfig, LLaDAModelLM
+from .remote_code import carry_remote_code, carry_tokenizer_code
 from .sdar import SDARConfig, SDARForCausalLM, SDARModel
 
 FAMILIES = {
@@ -49,6 +50,8 @@ __all__ = [
     "FAMILIES",
     "DiffusionCache",
     "DiffusionModelMixin",
+    "carry_remote_code",
+    "carry_tokenizer_code",
     "check_tokenizer",
     "model_argument",
     "DreamConfig",

@@ -27,6 +27,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
+from ..models.remote_code import carry_tokenizer_code
 from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
@@ -153,6 +154,12 @@ class DiffusionSFTTrainer(SFTTrainer):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         model_id = self.hub_model_id or self.args.output_dir
         finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}))
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then the tokenizer's released remote
+        code is carried along (``models/remote_code.py``; the model's comes with its ``config.json``)."""
+        super()._save(output_dir, state_dict=state_dict)
+        carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
 
     def _save_checkpoint(self, model, trial):
         """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting.

@@ -41,6 +41,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
+from ..models.remote_code import carry_tokenizer_code
 from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
@@ -583,10 +584,13 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then, on the process that writes, the
-        rollout sampler into ``generation_config.json`` (``save_rollout_generation_config``)."""
+        rollout sampler into ``generation_config.json`` (``save_rollout_generation_config``) and the tokenizer's
+        released remote code (``models/remote_code.py``; the model's comes with its ``config.json``)."""
         super()._save(output_dir, state_dict=state_dict)
-        if self.args.save_rollout_generation_config and self.args.should_save:
-            self._rollout_generation_config().save_pretrained(output_dir or self.args.output_dir)
+        if self.args.should_save:
+            if self.args.save_rollout_generation_config:
+                self._rollout_generation_config().save_pretrained(output_dir or self.args.output_dir)
+            carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
 
     def _rollout_generation_config(self) -> GenerationConfig:
         """A copy of the policy's generation config with the rollout sampler written in, in the names ``generate()``

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ..remote_code import CarryRemoteCodeConfig
 
-class DreamConfig(PreTrainedConfig):
+
+class DreamConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults follow the released ``configuration_dream.py``. ``model_type`` is ``"Dream"``
     (capital D) as in the released ``config.json``."""
 

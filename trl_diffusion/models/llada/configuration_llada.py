@@ -6,8 +6,10 @@ from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
 
+from ..remote_code import CarryRemoteCodeConfig
 
-class LLaDAConfig(PreTrainedConfig):
+
+class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults are those of the released ``configuration_llada.py`` (its ``ModelConfig``
     dataclass; note they are *not* the 8B values, which every ``config.json`` sets). ``num_attention_heads``,
     ``num_hidden_layers`` and ``hidden_size`` read ``n_heads``, ``n_layers`` and ``d_model``."""

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ..remote_code import CarryRemoteCodeConfig
 
-class SDARConfig(PreTrainedConfig):
+
+class SDARConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults follow the released ``configuration_sdar.py`` (the Qwen3 config of transformers
     4.52); ``block_size`` and ``mask_token_id`` come from the released ``config.json``. Other released extras
     (``fuse_cross_entropy``, ``debug``, ``ep_size``, ``micro_forward``, ``skip_checkpoint``, ``use_deepep``) are
