@@ -3,9 +3,11 @@
 ``trust_remote_code=True`` without trl_diffusion (dLLM-RL's scripts, the model cards' snippets) loads it."""
 
 import json
+import shutil
 import subprocess
 import sys
 
+import huggingface_hub
 import pytest
 import torch
 from datasets import Dataset
@@ -102,35 +104,53 @@ def test_saved_folders_load_in_the_released_code(tmp_path):
         assert entry["markers"] == [f"released {family} code"], entry
 
 
-def test_hub_source_points_the_auto_map_at_its_repository(tmp_path):
-    """A model loaded from the Hub has no code files locally: the saved references name the source repository
-    (transformers' "repo--module.Class"), which trust_remote_code resolves there; our classes still load the folder
-    offline, with or without trust_remote_code."""
-    write_released("sdar", tmp_path / "snapshot")
-    model = AutoModelForCausalLM.from_pretrained(tmp_path / "snapshot")
-    model.config._name_or_path = "Gen-Verse/TraDo-4B-Instruct"  # as from_pretrained("Gen-Verse/TraDo-4B-Instruct")
+def hub_snapshot(cache, repo_id: str):
+    """The Hub cache's folder for ``repo_id`` at ``main`` (what ``from_pretrained(repo_id)`` downloads into)."""
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("a" * 40)
+    return repo / "snapshots" / ("a" * 40)
+
+
+def test_hub_source_points_the_auto_map_at_its_repository(tmp_path, monkeypatch):
+    """A model loaded from the Hub (offline, from the Hub cache; we never download the .py files): the saved
+    references name the source repository (transformers' "repo--module.Class"), which trust_remote_code resolves
+    there; our classes still load the folder offline, with or without trust_remote_code; the tokenizer's [slow, fast]
+    references likewise."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = hub_snapshot(tmp_path / "hub", "Dream-org/Dream-v0-Instruct-7B")
+    write_released("dream", snapshot, **DREAM_IDS)
+    write_dream_tokenizer(snapshot)
+    model = AutoModelForCausalLM.from_pretrained("Dream-org/Dream-v0-Instruct-7B")
+    tokenizer = AutoTokenizer.from_pretrained("Dream-org/Dream-v0-Instruct-7B")
     model.save_pretrained(tmp_path / "saved")
+    tokenizer.save_pretrained(tmp_path / "saved")
+    carry_tokenizer_code(tmp_path / "saved", tokenizer)
     auto_map = json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"]
-    assert auto_map == {key: f"Gen-Verse/TraDo-4B-Instruct--{ref}"
-                        for key, ref in RELEASED_EXTRAS["sdar"]["auto_map"].items()}
-    assert model.config.auto_map == RELEASED_EXTRAS["sdar"]["auto_map"]  # the live config is left as loaded
+    assert auto_map == {key: f"Dream-org/Dream-v0-Instruct-7B--{ref}"
+                        for key, ref in RELEASED_EXTRAS["dream"]["auto_map"].items()}
+    assert json.loads((tmp_path / "saved" / "tokenizer_config.json").read_text())["auto_map"] == {
+        "AutoTokenizer": ["Dream-org/Dream-v0-Instruct-7B--tokenization_dream.DreamTokenizer", None]}
+    assert model.config.auto_map == RELEASED_EXTRAS["dream"]["auto_map"]  # the live config is left as loaded
     for trust in (False, True):
         again = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", trust_remote_code=trust)
         assert type(again) is type(model)
-    # saving the re-loaded folder keeps the repository references as they are
-    again.save_pretrained(tmp_path / "twice")
+    again.save_pretrained(tmp_path / "twice")  # repository references are kept as they are
     assert json.loads((tmp_path / "twice" / "config.json").read_text())["auto_map"] == auto_map
 
 
-def test_tokenizer_references_and_lists(tmp_path):
-    """Tokenizer auto_maps map to [slow, fast] pairs (either may be None): each string is pointed at the repo."""
-    write_dream_tokenizer(tmp_path)
-    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
-    tokenizer.name_or_path = "Dream-org/Dream-v0-Instruct-7B"  # as from_pretrained("Dream-org/Dream-v0-Instruct-7B")
-    carry_tokenizer_code(tmp_path, tokenizer)
-    saved = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert saved["auto_map"] == {"AutoTokenizer": ["Dream-org/Dream-v0-Instruct-7B--tokenization_dream.DreamTokenizer",
-                                                   None]}
+def test_a_vanished_relative_source_is_not_taken_for_a_repository(tmp_path, monkeypatch):
+    """``out/checkpoint-500`` (a relative path, since deleted) reads like a repository name: no "repo--" reference
+    may be made up from it; the user is warned instead."""
+    monkeypatch.chdir(tmp_path)
+    write_released("sdar", tmp_path / "out" / "checkpoint-500")
+    model = AutoModelForCausalLM.from_pretrained("out/checkpoint-500")
+    shutil.rmtree(tmp_path / "out")
+    with CaptureLogger(logger) as captured:
+        model.save_pretrained(tmp_path / "saved")
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"] == \
+        RELEASED_EXTRAS["sdar"]["auto_map"]
+    assert "configuration_sdar.py, modeling_sdar.py" in captured.out and "out/checkpoint-500" in captured.out
 
 
 def test_a_source_without_the_code_is_named_in_a_warning(tmp_path):

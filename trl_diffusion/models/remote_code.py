@@ -8,8 +8,9 @@ trained here. After a save, :func:`carry_remote_code` brings the code along, as 
 remote-code model it loaded itself:
 
 * the source is a local folder with the files: they are copied, with the files they import relatively;
-* the source is a Hub repository: each reference becomes ``"<repo>--<module>.<Class>"``, which transformers resolves
-  from that repository (the released repos hold the code);
+* the source is a Hub repository (its file is in the Hub cache: a relative path that no longer exists reads like a
+  repository name too): each reference becomes ``"<repo>--<module>.<Class>"``, which transformers resolves from that
+  repository (the released repos hold the code);
 * otherwise: a warning names the files the folder lacks.
 
 The source is where the saved object was loaded from (``config._name_or_path``, ``tokenizer.name_or_path``).
@@ -23,6 +24,8 @@ import re
 import shutil
 from pathlib import Path
 
+from huggingface_hub import try_to_load_from_cache
+from huggingface_hub.errors import HFValidationError
 from transformers.dynamic_module_utils import get_relative_imports
 from transformers.utils import logging
 
@@ -49,6 +52,16 @@ def _with_relative_imports(folder: Path, module_files: list[str]) -> list[str]:
     return found
 
 
+def _downloaded_from_hub(source: str, file_name: str) -> bool:
+    """Whether ``source`` names a Hub repository whose ``file_name`` this machine downloaded."""
+    if not _REPO_ID.match(source) or "--" in source or ".." in source:
+        return False
+    try:
+        return isinstance(try_to_load_from_cache(source, file_name), str)
+    except HFValidationError:
+        return False
+
+
 def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | None,
                       file_name: str = "config.json") -> None:
     """Make the ``auto_map`` of ``directory/file_name`` loadable from ``directory`` (see the module docstring).
@@ -70,7 +83,7 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
             if not (Path(directory) / name).exists():
                 shutil.copyfile(folder / name, Path(directory) / name)
         missing = [name for name in missing if not (folder / name).is_file()]
-    elif _REPO_ID.match(source) and "--" not in source and ".." not in source:
+    elif _downloaded_from_hub(source, file_name):
         def point(reference):
             return f"{source}--{reference}" if isinstance(reference, str) and "--" not in reference else reference
 
