@@ -86,8 +86,17 @@ def history(folder: Path) -> list[dict]:
     return json.loads((folder / "log_history.json").read_text())
 
 
-def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4, skip: frozenset = frozenset()):
-    """Same log entries, same keys, and every number equal within ``rel`` (timings and ``skip`` aside)."""
+VALUE_REL = 1e-3
+"""The value model's parameters agree to ~1e-4 of its learning rate (Adam's first step is ~lr * sign(grad)), so
+metrics computed from its predictions agree to ~1e-4 relative, more where they cancel (``value/explained_variance``
+= 1 - Var(R - V) / Var(R) near -4 differed by 1.3e-4 between layouts on an AMD host): across layouts ``value/*``
+compares at 1e-3, still far below what mixing up the ranks' trajectories would change."""
+
+
+def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4, skip: frozenset = frozenset(),
+                        value_rel: float | None = None):
+    """Same log entries, same keys, and every number equal within ``rel`` (``value/*`` within ``value_rel`` if
+    given; timings and ``skip`` aside)."""
     assert [e.get("step") for e in got] == [e.get("step") for e in expected]
     for mine, theirs in zip(got, expected):
         keys = set(mine) - TIMING - skip
@@ -96,7 +105,8 @@ def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4
             a, b = mine[key], theirs[key]
             if isinstance(a, float) and isinstance(b, float) and not (math.isnan(a) and math.isnan(b)):
                 floor = NOISE_FLOOR.get(key, 1e-6)
-                assert a == pytest.approx(b, rel=rel, abs=floor), f"step {mine.get('step')}: {key}"
+                tolerance = value_rel if value_rel is not None and key.startswith("value/") else rel
+                assert a == pytest.approx(b, rel=tolerance, abs=floor), f"step {mine.get('step')}: {key}"
             else:
                 assert a == b, f"step {mine.get('step')}: {key}"
 
@@ -153,7 +163,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(runs, job):
         # shows up at ~1e-4 of its learning rate (0.5)
         atol = 1e-3 if name.startswith("value.") else 1e-5
         torch.testing.assert_close(two[name], one[name], atol=atol, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    assert_same_metrics(history(runs["two"] / job), history(runs["one"] / job))
+    assert_same_metrics(history(runs["two"] / job), history(runs["one"] / job), value_rel=VALUE_REL)
 
 
 def population_z_score(rewards: torch.Tensor) -> torch.Tensor:
