@@ -82,12 +82,14 @@ def push_checkpoint(trainer, out) -> None:
 def test_mid_training_push_uploads_the_local_release_code(tmp_path, hub, name):
     """Before: the upload held config.json naming configuration_dream.py / modeling_dream.py (and the tokenizer's
     tokenization_dream.py) without the files. Now they are in output_dir, byte for byte, before the upload starts;
-    the trainer keeps its tokenizer."""
+    the trainer keeps its tokenizer. The checkpoint has them too (the value trainer's saves did not carry the
+    tokenizer's)."""
     model, tokenizer = dream_release_with_tokenizer(tmp_path)
     out = tmp_path / "out"
     trainer = make_trainer(name, model, tokenizer, out)
     push_checkpoint(trainer, out)
     [upload] = hub.uploads
+    assert {p.name for p in (out / "checkpoint-1").glob("*.py")} == DREAM_CODE
     assert {p.name for p in upload.glob("*.py")} == DREAM_CODE
     for file_name in DREAM_CODE:
         assert (upload / file_name).read_bytes() == (tmp_path / "dream" / file_name).read_bytes()
