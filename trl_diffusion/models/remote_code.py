@@ -11,9 +11,11 @@ remote-code model it loaded itself:
 * the source is a Hub repository (its file is in the Hub cache: a relative path that no longer exists reads like a
   repository name too): each reference becomes ``"<repo>--<module>.<Class>"``, which transformers resolves from that
   repository (the released repos hold the code);
-* otherwise: a warning names the files the folder lacks.
+* otherwise: a warning names the files the folder lacks and how to copy them in (once per source and file).
 
 The source is where the saved object was loaded from (``config._name_or_path``, ``tokenizer.name_or_path``).
+Mid-training Hub pushes upload ``output_dir`` rather than the checkpoint: :func:`push_from_checkpoint_with_code`
+puts the code there first.
 """
 
 from __future__ import annotations
@@ -22,22 +24,31 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from transformers.dynamic_module_utils import get_relative_imports
+from transformers.trainer_utils import HubStrategy
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_AUTO_MAP_FILES = ("config.json", "tokenizer_config.json")
+_warned: set[tuple[str, str, tuple[str, ...]]] = set()  # (source, file name, missing files) already warned about
 
 
 def _references(auto_map: dict) -> list[str]:
     """Every class reference in an ``auto_map`` (tokenizers map to ``[slow, fast]`` pairs, either may be None)."""
     values = [v for value in auto_map.values() for v in (value if isinstance(value, list) else [value])]
     return [v for v in values if isinstance(v, str)]
+
+
+def _modules(saved: dict) -> set[str]:
+    """The ``.py`` files an ``auto_map`` names in its own folder (``"repo--module.Class"`` references excluded)."""
+    return {f"{r.split('.')[0]}.py" for r in _references(saved.get("auto_map") or {}) if "--" not in r}
 
 
 def _with_relative_imports(folder: Path, module_files: list[str]) -> list[str]:
@@ -72,8 +83,7 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
     if not path.is_file():
         return
     saved = json.loads(path.read_text(encoding="utf-8"))
-    references = [r for r in _references(saved.get("auto_map") or {}) if "--" not in r]
-    missing = sorted({f"{r.split('.')[0]}.py" for r in references} - {p.name for p in Path(directory).glob("*.py")})
+    missing = sorted(_modules(saved) - {p.name for p in Path(directory).glob("*.py")})
     if not missing:
         return
     source = os.fspath(source) if source else ""
@@ -91,11 +101,14 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
                              for key, value in saved["auto_map"].items()}
         path.write_text(json.dumps(saved, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
         missing = []
-    if missing:
+    if missing and (source, file_name, tuple(missing)) not in _warned:
+        _warned.add((source, file_name, tuple(missing)))
         logger.warning(
             f"{path} has an auto_map naming {', '.join(missing)}, which {directory} does not have and its source "
             f"({source or 'unknown'}) could not provide: without trl_diffusion, trust_remote_code=True cannot load "
-            "this folder until the release's .py files are copied into it."
+            "this folder. Copy the files in from a folder holding the release's .py files with "
+            f"trl_diffusion.models.carry_remote_code({os.fspath(directory)!r}, '<release folder>', {file_name!r}). "
+            "Said once: later folders saved from this source lack them too."
         )
 
 
@@ -115,3 +128,45 @@ def carry_tokenizer_code(directory: str | os.PathLike, processing_class) -> None
     after saving a tokenizer yourself). ``processing_class`` is a tokenizer or a processor holding one."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     carry_remote_code(directory, getattr(tokenizer, "name_or_path", None), "tokenizer_config.json")
+
+
+def copy_carried_code(folder: str | os.PathLike, directory: str | os.PathLike) -> list[str]:
+    """Copy into ``directory`` the ``.py`` files of ``folder`` that the ``auto_map`` of its ``config.json`` and
+    ``tokenizer_config.json`` name, with the files they import relatively; returns their names."""
+    folder = Path(folder)
+    modules = set().union(*(_modules(json.loads((folder / name).read_text(encoding="utf-8")))
+                            for name in _AUTO_MAP_FILES if (folder / name).is_file()))
+    copied = _with_relative_imports(folder, sorted(modules))
+    for name in copied:
+        shutil.copyfile(folder / name, Path(directory) / name)
+    return copied
+
+
+def _pushes(trainer) -> bool:
+    """Whether transformers' ``Trainer._push_from_checkpoint`` uploads on this call (its own early returns)."""
+    args, in_progress = trainer.args, getattr(trainer, "push_in_progress", None)
+    busy = in_progress is not None and not in_progress.is_done()
+    return trainer.is_world_process_zero() and args.hub_strategy != HubStrategy.END and (
+        args.hub_always_push or not busy)
+
+
+def push_from_checkpoint_with_code(trainer, checkpoint_folder: str, push: Callable[[str], None]) -> None:
+    """transformers' ``Trainer._push_from_checkpoint`` (``push``), with the released remote code in what it uploads.
+
+    ``push`` copies a fixed list of files (weights, ``config.json``, ...) from the checkpoint into ``output_dir``,
+    saves the processing class there and starts uploading ``output_dir`` in the background at once, so the code must
+    be in place before it runs: the checkpoint's carried ``.py`` files are copied first, and the processing class is
+    saved and its code carried here, held back from ``push`` (its save would write the ``tokenizer_config.json``
+    ``auto_map`` as loaded, without a Hub source's ``"repo--"`` references, after the carry)."""
+    processing_class = trainer.processing_class
+    if _pushes(trainer):
+        output_dir = trainer.args.output_dir
+        copy_carried_code(checkpoint_folder, output_dir)
+        if processing_class is not None:
+            processing_class.save_pretrained(output_dir)
+            carry_tokenizer_code(output_dir, processing_class)
+    trainer.processing_class = None
+    try:
+        push(checkpoint_folder)
+    finally:
+        trainer.processing_class = processing_class

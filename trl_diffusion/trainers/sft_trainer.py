@@ -27,7 +27,7 @@ from trl import SFTConfig, SFTTrainer
 
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
-from ..models.remote_code import carry_tokenizer_code
+from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
@@ -160,6 +160,10 @@ class DiffusionSFTTrainer(SFTTrainer):
         code is carried along (``models/remote_code.py``; the model's comes with its ``config.json``)."""
         super()._save(output_dir, state_dict=state_dict)
         carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """transformers' mid-training Hub push, with the released remote code in what it uploads."""
+        push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
 
     def _save_checkpoint(self, model, trial):
         """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting.

@@ -41,7 +41,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
-from ..models.remote_code import carry_tokenizer_code
+from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
@@ -591,6 +591,10 @@ class TraceRLTrainer(GRPOTrainer):
             if self.args.save_rollout_generation_config:
                 self._rollout_generation_config().save_pretrained(output_dir or self.args.output_dir)
             carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """transformers' mid-training Hub push, with the released remote code in what it uploads."""
+        push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
 
     def _rollout_generation_config(self) -> GenerationConfig:
         """A copy of the policy's generation config with the rollout sampler written in, in the names ``generate()``

@@ -22,6 +22,7 @@ from trl.trainer.utils import pad
 
 from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
+from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import resolve_model_attention_backend
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
@@ -101,6 +102,17 @@ class DiffusionValueTrainer(_BaseTrainer):
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         finish_model_card(self, value_quick_start(self.hub_model_id or self.args.output_dir))
+
+    def _save(self, output_dir: str | None = None, state_dict=None):
+        """transformers' save, then the tokenizer's released remote code is carried along (``models/remote_code.py``;
+        the model's comes with its ``config.json``)."""
+        super()._save(output_dir, state_dict=state_dict)
+        if self.args.should_save:
+            carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+
+    def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
+        """transformers' mid-training Hub push, with the released remote code in what it uploads."""
+        push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:
