@@ -357,6 +357,14 @@ def check_field_types(config: object, base: type | None = None) -> None:
             raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__}).")
 
 
+def check_block_size_applies(name: str, value: int | None, model_block_size: int | None) -> None:
+    """Refuse a configured block size (the field ``name``) for a full-attention model (``model_block_size`` None:
+    LLaDA, Dream), which trainers score and train without blocks, so that the value would be silently ignored."""
+    if value is not None and model_block_size is None:
+        raise ValueError(f"{name}={value} was set, but the model has full attention (LLaDA / Dream: no blocks to "
+                         f"train or score with); leave {name} at None.")
+
+
 def check_no_liger_kernel(use_liger_kernel: bool) -> None:
     """Refuse ``use_liger_kernel`` (configs call it at construction): Liger has no kernels for these model types,
     so it would patch nothing, and the diffusion losses compute their own log-softmax."""
