@@ -15,9 +15,13 @@ Block alignment follows each family's published sampler:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
+import numbers
 import re
+import types
+import typing
 from dataclasses import dataclass
 
 import torch
@@ -284,6 +288,81 @@ def check_attention_backend(backend: str) -> None:
     """Raise a clear error for a name not in ``ATTENTION_BACKENDS`` (configs call it at construction)."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {backend!r}.")
+
+
+@dataclass(frozen=True)
+class FieldKind:
+    """What a config field's annotation allows: a ``bool`` / ``int`` / ``float`` (``scalar``), optionally ``None``,
+    optionally a list of them."""
+
+    scalar: type
+    optional: bool = False
+    listed: bool = False
+
+    def admits(self, value: object) -> bool:
+        """Whether ``value`` fits: bool is not an int, an int is a float, a list field takes a list or tuple."""
+        if value is None:
+            return self.optional
+        if self.listed:
+            return isinstance(value, (list, tuple)) and all(self._admits_scalar(item) for item in value)
+        return self._admits_scalar(value)
+
+    def _admits_scalar(self, value: object) -> bool:
+        if self.scalar is bool:
+            return isinstance(value, bool)
+        kind = numbers.Integral if self.scalar is int else numbers.Real
+        return isinstance(value, kind) and not isinstance(value, bool)
+
+    def __str__(self) -> str:
+        name = self.scalar.__name__
+        text = f"a list of {name}" if self.listed else f"{'an' if name == 'int' else 'a'} {name}"
+        return text + (" or None" if self.optional else "")
+
+
+def field_kind(annotation: object) -> FieldKind | None:
+    """The ``FieldKind`` of a resolved annotation (``bool``, ``int``, ``float``, ``X | None``, ``list[X]``,
+    ``list[X] | None``), or None for any other annotation (strings, dicts, unions of several types)."""
+    optional = False
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(members) != 1:
+            return None
+        optional, annotation = True, members[0]
+    listed = typing.get_origin(annotation) is list
+    if listed:
+        (annotation,) = typing.get_args(annotation) or (None,)
+    if annotation not in (bool, int, float):
+        return None
+    return FieldKind(annotation, optional, listed)
+
+
+@functools.cache
+def own_field_kinds(cls: type, base: type | None = None) -> dict[str, FieldKind]:
+    """The ``FieldKind`` of every bool / int / float field that dataclass ``cls`` declares and ``base`` (a TRL
+    config it extends; None = no base) does not."""
+    inherited = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+    hints = typing.get_type_hints(cls)
+    kinds = {f.name: field_kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in inherited}
+    return {name: kind for name, kind in kinds.items() if kind is not None}
+
+
+def check_field_types(config: object, base: type | None = None) -> None:
+    """Raise a ValueError naming the field, the value and the expected type for a value of one of ``config``'s own
+    fields (see ``own_field_kinds``) that does not match its annotation: ``mask_eps="1e-3"``,
+    ``value_batch_size=64.0`` or ``truncate_at_eos="false"`` would otherwise fail late or misbehave silently.
+    Configs call it in ``__post_init__``; the command line and config files convert values before."""
+    for name, kind in own_field_kinds(type(config), base).items():
+        value = getattr(config, name)
+        if not kind.admits(value):
+            raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__}).")
+
+
+def check_block_size_applies(name: str, value: int | None, model_block_size: int | None) -> None:
+    """Refuse a configured block size (the field ``name``) for a full-attention model (``model_block_size`` None:
+    LLaDA, Dream), which trainers score and train without blocks, so that the value would be silently ignored."""
+    if value is not None and model_block_size is None:
+        raise ValueError(f"{name}={value} was set, but the model has full attention (LLaDA / Dream: no blocks to "
+                         f"train or score with); leave {name} at None.")
 
 
 def check_no_liger_kernel(use_liger_kernel: bool) -> None:

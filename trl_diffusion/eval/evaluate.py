@@ -27,6 +27,7 @@ from ..rewards import (
 )
 from ..rewards.dllm_rl_code import extract_code_official, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
+from ..states import check_field_types
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
@@ -43,6 +44,8 @@ MATH_GRADERS = ("math_verify", "official")
 CODE_GRADERS = ("sandbox", "official")
 """``code_grader`` values: the code reward's extraction and ``code_timeout`` (ours), or dLLM-RL's
 (``reward/execute.py``: ``python`` fences only, the row's ``test_time_limit``, one run per stdio case)."""
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+"""``dtype`` values: ``auto`` is bfloat16 on GPU, float32 on CPU."""
 _CACHE_VALUES = {"true": True, "false": False, "exact": "exact", "none": "none", "prefix": "prefix", "dual": "dual"}
 
 
@@ -58,8 +61,9 @@ class EvalConfig:
     model_name_or_path: str | None = _arg(None, "Model path or Hub id (default: the embedded tiny model).")
     tokenizer_name_or_path: str | None = _arg(None, "Tokenizer path or Hub id (default: the model's).")
     dtype: str = _arg("auto", "Weights dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32.",
-                      choices=["auto", "bfloat16", "float16", "float32"])
-    device: str | None = _arg(None, "Device, e.g. cuda:0 or cpu (default: cuda if available).")
+                      choices=list(DTYPES))
+    device: str | None = _arg(None, "Device, e.g. cuda:0 or cpu, as torch.device parses it (default: cuda if "
+                              "available).")
     dataset_name: str = _arg("arithmetic", "math500, gsm8k, aime2024, humaneval, mbpp, arithmetic, a local "
                              ".json/.jsonl/.parquet file, or a Hub dataset id owner/name (format detected from "
                              "columns). Also --dataset.", aliases=["--dataset"])
@@ -91,7 +95,8 @@ class EvalConfig:
     top_p: float | None = _arg(None, "Top-p filtering (1.0 = off; default: the model's generation config, e.g. "
                                "SDAR's and TraDo's top_p 0.95, else off).")
     use_cache: str | None = _arg(None, "KV cache: true (SDAR exact), false, prefix or dual (LLaDA/Dream).")
-    stop_token_ids: list[int] | None = _arg(None, "Token ids that end a completion (default: the model's eos).")
+    stop_token_ids: list[int] | None = _arg(None, "Token ids (each >= 0) that end a completion (default: the model's "
+                                            "eos).")
     steps: int | None = _arg(None, "Dream: total denoising steps over the whole generation.")
     alg: str | None = _arg(None, "Dream: origin, maskgit_plus, topk_margin or entropy.")
     alg_temp: float | None = _arg(None, "Dream: confidence temperature.")
@@ -108,14 +113,31 @@ class EvalConfig:
                             "the last ```python block only; the row's test_time_limit (default 1 s) + 2 s per "
                             "function completion, test_time_limit per stdio case, each case its own run).",
                             choices=list(CODE_GRADERS))
-    code_timeout: float = _arg(10.0, "Seconds per code completion (program and all its tests) in the sandbox "
-                               "(code_grader sandbox).")
-    code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB (whole sandbox with a memory cgroup, "
+    code_timeout: float = _arg(10.0, "Seconds (finite, > 0) per code completion (program and all its tests) in the "
+                               "sandbox (code_grader sandbox).")
+    code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB, >= 1 (whole sandbox with a memory cgroup, "
                                 "always each process's address space).")
-    code_workers: int = _arg(4, "Code sandboxes run concurrently.")
+    code_workers: int = _arg(4, "Code sandboxes run concurrently (>= 1).")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
     progress: bool = _arg(True, "Show a progress bar.")
+
+    def __post_init__(self) -> None:
+        """Field types (bool / int / float fields, see ``states.check_field_types``) and the ranges of the load and
+        code-sandbox settings, checked before any model or dataset is loaded."""
+        check_field_types(self)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}.")
+        if self.device is not None:
+            _check_device(self.device)
+        if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
+            raise ValueError(f"code_timeout must be a finite number of seconds > 0, got {self.code_timeout}.")
+        for name in ("code_memory_mb", "code_workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
+        negative = [i for i in self.stop_token_ids or [] if i < 0]
+        if negative:
+            raise ValueError(f"stop_token_ids must all be >= 0, got {negative} in {self.stop_token_ids}.")
 
     def generate_kwargs(self, dataset_tag: str | None = None) -> dict[str, Any]:
         """The ``model.generate`` arguments that were set (dataset defaults fill the rest for ``arithmetic``)."""
@@ -147,6 +169,15 @@ class EvalConfig:
         if bad:
             raise ValueError(f"pass@k needs 1 <= k <= num_samples ({self.num_samples}); got k={bad}.")
         return ks
+
+
+def _check_device(device: str) -> None:
+    """Raise a ValueError unless ``device`` parses as a ``torch.device`` (e.g. ``cpu``, ``cuda``, ``cuda:1``)."""
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise ValueError(f"device must be a torch device such as 'cpu', 'cuda' or 'cuda:0', got {device!r} "
+                         f"({error}).") from None
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

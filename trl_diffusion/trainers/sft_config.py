@@ -6,10 +6,14 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_no_liger_kernel
+from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
+NONE_STRINGS = ("None", "none")
+"""``diffusion_objective`` strings that mean None (the command line passes ``--diffusion_objective None`` as text)."""
+
+
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
     """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
@@ -20,22 +24,23 @@ class DiffusionSFTConfig(SFTConfig):
             `"block"` (SDAR / BD3-LM: noisy and clean copies in one forward), `"random_masking"` (LLaDA / Dream
             masked-diffusion ELBO), `"semi_ar"` (full-attention semi-autoregressive blocks), `"complementary"`
             (a mask and its complement), or `"trajectory"` (the states a recorded rollout visited; needs an
-            `unmask_step` column). `None` picks `"block"` for block-causal models and `"random_masking"` otherwise.
+            `unmask_step` column). `None` (also the strings `"None"` / `"none"`, as the command line passes it)
+            picks `"block"` for block-causal models and `"random_masking"` otherwise.
         loss_weighting (`str`, *optional*, defaults to `"elbo"`):
             `"elbo"` weights each masked token by 1/t (t = its mask ratio); `"none"` weights all by 1.
         mask_eps (`float`, *optional*, defaults to `1e-3`):
-            Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1).
+            Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1). Must lie in (0, 0.5).
         exclude_mask_token_from_softmax (`bool`, *optional*, defaults to `True`):
             Leave the mask token out of the loss's softmax; `False` scores over the whole vocabulary, as the
             released SFT code does.
         block_size (`int` or `None`, *optional*):
-            Block size for block-causal models. `None` uses the model's; another value retrains the model at that
-            block size and is written to `model.config.block_size`.
+            Block size (>= 1) for block-causal models; an error on full-attention models. `None` uses the model's;
+            another value retrains the model at that block size and is written to `model.config.block_size`.
         semi_ar_block_length (`int`, *optional*, defaults to `32`):
-            Length of the semi-autoregressive blocks of `"semi_ar"` (counted from the end of the prompt).
+            Length (>= 1) of the semi-autoregressive blocks of `"semi_ar"` (counted from the end of the prompt).
         trajectory_shrinkage (`int`, *optional*, defaults to `1`):
-            `"trajectory"`: merge this many consecutive denoising steps into one training state (within each block
-            for block-causal models, as TraceRL).
+            `"trajectory"`: merge this many (>= 1) consecutive denoising steps into one training state (within each
+            block for block-causal models, as TraceRL).
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
@@ -52,8 +57,8 @@ class DiffusionSFTConfig(SFTConfig):
         default=None,
         metadata={
             "help": "Diffusion SFT objective: 'block', 'random_masking', 'semi_ar', 'complementary' or "
-            "'trajectory'. None picks 'block' for block-causal models and 'random_masking' otherwise.",
-            "choices": [None, *OBJECTIVES],
+            "'trajectory'. None (also 'none') picks 'block' for block-causal models and 'random_masking' otherwise.",
+            "choices": [*NONE_STRINGS, *OBJECTIVES],
         },
     )
     loss_weighting: str = field(
@@ -63,7 +68,7 @@ class DiffusionSFTConfig(SFTConfig):
     )
     mask_eps: float = field(
         default=1e-3,
-        metadata={"help": "Smallest mask ratio: t = eps + (1 - eps) * u, u ~ U(0, 1)."},
+        metadata={"help": "Smallest mask ratio, in (0, 0.5): t = eps + (1 - eps) * u, u ~ U(0, 1)."},
     )
     exclude_mask_token_from_softmax: bool = field(
         default=True,
@@ -73,16 +78,17 @@ class DiffusionSFTConfig(SFTConfig):
     )
     block_size: int | None = field(
         default=None,
-        metadata={"help": "Block size for block-causal models. None uses the model's; another value retrains the "
-                  "model at that block size and writes it to model.config.block_size."},
+        metadata={"help": "Block size (>= 1) for block-causal models; an error on full-attention models. None uses "
+                  "the model's; another value retrains the model at that block size and writes it to "
+                  "model.config.block_size."},
     )
     semi_ar_block_length: int = field(
         default=32,
-        metadata={"help": "Length of the 'semi_ar' blocks, counted from the end of the prompt."},
+        metadata={"help": "Length (>= 1) of the 'semi_ar' blocks, counted from the end of the prompt."},
     )
     trajectory_shrinkage: int = field(
         default=1,
-        metadata={"help": "'trajectory': merge this many consecutive denoising steps into one training state "
+        metadata={"help": "'trajectory': merge this many (>= 1) consecutive denoising steps into one training state "
                   "(within each block for block-causal models, as TraceRL)."},
     )
     pad_to_length_with_eos: bool = field(
@@ -103,7 +109,10 @@ class DiffusionSFTConfig(SFTConfig):
     )
 
     def __post_init__(self):
+        if self.diffusion_objective in NONE_STRINGS:
+            self.diffusion_objective = None
         super().__post_init__()
+        check_field_types(self, SFTConfig)
         check_attention_backend(self.attention_backend)
         if self.diffusion_objective is not None and self.diffusion_objective not in OBJECTIVES:
             raise ValueError(f"diffusion_objective must be one of {OBJECTIVES} or None, got "

@@ -28,7 +28,7 @@ from trl import SFTConfig, SFTTrainer
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
-from ..states import resolve_model_attention_backend
+from ..states import check_block_size_applies, resolve_model_attention_backend
 from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
 from .sft_config import DiffusionSFTConfig
 
@@ -276,8 +276,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             spec = read_model_spec(model)
         except ValueError as error:  # the model's own "no mask token" message
             raise ValueError(str(error)) from None
-        if args.block_size is not None and spec.block_size is None:
-            raise ValueError(f"block_size={args.block_size} was set, but the model has full attention.")
+        check_block_size_applies("block_size", args.block_size, spec.block_size)
         if spec.block_size and spec.logits_shift:
             raise ValueError("block-causal models with shifted logits are not supported.")
         resolve_objective(args.diffusion_objective, spec)

@@ -11,11 +11,14 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampling import REMASKING_STRATEGIES
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_no_liger_kernel
+from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
 from .tracerl_objective import STEP_NORMALIZATIONS
 
 ROLLOUT_STRATEGIES = tuple(name for name in REMASKING_STRATEGIES if name != "origin")
 """Strategies of a per-block rollout schedule (``denoising_steps``); Dream's ``origin`` needs its linspace one."""
+GRPO_LOSS_TYPES = ("grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo")
+"""TRL 1.16 ``GRPOConfig.loss_type`` values (its trainer raises on any other only when the loss is computed)."""
+LOSS_TYPES = ("tracerl", *GRPO_LOSS_TYPES)
 
 
 @dataclass
@@ -91,8 +94,9 @@ class TraceRLConfig(GRPOConfig):
     )
     training_block_size: int | None = field(
         default=None,
-        metadata={"help": "Block size used to score block models (default: `block_length`). May differ from the "
-                  "rollout's, e.g. 4 -> 8 for block-size adaptation."},
+        metadata={"help": "Block size (>= 1) used to score block models (default: `block_length`). May differ from "
+                  "the rollout's, e.g. 4 -> 8 for block-size adaptation. An error on full-attention (LLaDA / Dream) "
+                  "models, which are scored without blocks."},
     )
     step_normalization: str = field(
         default="step",
@@ -110,7 +114,8 @@ class TraceRLConfig(GRPOConfig):
                   "its optimizer steps. Masking estimators count dLLM-RL's rows: one per mask ('random_masking'), "
                   "two per pair ('coupled_pairs'), one per response ('coupled', 'mean_field'). Any TRL loss type "
                   "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) aggregates as in GRPOTrainer, over the token weights "
-                  "of step_normalization: exactly GRPOTrainer's loss needs step_normalization='sequence'."},
+                  "of step_normalization: exactly GRPOTrainer's loss needs step_normalization='sequence'.",
+                  "choices": list(LOSS_TYPES)},
     )
     beta: float = field(
         default=0.01,
@@ -233,20 +238,20 @@ class TraceRLConfig(GRPOConfig):
                   "V_clip = V_old + clip(V - V_old, -cliprange_value, cliprange_value)."},
     )
     value_learning_rate: float = field(
-        default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer, constant "
-                                "(lr_scheduler_type and warm-up apply to the policy only)."}
+        default=5e-6, metadata={"help": "Value model: learning rate of its own AdamW optimizer, finite and > 0, "
+                                "constant (lr_scheduler_type and warm-up apply to the policy only)."}
     )
     value_batch_size: int | None = field(
         default=256,
-        metadata={"help": "Value model: training rows per value optimizer step, over all processes. It takes "
+        metadata={"help": "Value model: training rows per value optimizer step (>= 1), over all processes. It takes "
                   "ceil(rows / value_batch_size) steps per generation batch: one epoch over the rows of the groups "
                   "that survive the filter (dLLM-RL: 8 GPUs x 32 accumulation x 1 row = 256). None: as many steps "
                   "as the policy takes per generation batch."},
     )
     value_train_every: int = field(
         default=1,
-        metadata={"help": "Value model: train it on every k-th generation batch (1 = every one). Advantages always "
-                  "come from the value model as it was before that batch's update."},
+        metadata={"help": "Value model: train it on every k-th (k >= 1) generation batch (1 = every one). Advantages "
+                  "always come from the value model as it was before that batch's update."},
     )
 
     def __post_init__(self):
@@ -258,6 +263,7 @@ class TraceRLConfig(GRPOConfig):
                           "(False).", FutureWarning, stacklevel=3)
             self.rollout_cache, self.use_cache = old, False
         super().__post_init__()
+        check_field_types(self, GRPOConfig)
         self._check_objective()
         if self.rollout_cuda_graphs not in ("auto", "off"):
             raise ValueError(f"rollout_cuda_graphs must be 'auto' or 'off', got {self.rollout_cuda_graphs!r}.")
@@ -287,9 +293,10 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
         if not (0.0 <= self.gamma <= 1.0 and 0.0 <= self.lam <= 1.0):
             raise ValueError(f"gamma and lam must lie in [0, 1], got gamma={self.gamma}, lam={self.lam}.")
-        if not self.value_learning_rate > 0 or self.value_train_every < 1:
-            raise ValueError("need value_learning_rate > 0 and value_train_every >= 1, got "
-                             f"{self.value_learning_rate} and {self.value_train_every}.")
+        if not (math.isfinite(self.value_learning_rate) and self.value_learning_rate > 0):
+            raise ValueError(f"value_learning_rate must be a finite number > 0, got {self.value_learning_rate}.")
+        if self.value_train_every < 1:
+            raise ValueError(f"value_train_every must be >= 1, got {self.value_train_every}.")
         if not self.temperature > 0:
             raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
         if self.use_vllm or self.use_transformers_continuous_batching:
@@ -369,6 +376,8 @@ class TraceRLConfig(GRPOConfig):
         if not 0.0 <= self.group_accuracy_low <= self.group_accuracy_high <= 1.0:
             raise ValueError("need 0 <= group_accuracy_low <= group_accuracy_high <= 1, got "
                              f"{self.group_accuracy_low} and {self.group_accuracy_high}.")
+        if self.loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}.")
         if self.step_normalization not in STEP_NORMALIZATIONS:
             raise ValueError(f"step_normalization must be one of {STEP_NORMALIZATIONS}, got "
                              f"{self.step_normalization!r}.")

@@ -42,7 +42,7 @@ from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, e
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
-from ..states import completion_blocks, resolve_model_attention_backend, trajectory_groups
+from ..states import check_block_size_applies, completion_blocks, resolve_model_attention_backend, trajectory_groups
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -138,6 +138,7 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
+        check_block_size_applies("training_block_size", args.training_block_size, base.block_size)
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_no_liger_kernel
+from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
 
 
 @dataclass
@@ -16,14 +16,15 @@ class DiffusionValueConfig(_BaseConfig):
 
     Args:
         gamma (`float`, *optional*, defaults to `1.0`):
-            Discount over merged denoising steps; the target of token j is `R_j = r_j + gamma * R*_{t(j)+1}`
+            Discount over merged denoising steps, in [0, 1]; the target of token j is `R_j = r_j + gamma * R*_{t(j)+1}`
             (the reward itself when `gamma = 1`).
         shrinkage (`int`, *optional*, defaults to `1`):
-            Merge this many consecutive denoising steps into one state, as `TraceRLConfig.shrinkage`.
+            Merge this many (>= 1) consecutive denoising steps into one state, as `TraceRLConfig.shrinkage`.
         training_block_size (`int` or `None`, *optional*):
-            Block size used to build the states of a block-causal value model (default: the model's).
+            Block size (>= 1) used to build the states of a block-causal value model (default: the model's); an
+            error for a full-attention (LLaDA / Dream) value model, whose states have no blocks.
         scoring_token_budget (`int` or `None`, *optional*, defaults to `16384`):
-            Maximum padded tokens per forward (packed rows are chunked to stay under it).
+            Maximum padded tokens per forward (>= 1; packed rows are chunked to stay under it).
         truncate_at_eos (`bool`, *optional*, defaults to `True`):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
@@ -39,16 +40,18 @@ class DiffusionValueConfig(_BaseConfig):
         default=False, metadata={"help": "Keep the trajectory columns (the collator reads them)."}
     )
     gamma: float = field(
-        default=1.0, metadata={"help": "Discount over merged denoising steps (TRL PPO's `gamma`)."}
+        default=1.0, metadata={"help": "Discount over merged denoising steps, in [0, 1] (TRL PPO's `gamma`)."}
     )
     shrinkage: int = field(
-        default=1, metadata={"help": "Merge this many consecutive denoising steps into one state (as TraceRL)."}
+        default=1, metadata={"help": "Merge this many (>= 1) consecutive denoising steps into one state (as TraceRL)."}
     )
     training_block_size: int | None = field(
-        default=None, metadata={"help": "Block size for block-causal value models (default: the model's)."}
+        default=None, metadata={"help": "Block size (>= 1) for block-causal value models (default: the model's); an "
+                                "error for full-attention (LLaDA / Dream) value models."}
     )
     scoring_token_budget: int | None = field(
-        default=16384, metadata={"help": "Maximum padded tokens per forward (rows are chunked to stay under it)."}
+        default=16384, metadata={"help": "Maximum padded tokens per forward, >= 1 or None (rows are chunked to stay "
+                                 "under it)."}
     )
     truncate_at_eos: bool = field(
         default=True,
@@ -63,6 +66,7 @@ class DiffusionValueConfig(_BaseConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        check_field_types(self, _BaseConfig)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}.")
         if self.shrinkage < 1:

@@ -23,7 +23,7 @@ from trl.trainer.utils import pad
 from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
-from ..states import resolve_model_attention_backend
+from ..states import check_block_size_applies, resolve_model_attention_backend
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
 from .value_model import DiffusionValueModel, token_values
@@ -80,6 +80,7 @@ class DiffusionValueTrainer(_BaseTrainer):
             args = DiffusionValueConfig(f"{str(model.config._name_or_path or 'model').split('/')[-1]}-Value")
         elif not isinstance(args, DiffusionValueConfig):
             raise TypeError(f"args must be a DiffusionValueConfig, got {type(args).__name__}.")
+        check_block_size_applies("training_block_size", args.training_block_size, model.block_size)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
