@@ -278,3 +278,47 @@ def test_private_root_shows_no_host_directories(isolation):
     tests = ["assert only_ours", "assert home == []", "assert 'usr' in root and 'proc' in root"]
     result = run_tests(program, tests, SandboxLimits(timeout=5.0))
     assert (result.status, result.outcomes) == ("ok", [True, True, True]), (result.errors, result.output)
+
+
+@pytest.mark.parametrize(
+    ("limits", "message"),
+    [
+        ({"timeout": float("inf")}, "timeout must be finite and > 0"),
+        ({"timeout": 0}, "timeout must be finite and > 0"),
+        ({"timeout": float("nan")}, "timeout must be finite and > 0"),
+        ({"timeout": "3"}, "timeout must be a number"),
+        ({"timeout": True}, "timeout must be a number"),
+        ({"cpu_seconds": 0}, "cpu_seconds must be an int >= 1"),
+        ({"memory_mb": 0}, "memory_mb must be an int >= 1"),
+        ({"max_processes": -1}, "max_processes must be an int >= 1"),
+        ({"max_output_bytes": 1.5}, "max_output_bytes must be an int >= 1"),
+        ({"max_file_bytes": True}, "max_file_bytes must be an int >= 1"),
+        ({"max_disk_bytes": 0}, "max_disk_bytes must be an int >= 1"),
+        ({"max_open_files": "256"}, "max_open_files must be an int >= 1"),
+    ],
+)
+def test_limits_no_run_could_pass_under_are_refused_when_built(limits, message):
+    """Before, memory_mb=0 or max_output_bytes=0 failed every program (reward 0 for all) and timeout=inf raised
+    OverflowError inside a run; now the limits are refused when built, naming the field."""
+    with pytest.raises(ValueError, match=message):
+        SandboxLimits(**limits)
+
+
+def test_reward_and_eval_settings_reach_the_limit_checks():
+    """The code reward and the dLLM-RL code reward build their limits at construction, so a bad setting fails there."""
+    from trl_diffusion.rewards import make_code_reward, make_official_code_reward
+
+    with pytest.raises(ValueError, match="timeout must be finite"):
+        make_code_reward(timeout=float("inf"))
+    with pytest.raises(ValueError, match="memory_mb must be an int >= 1"):
+        make_official_code_reward(memory_mb=0)
+    assert SandboxLimits(timeout=2, cpu_seconds=3).timeout == 2  # ints are fine for the seconds
+
+
+@pytest.mark.parametrize("time_limit", [0, -1, float("inf"), "nan"])
+def test_official_code_rows_time_limit_is_checked_before_a_run(time_limit):
+    """A dataset row's test_time_limit that no run could use is an error naming the column, not a sandbox error."""
+    from trl_diffusion.rewards.dllm_rl_code import run_official
+
+    with pytest.raises(ValueError, match="test_time_limit must be a finite number of seconds > 0"):
+        run_official("print(1)", ["assert True"], stdio=False, time_limit=time_limit)

@@ -24,6 +24,7 @@ of a completion earns the full reward); here it fails them, as in :mod:`.code_re
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -121,6 +122,8 @@ def run_official(
     the other sandbox limits; ``time_limit`` ``None`` is dLLM-RL's default, 1 s. ``outcomes`` has one verdict per
     test; ``status`` is the first run's that was not ``"ok"``."""
     limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"test_time_limit must be a finite number of seconds > 0, got {time_limit!r}.")
     base = limits or SandboxLimits()
     if not stdio:
         result = run_tests(program, tests, replace(base, timeout=limit + function_slack), python)

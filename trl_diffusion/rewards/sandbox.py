@@ -54,6 +54,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import numbers
 import os
 import re
 import shutil
@@ -74,6 +75,9 @@ _UID_BASE = 100_000_000
 _UID_COUNTER = itertools.count()
 _PROBE_TIMEOUT = 10.0
 _MAX_DEPTH = 100  # nesting depth of a probe's value (verdict.MAX_DEPTH; repeated: the child imports no package)
+_COUNT_LIMITS = ("memory_mb", "max_processes", "max_output_bytes", "max_file_bytes", "max_disk_bytes",
+                 "max_open_files")
+"""``SandboxLimits`` fields that are whole numbers >= 1."""
 _MAX_NODES = 1_000_000  # values in one probe's result
 
 
@@ -102,6 +106,20 @@ class SandboxLimits:
     max_file_bytes: int = 16 * 1024 * 1024
     max_disk_bytes: int = 64 * 1024 * 1024
     max_open_files: int = 256
+
+    def __post_init__(self) -> None:
+        """Refuse limits no run could pass under (``memory_mb=0``, ``max_output_bytes=0``: every program would fail
+        and score 0) or that fail only inside a run (``timeout=inf``): a clear error when the limits are built."""
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, numbers.Real):
+            raise ValueError(f"SandboxLimits.timeout must be a number of seconds, got {self.timeout!r}.")
+        if not (math.isfinite(self.timeout) and self.timeout > 0):
+            raise ValueError(f"SandboxLimits.timeout must be finite and > 0, got {self.timeout}.")
+        counts = {name: getattr(self, name) for name in _COUNT_LIMITS}
+        if self.cpu_seconds is not None:
+            counts["cpu_seconds"] = self.cpu_seconds
+        for name, value in counts.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(f"SandboxLimits.{name} must be an int >= 1, got {value!r}.")
 
 
 @dataclass
@@ -1079,10 +1097,10 @@ def _install_seccomp() -> bool:
     machine = os.uname().machine
     if machine not in _SYSCALLS:
         return False
-    _, arch, x32, numbers = _SYSCALLS[machine]
+    _, arch, x32, syscall_numbers = _SYSCALLS[machine]
     load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
     deny, allow = 0x00050000 | errno.EPERM, 0x7FFF0000
-    checks = ([(jge, 0x40000000)] if x32 else []) + [(jeq, nr) for nr in numbers.values()]
+    checks = ([(jge, 0x40000000)] if x32 else []) + [(jeq, nr) for nr in syscall_numbers.values()]
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (load, 0, 0, 0)]
     program += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]  # jump to the final deny
     program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
