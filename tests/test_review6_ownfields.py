@@ -92,6 +92,18 @@ def test_only_fields_our_class_adds_are_checked():
         check_field_types(Ours(flags=[1]), Base)
 
 
+def test_base_fields_our_class_redeclares_are_checked():
+    """A TRL field we redeclare with our own default (TraceRL's beta / use_bias_correction_kl, the value config's
+    learning_rate / remove_unused_columns) is ours to check too."""
+    from trl_diffusion import DiffusionValueConfig, TraceRLConfig
+
+    for make, name, value in [(TraceRLConfig, "beta", "0.01"), (TraceRLConfig, "use_bias_correction_kl", "true"),
+                              (DiffusionValueConfig, "learning_rate", "1e-5"),
+                              (DiffusionValueConfig, "remove_unused_columns", 0)]:
+        with pytest.raises(ValueError, match=f"^{name} must be"):
+            make(**CPU, **{name: value})
+
+
 # ------------------------------------------------------------------------------------ --diffusion_objective None
 
 

@@ -338,11 +338,13 @@ def field_kind(annotation: object) -> FieldKind | None:
 
 @functools.cache
 def own_field_kinds(cls: type, base: type | None = None) -> dict[str, FieldKind]:
-    """The ``FieldKind`` of every bool / int / float field that dataclass ``cls`` declares and ``base`` (a TRL
-    config it extends; None = no base) does not."""
-    inherited = {f.name for f in dataclasses.fields(base)} if base is not None else set()
+    """The ``FieldKind`` of every bool / int / float field that dataclass ``cls`` or a class between it and ``base``
+    (a TRL config it extends; None = no base) declares, including base fields it redeclares (e.g. TraceRL's ``beta``
+    with its own default)."""
+    ours = cls.__mro__[: cls.__mro__.index(base)] if base is not None else cls.__mro__
+    declared = set().union(*(vars(klass).get("__annotations__", {}) for klass in ours))
     hints = typing.get_type_hints(cls)
-    kinds = {f.name: field_kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name not in inherited}
+    kinds = {f.name: field_kind(hints[f.name]) for f in dataclasses.fields(cls) if f.name in declared}
     return {name: kind for name, kind in kinds.items() if kind is not None}
 
 
