@@ -198,3 +198,27 @@ def test_trainer_saves_carry_model_and_tokenizer_code(tmp_path, trainer_name):
     [entry] = load_without_trl_diffusion([out])
     assert entry["markers"] == ["released dream code"]
     assert entry["tokenizer_marker"] == "released dream tokenizer"
+
+
+def test_hub_source_with_the_code_in_its_cached_snapshot_is_copied(tmp_path, monkeypatch):
+    """A repository downloaded whole (``snapshot_download``, or loaded once with trust_remote_code): the saved folder
+    gets the code copied from the cached snapshot, with the auto_map as released, so it loads offline without a
+    reference back to the Hub; a snapshot missing a relatively imported file keeps the repository references."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    snapshot = hub_snapshot(tmp_path / "hub", "JetLM/SDAR-1.7B-Chat")
+    write_released("sdar", snapshot)
+    files = write_stand_in_code(snapshot, "sdar")
+    model = AutoModelForCausalLM.from_pretrained("JetLM/SDAR-1.7B-Chat")
+    model.save_pretrained(tmp_path / "saved")
+    copied = {p.name for p in (tmp_path / "saved").glob("*.py")}
+    assert copied == set(files) - {"unrelated_script.py"}, copied
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["auto_map"] == \
+        RELEASED_EXTRAS["sdar"]["auto_map"]
+    (entry,) = load_without_trl_diffusion([tmp_path / "saved"])
+    assert entry["markers"] == ["released sdar code"], entry
+
+    (snapshot / "released_helper_sdar.py").unlink()  # incomplete: copying would leave a broken import
+    model.save_pretrained(tmp_path / "saved-incomplete")
+    assert not list((tmp_path / "saved-incomplete").glob("*.py"))
+    assert all(ref.startswith("JetLM/SDAR-1.7B-Chat--") for ref in
+               json.loads((tmp_path / "saved-incomplete" / "config.json").read_text())["auto_map"].values())

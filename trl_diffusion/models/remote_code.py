@@ -8,9 +8,11 @@ trained here. After a save, :func:`carry_remote_code` brings the code along, as 
 remote-code model it loaded itself:
 
 * the source is a local folder with the files: they are copied, with the files they import relatively;
+* the source is a Hub repository whose cached snapshot holds the code (downloaded with ``snapshot_download`` or an
+  earlier ``trust_remote_code=True`` load): the files are copied from there, so the folder loads offline;
 * the source is a Hub repository (its file is in the Hub cache: a relative path that no longer exists reads like a
-  repository name too): each reference becomes ``"<repo>--<module>.<Class>"``, which transformers resolves from that
-  repository (the released repos hold the code);
+  repository name too) without the code in the cache: each reference becomes ``"<repo>--<module>.<Class>"``, which
+  transformers resolves from that repository (the released repos hold the code);
 * otherwise: a warning names the files the folder lacks and how to copy them in (once per source and file).
 
 The source is where the saved object was loaded from (``config._name_or_path``, ``tokenizer.name_or_path``).
@@ -63,14 +65,23 @@ def _with_relative_imports(folder: Path, module_files: list[str]) -> list[str]:
     return found
 
 
-def _downloaded_from_hub(source: str, file_name: str) -> bool:
-    """Whether ``source`` names a Hub repository whose ``file_name`` this machine downloaded."""
+def _hub_snapshot(source: str, file_name: str) -> Path | None:
+    """The Hub cache's snapshot folder (``main``) of the repository ``source`` names, when this machine downloaded
+    its ``file_name`` there; None for anything else (a local path, a repository never downloaded)."""
     if not _REPO_ID.match(source) or "--" in source or ".." in source:
-        return False
+        return None
     try:
-        return isinstance(try_to_load_from_cache(source, file_name), str)
+        cached = try_to_load_from_cache(source, file_name)
     except HFValidationError:
-        return False
+        return None
+    return Path(cached).parent if isinstance(cached, str) else None
+
+
+def _holds_code(folder: Path, module_files: list[str]) -> bool:
+    """Whether ``folder`` has every one of ``module_files`` and every file they import relatively."""
+    needed = _with_relative_imports(folder, module_files)
+    return set(module_files) <= set(needed) and all(
+        (folder / f"{module}.py").is_file() for name in needed for module in get_relative_imports(folder / name))
 
 
 def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | None,
@@ -87,13 +98,14 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
     if not missing:
         return
     source = os.fspath(source) if source else ""
-    if source and os.path.isdir(source):
-        folder = Path(source)
+    snapshot = None if not source or os.path.isdir(source) else _hub_snapshot(source, file_name)
+    if source and os.path.isdir(source) or snapshot is not None and _holds_code(snapshot, missing):
+        folder = Path(source) if snapshot is None else snapshot
         for name in _with_relative_imports(folder, missing):
             if not (Path(directory) / name).exists():
                 shutil.copyfile(folder / name, Path(directory) / name)
         missing = [name for name in missing if not (folder / name).is_file()]
-    elif _downloaded_from_hub(source, file_name):
+    elif snapshot is not None:
         def point(reference):
             return f"{source}--{reference}" if isinstance(reference, str) and "--" not in reference else reference
 
