@@ -268,6 +268,25 @@ def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
     return model.to(device).eval(), tokenizer
 
 
+def _check_loadable(config: EvalConfig) -> None:
+    """What :func:`load_model_and_tokenizer` will need, checked before the dataset loads: the model and tokenizer
+    (a path must be a directory; a Hub id must be cached while the Hub is offline) and a CUDA ``device`` that
+    exists here."""
+    from ..assets import check_hub_model_cached, resolve_model_path
+
+    for name in (config.model_name_or_path, config.tokenizer_name_or_path):
+        if name:
+            check_hub_model_cached(resolve_model_path(name))
+    device = torch.device(config.device) if config.device else None
+    if device is not None and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: CUDA is not available here (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} GPUs visible); pass --device cpu or leave it unset.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {config.device!r}: only {torch.cuda.device_count()} CUDA device(s) are "
+                             "visible here.")
+
+
 def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> str:
     """The text fed to the model: the chat template with a generation prompt (or the raw prompt)."""
     if not config.apply_chat_template:
@@ -332,6 +351,8 @@ def evaluate(
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     _check_single_process()
+    if model is None or isinstance(model, (str, Path)):
+        _check_loadable(config)
     ks = config.resolved_pass_k()
     config.math_reward()  # an unknown grader fails before the model loads
     config.check_code_grader()
