@@ -358,6 +358,7 @@ def evaluate(
     config.check_code_grader()
     if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
+    chat_by_default = config.apply_chat_template is None
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
     if config.batch_size is None:
@@ -391,11 +392,24 @@ def evaluate(
         "metrics_file": None,
     }
     report["metrics"].update(_speed(rows, seconds, forward_passes))
+    if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
+        logger.warning(PLAIN_PROMPT_HINT)
     if samples_path is not None:
         metrics_path = samples_path.with_suffix(".metrics.json")
         report["metrics_file"] = str(metrics_path)
         metrics_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+PLAIN_PROMPT_HINT = (
+    "every sample scored 0 with the prompts in the tokenizer's chat template, the default for every model but the "
+    "embedded one. A model trained on plain prompts (a copy of the embedded model, or what examples/*.py train from "
+    "it, e.g. outputs/math) needs --apply_chat_template false.")
+"""Logged when an evaluation that chose the chat template by default scores nothing."""
+
+
+def _all_wrong(metrics: dict[str, Any]) -> bool:
+    return metrics.get("num_scored", 0) > 0 and metrics.get("accuracy") == 0.0
 
 
 _OLD_NAMES = {"dataset_split": "dataset_test_split"}
