@@ -6,7 +6,9 @@ pages resolves."""
 from __future__ import annotations
 
 import importlib
+import logging
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -15,9 +17,10 @@ from huggingface_hub import constants
 from test_cli import load_example, one_line_error
 
 from trl_diffusion import DiffusionSFTConfig, TraceRLConfig
-from trl_diffusion.assets import check_hub_model_cached
+from trl_diffusion.assets import EMBEDDED_MODEL, check_hub_model_cached
 from trl_diffusion.cli import explain_unknown_flags, main, parse_script_args
 from trl_diffusion.eval import evaluate
+from trl_diffusion.eval.evaluate import PLAIN_PROMPT_HINT
 from trl_diffusion.value import DiffusionValueConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,3 +195,27 @@ def test_relative_links_and_anchors_resolve():
 def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / target.partition("#")[0]).resolve() for _, target in _links(ROOT / "README.md")}
     assert not [page.name for page in (ROOT / "docs").glob("*.md") if page.resolve() not in linked]
+
+
+@pytest.fixture(scope="module")
+def embedded_copy(tmp_path_factory):
+    """The embedded model saved elsewhere, as the examples save what they train (``outputs/math``)."""
+    folder = tmp_path_factory.mktemp("trained") / "math"
+    shutil.copytree(EMBEDDED_MODEL, folder)
+    return folder
+
+
+def test_eval_of_an_embedded_copy_scoring_nothing_says_to_drop_the_chat_template(embedded_copy, caplog):
+    """``trl-diffusion eval --model_name_or_path outputs/math`` right after an example: the copy is another model,
+    so the chat template is the default and every sample scores 0; before, nothing said why."""
+    with caplog.at_level(logging.WARNING, logger=evaluate_module.__name__):
+        report = evaluate(model_name_or_path=str(embedded_copy), max_problems=4, output_dir="", progress=False)
+    assert report["apply_chat_template"] is True and report["metrics"]["accuracy"] == 0.0
+    assert PLAIN_PROMPT_HINT in caplog.text and "--apply_chat_template false" in PLAIN_PROMPT_HINT
+
+
+def test_no_plain_prompt_hint_when_the_template_was_chosen(embedded_copy, caplog):
+    with caplog.at_level(logging.WARNING, logger=evaluate_module.__name__):
+        report = evaluate(model_name_or_path=str(embedded_copy), max_problems=4, output_dir="", progress=False,
+                          apply_chat_template=True)
+    assert report["metrics"]["accuracy"] == 0.0 and PLAIN_PROMPT_HINT not in caplog.text
