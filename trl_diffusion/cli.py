@@ -46,6 +46,11 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     return text
 
 
+EVAL_ONLY_NAMES = ("math500", "aime2024", "humaneval", "arithmetic")
+"""``trl-diffusion eval``'s short names that are no Hub dataset id and have no training split; given to an example
+script as ``dataset_name`` they are an error. (``gsm8k`` and ``mbpp`` are also Hub ids with a train split.)"""
+
+
 UNUSED_MODEL_FLAGS = {
     "trust_remote_code": "import trl_diffusion registers SDAR, LLaDA and Dream with the Auto classes.",
     "attn_implementation": "attention kernels follow attention_backend (training) and the masks the sampler builds.",
@@ -75,9 +80,9 @@ def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
     from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
-    ``dataset_name`` that names a local file (it must exist), ``reward_funcs`` (a list, not one name), no flag of
-    ``UNUSED_MODEL_FLAGS``, and every ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train``
-    takes)."""
+    ``dataset_name`` that names a local file (it must exist) or is one of :data:`EVAL_ONLY_NAMES`,
+    ``reward_funcs`` (a list, not one name), no flag of ``UNUSED_MODEL_FLAGS``, and every
+    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
 
@@ -87,6 +92,10 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         dataset = getattr(args, "dataset_name", None)
         if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
+        if dataset in EVAL_ONLY_NAMES:
+            raise UsageError(f"dataset_name {dataset!r} is a benchmark name of `trl-diffusion eval`, not a training "
+                             "set: leave --dataset_name unset for the synthetic arithmetic task, or pass a Hub "
+                             "dataset id or a local file (the math recipes train on Gen-Verse/MATH_train).")
         if isinstance(getattr(args, "reward_funcs", None), str):
             raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "
                              f"config file write reward_funcs: [{args.reward_funcs}]).")
