@@ -219,3 +219,18 @@ def test_no_plain_prompt_hint_when_the_template_was_chosen(embedded_copy, caplog
         report = evaluate(model_name_or_path=str(embedded_copy), max_problems=4, output_dir="", progress=False,
                           apply_chat_template=True)
     assert report["metrics"]["accuracy"] == 0.0 and PLAIN_PROMPT_HINT not in caplog.text
+
+
+@pytest.mark.parametrize("name", ["math", "sft", "code"])
+def test_an_eval_benchmark_name_is_not_a_training_set(capsys, name):
+    """``--dataset_name math500`` is what ``trl-diffusion eval`` takes; an example took it for a Hub id and failed
+    after the model loaded ("Couldn't reach 'math500' on the Hub"). ``gsm8k`` / ``mbpp`` stay: Hub ids with a train
+    split."""
+    parser = load_example(name).make_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parse_script_args(parser, ["--dataset_name", "math500"])
+    assert exit_info.value.code == 2
+    line = one_line_error(capsys, parser.prog)
+    assert "'math500' is a benchmark name of `trl-diffusion eval`" in line and "leave --dataset_name unset" in line
+    script_args = parse_script_args(parser, ["--dataset_name", "gsm8k", "--dataset_config", "main"])[0]
+    assert (script_args.dataset_name, script_args.dataset_config) == ("gsm8k", "main")
