@@ -2,14 +2,17 @@
 ``TrlParser`` (so ``--config file.yaml`` works too) and returns an exit status.
 
 :func:`parse_script_args` gives the example scripts the same behaviour: a bad argument is one line
-``<prog>: error: <what is wrong>`` on stderr and exit status 2, never a traceback.
+``<prog>: error: <what is wrong>`` on stderr and exit status 2, never a traceback (an unknown flag is named with the
+closest real one), and the same ``--help`` (:func:`clear_help`).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -43,6 +46,11 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     return text
 
 
+EVAL_ONLY_NAMES = ("math500", "aime2024", "humaneval", "arithmetic")
+"""``trl-diffusion eval``'s short names that are no Hub dataset id and have no training split; given to an example
+script as ``dataset_name`` they are an error. (``gsm8k`` and ``mbpp`` are also Hub ids with a train split.)"""
+
+
 UNUSED_MODEL_FLAGS = {
     "trust_remote_code": "import trl_diffusion registers SDAR, LLaDA and Dream with the Auto classes.",
     "attn_implementation": "attention kernels follow attention_backend (training) and the masks the sampler builds.",
@@ -70,18 +78,24 @@ def load_pretrained(model_args: Any) -> tuple[Any, Any]:
 
 def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
-    that names no directory fails; see :func:`trl_diffusion.assets.resolve_model_path`), a ``dataset_name`` that
-    names a local file (it must exist), ``reward_funcs`` (a list, not one name), no flag of ``UNUSED_MODEL_FLAGS``, and
-    every ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
-    from .assets import resolve_model_path
+    that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
+    from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
+    ``dataset_name`` that names a local file (it must exist) or is one of :data:`EVAL_ONLY_NAMES`,
+    ``reward_funcs`` (a list, not one name), no flag of ``UNUSED_MODEL_FLAGS``, and every
+    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
+    from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
-            resolve_model_path(args.model_name_or_path)
+            check_hub_model_cached(resolve_model_path(args.model_name_or_path), getattr(args, "model_revision", None))
         dataset = getattr(args, "dataset_name", None)
         if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
+        if dataset in EVAL_ONLY_NAMES:
+            raise UsageError(f"dataset_name {dataset!r} is a benchmark name of `trl-diffusion eval`, not a training "
+                             "set: leave --dataset_name unset for the synthetic arithmetic task, or pass a Hub "
+                             "dataset id or a local file (the math recipes train on Gen-Verse/MATH_train).")
         if isinstance(getattr(args, "reward_funcs", None), str):
             raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "
                              f"config file write reward_funcs: [{args.reward_funcs}]).")
@@ -92,6 +106,27 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``HfArgumentParser``'s formatter, without a ``(default: None)`` after a help that states its own default
+    (``default: the embedded tiny model``) and without one on a ``--no_<flag>`` switch, whose stored ``False`` is not
+    the field's default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if "default:" in (action.help or "") or isinstance(action, argparse._StoreFalseAction):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def clear_help(parser: Any) -> Any:
+    """Make ``--help`` say what each flag does: :class:`HelpFormatter`, and each ``--no_<flag>`` switch (which
+    ``HfArgumentParser`` gives the help of ``--<flag>``, e.g. "Show a progress bar.") described as the switch-off."""
+    parser.formatter_class = HelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._StoreFalseAction) and action.option_strings[0].startswith("--no_"):
+            action.help = f"Same as --{action.dest} false."
+    return parser
 
 
 def one_line_errors(parser: Any) -> Any:
@@ -134,12 +169,12 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[A
     (a config's validation, a config file value of the wrong type, a missing model directory or dataset file, a
     config file key no dataclass has) exits with status 2 after printing ``<prog>: error: <message>``; so do
     argparse's own errors (:func:`one_line_errors`)."""
-    one_line_errors(check_config_values(parser))
+    one_line_errors(check_config_values(clear_help(parser)))
     try:
         parsed = parser.parse_args_and_config(args=argv)
         check_script_args(parsed)
     except ValueError as exc:
-        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
         sys.exit(2)
     return parsed
 
@@ -148,20 +183,40 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split())
 
 
+UNUSED_ARGUMENTS = "Some specified arguments are not used by the HfArgumentParser"
+"""How ``HfArgumentParser`` reports command-line arguments no dataclass field takes."""
+
+
+def explain_unknown_flags(parser: Any, message: str) -> str:
+    """``HfArgumentParser``'s message for unknown arguments, rewritten to name each unknown flag with the closest
+    real one (``--max_problms (did you mean --max_problems?)``); any other message is returned unchanged."""
+    if not message.startswith(UNUSED_ARGUMENTS):
+        return message
+    flags = [item for item in re.findall(r"'([^']*)'", message) if item.startswith("-")]
+    if not flags:
+        return message
+    known = [option for action in parser._actions for option in action.option_strings]
+    named = []
+    for flag in flags:
+        close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.75)
+        named.append(f"{flag} (did you mean {close[0]}?)" if close else flag)
+    return f"unknown argument(s): {', '.join(named)}; --help lists the options."
+
+
 def _eval(argv: list[str]) -> int:
     """Evaluate a model on a benchmark (MATH-500, GSM8K, AIME 2024, code sets, local files, arithmetic)."""
     from trl import TrlParser
 
     from .eval import EvalConfig, evaluate
 
-    parser = one_line_errors(check_config_values(TrlParser(
+    parser = one_line_errors(check_config_values(clear_help(TrlParser(
         dataclass_types=[EvalConfig], prog="trl-diffusion eval",
-        description="Evaluate a diffusion language model; see docs/evaluation.md.")))
+        description="Evaluate a diffusion language model; see docs/evaluation.md."))))
     try:
         (config,) = parser.parse_args_and_config(args=argv)
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
-        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
         return 2
     print(json.dumps(report, indent=2))
     return 0

@@ -376,6 +376,14 @@ def check_no_liger_kernel(use_liger_kernel: bool) -> None:
                          "log-softmax. Set use_liger_kernel=False.")
 
 
+def check_max_steps(max_steps: int) -> None:
+    """Refuse ``max_steps=0`` (configs call it at construction): transformers' ``Trainer`` does not read it as "no
+    training" but still runs one optimizer step and saves the result; -1 means "train for ``num_train_epochs``"."""
+    if max_steps == 0:
+        raise ValueError("max_steps=0 would still run one optimizer step (transformers' Trainer stops only after a "
+                         "step); pass max_steps >= 1, or -1 to train for num_train_epochs.")
+
+
 FLEX_MIN_TORCH = (2, 5)
 """First torch release whose flex attention takes a ``BlockMask`` with grouped-query heads (``enable_gqa``)."""
 FLEX_MIN_HEAD_DIM = 16

@@ -21,8 +21,8 @@ EMBEDDED_FORMAT = "prompt_completion"
 EMBEDDED_CHAT_TEMPLATE = EMBEDDED_FORMAT == "conversational"
 
 __all__ = [
-    "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK", "is_embedded_model",
-    "resolve_model_path",
+    "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK", "check_hub_model_cached",
+    "is_embedded_model", "resolve_model_path",
 ]
 
 
@@ -44,6 +44,25 @@ def resolve_model_path(name: str | os.PathLike | None) -> str:
     if path_like and not path.is_dir():
         raise ValueError(f"{'not a directory' if path.exists() else 'no such local directory'}: {text}")
     return str(path) if path_like else text
+
+
+def check_hub_model_cached(name: str, revision: str | None = None) -> None:
+    """With the Hub offline (``HF_HUB_OFFLINE=1``), raise ``ValueError`` naming ``name`` when it is a Hub id whose
+    ``config.json`` is not in the local Hugging Face cache, before anything is loaded (transformers' own error names
+    neither the model nor the fix). A local directory, or any name while the Hub is online, passes."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not constants.HF_HUB_OFFLINE or Path(name).expanduser().is_dir():
+        return
+    try:
+        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+    except ValueError:  # not a valid repo id: left to the loader's own message
+        return
+    if not isinstance(cached, str):
+        at, flag = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
+        raise ValueError(f"model {name!r}{at} is not in the local Hugging Face cache and the Hub is offline "
+                         f"(HF_HUB_OFFLINE=1): download it first (`hf download {name}{flag}`) or pass a local "
+                         "directory.")
 
 
 def is_embedded_model(name: str | os.PathLike | None) -> bool:

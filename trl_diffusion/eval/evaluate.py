@@ -268,6 +268,25 @@ def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
     return model.to(device).eval(), tokenizer
 
 
+def _check_loadable(config: EvalConfig) -> None:
+    """What :func:`load_model_and_tokenizer` will need, checked before the dataset loads: the model and tokenizer
+    (a path must be a directory; a Hub id must be cached while the Hub is offline) and a CUDA ``device`` that
+    exists here."""
+    from ..assets import check_hub_model_cached, resolve_model_path
+
+    for name in (config.model_name_or_path, config.tokenizer_name_or_path):
+        if name:
+            check_hub_model_cached(resolve_model_path(name))
+    device = torch.device(config.device) if config.device else None
+    if device is not None and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r}: CUDA is not available here (torch {torch.__version__}, "
+                             f"{torch.cuda.device_count()} GPUs visible); pass --device cpu or leave it unset.")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {config.device!r}: only {torch.cuda.device_count()} CUDA device(s) are "
+                             "visible here.")
+
+
 def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> str:
     """The text fed to the model: the chat template with a generation prompt (or the raw prompt)."""
     if not config.apply_chat_template:
@@ -332,11 +351,14 @@ def evaluate(
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     _check_single_process()
+    if model is None or isinstance(model, (str, Path)):
+        _check_loadable(config)
     ks = config.resolved_pass_k()
     config.math_reward()  # an unknown grader fails before the model loads
     config.check_code_grader()
     if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
+    chat_by_default = config.apply_chat_template is None
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
     if config.batch_size is None:
@@ -370,11 +392,24 @@ def evaluate(
         "metrics_file": None,
     }
     report["metrics"].update(_speed(rows, seconds, forward_passes))
+    if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
+        logger.warning(PLAIN_PROMPT_HINT)
     if samples_path is not None:
         metrics_path = samples_path.with_suffix(".metrics.json")
         report["metrics_file"] = str(metrics_path)
         metrics_path.write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+PLAIN_PROMPT_HINT = (
+    "every sample scored 0 with the prompts in the tokenizer's chat template, the default for every model but the "
+    "embedded one. A model trained on plain prompts (a copy of the embedded model, or what examples/*.py train from "
+    "it, e.g. outputs/math) needs --apply_chat_template false.")
+"""Logged when an evaluation that chose the chat template by default scores nothing."""
+
+
+def _all_wrong(metrics: dict[str, Any]) -> bool:
+    return metrics.get("num_scored", 0) > 0 and metrics.get("accuracy") == 0.0
 
 
 _OLD_NAMES = {"dataset_split": "dataset_test_split"}

@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
+from ..states import (
+    ATTENTION_BACKENDS,
+    check_attention_backend,
+    check_field_types,
+    check_max_steps,
+    check_no_liger_kernel,
+)
 from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
@@ -133,6 +139,7 @@ class DiffusionSFTConfig(SFTConfig):
             raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
                              "completion tokens and their steps.")
         check_no_liger_kernel(self.use_liger_kernel)
+        check_max_steps(self.max_steps)
         if self.packing or self.padding_free or self.eval_packing:
             raise ValueError(
                 "packing / eval_packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional "

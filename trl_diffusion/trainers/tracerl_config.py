@@ -11,7 +11,13 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampling import REMASKING_STRATEGIES
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
+from ..states import (
+    ATTENTION_BACKENDS,
+    check_attention_backend,
+    check_field_types,
+    check_max_steps,
+    check_no_liger_kernel,
+)
 from .tracerl_objective import STEP_NORMALIZATIONS
 
 ROLLOUT_STRATEGIES = tuple(name for name in REMASKING_STRATEGIES if name != "origin")
@@ -307,6 +313,7 @@ class TraceRLConfig(GRPOConfig):
                              "forward, so rollouts, pi_old and the scored log-probs would each come from another "
                              "noisy policy; leave it None (NEFTune is an SFT technique).")
         check_no_liger_kernel(self.use_liger_kernel)
+        check_max_steps(self.max_steps)
         if self.label_smoothing_factor != 0.0:
             raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
                              "labels); leave it at 0.0.")

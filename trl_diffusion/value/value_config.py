@@ -6,7 +6,13 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..states import ATTENTION_BACKENDS, check_attention_backend, check_field_types, check_no_liger_kernel
+from ..states import (
+    ATTENTION_BACKENDS,
+    check_attention_backend,
+    check_field_types,
+    check_max_steps,
+    check_no_liger_kernel,
+)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class DiffusionValueConfig(_BaseConfig):
         if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
             raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
         check_no_liger_kernel(self.use_liger_kernel)
+        check_max_steps(self.max_steps)
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the value model: its loss is a squared error "
                              "to the returns, not a cross-entropy over labels.")
