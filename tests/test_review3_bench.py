@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 import types
 from pathlib import Path
 
@@ -87,7 +88,6 @@ def test_cuda_graph_gpu_tests_do_not_inherit_an_earlier_failed_capture(monkeypat
 def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path, monkeypatch):
     """gpu_check.sh kills the training benchmark at its step's time limit: the JSON file holds every record measured
     before that (it was written only at the end, so a cut run left none)."""
-    import sys
 
     from test_scored_head import load_training_benchmark
 
@@ -115,7 +115,9 @@ def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path
 def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     """``GPU_CHECK_TINY=1 bash scripts/gpu_check.sh`` runs every step of the GPU check (same scripts and flags, tiny
     presets, CPU): each exits 0 and leaves its output (the gpu tests are collected, and skip)."""
-    env = {**os.environ, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_BUDGET": "900"}
+    # the script runs `python`: this interpreter's, also when pytest was started without activating its venv
+    path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
+    env = {**os.environ, "PATH": path, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_BUDGET": "900"}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-2000:]
