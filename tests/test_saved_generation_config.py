@@ -94,7 +94,8 @@ def test_saved_model_samples_as_the_rollouts_without_arguments(tmp_path, family)
     for seed in (0, 1):
         expected = sample(policy, seed, **explicit)
         assert torch.equal(sample(loaded, seed), expected)
-        assert not torch.equal(sample(policy, seed), expected)  # the released config decodes otherwise
+        # the released config decodes otherwise (at the rollout's length: tokens are compared, not lengths)
+        assert not torch.equal(sample(policy, seed, max_new_tokens=explicit["max_new_tokens"]), expected)
     saved = GenerationConfig.from_pretrained(tmp_path / "out")
     saved.validate(strict=True)  # no issue transformers would warn about
     assert saved.do_sample is True and saved.stop_token_ids == explicit["stop_token_ids"]
@@ -112,7 +113,8 @@ def test_greedy_call_decodes_with_the_trained_block_settings(tmp_path, family):
     expected = sample(trainer.model, 0, **{**explicit_rollout_settings(trainer), "temperature": 0.0})
     assert torch.equal(sample(loaded, 0, temperature=0.0), expected)
     assert torch.equal(sample(loaded, 0, do_sample=False), expected)
-    assert not torch.equal(sample(trainer.model, 0, temperature=0.0), expected)  # the released config's blocks
+    length = trainer.args.max_completion_length  # the released config's blocks, at the same length
+    assert not torch.equal(sample(trainer.model, 0, temperature=0.0, max_new_tokens=length), expected)
 
 
 def test_rollouts_use_the_saved_sampler(tmp_path):
