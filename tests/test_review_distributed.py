@@ -57,16 +57,25 @@ def test_rollout_metrics_cover_every_process(tmp_path):
 SFT_EVAL = ("eval_entropy", "eval_mean_token_accuracy", "eval_scored_tokens")
 
 
+SFT_EVAL_SCRIPT = Path(train.__file__).with_name("sft_eval.py")
+
+
+@pytest.fixture(scope="module")
+def sft_eval_on_two_processes(tmp_path_factory) -> Path:
+    """One two-process launch evaluating 5 and then 7 samples (a launch's start-up is most of its cost)."""
+    out = tmp_path_factory.mktemp("sft_eval_two")
+    accelerate_launch(TWO_CPU_PROCESSES, SFT_EVAL_SCRIPT, "--out", str(out), "--per_device_batch", "2",
+                      "--samples", "5", "7", timeout=300)
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("samples", [5, 7])
-def test_sft_eval_metrics_ignore_the_padding_of_the_last_batch(tmp_path, samples):
+def test_sft_eval_metrics_ignore_the_padding_of_the_last_batch(tmp_path, samples, sft_eval_on_two_processes):
     """5 or 7 eval samples, global eval batch 4: accelerate pads each process's last batch with samples from the
     start (5: process 1 holds only padding; 7: half of it). The token metrics count every real sample once, as one
     process with batch 4 does (``gather_for_metrics`` of per-process sums kept process 0's sum, padding included)."""
-    script = Path(train.__file__).with_name("sft_eval.py")
-    accelerate_launch(TWO_CPU_PROCESSES, script, "--out", str(tmp_path / "two"), "--per_device_batch", "2",
-                      "--samples", str(samples), timeout=300)
-    spec = importlib.util.spec_from_file_location("sft_eval", script)
+    spec = importlib.util.spec_from_file_location("sft_eval", SFT_EVAL_SCRIPT)
     sft_eval = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sft_eval)
     threads = torch.get_num_threads()
@@ -75,6 +84,6 @@ def test_sft_eval_metrics_ignore_the_padding_of_the_last_batch(tmp_path, samples
         one = sft_eval.run(tmp_path / "one", 4, samples)
     finally:
         torch.set_num_threads(threads)
-    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    two = json.loads((sft_eval_on_two_processes / str(samples) / "metrics.json").read_text())
     for name in SFT_EVAL:
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-6), name

@@ -1,5 +1,6 @@
 """Evaluate the tiny SFT model on the first ``--samples`` pairs (a count that need not divide the global eval
-batch); rank 0 writes the metrics to ``OUT/metrics.json``. Run under ``accelerate launch`` or import :func:`run`."""
+batch; several counts run one after the other in the same processes); rank 0 writes the metrics of ``n`` samples to
+``OUT/<n>/metrics.json``. Run under ``accelerate launch`` or import :func:`run`."""
 
 from __future__ import annotations
 
@@ -38,8 +39,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--per_device_batch", type=int, default=2)
-    parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--samples", type=int, nargs="+", default=[5])
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    run(args.out, args.per_device_batch, args.samples)
+    for samples in args.samples:
+        run(args.out / str(samples), args.per_device_batch, samples)
     train.shut_down()
