@@ -47,6 +47,14 @@ class SFTScriptArguments(ScriptArguments):
                                                              "TRL format. Default: the synthetic arithmetic task."})
     num_eval: int = field(default=200, metadata={"help": "Held-out synthetic problems for the before/after accuracy."})
     eval_every: int = field(default=100, metadata={"help": "Held-out accuracy every this many steps (synthetic)."})
+    max_train_samples: int | None = field(default=None, metadata={
+        "help": "Train on the first this many examples only (>= 1; default: all), as transformers' examples do: a "
+                "quick try skips preparing the whole set (the synthetic task's 12,000 problems take about 15 s on "
+                "two CPU cores)."})
+
+    def __post_init__(self):
+        if self.max_train_samples is not None and self.max_train_samples < 1:
+            raise ValueError(f"max_train_samples must be >= 1 (or unset), got {self.max_train_samples}.")
 
 
 def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: ModelConfig) -> dict:
@@ -60,6 +68,8 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
+    if script_args.max_train_samples is not None:
+        dataset = dataset.select(range(min(script_args.max_train_samples, len(dataset))))
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                   callbacks=callbacks, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))

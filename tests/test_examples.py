@@ -47,7 +47,7 @@ def test_recipes_parse(recipe):
     ("math", ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4",
               "--num_eval", "20", "--eval_every", "1", "--logging_steps", "1"]),
     ("sft", ["--max_steps", "3", "--per_device_train_batch_size", "32", "--num_eval", "20", "--eval_every", "2",
-             "--logging_steps", "1"]),
+             "--logging_steps", "1", "--max_train_samples", "128"]),
     ("code", ["--max_steps", "1", "--per_device_train_batch_size", "4", "--num_generations", "4"]),
 ])
 def test_example_runs(tmp_path, name, extra):
@@ -77,3 +77,29 @@ def test_example_runs(tmp_path, name, extra):
         assert [step for step, _ in result["accuracy_curve"]] == list(range(steps + 1))
         assert result["accuracy_curve"] == [[s, pytest.approx(a, abs=1e-4)]
                                             for s, a in curves["eval/held_out_accuracy"]]
+
+
+def test_sft_example_max_train_samples_takes_the_first_rows(monkeypatch):
+    """``--max_train_samples N`` hands the trainer the first N training examples (all without it); 0 is refused."""
+    from trl_diffusion.cli import parse_script_args
+
+    example = load_example("sft")
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def trainer(model, args, train_dataset, **kwargs):
+        seen.append(train_dataset)
+        raise Stop
+
+    monkeypatch.setattr(example, "DiffusionSFTTrainer", trainer)
+    for extra in (["--max_train_samples", "5"], []):
+        parsed = parse_script_args(example.make_parser(), ["--output_dir", "unused", "--use_cpu", "true", *extra])
+        with pytest.raises(Stop):
+            example.main(*parsed)
+    train = make_problems(**EMBEDDED_TASK)[0]
+    assert len(seen[0]) == 5 and len(seen[1]) == len(train) > 5
+    assert seen[0][:] == seen[1].select(range(5))[:]
+    with pytest.raises(SystemExit):
+        parse_script_args(example.make_parser(), ["--output_dir", "unused", "--max_train_samples", "0"])

@@ -28,7 +28,8 @@ from trl_diffusion.value import DiffusionValueModel
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = {
-    "sft": ["--max_steps", "1", "--per_device_train_batch_size", "2", "--num_eval", "2", "--eval_every", "1"],
+    "sft": ["--max_steps", "1", "--per_device_train_batch_size", "2", "--num_eval", "2", "--eval_every", "1",
+            "--max_train_samples", "16"],
     "math": ["--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2", "--num_eval", "2",
              "--eval_every", "1"],
     "code": ["--max_steps", "1", "--per_device_train_batch_size", "2", "--num_generations", "2"],
