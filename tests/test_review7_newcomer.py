@@ -85,6 +85,11 @@ def offline(monkeypatch, tmp_path):
     (snapshot / "config.json").write_text("{}")
     (cache / "models--owner--cached" / "refs").mkdir()
     (cache / "models--owner--cached" / "refs" / "main").write_text("abc123")
+    tokenizer_only = cache / "models--owner--tokenizer-only"  # a tokenizer repository: no config.json
+    (tokenizer_only / "snapshots" / "def456").mkdir(parents=True)
+    (tokenizer_only / "snapshots" / "def456" / "tokenizer_config.json").write_text("{}")
+    (tokenizer_only / "refs").mkdir()
+    (tokenizer_only / "refs" / "main").write_text("def456")
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
 
@@ -98,6 +103,9 @@ def test_offline_hub_id_not_in_the_cache_names_it(offline, tmp_path):
     with pytest.raises(ValueError, match=r"at revision 'v2'.*--revision v2"):
         check_hub_model_cached(MISSING, revision="v2")
     check_hub_model_cached("owner/cached")  # in the cache
+    check_hub_model_cached("owner/tokenizer-only", file_name="tokenizer_config.json")  # found by its own file
+    with pytest.raises(ValueError, match="owner/tokenizer-only"):
+        check_hub_model_cached("owner/tokenizer-only")
     check_hub_model_cached(str(tmp_path))  # a local directory
 
 
@@ -111,6 +119,8 @@ def test_offline_hub_id_is_one_line_in_eval_and_examples(offline, no_loading, ca
     assert f"model '{MISSING}' is not in the local Hugging Face cache" in one_line_error(capsys, "trl-diffusion eval")
     assert main(["eval", "--tokenizer_name_or_path", MISSING, "--model_name_or_path", "owner/cached"]) == 2
     assert MISSING in one_line_error(capsys, "trl-diffusion eval")
+    with pytest.raises(AssertionError, match="loaded before"):  # a cached tokenizer repository passes the check
+        main(["eval", "--tokenizer_name_or_path", "owner/tokenizer-only", "--model_name_or_path", "owner/cached"])
     parser = load_example("math").make_parser()
     with pytest.raises(SystemExit) as exit_info:
         parse_script_args(parser, ["--model_name_or_path", MISSING])

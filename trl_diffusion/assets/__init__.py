@@ -46,16 +46,17 @@ def resolve_model_path(name: str | os.PathLike | None) -> str:
     return str(path) if path_like else text
 
 
-def check_hub_model_cached(name: str, revision: str | None = None) -> None:
+def check_hub_model_cached(name: str, revision: str | None = None, file_name: str = "config.json") -> None:
     """With the Hub offline (``HF_HUB_OFFLINE=1``), raise ``ValueError`` naming ``name`` when it is a Hub id whose
-    ``config.json`` is not in the local Hugging Face cache, before anything is loaded (transformers' own error names
-    neither the model nor the fix). A local directory, or any name while the Hub is online, passes."""
+    ``file_name`` (``tokenizer_config.json`` for a tokenizer) is not in the local Hugging Face cache, before anything
+    is loaded (transformers' own error names neither the model nor the fix). A local directory, or any name while the
+    Hub is online, passes."""
     from huggingface_hub import constants, try_to_load_from_cache
 
     if not constants.HF_HUB_OFFLINE or Path(name).expanduser().is_dir():
         return
     try:
-        cached = try_to_load_from_cache(name, "config.json", revision=revision)
+        cached = try_to_load_from_cache(name, file_name, revision=revision)
     except ValueError:  # not a valid repo id: left to the loader's own message
         return
     if not isinstance(cached, str):

@@ -274,9 +274,10 @@ def _check_loadable(config: EvalConfig) -> None:
     exists here."""
     from ..assets import check_hub_model_cached, resolve_model_path
 
-    for name in (config.model_name_or_path, config.tokenizer_name_or_path):
+    for name, file_name in ((config.model_name_or_path, "config.json"),
+                            (config.tokenizer_name_or_path, "tokenizer_config.json")):
         if name:
-            check_hub_model_cached(resolve_model_path(name))
+            check_hub_model_cached(resolve_model_path(name), file_name=file_name)
     device = torch.device(config.device) if config.device else None
     if device is not None and device.type == "cuda":
         if not torch.cuda.is_available():
