@@ -98,14 +98,15 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
     if not missing:
         return
     source = os.fspath(source) if source else ""
-    snapshot = None if not source or os.path.isdir(source) else _hub_snapshot(source, file_name)
-    if source and os.path.isdir(source) or snapshot is not None and _holds_code(snapshot, missing):
-        folder = Path(source) if snapshot is None else snapshot
+    local = Path(source) if source and os.path.isdir(source) else None
+    snapshot = None if local is not None or not source else _hub_snapshot(source, file_name)
+    folder = local if local is not None else snapshot if snapshot and _holds_code(snapshot, missing) else None
+    if folder is not None:  # copy the code: a local source, or a Hub cache snapshot that holds all of it
         for name in _with_relative_imports(folder, missing):
             if not (Path(directory) / name).exists():
                 shutil.copyfile(folder / name, Path(directory) / name)
         missing = [name for name in missing if not (folder / name).is_file()]
-    elif snapshot is not None:
+    elif snapshot is not None:  # a Hub source without the code in the cache: point at the repository
         def point(reference):
             return f"{source}--{reference}" if isinstance(reference, str) and "--" not in reference else reference
 
