@@ -20,9 +20,9 @@ setup(
         "datasets>=5.0,<6",
         "evaluate>=0.4,<0.5",
         "math-verify>=0.9,<0.10",
-        "tokenizers>=0.22",
-        "safetensors>=0.5",
-        "matplotlib>=3.7",  # training-curve PNGs of the examples
+        "tokenizers>=0.23.1",
+        "safetensors>=0.8",
+        "matplotlib>=3.9",  # training-curve PNGs of the examples (3.7 fails to import beside numpy 2)
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],

@@ -352,7 +352,7 @@ def test_noise_depends_only_on_sample_and_epoch():
 
 
 def config(tmp_path, **kw):
-    defaults = dict(output_dir=str(tmp_path), report_to=[], bf16=False, activation_checkpointing=False,
+    defaults = dict(output_dir=str(tmp_path), report_to=[], bf16=False, gradient_checkpointing=False,
                     save_strategy="no", logging_steps=1, use_cpu=True, max_length=64, disable_tqdm=True,
                     per_device_train_batch_size=4, max_steps=1, learning_rate=1e-3)
     return DiffusionSFTConfig(**{**defaults, **kw})

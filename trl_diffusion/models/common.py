@@ -16,6 +16,9 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 from ..states import attention_mask_from_positions
 from .cache import DiffusionCache, StaticDiffusionCache
 
+# transformers 5.24 renamed the model outputs' ``past_key_values`` field to ``cache``; 5.20-5.23 have the old name
+CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class DiffusionModelMixin:
     """The one interface the rest of the package reads instead of checking model names (listed before the
@@ -485,9 +488,8 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
         all_hidden.append(hidden)
     if isinstance(cache, DiffusionCache) and store_kv:
         cache.append_positions(position_ids, new_valid)
-    return BaseModelOutputWithPast(
-        last_hidden_state=hidden, cache=cache, hidden_states=tuple(all_hidden) if all_hidden is not None else None
-    )
+    hidden_states = tuple(all_hidden) if all_hidden is not None else None
+    return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_FIELD: cache})
 
 
 def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed):
@@ -528,8 +530,8 @@ def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels,
     return CausalLMOutputWithPast(
         loss=loss,
         logits=lm_logits,
-        cache=backbone_out.cache,
         hidden_states=backbone_out.hidden_states,
+        **{CACHE_FIELD: getattr(backbone_out, CACHE_FIELD)},
     )
 
 

@@ -1,0 +1,48 @@
+"""constraints/oldest.txt pins every dependency at setup.py's lower bound, so that running the suite on it (see the
+file's header) checks the versions the package claims to support, and a raised floor cannot leave it stale."""
+
+import ast
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def install_requires() -> list[Requirement]:
+    """``install_requires`` of setup.py, read without running it."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            return [Requirement(text) for text in ast.literal_eval(node.value)]
+    raise AssertionError("setup.py has no install_requires")
+
+
+def pins(path: Path) -> dict[str, Version]:
+    """``name==version`` lines of a constraints file, by canonical name."""
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            requirement = Requirement(line)
+            (specifier,) = requirement.specifier
+            assert specifier.operator == "==", line
+            found[canonicalize_name(requirement.name)] = Version(specifier.version)
+    return found
+
+
+def test_oldest_constraints_pin_every_lower_bound():
+    floors = {}
+    for requirement in install_requires():
+        lower = [s.version for s in requirement.specifier if s.operator == ">="]
+        assert len(lower) == 1, f"{requirement}: give every dependency one lower bound (>=)"
+        floors[canonicalize_name(requirement.name)] = Version(lower[0])
+    assert pins(ROOT / "constraints" / "oldest.txt") == floors
+
+
+def test_the_pins_satisfy_the_requirements():
+    oldest = pins(ROOT / "constraints" / "oldest.txt")
+    for requirement in install_requires():
+        assert requirement.specifier.contains(oldest[canonicalize_name(requirement.name)]), str(requirement)
