@@ -7,7 +7,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # TRL 1.16 (and transformers >= 5.24) require it
     packages=find_packages(include=["trl_diffusion", "trl_diffusion.*"]),
     package_data={"trl_diffusion": ["assets/**/*"]},
     include_package_data=True,

@@ -2,22 +2,28 @@
 file's header) checks the versions the package claims to support, and a raised floor cannot leave it stale."""
 
 import ast
+from importlib.metadata import metadata
 from pathlib import Path
 
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def install_requires() -> list[Requirement]:
-    """``install_requires`` of setup.py, read without running it."""
+def setup_argument(name: str):
+    """A literal keyword argument of setup.py's ``setup()`` call, read without running it."""
     tree = ast.parse((ROOT / "setup.py").read_text())
     for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "install_requires":
-            return [Requirement(text) for text in ast.literal_eval(node.value)]
-    raise AssertionError("setup.py has no install_requires")
+        if isinstance(node, ast.keyword) and node.arg == name:
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"setup.py has no {name}")
+
+
+def install_requires() -> list[Requirement]:
+    return [Requirement(text) for text in setup_argument("install_requires")]
 
 
 def pins(path: Path) -> dict[str, Version]:
@@ -46,3 +52,13 @@ def test_the_pins_satisfy_the_requirements():
     oldest = pins(ROOT / "constraints" / "oldest.txt")
     for requirement in install_requires():
         assert requirement.specifier.contains(oldest[canonicalize_name(requirement.name)]), str(requirement)
+
+
+def test_the_oldest_python_admitted_runs_every_installed_dependency():
+    """python_requires was >=3.10 while TRL 1.16 needs 3.11: pip on 3.10 failed with a resolver conflict naming
+    trl instead of saying which Python the package needs."""
+    (floor,) = [s.version for s in SpecifierSet(setup_argument("python_requires")) if s.operator == ">="]
+    for requirement in install_requires():
+        needs = metadata(requirement.name).get("Requires-Python")
+        if needs:
+            assert SpecifierSet(needs).contains(floor), f"{requirement.name} requires Python {needs}"
