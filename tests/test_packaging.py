@@ -3,19 +3,12 @@ file of the package. setup.py lists packages with ``find_packages`` (a folder wi
 and data files with ``package_data`` globs (a file they do not match is left out); both fail silently, for users
 only."""
 
-import ast
 from pathlib import Path
+
+from test_oldest_versions import setup_argument
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "trl_diffusion"
-
-
-def package_data_globs() -> list[str]:
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.keyword) and node.arg == "package_data":
-            return ast.literal_eval(node.value)["trl_diffusion"]
-    raise AssertionError("setup.py has no package_data")
 
 
 def package_files() -> list[Path]:
@@ -28,7 +21,7 @@ def test_every_folder_with_modules_is_a_package():
 
 
 def test_every_data_file_is_shipped():
-    shipped = {p for glob in package_data_globs() for p in PACKAGE.glob(glob)}
+    shipped = {p for glob in setup_argument("package_data")["trl_diffusion"] for p in PACKAGE.glob(glob)}
     data = [p for p in package_files() if p.suffix != ".py"]
     assert data, "the embedded model's files are package data"
     assert sorted(str(p.relative_to(ROOT)) for p in data if p not in shipped) == []
