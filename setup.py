@@ -26,7 +26,7 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["trl-diffusion=trl_diffusion.cli:main"]},
 )

@@ -8,7 +8,11 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# Two threads unless OMP_NUM_THREADS says otherwise (the suite must pass with one thread too).
+# Two threads unless OMP_NUM_THREADS says otherwise (the suite must pass with one thread too). Under pytest-xdist
+# (the README's `-n 2`) each worker takes one thread, and so do the processes its tests start: two workers share
+# two cores instead of four threads contending for them.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or 2))
 
 FAMILIES = ["sdar", "llada", "dream"]
