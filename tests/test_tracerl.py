@@ -225,3 +225,42 @@ def test_config_errors():
         TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, temperature=0.0)
     with pytest.raises(ValueError, match="denoising_steps"):
         TraceRLConfig(output_dir="x", use_cpu=True, bf16=False, block_length=4, denoising_steps=8)
+
+
+def test_conversational_prompts_and_trl_rewards(tmp_path):
+    """A conversational dataset (DESIGN's example: ``trl.rewards.accuracy_reward`` on ``solution``): the prompt is
+    rendered with the tokenizer's chat template, and each completion reaches the reward functions as one assistant
+    message holding the decoded completion. The template here renders the user message as the plain prompt the
+    embedded model was trained on, so the rollouts solve some problems; TRL's math-verify reward must then agree with
+    exact match on the same completions (a template not applied, or completions passed in another shape, fail it)."""
+    from transformers import AutoTokenizer
+    from trl.rewards import accuracy_reward
+
+    from trl_diffusion.assets import EMBEDDED_MODEL, EMBEDDED_TASK
+    from trl_diffusion.data import make_problems, score_completion, to_dataset
+
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    tokenizer.chat_template = "{{ messages[0]['content'] + '\\n' }}"  # the plain prompt (a template's own last
+    # newline is dropped by Jinja, hence the expression)
+    seen = []
+
+    def record(prompts, completions, completion_ids, answer, **kwargs):
+        seen.extend(zip(prompts, completions, completion_ids, answer))
+        return [0.0] * len(completions)
+
+    train = make_problems(**EMBEDDED_TASK)[0][:16]
+    config = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=32, num_generations=2,
+                           max_completion_length=16, max_steps=1, logging_steps=1, report_to="none",
+                           learning_rate=1e-4, block_length=4, denoising_steps=4, save_strategy="no", use_cpu=True,
+                           gradient_checkpointing=False, disable_tqdm=True, seed=0, bf16=False, temperature=0.5)
+    trainer = TraceRLTrainer(str(EMBEDDED_MODEL), [accuracy_reward, record], args=config,
+                             train_dataset=to_dataset(train, "conversational"), processing_class=tokenizer)
+    trainer.train()
+    assert len(seen) == 32
+    answers = {p.prompt: str(p.answer) for p in train}
+    for prompt, completion, ids, answer in seen:
+        assert len(prompt) == 1 and prompt[0]["role"] == "user" and answers[prompt[0]["content"]] == answer
+        assert completion == [{"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}]
+    exact = [score_completion(completion, answer) for _, completion, _, answer in seen]
+    logs = trainer.state.log_history[0]
+    assert 0 < sum(exact) and logs["rewards/accuracy_reward/mean"] == pytest.approx(sum(exact) / len(exact))
