@@ -1,6 +1,6 @@
 """TraceRLTrainer settings that reach the scoring and the loss: ``training_block_size`` different from the
-rollout's ``block_length``, ``step_normalization``, a temperature other than 1, asynchronous reward functions and a
-policy given as a path."""
+rollout's ``block_length``, ``step_normalization``, a temperature other than 1, asynchronous reward functions, a
+reward model and a policy given as a path."""
 
 import math
 
@@ -22,14 +22,18 @@ def distinct_chars(completions, **kwargs):
     return [float(len(set(c))) for c in completions]
 
 
-def make_trainer(tmp_path, model=None, reward=distinct_chars, **overrides):
+def make_config(tmp_path, **overrides) -> TraceRLConfig:
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=12, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
                   disable_tqdm=True, seed=0, bf16=False, dynamic_group_filtering="none")  # rewards beyond [0, 1]
     config.update(overrides)
+    return TraceRLConfig(**config)
+
+
+def make_trainer(tmp_path, model=None, reward=distinct_chars, **overrides):
     model = model if model is not None else tiny_model("sdar").train()
-    return TraceRLTrainer(model, reward, args=TraceRLConfig(**config), train_dataset=Dataset.from_dict(
+    return TraceRLTrainer(model, reward, args=make_config(tmp_path, **overrides), train_dataset=Dataset.from_dict(
         {"prompt": PROMPTS}), processing_class=build_tokenizer())
 
 
@@ -185,3 +189,35 @@ def test_rollout_cuda_graphs_refuse_parameter_gathering(tmp_path, fsdp, zero_sta
         _check_rollout_cuda_graphs(args, fsdp, zero_stage)
     args.rollout_cuda_graphs = "off"
     _check_rollout_cuda_graphs(args, fsdp, zero_stage)  # eager rollouts work with every setup
+
+
+def test_a_reward_model_scores_prompt_and_completion_text(tmp_path):
+    """A sequence-classification reward model among the reward functions (TRL runs it on ``prompt + completion``
+    text, right-padded, without special tokens, and reads logit 0): the rewards logged are its scores of exactly the
+    rollouts' texts."""
+    from transformers import Qwen2Config, Qwen2ForSequenceClassification
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(1)
+    scorer = Qwen2ForSequenceClassification(Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, num_labels=1, pad_token_id=tokenizer.pad_token_id)).eval()
+    texts = []
+
+    def record(prompts, completions, **kwargs):
+        texts.extend(p + c for p, c in zip(prompts, completions))
+        return [0.0] * len(completions)
+
+    trainer = TraceRLTrainer(tiny_model("sdar").train(), [scorer, record], args=make_config(tmp_path),
+                             processing_class=tokenizer,
+                             train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                             reward_processing_classes=[tokenizer, None])
+    trainer.train()
+    with torch.no_grad():
+        inputs = tokenizer(texts, return_tensors="pt", padding=True, padding_side="right", add_special_tokens=False)
+        expected = scorer(**inputs).logits[:, 0]
+    name = trainer.reward_func_names[0]
+    logs = trainer.state.log_history[0]
+    assert len(texts) == 4 and expected.std() > 0
+    assert logs[f"rewards/{name}/mean"] == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-5)
+    assert logs[f"rewards/{name}/std"] == pytest.approx(expected.std().item(), rel=1e-3, abs=1e-5)
