@@ -18,9 +18,12 @@ Presets:
   script).
 
 With ``--cuda_graphs auto`` (the default) a table also has one eager row (``cuda_graphs`` "off": the first cache
-mode, the smallest batch, static), the baseline the replayed steps are compared with. A table's rows run in order
-of priority, so that a run cut short by a time limit keeps the targets: every cached row (by batch), the eager
-baseline, then the uncached rows. ``peak_memory_mb`` is each call's own peak on CUDA, the process's so far on a CPU.
+mode, the smallest batch, static), the baseline the replayed steps are compared with. The greedy rows (``sampling``
+"greedy") are the issue's table; one more row (``sampling`` "rollout": the first cache mode, the largest batch,
+static) samples as TraceRL's rollouts do, at temperature 1 with one CPU generator per row, whose uniforms are drawn
+on the host and copied to the device at every step. A table's rows run in order of priority, so that a run cut
+short by a time limit keeps the targets: every cached row (by batch), the eager baseline, the rollout row, then the
+uncached rows. ``peak_memory_mb`` is each call's own peak on CUDA, the process's so far on a CPU.
 
     python benchmarks/generation.py                                   # CPU grid (slow for 2048 uncached)
     python benchmarks/generation.py --lengths 128 512 --families sdar
@@ -197,34 +200,47 @@ def rollout_table(args, device: torch.device) -> None:
     built = time.perf_counter() - began
     token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
     settings = dict(max_new_tokens=new_tokens, block_length=table["block"], denoising_steps=table["steps"],
-                    temperature=0.0, confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
-    # (batch, cache, strategy, cuda_graphs) rows in order of priority, so that a run cut short by a time limit
-    # keeps the targets: every cached row, then the eager baseline, then the uncached rows (the slowest)
-    runs = [(batch, cache, strategy, args.cuda_graphs) for batch in batches for cache in table["caches"]
+                    confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
+    # (batch, cache, strategy, cuda_graphs, sampling) rows in order of priority, so that a run cut short by a time
+    # limit keeps the targets: every cached row, then the eager baseline, then the largest batch sampled as TraceRL's
+    # rollouts are, then the uncached rows (the slowest)
+    first_cache = table["caches"][0]
+    runs = [(batch, cache, strategy, args.cuda_graphs, "greedy") for batch in batches for cache in table["caches"]
             for strategy in table["strategies"]]
     if args.cuda_graphs == "auto":
-        runs.append((min(batches), table["caches"][0], "low_confidence_static", "off"))
-    runs += [(batch, False, strategy, args.cuda_graphs) for batch in batches if batch in table["uncached_batches"]
-             for strategy in table["strategies"]]
+        runs.append((min(batches), first_cache, "low_confidence_static", "off", "greedy"))
+    runs.append((max(batches), first_cache, "low_confidence_static", args.cuda_graphs, "rollout"))
+    runs += [(batch, False, strategy, args.cuda_graphs, "greedy") for batch in batches
+             if batch in table["uncached_batches"] for strategy in table["strategies"]]
     rows, warm = [], set()
-    for batch, cache, strategy, graphs in runs:
+    for batch, cache, strategy, graphs, sampling in runs:
         prompt = torch.randint(*token_ids, (batch, prompt_length), device=device,
                                generator=torch.Generator(device=device).manual_seed(batch))
-        if (batch, cache, graphs) not in warm:  # first calls compile kernels / capture graphs
-            timed_generate(model, prompt, **{**settings, "max_new_tokens": table["block"]}, use_cache=cache,
-                           cuda_graphs=graphs)
-            warm.add((batch, cache, graphs))
-        out, seconds = timed_generate(model, prompt, use_cache=cache, remasking_strategy=strategy,
-                                      cuda_graphs=graphs, **settings)
+        call = dict(settings, use_cache=cache, cuda_graphs=graphs, **rollout_sampling(sampling, batch))
+        if (batch, cache, graphs, sampling) not in warm:  # first calls compile kernels / capture graphs
+            # (with generators of their own: the timed call's start unused)
+            timed_generate(model, prompt, **{**call, **rollout_sampling(sampling, batch),
+                                             "max_new_tokens": table["block"]})
+            warm.add((batch, cache, graphs, sampling))
+        out, seconds = timed_generate(model, prompt, remasking_strategy=strategy, **call)
         rows.append(record(out, seconds, device, batch=batch, cache=cache_name(cache), strategy=strategy,
-                           cuda_graphs=graphs, new_tokens=new_tokens, prompt=prompt_length))
+                           cuda_graphs=graphs, sampling=sampling, new_tokens=new_tokens, prompt=prompt_length))
         print(json.dumps(rows[-1]), flush=True)
     summary = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
                else "cpu", "torch": torch.__version__, "build_seconds": round(built, 1),
                "total_seconds": round(time.perf_counter() - began, 1),
-               "table": [{k: r[k] for k in ("batch", "cache", "strategy", "cuda_graphs", "tokens_per_s",
+               "table": [{k: r[k] for k in ("batch", "cache", "strategy", "cuda_graphs", "sampling", "tokens_per_s",
                                             "ms_per_forward", "tokens_per_step")} for r in rows]}
     print(json.dumps(summary, indent=1))
+
+
+def rollout_sampling(sampling: str, batch: int) -> dict:
+    """``generate()`` arguments of a row's sampling: ``greedy`` (the issue's table), or ``rollout``, as TraceRL's
+    rollouts sample (temperature 1, one CPU generator per row, whose uniforms are drawn on the host and copied to
+    the device at every step)."""
+    if sampling == "greedy":
+        return {"temperature": 0.0}
+    return {"temperature": 1.0, "generator": [torch.Generator().manual_seed(row) for row in range(batch)]}
 
 
 def cache_name(cache) -> str:

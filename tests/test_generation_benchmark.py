@@ -20,8 +20,9 @@ def load_generation_benchmark():
 
 @pytest.mark.parametrize("preset,caches", [("tiny", ["exact", "none"]), ("llada-tiny", ["dual", "prefix", "none"])])
 def test_rollout_table_rows(capsys, preset, caches):
-    """One row per cache mode and strategy, the eager baseline, then the uncached rows (at these batch sizes);
-    every row decodes the whole table's tokens, one per step."""
+    """One row per cache mode and strategy, the eager baseline, the largest batch sampled as TraceRL's rollouts are
+    (temperature 1, a generator per row), then the uncached rows (at these batch sizes); every row decodes the whole
+    table's tokens, one per step."""
     bench = load_generation_benchmark()
     table = bench.TABLES[preset]
     bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=[4], cuda_graphs="auto"),
@@ -29,10 +30,11 @@ def test_rollout_table_rows(capsys, preset, caches):
     out = capsys.readouterr().out
     records = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
     summary = json.loads(out[out.index("\n{\n") + 1:])
-    expected = [(cache, strategy, "auto") for cache in caches[:-1] for strategy in table["strategies"]]
-    expected.append((caches[0], "low_confidence_static", "off"))  # the eager baseline, before the slow uncached rows
-    expected += [("none", strategy, "auto") for strategy in table["strategies"]]
-    assert [(r["cache"], r["strategy"], r["cuda_graphs"]) for r in records] == expected
+    expected = [(cache, strategy, "auto", "greedy") for cache in caches[:-1] for strategy in table["strategies"]]
+    expected.append((caches[0], "low_confidence_static", "off", "greedy"))  # the eager baseline
+    expected.append((caches[0], "low_confidence_static", "auto", "rollout"))  # before the slow uncached rows
+    expected += [("none", strategy, "auto", "greedy") for strategy in table["strategies"]]
+    assert [(r["cache"], r["strategy"], r["cuda_graphs"], r["sampling"]) for r in records] == expected
     assert all(r["batch"] == 4 and r["tokens_per_step"] == 1.0 and r["tokens_per_s"] > 0 for r in records)
     assert [r["tokens_per_s"] for r in summary["table"]] == [r["tokens_per_s"] for r in records]
     # one token per step: a forward per new token (the exact cache: and one prefill of the prompt's full blocks)

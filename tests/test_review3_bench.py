@@ -25,13 +25,14 @@ def rollout_rows(capsys, preset: str, batches: list[int]) -> list[dict]:
 
 def test_rollout_table_runs_the_targets_before_the_slow_uncached_rows(capsys):
     """gpu_check.sh gives the sdar-4b table a time limit and keeps only the rows printed before it: the cached rows
-    of every batch size (batch 128 is the issue's target) come first, then the eager baseline, then the uncached
-    rows (the slowest; they used to come before the larger batches)."""
+    of every batch size (batch 128 is the issue's target) come first, then the eager baseline, then the largest
+    batch sampled as TraceRL's rollouts, then the uncached rows (the slowest; they used to come before the larger
+    batches)."""
     rows = rollout_rows(capsys, "tiny", [1, 4])
     kinds = [("cached" if r["cache"] != "none" else "uncached") + ("" if r["cuda_graphs"] == "auto" else " eager")
-             for r in rows]
-    assert kinds == ["cached"] * 4 + ["cached eager"] + ["uncached"] * 4
-    assert [r["batch"] for r in rows] == [1, 1, 4, 4, 1, 1, 1, 4, 4]
+             + ("" if r["sampling"] == "greedy" else " sampled") for r in rows]
+    assert kinds == ["cached"] * 4 + ["cached eager", "cached sampled"] + ["uncached"] * 4
+    assert [r["batch"] for r in rows] == [1, 1, 4, 4, 1, 4, 1, 1, 4, 4]
 
 
 def test_each_rows_cuda_peak_memory_is_its_own(monkeypatch):
