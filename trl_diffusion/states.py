@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import numbers
 import re
@@ -357,6 +358,20 @@ def check_field_types(config: object, base: type | None = None) -> None:
         value = getattr(config, name)
         if not kind.admits(value):
             raise ValueError(f"{name} must be {kind}, got {value!r} ({type(value).__name__}).")
+
+
+def check_chat_template_kwargs(value: dict | str | None) -> dict | None:
+    """``chat_template_kwargs`` as ``GRPOConfig`` takes it (keyword arguments of ``apply_chat_template``, e.g.
+    ``{"enable_thinking": False}`` for the Qwen3 template of SDAR / TraDo): a dict, or on the command line a JSON
+    object. Anything else is refused here, not as a TypeError inside the first chat-template call."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"chat_template_kwargs must be a JSON object, got {value!r} ({exc.msg}).") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"chat_template_kwargs must be a dict (a JSON object on the command line), got {value!r}.")
+    return value
 
 
 def check_block_size_applies(name: str, value: int | None, model_block_size: int | None) -> None:

@@ -27,7 +27,7 @@ from ..rewards import (
 )
 from ..rewards.dllm_rl_code import extract_code_official, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
-from ..states import check_field_types
+from ..states import check_chat_template_kwargs, check_field_types
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
@@ -81,6 +81,10 @@ class EvalConfig:
     system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
     apply_chat_template: bool | None = _arg(None, "Wrap the prompt in the tokenizer's chat template (default: true, "
                                             "false for the embedded model, which was trained on plain prompts).")
+    chat_template_kwargs: dict | str | None = _arg(None, "Keyword arguments of the chat template, as GRPOConfig's "
+                                                   "(a JSON object on the command line), e.g. '{\"enable_thinking\": "
+                                                   "false}' for SDAR / TraDo's Qwen3 template: the values the model "
+                                                   "was trained with. Needs the chat template.")
     start_with_think: bool = _arg(False, "Append <think> after the generation prompt (long-CoT models).")
     max_new_tokens: int | None = _arg(None, "Tokens to generate per completion.")
     block_length: int | None = _arg(None, "Tokens per block.")
@@ -126,6 +130,7 @@ class EvalConfig:
         """Field types (bool / int / float fields, see ``states.check_field_types``) and the ranges of the load and
         code-sandbox settings, checked before any model or dataset is loaded."""
         check_field_types(self)
+        self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}.")
         if self.device is not None:
@@ -297,7 +302,8 @@ def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> s
             raise ValueError("the tokenizer has no chat template; pass --apply_chat_template false for a base model.")
         messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
         messages.append({"role": "user", "content": problem.prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                             **(config.chat_template_kwargs or {}))
     return text + "<think>" if config.start_with_think else text
 
 
@@ -385,6 +391,7 @@ def evaluate(
         "num_problems": len(problems),
         "num_samples": config.num_samples,
         "apply_chat_template": config.apply_chat_template,
+        "chat_template_kwargs": config.chat_template_kwargs,
         "math_grader": config.math_grader if problems[0].task == "math" else None,
         "code_grader": config.code_grader if problems[0].task == "code" else None,
         "metrics": _metrics(rows, problems, config.num_samples, ks),
@@ -451,11 +458,12 @@ def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
         else:
             embedded = is_embedded_model(getattr(model, "name_or_path", None))
         chat = EMBEDDED_CHAT_TEMPLATE if embedded else True
-    if config.system_prompt and not chat:
-        why = "" if config.apply_chat_template is not None else " (the default for the embedded model, trained on " \
-            "plain prompts)"
-        raise ValueError(f"system_prompt needs the chat template, but apply_chat_template is false{why}; pass "
-                         "--apply_chat_template true, or put the text in --prompt_template.")
+    why = "" if config.apply_chat_template is not None else " (the default for the embedded model, trained on " \
+        "plain prompts)"
+    for name, other_fix in (("system_prompt", ", or put the text in --prompt_template"), ("chat_template_kwargs", "")):
+        if getattr(config, name) and not chat:
+            raise ValueError(f"{name} needs the chat template, but apply_chat_template is false{why}; pass "
+                             f"--apply_chat_template true{other_fix}.")
     return bool(chat)
 
 

@@ -14,6 +14,7 @@ from ..generation.sampling import REMASKING_STRATEGIES
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
+    check_chat_template_kwargs,
     check_field_types,
     check_max_steps,
     check_no_liger_kernel,
@@ -270,6 +271,7 @@ class TraceRLConfig(GRPOConfig):
             self.rollout_cache, self.use_cache = old, False
         super().__post_init__()
         check_field_types(self, GRPOConfig)
+        self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         self._check_objective()
         if self.rollout_cuda_graphs not in ("auto", "off"):
             raise ValueError(f"rollout_cuda_graphs must be 'auto' or 'off', got {self.rollout_cuda_graphs!r}.")

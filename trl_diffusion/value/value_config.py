@@ -9,6 +9,7 @@ from trl.trainer.base_config import _BaseConfig
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
+    check_chat_template_kwargs,
     check_field_types,
     check_max_steps,
     check_no_liger_kernel,
@@ -34,6 +35,9 @@ class DiffusionValueConfig(_BaseConfig):
         truncate_at_eos (`bool`, *optional*, defaults to `True`):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
+        chat_template_kwargs (`dict` or `None`, *optional*):
+            Keyword arguments of `apply_chat_template` for conversational prompts, as `GRPOConfig.chat_template_kwargs`
+            (a JSON object on the command line); give the TraceRL run's so the value model sees the policy's prompts.
         attention_backend (`str`, *optional*, defaults to `"auto"`):
             `"flex"` (flex-attention `BlockMask`), `"sdpa"` (dense boolean mask) or `"auto"` (flex on CUDA where
             verified, SDPA otherwise; `states.resolve_attention_backend`).
@@ -63,6 +67,12 @@ class DiffusionValueConfig(_BaseConfig):
         default=True,
         metadata={"help": "Train only on tokens up to and including the first end-of-sequence token."},
     )
+    chat_template_kwargs: dict | str | None = field(
+        default=None,
+        metadata={"help": "Keyword arguments of the chat template for conversational prompts, as GRPOConfig's (a JSON "
+                  "object on the command line), e.g. {\"enable_thinking\": false}: the TraceRL run's, so the value "
+                  "model sees the prompts the policy saw."},
+    )
     attention_backend: str = field(
         default="auto",
         metadata={"help": "Attention masks: 'flex' (flex-attention BlockMask, no dense mask), 'sdpa' (dense boolean "
@@ -73,6 +83,7 @@ class DiffusionValueConfig(_BaseConfig):
     def __post_init__(self):
         super().__post_init__()
         check_field_types(self, _BaseConfig)
+        self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must lie in [0, 1], got {self.gamma}.")
         if self.shrinkage < 1:

@@ -1,6 +1,7 @@
 """``DiffusionValueTrainer``: fit a value model on stored trajectories with rewards, to warm-start it before RL.
 
-A row is one rollout: ``prompt`` (text or conversational, tokenized as ``GRPOTrainer`` does) or ``prompt_ids``,
+A row is one rollout: ``prompt`` (text or conversational, tokenized as ``GRPOTrainer`` does, with the config's
+``chat_template_kwargs``) or ``prompt_ids``,
 ``completion_ids`` (the sampler canvas), ``unmask_step`` (per completion token, -1 = never committed) and a scalar
 ``reward`` (use the reward your RL run will see, e.g. group-normalised). Targets are the step-level returns of
 TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^2`` averaged over trained tokens.
@@ -84,7 +85,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
-        prepare = partial(_prepare_dataset, tokenizer=processing_class)
+        prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs)
         train_dataset = prepare(train_dataset) if train_dataset is not None else None
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare(v) for k, v in eval_dataset.items()}
@@ -167,8 +168,9 @@ def _stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def _prepare_dataset(dataset: Dataset, tokenizer) -> Dataset:
-    """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed, check the trajectory lengths."""
+def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None) -> Dataset:
+    """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
+    ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths."""
     columns = set(dataset.column_names)
     missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
     if missing or not columns & {"prompt", "prompt_ids"}:
@@ -188,7 +190,7 @@ def _prepare_dataset(dataset: Dataset, tokenizer) -> Dataset:
         prompt = example["prompt"]
         if is_conversational({"prompt": prompt}):
             ids = tokenizer.apply_chat_template(conversation=[prompt], add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"][0]
+                                                return_dict=True, **(chat_template_kwargs or {}))["input_ids"][0]
         else:
             ids = tokenizer(text=prompt)["input_ids"]
         return {"prompt_ids": list(ids)}
