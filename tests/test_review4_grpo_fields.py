@@ -1,13 +1,16 @@
 """Regression tests from a review of TRL's GRPOConfig fields under TraceRLConfig / TraceRLTrainer: each field either
 works as in TRL with diffusion rollouts and scoring, or is refused when the config or trainer is built."""
 
+import math
+
 import pytest
+import torch
 from datasets import Dataset
 from transformers import GenerationConfig
 
 from trl_diffusion.generation import mixin
 from trl_diffusion.testing import build_tokenizer, tiny_model
-from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+from trl_diffusion.trainers.tracerl_config import GRPO_LOSS_TYPES, TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
 
 
@@ -85,3 +88,38 @@ def test_training_arguments_the_policy_loss_cannot_apply_are_refused(tmp_path, f
     # nats instead of 0), and label smoothing changed nothing
     with pytest.raises(ValueError, match=field):
         TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", **{field: value})
+
+
+GRPO_SETTINGS = [*({"loss_type": loss_type} for loss_type in GRPO_LOSS_TYPES),
+                 {"loss_type": "grpo", "importance_sampling_level": "sequence"}, {"epsilon_high": 0.28},
+                 {"delta": 1.5}, {"scale_rewards": "batch"}, {"scale_rewards": "none"}, {"entropy_coef": 0.01},
+                 {"entropy_coef": 0.01, "use_adaptive_entropy": True}, {"top_entropy_quantile": 0.5}]
+
+
+@pytest.mark.parametrize("setting", GRPO_SETTINGS, ids=lambda s: "-".join(f"{k}={v}" for k, v in s.items()))
+def test_trls_loss_settings_train_on_diffusion_scores(tmp_path, setting):
+    """docs/tracerl.md lists these GRPOConfig fields as working as in TRL: TRL's loss reads the diffusion scores
+    (two iterations on one generation batch, so the second has a ratio other than 1 to clip); each step must give a
+    finite loss and move the policy."""
+    trainer = make_trainer(tmp_path, num_iterations=2, max_steps=2, **setting)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
+    assert any(not torch.equal(before[n], p.detach()) for n, p in trainer.model.named_parameters())
+
+
+def test_mask_truncated_completions_leaves_out_rows_without_a_stop_token(tmp_path):
+    """``mask_truncated_completions`` zeroes the loss weights of every completion that reached
+    ``max_completion_length`` without a stop token, and only of those (the diffusion loss weights must not undo
+    TRL's masking, nor mask a row that stopped). The random tiny model never emits EOS, so a token its first
+    rollout drew (row 0's third) is made a stop token too: rows holding it stop, the others are truncated."""
+    trainer = make_trainer(tmp_path, mask_truncated_completions=True, max_completion_length=8)
+    prompts = [{"prompt": "abc"}] * 4 + [{"prompt": "wxyz1"}] * 4
+    drawn = trainer._generate_and_score_completions(prompts)["completion_ids"][0, 2].item()
+    trainer.eos_token_ids = [*trainer.eos_token_ids, drawn]
+    output = trainer._generate_and_score_completions(prompts)
+    pad = trainer.processing_class.pad_token_id
+    stopped = torch.tensor([ids[ids != pad][-1].item() in trainer.eos_token_ids for ids in output["completion_ids"]])
+    assert stopped.any() and not stopped.all()
+    assert torch.equal(output["completion_mask"].sum(1) > 0, stopped)
