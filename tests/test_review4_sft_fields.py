@@ -97,3 +97,39 @@ def test_use_liger_kernel_is_refused(tmp_path):
         sft_args(tmp_path, use_liger_kernel=True)
     with pytest.raises(ValueError, match="use_liger_kernel"):
         DiffusionValueConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, use_liger_kernel=True)
+
+
+def test_dataset_text_field_names_the_text_column(tmp_path):
+    """A language-modelling dataset whose text column is not ``text``: trained with ``dataset_text_field``, refused
+    (naming the columns) without it."""
+    tokenizer = build_tokenizer()
+    dataset = Dataset.from_list([{"content": p + c} for p, c in PAIRS])
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=sft_args(tmp_path, dataset_text_field="content"),
+                                  train_dataset=dataset, processing_class=tokenizer)
+    assert trainer.train_dataset[0]["input_ids"][:-1] == tokenizer.encode(PAIRS[0][0] + PAIRS[0][1])
+    trainer.train()
+    assert trainer.state.log_history[0]["loss"] > 0
+    with pytest.raises(ValueError, match=r"has columns \['content'\], none of which SFT can train on"):
+        DiffusionSFTTrainer(tiny_model("sdar"), args=sft_args(tmp_path), train_dataset=dataset,
+                            processing_class=tokenizer)
+
+
+def test_truncation_mode_keep_end_keeps_the_last_tokens_and_their_labels(tmp_path):
+    tokenizer = build_tokenizer()
+    full = tokenizer.encode(PAIRS[0][0] + PAIRS[0][1]) + [EOS_ID]
+    args = sft_args(tmp_path, max_length=6, truncation_mode="keep_end")
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=prompt_completion(),
+                                  processing_class=tokenizer)
+    row = trainer.train_dataset[0]
+    assert row["input_ids"] == full[-6:] and row["labels"] == full[-6:]  # the completion's end: every token scored
+
+
+def test_pad_to_multiple_of_pads_the_batch_and_scores_no_padding(tmp_path):
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, pad_to_multiple_of=16),
+                                  train_dataset=prompt_completion(), processing_class=build_tokenizer())
+    rows = [trainer.train_dataset[i] for i in range(2)]
+    batch = trainer.data_collator(rows)
+    longest = max(len(r["input_ids"]) for r in rows)
+    assert batch["input_ids"].shape[1] == -(-longest // 16) * 16 > longest
+    assert int(batch["attention_mask"].sum()) == sum(len(r["input_ids"]) for r in rows)
+    assert int(batch["labels"].ne(-100).sum()) == sum(sum(label != -100 for label in r["labels"]) for r in rows)

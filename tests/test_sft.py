@@ -565,3 +565,26 @@ def test_truncation_and_defaults(tmp_path):
     DiffusionSFTTrainer(wide, args=config(tmp_path, block_size=8), train_dataset=conversational(),
                         processing_class=TOKENIZER)
     assert wide.block_size == 8
+
+
+def test_dft_loss_weights_each_token_by_its_detached_probability(family):
+    """``loss_type="dft"`` (SFTConfig's Dynamic Fine-Tuning): each scored token's loss times its own probability,
+    detached. Value ``sum(w p (-log p)) / n`` and gradient ``sum(w p (-grad log p)) / n`` against the NLL path's
+    scores (a probability left attached would change the gradient, not the value)."""
+    model = tiny_model(family)
+    ids, labels, valid = make_batch()
+    batch = build_objective("block" if model.block_size else "random_masking", ids, labels, valid, gens(len(ids)),
+                            mask_token_id=MASK_ID, block_size=model.block_size)
+    shift, params = model.logits_shift, [p for p in model.parameters() if p.requires_grad]
+    normaliser = count_loss_tokens(labels, shift)
+    dft, _ = diffusion_loss(model, batch, normaliser, shift, MASK_ID, loss_type="dft")
+    nll, scores = diffusion_loss(model, batch, normaliser, shift, MASK_ID)
+    expected = (-scores.log_probs * batch.weights * scores.log_probs.detach().exp()).sum() / normaliser
+    assert_close_fp32(dft, expected)
+    assert dft.item() < nll.item()  # every probability is below 1
+    for got, want in zip(torch.autograd.grad(dft, params, allow_unused=True),
+                         torch.autograd.grad(expected, params, allow_unused=True)):
+        if want is not None:
+            assert_close_fp32(got, want)
+    with pytest.raises(ValueError, match="unknown loss_type 'focal'"):
+        diffusion_loss(model, batch, normaliser, shift, MASK_ID, loss_type="focal")
