@@ -6,36 +6,15 @@ with an explicit batch layout, and ``DiffusionValueConfig``'s learning-rate defa
 import math
 
 import pytest
-from datasets import Dataset
+from test_value import PROMPTS, make_trainer
 
-from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
-from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel
-
-PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
-
-
-def distinct_chars(completions, **kwargs) -> list[float]:
-    return [float(len(set(c))) for c in completions]
+from trl_diffusion.value import DiffusionValueConfig
 
 
 def constant_reward(completions, **kwargs) -> list[float]:
     return [1.0] * len(completions)
-
-
-def make_trainer(tmp_path, reward=distinct_chars, **overrides) -> TraceRLTrainer:
-    """A tiny SDAR policy with a value model copied from it (zero head), on CPU in float32."""
-    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
-                  max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
-                  block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
-                  disable_tqdm=True, seed=0, bf16=False, value_learning_rate=1e-2,
-                  dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
-    config.update(overrides)
-    policy = tiny_model("sdar").train()
-    return TraceRLTrainer(policy, reward, args=TraceRLConfig(**config),
-                          train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
-                          value_model=DiffusionValueModel.from_policy(policy))
 
 
 def count_calls(trainer: TraceRLTrainer) -> list:

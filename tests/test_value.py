@@ -40,7 +40,7 @@ def value_model_for(policy, seed=0):
     return value
 
 
-def make_trainer(tmp_path, family="sdar", value_model=None, policy=None, **overrides):
+def make_trainer(tmp_path, family="sdar", value_model=None, policy=None, reward=distinct_chars, **overrides):
     config = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                   max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
                   block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, gradient_checkpointing=False,
@@ -49,7 +49,7 @@ def make_trainer(tmp_path, family="sdar", value_model=None, policy=None, **overr
     config.update(overrides)
     policy = policy if policy is not None else tiny_model(family).train()
     value_model = value_model if value_model is not None else DiffusionValueModel.from_policy(policy)
-    return TraceRLTrainer(policy, distinct_chars, args=TraceRLConfig(**config),
+    return TraceRLTrainer(policy, reward, args=TraceRLConfig(**config),
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
                           value_model=value_model)
 
