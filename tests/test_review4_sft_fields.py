@@ -22,15 +22,18 @@ def prompt_completion():
     return Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS])
 
 
-def test_eval_packing_is_refused(tmp_path):
-    """eval_packing=True packed the eval set (TRL packs it even with packing=False): the three samples became one
-    63-token row whose documents attended to each other under full attention, and eval_loss was computed on it."""
-    with pytest.raises(ValueError, match="eval_packing"):
-        sft_args(tmp_path, eval_packing=True)
-    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, eval_packing=False),
-                                  train_dataset=prompt_completion(), eval_dataset=prompt_completion(),
-                                  processing_class=build_tokenizer())
-    assert len(trainer.eval_dataset) == len(PAIRS)  # one row per sample
+def test_eval_packing_packs_the_eval_set_and_keeps_its_eval_loss(tmp_path):
+    """eval_packing=True packs the eval set (TRL packs it even with packing=False): the three samples become one row
+    whose documents attended to each other under full attention before documents were kept apart (it was refused
+    then). Now the packed eval set gives the unpacked eval_loss (same noise, same per-document attention)."""
+    losses = {}
+    for eval_packing in (False, True):
+        trainer = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, eval_packing=eval_packing),
+                                      train_dataset=prompt_completion(), eval_dataset=prompt_completion(),
+                                      processing_class=build_tokenizer())
+        assert len(trainer.eval_dataset) == (1 if eval_packing else len(PAIRS))
+        losses[eval_packing] = trainer.evaluate()["eval_loss"]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-5)
 
 
 def test_value_config_refuses_label_smoothing(tmp_path):

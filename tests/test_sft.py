@@ -541,8 +541,8 @@ def test_clear_errors(tmp_path):
         with pytest.raises(ValueError, match="full-attention models"):
             DiffusionSFTTrainer(fresh("sdar"), args=config(tmp_path, diffusion_objective=objective),
                                 train_dataset=data, processing_class=TOKENIZER)
-    with pytest.raises(ValueError, match="packing"):
-        config(tmp_path, packing=True)
+    with pytest.raises(ValueError, match="packed rows train with"):
+        config(tmp_path, packing=True, diffusion_objective="semi_ar")
     with pytest.raises(ValueError, match="pad_to_length_with_eos"):
         config(tmp_path, pad_to_length_with_eos=True, max_length=None)
 

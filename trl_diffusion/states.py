@@ -222,18 +222,20 @@ def may_attend(
     k_block: torch.Tensor,
     k_copy: torch.Tensor,
     k_valid: torch.Tensor,
+    same_document: torch.Tensor | bool = True,
 ) -> torch.Tensor:
     """The one attention rule of every training layout (elementwise, broadcastable; True = may attend).
 
     Clean tokens (``copy == CLEAN``) are block-causal among themselves and never see a noisy copy. A token of a
     noisy copy sees its own copy and the clean tokens of strictly earlier blocks. Invalid (padding) keys are
-    hidden. With every token clean and in block 0 this is plain full attention over the valid keys.
+    hidden, and so are keys of another document of a packed row (``same_document``). With every token clean and
+    in block 0 this is plain full attention over the valid keys.
     """
     clean_q, clean_k = q_copy == CLEAN, k_copy == CLEAN
     clean_to_clean = clean_q & clean_k & (k_block <= q_block)
     copy_to_clean = ~clean_q & clean_k & (k_block < q_block)
     within_copy = ~clean_q & (k_copy == q_copy)
-    return (clean_to_clean | copy_to_clean | within_copy) & k_valid
+    return (clean_to_clean | copy_to_clean | within_copy) & k_valid & same_document
 
 
 @dataclass
@@ -241,25 +243,30 @@ class AttentionLayout:
     """Per-token description of a (packed) training row from which its attention mask follows (``may_attend``).
 
     ``block`` ``[B, N]``: block index (0 everywhere for full attention); ``copy`` ``[B, N]``: ``CLEAN`` or the id
-    of the noisy copy the token belongs to; ``valid`` ``[B, N]``: real token (False = padding). Keeping the
-    layout, not an ``N x N`` mask, lets the mask be built either dense (SDPA) or as a flex-attention
-    ``BlockMask`` that never materialises it.
+    of the noisy copy the token belongs to; ``valid`` ``[B, N]``: real token (False = padding); ``document``
+    ``[B, N]`` (packed rows only, None otherwise): which document of the row the token belongs to, no token
+    seeing another document's. Keeping the layout, not an ``N x N`` mask, lets the mask be built either dense
+    (SDPA) or as a flex-attention ``BlockMask`` that never materialises it.
     """
 
     block: torch.Tensor
     copy: torch.Tensor
     valid: torch.Tensor
+    document: torch.Tensor | None = None
 
     @classmethod
-    def plain(cls, positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> AttentionLayout:
-        """One clean row: block-causal (blocks from each row's position 0) or, without ``block_size``, full."""
+    def plain(cls, positions: torch.Tensor, valid: torch.Tensor, block_size: int | None,
+              documents: torch.Tensor | None = None) -> AttentionLayout:
+        """One clean row: block-causal (blocks from each document's position 0) or, without ``block_size``, full
+        (within each document of a packed row)."""
         block = block_index(positions, block_size) if block_size is not None else torch.zeros_like(positions)
-        return cls(block, torch.full_like(positions, CLEAN), valid.bool())
+        return cls(block, torch.full_like(positions, CLEAN), valid.bool(), documents)
 
     def dense(self) -> torch.Tensor:
         """Boolean mask ``[B, 1, N, N]``; padding queries are opened to every key (finite, never read)."""
+        same = True if self.document is None else self.document[:, :, None] == self.document[:, None, :]
         mask = may_attend(self.block[:, :, None], self.copy[:, :, None], self.block[:, None, :],
-                          self.copy[:, None, :], self.valid[:, None, :])
+                          self.copy[:, None, :], self.valid[:, None, :], same)
         return (mask | ~self.valid[:, :, None])[:, None]
 
     def block_mask(self):
@@ -267,10 +274,11 @@ class AttentionLayout:
         see nothing (flex attention returns zeros for them), so blocks of padding are skipped."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        block, copy, valid = self.block, self.copy, self.valid
+        block, copy, valid, document = self.block, self.copy, self.valid, self.document
 
         def mask_mod(b, h, q, k):
-            return may_attend(block[b, q], copy[b, q], block[b, k], copy[b, k], valid[b, k]) & valid[b, q]
+            same = True if document is None else document[b, q] == document[b, k]
+            return may_attend(block[b, q], copy[b, q], block[b, k], copy[b, k], valid[b, k], same) & valid[b, q]
 
         batch, length = block.shape
         return create_block_mask(mask_mod, batch, None, length, length, device=block.device,
@@ -520,17 +528,32 @@ def noisy_columns(keep: torch.Tensor) -> torch.Tensor:
     return torch.where(keep.gather(-1, order), order, -1)
 
 
+def document_blocks(positions: torch.Tensor, block_size: int, documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Block of each position ``[B, L]`` (blocks from each document's position 0), numbered along the row so that
+    blocks of different documents of a packed row get different ids (``documents``; None: one document a row,
+    where this is ``block_index``). Ids increase along the row, so block order within a document is kept."""
+    block = block_index(positions, block_size)
+    if documents is None:
+        return block
+    starts = torch.ones_like(block, dtype=torch.bool)
+    starts[:, 1:] = (block[:, 1:] != block[:, :-1]) | (documents[:, 1:] != documents[:, :-1])
+    return starts.long().cumsum(-1) - 1
+
+
 def noisy_clean_attention_layout(
-    positions: torch.Tensor, valid: torch.Tensor, block_size: int, columns: torch.Tensor | None = None
+    positions: torch.Tensor, valid: torch.Tensor, block_size: int, columns: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> AttentionLayout:
     """BD3-LM layout of ``[x_t[columns] | x_0]``: the noisy copy of each block is its own copy (it sees itself and
     the clean blocks before it), the clean row is block-causal.
 
     ``positions`` / ``valid`` ``[B, L]`` describe the clean row. ``columns`` (``noisy_columns``; default: all) says
     which noisy tokens are built: noisy blocks with nothing to score can be left out, since nothing attends to
-    them. Blocks are aligned from each row's position 0, as the block-causal sampler aligns them.
+    them. Blocks are aligned from each row's position 0, as the block-causal sampler aligns them; in a packed row
+    (``documents``, position ids restarting at 0 per document) from each document's, and no token sees another
+    document.
     """
-    block = block_index(positions, block_size)
+    block = document_blocks(positions, block_size, documents)
     if columns is None:
         columns = torch.arange(block.shape[-1], device=block.device).expand_as(block)
     source = columns.clamp(min=0)
@@ -539,6 +562,7 @@ def noisy_clean_attention_layout(
         block=torch.cat([noisy_block, block], dim=-1),
         copy=torch.cat([noisy_block, torch.full_like(block, CLEAN)], dim=-1),
         valid=torch.cat([valid.bool().gather(-1, source) & (columns >= 0), valid.bool()], dim=-1),
+        document=None if documents is None else torch.cat([documents.gather(-1, source), documents], dim=-1),
     )
 
 
@@ -549,6 +573,7 @@ def noisy_clean_layout(
     valid: torch.Tensor,
     block_size: int,
     columns: torch.Tensor | None = None,
+    documents: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionLayout]:
     """``[x_t[columns] | x_0]`` in one row: ``(input_ids, position_ids, attention layout)``.
 
@@ -559,13 +584,14 @@ def noisy_clean_layout(
     source = columns.clamp(min=0)
     ids = torch.cat([noisy_ids.gather(-1, source), clean_ids], dim=-1)
     pos = torch.cat([positions.gather(-1, source), positions], dim=-1)
-    return ids, pos, noisy_clean_attention_layout(positions, valid, block_size, columns)
+    return ids, pos, noisy_clean_attention_layout(positions, valid, block_size, columns, documents)
 
 
-def blocks_with(scored: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[B, L]``: whether the block of each position (blocks from each row's position 0) holds a ``scored``
-    position of its row."""
-    block = block_index(positions, block_size)
+def blocks_with(scored: torch.Tensor, positions: torch.Tensor, block_size: int,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+    """``[B, L]``: whether the block of each position (``document_blocks``) holds a ``scored`` position of its
+    row."""
+    block = document_blocks(positions, block_size, documents)
     width = int(block.max()) + 1 if block.numel() else 0
     has = torch.zeros(block.shape[0], width, dtype=torch.long, device=block.device)
     has = has.scatter_reduce(1, block, scored.long(), "amax")

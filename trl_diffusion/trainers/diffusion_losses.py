@@ -10,6 +10,12 @@ Randomness comes only from the per-sample ``torch.Generator`` list passed in (on
 same noise whatever batch it lands in (gradient accumulation 1 x 4 equals 4 x 1) and a slow reference
 computation fed the same generators sees the same masks.
 
+Packed rows (``packing`` / ``padding_free``) hold several documents, given as ``documents`` ``[B, L]`` (document
+id per position, -1 on padding) with ``position_ids`` restarting at 0 per document. The objectives that support
+them (``block``, ``random_masking``, ``complementary``) then take one generator per document, draw each
+document's noise exactly as an unpacked row of it would, and no token attends to another document: a packed
+batch scores every document as the unpacked batch does.
+
 Only ``labels != -100`` positions (the completion, or assistant turns) are ever masked or scored; the prompt is
 always clean context.
 """
@@ -35,6 +41,8 @@ from ..states import (
 )
 
 OBJECTIVES = ("block", "random_masking", "semi_ar", "complementary", "trajectory")
+PACKED_OBJECTIVES = ("block", "random_masking", "complementary")
+"""Objectives that train on packed rows (several documents a row)."""
 LOSS_WEIGHTINGS = ("elbo", "none")
 IGNORE_INDEX = -100
 
@@ -73,9 +81,19 @@ def sample_seed(base_seed: int, epoch: int, sample_index: int) -> int:
     return (((base_seed * 1_000_003) + epoch) * 1_000_000_007 + sample_index) % (2**63 - 1)
 
 
-def sample_generators(sample_indices: list[int], base_seed: int, epoch: int) -> list[torch.Generator]:
-    """One CPU generator per row, seeded by ``sample_seed``."""
-    return [torch.Generator().manual_seed(sample_seed(base_seed, epoch, int(i))) for i in sample_indices]
+def document_seed(base_seed: int, epoch: int, sample_index: int, offset: int = 0) -> int:
+    """``sample_seed`` of a sample, or of the part of it that starts at token ``offset`` (a fragment that packing
+    split off: a fresh seed, so two fragments of one sample do not share their noise)."""
+    seed = sample_seed(base_seed, epoch, sample_index)
+    return seed if offset == 0 else (seed * 1_000_003 + offset) % (2**63 - 1)
+
+
+def sample_generators(sample_indices: list[int], base_seed: int, epoch: int,
+                      offsets: list[int] | None = None) -> list[torch.Generator]:
+    """One CPU generator per row (or per document of packed rows), seeded by ``document_seed``."""
+    offsets = offsets if offsets is not None else [0] * len(sample_indices)
+    return [torch.Generator().manual_seed(document_seed(base_seed, epoch, int(i), int(o)))
+            for i, o in zip(sample_indices, offsets, strict=True)]
 
 
 def mask_ratio(u: torch.Tensor, eps: float, high: float = 1.0) -> torch.Tensor:
@@ -106,22 +124,33 @@ def _check_generators(generators: list[torch.Generator], batch: int) -> None:
         raise ValueError(f"need one generator per row: got {len(generators)} for {batch} rows.")
 
 
-def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | None) -> AttentionLayout | None:
-    """Block-causal (``block_size``) or full attention over the row, padding keys hidden; None when that is
-    the model's own default (full attention, nothing padded)."""
-    if block_size is None and bool(valid.all()):
+def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | None,
+               documents: torch.Tensor | None = None) -> AttentionLayout | None:
+    """Block-causal (``block_size``) or full attention over the row (over each document of a packed row), padding
+    keys hidden; None when that is the model's own default (full attention, nothing padded, nothing packed)."""
+    if block_size is None and bool(valid.all()) and documents is None:
         return None
-    return AttentionLayout.plain(positions, valid, block_size)
+    return AttentionLayout.plain(positions, valid, block_size, documents)
 
 
-def _random_mask(input_ids, labels, valid, generators, eps, high=1.0):
-    """Per-sample ratio p and a Bernoulli(p) mask over the completion positions."""
-    _check_generators(generators, input_ids.shape[0])
-    completion = labels != IGNORE_INDEX
-    ratios, uniforms = zip(*(draw_noise(g, 1, v) for g, v in zip(generators, valid)))
-    ratio = mask_ratio(torch.cat(ratios), eps, high).to(input_ids.device)
-    uniforms = torch.stack(uniforms).to(input_ids.device)
-    masked = completion & (uniforms < ratio[:, None])
+def _random_mask(input_ids, labels, valid, generators, eps, high=1.0, documents=None):
+    """Per-document ratio p and a Bernoulli(p) mask over its completion positions; returns the mask and every
+    position's ratio ``[B, L]``. Without ``documents`` each row is one document (one generator per row)."""
+    rows = torch.arange(input_ids.shape[0])[:, None].expand(input_ids.shape)
+    documents = rows if documents is None else documents.cpu()
+    count = int(documents.max()) + 1 if documents.numel() else 0
+    if len(generators) != count:
+        raise ValueError(f"need one generator per document: got {len(generators)} for {count} documents.")
+    valid_cpu = valid.bool().cpu()
+    ratios, uniforms = torch.empty(count), torch.ones(input_ids.shape)
+    for row in range(input_ids.shape[0]):
+        for document in torch.unique(documents[row][documents[row] >= 0]).tolist():
+            where = valid_cpu[row] & (documents[row] == document)
+            ratio, row_uniforms = draw_noise(generators[document], 1, where)
+            ratios[document] = ratio[0]
+            uniforms[row][where] = row_uniforms[where]
+    ratio = mask_ratio(ratios, eps, high)[documents.clamp(min=0)].to(input_ids.device)
+    masked = (labels != IGNORE_INDEX) & (uniforms.to(input_ids.device) < ratio)
     return masked, ratio
 
 
@@ -129,15 +158,16 @@ def _masked_targets(input_ids: torch.Tensor, masked: torch.Tensor) -> torch.Tens
     return torch.where(masked, input_ids, torch.full_like(input_ids, IGNORE_INDEX))
 
 
-def _rows(noisy, clean, masked, weights, valid, block_size) -> ScoringBatch:
+def _rows(noisy, clean, masked, weights, valid, block_size, positions=None, documents=None) -> ScoringBatch:
     """Rows scored as they stand (full attention), or as ``[x_t | x_0]`` for block models, whose noisy copy holds
-    only the blocks with a masked token (the others would be scored by nobody and seen by nobody)."""
-    positions = positions_from_padding(valid)
+    only the blocks with a masked token (the others would be scored by nobody and seen by nobody). Packed rows
+    bring their ``positions`` and ``documents``; other rows are placed by their padding."""
+    positions = positions_from_padding(valid) if positions is None else positions
     targets = _masked_targets(clean, masked)
     if block_size is None:
-        return ScoringBatch(noisy, positions, _attention(positions, valid, None), targets, weights)
-    columns = noisy_columns(blocks_with(masked, positions, block_size) & valid.bool())
-    ids, pos, mask = noisy_clean_layout(noisy, clean, positions, valid, block_size, columns)
+        return ScoringBatch(noisy, positions, _attention(positions, valid, None, documents), targets, weights)
+    columns = noisy_columns(blocks_with(masked, positions, block_size, documents) & valid.bool())
+    ids, pos, mask = noisy_clean_layout(noisy, clean, positions, valid, block_size, columns, documents)
     built = columns >= 0
     noisy_targets = torch.where(built, targets.gather(-1, columns.clamp(min=0)), IGNORE_INDEX)
     noisy_weights = torch.where(built, weights.gather(-1, columns.clamp(min=0)), 0.0)
@@ -152,43 +182,51 @@ def _rows(noisy, clean, masked, weights, valid, block_size) -> ScoringBatch:
 
 def block_objective(
     input_ids, labels, valid, mask_token_id: int, block_size: int, generators, eps: float = 1e-3,
-    weighting: str = "elbo",
+    weighting: str = "elbo", position_ids=None, documents=None,
 ) -> ScoringBatch:
     """SDAR / BD3-LM: ``[x_t | x_0]`` in one forward. Per sample ``t ~ U(eps, 1)``, each completion token
     masked with probability t; the noisy copy of a block sees itself and the clean earlier blocks."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps)
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, documents=documents)
     noisy = input_ids.masked_fill(masked, mask_token_id)
-    return _rows(noisy, input_ids, masked, _weights(masked, ratio[:, None], weighting), valid, block_size)
+    return _rows(noisy, input_ids, masked, _weights(masked, ratio, weighting), valid, block_size, position_ids,
+                 documents)
 
 
 def random_masking_objective(
-    input_ids, labels, valid, mask_token_id: int, generators, eps: float = 1e-3, weighting: str = "elbo"
+    input_ids, labels, valid, mask_token_id: int, generators, eps: float = 1e-3, weighting: str = "elbo",
+    position_ids=None, documents=None,
 ) -> ScoringBatch:
     """LLaDA / Dream masked-diffusion ELBO: per sample ``t ~ U(eps, 1)``, mask completion tokens with
     probability t, score the masked ones (weight 1/t) under full attention."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps)
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, documents=documents)
     noisy = input_ids.masked_fill(masked, mask_token_id)
-    return _rows(noisy, input_ids, masked, _weights(masked, ratio[:, None], weighting), valid, None)
+    return _rows(noisy, input_ids, masked, _weights(masked, ratio, weighting), valid, None, position_ids, documents)
 
 
 def complementary_objective(
     input_ids, labels, valid, mask_token_id: int, generators, block_size: int | None = None, eps: float = 1e-3,
-    weighting: str = "elbo",
+    weighting: str = "elbo", position_ids=None, documents=None,
 ) -> ScoringBatch:
     """Coupled masks (DiffuCoder): a mask M with ratio ``t ~ U(eps, 1 - eps)`` and its complement over the
     completion, as two rows per sample, so every completion token is scored exactly once per pair. ELBO
     weights ``1 / (2t)`` and ``1 / (2(1 - t))`` average the two unbiased estimates."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high=1.0 - eps)
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high=1.0 - eps, documents=documents)
     complement = (labels != IGNORE_INDEX) & ~masked
-    w1 = _weights(masked, ratio[:, None], weighting)
-    w2 = _weights(complement, 1.0 - ratio[:, None], weighting)
+    w1 = _weights(masked, ratio, weighting)
+    w2 = _weights(complement, 1.0 - ratio, weighting)
     if weighting == "elbo":
         w1, w2 = w1 / 2, w2 / 2
     pair = torch.stack([masked, complement], 1).flatten(0, 1)
     weights = torch.stack([w1, w2], 1).flatten(0, 1)
     clean = input_ids.repeat_interleave(2, 0)
     noisy = clean.masked_fill(pair, mask_token_id)
-    return _rows(noisy, clean, pair, weights, valid.repeat_interleave(2, 0), block_size)
+    return _rows(noisy, clean, pair, weights, valid.repeat_interleave(2, 0), block_size, _twice(position_ids),
+                 _twice(documents))
+
+
+def _twice(rows: torch.Tensor | None) -> torch.Tensor | None:
+    """Every row twice in a row (the mask and complement rows of a sample), or None."""
+    return None if rows is None else rows.repeat_interleave(2, 0)
 
 
 def semi_ar_objective(
@@ -280,8 +318,9 @@ def score_tokens(
         backend = resolve_model_attention_backend(attention_backend, model, batch.input_ids.device)
         mask = batch.layout.attention_mask(backend)
     scored = batch.targets != IGNORE_INDEX
-    if logits_shift:
+    if logits_shift:  # nothing predicts the first token of a row, or of a packed row's document
         scored[:, 0] = False
+        scored &= batch.position_ids != 0
     rows, cols = scored.nonzero(as_tuple=True)  # row-major, the order of batch.targets[scored]
     logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                    logits_to_keep=(rows, cols - 1 if logits_shift else cols)).logits
@@ -320,19 +359,31 @@ def diffusion_loss(
 def build_objective(
     objective: str, input_ids, labels, valid, generators, *, mask_token_id: int, block_size: int | None,
     eps: float = 1e-3, weighting: str = "elbo", semi_ar_block_length: int = 32, unmask_step=None, shrinkage: int = 1,
+    position_ids=None, documents=None,
 ) -> ScoringBatch:
-    """Dispatch by name; ``block_size`` is the model's block-causal block size (None = full attention)."""
+    """Dispatch by name; ``block_size`` is the model's block-causal block size (None = full attention). Packed
+    rows give ``documents`` and their ``position_ids`` (``PACKED_OBJECTIVES`` only) and one generator per
+    document."""
+    if documents is not None:
+        if objective not in PACKED_OBJECTIVES:
+            raise ValueError(f"the {objective!r} objective does not take packed rows (packing / padding_free); "
+                             f"packed rows train with {PACKED_OBJECTIVES}.")
+        if position_ids is None:
+            raise ValueError("packed rows need their position_ids (restarting at 0 for every document).")
+    packed = {"position_ids": position_ids, "documents": documents}
     if objective == "block":
         if block_size is None:
             raise ValueError("the 'block' objective needs a block-causal model (block_size).")
-        return block_objective(input_ids, labels, valid, mask_token_id, block_size, generators, eps, weighting)
+        return block_objective(input_ids, labels, valid, mask_token_id, block_size, generators, eps, weighting,
+                               **packed)
     if objective == "random_masking":
-        return random_masking_objective(input_ids, labels, valid, mask_token_id, generators, eps, weighting)
+        return random_masking_objective(input_ids, labels, valid, mask_token_id, generators, eps, weighting, **packed)
     if objective == "semi_ar":
         return semi_ar_objective(input_ids, labels, valid, mask_token_id, semi_ar_block_length, generators, eps,
                                  weighting)
     if objective == "complementary":
-        return complementary_objective(input_ids, labels, valid, mask_token_id, generators, block_size, eps, weighting)
+        return complementary_objective(input_ids, labels, valid, mask_token_id, generators, block_size, eps, weighting,
+                                       **packed)
     if objective == "trajectory":
         if unmask_step is None:
             raise ValueError("the 'trajectory' objective needs the recorded `unmask_step` of every row.")

@@ -13,7 +13,7 @@ from ..states import (
     check_max_steps,
     check_no_liger_kernel,
 )
-from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES
+from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES, PACKED_OBJECTIVES
 
 OVERLONG_POLICIES = ("truncate", "error")
 NONE_STRINGS = ("None", "none")
@@ -140,9 +140,12 @@ class DiffusionSFTConfig(SFTConfig):
                              "completion tokens and their steps.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
-        if self.packing or self.padding_free or self.eval_packing:
+        packed = [name for name in ("packing", "eval_packing", "padding_free") if getattr(self, name)]
+        if packed and self.diffusion_objective not in (None, *PACKED_OBJECTIVES):
             raise ValueError(
-                "packing / eval_packing / padding_free are not supported by DiffusionSFTTrainer yet: bidirectional "
-                "attention would cross document boundaries. Set packing=False, eval_packing=False (or None) and "
-                "padding_free=False."
+                f"{' / '.join(packed)} does not apply to diffusion_objective={self.diffusion_objective!r}: packed "
+                f"rows train with {PACKED_OBJECTIVES} (or None, the model's default). Set {packed[0]}=False."
             )
+        if packed and self.pad_to_length_with_eos:
+            raise ValueError(f"pad_to_length_with_eos pads every sequence to max_length, so there is nothing to pack; "
+                             f"set {packed[0]}=False or pad_to_length_with_eos=False.")

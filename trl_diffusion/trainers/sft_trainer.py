@@ -6,7 +6,10 @@ This subclass only
 
 * adds a ``sample_index`` column during dataset preparation (the seed of each sample's noise, so a sample gets
   the same masks however the batch is split) and aligns a recorded ``unmask_step`` column for ``trajectory``;
-* wraps the collator (EOS padding, the extra columns, a mask-token check);
+  with ``packing`` the index travels with every token into the packed rows (TRL's ``pack_dataset``), so a packed
+  document gets the noise it would get unpacked;
+* wraps the collator (EOS padding, the extra columns, a mask-token check; for padding-free rows, which document
+  each token belongs to);
 * replaces ``compute_loss`` with the objectives of ``diffusion_losses``, normalised exactly as TRL does: the
   summed token loss divided by ``num_items_in_batch`` (all loss tokens of the accumulated batch).
 """
@@ -23,7 +26,7 @@ from datasets import Dataset, IterableDataset
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
-from trl import SFTConfig, SFTTrainer
+from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
@@ -83,19 +86,31 @@ def resolve_objective(objective: str | None, spec: DiffusionModelSpec) -> str:
 class DiffusionDataCollator:
     """Wraps the SFT collator: pads with trained-on EOS to a fixed length (optional), carries
     ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token.
-    ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be."""
+    ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be.
+
+    ``padding_free``, and any batch of packed rows (``seq_lengths``: an ``eval_packing`` eval set also when training
+    is not packed): the batch becomes one row of documents, as TRL's padding-free collator makes it, with
+    ``position_ids`` restarting at 0 per document, ``document_ids`` ``[1, W]`` (-1 on padding), one
+    ``sample_index`` / ``sample_offset`` per document (its noise seed) and ``example_lengths``.
+    ``restore_document_starts`` keeps the label of each document's first token, which TRL's padding-free collator
+    drops (an autoregressive model cannot predict it; a diffusion model without shifted logits scores it as any
+    other masked token)."""
 
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None,
-                 max_length: int | None = None) -> None:
+                 max_length: int | None = None, padding_free: bool = False,
+                 restore_document_starts: bool = True) -> None:
         self.base = base
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id
         self.pad_to_length = pad_to_length
         self.max_length = max_length
+        self.padding_free = padding_free
+        self.restore_document_starts = restore_document_starts
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         examples = [dict(example) for example in examples]
         indices = [example.pop("sample_index", None) for example in examples]
+        offsets = [example.pop("sample_offset", None) for example in examples]
         steps = [example.pop("unmask_step", None) for example in examples]
         for example, step in zip(examples, steps):
             length = len(example["input_ids"])
@@ -110,6 +125,11 @@ class DiffusionDataCollator:
                     f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
                     "position; with skip_prepare_dataset, give one per position of input_ids (-1 on the prompt)."
                 )
+        if self.padding_free or any("seq_lengths" in example for example in examples):
+            return self._documents_in_one_row(examples, indices, offsets)
+        if any(isinstance(index, list) for index in indices):  # packed without padding_free ("wrapped"): one row each
+            offsets = [offset[0] if isinstance(index, list) else 0 for index, offset in zip(indices, offsets)]
+            indices = [index[0] if isinstance(index, list) else index for index in indices]
         if self.pad_to_length is not None:
             for example in examples:
                 labels = list(example.get("labels", example["input_ids"]))
@@ -130,6 +150,8 @@ class DiffusionDataCollator:
             indices = [hash(tuple(ids[row_valid].tolist())) % (2**31) if index is None else index
                        for index, ids, row_valid in zip(indices, input_ids, valid)]
         batch["sample_index"] = torch.tensor(indices, dtype=torch.long)
+        if any(offset for offset in offsets):
+            batch["sample_offset"] = torch.tensor(offsets, dtype=torch.long)
         if any(step is not None for step in steps):
             width = input_ids.shape[1]
             padded = torch.full_like(input_ids, -1)
@@ -137,6 +159,64 @@ class DiffusionDataCollator:
                 padded[row, : len(step)] = torch.tensor(step[:width], dtype=torch.long)
             batch["unmask_step"] = padded
         return batch
+
+    def _documents_in_one_row(self, examples: list[dict[str, Any]], indices: list, offsets: list) -> dict[str, Any]:
+        """The padding-free batch: the examples' documents in one row (collated by the wrapped collator as one
+        example, so its padding and extra keys apply), each token's position in its document, its document, and
+        each document's seed."""
+        lengths = [len(example["input_ids"]) for example in examples]
+        documents = [list(example.get("seq_lengths") or [length]) for example, length in zip(examples, lengths)]
+        for length, parts in zip(lengths, documents):
+            if sum(parts) != length:
+                raise ValueError(f"a packed row of {length} tokens has seq_lengths {parts} (sum {sum(parts)}).")
+        labels = [list(example.get("labels", example["input_ids"])) for example in examples]
+        row = {"input_ids": [token for example in examples for token in example["input_ids"]],
+               "labels": [label for example_labels in labels for label in example_labels],
+               "seq_lengths": [n for parts in documents for n in parts]}
+        batch = self.base([row])
+        batch.pop("attention_mask", None)  # `document_ids` says which columns are real
+        input_ids = batch["input_ids"]
+        document_lengths = torch.tensor(row["seq_lengths"])
+        total = int(document_lengths.sum())
+        document_ids = torch.full_like(input_ids, -1)
+        document_ids[0, :total] = torch.repeat_interleave(torch.arange(len(document_lengths)), document_lengths)
+        starts = torch.cumsum(document_lengths, 0) - document_lengths
+        position_ids = torch.zeros_like(input_ids)
+        position_ids[0, :total] = torch.arange(total) - torch.repeat_interleave(starts, document_lengths)
+        batch["position_ids"] = position_ids
+        batch["labels"][0, :total] = torch.tensor(row["labels"])
+        if not self.restore_document_starts:  # shifted logits: nothing predicts a document's first token
+            batch["labels"][0, starts] = IGNORE_INDEX
+        if bool((input_ids.eq(self.mask_token_id) & (document_ids >= 0)).any()):
+            raise ValueError(
+                f"a training sequence contains the mask token (id {self.mask_token_id}); diffusion training could not "
+                "tell it from a masked position. Remove it from the data."
+            )
+        seeds = [document_noise_key(example["input_ids"], index, offset, start, length)
+                 for example, index, offset, parts in zip(examples, indices, offsets, documents)
+                 for start, length in zip(_starts(parts), parts)]
+        batch["sample_index"] = torch.tensor([seed[0] for seed in seeds], dtype=torch.long)
+        batch["sample_offset"] = torch.tensor([seed[1] for seed in seeds], dtype=torch.long)
+        batch["document_ids"] = document_ids
+        batch["example_lengths"] = torch.tensor(lengths, dtype=torch.long)
+        return batch
+
+
+def _starts(lengths: list[int]) -> list[int]:
+    """Where each of consecutive parts of these ``lengths`` starts."""
+    return [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def document_noise_key(input_ids: list[int], index, offset, start: int, length: int) -> tuple[int, int]:
+    """``(sample_index, offset)`` that seeds the noise of the document at ``start`` of a row
+    (``diffusion_losses.document_seed``). Packed rows carry both per token (the original sample, and the token's
+    position in it: a split-off fragment starts past 0); a row with one ``sample_index`` numbers its documents by
+    where they start; rows without one (``skip_prepare_dataset``) are seeded from the document's tokens."""
+    if isinstance(index, list):
+        return int(index[start]), int(offset[start]) if offset is not None else start
+    if index is not None:
+        return int(index), start
+    return hash(tuple(input_ids[start : start + length])) % (2**31), 0
 
 
 class DiffusionSFTTrainer(SFTTrainer):
@@ -221,7 +301,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         pad_to = self.args.max_length if self.args.pad_to_length_with_eos else None
         limit = self.args.max_length if self.args.overlong_policy == "error" or pad_to else None
         self.data_collator = DiffusionDataCollator(
-            self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit
+            self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
+            padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -291,42 +372,57 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        for column in ("sample_index", "unmask_step"):
+        for column in ("sample_index", "sample_offset", "unmask_step"):
             if column not in self._signature_columns:
                 self._signature_columns.append(column)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
+        """TRL's preparation, then the noise seed of every sample. Packing comes last, done here rather than by TRL
+        so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
+        the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
         self._check_columns(dataset, args, formatting_func, dataset_name)
         max_length = args.max_length
-        if args.overlong_policy == "error":
-            args.max_length = None  # tokenize without truncating, then refuse what is too long
+        if args.overlong_policy == "error" or packing:
+            args.max_length = None  # tokenize without truncating: refuse what is too long, or leave it to packing
         try:
-            dataset = super()._prepare_dataset(dataset, processing_class, args, packing, formatting_func, dataset_name)
+            dataset = super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
         finally:
             args.max_length = max_length
         if args.overlong_policy == "error" and max_length is not None:
             dataset = dataset.map(_refuse_overlong, fn_kwargs={"max_length": max_length})
         if args.diffusion_objective == "trajectory":
             dataset = dataset.map(_align_unmask_step, fn_kwargs={"args": args})
-        return dataset.map(_add_sample_index, with_indices=True)
+        dataset = dataset.map(_add_sample_index, with_indices=True)
+        if packing:
+            dataset = _pack(dataset, args, dataset_name)
+        return dataset
 
     # ---------------------------------------------------------------------------------------------------- loss
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         mode = "train" if self.model.training else "eval"
         args = self.args
-        real = self._real_rows(inputs["input_ids"].shape[0]) if mode == "eval" else None
+        documents = inputs.get("document_ids")  # padding-free rows (packing): which document each token is in
+        samples = len(inputs["example_lengths"]) if documents is not None else inputs["input_ids"].shape[0]
+        real = self._real_rows(samples) if mode == "eval" else None
         if real:  # score only the real samples of a padded last eval batch
-            inputs = {k: v[:real] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+            inputs = _first_samples(inputs, real)
+            documents = inputs.get("document_ids")
         epoch = int(self.state.epoch or 0) if mode == "train" else 0
-        generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch)
+        offsets = inputs.get("sample_offset")
+        generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch,
+                                       None if offsets is None else offsets.tolist())
         labels = inputs["labels"]
-        valid = inputs["attention_mask"].bool() if "attention_mask" in inputs else torch.ones_like(labels).bool()
+        if "attention_mask" in inputs:
+            valid = inputs["attention_mask"].bool()
+        else:
+            valid = documents >= 0 if documents is not None else torch.ones_like(labels).bool()
         batch = build_objective(
             self.objective, inputs["input_ids"], labels, valid, generators,
             mask_token_id=self.spec.mask_token_id, block_size=self.spec.block_size, eps=args.mask_eps,
             weighting=args.loss_weighting, semi_ar_block_length=args.semi_ar_block_length,
             unmask_step=inputs.get("unmask_step"), shrinkage=args.trajectory_shrinkage,
+            position_ids=inputs.get("position_ids") if documents is not None else None, documents=documents,
         )
         normaliser = num_items_in_batch
         if normaliser is None:
@@ -366,10 +462,28 @@ class DiffusionSFTTrainer(SFTTrainer):
         metrics["mean_token_accuracy"].append((correct / num_scored).item() if num_scored > 0 else 0.0)
         metrics["scored_tokens"].append(num_scored.item())
         if mode == "train":
-            tokens = inputs["attention_mask"].sum() if "attention_mask" in inputs else inputs["input_ids"].numel()
+            if "attention_mask" in inputs:
+                tokens = inputs["attention_mask"].sum()
+            elif "document_ids" in inputs:
+                tokens = inputs["document_ids"].ge(0).sum()
+            else:
+                tokens = inputs["input_ids"].numel()
             self._total_train_tokens += int(self.accelerator.gather_for_metrics(
                 torch.as_tensor(tokens, device=self.accelerator.device)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:
+    """The batch cut to its first ``count`` samples: rows, or for a padding-free batch (one row of documents) the
+    columns and documents of its first ``count`` examples."""
+    if "document_ids" not in inputs:
+        return {k: v[:count] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    width = int(inputs["example_lengths"][:count].sum())
+    documents = int(inputs["document_ids"][0, width - 1]) + 1
+    kept = {key: inputs[key][:, :width] for key in ("input_ids", "labels", "position_ids", "document_ids")}
+    kept.update({key: inputs[key][:documents] for key in ("sample_index", "sample_offset")})
+    kept["example_lengths"] = inputs["example_lengths"][:count]
+    return kept
 
 
 def _refuse_overlong(example: dict, max_length: int) -> dict:
@@ -406,3 +520,25 @@ def _align_unmask_step(example: dict, args: DiffusionSFTConfig) -> dict:
 
 def _add_sample_index(example: dict, index: int) -> dict:
     return {"sample_index": index}
+
+
+def _index_every_token(example: dict) -> dict:
+    """``sample_index`` and ``sample_offset`` (the token's position in its sample) for every token, so that packing
+    carries them along with the tokens."""
+    length = len(example["input_ids"])
+    return {"sample_index": [example["sample_index"]] * length, "sample_offset": list(range(length))}
+
+
+def _pack(dataset, args: DiffusionSFTConfig, dataset_name: str):
+    """TRL's packing step (``SFTTrainer._prepare_dataset``: select the columns, ``pack_dataset``, shuffle; its
+    shuffle before packing already ran, at the end of the unpacked preparation) with the per-token noise seed
+    columns packed along. ``input_ids`` stays the first column: packing measures lengths with it."""
+    if args.max_length is None:
+        raise ValueError("When packing is enabled, `max_length` can't be `None`.")
+    map_kwargs = {"num_proc": args.dataset_num_proc} if isinstance(dataset, Dataset) else {}
+    dataset = dataset.map(_index_every_token, **map_kwargs)
+    dataset = dataset.select_columns(["input_ids", "labels", "sample_index", "sample_offset"])
+    if isinstance(dataset, Dataset):
+        map_kwargs["desc"] = f"Packing {dataset_name} dataset"
+    dataset = pack_dataset(dataset, args.max_length, args.packing_strategy, map_kwargs)
+    return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset

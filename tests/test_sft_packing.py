@@ -1,0 +1,201 @@
+"""SFT with ``packing`` / ``padding_free``: several documents in one row, none attending to another, each scored
+exactly as it is unpacked (same noise, same log-probs, same loss and gradient), on TRL's own packed rows."""
+
+import pytest
+import torch
+from datasets import Dataset
+from numerics import assert_close_fp32
+from test_attention_backends import flex_mask_as_dense
+from test_sft import PAIRS, TOKENIZER, config, conversational
+from trl import SFTConfig, SFTTrainer
+
+from trl_diffusion.states import AttentionLayout, noisy_clean_attention_layout, noisy_columns
+from trl_diffusion.testing import tiny_model
+from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers.diffusion_losses import build_objective, count_loss_tokens, sample_generators
+
+MORE_PAIRS = PAIRS + [("What is 3+4?", "\\boxed{7}"), ("Say hi.", "hello there friend")]
+
+
+def text_data():
+    """Language-modeling rows: every token is trained on, the first of each document included."""
+    return Dataset.from_list([{"text": p + c} for p, c in MORE_PAIRS])
+
+
+def one_step(family, data, **settings):
+    """The first training batch of a trainer and the loss and gradient of one step on it (all data in the batch)."""
+    torch.manual_seed(0)
+    model = tiny_model(family).train()
+    trainer = DiffusionSFTTrainer(model, args=config("unused", per_device_train_batch_size=8, **settings),
+                                  train_dataset=data, processing_class=TOKENIZER)
+    batch = next(iter(trainer.get_train_dataloader()))
+    count = count_loss_tokens(batch["labels"], model.logits_shift)  # what Trainer counts (labels[1:] for Dream)
+    loss = trainer.compute_loss(model, batch, num_items_in_batch=count)
+    loss.backward()
+    gradient = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    return batch, loss, gradient
+
+
+@pytest.mark.parametrize(("family", "data"), [
+    ("sdar", "completion-only"), ("llada", "completion-only"), ("dream", "completion-only"),
+    ("sdar", "text"), ("llada", "text"),
+])
+def test_packed_documents_are_scored_exactly_as_unpacked(family, data):
+    """Packed (TRL's BFD: five documents in one or two rows) and padding-free (five in one row) batches give the
+    unpacked batch's loss and gradient: each document draws the noise it draws alone and sees only itself. On text
+    data every document's first token is trained on, as it is unpacked (TRL's collator drops its label; it is
+    restored here). Dream on text data: see the next test."""
+    data = conversational(MORE_PAIRS) if data == "completion-only" else text_data()
+    plain, loss, gradient = one_step(family, data)
+    for settings in ({"packing": True, "max_length": 128}, {"padding_free": True, "max_length": None}):
+        packed, packed_loss, packed_gradient = one_step(family, data, **settings)
+        assert packed["input_ids"].shape[0] == 1 and packed["document_ids"].max() == 4
+        rows = len(packed["example_lengths"])  # packed rows of several documents, or one example each
+        assert rows < 5 if settings.get("packing") else rows == 5
+        shift = family == "dream"
+        assert count_loss_tokens(packed["labels"], shift) == count_loss_tokens(plain["labels"], shift)
+        assert_close_fp32(packed_loss, loss)
+        assert_close_fp32(packed_gradient, gradient)
+
+
+def test_dream_never_masks_a_packed_documents_first_token():
+    """Dream's shifted logits cannot predict a document's first token. Packed, it keeps TRL's -100 label there, so it
+    is never masked and never a target (unpacked rows of text data mask it as noise: the one difference)."""
+    packed, _, _ = one_step("dream", text_data(), packing=True, max_length=128)
+    starts = packed["position_ids"] == 0
+    assert int(starts.sum()) == 5 and (packed["labels"][starts] == -100).all()
+    assert (packed["labels"][~starts & (packed["document_ids"] >= 0)] != -100).all()
+
+
+def test_without_the_document_rule_packed_documents_would_differ():
+    """The equality above is not vacuous: the same packed row scored as one document (attention crossing the
+    boundaries) moves the loss."""
+    model = tiny_model("sdar")
+    torch.manual_seed(0)
+    trainer = DiffusionSFTTrainer(model, args=config("unused", packing=True, max_length=128,
+                                                     per_device_train_batch_size=8),
+                                  train_dataset=text_data(), processing_class=TOKENIZER)
+    batch = next(iter(trainer.get_train_dataloader()))
+    generators = sample_generators(batch["sample_index"].tolist(), 0, 0, batch["sample_offset"].tolist())
+    valid = batch["document_ids"] >= 0
+    packed = build_objective("block", batch["input_ids"], batch["labels"], valid, generators,
+                             mask_token_id=model.mask_token_id, block_size=model.block_size,
+                             position_ids=batch["position_ids"], documents=batch["document_ids"])
+    crossing = AttentionLayout(packed.layout.block, packed.layout.copy, packed.layout.valid, None)
+    with torch.no_grad():
+        kept = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                     attention_mask=packed.layout.dense()).logits
+        crossed = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                        attention_mask=crossing.dense()).logits
+    scored = packed.targets != -100
+    assert (kept[scored] - crossed[scored]).abs().max() > 1e-2
+
+
+def test_packed_rows_are_trls_and_carry_each_tokens_sample():
+    """The packed dataset has TRL's rows (same input_ids, labels, seq_lengths as ``SFTTrainer(packing=True)``) plus,
+    for every token, its sample's index and its position in that sample (the noise seed)."""
+    data = conversational(MORE_PAIRS * 2)
+    common = dict(output_dir="unused", report_to=[], use_cpu=True, bf16=False, packing=True, max_length=100)
+    reference = SFTTrainer(tiny_model("llada"), args=SFTConfig(**common), train_dataset=data,
+                           processing_class=TOKENIZER).train_dataset
+    ours = DiffusionSFTTrainer(tiny_model("llada"), args=config("unused", packing=True, max_length=100),
+                               train_dataset=data, processing_class=TOKENIZER).train_dataset
+    for column in ("input_ids", "labels", "seq_lengths"):
+        assert ours[column] == reference[column]
+    assert len(ours) < len(data)
+    for row in ours:
+        starts = [sum(row["seq_lengths"][:i]) for i in range(len(row["seq_lengths"]))]
+        for start, length in zip(starts, row["seq_lengths"]):
+            assert row["sample_offset"][start : start + length] == list(range(length))
+            assert len(set(row["sample_index"][start : start + length])) == 1
+    indices = [row["sample_index"][start] for row in ours
+               for start in [sum(row["seq_lengths"][:i]) for i in range(len(row["seq_lengths"]))]]
+    assert sorted(indices) == list(range(len(data)))
+
+
+def test_split_fragments_get_their_own_noise():
+    """``bfd_split`` cuts a long sample into fragments; each starts past position 0 of its sample (its
+    ``sample_offset``) and so draws fresh noise, not a copy of its sibling's."""
+    long_text = [{"text": " ".join(["12+7=19"] * 12)}]
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=config("unused", packing=True, max_length=32,
+                                                                  packing_strategy="bfd_split"),
+                                  train_dataset=Dataset.from_list(long_text), processing_class=TOKENIZER)
+    batch = next(iter(trainer.get_train_dataloader()))
+    offsets = batch["sample_offset"].tolist()
+    assert len(offsets) >= 3 and len(set(offsets)) == len(offsets) and 0 in offsets
+    assert set(batch["sample_index"].tolist()) == {0}
+    generators = sample_generators(batch["sample_index"].tolist(), 0, 0, offsets)
+    first_draws = [torch.rand(1, generator=g).item() for g in generators]
+    assert len(set(first_draws)) == len(first_draws)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
+def test_padding_free_masks_keep_documents_apart_under_both_backends():
+    """Two documents in one row: no query sees a key of the other document, in the dense mask and the flex
+    BlockMask alike, and within a document the mask is the unpacked one."""
+    positions = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 3, 0]])
+    documents = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, -1]])
+    valid = documents >= 0
+    noisy = noisy_columns(torch.ones_like(valid))
+    layouts = [AttentionLayout.plain(positions, valid, None, documents),
+               AttentionLayout.plain(positions, valid, 2, documents),
+               noisy_clean_attention_layout(positions, valid, 2, noisy, documents)]
+    alone = [AttentionLayout.plain(positions[:, :5], valid[:, :5], None),
+             AttentionLayout.plain(positions[:, :5], valid[:, :5], 2),
+             noisy_clean_attention_layout(positions[:, :5], valid[:, :5], 2)]
+    for layout, single in zip(layouts, alone):
+        dense = layout.dense()[0, 0]
+        with torch.no_grad():
+            flex = flex_mask_as_dense(layout)[0, 0]
+        real = layout.valid[0]
+        assert torch.equal(flex[real], dense[real])
+        other = layout.document[0][:, None] != layout.document[0][None, :]
+        assert not dense[real][:, real][other[real][:, real]].any()
+        first = (layout.document[0] == 0).nonzero().flatten()
+        assert torch.equal(dense[first][:, first], single.dense()[0, 0])
+
+
+def test_eval_with_packing_and_a_cut_batch(monkeypatch):
+    """Evaluation runs on packed rows; when a padded last batch holds duplicated samples, only the real examples'
+    documents are scored (here the first example of a padding-free batch: its loss alone)."""
+    settings = dict(padding_free=True, max_length=None, per_device_eval_batch_size=8)
+    data = conversational(MORE_PAIRS)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=config("unused", **settings), train_dataset=data,
+                                  eval_dataset=data, processing_class=TOKENIZER)
+    assert trainer.evaluate()["eval_loss"] > 0
+    batch = next(iter(trainer.get_eval_dataloader()))
+    trainer.model.eval()
+    monkeypatch.setattr(trainer, "_real_rows", lambda rows: 1)
+    with torch.no_grad():
+        cut = trainer.compute_loss(trainer.model, batch)
+    first = trainer.eval_dataset.select([int(batch["example_lengths"].new_tensor(0))])
+    alone = next(iter(trainer.get_eval_dataloader(first)))
+    assert alone["input_ids"].shape[1] == int(batch["example_lengths"][0])
+    monkeypatch.setattr(trainer, "_real_rows", lambda rows: None)
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, alone)
+    assert_close_fp32(cut, expected)
+
+
+@pytest.mark.parametrize("objective", ["semi_ar", "trajectory"])
+def test_objectives_without_packed_rows_refuse_packing(objective):
+    with pytest.raises(ValueError, match="packed rows train with"):
+        config("unused", packing=True, diffusion_objective=objective)
+    with pytest.raises(ValueError, match="padding_free does not apply"):
+        config("unused", padding_free=True, max_length=None, diffusion_objective=objective)
+    with pytest.raises(ValueError, match="nothing to pack"):
+        config("unused", packing=True, pad_to_length_with_eos=True)
+
+
+def test_wrapped_packing_trains_full_rows():
+    """``packing_strategy="wrapped"`` (TRL: rows cut to max_length regardless of sample boundaries, padded batches)
+    trains; each row is one document whose noise is seeded by its first token's sample and position."""
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=config("unused", packing=True, max_length=24,
+                                                                  packing_strategy="wrapped"),
+                                  train_dataset=text_data(), processing_class=TOKENIZER)
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert "document_ids" not in batch and batch["input_ids"].shape[1] == 24
+    assert batch["sample_index"].shape[0] == batch["input_ids"].shape[0]
+    trainer.train()
+    assert trainer.state.global_step == 1
