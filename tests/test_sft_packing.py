@@ -199,3 +199,22 @@ def test_wrapped_packing_trains_full_rows():
     assert batch["sample_index"].shape[0] == batch["input_ids"].shape[0]
     trainer.train()
     assert trainer.state.global_step == 1
+
+
+def test_sft_benchmark_trains_the_same_tokens_in_every_mode():
+    """benchmarks/sft.py compares modes on equal work: every mode trains all samples' tokens once, and only the
+    padded mode processes padding."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sft.py"
+    spec = importlib.util.spec_from_file_location("sft_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = bench.PRESETS["tiny"]
+    expected = sum(p + a for p, a in bench.sample_lengths(shape["samples"], shape["max_length"]))
+    records = [bench.measure("sdar", mode, shape, "cpu") for mode in bench.MODES]
+    assert [r["real_tokens"] for r in records] == [expected] * 3
+    padded, packed, padding_free = records
+    assert padded["padding_share"] > 0.1 and packed["padding_share"] == padding_free["padding_share"] == 0
+    assert set(bench.summarize(records)) == {"sdar packed / padded", "sdar padding_free / padded"}
