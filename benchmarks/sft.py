@@ -6,9 +6,10 @@ to ``max_length``); tokens are random (no tokenizer, no download), the model a r
 (``random_masking``) of the preset's shape. Each mode trains the same samples for one epoch, the batches of a
 mode holding about the same number of real tokens (``tokens_per_step``): ``padded`` takes that many tokens' worth of
 samples per batch, padded to the longest; ``packed`` TRL's best-fit-decreasing rows of ``max_length`` tokens;
-``padding_free`` the padded mode's batches, each in one row. Every record has seconds, real tokens/s, the padding
-share of what the forward processed and (CUDA) peak memory; the summary puts each mode's tokens/s beside the padded
-one's.
+``padding_free`` the padded mode's batches, each in one row. Attention is ``attention_backend="auto"``: SDPA on the
+CPU, compiled flex attention on CUDA for bf16 models with head_dim 128 (it skips other documents' tiles). Every
+record has seconds, real tokens/s, the padding share of what the forward processed and (CUDA) peak memory; the
+summary puts each mode's tokens/s beside the padded one's.
 
     python benchmarks/sft.py                          # CPU, SDAR and LLaDA, hidden 128 (attention-bound)
     python benchmarks/sft.py --preset medium          # CPU, SDAR, hidden 512 (linear layers weigh more)
@@ -117,7 +118,7 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
             "output_dir": output_dir, "report_to": [], "use_cpu": device == "cpu", "bf16": False,
             "save_strategy": "no", "max_length": shape["max_length"], "per_device_train_batch_size": per_batch,
             "gradient_checkpointing": False, "completion_only_loss": True, "shuffle_dataset": False,
-            "dataloader_pin_memory": False, "disable_tqdm": True, "attention_backend": "sdpa", **settings})
+            "dataloader_pin_memory": False, "disable_tqdm": True, "attention_backend": "auto", **settings})
         model = build_model(family, shape, device)
         trainer = DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows),
                                       processing_class=tokenizer_for(shape["vocab"]))
