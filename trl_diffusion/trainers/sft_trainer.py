@@ -88,13 +88,14 @@ class DiffusionDataCollator:
     ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token.
     ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be.
 
-    ``padding_free``, and any batch of packed rows (``seq_lengths``: an ``eval_packing`` eval set also when training
-    is not packed): the batch becomes one row of documents, as TRL's padding-free collator makes it, with
-    ``position_ids`` restarting at 0 per document, ``document_ids`` ``[1, W]`` (-1 on padding), one
-    ``sample_index`` / ``sample_offset`` per document (its noise seed) and ``example_lengths``.
-    ``restore_document_starts`` keeps the label of each document's first token, which TRL's padding-free collator
-    drops (an autoregressive model cannot predict it; a diffusion model without shifted logits scores it as any
-    other masked token)."""
+    Packed rows (examples with ``seq_lengths``; also an ``eval_packing`` eval set when training is not packed) stay
+    one row each, right-padded; ``padding_free`` batches of unpacked examples become one row, as TRL's padding-free
+    collator makes them. Both get ``position_ids`` restarting at 0 per document, ``document_ids`` ``[B, W]`` (-1 on
+    padding) and one ``sample_index`` / ``sample_offset`` per document (its noise seed); the one-row batch also
+    ``example_lengths``. TRL's collator would flatten packed rows too, which costs nothing with varlen kernels but
+    makes dense attention quadratic in the whole batch. ``restore_document_starts`` keeps the label of each
+    document's first token, which TRL's padding-free collator drops (an autoregressive model cannot predict it; a
+    diffusion model without shifted logits scores it as any other masked token)."""
 
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None,
                  max_length: int | None = None, padding_free: bool = False,
@@ -125,7 +126,9 @@ class DiffusionDataCollator:
                     f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
                     "position; with skip_prepare_dataset, give one per position of input_ids (-1 on the prompt)."
                 )
-        if self.padding_free or any("seq_lengths" in example for example in examples):
+        if any("seq_lengths" in example for example in examples):
+            return self._packed_rows(examples, indices, offsets)
+        if self.padding_free:
             return self._documents_in_one_row(examples, indices, offsets)
         if any(isinstance(index, list) for index in indices):  # packed without padding_free ("wrapped"): one row each
             offsets = [offset[0] if isinstance(index, list) else 0 for index, offset in zip(indices, offsets)]
@@ -199,6 +202,24 @@ class DiffusionDataCollator:
         batch["sample_offset"] = torch.tensor([seed[1] for seed in seeds], dtype=torch.long)
         batch["document_ids"] = document_ids
         batch["example_lengths"] = torch.tensor(lengths, dtype=torch.long)
+        return batch
+
+
+    def _packed_rows(self, examples: list[dict[str, Any]], indices: list, offsets: list) -> dict[str, Any]:
+        """Packed rows, one row each (``_documents_in_one_row`` per row), right-padded to the longest and stacked,
+        with document ids numbered across the batch."""
+        rows = [self._documents_in_one_row([example], [index], [offset])
+                for example, index, offset in zip(examples, indices, offsets)]
+        width = max(row["input_ids"].shape[1] for row in rows)
+        pad_id = getattr(self.base, "pad_token_id", None)
+        fill = {"input_ids": 0 if pad_id is None else pad_id, "labels": IGNORE_INDEX, "position_ids": 0,
+                "document_ids": -1}
+        batch = {key: torch.cat([torch.nn.functional.pad(row[key], (0, width - row[key].shape[1]), value=value)
+                                 for row in rows]) for key, value in fill.items()}
+        first = torch.tensor([0] + [len(row["sample_index"]) for row in rows[:-1]]).cumsum(0)
+        batch["document_ids"] = torch.where(batch["document_ids"] >= 0, batch["document_ids"] + first[:, None], -1)
+        for key in ("sample_index", "sample_offset"):
+            batch[key] = torch.cat([row[key] for row in rows])
         return batch
 
 
@@ -403,7 +424,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         mode = "train" if self.model.training else "eval"
         args = self.args
         documents = inputs.get("document_ids")  # padding-free rows (packing): which document each token is in
-        samples = len(inputs["example_lengths"]) if documents is not None else inputs["input_ids"].shape[0]
+        samples = len(inputs["example_lengths"]) if "example_lengths" in inputs else inputs["input_ids"].shape[0]
         real = self._real_rows(samples) if mode == "eval" else None
         if real:  # score only the real samples of a padded last eval batch
             inputs = _first_samples(inputs, real)
@@ -474,10 +495,14 @@ class DiffusionSFTTrainer(SFTTrainer):
 
 
 def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:
-    """The batch cut to its first ``count`` samples: rows, or for a padding-free batch (one row of documents) the
-    columns and documents of its first ``count`` examples."""
+    """The batch cut to its first ``count`` samples: rows (and for packed rows, their documents' seeds), or for a
+    padding-free batch (one row of documents) the columns and documents of its first ``count`` examples."""
     if "document_ids" not in inputs:
         return {k: v[:count] if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    if "example_lengths" not in inputs:
+        documents = int(inputs["document_ids"][:count].max()) + 1
+        per_document = ("sample_index", "sample_offset")
+        return {k: v[:documents] if k in per_document else v[:count] for k, v in inputs.items()}
     width = int(inputs["example_lengths"][:count].sum())
     documents = int(inputs["document_ids"][0, width - 1]) + 1
     kept = {key: inputs[key][:, :width] for key in ("input_ids", "labels", "position_ids", "document_ids")}
