@@ -1,5 +1,6 @@
 """What packing saves in diffusion SFT: one epoch of ``DiffusionSFTTrainer`` training steps, padded vs packed vs
-padding-free, on the same samples, as JSON.
+padding-free, on the same samples, and the ``trajectory`` objective's packed layout against one row per state, as
+JSON.
 
 Samples have the spread of lengths SFT data has (prompt and answer lengths drawn from a seeded log-normal, clipped
 to ``max_length``); tokens are random (no tokenizer, no download), the model a random SDAR (``block``) or LLaDA
@@ -31,14 +32,17 @@ import torch
 
 PRESETS = {
     "small": dict(families=["sdar", "llada"], hidden=128, layers=2, heads=4, kv_heads=2, head_dim=32,
-                  intermediate=512, vocab=512, samples=96, max_length=512, tokens_per_step=2048, dtype="float32"),
+                  intermediate=512, vocab=512, samples=96, max_length=512, tokens_per_step=2048, dtype="float32",
+                  trajectory=dict(samples=4, prompt=64, answer=256)),
     "medium": dict(families=["sdar"], hidden=512, layers=2, heads=8, kv_heads=4, head_dim=64, intermediate=1536,
-                   vocab=4096, samples=64, max_length=512, tokens_per_step=2048, dtype="float32"),
+                   vocab=4096, samples=64, max_length=512, tokens_per_step=2048, dtype="float32",
+                   trajectory=dict(samples=4, prompt=64, answer=256)),
     "tiny": dict(families=["sdar"], hidden=64, layers=1, heads=2, kv_heads=1, head_dim=32, intermediate=128,
-                 vocab=128, samples=12, max_length=64, tokens_per_step=192, dtype="float32"),
+                 vocab=128, samples=12, max_length=64, tokens_per_step=192, dtype="float32",
+                 trajectory=dict(samples=2, prompt=8, answer=16)),
     "sdar-1.7b": dict(families=["sdar"], hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128,
                       intermediate=6144, vocab=151936, samples=256, max_length=4096, tokens_per_step=32768,
-                      dtype="bfloat16"),
+                      dtype="bfloat16", trajectory=dict(samples=4, prompt=256, answer=1024)),
 }
 MODES = ("padded", "packed", "padding_free")
 BLOCK = 4
@@ -148,6 +152,50 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
     return record
 
 
+def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int = 64, answer: int = 256,
+                       steps_per_block: int = 4) -> list[dict]:
+    """The ``trajectory`` objective on SDAR rollouts (block 4, ``steps_per_block`` steps a block: with 4, one token
+    per step, TraceRL's worst case, so ``answer`` states a sample): one forward + backward in TraceRL's packed
+    layout (what the objective builds) and in one whole row per state (``trajectory_state_rows``), on one batch."""
+    from trl_diffusion.states import block_index, step_groups
+    from trl_diffusion.trainers.diffusion_losses import (
+        IGNORE_INDEX,
+        build_objective,
+        diffusion_loss,
+        trajectory_state_rows,
+    )
+
+    model = build_model("sdar", shape, device).train()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, shape["vocab"] - 1, (samples, prompt + answer), generator=generator)
+    completion = torch.arange(prompt + answer)[None].expand_as(ids) >= prompt
+    labels = torch.where(completion, ids, IGNORE_INDEX)
+    blocks = block_index(torch.arange(prompt + answer), BLOCK)[None].expand_as(ids)
+    within = (torch.arange(prompt + answer) % BLOCK % steps_per_block)[None].expand_as(ids)
+    unmask_step = torch.where(completion, (blocks - prompt // BLOCK) * steps_per_block + within, -1)
+    valid = torch.ones_like(completion)
+    layouts = {
+        "packed": build_objective("trajectory", ids, labels, valid, [], mask_token_id=shape["vocab"] - 1,
+                                  block_size=BLOCK, unmask_step=unmask_step),
+        "one row per state": trajectory_state_rows(ids, completion, valid, step_groups(unmask_step, 1, blocks),
+                                                   shape["vocab"] - 1, BLOCK),
+    }
+    records = []
+    for name, batch in layouts.items():
+        batch = type(batch)(*(getattr(batch, f).to(device) if isinstance(getattr(batch, f), torch.Tensor)
+                              else getattr(batch, f) for f in ("input_ids", "position_ids", "layout", "targets",
+                                                                "weights")))
+        start = time.perf_counter()
+        loss, _ = diffusion_loss(model, batch, int(completion.sum()), False, shape["vocab"] - 1, "nll", "auto")
+        loss.backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        records.append({"family": "sdar", "mode": f"trajectory, {name}", "rows": batch.input_ids.shape[0],
+                        "processed_tokens": batch.input_ids.numel(), "seconds": round(time.perf_counter() - start, 3),
+                        "loss": round(loss.item(), 4)})
+    return records
+
+
 def _labels(batch: dict) -> torch.Tensor:
     return batch["labels"].ne(-100).sum()
 
@@ -159,13 +207,18 @@ def _real_tokens(batch: dict) -> int:
 
 
 def summarize(records: list[dict]) -> dict:
-    """Each mode's real tokens/s over the padded mode's, per family."""
+    """Each mode's real tokens/s over the padded mode's, per family; the trajectory objective's per-state rows'
+    seconds over the packed layout's."""
     ratios = {}
     for record in records:
-        padded = next(r for r in records if r["family"] == record["family"] and r["mode"] == "padded")
-        if record["mode"] != "padded":
+        if record["mode"] in MODES and record["mode"] != "padded":
+            padded = next(r for r in records if r["family"] == record["family"] and r["mode"] == "padded")
             ratios[f"{record['family']} {record['mode']} / padded"] = round(
                 record["real_tokens_per_s"] / padded["real_tokens_per_s"], 2)
+    seconds = {r["mode"]: r["seconds"] for r in records if r["mode"].startswith("trajectory")}
+    if len(seconds) == 2:
+        ratios["sdar trajectory: one row per state / packed (seconds)"] = round(
+            seconds["trajectory, one row per state"] / seconds["trajectory, packed"], 1)
     return ratios
 
 
@@ -178,10 +231,15 @@ def main() -> None:
     args = parser.parse_args()
     shape = PRESETS[args.preset]
     records = []
-    for family in args.families or shape["families"]:
+    families = args.families or shape["families"]
+    for family in families:
         for mode in MODES:
             records.append(measure(family, mode, shape, args.device))
             print(json.dumps(records[-1]), flush=True)
+    if "sdar" in families:
+        for record in measure_trajectory(shape, args.device, **shape["trajectory"]):
+            records.append(record)
+            print(json.dumps(record), flush=True)
     result = {"preset": args.preset, "device": args.device, "records": records, "ratios": summarize(records)}
     if args.output:
         args.output.write_text(json.dumps(result, indent=1))

@@ -10,7 +10,7 @@ from numerics import assert_close_fp32
 from trl import SFTConfig
 
 from trl_diffusion.models import LLaDAModelLM, SDARForCausalLM
-from trl_diffusion.states import noisy_clean_layout, positions_from_padding
+from trl_diffusion.states import block_index, noisy_clean_layout, positions_from_padding, step_groups
 from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, tiny_llada_config, tiny_model, tiny_sdar_config
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.trainers.diffusion_losses import (
@@ -23,6 +23,7 @@ from trl_diffusion.trainers.diffusion_losses import (
     mask_ratio,
     sample_generators,
     score_tokens,
+    trajectory_state_rows,
 )
 from trl_diffusion.trainers.sft_trainer import DiffusionDataCollator
 
@@ -234,14 +235,55 @@ def test_trajectory_reproduces_the_samplers_logprobs(family):
     valid = committed.clone()
     valid[:, :width] = prompt_mask.bool()
     labels = torch.where(committed, out.sequences, IGNORE_INDEX)
-    batch = build_objective("trajectory", out.sequences, labels, valid, [], mask_token_id=MASK_ID,
-                            block_size=model.block_size, unmask_step=out.unmask_step)
-    assert batch.input_ids.shape[0] == int(out.denoising_steps.sum())  # one row per visited state
-    scores = score_tokens(model, batch, model.logits_shift, MASK_ID)
+    steps = step_groups(out.unmask_step, 1)
+    states = trajectory_state_rows(out.sequences, committed, valid, steps, MASK_ID, model.block_size)
+    assert states.input_ids.shape[0] == int(out.denoising_steps.sum())  # one row per visited state
+    scores = score_tokens(model, states, model.logits_shift, MASK_ID)
     rows = torch.repeat_interleave(torch.arange(len(prompts)), out.denoising_steps)
     rescored = torch.zeros_like(out.token_logprobs).index_add_(0, rows, scores.log_probs.detach())
     assert int(scores.scored.sum()) == int(committed.sum())  # every committed token scored once
     assert_close_fp32(rescored, out.token_logprobs, committed)
+    # the objective: for SDAR TraceRL's packed layout, one row per sample (clean sequence + a block copy per step)
+    batch = build_objective("trajectory", out.sequences, labels, valid, [], mask_token_id=MASK_ID,
+                            block_size=model.block_size, unmask_step=out.unmask_step)
+    packed = scores if model.block_size is None else score_tokens(model, batch, model.logits_shift, MASK_ID)
+    assert batch.input_ids.shape[0] == (len(prompts) if model.block_size else int(out.denoising_steps.sum()))
+    assert int(packed.scored.sum()) == int(committed.sum())
+    per_sample = packed.log_probs.sum(-1) if model.block_size else rescored.sum(-1)
+    assert_close_fp32(per_sample, (out.token_logprobs * committed).sum(-1))
+
+
+@pytest.mark.parametrize("shrinkage", [1, 2])
+def test_packed_trajectory_equals_one_row_per_state(shrinkage):
+    """SDAR's trajectory objective scores every token under the same state as the per-state rows: the same loss and
+    gradient, from a packed row per sample instead of a whole row per step (rows right-padded as SFT collates).
+    Steps out of block order (no block sampler's) keep the per-state rows, exact for any steps."""
+    model = tiny_model("sdar").train()
+    ids, labels, valid = make_batch()
+    completion = labels != IGNORE_INDEX
+    blocks = block_index(positions_from_padding(valid), 4)
+    draw = torch.Generator().manual_seed(0)
+    within = torch.randint(0, 3, ids.shape, generator=draw)  # blocks one after another, 1-3 steps each
+    steps = torch.where(completion, blocks * 3 + within, -1)
+    batch = build_objective("trajectory", ids, labels, valid, [], mask_token_id=MASK_ID, block_size=4,
+                            unmask_step=steps, shrinkage=shrinkage)
+    reference = trajectory_state_rows(ids, completion, valid, step_groups(steps, shrinkage, blocks), MASK_ID, 4)
+    assert batch.input_ids.shape[0] == len(ids) < reference.input_ids.shape[0]
+    # steps a block sampler never takes (a block still open after a later one started): one row per state
+    shuffled = torch.where(completion, torch.randint(0, 6, ids.shape, generator=draw), -1)
+    unordered = build_objective("trajectory", ids, labels, valid, [], mask_token_id=MASK_ID, block_size=4,
+                                unmask_step=shuffled, shrinkage=shrinkage)
+    expected = trajectory_state_rows(ids, completion, valid, step_groups(shuffled, shrinkage, blocks), MASK_ID, 4)
+    assert torch.equal(unordered.input_ids, expected.input_ids)
+    losses, gradients = [], []
+    for scoring in (batch, reference):
+        model.zero_grad()
+        loss = diffusion_loss(model, scoring, int(completion.sum()), False, MASK_ID)[0]
+        loss.backward()
+        losses.append(loss)
+        gradients.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert_close_fp32(losses[0], losses[1])
+    assert_close_fp32(gradients[0], gradients[1])
 
 
 def test_trajectory_rows_are_the_states_before_each_step():
@@ -266,8 +308,11 @@ def test_trajectory_shrinkage_merges_within_blocks_for_block_models():
     m = MASK_ID
 
     def states(block_size):
-        return build_objective("trajectory", ids, labels, torch.ones_like(ids).bool(), [], mask_token_id=MASK_ID,
-                               block_size=block_size, unmask_step=steps, shrinkage=2).input_ids.tolist()
+        valid = torch.ones_like(ids).bool()
+        blocks = block_index(positions_from_padding(valid), block_size) if block_size else None
+        groups = step_groups(steps, 2, blocks)
+        rows = trajectory_state_rows(ids, labels != IGNORE_INDEX, valid, groups, MASK_ID, block_size)
+        return rows.input_ids.tolist()
 
     assert states(2) == [[50, 51, m, m, m, m], [50, 51, 60, 61, m, m]]
     assert states(None) == [[50, 51, m, m, m, m], [50, 51, 60, 61, 62, m]]

@@ -219,4 +219,8 @@ def test_sft_benchmark_trains_the_same_tokens_in_every_mode():
     assert [r["real_tokens"] for r in records] == [expected] * 3
     padded, packed, padding_free = records
     assert padded["padding_share"] > 0.3 and packed["padding_share"] < 0.1 and padding_free["padding_share"] == 0
-    assert set(bench.summarize(records)) == {"sdar packed / padded", "sdar padding_free / padded"}
+    trajectory = bench.measure_trajectory(shape, "cpu", **shape["trajectory"])
+    assert [r["rows"] for r in trajectory] == [2, 2 * 4 * 4]  # one per sample; one per state (4 blocks x 4 steps)
+    assert trajectory[0]["loss"] == pytest.approx(trajectory[1]["loss"], rel=1e-4)
+    assert set(bench.summarize(records + trajectory)) == {"sdar packed / padded", "sdar padding_free / padded",
+                                                          "sdar trajectory: one row per state / packed (seconds)"}

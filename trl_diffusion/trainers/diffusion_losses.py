@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..estimators.packing import build_scoring_chunks
 from ..generation.sampling import target_scores
 from ..states import (
+    NOT_COMMITTED,
     AttentionLayout,
     block_index,
     blocks_from_prompt_end,
@@ -266,10 +268,15 @@ def semi_ar_objective(
 def trajectory_objective(
     input_ids, labels, valid, unmask_step, mask_token_id: int, block_size: int | None = None, shrinkage: int = 1
 ) -> ScoringBatch:
-    """Train on the states a recorded rollout actually visited: for every (merged) denoising step s of a row,
-    one row holding the state before s (``states.state_before_step``), scoring the tokens committed at s. Steps are
-    merged ``shrinkage`` at a time, within each block for block-causal models (``states.step_groups``, as TraceRL).
-    ``unmask_step`` ``[B, L]`` is the sampler's step per position; every completion position needs one."""
+    """Train on the states a recorded rollout actually visited: every completion token scored given the state
+    before its (merged) denoising step, ``states.state_before_step``. Steps are merged ``shrinkage`` at a time,
+    within each block for block-causal models (``states.step_groups``, as TraceRL). ``unmask_step`` ``[B, L]`` is
+    the sampler's step per position; every completion position needs one.
+
+    Block-causal models whose rows are rollouts (the completion one run to the row's end, its blocks committed one
+    after another, as the block sampler commits them) get TraceRL's packed layout (``estimators.packing``: one row
+    per sample, the clean sequence plus one noisy copy of a block per step); other rows get one whole row per
+    state (``trajectory_state_rows``). Both score every token under the same state, so they give the same loss."""
     completion = labels != IGNORE_INDEX
     if bool((completion & (unmask_step < 0)).any()):
         raise ValueError(
@@ -279,6 +286,71 @@ def trajectory_objective(
     positions = positions_from_padding(valid)
     blocks = block_index(positions, block_size) if block_size is not None else None  # merge within blocks, as TraceRL
     steps = step_groups(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage, blocks)
+    if (block_size is not None and bool(completion.any()) and _completion_ends_rows(completion, valid)
+            and _blocks_in_order(torch.where(completion, unmask_step, -1), blocks)):
+        return _packed_trajectory(input_ids, completion, valid, steps, mask_token_id, block_size)
+    return trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id, block_size)
+
+
+def _completion_ends_rows(completion: torch.Tensor, valid: torch.Tensor) -> bool:
+    """Whether each row's completion is one run of positions reaching the row's last real token (or empty)."""
+    valid = valid.bool()
+    last_real = torch.where(valid, torch.arange(valid.shape[1], device=valid.device), -1).max(-1).values
+    first = torch.where(completion, torch.arange(valid.shape[1], device=valid.device), valid.shape[1]).min(-1).values
+    cols = torch.arange(valid.shape[1], device=valid.device)
+    span = (cols >= first[:, None]) & (cols <= last_real[:, None])
+    return bool(torch.equal(completion & valid, span & valid & completion.any(-1, keepdim=True)))
+
+
+def _blocks_in_order(unmask_step: torch.Tensor, blocks: torch.Tensor) -> bool:
+    """Whether every row commits its blocks one after another: each block's steps all come after every step of the
+    blocks before it (then a block's states see the earlier blocks clean, which the packed layout assumes)."""
+    committed = unmask_step >= 0
+    rows = torch.arange(unmask_step.shape[0], device=unmask_step.device)[:, None].expand_as(unmask_step)
+    width = int(blocks.max()) + 1
+    key = (rows * width + blocks)[committed]
+    last = torch.full((unmask_step.shape[0] * width,), -1, device=unmask_step.device)
+    last = last.scatter_reduce(0, key, unmask_step[committed], "amax").view(-1, width)
+    first = torch.full_like(last.view(-1), 2**62).scatter_reduce(0, key, unmask_step[committed], "amin")
+    first = first.view(-1, width)
+    before = torch.cummax(last, dim=1).values  # latest step of this block and every block before it
+    used = first < 2**62
+    return bool((~used[:, 1:] | (first[:, 1:] > before[:, :-1])).all())
+
+
+def _packed_trajectory(input_ids, completion, valid, steps, mask_token_id: int, block_size: int) -> ScoringBatch:
+    """``trajectory_objective`` for block-causal ``prompt + completion`` rows, in TraceRL's packed layout: split
+    each row at its first completion token into a left-padded prompt and a right-padded completion, build the
+    scoring row with ``estimators.packing.build_scoring_chunks`` (one chunk) and put the targets in place."""
+    width = input_ids.shape[1]
+    cols = torch.arange(width, device=input_ids.device)
+    valid = valid.bool()
+    first = torch.where(completion, cols, width).min(-1).values
+    end = torch.where(valid, cols, -1).max(-1).values + 1
+    prompt_cols = first[:, None] - int(first.max()) + cols[: int(first.max())]
+    completion_cols = first[:, None] + cols[: int((end - first).max())]
+    prompt_mask = (prompt_cols >= 0) & _take(valid, prompt_cols, False)
+    completion_mask = completion_cols < end[:, None]
+    chunk = build_scoring_chunks(_take(input_ids, prompt_cols, 0), prompt_mask.long(),
+                                 _take(input_ids, completion_cols, 0), _take(steps, completion_cols, NOT_COMMITTED),
+                                 mask_token_id, block_size, completion_mask=completion_mask)[0]
+    targets = torch.full_like(chunk.input_ids, IGNORE_INDEX)
+    targets[chunk.chunk_row, chunk.chunk_col] = input_ids[chunk.source_row, first[chunk.source_row] + chunk.source_col]
+    return ScoringBatch(chunk.input_ids, chunk.position_ids, chunk.layout, targets, (targets != IGNORE_INDEX).float())
+
+
+def _take(rows: torch.Tensor, columns: torch.Tensor, fill) -> torch.Tensor:
+    """``rows`` gathered at ``columns`` ``[B, K]``; ``fill`` where a column lies outside the row."""
+    inside = (columns >= 0) & (columns < rows.shape[1])
+    return torch.where(inside, rows.gather(1, columns.clamp(0, rows.shape[1] - 1)), torch.full_like(columns, fill,
+                                                                                                     dtype=rows.dtype))
+
+
+def trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id: int,
+                          block_size: int | None = None) -> ScoringBatch:
+    """One row per (row, merged step ``steps``): the whole row in the state before that step
+    (``states.state_before_step``), scoring the completion tokens committed at it; the slow obvious layout."""
+    positions = positions_from_padding(valid)
     rows = {"ids": [], "pos": [], "valid": [], "targets": []}
     for row in range(input_ids.shape[0]):
         row_steps = torch.unique(steps[row][completion[row]]).tolist() or [None]
