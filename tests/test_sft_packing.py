@@ -115,6 +115,22 @@ def test_packed_rows_are_trls_and_carry_each_tokens_sample():
     assert sorted(indices) == list(range(len(data)))
 
 
+def test_a_streamed_dataset_is_packed_as_trl_packs_it():
+    """An ``IterableDataset`` packs too (TRL supports it): the same rows as TRL's, with the per-token seed columns,
+    and it trains."""
+    data = conversational(MORE_PAIRS * 2).to_iterable_dataset()
+    common = dict(output_dir="unused", report_to=[], use_cpu=True, bf16=False, packing=True, max_length=100)
+    reference = SFTTrainer(tiny_model("llada"), args=SFTConfig(**common, max_steps=1), train_dataset=data,
+                           processing_class=TOKENIZER).train_dataset
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=config("unused", packing=True, max_length=100),
+                                  train_dataset=data, processing_class=TOKENIZER)
+    ours = list(trainer.train_dataset)
+    assert [row["input_ids"] for row in ours] == [row["input_ids"] for row in reference]
+    assert all(len(row["sample_index"]) == len(row["input_ids"]) for row in ours)
+    trainer.train()
+    assert trainer.state.global_step == 1
+
+
 def test_split_fragments_get_their_own_noise():
     """``bfd_split`` cuts a long sample into fragments; each starts past position 0 of its sample (its
     ``sample_offset``) and so draws fresh noise, not a copy of its sibling's."""
