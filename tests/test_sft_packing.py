@@ -240,3 +240,29 @@ def test_sft_benchmark_trains_the_same_tokens_in_every_mode():
     assert trajectory[0]["loss"] == pytest.approx(trajectory[1]["loss"], rel=1e-4)
     assert set(bench.summarize(records + trajectory)) == {"sdar packed / padded", "sdar padding_free / padded",
                                                           "sdar trajectory: one row per state / packed (seconds)"}
+
+
+def test_packed_training_step_equals_the_unpacked_one_under_gradient_accumulation():
+    """The same SGD step from the same samples: unpacked in one batch, and packed (max_length 64: one or two
+    documents a row) split into one packed row per micro-batch with gradient accumulation. Trainer's
+    ``num_items_in_batch`` counts the accumulated batch's labels, the first tokens kept in packed rows included."""
+    data = text_data()
+    deltas, losses = [], []
+    for settings in ({"per_device_train_batch_size": 8},
+                     {"packing": True, "max_length": 64, "per_device_train_batch_size": 1,
+                      "gradient_accumulation_steps": 8}):
+        torch.manual_seed(0)
+        model = tiny_model("sdar").train()
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer = DiffusionSFTTrainer(model, args=config("unused", optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
+                                                         **settings),
+                                      train_dataset=data, processing_class=TOKENIZER)
+        if settings.get("packing"):
+            rows = len(trainer.train_dataset)
+            assert 1 < rows < len(data)  # some rows hold two documents, and accumulation covers every row
+        trainer.train()
+        losses.append(trainer.state.log_history[0]["loss"])
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+    assert deltas[0].abs().max() > 1e-4
+    assert_close_fp32(deltas[1], deltas[0])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
