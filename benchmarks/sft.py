@@ -41,8 +41,8 @@ PRESETS = {
                  vocab=128, samples=12, max_length=64, tokens_per_step=192, dtype="float32",
                  trajectory=dict(samples=2, prompt=8, answer=16)),
     "sdar-1.7b": dict(families=["sdar"], hidden=2048, layers=28, heads=16, kv_heads=8, head_dim=128,
-                      intermediate=6144, vocab=151936, samples=256, max_length=4096, tokens_per_step=32768,
-                      dtype="bfloat16", trajectory=dict(samples=4, prompt=256, answer=1024)),
+                      intermediate=6144, vocab=151936, samples=256, max_length=4096, tokens_per_step=16384,
+                      dtype="bfloat16", checkpointing=True, trajectory=dict(samples=1, prompt=128, answer=128)),
 }
 MODES = ("padded", "packed", "padding_free")
 BLOCK = 4
@@ -121,8 +121,9 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
         args = DiffusionSFTConfig(**{
             "output_dir": output_dir, "report_to": [], "use_cpu": device == "cpu", "bf16": False,
             "save_strategy": "no", "max_length": shape["max_length"], "per_device_train_batch_size": per_batch,
-            "gradient_checkpointing": False, "completion_only_loss": True, "shuffle_dataset": False,
-            "dataloader_pin_memory": False, "disable_tqdm": True, "attention_backend": "auto", **settings})
+            "gradient_checkpointing": shape.get("checkpointing", False), "completion_only_loss": True,
+            "shuffle_dataset": False, "dataloader_pin_memory": False, "disable_tqdm": True,
+            "attention_backend": "auto", **settings})
         model = build_model(family, shape, device)
         trainer = DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows),
                                       processing_class=tokenizer_for(shape["vocab"]))
@@ -166,6 +167,8 @@ def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int =
     )
 
     model = build_model("sdar", shape, device).train()
+    if shape.get("checkpointing"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(1, shape["vocab"] - 1, (samples, prompt + answer), generator=generator)
     completion = torch.arange(prompt + answer)[None].expand_as(ids) >= prompt
