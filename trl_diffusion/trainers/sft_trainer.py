@@ -204,7 +204,6 @@ class DiffusionDataCollator:
         batch["example_lengths"] = torch.tensor(lengths, dtype=torch.long)
         return batch
 
-
     def _packed_rows(self, examples: list[dict[str, Any]], indices: list, offsets: list) -> dict[str, Any]:
         """Packed rows, one row each (``_documents_in_one_row`` per row), right-padded to the longest and stacked,
         with document ids numbered across the batch."""
