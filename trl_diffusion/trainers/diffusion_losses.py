@@ -45,6 +45,12 @@ from ..states import (
 OBJECTIVES = ("block", "random_masking", "semi_ar", "complementary", "trajectory")
 PACKED_OBJECTIVES = ("block", "random_masking", "complementary")
 """Objectives that train on packed rows (several documents a row)."""
+PER_TOKEN_OBJECTIVES = ("block", "random_masking", "semi_ar")
+"""Objectives that can draw one mask ratio per token (dLLM-RL's SFT) instead of one per sample."""
+MASK_RATIO_SAMPLING = ("per_sample", "per_token")
+LOSS_NORMALIZATIONS = ("tokens", "row_masked", "row_tokens")
+"""``tokens``: TRL's, the summed loss over the accumulated batch's loss tokens; ``row_masked`` / ``row_tokens``
+(dLLM-RL's): each training row's summed loss over its masked tokens / its sample's loss tokens, averaged over rows."""
 LOSS_WEIGHTINGS = ("elbo", "none")
 IGNORE_INDEX = -100
 
@@ -113,6 +119,18 @@ def draw_noise(generator: torch.Generator, num_ratios: int, valid: torch.Tensor)
     return ratios, uniforms
 
 
+def draw_token_noise(generator: torch.Generator, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token masking (dLLM-RL's SFT): one uniform per real token of the row (its own mask probability, before
+    scaling to the ratio range), then one more per real token (masked when below its probability), in order.
+    Padding gets probability 0 and uniform 1 (never masked)."""
+    valid = valid.bool().cpu()
+    count = int(valid.sum())
+    probabilities, uniforms = torch.zeros(valid.shape[-1]), torch.ones(valid.shape[-1])
+    probabilities[valid] = torch.rand(count, generator=generator)
+    uniforms[valid] = torch.rand(count, generator=generator)
+    return probabilities, uniforms
+
+
 def _weights(masked: torch.Tensor, ratio: torch.Tensor, weighting: str) -> torch.Tensor:
     """``1 / ratio`` (ELBO) or 1 on masked positions, 0 elsewhere."""
     if weighting not in LOSS_WEIGHTINGS:
@@ -135,23 +153,31 @@ def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | N
     return AttentionLayout.plain(positions, valid, block_size, documents)
 
 
-def _random_mask(input_ids, labels, valid, generators, eps, high=1.0, documents=None):
-    """Per-document ratio p and a Bernoulli(p) mask over its completion positions; returns the mask and every
-    position's ratio ``[B, L]``. Without ``documents`` each row is one document (one generator per row)."""
+def _random_mask(input_ids, labels, valid, generators, eps, high=1.0, documents=None, per_token=False):
+    """Per-document ratio p and a Bernoulli(p) mask over its completion positions (``per_token``: each position
+    with its own p); returns the mask and every position's ratio ``[B, L]``. Ratios lie in ``[eps, high]``.
+    Without ``documents`` each row is one document (one generator per row)."""
     rows = torch.arange(input_ids.shape[0])[:, None].expand(input_ids.shape)
     documents = rows if documents is None else documents.cpu()
     count = int(documents.max()) + 1 if documents.numel() else 0
     if len(generators) != count:
         raise ValueError(f"need one generator per document: got {len(generators)} for {count} documents.")
     valid_cpu = valid.bool().cpu()
-    ratios, uniforms = torch.empty(count), torch.ones(input_ids.shape)
+    ratios, uniforms, token_ratios = torch.empty(count), torch.ones(input_ids.shape), torch.ones(input_ids.shape)
     for row in range(input_ids.shape[0]):
         for document in torch.unique(documents[row][documents[row] >= 0]).tolist():
             where = valid_cpu[row] & (documents[row] == document)
-            ratio, row_uniforms = draw_noise(generators[document], 1, where)
-            ratios[document] = ratio[0]
+            if per_token:
+                probabilities, row_uniforms = draw_token_noise(generators[document], where)
+                token_ratios[row][where] = mask_ratio(probabilities, eps, high)[where]
+            else:
+                ratio, row_uniforms = draw_noise(generators[document], 1, where)
+                ratios[document] = ratio[0]
             uniforms[row][where] = row_uniforms[where]
-    ratio = mask_ratio(ratios, eps, high)[documents.clamp(min=0)].to(input_ids.device)
+    if per_token:
+        ratio = token_ratios.to(input_ids.device)
+    else:
+        ratio = mask_ratio(ratios, eps, high)[documents.clamp(min=0)].to(input_ids.device)
     masked = (labels != IGNORE_INDEX) & (uniforms.to(input_ids.device) < ratio)
     return masked, ratio
 
@@ -184,11 +210,12 @@ def _rows(noisy, clean, masked, weights, valid, block_size, positions=None, docu
 
 def block_objective(
     input_ids, labels, valid, mask_token_id: int, block_size: int, generators, eps: float = 1e-3,
-    weighting: str = "elbo", position_ids=None, documents=None,
+    weighting: str = "elbo", position_ids=None, documents=None, high: float = 1.0, per_token: bool = False,
 ) -> ScoringBatch:
-    """SDAR / BD3-LM: ``[x_t | x_0]`` in one forward. Per sample ``t ~ U(eps, 1)``, each completion token
-    masked with probability t; the noisy copy of a block sees itself and the clean earlier blocks."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, documents=documents)
+    """SDAR / BD3-LM: ``[x_t | x_0]`` in one forward. Per sample ``t ~ U(eps, high)`` (``per_token``: per
+    completion token), each completion token masked with probability t; the noisy copy of a block sees itself and
+    the clean earlier blocks."""
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high, documents, per_token)
     noisy = input_ids.masked_fill(masked, mask_token_id)
     return _rows(noisy, input_ids, masked, _weights(masked, ratio, weighting), valid, block_size, position_ids,
                  documents)
@@ -196,23 +223,24 @@ def block_objective(
 
 def random_masking_objective(
     input_ids, labels, valid, mask_token_id: int, generators, eps: float = 1e-3, weighting: str = "elbo",
-    position_ids=None, documents=None,
+    position_ids=None, documents=None, high: float = 1.0, per_token: bool = False,
 ) -> ScoringBatch:
-    """LLaDA / Dream masked-diffusion ELBO: per sample ``t ~ U(eps, 1)``, mask completion tokens with
-    probability t, score the masked ones (weight 1/t) under full attention."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, documents=documents)
+    """LLaDA / Dream masked-diffusion ELBO: per sample ``t ~ U(eps, high)`` (``per_token``: per completion token),
+    mask completion tokens with probability t, score the masked ones (weight 1/t) under full attention."""
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high, documents, per_token)
     noisy = input_ids.masked_fill(masked, mask_token_id)
     return _rows(noisy, input_ids, masked, _weights(masked, ratio, weighting), valid, None, position_ids, documents)
 
 
 def complementary_objective(
     input_ids, labels, valid, mask_token_id: int, generators, block_size: int | None = None, eps: float = 1e-3,
-    weighting: str = "elbo", position_ids=None, documents=None,
+    weighting: str = "elbo", position_ids=None, documents=None, high: float | None = None,
 ) -> ScoringBatch:
-    """Coupled masks (DiffuCoder): a mask M with ratio ``t ~ U(eps, 1 - eps)`` and its complement over the
-    completion, as two rows per sample, so every completion token is scored exactly once per pair. ELBO
-    weights ``1 / (2t)`` and ``1 / (2(1 - t))`` average the two unbiased estimates."""
-    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high=1.0 - eps, documents=documents)
+    """Coupled masks (DiffuCoder): a mask M with ratio ``t ~ U(eps, high)`` (default ``high = 1 - eps``) and its
+    complement over the completion, as two rows per sample, so every completion token is scored exactly once per
+    pair. ELBO weights ``1 / (2t)`` and ``1 / (2(1 - t))`` average the two unbiased estimates."""
+    high = 1.0 - eps if high is None else high
+    masked, ratio = _random_mask(input_ids, labels, valid, generators, eps, high, documents=documents)
     complement = (labels != IGNORE_INDEX) & ~masked
     w1 = _weights(masked, ratio, weighting)
     w2 = _weights(complement, 1.0 - ratio, weighting)
@@ -233,11 +261,12 @@ def _twice(rows: torch.Tensor | None) -> torch.Tensor | None:
 
 def semi_ar_objective(
     input_ids, labels, valid, mask_token_id: int, block_length: int, generators, eps: float = 1e-3,
-    weighting: str = "elbo",
+    weighting: str = "elbo", high: float = 1.0, per_token: bool = False,
 ) -> ScoringBatch:
     """Semi-autoregressive SFT for full-attention models: blocks of ``block_length`` from the end of the prompt;
-    one row per (sample, block b): blocks before b clean, block b masked with its own ``t_b ~ U(eps, 1)``
-    (scored, weight 1/t_b), blocks after b fully masked (not scored)."""
+    one row per (sample, block b): blocks before b clean, block b masked with its own ``t_b ~ U(eps, high)``
+    (``per_token``: each token with its own t, dLLM-RL's) (scored, weight 1/t_b), blocks after b fully masked (not
+    scored)."""
     batch = input_ids.shape[0]
     _check_generators(generators, batch)
     completion = labels != IGNORE_INDEX
@@ -245,8 +274,12 @@ def semi_ar_objective(
     rows_ids, rows_masked, rows_weights, rows_valid, rows_clean = [], [], [], [], []
     for row in range(batch):
         n_blocks = int(block[row].max()) + 1
-        ratios, uniforms = draw_noise(generators[row], n_blocks, valid[row])
-        ratios = mask_ratio(ratios, eps).to(input_ids.device)
+        if per_token:  # one ratio per token, the same for every block's row
+            probabilities, uniforms = draw_token_noise(generators[row], valid[row])
+            ratios = mask_ratio(probabilities, eps, high).to(input_ids.device)[None].expand(max(n_blocks, 1), -1)
+        else:  # one ratio per block
+            ratios, uniforms = draw_noise(generators[row], n_blocks, valid[row])
+            ratios = mask_ratio(ratios, eps, high).to(input_ids.device)
         uniforms = uniforms.to(input_ids.device)
         for b in range(max(n_blocks, 1)):
             if n_blocks == 0:  # nothing to score: one clean row keeps the batch non-empty
@@ -428,14 +461,35 @@ def diffusion_loss(
     return per_token.sum() / normaliser, scores
 
 
+def per_row_weights(batch: ScoringBatch, normalization: str, sample_tokens: torch.Tensor | None = None
+                    ) -> torch.Tensor:
+    """``batch.weights`` divided, row by row, by the row's masked (scored) token count (``row_masked``) or by
+    ``sample_tokens`` ``[rows]``, the loss-token count of the sample each row comes from (``row_tokens``); a row
+    with nothing to divide by keeps weight 0. Summed and divided by the number of rows, the loss is dLLM-RL's
+    per-row mean."""
+    if normalization == "row_masked":
+        counts = (batch.targets != IGNORE_INDEX).sum(-1)
+    elif normalization == "row_tokens":
+        if sample_tokens is None or len(sample_tokens) != batch.targets.shape[0]:
+            raise ValueError("row_tokens needs the loss-token count of each row's sample (one row per sample).")
+        counts = sample_tokens
+    else:
+        raise ValueError(f"unknown per-row normalization {normalization!r}; choose 'row_masked' or 'row_tokens'.")
+    return batch.weights / counts.clamp(min=1).to(batch.weights)[:, None]
+
+
 def build_objective(
     objective: str, input_ids, labels, valid, generators, *, mask_token_id: int, block_size: int | None,
     eps: float = 1e-3, weighting: str = "elbo", semi_ar_block_length: int = 32, unmask_step=None, shrinkage: int = 1,
-    position_ids=None, documents=None,
+    position_ids=None, documents=None, high: float | None = None, per_token: bool = False,
 ) -> ScoringBatch:
     """Dispatch by name; ``block_size`` is the model's block-causal block size (None = full attention). Packed
     rows give ``documents`` and their ``position_ids`` (``PACKED_OBJECTIVES`` only) and one generator per
-    document."""
+    document. Mask ratios lie in ``[eps, high]`` (default ``high``: 1, ``complementary`` 1 - eps), one per sample
+    or, with ``per_token`` (``PER_TOKEN_OBJECTIVES``), one per completion token."""
+    if per_token and objective not in PER_TOKEN_OBJECTIVES:
+        raise ValueError(f"per-token mask ratios apply to {PER_TOKEN_OBJECTIVES}, not to {objective!r}.")
+    noise = {"high": 1.0 if high is None else high, "per_token": per_token}
     if documents is not None:
         if objective not in PACKED_OBJECTIVES:
             raise ValueError(f"the {objective!r} objective does not take packed rows (packing / padding_free); "
@@ -447,15 +501,16 @@ def build_objective(
         if block_size is None:
             raise ValueError("the 'block' objective needs a block-causal model (block_size).")
         return block_objective(input_ids, labels, valid, mask_token_id, block_size, generators, eps, weighting,
-                               **packed)
+                               **packed, **noise)
     if objective == "random_masking":
-        return random_masking_objective(input_ids, labels, valid, mask_token_id, generators, eps, weighting, **packed)
+        return random_masking_objective(input_ids, labels, valid, mask_token_id, generators, eps, weighting, **packed,
+                                        **noise)
     if objective == "semi_ar":
         return semi_ar_objective(input_ids, labels, valid, mask_token_id, semi_ar_block_length, generators, eps,
-                                 weighting)
+                                 weighting, **noise)
     if objective == "complementary":
         return complementary_objective(input_ids, labels, valid, mask_token_id, generators, block_size, eps, weighting,
-                                       **packed)
+                                       **packed, high=high)
     if objective == "trajectory":
         if unmask_step is None:
             raise ValueError("the 'trajectory' objective needs the recorded `unmask_step` of every row.")

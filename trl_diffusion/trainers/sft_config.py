@@ -13,7 +13,14 @@ from ..states import (
     check_max_steps,
     check_no_liger_kernel,
 )
-from .diffusion_losses import LOSS_WEIGHTINGS, OBJECTIVES, PACKED_OBJECTIVES
+from .diffusion_losses import (
+    LOSS_NORMALIZATIONS,
+    LOSS_WEIGHTINGS,
+    MASK_RATIO_SAMPLING,
+    OBJECTIVES,
+    PACKED_OBJECTIVES,
+    PER_TOKEN_OBJECTIVES,
+)
 
 OVERLONG_POLICIES = ("truncate", "error")
 NONE_STRINGS = ("None", "none")
@@ -36,6 +43,17 @@ class DiffusionSFTConfig(SFTConfig):
             `"elbo"` weights each masked token by 1/t (t = its mask ratio); `"none"` weights all by 1.
         mask_eps (`float`, *optional*, defaults to `1e-3`):
             Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1). Must lie in (0, 0.5).
+        mask_ratio_range (`list[float]` or `None`, *optional*):
+            `[low, high]` with 0 < low <= high <= 1: draw mask ratios from U(low, high) instead of U(mask_eps, 1)
+            (`complementary`: U(mask_eps, 1 - mask_eps)). dLLM-RL's SFT uses `[0.1, 0.9]`.
+        mask_ratio_sampling (`str`, *optional*, defaults to `"per_sample"`):
+            `"per_sample"`: one ratio t per sample (per block for `semi_ar`); `"per_token"`: each completion token
+            masked with its own probability (dLLM-RL's SFT of block models and its `semi_ar`); needs
+            `loss_weighting="none"`.
+        loss_normalization (`str`, *optional*, defaults to `"tokens"`):
+            `"tokens"`: TRL's (summed loss / the accumulated batch's loss tokens); `"row_masked"` / `"row_tokens"`:
+            dLLM-RL's, each training row's summed loss divided by its masked tokens (its full-attention SFT) or by its
+            sample's loss tokens (its block SFT), averaged over rows and accumulation steps.
         exclude_mask_token_from_softmax (`bool`, *optional*, defaults to `True`):
             Leave the mask token out of the loss's softmax; `False` scores over the whole vocabulary, as the
             released SFT code does.
@@ -81,6 +99,24 @@ class DiffusionSFTConfig(SFTConfig):
         metadata={"help": "Leave the mask token out of the softmax the loss is computed with (the sampler never "
                   "samples it). False: the released SFT code's loss (SDAR, LLaDA, Dream, dLLM-RL), a cross-entropy "
                   "over the whole vocabulary, mask token included."},
+    )
+    mask_ratio_range: list[float] | None = field(
+        default=None,
+        metadata={"help": "[low, high], 0 < low <= high <= 1: mask ratios from U(low, high) instead of U(mask_eps, 1) "
+                  "(complementary: U(mask_eps, 1 - mask_eps)). dLLM-RL's SFT: 0.1 0.9."},
+    )
+    mask_ratio_sampling: str = field(
+        default="per_sample",
+        metadata={"help": "'per_sample': one mask ratio per sample (per block for semi_ar); 'per_token': each "
+                  "completion token masked with its own probability (dLLM-RL's SFT; needs loss_weighting='none').",
+                  "choices": list(MASK_RATIO_SAMPLING)},
+    )
+    loss_normalization: str = field(
+        default="tokens",
+        metadata={"help": "'tokens' (TRL: summed loss / the accumulated batch's loss tokens), or dLLM-RL's per-row "
+                  "means: 'row_masked' (each row's loss / its masked tokens) or 'row_tokens' (/ its sample's loss "
+                  "tokens), averaged over rows and accumulation steps.",
+                  "choices": list(LOSS_NORMALIZATIONS)},
     )
     block_size: int | None = field(
         default=None,
@@ -146,6 +182,38 @@ class DiffusionSFTConfig(SFTConfig):
                 f"{' / '.join(packed)} does not apply to diffusion_objective={self.diffusion_objective!r}: packed "
                 f"rows train with {PACKED_OBJECTIVES} (or None, the model's default). Set {packed[0]}=False."
             )
+        self._check_noise_options(packed)
         if packed and self.pad_to_length_with_eos:
             raise ValueError(f"pad_to_length_with_eos pads every sequence to max_length, so there is nothing to pack; "
                              f"set {packed[0]}=False or pad_to_length_with_eos=False.")
+
+    def _check_noise_options(self, packed: list[str]) -> None:
+        """``mask_ratio_range``, ``mask_ratio_sampling`` and ``loss_normalization``, against the objective."""
+        objective = self.diffusion_objective
+        if self.mask_ratio_range is not None:
+            values = list(self.mask_ratio_range)
+            if len(values) != 2 or not 0 < values[0] <= values[1] <= 1:
+                raise ValueError(f"mask_ratio_range must be [low, high] with 0 < low <= high <= 1, got {values}.")
+            if objective == "trajectory":
+                raise ValueError("mask_ratio_range does not apply to 'trajectory': its states are recorded.")
+        if self.mask_ratio_sampling not in MASK_RATIO_SAMPLING:
+            raise ValueError(f"mask_ratio_sampling must be one of {MASK_RATIO_SAMPLING}, got "
+                             f"{self.mask_ratio_sampling!r}.")
+        if self.mask_ratio_sampling == "per_token":
+            if objective not in (None, *PER_TOKEN_OBJECTIVES):
+                raise ValueError(f"mask_ratio_sampling='per_token' applies to {PER_TOKEN_OBJECTIVES}, not to "
+                                 f"{objective!r}.")
+            if self.loss_weighting != "none":
+                raise ValueError("mask_ratio_sampling='per_token' has no ELBO weight (each token has its own ratio); "
+                                 "set loss_weighting='none', as dLLM-RL's SFT does.")
+        if self.loss_normalization not in LOSS_NORMALIZATIONS:
+            raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got "
+                             f"{self.loss_normalization!r}.")
+        if self.loss_normalization != "tokens":
+            allowed = ("block", "random_masking") + (("semi_ar",) if self.loss_normalization == "row_masked" else ())
+            if objective not in (None, *allowed):
+                raise ValueError(f"loss_normalization={self.loss_normalization!r} applies to {allowed}, not to "
+                                 f"{objective!r}.")
+            if packed:
+                raise ValueError(f"loss_normalization={self.loss_normalization!r} normalises each row, and a packed "
+                                 f"row holds several samples; set {packed[0]}=False or loss_normalization='tokens'.")

@@ -32,7 +32,14 @@ from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import check_block_size_applies, resolve_model_attention_backend
-from .diffusion_losses import IGNORE_INDEX, build_objective, count_loss_tokens, diffusion_loss, sample_generators
+from .diffusion_losses import (
+    IGNORE_INDEX,
+    build_objective,
+    count_loss_tokens,
+    diffusion_loss,
+    per_row_weights,
+    sample_generators,
+)
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
@@ -433,25 +440,34 @@ class DiffusionSFTTrainer(SFTTrainer):
         generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch,
                                        None if offsets is None else offsets.tolist())
         labels = inputs["labels"]
+        low, high = args.mask_ratio_range or (args.mask_eps, None)
         if "attention_mask" in inputs:
             valid = inputs["attention_mask"].bool()
         else:
             valid = documents >= 0 if documents is not None else torch.ones_like(labels).bool()
         batch = build_objective(
             self.objective, inputs["input_ids"], labels, valid, generators,
-            mask_token_id=self.spec.mask_token_id, block_size=self.spec.block_size, eps=args.mask_eps,
+            mask_token_id=self.spec.mask_token_id, block_size=self.spec.block_size, eps=low, high=high,
+            per_token=args.mask_ratio_sampling == "per_token",
             weighting=args.loss_weighting, semi_ar_block_length=args.semi_ar_block_length,
             unmask_step=inputs.get("unmask_step"), shrinkage=args.trajectory_shrinkage,
             position_ids=inputs.get("position_ids") if documents is not None else None, documents=documents,
         )
-        normaliser = num_items_in_batch
-        if normaliser is None:
-            normaliser = count_loss_tokens(labels, self.spec.logits_shift)
+        if args.loss_normalization == "tokens":
+            normaliser = num_items_in_batch
+            if normaliser is None:
+                normaliser = count_loss_tokens(labels, self.spec.logits_shift)
+        else:  # dLLM-RL's: the mean over rows of each row's normalised loss, then over accumulation steps
+            labels_counted = labels[..., 1:] if self.spec.logits_shift else labels
+            batch.weights = per_row_weights(batch, args.loss_normalization, labels_counted.ne(IGNORE_INDEX).sum(-1))
+            steps = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1
+            normaliser = batch.input_ids.shape[0] * steps  # Trainer leaves the division by accumulation steps to us
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
         loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, excluded, args.loss_type,
                                       self.attention_backend)
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
-        if args.average_tokens_across_devices and num_items_in_batch is not None:
+        by_tokens = args.loss_normalization == "tokens"
+        if args.average_tokens_across_devices and num_items_in_batch is not None and by_tokens:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         self._log_metrics(mode, inputs, scores, counted=real != 0)
         if return_outputs:

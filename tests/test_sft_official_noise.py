@@ -1,0 +1,171 @@
+"""dLLM-RL's SFT noise and loss normalisation, by configuration: per-token mask probabilities, a mask-ratio range,
+and per-row means (``mask_ratio_sampling``, ``mask_ratio_range``, ``loss_normalization``), each against a slow,
+obvious computation (one forward per row or block, masks drawn by hand from the same generators)."""
+
+import pytest
+import torch
+from numerics import assert_close_fp32
+from test_sft import (
+    TOKENIZER,
+    config,
+    conversational,
+    gens,
+    logp_block_causal,
+    logp_full_attention,
+    make_batch,
+)
+
+from trl_diffusion.states import blocks_from_prompt_end
+from trl_diffusion.testing import MASK_ID, tiny_model
+from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers.diffusion_losses import (
+    IGNORE_INDEX,
+    build_objective,
+    diffusion_loss,
+    per_row_weights,
+    sample_generators,
+)
+
+LOW, HIGH = 0.1, 0.9
+OFFICIAL = dict(mask_ratio_range=[LOW, HIGH], mask_ratio_sampling="per_token", loss_weighting="none")
+
+
+def fast_row_loss(model, objective, ids, labels, valid, normalization, per_token, **kw):
+    """The objective with dLLM-RL's noise, normalised per row as the trainer does."""
+    batch = build_objective(objective, ids, labels, valid, gens(len(ids)), mask_token_id=MASK_ID,
+                            block_size=model.block_size, eps=LOW, high=HIGH, per_token=per_token, weighting="none",
+                            **kw)
+    batch.weights = per_row_weights(batch, normalization, labels.ne(IGNORE_INDEX).sum(-1))
+    return diffusion_loss(model, batch, batch.input_ids.shape[0], model.logits_shift, MASK_ID)[0]
+
+
+def per_token_mask(generator, n, completion):
+    """dLLM-RL's per-token masking, by hand: each real token's probability u ~ U(0.1, 0.9), then a uniform each."""
+    probability = LOW + (HIGH - LOW) * torch.rand(n, generator=generator)
+    return completion[:n] & (torch.rand(n, generator=generator) < probability)
+
+
+def test_block_per_token_noise_and_row_tokens_normalisation():
+    """SDAR's SFT in dLLM-RL: every completion token masked with its own probability u ~ U(0.1, 0.9), no 1/t
+    weight, each row's loss over its completion length, averaged over rows."""
+    model = tiny_model("sdar")
+    ids, labels, valid = make_batch()
+    with torch.no_grad():
+        loss = fast_row_loss(model, "block", ids, labels, valid, "row_tokens", per_token=True)
+        rows = []
+        for row, generator in enumerate(gens(len(ids))):
+            n = int(valid[row].sum())
+            masked = per_token_mask(generator, n, labels[row] != IGNORE_INDEX)
+            noisy = ids[row, :n].masked_fill(masked, MASK_ID)
+            score = logp_block_causal(model, noisy, ids[row, :n], masked)
+            rows.append(-torch.as_tensor(score, dtype=torch.float32) / (labels[row] != IGNORE_INDEX).sum())
+    assert_close_fp32(loss, torch.stack(rows).mean())
+
+
+def test_random_masking_ratio_range_and_row_masked_normalisation():
+    """LLaDA's random_masking in dLLM-RL: one t ~ U(0.1, 0.9) per row, each row's loss over its masked count."""
+    model = tiny_model("llada")
+    ids, labels, valid = make_batch()
+    with torch.no_grad():
+        loss = fast_row_loss(model, "random_masking", ids, labels, valid, "row_masked", per_token=False)
+        rows = []
+        for row, generator in enumerate(gens(len(ids))):
+            n = int(valid[row].sum())
+            t = LOW + (HIGH - LOW) * torch.rand(1, generator=generator)
+            masked = (labels[row] != IGNORE_INDEX)[:n] & (torch.rand(n, generator=generator) < t)
+            noisy = ids[row, :n].masked_fill(masked, MASK_ID)
+            rows.append(-logp_full_attention(model, noisy, ids[row, :n], masked) / max(int(masked.sum()), 1))
+    assert_close_fp32(loss, torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rows]).mean())
+
+
+def test_semi_ar_per_token_noise_one_row_per_block():
+    """LLaDA / Dream semi-AR SFT in dLLM-RL: per block a row (earlier blocks clean, later ones masked), the current
+    block's tokens each masked with their own probability, each row's loss over its masked count."""
+    model = tiny_model("llada")
+    ids, labels, valid = make_batch()
+    completion = labels != IGNORE_INDEX
+    blocks = blocks_from_prompt_end(completion, 3)
+    with torch.no_grad():
+        loss = fast_row_loss(model, "semi_ar", ids, labels, valid, "row_masked", per_token=True,
+                             semi_ar_block_length=3)
+        rows = []
+        for row, generator in enumerate(gens(len(ids))):
+            n = int(valid[row].sum())
+            eligible = per_token_mask(generator, n, completion[row])
+            for b in range(int(blocks[row].max()) + 1):
+                masked = eligible & (blocks[row, :n] == b)
+                hidden = masked | (completion[row, :n] & (blocks[row, :n] > b))
+                score = logp_full_attention(model, ids[row, :n].masked_fill(hidden, MASK_ID), ids[row, :n], masked)
+                rows.append(-torch.as_tensor(score, dtype=torch.float32) / max(int(masked.sum()), 1))
+    assert_close_fp32(loss, torch.stack(rows).mean())
+
+
+def dllm_rl_trainer(family, **settings):
+    torch.manual_seed(0)
+    model = tiny_model(family).train()
+    data = conversational()
+    return DiffusionSFTTrainer(model, args=config("unused", **settings), train_dataset=data,
+                               processing_class=TOKENIZER), model
+
+
+def test_the_trainer_draws_dllm_rls_noise():
+    """Configured on the trainer, the loss is the pure function's with the same per-sample generators."""
+    trainer, model = dllm_rl_trainer("sdar", loss_normalization="row_tokens", **OFFICIAL)
+    batch = next(iter(trainer.get_train_dataloader()))
+    model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+        objective = build_objective("block", batch["input_ids"], batch["labels"], batch["attention_mask"].bool(),
+                                    sample_generators(batch["sample_index"].tolist(), trainer.args.seed, 0),
+                                    mask_token_id=MASK_ID, block_size=4, eps=LOW, high=HIGH, per_token=True,
+                                    weighting="none")
+        objective.weights = per_row_weights(objective, "row_tokens", batch["labels"].ne(IGNORE_INDEX).sum(-1))
+        expected = diffusion_loss(model, objective, len(batch["input_ids"]), False, MASK_ID)[0]
+    assert_close_fp32(loss, expected)
+
+
+def test_row_means_under_gradient_accumulation():
+    """Per-row means are averaged over accumulation steps, as dLLM-RL's accelerate loop does: 1 x batch 4 and
+    2 x batch 2 take the same SGD step and log the same loss."""
+    deltas, losses = [], []
+    for batch_size, accumulation in ((4, 1), (2, 2)):
+        trainer, model = dllm_rl_trainer("llada", per_device_train_batch_size=batch_size,
+                                         gradient_accumulation_steps=accumulation, optim="sgd", learning_rate=0.5,
+                                         max_grad_norm=0.0, loss_normalization="row_masked",
+                                         mask_ratio_range=[LOW, HIGH], loss_weighting="none")
+        trainer.train_dataset = trainer.train_dataset.select([0, 1, 2, 0])  # 4 rows: equal micro-batches
+        before = [p.detach().clone() for p in model.parameters()]
+        trainer.train()
+        losses.append(trainer.state.log_history[0]["loss"])
+        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+    assert deltas[0].abs().max() > 1e-4
+    assert_close_fp32(deltas[1], deltas[0])
+    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    (dict(mask_ratio_range=[0.9, 0.1]), "mask_ratio_range must be"),
+    (dict(mask_ratio_range=[0.0, 0.5]), "mask_ratio_range must be"),
+    (dict(mask_ratio_sampling="per_token"), "set loss_weighting='none'"),
+    (dict(mask_ratio_sampling="per_token", loss_weighting="none", diffusion_objective="complementary"),
+     "applies to"),
+    (dict(loss_normalization="row_tokens", diffusion_objective="semi_ar"), "applies to"),
+    (dict(loss_normalization="row_masked", packing=True), "packed row holds several samples"),
+    (dict(mask_ratio_range=[0.1, 0.9], diffusion_objective="trajectory"), "recorded"),
+])
+def test_settings_that_do_not_fit_are_refused(settings, message):
+    with pytest.raises(ValueError, match=message):
+        config("unused", **settings)
+
+
+def test_the_long_cot_sft_recipe_is_dllm_rls_objective():
+    """recipes/sdar_4b_long_cot_sft.yaml (dLLM-RL's sft_trado.yaml) parses to dLLM-RL's noise and normalisation."""
+    from pathlib import Path
+
+    from test_cli import load_example
+    from test_review_cli import CPU
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "sdar_4b_long_cot_sft.yaml"
+    args = load_example("sft").make_parser().parse_args_and_config(["--config", str(recipe), *CPU])[1]
+    assert (args.mask_ratio_range, args.mask_ratio_sampling, args.loss_normalization, args.loss_weighting,
+            args.exclude_mask_token_from_softmax) == ([LOW, HIGH], "per_token", "row_tokens", "none", False)
