@@ -14,6 +14,7 @@ from test_sft import (
     logp_full_attention,
     make_batch,
 )
+from test_sft_packing import assert_same_step, train_one_step
 
 from trl_diffusion.states import blocks_from_prompt_end
 from trl_diffusion.testing import MASK_ID, tiny_model
@@ -134,13 +135,10 @@ def test_row_means_under_gradient_accumulation():
                                          max_grad_norm=0.0, loss_normalization="row_masked",
                                          mask_ratio_range=[LOW, HIGH], loss_weighting="none")
         trainer.train_dataset = trainer.train_dataset.select([0, 1, 2, 0])  # 4 rows: equal micro-batches
-        before = [p.detach().clone() for p in model.parameters()]
-        trainer.train()
-        losses.append(trainer.state.log_history[0]["loss"])
-        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
-    assert deltas[0].abs().max() > 1e-4
-    assert_close_fp32(deltas[1], deltas[0])
-    assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+        delta, loss = train_one_step(trainer, model)
+        deltas.append(delta)
+        losses.append(loss)
+    assert_same_step(deltas, losses)
 
 
 @pytest.mark.parametrize(("settings", "message"), [

@@ -257,16 +257,28 @@ def test_packed_training_step_equals_the_unpacked_one_under_gradient_accumulatio
                       "gradient_accumulation_steps": 8}):
         torch.manual_seed(0)
         model = tiny_model("sdar").train()
-        before = [p.detach().clone() for p in model.parameters()]
         trainer = DiffusionSFTTrainer(model, args=config("unused", optim="sgd", learning_rate=0.5, max_grad_norm=0.0,
                                                          **settings),
                                       train_dataset=data, processing_class=TOKENIZER)
         if settings.get("packing"):
             rows = len(trainer.train_dataset)
             assert 1 < rows < len(data)  # some rows hold two documents, and accumulation covers every row
-        trainer.train()
-        losses.append(trainer.state.log_history[0]["loss"])
-        deltas.append(torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)]))
+        delta, loss = train_one_step(trainer, model)
+        deltas.append(delta)
+        losses.append(loss)
+    assert_same_step(deltas, losses)
+
+
+def train_one_step(trainer, model) -> tuple[torch.Tensor, float]:
+    """Train (one optimizer step): the change of every parameter, and the logged loss."""
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    return delta, trainer.state.log_history[0]["loss"]
+
+
+def assert_same_step(deltas: list[torch.Tensor], losses: list[float]) -> None:
+    """Two runs took the same (non-trivial) SGD step and logged the same loss."""
     assert deltas[0].abs().max() > 1e-4
     assert_close_fp32(deltas[1], deltas[0])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
