@@ -41,6 +41,7 @@ class TraceRLConfig(GRPOConfig):
       `attention_backend`, and the masking estimators' ratios, `random_mask_sampling` and `masks_per_response`),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
+    * `reset_optimizer_per_rollout` (dLLM-RL's fresh optimizer state at every rollout),
     * TraceRL's objective as published (`loss_type="tracerl"`, `step_normalization`, `kl_reference`,
       `kl_weighting`, `log_ratio_clip`, `reward_std`, `dynamic_group_filtering` and its accuracy band),
     * the value model's GAE and training (`gamma`, `lam`, `cliprange_value`, `value_learning_rate`,
@@ -140,6 +141,12 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": "What the KL term pulls towards: 'old_policy' (dLLM-RL) = the policy that sampled the "
                   "rollout (its log-probs pi_old, no extra model); 'reference_model' (TRL's GRPO) = a frozen copy of "
                   "the initial policy.", "choices": ["old_policy", "reference_model"]},
+    )
+    reset_optimizer_per_rollout: bool = field(
+        default=False,
+        metadata={"help": "Clear AdamW's moments and step counts (policy and value model) before every rollout's "
+                  "first optimizer step, as dLLM-RL's fresh process per RL step re-creates its optimizers. The "
+                  "learning-rate schedule keeps running (dLLM-RL's is constant). Not with DeepSpeed."},
     )
     use_bias_correction_kl: bool = field(
         default=False,

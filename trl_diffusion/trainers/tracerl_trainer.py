@@ -142,6 +142,7 @@ class TraceRLTrainer(GRPOTrainer):
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
+        _check_optimizer_reset(args, self.is_deepspeed_enabled)
         if own_reference:
             reference.requires_grad_(False)
             if args.disable_dropout:
@@ -294,7 +295,16 @@ class TraceRLTrainer(GRPOTrainer):
                 "(log_completions=True)."
             )
 
+    def _reset_optimizer_state(self) -> None:
+        """dLLM-RL's fresh optimizers at every rollout: AdamW's moments and step counts cleared, policy and value
+        model (re-created optimizers with the same settings would start exactly so)."""
+        for optimizer in (self.optimizer, self.value_optimizer):
+            if optimizer is not None:
+                optimizer.state.clear()
+
     def _generate_and_score_completions(self, inputs):
+        if self.model.training and self.args.reset_optimizer_per_rollout:
+            self._reset_optimizer_state()
         kl_to_old = self.beta != 0.0 and self.args.kl_reference == "old_policy"
         beta, self.beta = self.beta, (0.0 if kl_to_old else self.beta)  # no reference forward for a KL to pi_old
         try:
@@ -922,6 +932,14 @@ def _check_rollout_cuda_graphs(args: TraceRLConfig, fsdp: bool, zero_stage: int 
         raise ValueError(f"rollout_cuda_graphs='auto' cannot be used with {'FSDP' if fsdp else 'DeepSpeed ZeRO-3'}: "
                          "its parameter gathering inside the forward cannot be captured in a CUDA graph. Set "
                          "rollout_cuda_graphs='off'.")
+
+
+def _check_optimizer_reset(args: TraceRLConfig, deepspeed: bool) -> None:
+    """``reset_optimizer_per_rollout`` clears a torch optimizer's state; DeepSpeed keeps its optimizer's state in its
+    own partitions (and offloaded optimizers), which this has not been checked against."""
+    if args.reset_optimizer_per_rollout and deepspeed:
+        raise ValueError("reset_optimizer_per_rollout is not supported with DeepSpeed (its optimizer keeps its state "
+                         "in its own partitions); use DDP or FSDP, or set it to False.")
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
