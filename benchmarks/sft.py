@@ -177,6 +177,9 @@ def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int =
     within = (torch.arange(prompt + answer) % BLOCK % steps_per_block)[None].expand_as(ids)
     unmask_step = torch.where(completion, (blocks - prompt // BLOCK) * steps_per_block + within, -1)
     valid = torch.ones_like(completion)
+    # built on the device, so that the layouts (and their attention masks) are there too
+    ids, completion, labels, blocks, unmask_step, valid = (
+        t.to(device) for t in (ids, completion, labels, blocks, unmask_step, valid))
     layouts = {
         "packed": build_objective("trajectory", ids, labels, valid, [], mask_token_id=shape["vocab"] - 1,
                                   block_size=BLOCK, unmask_step=unmask_step),
@@ -185,9 +188,6 @@ def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int =
     }
     records = []
     for name, batch in layouts.items():
-        batch = type(batch)(*(getattr(batch, f).to(device) if isinstance(getattr(batch, f), torch.Tensor)
-                              else getattr(batch, f) for f in ("input_ids", "position_ids", "layout", "targets",
-                                                                "weights")))
         start = time.perf_counter()
         loss, _ = diffusion_loss(model, batch, int(completion.sum()), False, shape["vocab"] - 1, "nll", "auto")
         loss.backward()
