@@ -328,9 +328,9 @@ def trajectory_objective(
 def _completion_ends_rows(completion: torch.Tensor, valid: torch.Tensor) -> bool:
     """Whether each row's completion is one run of positions reaching the row's last real token (or empty)."""
     valid = valid.bool()
-    last_real = torch.where(valid, torch.arange(valid.shape[1], device=valid.device), -1).max(-1).values
-    first = torch.where(completion, torch.arange(valid.shape[1], device=valid.device), valid.shape[1]).min(-1).values
     cols = torch.arange(valid.shape[1], device=valid.device)
+    last_real = torch.where(valid, cols, -1).max(-1).values
+    first = torch.where(completion, cols, valid.shape[1]).min(-1).values
     span = (cols >= first[:, None]) & (cols <= last_real[:, None])
     return bool(torch.equal(completion & valid, span & valid & completion.any(-1, keepdim=True)))
 
