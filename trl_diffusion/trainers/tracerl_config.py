@@ -339,8 +339,9 @@ class TraceRLConfig(GRPOConfig):
                                  f"{high}={getattr(self, high)}.")
         if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
             raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
-        if self.max_completion_length is not None and self.max_completion_length <= 0:
-            raise ValueError(f"max_completion_length must be positive, got {self.max_completion_length}.")
+        if self.max_completion_length is None or self.max_completion_length <= 0:
+            raise ValueError("max_completion_length must be a positive int (diffusion rollouts decode on a canvas of "
+                             f"that many tokens), got {self.max_completion_length}.")
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature}.")
         if self.scoring_temperature is not None and not (math.isfinite(self.scoring_temperature)

@@ -217,11 +217,14 @@ class TraceRLTrainer(GRPOTrainer):
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
         self._scoring = {"canvas_ids": canvas, "unmask_step": steps, "mask_seeds": seeds.to(device),
                          "sampler_logps": logps}
-        blocks_done = (steps >= 0).any(0).sum().item() / self.args.block_length
+        blocks = completion_blocks(prompt_mask, steps.shape[1], self.args.block_length if model.block_size else None)
+        if blocks is None:  # full attention: blocks start at the end of the (left-padded) prompt
+            blocks = torch.arange(steps.shape[1], device=device).expand_as(steps) // self.args.block_length
         # logged in _log_rollout_stats, over every process (no collective here: TRL may call this method a
         # different number of times per process)
         self._rollout_stats = [out.tokens_per_step.float().sum().item(), out.denoising_steps.float().sum().item(),
-                               float(rows), float(out.num_forward_passes), blocks_done]
+                               float(rows), float(blocks_generated(steps, blocks).sum()),
+                               float(out.num_forward_passes)]
         completion_ids, completion_logps = [], []
         stop = torch.tensor(list(self.eos_token_ids), device=device)
         for row in range(rows):
@@ -351,15 +354,14 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _log_rollout_stats(self, mode: str) -> None:
         """The sampler's metrics over every process's rows, as one process sampling the whole generation batch
-        would log them: per-row sums and row counts are added; the batch-level counts (forward passes, blocks
-        reached) are the largest of any process."""
+        would log them: per-row sums (steps, blocks each row generated) and row counts are added; the forward
+        passes are the largest count of any process."""
         stats = torch.tensor(self._rollout_stats, device=self.accelerator.device)
-        sums = self.accelerator.reduce(stats[:3].clone(), reduction="sum")
-        largest = self.accelerator.gather(stats[None, 3:].clone()).amax(0)
+        sums = self.accelerator.reduce(stats[:4].clone(), reduction="sum")
+        largest = self.accelerator.gather(stats[None, 4:].clone()).amax(0)
         self._metrics[mode]["rollout/tokens_per_step"].append((sums[0] / sums[2]).item())
         self._metrics[mode]["rollout/forward_passes"].append(largest[0].item())
-        self._metrics[mode]["rollout/denoising_steps_per_block"].append(
-            (sums[1] / sums[2] / largest[1].clamp(min=1)).item())
+        self._metrics[mode]["rollout/denoising_steps_per_block"].append((sums[1] / sums[3].clamp(min=1)).item())
 
     def _rewards(self) -> torch.Tensor:
         """``[N]`` weighted, summed reward of every response of the generation batch (all processes), NaN where
@@ -524,16 +526,18 @@ class TraceRLTrainer(GRPOTrainer):
             self._value_batches += 1
         return advantages.detach()
 
-    def _value_updates(self, rows: torch.Tensor) -> int:
+    def _value_updates(self, rows: torch.Tensor, live: int) -> int:
         """Value optimizer steps for this generation batch: ceil(training rows / ``value_batch_size``) over all
-        processes (one epoch), or the policy's steps per generation batch; at most one per local response."""
+        processes (one epoch), or the policy's steps per generation batch; at most one per ``live`` response (those
+        with something to train on) of the process that has the most, so that no step is empty everywhere."""
         args = self.args
         if args.value_batch_size is None:
             wanted = args.steps_per_generation // args.gradient_accumulation_steps
         else:
             total = int(self.accelerator.reduce(rows.sum(), reduction="sum").item())
             wanted = -(-total // args.value_batch_size)
-        return max(1, min(wanted, rows.shape[0]))
+        most = int(self.accelerator.gather(torch.tensor([live], device=rows.device)).max().item())
+        return max(1, min(wanted, most))
 
     def _train_value_model(self, inputs, old_values, returns, mask, units, rows) -> torch.Tensor | None:
         """Clipped value loss over the generation batch, ``sum(mask * loss) / sum(units)`` per optimizer step
@@ -549,25 +553,37 @@ class TraceRLTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         manual_sync = self.accelerator.num_processes > 1 and (
             unwrapped is model or isinstance(model, torch.nn.parallel.DistributedDataParallel))
-        rows_all = torch.arange(old_values.shape[0], device=old_values.device)
-        updates = rows_all.tensor_split(self._value_updates(rows))
-        total = torch.zeros((), device=old_values.device)
+        # Only the responses with units (rows of surviving groups) are split into steps: TRL keeps a group's
+        # responses together and the filter drops whole groups, so an even split of every response would leave steps
+        # with nothing to train on, in which AdamW still moves the weights.
+        live = units.gt(0).nonzero().squeeze(-1)
+        updates = live.tensor_split(self._value_updates(rows, live.numel()))
+        losses = []
         model.train()
         for chunk in updates:
             # every rank's units: DDP averages gradients over ranks, so divide by the mean count per rank
             # (a per-rank count would make a 2-process run differ from a 1-process run with twice the batch)
-            count = self.accelerator.reduce(units[chunk].sum().float(), reduction="sum").clamp(min=1) \
-                / self.accelerator.num_processes
-            pieces = chunk.split(args.per_device_train_batch_size)
+            count = self.accelerator.reduce(units[chunk].sum().float(), reduction="sum")
+            if count.item() == 0:  # empty on every process (all agree): no step
+                continue
+            count = count / self.accelerator.num_processes
+            # a process with nothing in this step still joins the gradient averaging, with a zero loss on one row
+            pieces = chunk.split(args.per_device_train_batch_size) if len(chunk) else [live.new_zeros(1)]
+            step_loss = torch.zeros((), device=old_values.device)
             for i, piece in enumerate(pieces):
                 sync_now = i == len(pieces) - 1 and not manual_sync
                 with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
                     values, _ = self._token_values(*(t[piece] for t in inputs))
                     values = _fit_width(values, mask.shape[1])
-                    per_token = clipped_value_loss(values, old_values[piece], returns[piece], args.cliprange_value)
-                    loss = (per_token * mask[piece]).sum() / count
+                    if len(chunk):
+                        per_token = clipped_value_loss(values, old_values[piece], returns[piece],
+                                                       args.cliprange_value)
+                        loss = (per_token * mask[piece]).sum() / count
+                    else:
+                        loss = values.sum() * 0.0
                     loss.backward()
-                total = total + loss.detach() / len(updates)
+                step_loss = step_loss + loss.detach()
+            losses.append(step_loss)
             if manual_sync:
                 for p in params:
                     if p.grad is not None:
@@ -577,7 +593,7 @@ class TraceRLTrainer(GRPOTrainer):
             self.value_optimizer.step()
             self.value_optimizer.zero_grad(set_to_none=True)
         model.eval()
-        return total
+        return torch.stack(losses).mean()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
@@ -940,6 +956,15 @@ def _check_optimizer_reset(args: TraceRLConfig, deepspeed: bool) -> None:
     if args.reset_optimizer_per_rollout and deepspeed:
         raise ValueError("reset_optimizer_per_rollout is not supported with DeepSpeed (its optimizer keeps its state "
                          "in its own partitions); use DDP or FSDP, or set it to False.")
+
+
+def blocks_generated(unmask_step: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """``[B]`` how many blocks each row generated: the distinct ``blocks`` (``[B, C]`` block index of every canvas
+    column) among its committed columns (``unmask_step >= 0``). A row that stops early generated fewer blocks, and
+    a prompt that ends inside a block makes the first generated block a partial one."""
+    hits = torch.zeros(blocks.shape[0], int(blocks.max()) + 1, device=blocks.device)
+    hits.scatter_add_(1, blocks, unmask_step.ge(0).float())
+    return hits.gt(0).sum(1)
 
 
 def _fit_width(tensor: torch.Tensor, width: int) -> torch.Tensor:
