@@ -4,6 +4,7 @@ one :class:`EvalProblem` list. The format of a file or Hub dataset is detected f
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +18,7 @@ __all__ = [
     "FORMATS",
     "HUB_DATASETS",
     "LOCAL_EXTENSIONS",
+    "CODE_HEADER_PROMPT",
     "CODE_PROMPT_PRESETS",
     "MATH_PROMPT",
     "PROMPT_PRESETS",
@@ -37,6 +39,12 @@ FUNCTION_PROMPT = (
     "Complete the following Python function.\n```python\n{question}```\n"
     "Return the complete function, with any imports it needs, in one ```python``` code block."
 )
+CODE_HEADER_PROMPT = (
+    "{question}\n\nComplete the following Python code:\n```python\n{header}```\n"
+    "Put the complete code, starting with these lines, in one ```python``` code block."
+)
+r"""The default prompt of a ``code_tests`` function row whose ``prefix`` opens a code block (dLLM-RL's
+``"```python\ndef add(a, b):\n"``): the question, then the prefix's code (``{header}``) to complete."""
 _DLLM_RL_BOXED = "You need to put your final answer in \\boxed{}. This is the problem:\n{question}"
 _SDAR_TURN = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant"
 _DREAM_SYSTEM = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -101,9 +109,11 @@ class EvalProblem:
     """One benchmark problem, ready to prompt and score.
 
     ``task`` is ``"math"`` (``answer`` holds the gold answer as the math reward reads it) or ``"code"`` (``tests``:
-    snippets run in the program's namespace; ``prefix`` goes before the model's code; ``stdio``: each test feeds
-    stdin to the program and compares stdout; ``time_limit``: dLLM-RL's ``test_time_limit``, read by its grader).
-    ``prompt`` is the user turn, instruction included (a :data:`PROMPT_PRESETS` prompt: the whole prompt).
+    snippets run in the program's namespace; ``prefix`` goes before the model's code; ``header``: code the answer
+    starts with, shown in the prompt, which goes before the model's code when the two together are valid Python
+    (a completion that continues it) and is left out otherwise (a completion that restates it); ``stdio``: each test
+    feeds stdin to the program and compares stdout; ``time_limit``: dLLM-RL's ``test_time_limit``, read by its
+    grader). ``prompt`` is the user turn, instruction included (a :data:`PROMPT_PRESETS` prompt: the whole prompt).
     ``response_prefix`` ends the prompt and starts the answer: scoring reads it followed by the completion.
     """
 
@@ -116,6 +126,7 @@ class EvalProblem:
     stdio: bool = False
     response_prefix: str = ""
     time_limit: float | None = None
+    header: str = ""
 
 
 def detect_format(columns: Iterable[str]) -> str:
@@ -281,7 +292,9 @@ def _convert(fmt: str, row: dict, index: int, template: str | None) -> EvalProbl
 
 def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProblem:
     """dLLM-RL's code schema: ``test_method`` ``function`` (``test_list`` asserts, ``prefix``) or ``stdio``. With a
-    :data:`PROMPT_PRESETS` name the prompt is dLLM-RL's, and a function row's ``prefix`` ends it."""
+    :data:`PROMPT_PRESETS` name the prompt is dLLM-RL's, and a function row's ``prefix`` ends it. Without one, a
+    ``prefix`` that opens a code block (dLLM-RL's files) becomes the ``header`` without its fence, shown to the model
+    by the default prompt (:data:`CODE_HEADER_PROMPT`); any other ``prefix`` goes before the code as written."""
     method = str(row["test_method"]).lower()
     limit = row.get("test_time_limit")
     limit = float(limit) if limit is not None else None
@@ -293,8 +306,16 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
             prompt = _fill(preset[0], row["question"]) + prefix
             prompt = prompt[:-1] if prompt.endswith("\n") else prompt
             return EvalProblem(pid, prompt, "code", tests=tests, response_prefix=prefix, time_limit=limit)
-        return EvalProblem(pid, _fill(template or CODE_PROMPT, row["question"]), "code", tests=tests,
-                           prefix=prefix, time_limit=limit)
+        header = _fenced_code(prefix)
+        if header is None:  # plain code (imports, setup): always put before the model's code
+            return EvalProblem(pid, _fill(template or CODE_PROMPT, row["question"]), "code", tests=tests,
+                               prefix=prefix, time_limit=limit)
+        if template or not header:
+            prompt = _fill(template or CODE_PROMPT, row["question"])
+        else:  # split at {header} first, so that neither text is searched for the other's placeholder
+            before, after = CODE_HEADER_PROMPT.split("{header}")
+            prompt = _fill(before, row["question"]) + header + after
+        return EvalProblem(pid, prompt, "code", tests=tests, header=header, time_limit=limit)
     if method == "stdio":
         inputs, outputs = as_string_list(row.get("test_input")), as_string_list(row.get("test_output"))
         if len(inputs) != len(outputs):
@@ -303,6 +324,19 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
         prompt = _fill(preset[1] if preset is not None else template or STDIO_PROMPT, row["question"])
         return EvalProblem(pid, prompt, "code", tests=tests, stdio=True, time_limit=limit)
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
+
+
+def _fenced_code(prefix: str) -> str | None:
+    r"""The code of a ``prefix`` that opens a Markdown code block (``"```python\ndef add(a, b):\n"`` gives
+    ``"def add(a, b):\n"``): the lines after the fence's info line, up to a closing fence if there is one, ending with
+    a line break (``""`` if no code follows the fence). ``None`` for a prefix that does not start with a fence."""
+    text = prefix.lstrip()
+    if not text.startswith("```"):
+        return None
+    code = re.split(r"^[ \t]*```", text.partition("\n")[2], maxsplit=1, flags=re.MULTILINE)[0]
+    if not code.strip():
+        return ""
+    return code if code.endswith("\n") else code + "\n"
 
 
 def _fill(template: str, question: str) -> str:

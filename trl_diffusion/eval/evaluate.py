@@ -4,6 +4,7 @@ throughput) and a per-sample JSONL file."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import json
 import logging
@@ -233,7 +234,8 @@ def score_completions(
 
 def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits, grader: str) -> dict[str, Any]:
     """Run the code of ``response_prefix`` + completion (the last Python block, as ``grader`` reads it) and the
-    tests in the sandbox."""
+    tests in the sandbox; a function problem's ``header`` goes before the code when the two parse together, then
+    its ``prefix``."""
     text = problem.response_prefix + completion
     code = extract_code_official(text) if grader == "official" else extract_code(text)
     if code is None:
@@ -241,6 +243,7 @@ def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits, gr
     if problem.stdio:
         program = stdio_program(code)
     else:
+        code = _after_header(problem.header, code)
         program = f"{problem.prefix}\n{code}" if problem.prefix else code
     if grader == "official":
         result = run_official(program, problem.tests, problem.stdio, problem.time_limit, limits)
@@ -248,6 +251,20 @@ def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits, gr
         result = run_tests(program, problem.tests, limits)
     return {"reward": float(result.all_passed), "status": result.status, "tests_passed": result.passed,
             "tests_total": result.total, "tests_verified": result.verified, "errors": result.errors[:3]}
+
+
+def _after_header(header: str, code: str) -> str:
+    """``header`` + ``code`` when they parse together (the code continues the header, e.g. the function's body),
+    else ``code`` alone (it restates the header, e.g. the whole function, which after a bare ``def`` line would be a
+    syntax error). Only parsed here, never run: the sandbox runs the program."""
+    if not header:
+        return code
+    joined = header + code if header.endswith("\n") else f"{header}\n{code}"
+    try:
+        ast.parse(joined)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # ValueError: a null byte
+        return code
+    return joined
 
 
 # --------------------------------------------------------------------------------------------------------------------
