@@ -4,6 +4,7 @@ validation, and the call into the block-wise sampler."""
 from __future__ import annotations
 
 import json
+import operator
 from pathlib import Path
 
 import torch
@@ -18,6 +19,32 @@ _ARGUMENTS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_st
               "temperature", "top_k", "top_p", "use_cache", "steps", "alg", "alg_temp", "eps", "cfg_scale",
               "eos_token_id", "pad_token_id", "stop_token_ids", "return_dict_in_generate", "cuda_graphs",
               "max_length", "do_sample")
+
+
+def _integer(name: str, value) -> int:
+    """``value`` as an ``int``: Python and numpy integers and 0-d integer tensors pass; a float (even 4.0), a bool
+    or anything else is a ValueError naming ``name`` (``int()`` would truncate 4.7 silently)."""
+    if not isinstance(value, bool) and str(getattr(value, "dtype", "")) not in ("bool", "torch.bool"):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{name} must be an integer, got {value!r}.")
+
+
+def _token_ids(name: str, value) -> list[int]:
+    """One token id (int, numpy integer, 0-d tensor) or several (list, tuple, 1-d tensor or array) as ints."""
+    try:
+        return [_integer(name, value)]
+    except ValueError:
+        pass
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}.")
+    try:
+        items = value.flatten().tolist() if hasattr(value, "flatten") and getattr(value, "ndim", 0) else list(value)
+    except TypeError:
+        raise ValueError(f"{name} must be a token id or a list of token ids, got {value!r}.") from None
+    return [_integer(name, item) for item in items]
 
 
 class DiffusionGenerationMixin:
@@ -78,9 +105,11 @@ class DiffusionGenerationMixin:
         max_new_tokens = self._max_new_tokens(kwargs, from_config, prompt_width)
         if max_new_tokens is None:
             max_new_tokens = defaults["max_new_tokens"]
-        block_length = pick("block_length")
+        max_new_tokens = _integer("max_new_tokens", max_new_tokens)
+        block_length = _integer("block_length", pick("block_length"))
         strategy = pick("remasking_strategy")
-        schedule, steps = "uniform", pick("denoising_steps", block_length)  # default: one token per step
+        # default: one token per step
+        schedule, steps = "uniform", _integer("denoising_steps", pick("denoising_steps", block_length))
         # the call's block-wise arguments win over Dream's `alg` / `steps` from the config (and vice versa)
         blockwise_call = kwargs.get("remasking_strategy") is not None or kwargs.get("denoising_steps") is not None
         alg = kwargs.get("alg") or (None if blockwise_call else from_config("alg"))
@@ -96,15 +125,20 @@ class DiffusionGenerationMixin:
             if alg is not None or kwargs.get("remasking_strategy") is None:
                 strategy = _DREAM_ALGS[alg or "origin"]
             schedule = "linspace"
-            if kwargs.get("block_length") is None and from_config("block_length") is None:
+            block_causal = self.block_size is not None
+            if not block_causal and kwargs.get("block_length") is None and from_config("block_length") is None:
+                # Dream's one block; a block-causal model (SDAR) keeps its block: block_length is its attention block
                 block_length = max_new_tokens
             if kwargs.get("denoising_steps") is not None:
-                steps = kwargs["denoising_steps"]
+                steps = _integer("denoising_steps", kwargs["denoising_steps"])
             else:
                 dream_steps = kwargs["steps"] if kwargs.get("steps") is not None else (
                     from_config("steps") if alg else None)
-                steps = steps_for_dream(max_new_tokens if dream_steps is None else dream_steps, max_new_tokens,
-                                        block_length)
+                if dream_steps is None and block_causal:
+                    steps = block_length  # Dream's default steps = max_new_tokens: one token per step on average
+                else:
+                    steps = steps_for_dream(max_new_tokens if dream_steps is None else _integer("steps", dream_steps),
+                                            max_new_tokens, block_length)
         use_cache = pick("use_cache")
         if isinstance(use_cache, str):
             cache_mode = use_cache
@@ -123,23 +157,31 @@ class DiffusionGenerationMixin:
         stop = kwargs.get("stop_token_ids")
         if stop is None and kwargs.get("eos_token_id") is None:
             stop = from_config("stop_token_ids")
-        if stop is None:
+        if stop is not None:
+            stop = _token_ids("stop_token_ids", stop)
+        else:
             eos = pick("eos_token_id")
             if eos is None:
                 eos = getattr(self.config, "eos_token_id", None)
-            stop = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+            stop = [] if eos is None else _token_ids("eos_token_id", eos)
         pad = pick("pad_token_id")
         if pad is None:
             pad = getattr(self.config, "pad_token_id", None)
         if pad is None:
             pad = stop[0] if stop else 0
+        # Dream's alg_temp: a call's applies to the strategy the call runs (SamplingSettings refuses it where it would
+        # do nothing); a generation config's only to a Dream `alg` (the call's or the config's), so that it never
+        # changes a remasking_strategy chosen by name (e.g. the call's low_confidence_dynamic)
+        alg_temp = kwargs.get("alg_temp")
+        if alg_temp is None:
+            alg_temp = from_config("alg_temp") if alg is not None else defaults["alg_temp"]
         settings = SamplingSettings(
-            max_new_tokens=int(max_new_tokens), block_length=int(block_length), denoising_steps=int(steps),
+            max_new_tokens=max_new_tokens, block_length=block_length, denoising_steps=steps,
             remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
             temperature=float(temperature or 0.0), top_k=pick("top_k"), top_p=pick("top_p"), cache_mode=cache_mode,
-            stop_token_ids=tuple(int(s) for s in stop), schedule=schedule, eps=float(pick("eps")),
-            alg_temp=pick("alg_temp"), cfg_scale=float(pick("cfg_scale") or 0.0),
-            gumbel_float64=self.config.model_type == "llada", pad_token_id=int(pad),
+            stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
+            alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
+            gumbel_float64=self.config.model_type == "llada", pad_token_id=_integer("pad_token_id", pad),
             cuda_graphs=pick("cuda_graphs") or "off",
         )
         return settings, bool(pick("return_dict_in_generate"))
@@ -153,6 +195,7 @@ class DiffusionGenerationMixin:
                 return source("max_new_tokens")
             max_length = source("max_length")
             if max_length is not None:
+                max_length = _integer("max_length", max_length)
                 if max_length <= prompt_width:
                     raise ValueError(f"max_length ({max_length}) leaves no room after the prompt ({prompt_width} "
                                      "columns); set max_new_tokens instead.")
@@ -172,17 +215,24 @@ class DiffusionGenerationMixin:
         ``max_new_tokens`` (or transformers' ``max_length``: prompt columns + new tokens); ``block_length``;
         ``denoising_steps`` (per block; default ``block_length``); ``remasking_strategy``
         (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
-        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy; ``do_sample=False`` too;
-        greedy when neither it nor ``do_sample`` is set anywhere, as in transformers); ``top_k``; ``top_p``;
-        ``use_cache`` (True = SDAR's exact cache; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn
-        on the approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their
-        output); ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
-        ``cfg_scale`` (LLaDA classifier-free guidance); Dream's own ``steps``, ``alg``, ``alg_temp``, ``eps``
-        (linspace schedule); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's
-        sample does not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput``
-        with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is measured on a GPU: always eager;
-        ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's prefix and dual
-        caches as CUDA graphs).
+        ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy, else at least
+        ``MIN_TEMPERATURE``, 1e-5; ``do_sample=False`` is greedy too; greedy when neither it nor ``do_sample`` is
+        set anywhere, as in transformers); ``top_k``; ``top_p``; ``use_cache`` (True = SDAR's exact cache; for
+        LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn on the approximate Fast-dLLM-style caches, so a
+        config's ``use_cache: true`` never changes their output); ``eos_token_id`` / ``stop_token_ids`` (each row
+        stops after the block in which it produced one); ``cfg_scale`` (LLaDA classifier-free guidance); Dream's
+        own ``steps``, ``alg``, ``alg_temp``, ``eps`` (linspace schedule; without ``block_length``, one block on
+        LLaDA/Dream, the model's block size on SDAR; a generation config's ``alg_temp`` applies only with a Dream
+        ``alg``, a call's to any strategy but ``sequential``, and ``low_confidence_dynamic`` keeps its threshold
+        under it); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's sample does
+        not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput`` with the
+        trajectory; ``cuda_graphs`` (``"off"``, the default until it is measured on a GPU: always eager;
+        ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's prefix and
+        dual caches as CUDA graphs).
+
+        Sizes (``max_new_tokens``, ``block_length``, ``denoising_steps``, ``steps``, ``max_length``) and token ids
+        are integers (Python, numpy, 0-d tensors; ``eos_token_id`` / ``stop_token_ids`` also lists or 1-d tensors);
+        floats and bools are a ValueError naming the argument.
 
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.

@@ -14,7 +14,7 @@ from ..states import NOT_COMMITTED, CanvasLayout
 from .cuda_graphs import GraphRunner, runner_class
 from .denoise import Block, BlockSchedule
 from .peft_rows import WorkingRows, follow_working_rows
-from .sampling import REMASKING_STRATEGIES, Generators
+from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
 CUDA_GRAPH_MODES = ("auto", "off")
@@ -97,7 +97,12 @@ class SamplingSettings:
             raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
         if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
             raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}.")
-        if self.top_k is not None and (not isinstance(self.top_k, numbers.Integral) or self.top_k < 0):
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}: "
+                             "below that the distribution is one-hot to float32 precision and dividing the logits "
+                             "by it can overflow (NaN log-probs); pass temperature=0 for greedy decoding.")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
+                                       or self.top_k < 0):
             raise ValueError(f"top_k must be an integer >= 0 (0 or None = no top-k filtering), got {self.top_k!r}.")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
@@ -105,6 +110,11 @@ class SamplingSettings:
             raise ValueError(f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}.")
         if self.alg_temp is not None and not 0 <= self.alg_temp < math.inf:
             raise ValueError(f"alg_temp must be finite and >= 0, got {self.alg_temp}.")
+        if self.alg_temp is not None and 0 < self.alg_temp < MIN_TEMPERATURE:
+            raise ValueError(f"alg_temp must be 0 (none) or at least {MIN_TEMPERATURE}, got {self.alg_temp}.")
+        if self.alg_temp and self.remasking_strategy == "sequential":
+            raise ValueError(f"alg_temp ({self.alg_temp}) has no effect with remasking_strategy='sequential' (it "
+                             "commits the leftmost masks, not by confidence); drop alg_temp or pick another strategy.")
         if not 0 <= self.eps < 1:
             raise ValueError(f"eps must lie in [0, 1), got {self.eps}.")
         if not 0 <= self.cfg_scale < math.inf:

@@ -16,6 +16,11 @@ REMASKING_STRATEGIES = (
     "origin",
 )
 
+MIN_TEMPERATURE = 1e-5
+"""Smallest positive ``temperature`` (and ``alg_temp``) ``generate`` accepts; 0 is greedy. Below it the tempered
+distribution is one-hot to float32 precision anyway, and dividing the logits by it can overflow float32 (at about
+1e-38 even for logits of order 1: NaN log-probs, or a failing ``torch.multinomial``)."""
+
 
 def sampling_logits(
     logits: torch.Tensor,
@@ -206,14 +211,17 @@ def select_commits(
     ``sequential`` takes the leftmost masks; ``low_confidence_dynamic`` takes every mask above ``threshold``, at
     least the quota; other strategies take the ``quota`` most confident masks. With ``alg_temp`` > 0 the quota
     is sampled without replacement with probabilities ``softmax(confidence / alg_temp)`` over the masks (as
-    Dream does), by Gumbel-top-k; ``noise`` holds its uniforms when drawn beforehand.
+    Dream does), by Gumbel-top-k; ``noise`` holds its uniforms when drawn beforehand. ``low_confidence_dynamic``
+    still adds every mask whose (unperturbed) confidence exceeds ``threshold``; ``sequential`` has no ranking for
+    ``alg_temp`` to act on (``generate`` refuses the pair).
     """
     batch, length = masked.shape
     quota = masked.sum(-1).clamp(max=quota)
     if strategy == "sequential":
         rank = torch.cumsum(masked.long(), dim=-1)
         return masked & (rank <= quota[:, None])
-    scores = confidence.float().masked_fill(~masked, float("-inf"))
+    confidence = confidence.float().masked_fill(~masked, float("-inf"))
+    scores = confidence
     if alg_temp:
         u = uniform(masked.shape, generator, masked.device) if noise is None else noise
         gumbel = -torch.log(-torch.log(u.float().clamp_min(torch.finfo(torch.float32).tiny)))
@@ -221,8 +229,9 @@ def select_commits(
     order = torch.argsort(scores, dim=-1, descending=True, stable=True)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=masked.device).expand(batch, -1))
     chosen = masked & (rank < quota[:, None])
-    if strategy == "low_confidence_dynamic" and not alg_temp:
+    if strategy == "low_confidence_dynamic":
         if threshold is None:
             raise ValueError("low_confidence_dynamic needs a confidence_threshold.")
-        chosen = chosen | (masked & (scores > threshold))
+        # the threshold reads the confidences themselves, not the Gumbel-perturbed scores of an alg_temp draw
+        chosen = chosen | (masked & (confidence > threshold))
     return chosen
