@@ -96,3 +96,8 @@ def test_max_completion_length_none_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_completion_length must be a positive int"):
         TraceRLConfig(output_dir=str(tmp_path), max_completion_length=None, report_to="none", use_cpu=True)
 
+
+
+def test_a_rollout_temperature_generate_refuses_is_refused_at_construction(tmp_path):
+    with pytest.raises(ValueError, match="temperature must be at least"):
+        TraceRLConfig(output_dir=str(tmp_path), temperature=1e-9, report_to="none", use_cpu=True)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
-from ..generation.sampling import REMASKING_STRATEGIES
+from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -314,6 +314,8 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"value_train_every must be >= 1, got {self.value_train_every}.")
         if not self.temperature > 0:
             raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
+        if self.temperature < MIN_TEMPERATURE:  # generate() refuses it (the tempered logits overflow float32)
+            raise ValueError(f"temperature must be at least {MIN_TEMPERATURE:g}, got {self.temperature}.")
         if self.use_vllm or self.use_transformers_continuous_batching:
             raise ValueError("vLLM and continuous batching are autoregressive; diffusion rollouts use the model's "
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
