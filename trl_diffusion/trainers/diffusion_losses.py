@@ -136,7 +136,7 @@ def _weights(masked: torch.Tensor, ratio: torch.Tensor, weighting: str) -> torch
     if weighting not in LOSS_WEIGHTINGS:
         raise ValueError(f"unknown loss_weighting {weighting!r}; choose one of {LOSS_WEIGHTINGS}.")
     scale = 1.0 / ratio if weighting == "elbo" else torch.ones_like(ratio)
-    return masked.float() * scale
+    return torch.where(masked, scale, 0.0)  # not masked * scale: 0 * inf is NaN where a ratio is 0
 
 
 def _check_generators(generators: list[torch.Generator], batch: int) -> None:
@@ -422,10 +422,7 @@ def score_tokens(
     if batch.layout is not None:
         backend = resolve_model_attention_backend(attention_backend, model, batch.input_ids.device)
         mask = batch.layout.attention_mask(backend)
-    scored = batch.targets != IGNORE_INDEX
-    if logits_shift:  # nothing predicts the first token of a row, or of a packed row's document
-        scored[:, 0] = False
-        scored &= batch.position_ids != 0
+    scored = scorable(batch, logits_shift)
     rows, cols = scored.nonzero(as_tuple=True)  # row-major, the order of batch.targets[scored]
     logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
                    logits_to_keep=(rows, cols - 1 if logits_shift else cols)).logits
@@ -438,6 +435,16 @@ def score_tokens(
         is_top1=torch.zeros_like(scored).masked_scatter(scored, top1),
         scored=scored,
     )
+
+
+def scorable(batch: ScoringBatch, logits_shift: bool = False) -> torch.Tensor:
+    """The positions ``score_tokens`` scores: the targets, less (``logits_shift``) the first token of a row or of a
+    packed row's document, which nothing predicts."""
+    scored = batch.targets != IGNORE_INDEX
+    if logits_shift:
+        scored[:, 0] = False
+        scored &= batch.position_ids != 0
+    return scored
 
 
 def count_loss_tokens(labels: torch.Tensor, logits_shift: bool = False) -> torch.Tensor:
@@ -461,14 +468,14 @@ def diffusion_loss(
     return per_token.sum() / normaliser, scores
 
 
-def per_row_weights(batch: ScoringBatch, normalization: str, sample_tokens: torch.Tensor | None = None
-                    ) -> torch.Tensor:
+def per_row_weights(batch: ScoringBatch, normalization: str, sample_tokens: torch.Tensor | None = None,
+                    logits_shift: bool = False) -> torch.Tensor:
     """``batch.weights`` divided, row by row, by the row's masked (scored) token count (``row_masked``) or by
     ``sample_tokens`` ``[rows]``, the loss-token count of the sample each row comes from (``row_tokens``); a row
     with nothing to divide by keeps weight 0. Summed and divided by the number of rows, the loss is dLLM-RL's
     per-row mean."""
-    if normalization == "row_masked":
-        counts = (batch.targets != IGNORE_INDEX).sum(-1)
+    if normalization == "row_masked":  # a masked token nothing predicts (``logits_shift``) is not counted
+        counts = scorable(batch, logits_shift).sum(-1)
     elif normalization == "row_tokens":
         if sample_tokens is None or len(sample_tokens) != batch.targets.shape[0]:
             raise ValueError("row_tokens needs the loss-token count of each row's sample (one row per sample).")

@@ -44,8 +44,8 @@ class DiffusionSFTConfig(SFTConfig):
         mask_eps (`float`, *optional*, defaults to `1e-3`):
             Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1). Must lie in (0, 0.5).
         mask_ratio_range (`list[float]` or `None`, *optional*):
-            `[low, high]` with 0 < low <= high <= 1: draw mask ratios from U(low, high) instead of U(mask_eps, 1)
-            (`complementary`: U(mask_eps, 1 - mask_eps)). dLLM-RL's SFT uses `[0.1, 0.9]`.
+            `[low, high]` with 0 < low <= high <= 1 (`complementary`: high < 1): draw mask ratios from U(low, high)
+            instead of U(mask_eps, 1) (`complementary`: U(mask_eps, 1 - mask_eps)). dLLM-RL's SFT uses `[0.1, 0.9]`.
         mask_ratio_sampling (`str`, *optional*, defaults to `"per_sample"`):
             `"per_sample"`: one ratio t per sample (per block for `semi_ar`); `"per_token"`: each completion token
             masked with its own probability (dLLM-RL's SFT of block models and its `semi_ar`); needs
@@ -196,6 +196,10 @@ class DiffusionSFTConfig(SFTConfig):
                 raise ValueError(f"mask_ratio_range must be [low, high] with 0 < low <= high <= 1, got {values}.")
             if objective == "trajectory":
                 raise ValueError("mask_ratio_range does not apply to 'trajectory': its states are recorded.")
+            if objective == "complementary" and values[1] >= 1:
+                raise ValueError(f"mask_ratio_range {values} for 'complementary' needs high < 1: the complement of a "
+                                 "mask of ratio t has ratio 1 - t, and its ELBO weight 1 / (2 (1 - t)) grows without "
+                                 "bound as t nears 1 (default: [mask_eps, 1 - mask_eps]).")
         if self.mask_ratio_sampling not in MASK_RATIO_SAMPLING:
             raise ValueError(f"mask_ratio_sampling must be one of {MASK_RATIO_SAMPLING}, got "
                              f"{self.mask_ratio_sampling!r}.")

@@ -408,6 +408,14 @@ class DiffusionSFTTrainer(SFTTrainer):
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
         self._check_columns(dataset, args, formatting_func, dataset_name)
+        columns = dataset.column_names if isinstance(dataset, Dataset) else None
+        if isinstance(dataset, IterableDataset):
+            columns = dataset.column_names or list(next(iter(dataset)).keys())
+        if columns is not None and {"input_ids", "sample_index"} <= set(columns):
+            # Already prepared by this trainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): TRL's preparation is
+            # idempotent, and so is ours. Preparing again would re-spread `unmask_step` (an error) or pack packed
+            # rows again as single documents (documents attending to each other, new noise seeds).
+            return dataset
         max_length = args.max_length
         if args.overlong_policy == "error" or packing:
             args.max_length = None  # tokenize without truncating: refuse what is too long, or leave it to packing
@@ -435,6 +443,10 @@ class DiffusionSFTTrainer(SFTTrainer):
         if real:  # score only the real samples of a padded last eval batch
             inputs = _first_samples(inputs, real)
             documents = inputs.get("document_ids")
+        if mode == "eval" and self._padded_eval_batch():
+            # `num_items_in_batch` counted the whole padded batch (the duplicated samples too, on every process):
+            # normalise by the tokens of the samples kept here instead.
+            num_items_in_batch = None
         epoch = int(self.state.epoch or 0) if mode == "train" else 0
         offsets = inputs.get("sample_offset")
         generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch,
@@ -459,7 +471,8 @@ class DiffusionSFTTrainer(SFTTrainer):
                 normaliser = count_loss_tokens(labels, self.spec.logits_shift)
         else:  # dLLM-RL's: the mean over rows of each row's normalised loss, then over accumulation steps
             labels_counted = labels[..., 1:] if self.spec.logits_shift else labels
-            batch.weights = per_row_weights(batch, args.loss_normalization, labels_counted.ne(IGNORE_INDEX).sum(-1))
+            batch.weights = per_row_weights(batch, args.loss_normalization, labels_counted.ne(IGNORE_INDEX).sum(-1),
+                                            logits_shift=self.spec.logits_shift)
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1
             normaliser = batch.input_ids.shape[0] * steps  # Trainer leaves the division by accumulation steps to us
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
@@ -473,6 +486,12 @@ class DiffusionSFTTrainer(SFTTrainer):
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
+
+    def _padded_eval_batch(self) -> bool:
+        """Whether this is the last batch of a dataset whose size is not a multiple of the global batch (accelerate
+        fills it with samples from the start, which ``_real_rows`` leaves out)."""
+        state = self.accelerator.gradient_state
+        return bool(state.end_of_dataloader and state.remainder > 0)
 
     def _real_rows(self, rows: int) -> int | None:
         """How many of this eval batch's ``rows`` are real samples (None: all). When the dataset size is not a

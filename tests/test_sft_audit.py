@@ -1,0 +1,87 @@
+"""SFT audit: preparing a prepared dataset again, the last padded eval batch's normaliser, Dream's per-row masked
+count, and complementary masks at ratio 1."""
+
+import math
+
+import pytest
+import torch
+from datasets import Dataset
+from numerics import assert_close_fp32
+from test_sft import PAIRS, TOKENIZER, config, conversational, encode, gens
+
+from trl_diffusion.testing import MASK_ID, tiny_model
+from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers.diffusion_losses import (
+    IGNORE_INDEX,
+    build_objective,
+    count_loss_tokens,
+    per_row_weights,
+    scorable,
+)
+
+
+@pytest.mark.parametrize("settings", [dict(diffusion_objective="trajectory"), dict(packing=True, max_length=100)],
+                         ids=["trajectory", "packing"])
+def test_evaluating_the_prepared_eval_set_again_gives_the_same_loss(settings):
+    """TRL's preparation is idempotent (``evaluate(trainer.eval_dataset)``); ours must be too: no second spreading of
+    ``unmask_step`` (an error), no second packing of packed rows (documents merged into one, new seeds)."""
+    if settings.get("diffusion_objective") == "trajectory":
+        data = Dataset.from_list([{"prompt": p, "completion": c, "unmask_step": list(range(len(encode(c)) + 1))}
+                                  for p, c in PAIRS])
+    else:
+        data = conversational(PAIRS * 3)
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=config("unused", **settings), train_dataset=data,
+                                  eval_dataset=data, processing_class=TOKENIZER)
+    first = trainer.evaluate()["eval_loss"]
+    assert trainer.evaluate(trainer.eval_dataset)["eval_loss"] == pytest.approx(first, rel=1e-6)
+    assert trainer.evaluate(data)["eval_loss"] == pytest.approx(first, rel=1e-6)
+
+
+def test_a_cut_eval_batch_is_normalised_by_the_tokens_it_keeps(monkeypatch):
+    """Trainer's ``prediction_step`` passes ``num_items_in_batch`` counted over the whole padded batch; the loss of
+    the real samples kept from a padded last batch is their own token mean (the loss of those samples alone)."""
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=config("unused", per_device_eval_batch_size=3),
+                                  train_dataset=conversational(), eval_dataset=conversational(),
+                                  processing_class=TOKENIZER)
+    batch = next(iter(trainer.get_eval_dataloader()))
+    alone = {k: v[:1] for k, v in batch.items()}
+    trainer.model.eval()
+    monkeypatch.setattr(trainer, "_real_rows", lambda rows: 1)
+    monkeypatch.setattr(trainer, "_padded_eval_batch", lambda: True)
+    with torch.no_grad():
+        cut = trainer.compute_loss(trainer.model, batch, num_items_in_batch=count_loss_tokens(batch["labels"]))
+    monkeypatch.setattr(trainer, "_real_rows", lambda rows: None)
+    monkeypatch.setattr(trainer, "_padded_eval_batch", lambda: False)
+    with torch.no_grad():
+        expected = trainer.compute_loss(trainer.model, alone, num_items_in_batch=count_loss_tokens(alone["labels"]))
+    assert_close_fp32(cut, expected)
+
+
+def test_row_masked_counts_only_the_tokens_dream_scores():
+    """Dream's shifted logits never score column 0; on plain-text rows that token can be masked, and the per-row
+    divisor of ``row_masked`` must not count it (each row's weights then sum to 1 over its scored tokens)."""
+    rows = [encode(p + c) for p, c in PAIRS]
+    width = max(map(len, rows))
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    valid = torch.zeros_like(ids, dtype=torch.bool)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)], labels[i, : len(row)], valid[i, : len(row)] = torch.tensor(row), torch.tensor(row), True
+    batch = next(b for seed in range(50)
+                 for b in [build_objective("random_masking", ids, labels, valid, gens(len(rows), seed),
+                                           mask_token_id=MASK_ID, block_size=None, weighting="none")]
+                 if (b.targets[:, 0] != IGNORE_INDEX).any())
+    weights = per_row_weights(batch, "row_masked", logits_shift=True)
+    sums = (weights * scorable(batch, logits_shift=True)).sum(-1)
+    torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+def test_complementary_ratio_one_is_refused_and_never_gives_nan():
+    with pytest.raises(ValueError, match="needs high < 1"):
+        config("unused", diffusion_objective="complementary", mask_ratio_range=[0.5, 1.0])
+    config("unused", diffusion_objective="random_masking", mask_ratio_range=[1.0, 1.0])  # all masked: fine there
+    ids = torch.tensor([encode("ab+cd=ef")])
+    labels, valid = ids.clone(), torch.ones_like(ids, dtype=torch.bool)
+    batch = build_objective("complementary", ids, labels, valid, gens(1), mask_token_id=MASK_ID, block_size=None,
+                            eps=1.0, high=1.0)
+    assert all(math.isfinite(w) for w in batch.weights.flatten().tolist())
