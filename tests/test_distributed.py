@@ -360,3 +360,23 @@ def test_sharded_config_runs_a_step(tmp_path, config):
         assert any(not torch.equal(rank0[name], initial[name].float()) for name in initial)
         if rank1:  # where the gathered state dict is only materialised on rank 0, rank 1 has none
             assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+
+
+@pytest.mark.slow
+def test_value_steps_with_a_process_holding_only_filtered_groups(tmp_path):
+    """Two groups per generation batch, one per process, and the "abc" group filtered: in every value step one
+    process has nothing to train on. It joins the gradient averaging with a zero loss, so both processes take the
+    same steps (no hang) and end with the same value model, which did move."""
+    overrides = json.dumps({"reward": "distinct_chars_but_abc", "steps_per_generation": 2,
+                            "dynamic_group_filtering": "all_equal", "value_batch_size": 1,
+                            "learning_rate": 0.01, "value_learning_rate": 0.01})
+    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(tmp_path), "--per_device_batch", "2",
+                      "--max_steps", "8", "--jobs", "tracerl_value", "--overrides", overrides)
+    folder = tmp_path / "tracerl_value"
+    live = [json.loads((folder / f"value_live_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert any(0 in pair and max(pair) > 0 for pair in zip(*live)), live  # the premise: one process had none
+    rank0, rank1 = parameters(folder, 0), parameters(folder, 1)
+    assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
+    initial = train.value_model_for(train.tiny_policy()).state_dict()
+    assert any(not torch.equal(rank0[f"value.{name}"], initial[name]) for name in initial)
+    assert all(math.isfinite(entry["value/loss"]) for entry in history(folder) if "value/loss" in entry)

@@ -36,6 +36,15 @@ def distinct_chars(completions: list[str], **kwargs: Any) -> list[float]:
     return [float(len(set(c))) for c in completions]
 
 
+def distinct_chars_but_abc(prompts: list[str], completions: list[str], **kwargs: Any) -> list[float]:
+    """``distinct_chars``, except a constant for the "abc" group, which ``dynamic_group_filtering="all_equal"`` then
+    drops: the process holding that group has nothing for the value model to train on."""
+    return [1.0 if "abc" in prompt else score for prompt, score in zip(prompts, distinct_chars(completions))]
+
+
+REWARDS = {"distinct_chars": distinct_chars, "distinct_chars_but_abc": distinct_chars_but_abc}
+
+
 class StopAfter(TrainerCallback):
     """Stops training after ``step`` optimizer steps (after that step's save), like a killed job."""
 
@@ -77,9 +86,10 @@ def tiny_policy(eos_scale: float = 0.0) -> torch.nn.Module:
 
 
 def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int, seed: int = 0,
-                 stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0, **overrides: Any):
-    """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` applies to
-    TraceRL only; ``overrides`` go to the config."""
+                 stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0,
+                 reward: str = "distinct_chars", **overrides: Any):
+    """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` and ``reward`` (a
+    name in ``REWARDS``) apply to TraceRL only; ``overrides`` go to the config."""
     config = common_args(out, per_device_batch, max_steps, seed)
     callbacks = [StopAfter(stop_after)] if stop_after else None
     model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0)
@@ -94,7 +104,7 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
                   dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
     config.update(overrides)
     data = Dataset.from_dict({"prompt": PROMPTS})
-    return TraceRLTrainer(model, distinct_chars, args=TraceRLConfig(**config), train_dataset=data,
+    return TraceRLTrainer(model, REWARDS[reward], args=TraceRLConfig(**config), train_dataset=data,
                           processing_class=build_tokenizer(), callbacks=callbacks,
                           value_model=value_model_for(model) if value else None)
 
@@ -117,15 +127,30 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True)}
 
 
+def record_value_live_responses(trainer) -> list[int]:
+    """The number of this process's responses the value model trains on, per value epoch (filled as it trains)."""
+    counts, plan = [], trainer._value_updates
+
+    def recording(rows, live):
+        counts.append(live)
+        return plan(rows, live)
+
+    trainer._value_updates = recording
+    return counts
+
+
 def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None, **overrides: Any):
     """Train one of ``JOBS`` and write this process's parameters (and, on rank 0, the log history) under
     ``out/job``."""
     trainer, value = JOBS[job]
     folder = Path(out) / job
     built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value, **overrides)
+    live_responses = record_value_live_responses(built) if value else []
     built.train(resume_from_checkpoint=resume)
     state = full_state_dict(built)
     rank = built.accelerator.process_index
+    if value:
+        (folder / f"value_live_rank{rank}.json").write_text(json.dumps(live_responses))
     torch.save(state, folder / f"rank{rank}.pt")
     if rank == 0:
         (folder / "log_history.json").write_text(json.dumps(built.state.log_history))
