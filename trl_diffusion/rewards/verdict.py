@@ -13,7 +13,14 @@ import and that is neither a builtin nor a standard-library module; or HumanEval
 attribute accesses, subscripts and calls whose arguments are *inputs*: literals, containers of literals, arithmetic
 on them and calls of builtins or of modules (``f(list(range(5)))``, ``f(math.pi)``). An argument that contains
 another program call is not an input (``check(f(x), 4)`` would evaluate the comparison inside the sandbox), so
-such tests are not decomposed.
+such tests are not decomposed. A direct call of a standard-library module's name (``string(3)``: a module cannot be
+called, so natively this is always the program's function) counts as a program call too.
+
+A test that calls no program name is about a library-named function (the task's entry point is called ``filter``,
+``round``, ...). Which of its calls are probes is decided from the test alone, never from the program (see
+:func:`plan_test`), so no program can choose how its tests are run: the one builtin or module the test calls that
+the check cannot evaluate itself (``filter([1, 2, 3, 4])``) is the *subject*, and its calls with literal arguments
+are probes, whether the program binds the name (its function runs) or not (the real one runs, in the sandbox).
 
 What the check may contain (evaluated here): literals and displays, arithmetic (with size caps), comparisons,
 ``and``/``or``/``not``, conditional expressions, subscripts and slices, a fixed set of pure builtins (``abs``,
@@ -35,6 +42,7 @@ import builtins
 import math
 import operator
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -91,6 +99,8 @@ _CMPOPS = {
 }  # fmt: skip
 # Names that are never the program's own unless it defines them: builtins and standard-library modules.
 _LIBRARY_NAMES = frozenset(dir(builtins)) | frozenset(sys.stdlib_module_names)
+# Standard-library modules that are not builtins: ``string(3)`` can only ever call the program's function.
+_MODULE_NAMES = frozenset(sys.stdlib_module_names) - frozenset(dir(builtins))
 
 
 def _sum(iterable: Any, start: Any = 0) -> Any:
@@ -101,6 +111,7 @@ def _sum(iterable: Any, start: Any = 0) -> Any:
 
 
 _PURE_BUILTINS["sum"] = _sum
+_PARENT_NAMES = frozenset(_PURE_BUILTINS) | frozenset(_MODULES)  # library names the check can evaluate itself
 
 
 class Unverifiable(Exception):
@@ -148,10 +159,19 @@ class Plan:
 def plan_test(source: Any, shadowed: frozenset[str] = frozenset()) -> Plan:
     """Split one test snippet into sandbox probes and parent-side checks (see the module docstring).
 
-    ``shadowed``: builtin or standard-module names the program defines itself (:func:`program_bindings`). A call of
-    such a name with input arguments becomes a probe (natively it calls the program's function); any other use of
-    it in a check fails the test rather than evaluating the real builtin in its place. The program can only turn a
-    verified test into a failed one this way, never into an unverified one.
+    Whether a test is verified or unverified depends on the test alone: the snippet is planned first as if the
+    program defined no library name, and that plan's kind is final unless it is ``"verified"``. A program binds
+    names in ways no static analysis sees (``globals()['filter'] = ...``, ``builtins.round = ...``, ``exec``), so
+    a plan that depended on :func:`program_bindings` would let a program pick the forgeable unverified mode.
+
+    ``shadowed``: builtin or standard-module names the program defines itself (:func:`program_bindings`). Only the
+    names the check could evaluate itself (its pure builtins and ``math``) matter, and only for a verified test,
+    which they can keep verified or fail, never make unverified: in a test that calls no program name, the one of
+    them whose calls hold all the test's other calls of such names and of unknown library functions in their
+    arguments (``round(2.5)``, ``sum(range(5))``) is the test's subject, and its calls with input arguments are
+    probes (natively they call the program's function); any other use of such a name fails the test rather than
+    evaluating the real builtin in its place (or the program's one in the sandbox, where it could compute the
+    expected side: ``f(x) == sorted([3, 1])``).
     """
     if not isinstance(source, str):
         return Plan(str(source), "failed", f"a test must be a string, got {type(source).__name__}")
@@ -159,6 +179,17 @@ def plan_test(source: Any, shadowed: frozenset[str] = frozenset()) -> Plan:
         tree = ast.parse(source)
     except (SyntaxError, ValueError) as exc:
         return Plan(source, "failed", f"{type(exc).__name__}: {exc}")
+    plan = _plan(source, tree, frozenset())
+    shadowed = frozenset(shadowed) & _PARENT_NAMES
+    if plan.kind != "verified" or not shadowed:
+        return plan
+    own = _plan(source, tree, shadowed)
+    if own.kind == "unverified":  # not expected; in any case the program must not choose this mode
+        return Plan(source, "failed", f"the program redefines a name the test uses ({own.reason})")
+    return own
+
+
+def _plan(source: str, tree: ast.Module, shadowed: frozenset[str]) -> Plan:
     try:
         return _Planner(source, shadowed).plan(tree)
     except _Shadowed as exc:
@@ -206,6 +237,9 @@ class _Planner:
         self.probes: list[str] = []
         self.has: list[str] = []
         self.names: dict[str, Any] = {}  # what the parent-side check may reference, by (placeholder) name
+        # Library names whose calls are probes in this test (see _choose_subjects), with the test their arguments
+        # must pass: _literal, or _input for a builtin the program defines.
+        self.subjects: dict[str, Callable[[ast.expr | None], bool]] = {}
 
     def plan(self, tree: ast.Module) -> Plan:
         body, candidate, global_imports, local_imports = tree.body, None, [], []
@@ -228,6 +262,7 @@ class _Planner:
                 (local_imports if check is not None else global_imports).append(self._import(stmt))
             elif not (isinstance(stmt, ast.Pass) or _is_docstring(stmt)):
                 raise Unverifiable(f"unsupported statement: {ast.unparse(stmt)[:80]}")
+        self._choose_subjects(asserts)
         checks, sources = [], []
         for test in asserts:
             first = len(self.probes)
@@ -260,26 +295,75 @@ class _Planner:
     def _is_program_name(self, name: str) -> bool:
         return name == self.param or (name not in self.imported and name not in _LIBRARY_NAMES)
 
+    def _is_program_call(self, node: ast.expr) -> bool:
+        """A chain rooted at a program name, or at a direct call of a module's name (``string(3)``, ``string(3)[0]``:
+        a module is not callable, so natively that is the program's function or an error)."""
+        root = _root_name(node)
+        if root is None:
+            return False
+        if self._is_program_name(root):
+            return True
+        return root in _MODULE_NAMES and root not in self.imported and isinstance(_first_link(node), ast.Call)
+
+    def _choose_subjects(self, asserts: list[ast.expr]) -> None:
+        """Pick the library function a test that calls no program name is about, from the test alone.
+
+        Its *subject* is the one builtin or module it calls with no parent-side meaning (``filter([1, 2, 3, 4])``,
+        ``collections.Counter('ab')``; ``range`` in ``sorted(range(3))``); with two or more of them the test is
+        ambiguous (``filter([1, 2]) == list(map(...))``: the program could compute the expected side) and stays
+        unverified. With ``shadowed`` (a verified test only), a pure builtin the test calls that the program defines
+        becomes the subject instead, if every other such call and every call of an unknown library function is in
+        its arguments (``round(sum(range(5)))``); any use of the others fails the test (``_parent_value``).
+        """
+        nodes = [n for test in asserts for n in ast.walk(test)]
+        if any(isinstance(n, ast.Name) and self._is_program_name(n.id) for n in nodes):
+            return
+        if any(isinstance(n, (ast.Call, ast.Attribute, ast.Subscript)) and self._is_program_call(n) for n in nodes):
+            return
+        calls = [n for n in nodes if isinstance(n, ast.Call) and _root_name(n) in _LIBRARY_NAMES]
+        calls = [c for c in calls if _root_name(c) not in self.imported]
+        # Calls the check cannot evaluate here as the real builtin: unknown to it, or defined by the program.
+        risky = [c for c in calls if _root_name(c) not in _PARENT_NAMES or _root_name(c) in self.shadowed]
+        for name in sorted({_root_name(c) for c in risky} & self.shadowed):
+            inside = {id(n) for c in calls if _root_name(c) == name for a in _arguments(c) for n in ast.walk(a)}
+            if all(_root_name(c) == name or id(c) in inside for c in risky):  # at most one name can pass
+                self.subjects[name] = self._input
+                return
+        unknown = {_root_name(c) for c in calls} - _PARENT_NAMES
+        if len(unknown) == 1:
+            self.subjects[unknown.pop()] = _literal
+
     def _probe_root(self, node: ast.expr) -> bool:
-        """A program name, then attributes, subscripts and calls whose arguments are all inputs."""
+        """A program call or a call of the test's subject (``_choose_subjects``): a name, then attributes,
+        subscripts and calls whose arguments are all inputs (for a subject that is not the program's for sure:
+        literals, so that a real library function never combines values the program computed with the test's)."""
+        if self._is_program_call(node):
+            return self._chain(node, self._input)
+        root = _root_name(node)
+        if root not in self.subjects or not _calls_in(node):
+            return False
+        return self._chain(node, self.subjects[root])
+
+    def _chain(self, node: ast.expr, argument: Callable[[ast.expr | None], bool]) -> bool:
         if isinstance(node, ast.Name):
-            return self._is_program_name(node.id) or (node.id in self.shadowed and node.id not in self.imported)
+            return True
         if isinstance(node, ast.Attribute):
-            return self._probe_root(node.value)
+            return self._chain(node.value, argument)
         if isinstance(node, ast.Subscript):
-            return self._probe_root(node.value) and self._input(node.slice)
+            return self._chain(node.value, argument) and argument(node.slice)
         if isinstance(node, ast.Call):
             func = node.func
             if isinstance(func, ast.Attribute) and (func.attr in _ALL_METHODS or _calls_in(func.value)):
                 # A method of a returned value, or one plain values have: decided here, on the plain value, since
                 # its arguments may be expected values (``.startswith(y)``, ``.equals(y)``).
                 return False
-            return self._probe_root(node.func) and self._inputs(node)
+            return self._chain(func, argument) and self._inputs(node, argument)
         return False
 
-    def _inputs(self, call: ast.Call) -> bool:
-        return all(not isinstance(a, ast.Starred) and self._input(a) for a in call.args) and all(
-            k.arg is not None and self._input(k.value) for k in call.keywords
+    def _inputs(self, call: ast.Call, argument: Callable[[ast.expr | None], bool] | None = None) -> bool:
+        argument = argument or self._input
+        return all(not isinstance(a, ast.Starred) and argument(a) for a in call.args) and all(
+            k.arg is not None and argument(k.value) for k in call.keywords
         )
 
     def _input(self, node: ast.expr | None) -> bool:
@@ -312,7 +396,7 @@ class _Planner:
         """Return ``node`` with every probe replaced by a placeholder; raise :class:`Unverifiable` if unsupported."""
         if self._probe_root(node):
             if conditional:
-                if _root_name(node) in self.shadowed:
+                if _root_name(node) in self.shadowed:  # evaluated here in the plan without ``shadowed``
                     raise _Shadowed(f"the check calls {_root_name(node)!r}, which the program redefines")
                 raise Unverifiable(f"program call in a conditionally evaluated position: {ast.unparse(node)[:80]}")
             self.probes.append(ast.unparse(node))
@@ -342,8 +426,9 @@ class _Planner:
             values = [sub(v, conditional or i > 0) for i, v in enumerate(node.values)]
             return ast.BoolOp(op=node.op, values=values)
         if isinstance(node, ast.Compare) and all(type(op) in _CMPOPS for op in node.ops):
+            left = sub(node.left, conditional)  # first: probes are numbered, and run, in evaluation order
             comparators = [sub(c, conditional or i > 0) for i, c in enumerate(node.comparators)]
-            return ast.Compare(left=sub(node.left, conditional), ops=node.ops, comparators=comparators)
+            return ast.Compare(left=left, ops=node.ops, comparators=comparators)
         if isinstance(node, ast.IfExp):
             test = sub(node.test, conditional)
             return ast.IfExp(test=test, body=sub(node.body, True), orelse=sub(node.orelse, True))
@@ -427,6 +512,36 @@ def _root_name(node: ast.expr) -> str | None:
     return node.id if isinstance(node, ast.Name) else None
 
 
+def _first_link(node: ast.expr) -> ast.expr:
+    """The attribute access, subscript or call applied to the root name of a chain (the node itself if none)."""
+    while True:
+        inner = node.func if isinstance(node, ast.Call) else getattr(node, "value", None)
+        if not isinstance(inner, (ast.Attribute, ast.Subscript, ast.Call)):
+            return node
+        node = inner
+
+
+def _arguments(call: ast.Call) -> list[ast.expr]:
+    return [*call.args, *(k.value for k in call.keywords)]
+
+
+def _literal(node: ast.expr | None) -> bool:
+    """Literals, displays of them and operators on them: an argument nothing but the test can compute."""
+    if node is None or isinstance(node, ast.Constant):
+        return True
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return all(not isinstance(e, ast.Starred) and _literal(e) for e in node.elts)
+    if isinstance(node, ast.Dict):
+        return all(k is not None and _literal(k) for k in node.keys) and all(map(_literal, node.values))
+    if isinstance(node, ast.UnaryOp):
+        return _literal(node.operand)
+    if isinstance(node, ast.BinOp):
+        return _literal(node.left) and _literal(node.right)
+    if isinstance(node, ast.Slice):
+        return _literal(node.lower) and _literal(node.upper) and _literal(node.step)
+    return False
+
+
 def _no_format(value: Any) -> Any:
     """``%`` with a computed left operand: refuse string formatting (a program-chosen format could be huge)."""
     if isinstance(value, (str, bytes, bytearray)):
@@ -478,11 +593,31 @@ def decode(encoded: Any) -> Any:
     """Rebuild a value from the sandbox's tagged encoding; only exact builtin types can come out of it.
 
     Raises ``ValueError`` for anything malformed (only a program that writes to the report channel itself can
-    produce that), and for a value holding more than ``_MAX_SAME_HASH`` distinct numbers or strings of one hash
-    (``k * (2**61 - 1)`` for many ``k``): a set or dict of those, built here by the decoder or by a check such as
-    ``set(f(x)) == {...}``, takes quadratic time while holding the trainer's GIL.
+    produce that), for a value holding more than ``_MAX_SAME_HASH`` distinct numbers or strings of one hash
+    (``k * (2**61 - 1)`` for many ``k``), and for a set, frozenset or dict whose members (keys) include more than
+    ``_MAX_SAME_HASH`` distinct values of one hash (tuples or frozensets of distinct numbers can be solved to share a
+    hash): a set or dict of those, built here by the decoder or by a check such as ``set(f(x)) == {...}`` (which
+    :func:`judge` limits the same way), takes quadratic time while holding the trainer's GIL. The cost is linear in
+    the size of the encoding: every value is hashed a bounded number of times (frozensets cache their hash).
     """
     return _decode(encoded, 0, {})
+
+
+def _limit_same_hash(values: Any) -> None:
+    """Refuse values about to become members of one set or keys of one dict if more than ``_MAX_SAME_HASH``
+    distinct ones share a hash (building the container would take quadratic time). One ``hash()`` per value and at
+    most ``_MAX_SAME_HASH`` equality tests, each no costlier than reading the value: linear in the values' size."""
+    values = list(values)
+    hashes = list(map(hash, values))
+    if len(set(hashes)) == len(hashes):  # the usual case, at C speed
+        return
+    seen: dict[int, list[Any]] = {}
+    for value, value_hash in zip(values, hashes):
+        same = seen.setdefault(value_hash, [])
+        if value not in same:
+            if len(same) >= _MAX_SAME_HASH:
+                raise ValueError(f"more than {_MAX_SAME_HASH} distinct values share one hash")
+            same.append(value)
 
 
 def _decode(encoded: Any, depth: int, hashes: dict[int, list[Any]]) -> Any:
@@ -506,11 +641,14 @@ def _decode(encoded: Any, depth: int, hashes: dict[int, list[Any]]) -> Any:
         pairs = [_decode(p, depth + 1, hashes) for p in arg]  # each pair is encoded as a tuple
         if not all(type(p) is tuple and len(p) == 2 for p in pairs):
             raise ValueError("malformed dict")
+        _limit_same_hash(key for key, _ in pairs)
         return dict(pairs)
     items = [_decode(item, depth + 1, hashes) for item in arg]
     containers = {"l": list, "t": tuple, "S": set, "F": frozenset}
     if tag not in containers:
         raise ValueError("malformed value")
+    if tag in ("S", "F"):
+        _limit_same_hash(items)
     return containers[tag](items)
 
 
@@ -623,13 +761,51 @@ def _eval(node: ast.expr, env: dict[str, Any]) -> Any:
                 raise AttributeError(f"{type(owner).__name__}.{node.func.attr} is not available to the check")
             func = getattr(owner, node.func.attr)
         else:
-            func = _eval(node.func, env)
-        return func(*[_eval(a, env) for a in node.args], **{k.arg: _eval(k.value, env) for k in node.keywords})
+            owner, func = None, _eval(node.func, env)
+        args = [_eval(a, env) for a in node.args]
+        kwargs = {k.arg: _eval(k.value, env) for k in node.keywords}
+        # Whatever builds a set or a dict from an iterable the program chose (``set(f(x))``, ``dict(zip(...))``,
+        # ``s.issubset(f(x))``) gets its members counted first, as the decoder does (see decode).
+        if (func is set or func is frozenset) and len(args) == 1:
+            args = [_hashable(args[0])]
+        elif func is dict and len(args) == 1 and type(args[0]) is not dict:
+            args = [_pairs(args[0])]
+        elif type(owner) in (set, frozenset) and node.func.attr in _SET_METHODS:
+            args = [_hashable(a) for a in args]
+        return func(*args, **kwargs)
     raise TypeError(f"unsupported node {type(node).__name__}")  # unreachable for planned checks
 
 
+_SET_METHODS = _METHODS[set]  # each takes iterables, of which some build a set (``issubset``, ``union``)
+_KEYS, _ITEMS = type({}.keys()), type({}.items())
+
+
+def _hashable(value: Any) -> Any:
+    """``value`` (an iterable) ready to be hashed member by member, under :func:`_limit_same_hash`. Sets, frozensets,
+    dicts and their keys were built under the limit; anything else is read once (an iterator as well) and checked."""
+    if type(value) in (set, frozenset, dict, _KEYS):
+        return value
+    if type(value) is _ITEMS:  # (key, value) pairs: their hashes are not the keys' hashes
+        _limit_same_hash(value)
+        return value
+    items = list(value)
+    _limit_same_hash(items)
+    return items
+
+
+def _pairs(value: Any) -> list[tuple[Any, ...]]:
+    """The ``(key, value)`` pairs ``dict(value)`` would read, with the keys checked by :func:`_limit_same_hash`."""
+    pairs = [tuple(pair) for pair in value]
+    _limit_same_hash(pair[0] for pair in pairs if len(pair) == 2)
+    return pairs
+
+
 def _binop(op: type, left: Any, right: Any) -> Any:
-    """``left <op> right`` with caps on the sizes a program-chosen operand could blow up."""
+    """``left <op> right`` with caps on the sizes a program-chosen operand could blow up, and the same-hash limit
+    on the set that ``|``, ``&``, ``^`` and ``-`` of a dict view build from both operands."""
+    views = (_KEYS, _ITEMS)
+    if op in (ast.BitOr, ast.BitAnd, ast.BitXor, ast.Sub) and (type(left) in views or type(right) in views):
+        left, right = _hashable(left), _hashable(right)
     if op is ast.Mult:
         for count, seq in ((left, right), (right, left)):
             if isinstance(count, int) and isinstance(seq, (str, bytes, bytearray, list, tuple)):
