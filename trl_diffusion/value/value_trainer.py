@@ -98,6 +98,10 @@ class DiffusionValueTrainer(_BaseTrainer):
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
         self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+        # value_statistics sums over the trained tokens since the last log (all processes): the logged mean value and
+        # explained variance are those of every token of the window, not an average of per-micro-batch ratios (a
+        # micro-batch of one rollout has constant returns with gamma = 1, so its own explained variance is NaN)
+        self._value_stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
                                                                  training=False)
 
@@ -136,9 +140,9 @@ class DiffusionValueTrainer(_BaseTrainer):
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
         loss = (0.5 * (values - returns) ** 2 * mask).sum() / mask.sum().clamp(min=1)
         mode = "train" if model.training else "eval"
-        stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None]).sum(0)
-        for name, number in summarize_value_statistics(stats).items():
-            self._metrics[mode][f"value/{name}"].append(number)
+        stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None]).sum(0).double()
+        previous = self._value_stats[mode]
+        self._value_stats[mode] = stats if previous is None else previous + stats
         return (loss, values) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -150,10 +154,14 @@ class DiffusionValueTrainer(_BaseTrainer):
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = {k: _nanmean(v) for k, v in self._metrics[mode].items() if v}
+        if self._value_stats[mode] is not None:
+            for name, number in summarize_value_statistics(self._value_stats[mode]).items():
+                metrics[f"value/{name}"] = number
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         super().log({**logs, **metrics}, start_time)
         self._metrics[mode].clear()
+        self._value_stats[mode] = None
 
 
 def _nanmean(values: list[float]) -> float:
@@ -185,6 +193,10 @@ def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | N
         if len(example["completion_ids"]) != len(example["unmask_step"]):
             raise ValueError(f"completion_ids ({len(example['completion_ids'])}) and unmask_step "
                              f"({len(example['unmask_step'])}) must have the same length.")
+        if not any(step >= 0 for step in example["unmask_step"]):
+            # nothing to train on; a micro-batch of such rows has a loss without a graph, and backward fails
+            raise ValueError(f"row {index}: no completion token was committed (every 'unmask_step' is -1, or the "
+                             "canvas is empty): there is nothing to fit; drop the row.")
         if "prompt_ids" in example:
             return {}
         prompt = example["prompt"]
