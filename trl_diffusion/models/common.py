@@ -439,6 +439,9 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
 
     qkv_bias: bool = False
     qk_norm: bool = False
+    # the backbone alone loads from a released (LM) checkpoint, as the release's ``SDARModel`` / ``DreamBaseModel``
+    # do: its head is the one key the backbone has no place for
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
     def __init__(self, config) -> None:
         super().__init__(config)

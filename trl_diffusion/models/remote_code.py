@@ -94,6 +94,8 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
     if not path.is_file():
         return
     saved = json.loads(path.read_text(encoding="utf-8"))
+    if file_name == "tokenizer_config.json" and _references(saved.get("auto_map") or {}):
+        _write_bpe_vocabulary(Path(directory))
     missing = sorted(_modules(saved) - {p.name for p in Path(directory).glob("*.py")})
     if not missing:
         return
@@ -123,6 +125,26 @@ def carry_remote_code(directory: str | os.PathLike, source: str | os.PathLike | 
             f"trl_diffusion.models.carry_remote_code({os.fspath(directory)!r}, '<release folder>', {file_name!r}). "
             "Said once: later folders saved from this source lack them too."
         )
+
+
+def _write_bpe_vocabulary(directory: Path) -> None:
+    """``vocab.json`` + ``merges.txt`` from the folder's ``tokenizer.json`` when it has a BPE model and lacks them.
+
+    The released tokenizer code (SDAR's ``tokenization_qwen2.Qwen2Tokenizer``, Dream's ``DreamTokenizer``) is a slow
+    byte-level BPE tokenizer whose constructor opens those two files; transformers 5 saves only ``tokenizer.json``,
+    so without them ``trust_remote_code=True`` fails on the saved folder. The added tokens stay where transformers
+    put them (``tokenizer.json``), as in the releases' ``vocab.json``, which holds the base vocabulary only."""
+    vocab, merges, source = directory / "vocab.json", directory / "merges.txt", directory / "tokenizer.json"
+    if (vocab.exists() and merges.exists()) or not source.is_file():
+        return
+    model = json.loads(source.read_text(encoding="utf-8")).get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        return
+    lines = [pair if isinstance(pair, str) else " ".join(pair) for pair in model.get("merges") or []]
+    if not vocab.exists():
+        vocab.write_text(json.dumps(model["vocab"], ensure_ascii=False) + "\n", encoding="utf-8")
+    if not merges.exists():
+        merges.write_text("#version: 0.2\n" + "".join(f"{line}\n" for line in lines), encoding="utf-8")
 
 
 class CarryRemoteCodeConfig:

@@ -5,8 +5,11 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from transformers import PreTrainedConfig
+from transformers.utils import logging
 
 from ..remote_code import CarryRemoteCodeConfig
+
+logger = logging.get_logger(__name__)
 
 
 class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
@@ -85,3 +88,15 @@ class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     @property
     def tie_word_embeddings(self) -> bool:
         return bool(self.weight_tying)
+
+    @tie_word_embeddings.setter
+    def tie_word_embeddings(self, value) -> None:
+        """Accepted and ignored, as the release's ``LLaDAModelLM`` ignores it: LLaDA ties its head by ``weight_tying``.
+        A ``config.json`` may carry the generic key (transformers 4.x's ``PretrainedConfig`` kept it as a plain
+        attribute, ``True`` by default), and ``from_pretrained(..., tie_word_embeddings=...)`` passes it here."""
+        if value is not None and bool(value) != bool(self.weight_tying):
+            logger.warning(
+                f"LLaDAConfig: tie_word_embeddings={value!r} is ignored; LLaDA ties its output layer to the "
+                f"embedding by weight_tying (here {self.weight_tying!r}), as the released modeling code does. Set "
+                "weight_tying to change it (the checkpoint must then have, or lack, model.transformer.ff_out)."
+            )
