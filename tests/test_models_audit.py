@@ -112,3 +112,20 @@ def test_saved_tokenizer_has_the_vocabulary_files_the_released_slow_tokenizer_op
     released_class = get_class_from_dynamic_module("tokenization_dream.DreamTokenizer", saved)
     released = released_class.from_pretrained(saved)  # what trust_remote_code=True runs without trl_diffusion
     assert released.convert_tokens_to_ids("<|mask|>") == tokenizer.mask_token_id
+
+
+def test_ignore_mismatched_sizes_reinitialises_instead_of_raising(tmp_path):
+    """A different vocabulary: an error by default (a re-initialised weight would be silent), re-initialised
+    weights when the caller asks for them with ``ignore_mismatched_sizes=True``, as in transformers."""
+    from trl_diffusion.models import SDARForCausalLM
+    from trl_diffusion.testing import tiny_model
+
+    model = tiny_model("sdar")
+    model.save_pretrained(tmp_path)
+    wider = model.config.vocab_size + 8
+    with pytest.raises((ValueError, RuntimeError), match="mismatched|ignore_mismatched_sizes"):
+        SDARForCausalLM.from_pretrained(tmp_path, vocab_size=wider)
+    loaded = SDARForCausalLM.from_pretrained(tmp_path, vocab_size=wider, ignore_mismatched_sizes=True)
+    assert loaded.get_input_embeddings().weight.shape[0] == wider
+    kept = loaded.model.layers[0].self_attn.q_proj.weight
+    assert torch.equal(kept, model.model.layers[0].self_attn.q_proj.weight)

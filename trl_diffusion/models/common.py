@@ -380,10 +380,14 @@ class DiffusionPreTrainedModel(PreTrainedModel):
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, but a checkpoint whose keys don't match is an error, not a
-        warning: a silently re-initialised weight would make every later number wrong."""
+        warning: a silently re-initialised weight would make every later number wrong. Weights of another shape
+        are re-initialised only when asked (``ignore_mismatched_sizes=True``, transformers' warning names them)."""
         want_info = kwargs.pop("output_loading_info", False)
         model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
-        bad = {k: sorted(info.get(k) or []) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
+        checked = ["missing_keys", "unexpected_keys"]
+        if not kwargs.get("ignore_mismatched_sizes"):
+            checked.append("mismatched_keys")
+        bad = {k: sorted(info.get(k) or []) for k in checked}
         bad = {k: v for k, v in bad.items() if v}
         if bad:
             raise ValueError(
