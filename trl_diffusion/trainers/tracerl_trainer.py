@@ -55,6 +55,9 @@ from ..value import (
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
 
+REFERENCE_STATE_NAME = "ref_model_state.pt"
+"""A checkpoint's copy of the reference model's parameters, written when ``sync_ref_model`` changes them."""
+
 # TRL loss types that average over the rows of a micro-batch: filtered rows must leave that count too
 _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 
@@ -139,6 +142,11 @@ class TraceRLTrainer(GRPOTrainer):
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         check_block_size_applies("training_block_size", args.training_block_size, base.block_size)
+        if args.rollout_cache in ("prefix", "dual") and base.block_size is not None:
+            # said now rather than by generate() at the first rollout
+            raise ValueError(f"rollout_cache={args.rollout_cache!r} is an approximate cache for full-attention models "
+                             f"(LLaDA, Dream); {type(base).__name__} is a block model, whose cache is exact: set "
+                             "rollout_cache=True (or False for none).")
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
@@ -663,6 +671,11 @@ class TraceRLTrainer(GRPOTrainer):
             if not self.args.save_only_model:
                 torch.save({"optimizer": self.value_optimizer.state_dict(), "value_batches": self._value_batches},
                            os.path.join(folder, "value_state.pt"))
+        if self._synced_reference() is not None and not self.args.save_only_model:
+            # sync_ref_model moves the reference away from the initial policy, which a resumed run rebuilds it from
+            state = self._reference_parameters()
+            if self.args.should_save or self.is_fsdp_enabled:  # FSDP: each process its own shards
+                torch.save(state, self._reference_state_path(folder))
         self.accelerator.wait_for_everyone()  # every process's files exist before the state file marks the folder
         super()._save_checkpoint(model, trial)
 
@@ -705,6 +718,36 @@ class TraceRLTrainer(GRPOTrainer):
             extra = torch.load(value_state, map_location="cpu", weights_only=False)
             self.value_optimizer.load_state_dict(extra["optimizer"])
             self._value_batches = extra["value_batches"]
+        reference_state = self._reference_state_path(checkpoint)
+        if self._synced_reference() is not None and os.path.exists(reference_state):
+            self._load_reference_parameters(torch.load(reference_state, map_location="cpu", weights_only=True))
+
+    def _synced_reference(self):
+        """The reference model that ``sync_ref_model`` mixes with the policy during training (None without one)."""
+        return self.ref_model if self.args.sync_ref_model and self.beta != 0.0 else None
+
+    def _reference_state_path(self, checkpoint: str) -> str:
+        """Where ``checkpoint`` keeps the synced reference: one file, or one per process under FSDP (sharded)."""
+        name = REFERENCE_STATE_NAME
+        if self.is_fsdp_enabled:
+            name = name.replace(".pt", f"_{self.accelerator.process_index}.pt")
+        return os.path.join(checkpoint, name)
+
+    def _reference_parameters(self) -> dict[str, torch.Tensor]:
+        """The synced reference's parameters (what ``SyncRefModelCallback`` changes), on the CPU; gathered under
+        DeepSpeed ZeRO-3 as the callback gathers them."""
+        reference = self._synced_reference()
+        with _gathered(list(reference.parameters()), modifier_rank=None):
+            return {name: p.detach().to("cpu", copy=True) for name, p in reference.named_parameters()}
+
+    def _load_reference_parameters(self, state: dict[str, torch.Tensor]) -> None:
+        reference = self._synced_reference()
+        with _gathered(list(reference.parameters()), modifier_rank=0), torch.no_grad():
+            for name, parameter in reference.named_parameters():
+                if name not in state or state[name].shape != parameter.shape:
+                    raise ValueError(f"the checkpoint's {REFERENCE_STATE_NAME} does not match this run's reference "
+                                     f"model (parameter {name!r}).")
+                parameter.copy_(state[name])
 
     def _rollout_layout(self) -> dict:
         """What a process's rollout buffer depends on: how the generation batch is split over processes."""
@@ -729,6 +772,10 @@ class TraceRLTrainer(GRPOTrainer):
                          if not exists]
         elif any(has_value):
             problems.append("it holds a value model (value_model/) but this trainer has none; pass value_model=")
+        reference_state = self._reference_state_path(checkpoint)
+        if self._synced_reference() is not None and not os.path.exists(reference_state):
+            problems.append(f"{os.path.basename(reference_state)} (the reference model as sync_ref_model left it) is "
+                            "missing")
         return problems
 
     # ------------------------------------------------------------------------------------------------ scoring
@@ -832,6 +879,18 @@ class TraceRLTrainer(GRPOTrainer):
             logps = old + (logps - old).clamp(-clip, clip)
         inputs["scored_logps"] = logps
         return logps
+
+
+def _gathered(parameters: list, modifier_rank: int | None):
+    """DeepSpeed ZeRO-3's ``GatheredParameters`` (whole parameters inside), a no-op otherwise."""
+    from accelerate.state import AcceleratorState
+
+    plugin = AcceleratorState().deepspeed_plugin if AcceleratorState._shared_state else None
+    if plugin is not None and plugin.zero_stage == 3:
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=modifier_rank)
+    return contextlib.nullcontext()
 
 
 def _path_dtype(model_init_kwargs: dict | None):
