@@ -30,7 +30,6 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
     sys.path.pop(0)
 
 import functools
-import importlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -38,10 +37,9 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
-from trl_diffusion import rewards as reward_library
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
+from trl_diffusion.cli import find_reward, load_pretrained, parse_script_args, resume_checkpoint
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -68,10 +66,19 @@ class MathScriptArguments(ScriptArguments):
     num_eval: int = field(default=200, metadata={"help": "Held-out synthetic problems for the before/after accuracy."})
     eval_every: int = field(default=25, metadata={"help": "Held-out accuracy every this many steps (synthetic)."})
 
+    def __post_init__(self):
+        if self.num_eval < 1:
+            raise ValueError(f"num_eval must be >= 1 (held-out problems measured before and after), got "
+                             f"{self.num_eval}.")
+        if self.prompt_template is not None and "{question}" not in self.prompt_template:
+            raise ValueError("prompt_template must contain {question} (where each problem goes); without it every "
+                             "prompt would be the same text.")
+
 
 def math_dataset(name: str, config: str | None, split: str, prompt_template: str | None = None):
     """Load a math dataset (Hub name or local json/jsonl/parquet) as prompts + ``answer``: conversational, or raw
-    text from ``prompt_template``."""
+    text from ``prompt_template``. A question column already in TRL's conversational format (a list of messages)
+    keeps its messages, the instruction appended to its last user message."""
     dataset = load_training_dataset(name, config, split)
     question = next((c for c in ("problem", "question", "prompt") if c in dataset.column_names), None)
     answer = next((c for c in ("answer", "ground_truth_answer", "solution") if c in dataset.column_names), None)
@@ -82,6 +89,16 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
     def to_row(row):
         gold = str(row[answer])
         gold = gold.split("####")[-1].strip() if "####" in gold else gold
+        if isinstance(row[question], list):  # conversational: [{"role": ..., "content": ...}, ...]
+            if prompt_template is not None:
+                raise ValueError(f"{name}: the {question!r} column holds chat messages; prompt_template needs the "
+                                 "question as text.")
+            messages = [dict(message) for message in row[question]]
+            last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
+            if last_user is None:
+                raise ValueError(f"{name}: a {question!r} conversation without a user message: {messages}")
+            messages[last_user]["content"] += INSTRUCTION
+            return {"prompt": messages, "answer": gold}
         if prompt_template is not None:
             return {"prompt": prompt_template.replace("{question}", row[question]), "answer": gold}
         return {"prompt": [{"role": "user", "content": row[question] + INSTRUCTION}], "answer": gold}
@@ -92,8 +109,7 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
 def load_reward(name: str, max_completion_length: int):
     """A reward function by name (``trl_diffusion.rewards``) or dotted path; ``max_completion_length`` is bound
     when the function takes it (e.g. to score truncated responses as wrong)."""
-    module, _, attribute = name.rpartition(".")
-    func = getattr(importlib.import_module(module) if module else reward_library, attribute)
+    func = find_reward(name)
     if "max_completion_length" in inspect.signature(func).parameters:
         func = functools.update_wrapper(functools.partial(func, max_completion_length=max_completion_length), func)
     return func

@@ -53,6 +53,9 @@ class SFTScriptArguments(ScriptArguments):
                 "two CPU cores)."})
 
     def __post_init__(self):
+        if self.num_eval < 1:
+            raise ValueError(f"num_eval must be >= 1 (held-out problems measured before and after), got "
+                             f"{self.num_eval}.")
         if self.max_train_samples is not None and self.max_train_samples < 1:
             raise ValueError(f"max_train_samples must be >= 1 (or unset), got {self.max_train_samples}.")
 

@@ -56,9 +56,34 @@ UNUSED_MODEL_FLAGS = {
     "attn_implementation": "attention kernels follow attention_backend (training) and the masks the sampler builds.",
     "load_in_4bit": "quantized loading is not supported.",
     "load_in_8bit": "quantized loading is not supported.",
+    "dataset_streaming": "the examples load the whole dataset (a local file or a Hub split); streaming is not "
+                         "supported.",
+    "ignore_bias_buffers": "the examples do not set DDP's ignored buffers (TRL applies it in its DPO script only).",
 }
-"""TRL flags (``ModelConfig``, ``GRPOConfig`` / ``SFTConfig``) the example scripts do not apply: setting one is an
-error rather than silently ignored."""
+"""TRL flags (``ModelConfig``, ``ScriptArguments``, ``GRPOConfig`` / ``SFTConfig``) the example scripts do not
+apply: setting one is an error rather than silently ignored."""
+
+
+def find_reward(name: str) -> Callable[..., Any]:
+    """The reward function ``name``: a function of :mod:`trl_diffusion.rewards`, or ``module.function`` (a dotted
+    path, imported). Raises :class:`UsageError` naming it when there is no such function."""
+    import importlib
+
+    from . import rewards
+
+    module_name, _, attribute = name.rpartition(".")
+    try:
+        module = importlib.import_module(module_name) if module_name else rewards
+    except ImportError as exc:
+        raise UsageError(f"reward_funcs: cannot import {module_name!r} for the reward {name!r}: {exc}") from None
+    func = getattr(module, attribute, None)
+    if not callable(func):
+        close = difflib.get_close_matches(attribute, [n for n in dir(module) if not n.startswith("_")], n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        where = module_name or "trl_diffusion.rewards"
+        raise UsageError(f"reward_funcs: no reward function {attribute!r} in {where}{hint}; give a name in "
+                         "trl_diffusion.rewards or a dotted path module.function.")
+    return func
 
 
 def load_pretrained(model_args: Any) -> tuple[Any, Any]:
@@ -81,7 +106,8 @@ def check_script_args(parsed: Sequence[Any]) -> None:
     that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
     from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
     ``dataset_name`` that names a local file (it must exist) or is one of :data:`EVAL_ONLY_NAMES`,
-    ``reward_funcs`` (a list, not one name), no flag of ``UNUSED_MODEL_FLAGS``, and every
+    ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no flag of
+    ``UNUSED_MODEL_FLAGS``, and every
     ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
@@ -99,6 +125,8 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         if isinstance(getattr(args, "reward_funcs", None), str):
             raise UsageError(f"reward_funcs must be a list of names, got the string {args.reward_funcs!r} (in a "
                              f"config file write reward_funcs: [{args.reward_funcs}]).")
+        for name in getattr(args, "reward_funcs", None) or []:
+            find_reward(name)
         unused = [flag for flag, set_ in UNUSED_MODEL_FLAGS.items() if getattr(args, flag, None) not in (None, False)]
         if unused:
             raise UsageError(f"{', '.join('--' + flag for flag in unused)}: not used by the example scripts; "
