@@ -117,3 +117,16 @@ def test_logged_explained_variance_covers_every_token_of_the_window(tmp_path):
     explained = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
     assert logged["value/explained_variance"] == pytest.approx(explained.item(), rel=1e-4)
     assert logged["value/mean"] == pytest.approx(v.mean().item(), rel=1e-4, abs=1e-6)
+
+
+def test_a_trajectory_with_an_uncommitted_gap_is_refused():
+    """-1 before a committed column: no sampler writes it, and the packed scoring would show the stored token there
+    where the docs promise a mask; refused when the dataset is prepared, naming the row and column."""
+    from trl_diffusion.value.value_trainer import _prepare_dataset
+
+    rows = {"prompt_ids": [[5, 6, 7], [8, 9]], "completion_ids": [[10, 11, 12, 13], [14, 15, 16]],
+            "unmask_step": [[0, 0, -1, -1], [0, -1, 1]], "reward": [1.0, 0.0]}
+    with pytest.raises(ValueError, match="row 1: 'unmask_step' is -1 at column 1, before committed column 2"):
+        _prepare_dataset(Dataset.from_dict(rows), build_tokenizer())
+    rows["unmask_step"][1] = [0, 1, -1]
+    assert len(_prepare_dataset(Dataset.from_dict(rows), build_tokenizer())) == 2

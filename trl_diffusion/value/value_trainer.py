@@ -197,6 +197,13 @@ def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | N
             # nothing to train on; a micro-batch of such rows has a loss without a graph, and backward fails
             raise ValueError(f"row {index}: no completion token was committed (every 'unmask_step' is -1, or the "
                              "canvas is empty): there is nothing to fit; drop the row.")
+        steps = example["unmask_step"]
+        last = max(i for i, step in enumerate(steps) if step >= 0)
+        if any(step < 0 for step in steps[:last]):
+            # the samplers commit every column up to the last committed one; the packed scoring layout relies on it
+            gap = next(i for i, step in enumerate(steps[:last]) if step < 0)
+            raise ValueError(f"row {index}: 'unmask_step' is -1 at column {gap}, before committed column {last}: a "
+                             "trajectory commits every column before its last committed one (-1 only after a stop).")
         if "prompt_ids" in example:
             return {}
         prompt = example["prompt"]
