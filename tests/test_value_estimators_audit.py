@@ -130,3 +130,27 @@ def test_a_trajectory_with_an_uncommitted_gap_is_refused():
         _prepare_dataset(Dataset.from_dict(rows), build_tokenizer())
     rows["unmask_step"][1] = [0, 1, -1]
     assert len(_prepare_dataset(Dataset.from_dict(rows), build_tokenizer())) == 2
+
+
+def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
+    """The loss is the token mean over the accumulated batch (transformers' convention for label tokens): one SGD step
+    on rows with 3 and 6 trained tokens, batch 1 x accumulation 2, equals batch 2 (it was the mean of the two
+    micro-batch means before)."""
+    rows = {k: v[1:3] for k, v in ROWS.items()}
+    trained = []
+    for layout, (batch, accumulation) in {"whole": (2, 1), "accumulated": (1, 2)}.items():
+        value = value_model("sdar", seed=5)
+        args = args_for(tmp_path / layout, per_device_train_batch_size=batch, gradient_accumulation_steps=accumulation,
+                        max_steps=1, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant", max_grad_norm=0.0)
+        trainer = DiffusionValueTrainer(value, args=args, train_dataset=Dataset.from_dict(rows),
+                                        processing_class=build_tokenizer())
+        trainer.train()
+        trained.append((trainer.state.log_history[0]["loss"], value.state_dict()))
+    (whole_loss, whole), (accumulated_loss, accumulated) = trained
+    assert accumulated_loss == pytest.approx(whole_loss, rel=1e-5)
+    initial = value_model("sdar", seed=5).state_dict()
+    largest = max((whole[k] - initial[k]).abs().max().item() for k in whole)
+    assert largest > 1e-3  # the step moved the weights
+    for name in whole:  # the two updates agree to float32 summation-order noise, relative to the update's size
+        torch.testing.assert_close(accumulated[name] - initial[name], whole[name] - initial[name], rtol=1e-3,
+                                   atol=1e-4 * largest)

@@ -67,7 +67,9 @@ class DiffusionValueTrainer(_BaseTrainer):
 
     _tag_names = ["trl", "trl_diffusion", "value-model"]
     _name = "DiffusionValue"
-    loss_is_scaled_for_ga = False  # compute_loss returns a per-batch mean
+    # the loss is divided by the trained tokens of the whole accumulated batch (`get_batch_samples`): Trainer must
+    # not divide it by the accumulation steps again (batch 1 x accumulation 2 trains as batch 2)
+    loss_is_scaled_for_ga = True
 
     def __init__(self, model, args: DiffusionValueConfig | None = None, train_dataset: Dataset | None = None,
                  eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
@@ -105,6 +107,17 @@ class DiffusionValueTrainer(_BaseTrainer):
         self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
                                                                  training=False)
 
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """transformers' micro-batches of one optimizer step, with ``num_items_in_batch`` the trained tokens of all
+        of them (over every process with ``average_tokens_across_devices``), as transformers counts label tokens."""
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batch_samples:
+            return batch_samples, None
+        count = sum(batch["trained_mask"].sum() for batch in batch_samples).to(device)
+        if self.args.average_tokens_across_devices and self.args.world_size > 1:
+            count = self.accelerator.gather(count).sum()
+        return batch_samples, count
+
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         finish_model_card(self, value_quick_start(self.hub_model_id or self.args.output_dir))
@@ -138,7 +151,13 @@ class DiffusionValueTrainer(_BaseTrainer):
         mask = inputs["trained_mask"]
         rewards = outcome_token_rewards(inputs["reward"], groups, mask)
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
-        loss = (0.5 * (values - returns) ** 2 * mask).sum() / mask.sum().clamp(min=1)
+        squared = (0.5 * (values - returns) ** 2 * mask).sum()
+        if num_items_in_batch is None:  # evaluation: this batch's token mean
+            loss = squared / mask.sum().clamp(min=1)
+        else:  # the accumulated batch's token mean; DDP averages gradients over processes, hence the factor
+            loss = squared / num_items_in_batch.clamp(min=1)
+            if self.args.average_tokens_across_devices:
+                loss = loss * self.accelerator.num_processes
         mode = "train" if model.training else "eval"
         stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None]).sum(0).double()
         previous = self._value_stats[mode]
