@@ -85,3 +85,35 @@ def test_complementary_ratio_one_is_refused_and_never_gives_nan():
     batch = build_objective("complementary", ids, labels, valid, gens(1), mask_token_id=MASK_ID, block_size=None,
                             eps=1.0, high=1.0)
     assert all(math.isfinite(w) for w in batch.weights.flatten().tolist())
+
+
+def test_the_trainer_passes_dreams_logits_shift_to_row_masked(monkeypatch):
+    """The trainer, not only ``per_row_weights``: on plain-text rows Dream's masked column 0 is not scored, so each
+    row's ``row_masked`` weights sum to 1 over its scored tokens (with the masked count taken without the shift, a
+    row whose column 0 is masked sums below 1)."""
+    import trl_diffusion.trainers.sft_trainer as sft_module
+
+    data = Dataset.from_dict({"text": [p + c for p, c in PAIRS]})
+    args = config("unused", loss_normalization="row_masked", loss_weighting="none")
+    trainer = DiffusionSFTTrainer(tiny_model("dream"), args=args, train_dataset=data, processing_class=TOKENIZER)
+    assert trainer.spec.logits_shift
+    seen = []
+
+    def recording(batch, *args, **kwargs):
+        weights = per_row_weights(batch, *args, **kwargs)
+        seen.append((weights, scorable(batch, logits_shift=True), batch.targets[:, 0] != IGNORE_INDEX))
+        return weights
+
+    monkeypatch.setattr(sft_module, "per_row_weights", recording)
+    batch = next(iter(trainer.get_train_dataloader()))
+    for epoch in range(40):  # other noise draws, until column 0 of some row is masked
+        trainer.state.epoch = epoch
+        with torch.no_grad():
+            trainer.compute_loss(trainer.model, batch)
+        if seen[-1][2].any():
+            break
+    weights, scored, first_masked = seen[-1]
+    assert first_masked.any()  # the premise
+    sums = (weights * scored).sum(-1)
+    has = scored.any(-1)
+    torch.testing.assert_close(sums[has], torch.ones_like(sums[has]))

@@ -69,3 +69,21 @@ def test_an_approximate_cache_on_a_block_model_is_refused_at_construction(tmp_pa
     """generate() refused it only at the first rollout, after the trainer (and a value model) had been built."""
     with pytest.raises(ValueError, match="rollout_cache"):
         tracerl(tmp_path, 1, rollout_cache=cache, save_strategy="no")
+
+
+def test_only_a_writing_process_copies_the_synced_reference(tmp_path, monkeypatch):
+    """Under DDP every process used to copy the whole reference model to the CPU at each checkpoint, though only the
+    main process writes it (a full host-memory copy per process, thrown away). A process that does not save only
+    joins the (ZeRO-3) gathering."""
+    trainer = tracerl(tmp_path / "run", 1, **SYNCED)
+    copies, reference_parameters = [], trainer._reference_parameters
+
+    def recording(*args, **kwargs):
+        copies.append(reference_parameters(*args, **kwargs))
+        return copies[-1]
+
+    trainer._reference_parameters = recording
+    monkeypatch.setattr(TraceRLConfig, "should_save", property(lambda self: False))  # as on a DDP rank > 0
+    trainer.train()
+    assert copies == [None]
+    assert not (tmp_path / "run" / "checkpoint-1" / REFERENCE_STATE_NAME).exists()

@@ -42,7 +42,13 @@ from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, e
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
-from ..states import check_block_size_applies, completion_blocks, resolve_model_attention_backend, trajectory_groups
+from ..states import (
+    blocks_from_prompt_end,
+    check_block_size_applies,
+    completion_blocks,
+    resolve_model_attention_backend,
+    trajectory_groups,
+)
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -227,7 +233,7 @@ class TraceRLTrainer(GRPOTrainer):
                          "sampler_logps": logps}
         blocks = completion_blocks(prompt_mask, steps.shape[1], self.args.block_length if model.block_size else None)
         if blocks is None:  # full attention: blocks start at the end of the (left-padded) prompt
-            blocks = torch.arange(steps.shape[1], device=device).expand_as(steps) // self.args.block_length
+            blocks = blocks_from_prompt_end(torch.ones_like(steps, dtype=torch.bool), self.args.block_length)
         # logged in _log_rollout_stats, over every process (no collective here: TRL may call this method a
         # different number of times per process)
         self._rollout_stats = [out.tokens_per_step.float().sum().item(), out.denoising_steps.float().sum().item(),
@@ -673,8 +679,11 @@ class TraceRLTrainer(GRPOTrainer):
                            os.path.join(folder, "value_state.pt"))
         if self._synced_reference() is not None and not self.args.save_only_model:
             # sync_ref_model moves the reference away from the initial policy, which a resumed run rebuilds it from
-            state = self._reference_parameters()
-            if self.args.should_save or self.is_fsdp_enabled:  # FSDP: each process its own shards
+            writes = self.args.should_save or self.is_fsdp_enabled  # FSDP: each process its own shards
+            # every process joins ZeRO-3's gathering; only a writing one copies the model to the CPU (under DDP the
+            # others would each hold a full copy of the reference in host memory for nothing)
+            state = self._reference_parameters(copy=writes)
+            if writes:
                 torch.save(state, self._reference_state_path(folder))
         self.accelerator.wait_for_everyone()  # every process's files exist before the state file marks the folder
         super()._save_checkpoint(model, trial)
@@ -733,11 +742,14 @@ class TraceRLTrainer(GRPOTrainer):
             name = name.replace(".pt", f"_{self.accelerator.process_index}.pt")
         return os.path.join(checkpoint, name)
 
-    def _reference_parameters(self) -> dict[str, torch.Tensor]:
+    def _reference_parameters(self, copy: bool = True) -> dict[str, torch.Tensor] | None:
         """The synced reference's parameters (what ``SyncRefModelCallback`` changes), on the CPU; gathered under
-        DeepSpeed ZeRO-3 as the callback gathers them."""
+        DeepSpeed ZeRO-3 as the callback gathers them (a collective: every process calls this). ``copy=False``: only
+        join the gathering, return None."""
         reference = self._synced_reference()
         with _gathered(list(reference.parameters()), modifier_rank=None):
+            if not copy:
+                return None
             return {name: p.detach().to("cpu", copy=True) for name, p in reference.named_parameters()}
 
     def _load_reference_parameters(self, state: dict[str, torch.Tensor]) -> None:
