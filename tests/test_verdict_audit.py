@@ -137,6 +137,30 @@ def test_library_named_functions_are_probes_decided_by_the_test_alone():
     assert plan_test("assert f(1) == g(2)").probes == ("f(1)", "g(2)")  # run in the order Python evaluates them
 
 
+@pytest.mark.parametrize(
+    "program, test",
+    [
+        ("def abs(x):\n    return 0\n", "assert abs(round(2.675, 2) - 2.68) < 1e-9"),
+        (
+            "class math:\n    isclose = staticmethod(lambda *a, **k: True)\n",
+            "assert math.isclose(round(2.675, 2), 2.68)",
+        ),
+        ("def sum(xs, start=0):\n    return 0\n", "assert sum(range(5), -10) == 0"),
+    ],
+    ids=["abs-around-difference", "math-isclose", "sum-start"],
+)
+def test_a_builtin_wrapping_the_subject_and_expected_values_is_not_the_subject(program, test):
+    """A program that defines a builtin wrapping both the function under test and other values (possibly the
+    expected ones) must not get that builtin run as the probe: it would compute the comparison itself."""
+    result = run_tests(program, [test], LIMITS)
+    assert result.outcomes == [False] and "redefines" in result.errors[0], result
+    reward = make_code_reward(timeout=10.0, allow_unverified=False)
+    assert reward([_completion(program)], tests=[[test]]) == [0.0]
+    # Honest programs defining the function under test still run it.
+    assert plan_test("assert sum(range(5)) == 10", frozenset({"sum"})).probes == ("sum(range(5))",)
+    assert plan_test("assert round(2.675, 2) == 2.68", frozenset({"round"})).probes == ("round(2.675, 2)",)
+
+
 # ------------------------------------------------------------------------------------- 2. colliding tuples, refused
 
 M64, MOD = (1 << 64) - 1, (1 << 61) - 1
