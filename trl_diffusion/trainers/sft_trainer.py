@@ -497,10 +497,10 @@ class DiffusionSFTTrainer(SFTTrainer):
         """How many of this eval batch's ``rows`` are real samples (None: all). When the dataset size is not a
         multiple of the global batch, accelerate fills every process's last batch with samples from the start; in
         process order, the first ``remainder`` rows of that global batch are the real ones."""
-        state = self.accelerator.gradient_state
-        if not state.end_of_dataloader or state.remainder <= 0:
+        if not self._padded_eval_batch():
             return None
-        real = min(rows, max(0, state.remainder - self.accelerator.process_index * rows))
+        remainder = self.accelerator.gradient_state.remainder
+        real = min(rows, max(0, remainder - self.accelerator.process_index * rows))
         return None if real == rows else real
 
     def _log_metrics(self, mode: str, inputs, scores, counted: bool = True) -> None:
