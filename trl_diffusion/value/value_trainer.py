@@ -10,7 +10,6 @@ TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from functools import partial
 from typing import Any
 
@@ -99,7 +98,6 @@ class DiffusionValueTrainer(_BaseTrainer):
         super().__init__(model=model, args=args, data_collator=collator, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class, callbacks=callbacks,
                          optimizers=optimizers)
-        self._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
         # value_statistics sums over the trained tokens since the last log (all processes): the logged mean value and
         # explained variance are those of every token of the window, not an average of per-micro-batch ratios (a
         # micro-batch of one rollout has constant returns with gamma = 1, so its own explained variance is NaN)
@@ -172,20 +170,14 @@ class DiffusionValueTrainer(_BaseTrainer):
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
-        metrics = {k: _nanmean(v) for k, v in self._metrics[mode].items() if v}
+        metrics = {}
         if self._value_stats[mode] is not None:
-            for name, number in summarize_value_statistics(self._value_stats[mode]).items():
-                metrics[f"value/{name}"] = number
+            metrics = {f"value/{name}": number
+                       for name, number in summarize_value_statistics(self._value_stats[mode]).items()}
         if mode == "eval":
             metrics = {f"eval_{k}": v for k, v in metrics.items()}
         super().log({**logs, **metrics}, start_time)
-        self._metrics[mode].clear()
         self._value_stats[mode] = None
-
-
-def _nanmean(values: list[float]) -> float:
-    finite = [v for v in values if v == v]
-    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def _stop_token_ids(tokenizer, model) -> list[int]:
