@@ -229,6 +229,11 @@ class DiffusionDataCollator:
         return batch
 
 
+def _column_names(dataset: Dataset | IterableDataset) -> list[str]:
+    """A dataset's columns; a streamed dataset that does not declare them shows its first example's keys."""
+    return dataset.column_names or list(next(iter(dataset)).keys())
+
+
 def _starts(lengths: list[int]) -> list[int]:
     """Where each of consecutive parts of these ``lengths`` starts."""
     return [sum(lengths[:i]) for i in range(len(lengths))]
@@ -356,7 +361,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             return
         if not isinstance(dataset, Dataset | IterableDataset):
             return
-        columns = set(dataset.column_names or next(iter(dataset)).keys())
+        columns = set(_column_names(dataset))
         usable = (
             "input_ids" in columns
             or {"prompt", "completion"} <= columns
@@ -408,10 +413,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
         self._check_columns(dataset, args, formatting_func, dataset_name)
-        columns = dataset.column_names if isinstance(dataset, Dataset) else None
-        if isinstance(dataset, IterableDataset):
-            columns = dataset.column_names or list(next(iter(dataset)).keys())
-        if columns is not None and {"input_ids", "sample_index"} <= set(columns):
+        if isinstance(dataset, Dataset | IterableDataset) and {"input_ids", "sample_index"} <= set(
+                _column_names(dataset)):
             # Already prepared by this trainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): TRL's preparation is
             # idempotent, and so is ours. Preparing again would re-spread `unmask_step` (an error) or pack packed
             # rows again as single documents (documents attending to each other, new noise seeds).
