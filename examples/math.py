@@ -86,7 +86,9 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
         raise ValueError(f"{name}: need a problem/question column and an answer/solution column, "
                          f"found {dataset.column_names}.")
 
-    def to_row(row):
+    def to_row(row, index):
+        if not isinstance(row[question], (str, list)):
+            raise ValueError(f"{name}: row {index} has no question text ({question!r} = {row[question]!r}).")
         gold = str(row[answer])
         gold = gold.split("####")[-1].strip() if "####" in gold else gold
         if isinstance(row[question], list):  # conversational: [{"role": ..., "content": ...}, ...]
@@ -103,7 +105,7 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
             return {"prompt": prompt_template.replace("{question}", row[question]), "answer": gold}
         return {"prompt": [{"role": "user", "content": row[question] + INSTRUCTION}], "answer": gold}
 
-    return dataset.map(to_row, remove_columns=dataset.column_names)
+    return dataset.map(to_row, with_indices=True, remove_columns=dataset.column_names)
 
 
 def load_reward(name: str, max_completion_length: int):

@@ -105,9 +105,9 @@ def check_script_args(parsed: Sequence[Any]) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
     from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
-    ``dataset_name`` that names a local file (it must exist) or is one of :data:`EVAL_ONLY_NAMES`,
-    ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no flag of
-    ``UNUSED_MODEL_FLAGS``, and every
+    ``dataset_name`` that names a local file (it must exist, without a ``dataset_config``) or is one of
+    :data:`EVAL_ONLY_NAMES`, ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no
+    flag of ``UNUSED_MODEL_FLAGS``, and every
     ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
     from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
@@ -118,6 +118,9 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         dataset = getattr(args, "dataset_name", None)
         if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
+        if dataset and dataset.endswith(LOCAL_SUFFIXES) and getattr(args, "dataset_config", None) is not None:
+            raise UsageError(f"dataset_config={args.dataset_config!r} was given with the local file {dataset!r}, "
+                             "which has no configs: leave --dataset_config unset.")
         if dataset in EVAL_ONLY_NAMES:
             raise UsageError(f"dataset_name {dataset!r} is a benchmark name of `trl-diffusion eval`, not a training "
                              "set: leave --dataset_name unset for the synthetic arithmetic task, or pass a Hub "

@@ -1,0 +1,51 @@
+"""The training examples' local-file loading: a split selects (or slices) the file's one ``train`` split, a config
+is refused, and a row without question text is named (before: the split and config were silently ignored, and a
+null question was a ``TypeError`` deep inside ``datasets.map``)."""
+
+import json
+
+import pytest
+from test_cli import load_example
+
+from trl_diffusion.cli import parse_script_args
+from trl_diffusion.data import load_training_dataset
+
+
+@pytest.fixture
+def local_file(tmp_path):
+    path = tmp_path / "data.jsonl"
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(5)]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    return str(path)
+
+
+def test_a_split_slices_a_local_file(local_file):
+    assert len(load_training_dataset(local_file)) == 5
+    assert [row["answer"] for row in load_training_dataset(local_file, split="train[:2]")] == ["1", "2"]
+
+
+def test_another_split_name_of_a_local_file_is_an_error(local_file):
+    with pytest.raises(ValueError, match='Unknown split "test"'):
+        load_training_dataset(local_file, split="test")
+
+
+def test_a_config_with_a_local_file_is_refused(local_file):
+    with pytest.raises(ValueError, match="dataset_config='main' was given with the local file"):
+        load_training_dataset(local_file, config="main")
+
+
+def test_math_dataset_names_a_row_without_question_text(tmp_path):
+    path = tmp_path / "data.jsonl"
+    rows = [{"question": "What is 1+1?", "answer": "2"}, {"question": None, "answer": "3"}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    with pytest.raises(ValueError, match=r"row 1 has no question text \('question' = None\)"):
+        load_example("math").math_dataset(str(path), None, "train")
+
+
+@pytest.mark.parametrize("example", ["math", "sft", "code"])
+def test_the_examples_refuse_a_config_with_a_local_file_before_loading_anything(capsys, local_file, example):
+    parser = load_example(example).make_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parse_script_args(parser, ["--dataset_name", local_file, "--dataset_config", "main"])
+    assert exit_info.value.code == 2
+    assert "dataset_config='main' was given with the local file" in capsys.readouterr().err
