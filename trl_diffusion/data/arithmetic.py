@@ -144,10 +144,12 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
 
     Every setting that changes the tokens is given (``generate_kwargs`` override them), so the model's
     ``generation_config`` does not: no top-k / top-p (SDAR's and TraDo's released files hold Qwen3's top_k 20 and
-    top_p 0.95, which would filter the greedy confidences), no ``alg_temp``, no guidance, and no approximate cache
-    (``use_cache=True``: SDAR's exact cache, none on LLaDA / Dream; a saved TraceRL policy may hold "prefix")."""
+    top_p 0.95, which would filter the greedy confidences), no ``alg_temp``, no guidance, one sequence per prompt,
+    and no approximate cache (``use_cache=True``: SDAR's exact cache, none on LLaDA / Dream; a saved TraceRL policy
+    may hold "prefix")."""
     settings = {"max_new_tokens": 16, "block_length": model.block_size or 16, "temperature": 0.0, "top_k": 0,
-                "top_p": 1.0, "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, **generate_kwargs}
+                "top_p": 1.0, "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, "num_return_sequences": 1,
+                **generate_kwargs}
     if generate_kwargs.get("alg") is None:  # Dream's `alg` names the commit rule itself
         settings.setdefault("remasking_strategy", "low_confidence_static")
     if generate_kwargs.get("steps") is None:  # Dream's `steps` (whole generation) replaces the per-block steps

@@ -556,7 +556,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                 torch.cuda.synchronize(device)
             began = time.perf_counter()
             out = model.generate(ids, attention_mask=mask, generator=generator, return_dict_in_generate=True,
-                                 **kwargs)
+                                 num_return_sequences=1, **kwargs)  # samples are rows of `work`, whatever the
+            # checkpoint's generation_config.json says
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds += time.perf_counter() - began

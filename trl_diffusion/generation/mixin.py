@@ -186,6 +186,20 @@ class DiffusionGenerationMixin:
         )
         return settings, bool(pick("return_dict_in_generate"))
 
+    def _num_return_sequences(self, kwargs: dict) -> int:
+        """Pop transformers' ``num_return_sequences`` (call, else ``generation_config``; default 1): the sequences per
+        prompt. A config's value was ignored (one sequence per prompt) while a call's was refused."""
+        value = kwargs.pop("num_return_sequences", None)
+        if value is None:
+            config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
+            value = getattr(config, "num_return_sequences", None) if config is not None else None
+        if value is None:
+            return 1
+        value = _integer("num_return_sequences", value)
+        if value < 1:
+            raise ValueError(f"num_return_sequences must be a positive integer, got {value}.")
+        return value
+
     @staticmethod
     def _max_new_tokens(kwargs: dict, from_config, prompt_width: int) -> int | None:
         """``max_new_tokens``, or transformers' ``max_length`` (prompt columns + new tokens) less the prompt: from
@@ -225,10 +239,11 @@ class DiffusionGenerationMixin:
         LLaDA/Dream, the model's block size on SDAR; a generation config's ``alg_temp`` applies only with a Dream
         ``alg``, a call's to any strategy but ``sequential``, and ``low_confidence_dynamic`` keeps its threshold
         under it); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's sample does
-        not depend on its batch); ``return_dict_in_generate`` to get a ``DiffusionGenerationOutput`` with the
-        trajectory; ``cuda_graphs`` (``"off"``, the default until it is measured on a GPU: always eager;
-        ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's prefix and
-        dual caches as CUDA graphs).
+        not depend on its batch); ``num_return_sequences`` (as in transformers: each prompt's sequences are
+        consecutive rows; a generator list has one generator per returned row); ``return_dict_in_generate`` to get
+        a ``DiffusionGenerationOutput`` with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is
+        measured on a GPU: always eager; ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and
+        of LLaDA's / Dream's prefix and dual caches as CUDA graphs).
 
         Sizes (``max_new_tokens``, ``block_length``, ``denoising_steps``, ``steps``, ``max_length``) and token ids
         are integers (Python, numpy, 0-d tensors; ``eos_token_id`` / ``stop_token_ids`` also lists or 1-d tensors);
@@ -238,6 +253,12 @@ class DiffusionGenerationMixin:
         alone. Returns ``sequences`` (prompt + completion) or the output object.
         """
         generator = kwargs.pop("generator", None)
+        copies = self._num_return_sequences(kwargs)
+        if copies > 1 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
+            # as transformers: each prompt's sequences are consecutive rows (a generator list has one per row)
+            input_ids = input_ids.repeat_interleave(copies, 0)
+            if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+                attention_mask = attention_mask.repeat_interleave(copies, 0)
         width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() else 0
         settings, return_dict = self._resolve_settings(kwargs, width)
         was_training = self.training
