@@ -422,6 +422,13 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"log_ratio_clip must be > 0 or None, got {self.log_ratio_clip}.")
         if self.reward_std not in ("population", "sample"):
             raise ValueError(f"reward_std must be 'population' or 'sample', got {self.reward_std!r}.")
+        # TRL reads these only at the first rollout (an unknown scale_rewards raises there; num_iterations=0 gives an
+        # empty dataloader and a run that trains nothing): say so now
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError("scale_rewards must be 'group', 'batch' or 'none' (or True / False), got "
+                             f"{self.scale_rewards!r}.")
+        if self.num_iterations < 1:
+            raise ValueError(f"num_iterations must be >= 1, got {self.num_iterations}.")
         if self.reward_std == "population" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError("reward_std='population' scales the summed reward (multi_objective_aggregation="
                              "'sum_then_normalize'); with 'normalize_then_sum' set reward_std='sample' (TRL's).")

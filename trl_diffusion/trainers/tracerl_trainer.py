@@ -262,7 +262,7 @@ class TraceRLTrainer(GRPOTrainer):
                 # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
                 # top_p 0.95), not from this config
                 "top_k": args.top_k or 0, "top_p": args.top_p, "alg_temp": 0.0, "cfg_scale": 0.0,
-                "use_cache": args.rollout_cache,
+                "use_cache": args.rollout_cache, "num_return_sequences": 1,  # TRL repeats the prompts itself
                 "stop_token_ids": list(self.eos_token_ids), "pad_token_id": self._tokenizer.pad_token_id}
 
     def _rollout_key(self) -> int | str:
@@ -614,7 +614,8 @@ class TraceRLTrainer(GRPOTrainer):
         """TRL's card; its quick start samples with the rollout settings the policy was trained with (named in a
         comment when the saved ``generation_config.json`` holds them, passed to the pipeline when it does not)."""
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
-        sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id")}
+        sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id",
+                                                                                  "num_return_sequences")}
         if self.args.remasking_strategy != "low_confidence_dynamic":
             del sampler["confidence_threshold"]
         if self.args.save_rollout_generation_config:  # named in a comment: leave out the settings that mean "none"
