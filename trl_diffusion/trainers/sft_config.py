@@ -171,6 +171,12 @@ class DiffusionSFTConfig(SFTConfig):
             raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {self.overlong_policy!r}.")
         if self.pad_to_length_with_eos and self.max_length is None:
             raise ValueError("pad_to_length_with_eos=True pads to max_length; set max_length.")
+        for name, default, objective in (("semi_ar_block_length", 32, "semi_ar"),
+                                         ("trajectory_shrinkage", 1, "trajectory")):
+            if getattr(self, name) != default and self.diffusion_objective != objective:
+                # None picks 'block' or 'random_masking', which read neither field
+                raise ValueError(f"{name}={getattr(self, name)} applies to diffusion_objective={objective!r} only, "
+                                 f"not to {self.diffusion_objective!r}; it would be ignored. Leave it at {default}.")
         if self.pad_to_length_with_eos and self.diffusion_objective == "trajectory":
             raise ValueError("pad_to_length_with_eos does not apply to 'trajectory': recorded rollouts fix the "
                              "completion tokens and their steps.")
