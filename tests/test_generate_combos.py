@@ -64,3 +64,21 @@ def test_internal_callers_take_one_sequence_per_prompt_whatever_the_config_says(
     texts = generate_completions(model, build_tokenizer(), ["What is 1+1?", "What is 2+2?"], chat_template=False,
                                  max_new_tokens=4)
     assert len(texts) == 2
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_a_generation_config_steps_without_alg_is_dreams_origin_schedule(family):
+    # a config's `steps` was read only beside an `alg`: alone it was ignored (block-wise, one token per step), while
+    # the same `steps` in the call switched to Dream's linspace schedule with its default alg, "origin"
+    model = tiny_model(family)
+    ids = torch.tensor([PROMPTS[0]])
+    call = model.generate(ids, max_new_tokens=8, steps=4, generator=torch.Generator().manual_seed(0),
+                          return_dict_in_generate=True, stop_token_ids=[])
+    model.generation_config = GenerationConfig(steps=4, max_new_tokens=8)
+    config = model.generate(ids, generator=torch.Generator().manual_seed(0), return_dict_in_generate=True,
+                            stop_token_ids=[])
+    assert config.num_forward_passes == call.num_forward_passes == 4
+    assert torch.equal(config.sequences, call.sequences)
+    blockwise = model.generate(ids, denoising_steps=8, block_length=8, generator=torch.Generator().manual_seed(0),
+                               return_dict_in_generate=True, stop_token_ids=[])  # a block-wise call turns it off
+    assert blockwise.num_forward_passes == 8

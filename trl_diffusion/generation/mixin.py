@@ -113,12 +113,16 @@ class DiffusionGenerationMixin:
         # the call's block-wise arguments win over Dream's `alg` / `steps` from the config (and vice versa)
         blockwise_call = kwargs.get("remasking_strategy") is not None or kwargs.get("denoising_steps") is not None
         alg = kwargs.get("alg") or (None if blockwise_call else from_config("alg"))
+        # Dream's whole-generation steps: the call's, else the config's (a config's `steps` alone means Dream's
+        # default alg, "origin", as in Dream's own generation config)
+        dream_steps = kwargs.get("steps") if kwargs.get("steps") is not None else (
+            None if blockwise_call else from_config("steps"))
         if kwargs.get("alg") is not None and kwargs.get("remasking_strategy") is not None:
             raise ValueError("give either alg (Dream's name) or remasking_strategy, not both.")
         if kwargs.get("steps") is not None and kwargs.get("denoising_steps") is not None:
             raise ValueError("give either steps (over the whole generation, Dream's) or denoising_steps (per block), "
                              "not both.")
-        if alg is not None or kwargs.get("steps") is not None:
+        if alg is not None or dream_steps is not None:
             # Dream's published arguments: `steps` over the whole generation, `alg` confidences, linspace schedule.
             if alg is not None and alg not in _DREAM_ALGS:
                 raise ValueError(f"unknown alg {alg!r}; Dream's algorithms are {sorted(_DREAM_ALGS)}.")
@@ -132,8 +136,6 @@ class DiffusionGenerationMixin:
             if kwargs.get("denoising_steps") is not None:
                 steps = _integer("denoising_steps", kwargs["denoising_steps"])
             else:
-                dream_steps = kwargs["steps"] if kwargs.get("steps") is not None else (
-                    from_config("steps") if alg else None)
                 if dream_steps is None and block_causal:
                     steps = block_length  # Dream's default steps = max_new_tokens: one token per step on average
                 else:
