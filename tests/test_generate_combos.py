@@ -82,3 +82,17 @@ def test_a_generation_config_steps_without_alg_is_dreams_origin_schedule(family)
     blockwise = model.generate(ids, denoising_steps=8, block_length=8, generator=torch.Generator().manual_seed(0),
                                return_dict_in_generate=True, stop_token_ids=[])  # a block-wise call turns it off
     assert blockwise.num_forward_passes == 8
+
+
+def test_do_sample_with_a_zero_temperature_is_refused():
+    # a call's do_sample=True under a generation config with temperature 0 decoded greedily, silently; transformers
+    # refuses the pair too
+    model = tiny_model("dream")
+    model.generation_config = GenerationConfig(temperature=0.0, max_new_tokens=4, block_length=4)
+    ids = torch.tensor([PROMPTS[0]])
+    with pytest.raises(ValueError, match="do_sample=True with temperature 0"):
+        model.generate(ids, do_sample=True)
+    with pytest.raises(ValueError, match="do_sample=True with temperature 0"):
+        model.generate(ids, do_sample=True, temperature=0.0)
+    assert model.generate(ids, do_sample=True, temperature=0.7).shape == (1, len(PROMPTS[0]) + 4)
+    assert model.generate(ids, do_sample=False).shape == (1, len(PROMPTS[0]) + 4)

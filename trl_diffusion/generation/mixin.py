@@ -152,6 +152,9 @@ class DiffusionGenerationMixin:
         do_sample = kwargs.get("do_sample")
         if do_sample is None and kwargs.get("temperature") is None:
             do_sample = from_config("do_sample")
+        if kwargs.get("do_sample") is True and temperature is not None and float(temperature) == 0.0:
+            raise ValueError("do_sample=True with temperature 0 (the call's or the generation config's) would decode "
+                             "greedily: pass a temperature > 0, or do_sample=False.")
         if do_sample is False:  # transformers: do_sample=False is greedy whatever the temperature
             temperature = 0.0
         elif temperature is None:  # do_sample=True samples at temperature 1; nothing set is greedy (transformers)
