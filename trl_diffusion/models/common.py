@@ -85,10 +85,16 @@ class DiffusionModelMixin:
         last positions and a 1-D tensor the given columns of every row (as in transformers); a ``(rows, cols)``
         pair of index tensors or a ``[B, L]`` boolean mask keeps those positions only and returns logits ``[N, V]``
         in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
-        rows and a vocabulary-wide head over every position would be a large part of the memory."""
+        rows and a vocabulary-wide head over every position would be a large part of the memory.
+
+        As in transformers, ``return_dict=False`` returns a tuple; ``output_attentions=True`` is an error (no
+        attention weights are formed)."""
         if kwargs.get("attention_bias") is not None:
             raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
                              "attention_mask (True / 1 = attend, or an additive float mask).")
+        if kwargs.get("output_attentions"):  # was silently None, also under attn_implementation="eager"
+            raise ValueError("output_attentions=True is not supported: attention runs in SDPA / flex-attention "
+                             "kernels, which never form the attention weights (attn_implementation is not read).")
         if isinstance(attention_mask, str):
             attention_mask = None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -97,7 +103,10 @@ class DiffusionModelMixin:
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
         if labels is not None and hidden.dim() != 3:
             raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
-        return causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
+        output = causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
+        # transformers' return_dict=False: a tuple of the fields that are set (unpacking the output object would
+        # give its keys)
+        return output.to_tuple() if kwargs.get("return_dict") is False else output
 
 
 def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:

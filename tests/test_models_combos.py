@@ -1,0 +1,38 @@
+"""Combination audit of the model layer (families x dtypes x tying x save formats x loaders x PEFT x value model):
+the combinations that were wrong."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from trl_diffusion.testing import tiny_model
+
+FAMILIES = ["sdar", "llada", "dream"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_output_attentions_is_refused_not_silently_none(family, tmp_path):
+    """transformers passes ``attn_implementation="eager"`` through (it is accepted) and ``output_attentions=True`` was
+    swallowed by ``**kwargs``: ``out.attentions`` came back None without a word. Attention runs in SDPA / flex kernels
+    that never form the weights, so asking for them is an error; ``None`` / ``False`` (what peft passes) still work."""
+    tiny_model(family).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager")
+    ids = torch.randint(5, 100, (1, 6))
+    with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+        model(ids, output_attentions=True)
+    for value in (None, False):
+        assert model(ids, output_attentions=value).logits.shape == (1, 6, model.config.vocab_size)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_return_dict_false_gives_a_tuple(family):
+    """transformers' ``return_dict=False`` returns a tuple; ours returned the output object, whose unpacking gives its
+    *keys*: ``loss, logits = model(ids, labels=ids, return_dict=False)`` bound the strings "loss" and "logits"."""
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 7))
+    expected = model(ids, labels=ids)
+    out = model(ids, labels=ids, return_dict=False)
+    assert isinstance(out, tuple)
+    loss, logits = out[:2]
+    assert torch.equal(loss, expected.loss) and torch.equal(logits, expected.logits)
+    assert isinstance(model(ids, return_dict=True).logits, torch.Tensor)
