@@ -422,7 +422,9 @@ def evaluate(
     if samples_path is not None:
         metrics_path = samples_path.with_suffix(".metrics.json")
         report["metrics_file"] = str(metrics_path)
-        metrics_path.write_text(json.dumps(report, indent=2) + "\n")
+        partial = metrics_path.with_name(metrics_path.name + ".tmp")  # written whole, then renamed: never half a file
+        partial.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(partial, metrics_path)
     return report
 
 
@@ -546,7 +548,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     math_reward = config.math_reward()
     rows: list[dict[str, Any]] = []
     seconds, forward_passes = 0.0, 0
-    handle = samples_path.open("w", encoding="utf-8") if samples_path else None
+    handle = None  # opened when the first batch is scored: a run that fails before (an invalid setting that
+    # generate() refuses, prompts too long for the model) leaves an earlier run's files in output_dir as they were
     bar = tqdm(total=len(work), unit="sample", desc=f"eval {tag}", disable=not config.progress)
     try:
         for start in range(0, len(work), config.batch_size):
@@ -565,6 +568,9 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             decoded = [_completion(tokenizer, row[ids.shape[1]:].tolist(), stop_ids) for row in out.sequences]
             scores = score_completions([problems[i] for i, _ in batch], [t for t, _ in decoded], limits,
                                        config.code_workers, math_reward, config.code_grader)
+            if samples_path is not None and handle is None:  # an earlier run's metrics would not describe these rows
+                samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
+                handle = samples_path.open("w", encoding="utf-8")
             for j, ((i, s), (text, length), score) in enumerate(zip(batch, decoded, scores)):
                 row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
                        "length": length, "tokens_per_step": float(out.tokens_per_step[j]),

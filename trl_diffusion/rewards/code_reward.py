@@ -58,22 +58,57 @@ def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) ->
         snippets = [t for t in snippets if t.strip()]
         return snippets or None
     if isinstance(test, str) and test.strip():
+        if not entry_point and _defines_uncalled_check(test):
+            raise ValueError("a HumanEval-style `test` defines check(candidate) but its row has no `entry_point`: "
+                             "run as it is, the test would call nothing and pass every program. Give the "
+                             "`entry_point` column (the function's name).")
         return [f"{test}\n\ncheck({entry_point})\n" if entry_point else test]
     return None
 
 
+def _defines_uncalled_check(test: str) -> bool:
+    """Whether ``test`` defines ``check`` at its top level and never calls it there (HumanEval's ``test``, which
+    needs ``check(<entry_point>)`` after it). Only parsed, never run; a test that does not parse is left to fail."""
+    import ast
+
+    try:
+        tree = ast.parse(test)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return False
+    if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body):
+        return False
+    outside = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    return not any(isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "check"
+                   for node in outside for call in ast.walk(node))
+
+
 def _json_list(text: str) -> list[str] | None:
-    """Decode a JSON-encoded list of test strings (some datasets store them so); ``None`` if it is not one.
+    """Decode a JSON-encoded list of test strings (some datasets store them so), or one written as a Python literal
+    (``str(list)``, e.g. a CSV export: ``"['assert f(1) == 2']"``); ``None`` if it is not one.
 
     Without this, such a column would be executed as a harmless list literal and "pass" without running any test.
     """
+    value = decode_list_string(text)
+    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+
+
+def decode_list_string(text: str) -> list | None:
+    """The list a string column holds: JSON (``'["a", "b"]'``), else a Python literal (``"['a', 'b']"``, what
+    ``str(list)`` writes); ``None`` if the text is neither. Run as a test, either would be a list literal that
+    always passes. Only parsed (``ast.literal_eval``), never run."""
+    import ast
     import json
 
     try:
         value = json.loads(text)
     except ValueError:
-        return None
-    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+        value = None
+        if text.lstrip().startswith("["):
+            try:
+                value = ast.literal_eval(text.strip())
+            except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+                value = None
+    return value if isinstance(value, list) else None
 
 
 class CodeExecutionReward:

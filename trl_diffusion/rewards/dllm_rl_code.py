@@ -23,7 +23,6 @@ of a completion earns the full reward); here it fails them, as in :mod:`.code_re
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Callable
@@ -31,6 +30,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
+from .code_reward import decode_list_string
 from .format_reward import check_column_lengths, completion_to_text
 from .sandbox import SandboxLimits, SandboxResult, run_tests
 
@@ -96,13 +96,11 @@ def extract_code_official(text: str) -> str | None:
 
 
 def as_string_list(value: Any) -> list[str]:
-    """A test column as a list of strings (a JSON-encoded list in a string column is decoded)."""
+    """A test column as a list of strings (a JSON-encoded list in a string column is decoded, and so is one written
+    as a Python literal, ``str(list)``: run as one test it would be a list literal that always passes)."""
     if isinstance(value, str):
-        try:
-            decoded = json.loads(value)
-        except ValueError:
-            decoded = None
-        value = decoded if isinstance(decoded, list) else [value]
+        decoded = decode_list_string(value)
+        value = decoded if decoded is not None else [value]
     return [str(v) for v in (value or [])]
 
 

@@ -49,17 +49,21 @@ def extract_gold_answer(answer: Any = None, solution: Any = None) -> str | None:
     answers such as ``"\\frac{1}{3}"`` in the ``solution`` column).
     """
     for field in (answer, solution):
-        text = "" if field is None else str(field).strip()
+        missing = field is None or (isinstance(field, float) and field != field)  # NaN: a missing value, not "nan"
+        text = "" if missing else str(field).strip()
         if not text:
             continue
         boxed = last_boxed_content(text)
         if boxed is not None:
-            return boxed.strip()
-        if has_box(text):
+            gold = boxed.strip()
+        elif has_box(text):
             continue  # an unclosed box: this field holds no usable answer
-        if _GSM8K_MARK in text:
-            return text.rsplit(_GSM8K_MARK, 1)[1].strip().replace(",", "")
-        return text
+        elif _GSM8K_MARK in text:
+            gold = text.rsplit(_GSM8K_MARK, 1)[1].strip().replace(",", "")
+        else:
+            gold = text
+        if gold:  # an empty box or nothing after "####" is no answer (the official grader would match \boxed{})
+            return gold
     return None
 
 
