@@ -36,3 +36,17 @@ def test_return_dict_false_gives_a_tuple(family):
     loss, logits = out[:2]
     assert torch.equal(loss, expected.loss) and torch.equal(logits, expected.logits)
     assert isinstance(model(ids, return_dict=True).logits, torch.Tensor)
+
+
+def test_sdar_embedding_pad_row_gets_no_gradient_as_in_the_release():
+    """The released SDAR modeling builds nn.Embedding(..., padding_idx=config.pad_token_id), as Dream's does: the
+    pad row (here the EOS token, as SDAR's <|endoftext|>) gets no gradient. It used to train."""
+    model = tiny_model("sdar")
+    pad = model.config.pad_token_id
+    assert pad is not None and model.model.embed_tokens.padding_idx == pad
+    ids = torch.tensor([[5, 6, pad, 7, 8, pad, pad, 9]])
+    model(input_ids=ids).logits.float().pow(2).mean().backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert grad[pad].abs().max() == 0 and grad[5].abs().max() > 0
+    model.config.pad_token_id = None  # the released SDAR configs: no pad id, no padding_idx
+    assert type(model.model)(model.config).embed_tokens.padding_idx is None
