@@ -96,3 +96,18 @@ def test_do_sample_with_a_zero_temperature_is_refused():
         model.generate(ids, do_sample=True, temperature=0.0)
     assert model.generate(ids, do_sample=True, temperature=0.7).shape == (1, len(PROMPTS[0]) + 4)
     assert model.generate(ids, do_sample=False).shape == (1, len(PROMPTS[0]) + 4)
+
+
+def test_a_saved_released_generation_config_keeps_its_diffusion_fields_for_plain_transformers(tmp_path):
+    # Dream's and LLaDA's released generation_config.json say `_from_model_config: true`; saved back as loaded, a
+    # plain GenerationConfig.from_pretrained then dropped every field it does not know (alg, steps, eps, ...)
+    from test_review2_loading import write_released
+    from transformers import AutoModelForCausalLM
+
+    write_released("dream", tmp_path / "release")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "release")
+    assert (model.generation_config.alg, model.generation_config.steps) == ("origin", 512)
+    model.save_pretrained(tmp_path / "saved")
+    plain = GenerationConfig.from_pretrained(tmp_path / "saved")
+    assert (getattr(plain, "alg", None), getattr(plain, "steps", None), getattr(plain, "eps", None)) == (
+        "origin", 512, 0.001)

@@ -75,6 +75,9 @@ class DiffusionGenerationMixin:
         for name, value in values.items():  # keep the diffusion fields (block_length, denoising_steps, ...)
             if not name.startswith("_") and getattr(config, name, None) is None:
                 setattr(config, name, value)
+        # saved back as it was, `_from_model_config: true` (LLaDA's and Dream's released files) would make a plain
+        # `GenerationConfig.from_pretrained` drop every field it does not know: the diffusion ones
+        config._from_model_config = False
         config._original_object_hash = hash(config)  # as loaded: unmodified, so saving it back only warns
         self.generation_config = config
 
