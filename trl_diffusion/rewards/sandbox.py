@@ -36,12 +36,16 @@ The child (``_child_main`` below, executed from this same file's source, importi
   root, and a uid of its own makes the limit per sandbox); if it cannot, it refuses to run the program (fail closed);
 * sets ``no_new_privs``, drops every capability, installs a seccomp filter that refuses ``memfd_create``,
   ``memfd_secret``, SysV ``shmget``/``semget``/``msgget``, ``mq_open`` and ``io_uring_setup`` (memory that no
-  per-process limit counts), applies Landlock (file writes only beneath its directory; no TCP, abstract sockets or
-  signals outside, where the kernel's Landlock version has them), sets ``RLIMIT_CPU``, ``RLIMIT_AS``,
-  ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and arms a watchdog that kills its
-  process group;
+  per-process limit counts), ``ptrace``, ``process_vm_readv``/``writev`` and ``pidfd_getfd``, and limits,
+  scheduling, priority and I/O priority of any process but the caller (``prlimit64``, ``sched_set*``,
+  ``setpriority``, ``ioprio_set``) and ``kill`` of a negative pid (without a PID namespace the trainer is visible:
+  ``prlimit(<trainer>, RLIMIT_CPU, (1, 1))`` would kill it), applies Landlock (file writes only beneath its
+  directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock version has them), sets
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and
+  arms a watchdog that kills its process group;
 * installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn, no writes outside its
-  directory, no reading other processes' ``/proc`` entries. These hold even where the kernel mechanisms are
+  directory, no reading other processes' ``/proc`` entries, no signals, limits, scheduling or priority changes of
+  processes outside the program's own process group. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
 * runs the program, then the probes (or, for unverified tests, the test snippets), converts each probe's value to
   tagged plain data with functions bound before the program ran, and writes the report to its pipe.
@@ -679,10 +683,26 @@ _DEVICES = ("null", "zero", "full", "random", "urandom")
 # (memory no per-process limit counts, and SysV/POSIX IPC objects that outlive the process without an IPC namespace).
 _SYSCALLS = {
     "x86_64": (155, 0xC000003E, True, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
-                                       "msgget": 68, "mq_open": 240, "io_uring_setup": 425}),
+                                       "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "ptrace": 101,
+                                       "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438}),
     "aarch64": (41, 0xC00000B7, False, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190,
-                                        "msgget": 186, "mq_open": 180, "io_uring_setup": 425}),
+                                        "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "ptrace": 117,
+                                        "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438}),
 }  # fmt: skip
+# Calls that act on another process named by their arguments, allowed only on the caller itself: without a PID
+# namespace the trainer and the other runs are visible, and as the same (non-root) user a program could otherwise
+# set the trainer's RLIMIT_CPU (killing it), pin it to one CPU, lower its priority, or signal every process of the
+# user (``kill(-1)``). Per architecture: name -> (number, {argument index: the only value allowed}); ``kill`` is
+# refused for a negative pid (another process group, or -1: all of the user's processes).
+_SELF_ONLY = {
+    "x86_64": {"prlimit64": (302, {0: 0}), "sched_setaffinity": (203, {0: 0}), "sched_setscheduler": (144, {0: 0}),
+               "sched_setparam": (142, {0: 0}), "sched_setattr": (314, {0: 0}), "setpriority": (141, {0: 0, 1: 0}),
+               "ioprio_set": (251, {0: 1, 1: 0})},
+    "aarch64": {"prlimit64": (261, {0: 0}), "sched_setaffinity": (122, {0: 0}), "sched_setscheduler": (119, {0: 0}),
+                "sched_setparam": (118, {0: 0}), "sched_setattr": (274, {0: 0}), "setpriority": (140, {0: 0, 1: 0}),
+                "ioprio_set": (30, {0: 1, 1: 0})},
+}  # fmt: skip
+_KILL = {"x86_64": 62, "aarch64": 129}
 
 
 def _child_main() -> None:
@@ -947,6 +967,7 @@ def _install_guards(workdir: str) -> None:
     import builtins
     import io
     import posix
+    import resource
     import socket
     import subprocess as sp
 
@@ -1039,6 +1060,69 @@ def _install_guards(workdir: str) -> None:
                 setattr(module, name, no_exec)
     _posixsubprocess.fork_exec = no_exec
 
+    # Other processes: signals, resource limits, scheduling and priority only for the program's own processes (the
+    # seccomp filter refuses the latter for any process but the caller, and kill() for a negative pid, where it is
+    # active; this also covers os.kill of another process, which it cannot tell apart). Without a PID namespace the
+    # trainer and the other runs are visible, and as the same user the program could otherwise kill them.
+    getpid, getpgid, getpgrp = os.getpid, os.getpgid, os.getpgrp
+
+    def own_process(pid: Any) -> bool:
+        try:
+            pid = int(pid)
+            return pid == 0 or pid == getpid() or (pid > 0 and getpgid(pid) == getpgrp())
+        except (OSError, TypeError, ValueError, OverflowError):
+            return False
+
+    def refuse(what: str, target: Any) -> None:
+        raise PermissionError(f"sandbox: {what} of another process is not allowed: {target!r}")
+
+    real_kill, real_killpg = os.kill, os.killpg
+
+    def guarded_kill(pid: int, sig: int) -> None:
+        if not own_process(pid):
+            refuse("signalling", pid)
+        real_kill(pid, sig)
+
+    def guarded_killpg(pgid: int, sig: int) -> None:
+        if pgid != 0:
+            refuse("signalling the process group", pgid)
+        real_killpg(pgid, sig)
+
+    def self_only(name: str, func: Any, module: Any, index: int = 0, which: int | None = None) -> None:
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            args = list(args)
+            if which is not None and (not args or args[0] != which):
+                refuse(name, args[:1])
+            target = args[index] if index < len(args) else None
+            try:
+                own = int(target) in (0, getpid())
+            except (TypeError, ValueError, OverflowError):
+                own = False
+            if not own:
+                refuse(name, target)
+            args[index] = 0  # the caller itself, which the seccomp filter allows
+            return func(*args, **kwargs)
+
+        setattr(module, name, guarded)
+
+    for module in (os, posix):
+        module.kill, module.killpg = guarded_kill, guarded_killpg
+        if hasattr(module, "pidfd_open"):
+            real_pidfd_open = module.pidfd_open
+
+            def guarded_pidfd_open(pid: int, *args: Any, _real: Any = real_pidfd_open, **kwargs: Any) -> int:
+                if not own_process(pid):
+                    refuse("opening a pidfd", pid)
+                return _real(pid, *args, **kwargs)
+
+            module.pidfd_open = guarded_pidfd_open
+        for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam"):
+            if hasattr(module, name):
+                self_only(name, getattr(module, name), module)
+        if hasattr(module, "setpriority"):
+            self_only("setpriority", module.setpriority, module, index=1, which=os.PRIO_PROCESS)
+    self_only("prlimit", resource.prlimit, resource)
+
     def no_memfd(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError("sandbox: memfd_create is not allowed (memory no per-process limit counts)")
 
@@ -1102,7 +1186,27 @@ def _install_seccomp() -> bool:
     deny, allow = 0x00050000 | errno.EPERM, 0x7FFF0000
     checks = ([(jge, 0x40000000)] if x32 else []) + [(jeq, nr) for nr in syscall_numbers.values()]
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (load, 0, 0, 0)]
-    program += [(code, len(checks) - i, 0, k) for i, (code, k) in enumerate(checks)]  # jump to the final deny
+    # Each entry: (code, k, where to go if true, if false), "allow"/"deny" or the next instruction (None); then
+    # turned into relative jumps. Argument ``i``'s low 32 bits are at offset 16 + 8 * i (pids are 32-bit ints).
+    body: list[tuple[int, int, Any, Any]] = [(code, k, "deny", None) for code, k in checks]
+    for nr, wanted in _SELF_ONLY[machine].values():
+        body.append((jeq, nr, None, len(wanted) * 2 + 1))  # skip this call's argument checks if it is another
+        for index, value in wanted.items():
+            body += [(load, 16 + 8 * index, None, None), (jeq, value, None, "deny")]
+        body.append((ret, allow, None, None))
+        body.append((load, 0, None, None))  # reload the call's number for the next check
+    body += [(jeq, _KILL[machine], None, 2), (load, 16, None, None), (jge, 0x80000000, "deny", None)]
+    targets = {"allow": len(body), "deny": len(body) + 1}
+    for pc, (code, k, true, false) in enumerate(body):
+        if code == ret:
+            program.append((ret, 0, 0, k))
+            continue
+        if code == load:
+            program.append((load, 0, 0, k))
+            continue
+        jt = 0 if true is None else targets[true] - pc - 1
+        jf = 0 if false is None else (false if isinstance(false, int) else targets[false] - pc - 1)
+        program.append((code, jt, jf, k))
     program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
 
     class SockFilter(ctypes.Structure):

@@ -104,10 +104,21 @@ _MODULE_NAMES = frozenset(sys.stdlib_module_names) - frozenset(dir(builtins))
 
 
 def _sum(iterable: Any, start: Any = 0) -> Any:
-    """``sum`` over numbers only (summing lists is quadratic: a program-chosen list could stall the check)."""
+    """``sum`` over numbers only (summing lists is quadratic: a program-chosen list could stall the check).
+
+    Integers are exact, so the leading run of them is added smallest first, with the same result: left to right, a
+    program-chosen ``[2**2_000_000, 1, 1, ...]`` copies the huge running total once per item (seconds of the
+    trainer's GIL for a 1 MB report). What follows (a float, ...) is added in the native order."""
     if not isinstance(start, (int, float, complex)):
         raise TypeError("sum() with a non-numeric start is not available to the parent-side check")
-    return sum(iterable, start)
+    items = list(iterable)
+    if type(start) not in (int, bool):
+        return sum(items, start)
+    n = 0
+    while n < len(items) and type(items[n]) in (int, bool):
+        n += 1
+    head = sorted(items[:n], key=lambda value: abs(value).bit_length())
+    return sum(items[n:], start + sum(head))
 
 
 _PURE_BUILTINS["sum"] = _sum
