@@ -11,6 +11,7 @@ from test_sft import PAIRS, TOKENIZER, config, conversational, encode, gens
 
 from trl_diffusion.testing import MASK_ID, tiny_model
 from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers import sft_trainer as sft_trainer_module
 from trl_diffusion.trainers.diffusion_losses import (
     IGNORE_INDEX,
     build_objective,
@@ -46,12 +47,12 @@ def test_a_cut_eval_batch_is_normalised_by_the_tokens_it_keeps(monkeypatch):
     batch = next(iter(trainer.get_eval_dataloader()))
     alone = {k: v[:1] for k, v in batch.items()}
     trainer.model.eval()
-    monkeypatch.setattr(trainer, "_real_rows", lambda rows: 1)
-    monkeypatch.setattr(trainer, "_padded_eval_batch", lambda: True)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: 1)
+    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator: True)
     with torch.no_grad():
         cut = trainer.compute_loss(trainer.model, batch, num_items_in_batch=count_loss_tokens(batch["labels"]))
-    monkeypatch.setattr(trainer, "_real_rows", lambda rows: None)
-    monkeypatch.setattr(trainer, "_padded_eval_batch", lambda: False)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: None)
+    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator: False)
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, alone, num_items_in_batch=count_loss_tokens(alone["labels"]))
     assert_close_fp32(cut, expected)

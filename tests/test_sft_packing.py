@@ -12,6 +12,7 @@ from trl import SFTConfig, SFTTrainer
 from trl_diffusion.states import AttentionLayout, noisy_clean_attention_layout, noisy_columns
 from trl_diffusion.testing import tiny_model
 from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers import sft_trainer as sft_trainer_module
 from trl_diffusion.trainers.diffusion_losses import build_objective, count_loss_tokens, sample_generators
 
 MORE_PAIRS = PAIRS + [("What is 3+4?", "\\boxed{7}"), ("Say hi.", "hello there friend")]
@@ -189,12 +190,12 @@ def test_eval_with_packing_and_a_cut_batch(monkeypatch, settings):
     assert trainer.evaluate()["eval_loss"] > 0
     batch = next(iter(trainer.get_eval_dataloader()))
     trainer.model.eval()
-    monkeypatch.setattr(trainer, "_real_rows", lambda rows: 1)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: 1)
     with torch.no_grad():
         cut = trainer.compute_loss(trainer.model, batch)
     alone = next(iter(trainer.get_eval_dataloader(trainer.eval_dataset.select([0]))))
     assert alone["input_ids"].shape[0] == 1 and alone["document_ids"].max() >= 0
-    monkeypatch.setattr(trainer, "_real_rows", lambda rows: None)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: None)
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, alone)
     assert_close_fp32(cut, expected)

@@ -40,6 +40,7 @@ from .diffusion_losses import (
     per_row_weights,
     sample_generators,
 )
+from .eval_padding import padded_eval_batch, real_eval_rows
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
@@ -442,11 +443,11 @@ class DiffusionSFTTrainer(SFTTrainer):
         args = self.args
         documents = inputs.get("document_ids")  # padding-free rows (packing): which document each token is in
         samples = len(inputs["example_lengths"]) if "example_lengths" in inputs else inputs["input_ids"].shape[0]
-        real = self._real_rows(samples) if mode == "eval" else None
+        real = real_eval_rows(self.accelerator, samples) if mode == "eval" else None
         if real:  # score only the real samples of a padded last eval batch
             inputs = _first_samples(inputs, real)
             documents = inputs.get("document_ids")
-        if mode == "eval" and self._padded_eval_batch():
+        if mode == "eval" and padded_eval_batch(self.accelerator):
             # `num_items_in_batch` counted the whole padded batch (the duplicated samples too, on every process):
             # normalise by the tokens of the samples kept here instead.
             num_items_in_batch = None
@@ -489,22 +490,6 @@ class DiffusionSFTTrainer(SFTTrainer):
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
-
-    def _padded_eval_batch(self) -> bool:
-        """Whether this is the last batch of a dataset whose size is not a multiple of the global batch (accelerate
-        fills it with samples from the start, which ``_real_rows`` leaves out)."""
-        state = self.accelerator.gradient_state
-        return bool(state.end_of_dataloader and state.remainder > 0)
-
-    def _real_rows(self, rows: int) -> int | None:
-        """How many of this eval batch's ``rows`` are real samples (None: all). When the dataset size is not a
-        multiple of the global batch, accelerate fills every process's last batch with samples from the start; in
-        process order, the first ``remainder`` rows of that global batch are the real ones."""
-        if not self._padded_eval_batch():
-            return None
-        remainder = self.accelerator.gradient_state.remainder
-        real = min(rows, max(0, remainder - self.accelerator.process_index * rows))
-        return None if real == rows else real
 
     def _log_metrics(self, mode: str, inputs, scores, counted: bool = True) -> None:
         """Token metrics summed over every process (``counted=False``: this process adds nothing, its batch being

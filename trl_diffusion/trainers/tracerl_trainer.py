@@ -792,6 +792,16 @@ class TraceRLTrainer(GRPOTrainer):
         return problems
 
     # ------------------------------------------------------------------------------------------------ scoring
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """GRPO's evaluation step. The eval sampler repeats every prompt ``num_generations_eval`` times, but
+        accelerate counts the last batch's remainder over the prompts, so ``gather_for_metrics`` kept the wrong number
+        of that batch's losses (process 0's only with two processes; half of them in one process whenever the prompt
+        count is not a multiple of the global eval batch): it is counted over the rows the sampler yields."""
+        loader = self.accelerator.gradient_state.active_dataloader
+        if loader is not None and loader.remainder >= 0 and hasattr(loader.dataset, "__len__"):
+            loader.remainder = len(loader.dataset) * self.num_generations_eval % loader.total_batch_size
+        return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
     def _compute_loss(self, model, inputs):
         self._scoring = {k: inputs[k] for k in ("canvas_ids", "unmask_step", "mask_seeds", "sampler_logps")}
         inputs = dict(inputs)  # filled in while scoring; the buffered batch stays as it was

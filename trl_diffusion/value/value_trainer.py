@@ -24,6 +24,7 @@ from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import check_block_size_applies, resolve_model_attention_backend
+from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
 from .value_model import DiffusionValueModel, token_values
@@ -142,6 +143,10 @@ class DiffusionValueTrainer(_BaseTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
+        mode = "train" if model.training else "eval"
+        real = real_eval_rows(self.accelerator, inputs["reward"].shape[0]) if mode == "eval" else None
+        if real:  # the last eval batch, padded by accelerate with repeated rows: score only its real rows
+            inputs = {key: value[:real] for key, value in inputs.items()}
         values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
                                       inputs["unmask_step"], args.shrinkage, args.training_block_size,
                                       args.scoring_token_budget, self.accelerator.unwrap_model(model),
@@ -156,8 +161,9 @@ class DiffusionValueTrainer(_BaseTrainer):
             loss = squared / num_items_in_batch.clamp(min=1)
             if self.args.average_tokens_across_devices:
                 loss = loss * self.accelerator.num_processes
-        mode = "train" if model.training else "eval"
-        stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None]).sum(0).double()
+        # a process whose padded batch holds no real row adds nothing (its loss is dropped by gather_for_metrics)
+        keep = 0.0 if real == 0 else 1.0
+        stats = self.accelerator.gather(value_statistics(values.detach(), returns, mask)[None] * keep).sum(0).double()
         previous = self._value_stats[mode]
         self._value_stats[mode] = stats if previous is None else previous + stats
         return (loss, values) if return_outputs else loss

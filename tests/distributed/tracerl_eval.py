@@ -1,0 +1,41 @@
+"""Evaluate the tiny TraceRL policy (no training) on ``--prompts`` prompts with ``num_generations=4`` and a
+per-device eval batch of ``--per_device_batch`` rows; rank 0 writes the metrics to ``OUT/metrics.json``. Run under
+``accelerate launch`` or import :func:`run`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import torch
+from datasets import Dataset
+
+_spec = importlib.util.spec_from_file_location("distributed_train", Path(__file__).with_name("train.py"))
+train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(train)
+
+EVAL_PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?", "xyz", "Name a colour"]
+
+
+def run(out: Path, per_device_batch: int, prompts: int, eos_scale: float = 6.0) -> dict:
+    trainer = train.make_trainer("tracerl", Path(out), per_device_batch, 1, eos_scale=eos_scale,
+                                 per_device_eval_batch_size=per_device_batch, log_completions=False)
+    metrics = trainer.evaluate(Dataset.from_dict({"prompt": EVAL_PROMPTS[:prompts]}))
+    if trainer.accelerator.is_main_process:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--per_device_batch", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=4)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    run(args.out, args.per_device_batch, args.prompts)
+    train.shut_down()
