@@ -85,19 +85,34 @@ class GraphRunner(ModelRunner):
             getattr(block, name).copy_(getattr(self._buf, name))
 
     def _size_noise(self, logits_shape: tuple[int, ...]) -> None:
-        """Noise buffers for steps with ``logits_shape`` (zeros; draws nothing)."""
+        """Noise buffers for steps with ``logits_shape`` (zeros; draws nothing).
+
+        With ``generator=None`` and sampling (not LLaDA's Gumbel draw), ``sample_tokens`` would call
+        ``torch.multinomial``, whose argument checks read values back to the host (``.item()``): illegal while a
+        graph is captured. The token uniforms get a buffer instead, refilled from the default CUDA generator inside
+        the graph (``_capture``), and ``sample_tokens`` takes its inverse-CDF path: an exact sample of the same
+        distribution."""
         self._logits_shape = logits_shape
         self._noise = draw_noise(self.settings, logits_shape, self.state.generator, self._quota.device,
                                  [False] * logits_shape[0])
+        self._draw_tokens = (self.state.generator is None and bool(self.settings.temperature)
+                             and not self.settings.gumbel_float64)
+        if self._draw_tokens:
+            self._noise.tokens = torch.zeros(logits_shape[:-1], dtype=torch.float32, device=self._quota.device)
 
     def _capture(self, key, forward: Callable[[], torch.Tensor]):
         """The graph of one kind of step (``key``): ``forward``'s logits through ``denoise_step`` on the buffers,
         captured the first time it is needed."""
         if key not in self._graphs:
             linspace = self.settings.schedule == "linspace"
-            self._graphs[key] = self._record(lambda: denoise_step(
-                self._buf, forward(), self.settings, self.mask_id, self.state.generator, self._noise,
-                quota=None if linspace else self._quota, fraction=self._fraction if linspace else None))
+
+            def step() -> None:
+                if self._draw_tokens:  # inside the graph: each replay draws new uniforms (see _size_noise)
+                    self._noise.tokens.uniform_()
+                denoise_step(self._buf, forward(), self.settings, self.mask_id, self.state.generator, self._noise,
+                             quota=None if linspace else self._quota, fraction=self._fraction if linspace else None)
+
+            self._graphs[key] = self._record(step)
         return self._graphs[key]
 
     def _record(self, body: Callable[[], None]):
@@ -124,8 +139,15 @@ class GraphRunner(ModelRunner):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     body()
-                finally:
-                    graph.capture_end()
+                except BaseException:
+                    # end the capture (the stream leaves capture mode), but report the error that broke it: after
+                    # a failed operation, capture_end only says "operation failed due to a previous error"
+                    try:
+                        graph.capture_end()
+                    except RuntimeError:
+                        pass
+                    raise
+                graph.capture_end()
             main.wait_stream(side)
         return graph
 
