@@ -283,3 +283,31 @@ def test_cuda_graphs_capture_sampling_without_a_generator(monkeypatch, family, k
     generated = out.unmask_step >= 0
     assert not bool((out.sequences == MASK_ID).any())
     assert bool(torch.isfinite(out.token_logprobs[generated]).all())
+
+
+def test_a_model_spread_over_devices_decodes_eagerly():
+    """A model split across devices (device_map) or offloaded would copy between devices or from the host inside a
+    captured step: such a model takes the eager runner."""
+    from trl_diffusion.testing import tiny_model
+
+    model = tiny_model("sdar")
+    assert not cuda_graphs.spread_over_devices(model)
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    assert cuda_graphs.spread_over_devices(model)
+    del model.hf_device_map
+    model.lm_head.to("meta")  # an offloaded weight
+    assert cuda_graphs.spread_over_devices(model)
+
+
+def test_generate_takes_the_eager_runner_for_a_spread_model(monkeypatch):
+    from trl_diffusion.testing import tiny_model
+
+    recorded = []
+    _force_graph_runners(monkeypatch, recorded)
+    model, ids = tiny_model("sdar"), torch.tensor([[5, 6, 7]])
+    kw = dict(max_new_tokens=8, temperature=0.0, use_cache=True, cuda_graphs="auto", stop_token_ids=[])
+    graphed = model.generate(ids, **kw)
+    assert recorded  # the graph runner captured
+    recorded.clear()
+    model.hf_device_map = {"model.layers.0": 0, "model.layers.1": 1}
+    assert torch.equal(model.generate(ids, **kw), graphed) and not recorded  # eager: nothing captured

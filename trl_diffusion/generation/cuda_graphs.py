@@ -54,6 +54,15 @@ def runner_class(settings, device: torch.device, generator) -> type[ModelRunner]
         settings.cache_mode, ModelRunner)
 
 
+def spread_over_devices(model) -> bool:
+    """Whether ``model``'s weights span several devices or are offloaded (``device_map`` with several devices, CPU /
+    disk offload hooks): a captured step would copy between devices or from the host inside the graph, so such a
+    model decodes eagerly."""
+    devices = {parameter.device for parameter in model.parameters()}
+    device_map = getattr(model, "hf_device_map", None) or {}
+    return len(devices) > 1 or len(set(device_map.values())) > 1 or any(d.type == "meta" for d in devices)
+
+
 class GraphRunner(ModelRunner):
     """What the graph runners share: the block's buffers, the step's schedule and noise buffers, capture, and the
     fall-back to the eager loop if a capture fails. Subclasses add their forward's inputs (``_input_buffers``)."""

@@ -11,8 +11,8 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..states import NOT_COMMITTED, CanvasLayout
-from .cuda_graphs import GraphRunner, runner_class
-from .denoise import Block, BlockSchedule
+from .cuda_graphs import GraphRunner, runner_class, spread_over_devices
+from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows
 from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators
 
@@ -228,6 +228,8 @@ def diffusion_generate(
 
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
     runner_type = runner_class(settings, device, generator)
+    if issubclass(runner_type, GraphRunner) and spread_over_devices(model):
+        runner_type = ModelRunner  # a captured step would copy between devices or from the host
     runner = runner_type(model, settings, state, block_causal)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
