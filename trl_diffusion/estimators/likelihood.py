@@ -33,6 +33,7 @@ import torch
 
 from ..generation.sampling import target_scores
 from ..states import NOT_COMMITTED, completion_blocks, resolve_model_attention_backend, trajectory_groups
+from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from .packing import build_scoring_chunks
 
 ESTIMATORS = ("trajectory", "random_masking", "coupled", "coupled_pairs", "mean_field")
@@ -100,6 +101,9 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
     if shift and model.block_size is not None:
         raise ValueError("packed scoring of shifted logits on a block-causal model is not supported.")
     backend = resolve_model_attention_backend(settings.attention_backend, model, completion_ids.device)
+    synced = needs_synced_forwards(model)  # FSDP / ZeRO-3: every process runs as many forwards as the busiest
+    for _ in range(agreed_forward_count(len(chunks), completion_ids.device, synced) - len(chunks)):
+        logps = logps + zero_forward_term(model, completion_ids[:1, :1])
     for chunk in chunks:
         mask = chunk.layout.attention_mask(backend)
         selected = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,

@@ -248,7 +248,9 @@ class DiffusionGenerationMixin:
         ``alg``, a call's to any strategy but ``sequential``, and ``low_confidence_dynamic`` keeps its threshold
         under it); ``generator`` (a ``torch.Generator``, or a list with one per row so that a row's sample does
         not depend on its batch); ``num_return_sequences`` (as in transformers: each prompt's sequences are
-        consecutive rows; a generator list has one generator per returned row); ``return_dict_in_generate`` to get
+        consecutive rows; a generator list has one generator per returned row); ``synced_gpus`` (as in
+        transformers: every process runs the same number of forwards, which FSDP and ZeRO-3 need; ``None``, the
+        default, decides as transformers does); ``return_dict_in_generate`` to get
         a ``DiffusionGenerationOutput`` with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is
         measured on a GPU: always eager; ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and
         of LLaDA's / Dream's prefix and dual caches as CUDA graphs).
@@ -261,6 +263,9 @@ class DiffusionGenerationMixin:
         alone. Returns ``sequences`` (prompt + completion) or the output object.
         """
         generator = kwargs.pop("generator", None)
+        synced_gpus = kwargs.pop("synced_gpus", None)
+        if synced_gpus is not None and not isinstance(synced_gpus, bool):
+            raise ValueError(f"synced_gpus must be True, False or None (automatic), got {synced_gpus!r}.")
         copies = self._num_return_sequences(kwargs)
         if copies > 1 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             # as transformers: each prompt's sequences are consecutive rows (a generator list has one per row)
@@ -272,7 +277,7 @@ class DiffusionGenerationMixin:
         was_training = self.training
         self.eval()
         try:
-            output = diffusion_generate(self, input_ids, attention_mask, settings, generator)
+            output = diffusion_generate(self, input_ids, attention_mask, settings, generator, synced_gpus)
         finally:
             self.train(was_training)
         return output if return_dict else output.sequences

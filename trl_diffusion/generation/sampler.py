@@ -11,6 +11,7 @@ import torch
 from transformers.utils import ModelOutput
 
 from ..states import NOT_COMMITTED, CanvasLayout
+from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows
@@ -195,7 +196,7 @@ one generator shared by all rows draws random numbers: its stream would shift)."
 
 def diffusion_generate(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings: SamplingSettings,
-    generator: Generators = None,
+    generator: Generators = None, synced_gpus: bool | None = None,
 ) -> DiffusionGenerationOutput:
     """Decode ``max_new_tokens`` per row block by block; see ``DiffusionGenerationMixin.generate``.
 
@@ -227,13 +228,18 @@ def diffusion_generate(
         )
 
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
+    synced = needs_synced_forwards(model) if synced_gpus is None else synced_gpus
+    if synced and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        raise ValueError("synced_gpus=True keeps the processes' forwards in step; it needs an initialised "
+                         "torch.distributed process group.")
     runner_type = runner_class(settings, device, generator)
-    if issubclass(runner_type, GraphRunner) and spread_over_devices(model):
-        runner_type = ModelRunner  # a captured step would copy between devices or from the host
+    if issubclass(runner_type, GraphRunner) and (synced or spread_over_devices(model)):
+        runner_type = ModelRunner  # a captured step would copy between devices, or hold the processes' collectives
     runner = runner_type(model, settings, state, block_causal)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness
-    with follow_working_rows(model, len(state.rows), issubclass(runner_type, GraphRunner)) as working:
+    with (synced_forwards(model, synced, input_ids[:1, -1:]),
+          follow_working_rows(model, len(state.rows), issubclass(runner_type, GraphRunner)) as working):
         runner.prefill(layout.prefill_end)
         state = _decode_blocks(state, full, runner, layout, settings, compactable, working)
     state.write_into(full)

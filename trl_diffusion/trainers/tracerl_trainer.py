@@ -215,6 +215,7 @@ class TraceRLTrainer(GRPOTrainer):
             unwrap_model_for_generation(self.model_wrapped, self.accelerator,
                                         gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped,
             torch.no_grad(),
+            self._dist.summon_full_params(self.model_wrapped, recurse=False),  # FSDP1's root weights, as TRL does
         ):
             peft_model = _is_peft(unwrapped)
             model = unwrapped.get_base_model() if peft_model else unwrapped

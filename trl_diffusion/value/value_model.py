@@ -28,6 +28,7 @@ from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.sdar.modeling_sdar import SDARModel
 from ..states import resolve_model_attention_backend, trajectory_groups
+from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 
 BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
@@ -173,6 +174,9 @@ def token_values(
                                   token_budget, pad_token_id=0, completion_mask=completion_mask)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     backend = resolve_model_attention_backend(attention_backend, interface, completion_ids.device)
+    synced = needs_synced_forwards(model)  # FSDP / ZeRO-3: every process runs as many forwards as the busiest
+    for _ in range(agreed_forward_count(len(chunks), completion_ids.device, synced) - len(chunks)):
+        values = values + zero_forward_term(model, completion_ids[:1, :1])
     for chunk in chunks:
         mask = chunk.layout.attention_mask(backend)
         out = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
