@@ -61,3 +61,36 @@ def test_one_process_needs_no_synced_forwards():
     from trl_diffusion.synced_forwards import needs_synced_forwards
 
     assert not needs_synced_forwards(tiny_model("sdar"))
+
+
+def test_value_steps_pad_with_zero_pieces_to_the_agreed_count(tmp_path, monkeypatch):
+    """The value model's steps split a process's responses into pieces of per_device_train_batch_size; under FSDP /
+    ZeRO-3 every process must run as many as the busiest. Simulated here (one process, a busier peer claiming one
+    more piece per step): the extra piece runs a forward and changes nothing."""
+    from datasets import Dataset
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers import TraceRLConfig, TraceRLTrainer
+    from trl_diffusion.trainers import tracerl_trainer as module
+    from trl_diffusion.value import DiffusionValueModel
+
+    def train(name):
+        value = DiffusionValueModel.from_policy(tiny_model("sdar"))
+        value.forwards = 0
+        value.register_forward_pre_hook(lambda m, a: setattr(m, "forwards", m.forwards + 1))
+        args = TraceRLConfig(output_dir=str(tmp_path / name), per_device_train_batch_size=4, num_generations=4,
+                             max_completion_length=8, max_steps=2, report_to="none", learning_rate=0.1,
+                             block_length=4, denoising_steps=2, save_strategy="no", use_cpu=True, bf16=False,
+                             value_batch_size=2, disable_tqdm=True)
+        trainer = TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [len(c) % 2 for c in completions],
+                                 args=args, train_dataset=Dataset.from_dict({"prompt": ["a", "b", "c", "d"]}),
+                                 processing_class=build_tokenizer(), value_model=value)
+        trainer.train()
+        return value.forwards, torch.cat([p.detach().flatten() for p in value.parameters()])
+
+    forwards, params = train("plain")
+    monkeypatch.setattr(module, "needs_synced_forwards", lambda model: True)
+    monkeypatch.setattr(module, "agreed_forward_count", lambda count, device, enabled: count + 1)
+    padded_forwards, padded_params = train("padded")
+    assert padded_forwards > forwards
+    torch.testing.assert_close(padded_params, params, rtol=0, atol=1e-6)

@@ -49,6 +49,7 @@ from ..states import (
     resolve_model_attention_backend,
     trajectory_groups,
 )
+from ..synced_forwards import agreed_forward_count, needs_synced_forwards
 from ..value import (
     DiffusionValueModel,
     clipped_value_loss,
@@ -582,15 +583,20 @@ class TraceRLTrainer(GRPOTrainer):
             if count.item() == 0:  # empty on every process (all agree): no step
                 continue
             count = count / self.accelerator.num_processes
-            # a process with nothing in this step still joins the gradient averaging, with a zero loss on one row
-            pieces = chunk.split(args.per_device_train_batch_size) if len(chunk) else [live.new_zeros(1)]
+            # a process with nothing in this step still joins the gradient averaging, with a zero loss on one row;
+            # under FSDP / ZeRO-3 every process runs as many pieces as the busiest (each forward is a collective)
+            pieces = list(chunk.split(args.per_device_train_batch_size)) if len(chunk) else []
+            pieces += [None] * (agreed_forward_count(max(len(pieces), 1), old_values.device,
+                                                     needs_synced_forwards(model)) - len(pieces))
             step_loss = torch.zeros((), device=old_values.device)
             for i, piece in enumerate(pieces):
                 sync_now = i == len(pieces) - 1 and not manual_sync
+                real = piece is not None
+                piece = piece if real else live.new_zeros(1)
                 with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
                     values, _ = self._token_values(*(t[piece] for t in inputs))
                     values = _fit_width(values, mask.shape[1])
-                    if len(chunk):
+                    if real:
                         per_token = clipped_value_loss(values, old_values[piece], returns[piece],
                                                        args.cliprange_value)
                         loss = (per_token * mask[piece]).sum() / count
