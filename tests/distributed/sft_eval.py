@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -28,11 +27,7 @@ def run(out: Path, per_device_batch: int, samples: int) -> dict:
     trainer = DiffusionSFTTrainer(train.tiny_policy(), args=DiffusionSFTConfig(**config),
                                   train_dataset=Dataset.from_list(pairs),
                                   eval_dataset=Dataset.from_list(pairs[:samples]), processing_class=build_tokenizer())
-    metrics = trainer.evaluate()
-    if trainer.accelerator.is_main_process:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
-    return metrics
+    return train.save_metrics(trainer, out, trainer.evaluate())
 
 
 if __name__ == "__main__":

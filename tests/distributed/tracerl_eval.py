@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -23,11 +22,7 @@ EVAL_PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?", "xyz", "Name a 
 def run(out: Path, per_device_batch: int, prompts: int, eos_scale: float = 6.0) -> dict:
     trainer = train.make_trainer("tracerl", Path(out), per_device_batch, 1, eos_scale=eos_scale,
                                  per_device_eval_batch_size=per_device_batch, log_completions=False)
-    metrics = trainer.evaluate(Dataset.from_dict({"prompt": EVAL_PROMPTS[:prompts]}))
-    if trainer.accelerator.is_main_process:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
-    return metrics
+    return train.save_metrics(trainer, out, trainer.evaluate(Dataset.from_dict({"prompt": EVAL_PROMPTS[:prompts]})))
 
 
 if __name__ == "__main__":

@@ -164,6 +164,14 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
     return built
 
 
+def save_metrics(trainer, out, metrics: dict) -> dict:
+    """Rank 0 writes ``metrics`` to ``OUT/metrics.json``; returns them."""
+    if trainer.accelerator.is_main_process:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
+    return metrics
+
+
 def shut_down() -> None:
     """Leave the process group together: a process that exits while gloo's threads are still up can abort with
     "terminate called without an active exception" (seen once in CI after an otherwise finished run)."""

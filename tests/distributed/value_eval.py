@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 from pathlib import Path
 
@@ -42,10 +41,7 @@ def run(out: Path, per_device_batch: int, samples: int) -> dict:
     trainer = DiffusionValueTrainer(value, args=args, eval_dataset=trajectories(8).select(range(samples)),
                                     processing_class=build_tokenizer())
     metrics = {**trainer.evaluate(), **trainer.state.log_history[-1]}  # the value/* metrics are only logged
-    if trainer.accelerator.is_main_process:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "metrics.json").write_text(json.dumps(metrics))
-    return metrics
+    return train.save_metrics(trainer, out, metrics)
 
 
 if __name__ == "__main__":
