@@ -172,16 +172,51 @@ def one_line_errors(parser: Any) -> Any:
     return parser
 
 
+def _nullable_fields(parser: Any) -> set[str]:
+    """The dataclass fields of ``parser`` that may be None: typed ``T | None`` (or not resolvable) or None by
+    default."""
+    import dataclasses
+    import types
+    import typing
+
+    nullable = set()
+    for dataclass_type in getattr(parser, "dataclass_types", ()):
+        try:
+            hints = typing.get_type_hints(dataclass_type)
+        except Exception:  # an annotation that does not resolve: do not refuse None for it
+            hints = {}
+        for item in dataclasses.fields(dataclass_type):
+            hint = hints.get(item.name)
+            optional = hint is None or hint is Any or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                                       and type(None) in typing.get_args(hint))
+            if optional or item.default is None:
+                nullable.add(item.name)
+    return nullable
+
+
 def check_config_values(parser: Any) -> Any:
-    """Make a ``--config`` file's numbers and booleans pass the type check their flags pass. TrlParser sets a YAML
-    value as the flag's default, and argparse converts (so checks) only string defaults: ``max_steps: 2.5`` or
-    ``num_generations: 8.0`` reached the trainer as floats and failed mid-run. Raises ``ValueError`` naming the key."""
+    """Make a ``--config`` file's values pass the checks their flags pass. TrlParser sets a YAML value as the flag's
+    default, and argparse converts (so checks) only string defaults, and checks choices only on the command line:
+    ``max_steps: 2.5`` or ``num_generations: 8.0`` reached the trainer as floats and failed mid-run, ``dtype:
+    bfloat15`` failed when the model loaded, ``num_eval: null`` (a field that cannot be None) was a ``TypeError``
+    traceback. Raises ``ValueError`` naming the key."""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
     set_defaults_with_config = parser.set_defaults_with_config
 
     def checked(**config: Any) -> list[str]:
+        nullable = _nullable_fields(parser)
         for action in parser._actions:
-            value, kind = config.get(action.dest), kinds.get(getattr(action.type, "__name__", ""))
+            if action.dest not in config or not action.option_strings or action.dest == "help":
+                continue
+            value, kind = config[action.dest], kinds.get(getattr(action.type, "__name__", ""))
+            if value is None and action.dest not in nullable:
+                raise ValueError(f"config file: {action.dest}: null is not a value of this option (leave the key "
+                                 "out for its default).")
+            if value is not None and action.choices is not None:
+                for item in value if isinstance(value, list) else [value]:
+                    if item not in action.choices and str(item) not in action.choices:
+                        raise ValueError(f"config file: {action.dest}: {item!r} is not one of "
+                                         f"{list(action.choices)}.")
             if value is None or kind is None:
                 continue
             for item in value if isinstance(value, list) else [value]:
@@ -202,12 +237,26 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[A
     argparse's own errors (:func:`one_line_errors`)."""
     one_line_errors(check_config_values(clear_help(parser)))
     try:
-        parsed = parser.parse_args_and_config(args=argv)
+        parsed = parser.parse_args_and_config(args=config_flag(argv))
         check_script_args(parsed)
-    except ValueError as exc:
+    except (OSError, ValueError) as exc:  # OSError: a --config file that cannot be read
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
         sys.exit(2)
     return parsed
+
+
+def config_flag(argv: Sequence[str] | None) -> list[str]:
+    """``argv`` (default ``sys.argv[1:]``) with ``--config=file.yaml`` written ``--config file.yaml``, the only form
+    TrlParser reads (the other was reported as an unknown ``--config=...`` argument). Raises ``ValueError`` when
+    ``--config`` has no file after it (TrlParser's ``IndexError`` traceback)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    for index, arg in enumerate(args):
+        if arg.startswith("--config="):
+            args[index:index + 1] = ["--config", arg.split("=", 1)[1]]
+            break
+    if "--config" in args and args.index("--config") == len(args) - 1:
+        raise ValueError("--config needs a file: --config file.yaml")
+    return args
 
 
 def _one_line(exc: BaseException) -> str:
@@ -244,7 +293,7 @@ def _eval(argv: list[str]) -> int:
         dataclass_types=[EvalConfig], prog="trl-diffusion eval",
         description="Evaluate a diffusion language model; see docs/evaluation.md."))))
     try:
-        (config,) = parser.parse_args_and_config(args=argv)
+        (config,) = parser.parse_args_and_config(args=config_flag(argv))
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
