@@ -71,3 +71,12 @@ def test_eval_config_flag_with_equals_sign(capsys, tmp_path):
     assert main(["eval", f"--config={path}"]) == 2
     err = capsys.readouterr().err
     assert "Unknown arguments from config file: ['--max_problemz', '1']" in err, err
+
+
+def test_every_trainer_tags_its_cards_alike():
+    """The SFT card was tagged trl-diffusion, TraceRL's and the value model's trl_diffusion: one Hub tag for all."""
+    from trl_diffusion.trainers import DiffusionSFTTrainer, TraceRLTrainer
+    from trl_diffusion.value import DiffusionValueTrainer
+
+    for trainer in (DiffusionSFTTrainer, TraceRLTrainer, DiffusionValueTrainer):
+        assert {"trl", "diffusion", "trl-diffusion"} <= set(trainer._tag_names), trainer.__name__

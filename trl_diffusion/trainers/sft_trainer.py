@@ -260,7 +260,7 @@ class DiffusionSFTTrainer(SFTTrainer):
     `"random_masking"` for full-attention ones.
     """
 
-    _tag_names = ["trl", "sft", "diffusion", "trl-diffusion"]
+    _tag_names = ["trl", "diffusion", "trl-diffusion", "sft"]  # the same tags on every trainer's card
     _name = "Diffusion SFT"
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):

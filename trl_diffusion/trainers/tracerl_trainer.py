@@ -87,7 +87,7 @@ class TraceRLTrainer(GRPOTrainer):
     ``value_learning_rate``, ``value_batch_size``, ``value_train_every``).
     """
 
-    _tag_names = ["trl", "trl_diffusion", "tracerl"]
+    _tag_names = ["trl", "diffusion", "trl-diffusion", "tracerl"]  # the same tags on every trainer's card
     _name = "TraceRL"
     _paper = {
         "title": "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models",

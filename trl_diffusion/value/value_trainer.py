@@ -65,7 +65,7 @@ class TrajectoryCollator:
 class DiffusionValueTrainer(_BaseTrainer):
     """Fits a [`DiffusionValueModel`] (or a path for `DiffusionValueModel.load`) on stored trajectories."""
 
-    _tag_names = ["trl", "trl_diffusion", "value-model"]
+    _tag_names = ["trl", "diffusion", "trl-diffusion", "value-model"]  # the same tags on every trainer's card
     _name = "DiffusionValue"
     # the loss is divided by the trained tokens of the whole accumulated batch (`get_batch_samples`): Trainer must
     # not divide it by the accumulation steps again (batch 1 x accumulation 2 trains as batch 2)
