@@ -118,6 +118,23 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
     return logps, entropies
 
 
+def row_canvas(committed: torch.Tensor, block_size: int | None) -> torch.Tensor | None:
+    """The completion columns scored states show for each row of a block model ``[B, C]``: up to its last
+    committed token (None for full attention, whose sampler saw every column of the shared canvas).
+
+    A batch's completions are right-padded to its longest canvas. Behind a row's last committed token lie only
+    blocks it never committed (after a stop) or that padding; with the rollout's block size no scored block sees
+    them, but a larger training block (``training_block_size``, e.g. 4 -> 8) would show them as masks, so that a
+    response's log-probs would depend on the other responses of its batch. Leaving them out makes every row score
+    as it would alone. Used by the ``trajectory`` estimator (the masking baselines keep dLLM-RL's rows, whose
+    uncommitted tokens are masks)."""
+    if block_size is None or committed.shape[1] == 0:
+        return None
+    columns = torch.arange(committed.shape[1], device=committed.device)
+    last = torch.where(committed, columns, -1).max(-1, keepdim=True).values
+    return columns <= last
+
+
 def _masked_groups(masked: torch.Tensor, blocks: torch.Tensor | None, committed: torch.Tensor) -> torch.Tensor:
     """Groups for a one-shot masked state: visible tokens first, masked tokens after (per block for block
     models, so each block gets its own noisy copy)."""
@@ -144,14 +161,14 @@ def estimate_logprobs(
     blocks = completion_blocks(prompt_mask, completion_ids.shape[1], block_size)
     pad_id = int(prompt_ids.new_tensor(0))
 
-    def run(groups, scored=None, prompt_noise=None):
+    def run(groups, scored=None, prompt_noise=None, canvas=None):
         chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_id, block_size,
-                                      settings.token_budget, pad_id, scored, prompt_noise)
+                                      settings.token_budget, pad_id, scored, prompt_noise, canvas)
         return score_chunks(model, chunks, completion_ids, settings, compute_entropy)
 
     if settings.name == "trajectory":
         groups = trajectory_groups(unmask_step, prompt_mask, settings.shrinkage, block_size)
-        logps, entropies = run(groups)
+        logps, entropies = run(groups, canvas=row_canvas(committed, block_size))
         return logps, entropies, committed
 
     if seeds is None:
