@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from test_cli import load_example
+from test_newcomer_audit import error_line
 
 from trl_diffusion.cli import main, parse_script_args
 
@@ -14,15 +15,6 @@ def config_file(tmp_path, text: str) -> str:
     path = tmp_path / "config.yaml"
     path.write_text(text)
     return str(path)
-
-
-def error_line(capsys, parser, argv) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        parse_script_args(parser, argv)
-    assert exit_info.value.code == 2
-    lines = [line for line in capsys.readouterr().err.strip().splitlines() if ": error: " in line]
-    assert len(lines) == 1, lines
-    return lines[0]
 
 
 @pytest.mark.parametrize(("name", "key"), [("sft", "num_eval"), ("math", "max_steps")])
