@@ -49,7 +49,7 @@ PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
 
 
 def reference_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_token_id, block_size, token_budget=None,
-                     pad_token_id=0, scored=None, prompt_noise=None):
+                     pad_token_id=0, scored=None, prompt_noise=None, completion_mask=None):
     """One row at a time in Python: ``[prompt | whole clean completion | a copy of its block per live group]``
     (block-causal) or one whole row per live group (full attention), then greedy chunking."""
     batch, prompt_width = prompt_ids.shape
@@ -58,7 +58,8 @@ def reference_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_token
     if scored is None:
         scored = groups >= 0
     ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    valid = torch.cat([prompt_mask.bool(), torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
+    canvas = torch.ones_like(completion_ids, dtype=torch.bool) if completion_mask is None else completion_mask.bool()
+    valid = torch.cat([prompt_mask.bool(), canvas], dim=1)  # a row's own canvas only
     generated = torch.cat([torch.zeros_like(prompt_mask, dtype=torch.bool),
                            torch.ones_like(completion_ids, dtype=torch.bool)], dim=1)
     full_groups = torch.cat([torch.full_like(prompt_ids, NOT_COMMITTED), groups], dim=1)
@@ -69,7 +70,7 @@ def reference_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_token
         keep = valid[r]
         r_ids, r_pos, r_gen, r_groups = ids[r][keep], positions[r][keep], generated[r][keep], full_groups[r][keep]
         r_scored = full_scored[r][keep]
-        completion_start = prompt_width - int((~keep).sum())
+        completion_start = int(keep[:prompt_width].sum())  # the kept prompt columns
         n_groups = int(r_groups.max()) + 1 if bool((r_groups >= 0).any()) else 0
         if n_groups == 0 or not bool(r_scored.any()):
             continue
