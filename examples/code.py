@@ -41,7 +41,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
+from trl_diffusion.cli import load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
 from trl_diffusion.rewards import make_code_reward
 
@@ -95,8 +95,9 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
-    trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             peft_config=get_peft_config(model_args))
+    with setting_errors():  # a setting the model's family refuses, a dataset without a prompt: one line, exit 2
+        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
@@ -127,4 +128,4 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*parse_script_args(make_parser()))
+    run_script(main, make_parser())

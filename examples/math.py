@@ -39,7 +39,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import find_reward, load_pretrained, parse_script_args, resume_checkpoint
+from trl_diffusion.cli import find_reward, load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -128,12 +128,14 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, held_out, script_args.eval_every,
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
-        dataset = math_dataset(script_args.dataset_name, script_args.dataset_config, script_args.dataset_train_split,
-                               script_args.prompt_template)
+        with setting_errors():  # a file without the columns: one line, exit 2
+            dataset = math_dataset(script_args.dataset_name, script_args.dataset_config,
+                                   script_args.dataset_train_split, script_args.prompt_template)
         reward = [load_reward(name, args.max_completion_length) for name in script_args.reward_funcs]
-    trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
-                             callbacks=callbacks, peft_config=get_peft_config(model_args),
-                             value_model=script_args.value_model)
+    with setting_errors():  # a setting the model's family refuses (training_block_size on LLaDA / Dream, ...)
+        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=callbacks, peft_config=get_peft_config(model_args),
+                                 value_model=script_args.value_model)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     value_dir = None
@@ -173,4 +175,4 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*parse_script_args(make_parser()))
+    run_script(main, make_parser())

@@ -37,7 +37,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import load_pretrained, parse_script_args, resume_checkpoint
+from trl_diffusion.cli import load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
@@ -73,8 +73,9 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
                                         script_args.dataset_train_split)
     if script_args.max_train_samples is not None:
         dataset = dataset.select(range(min(script_args.max_train_samples, len(dataset))))
-    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                  callbacks=callbacks, peft_config=get_peft_config(model_args))
+    with setting_errors():  # a setting the model's family refuses (block_size on LLaDA / Dream, ...): one line, exit 2
+        trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                      callbacks=callbacks, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
     plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
@@ -103,4 +104,4 @@ def make_parser() -> TrlParser:
 
 
 if __name__ == "__main__":
-    main(*parse_script_args(make_parser()))
+    run_script(main, make_parser())

@@ -9,6 +9,7 @@ closest real one), and the same ``--help`` (:func:`clear_help`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import os
@@ -243,6 +244,30 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[A
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
         sys.exit(2)
     return parsed
+
+
+@contextlib.contextmanager
+def setting_errors():
+    """Re-raise a ``ValueError`` of the block as :class:`UsageError` (still a ``ValueError``): what an example can
+    only check once the model and the data are loaded (a setting the model's family refuses, such as a block size
+    for full-attention LLaDA / Dream, a dataset without the columns the script needs) is a bad argument too."""
+    try:
+        yield
+    except UsageError:
+        raise
+    except ValueError as exc:
+        raise UsageError(_one_line(exc)) from exc
+
+
+def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
+    """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
+    :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is."""
+    parsed = parse_script_args(parser, argv)
+    try:
+        return main(*parsed)
+    except UsageError as exc:
+        print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def config_flag(argv: Sequence[str] | None) -> list[str]:
