@@ -468,7 +468,10 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
         self.post_init()
 
     def _embedding_padding_idx(self, config) -> int | None:
-        return None
+        """``padding_idx = pad_token_id`` as SDAR's and Dream's releases build the embedding (the pad row gets no
+        gradient); none when the config names no pad id (SDAR's released configs)."""
+        pad = config.pad_token_id
+        return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
 
     def get_input_embeddings(self):
         return self.embed_tokens

@@ -16,6 +16,8 @@ pool (each run is its own process, so threads only wait on pipes).
 
 from __future__ import annotations
 
+import ast
+import json
 import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -69,7 +71,6 @@ def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) ->
 def _defines_uncalled_check(test: str) -> bool:
     """Whether ``test`` defines ``check`` at its top level and never calls it there (HumanEval's ``test``, which
     needs ``check(<entry_point>)`` after it). Only parsed, never run; a test that does not parse is left to fail."""
-    import ast
 
     try:
         tree = ast.parse(test)
@@ -96,9 +97,6 @@ def decode_list_string(text: str) -> list | None:
     """The list a string column holds: JSON (``'["a", "b"]'``), else a Python literal (``"['a', 'b']"``, what
     ``str(list)`` writes); ``None`` if the text is neither. Run as a test, either would be a list literal that
     always passes. Only parsed (``ast.literal_eval``), never run."""
-    import ast
-    import json
-
     try:
         value = json.loads(text)
     except ValueError:

@@ -22,10 +22,6 @@ class DreamBaseModel(DreamPreTrainedModel, QwenStyleBackbone):
     qkv_bias = True
     diffusion_block_size = None
 
-    def _embedding_padding_idx(self, config) -> int | None:
-        pad = config.pad_token_id
-        return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
-
 
 class DreamModel(QwenStyleLM, DreamPreTrainedModel, DiffusionGenerationMixin):
     """The released class name (``architectures: ["DreamModel"]``) is the model with the LM head."""

@@ -20,12 +20,6 @@ class SDARPreTrainedModel(DiffusionPreTrainedModel):
 class SDARModel(SDARPreTrainedModel, QwenStyleBackbone):
     qk_norm = True
 
-    def _embedding_padding_idx(self, config) -> int | None:
-        """``padding_idx = pad_token_id`` as the release builds its embedding (the pad row gets no gradient); the
-        released SDAR configs name no pad id, so their embedding has none."""
-        pad = config.pad_token_id
-        return pad if isinstance(pad, int) and 0 <= pad < config.vocab_size else None
-
     @property
     def diffusion_block_size(self) -> int:
         return self.config.block_size
