@@ -4,14 +4,16 @@ Tests come from the dataset row in one of two shapes:
 
 * ``tests``: a list of assert statements (MBPP style), each counted as one test; a single string is one test;
 * ``test`` + ``entry_point``: a HumanEval-style ``test`` string that defines ``check(candidate)``; it is run as one
-  test, ``check(<entry_point>)``.
+  test, ``check(<entry_point>)``. The entry point is a function's name, or a method of a class the program defines
+  (LeetCode's ``Solution().twoSum``: one instance per test, as natively).
 
 Every run goes through :func:`trl_diffusion.rewards.sandbox.run_tests`, so a program that fails, crashes, times out
 or exceeds a limit scores 0.0; the reward function never raises for anything a completion does. Tests are decided
 outside the sandboxed process where their shape allows (``assert f(x) == y`` and the like, HumanEval ``check``
-bodies made of asserts; see :mod:`trl_diffusion.rewards.verdict`), so a program cannot forge a pass; other tests
-run inside it, where it can, unless ``allow_unverified=False``. Completions are run concurrently in a small thread
-pool (each run is its own process, so threads only wait on pipes).
+bodies made of asserts, LeetCode's ``check(Solution().twoSum)`` and ``assert Solution().twoSum(...) == ...``; see
+:mod:`trl_diffusion.rewards.verdict`), so a program cannot forge a pass; other tests run inside it, where it can,
+unless ``allow_unverified=False``. Completions are run concurrently in a small thread pool (each run is its own
+process, so threads only wait on pipes).
 """
 
 from __future__ import annotations

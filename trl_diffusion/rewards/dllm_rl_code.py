@@ -33,6 +33,7 @@ from typing import Any
 from .code_reward import decode_list_string
 from .format_reward import check_column_lengths, completion_to_text
 from .sandbox import SandboxLimits, SandboxResult, run_tests
+from .verdict import plan_test
 
 __all__ = [
     "DEFAULT_TIME_LIMIT",
@@ -158,16 +159,7 @@ def official_code_outcomes(
 ) -> list[bool]:
     """One verdict per test of a dLLM-RL row (its columns as arguments) for the extracted ``code`` (``None``: every
     test fails), run by :func:`run_official`."""
-    method = str(test_method).lower()
-    if method not in ("function", "stdio"):
-        raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
-    if method == "function":
-        tests = [t for t in as_string_list(test_list) if t.strip()]
-    else:
-        inputs, outputs = as_string_list(test_input), as_string_list(test_output)
-        if len(inputs) != len(outputs):
-            raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
-        tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+    method, tests = _official_tests(test_method, test_list, test_input, test_output)
     if code is None or not tests:
         return [False] * len(tests)
     program = stdio_program(code) if method == "stdio" else code
@@ -175,10 +167,25 @@ def official_code_outcomes(
                         stdio_slack).outcomes
 
 
+def _official_tests(test_method: Any, test_list: Any, test_input: Any, test_output: Any) -> tuple[str, list[str]]:
+    """A dLLM-RL row's ``test_method`` (lower case) and the test snippets the sandbox runs for it."""
+    method = str(test_method).lower()
+    if method not in ("function", "stdio"):
+        raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
+    if method == "function":
+        return method, [t for t in as_string_list(test_list) if t.strip()]
+    inputs, outputs = as_string_list(test_input), as_string_list(test_output)
+    if len(inputs) != len(outputs):
+        raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
+    return method, [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+
+
 class OfficialCodeReward:
     """dLLM-RL's code reward on its code schema (module docstring): the **number** of tests passed, which the
     trainer z-scores within the group (dLLM-RL's advantage; any scale of it gives the same z-scores). Rows without
-    ``test_method`` or without tests get ``None``. A callable class, so it pickles."""
+    ``test_method`` or without tests get ``None``, and so do rows with a test that cannot be decided outside the
+    sandbox when ``allow_unverified=False`` (as in :func:`~trl_diffusion.rewards.make_code_reward`; stdio tests are
+    always decided outside). A callable class, so it pickles."""
 
     def __init__(
         self,
@@ -188,12 +195,14 @@ class OfficialCodeReward:
         stdio_slack: float = 0.0,
         python: str | None = None,
         name: str = "official_code_reward",
+        allow_unverified: bool = True,
     ) -> None:
         self.limits = SandboxLimits(memory_mb=memory_mb)
         self.max_workers = max(1, max_workers)
         self.function_slack, self.stdio_slack = function_slack, stdio_slack
         self.python = python
         self.__name__ = name
+        self.allow_unverified = allow_unverified
 
     def __call__(
         self,
@@ -220,6 +229,10 @@ class OfficialCodeReward:
         method = row["test_method"]
         if method is None:
             return None
+        if not self.allow_unverified:  # decided from the row alone, before the completion runs
+            _, tests = _official_tests(method, row["test_list"], row["test_input"], row["test_output"])
+            if any(plan_test(t).kind == "unverified" for t in tests):
+                return None
         stdio = str(method).lower() == "stdio"
         code = extract_code_official(completion if stdio else (row["prefix"] or "") + completion)
         outcomes = official_code_outcomes(code, method, row["test_list"], row["test_input"], row["test_output"],
@@ -235,6 +248,7 @@ def make_official_code_reward(
     stdio_slack: float = 0.0,
     python: str | None = None,
     name: str = "official_code_reward",
+    allow_unverified: bool = True,
 ) -> OfficialCodeReward:
     """Build dLLM-RL's code reward (see :class:`OfficialCodeReward`).
 
@@ -246,8 +260,12 @@ def make_official_code_reward(
             Python process, as ours covers starting the sandbox).
         python: interpreter for the sandbox (default: the current one).
         name: ``__name__`` shown in TRL logs.
+        allow_unverified: run tests that cannot be decided outside the sandbox (loops, assignments, helper
+            functions) inside it, where a program can forge their result (default, as dLLM-RL does); ``False`` gives
+            such rows ``None`` instead, so no reward can be forged (as in
+            :func:`~trl_diffusion.rewards.make_code_reward`).
     """
-    return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name)
+    return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name, allow_unverified)
 
 
 official_code_reward = OfficialCodeReward()

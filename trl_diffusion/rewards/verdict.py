@@ -31,6 +31,17 @@ they run exactly as often and in the same order as natively.
 
 Test shapes that decompose: a snippet of ``assert`` statements (MBPP; imports allowed), and a HumanEval-style
 snippet ``[imports] [METADATA = {...}] def check(candidate): <asserts and imports> check(<entry_point>)``.
+
+LeetCode-style tests (``newfacade/LeetCodeDataset``) name a method of a class the program defines: the entry point
+``Solution().twoSum``, run as ``check(Solution().twoSum)``, or plain ``assert Solution().twoSum([2, 7], 9) == [0, 1]``.
+Both decompose. The entry point may be a program name followed by attribute accesses and calls with input arguments;
+the sandbox evaluates it once per test, before the test's probes, and every ``candidate(...)`` of that test calls the
+same bound method: exactly as natively, where ``check(Solution().twoSum)`` builds one instance before ``check`` runs
+(so a solution that keeps state in its instance behaves the same). In an assert, a method called on a fresh instance,
+``Name(<inputs>).method(<inputs>)``, is a probe (natively each such assert builds its own instance, and so does each
+probe) when the name is a program name written as a class (CapWords: its first letter is upper case) and ``method`` is
+neither a method of plain values nor a dunder: a test that calls a method on what a *function* returned
+(``make(x).equals(y)``) usually means a library method whose argument is the expected value, so it stays unverified.
 Anything else (loops, assignments, helper functions, ``print``) is *unverified*: it runs the old way, inside the
 sandbox, where the program can forge its result (see ``docs/rewards.md``).
 """
@@ -147,6 +158,8 @@ class Plan:
     reason: str = ""
     global_imports: tuple[str, ...] = ()
     local_imports: tuple[str, ...] = ()
+    # HumanEval's entry point (``add``, LeetCode's ``Solution().twoSum``): evaluated once per test in the sandbox and
+    # bound to ``param`` for all its probes, as natively (``check(Solution().twoSum)`` builds one instance).
     candidate: str | None = None
     param: str | None = None
     has: tuple[str, ...] = ()
@@ -256,7 +269,7 @@ class _Planner:
         body, candidate, global_imports, local_imports = tree.body, None, [], []
         check = _humaneval_check(body)
         if check is not None:
-            func, candidate = check
+            func, entry = check
             for stmt in body[:-1]:
                 if stmt is func or _is_docstring(stmt):
                     continue
@@ -264,6 +277,9 @@ class _Planner:
                     global_imports.append(self._import(stmt))
                 elif not _is_unused_literal_assignment(stmt, tree):
                     raise Unverifiable(f"unsupported statement before check(): {ast.unparse(stmt)[:80]}")
+            if not self._entry_point(entry):
+                raise Unverifiable(f"unsupported entry point: check({ast.unparse(entry)[:80]})")
+            candidate = ast.unparse(entry)
             self.param, body = func.args.args[0].arg, func.body
         asserts = []
         for stmt in body:
@@ -315,6 +331,36 @@ class _Planner:
         if self._is_program_name(root):
             return True
         return root in _MODULE_NAMES and root not in self.imported and isinstance(_first_link(node), ast.Call)
+
+    def _entry_point(self, node: ast.expr) -> bool:
+        """What ``check(...)`` may be given: a name (HumanEval's function), or a program name followed by attribute
+        accesses and calls with input arguments (``Solution().twoSum``, LeetCode's entry points). The sandbox
+        evaluates it once per test (``Plan.candidate``), as natively; its arguments are the test's, not expected
+        values (those are in the asserts), and it runs before the probes, in the same order as natively."""
+        if isinstance(node, ast.Name):
+            return True
+        while isinstance(node, (ast.Attribute, ast.Call)):
+            if isinstance(node, ast.Call):
+                if not self._inputs(node):
+                    return False
+                node = node.func
+            else:
+                node = node.value
+        return isinstance(node, ast.Name) and self._is_program_name(node.id)
+
+    def _instance_method(self, func: ast.Attribute) -> bool:
+        """``Name(<inputs>).method``: a method of a fresh instance of a class the program defines (``Solution()
+        .twoSum``), decided from the test alone: the name is a program name written as a class (CapWords) and the
+        method is not one plain values have, nor a dunder. A method called on what a function returned
+        (``make(x).equals(y)``, ``f(x).all()``) is usually a library type's, whose argument may be the expected
+        value: not a probe. ``candidate`` is never taken for a class (HumanEval's entry points are functions)."""
+        owner, name = func.value, func.attr
+        if name in _ALL_METHODS or (name.startswith("__") and name.endswith("__")):
+            return False
+        if not (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)):
+            return False
+        cls = owner.func.id
+        return cls != self.param and cls[:1].isupper() and self._is_program_name(cls)
 
     def _choose_subjects(self, asserts: list[ast.expr]) -> None:
         """Pick the library function a test that calls no program name is about, from the test alone.
@@ -387,8 +433,10 @@ class _Planner:
             func = node.func
             if isinstance(func, ast.Attribute) and (func.attr in _ALL_METHODS or _calls_in(func.value)):
                 # A method of a returned value, or one plain values have: decided here, on the plain value, since
-                # its arguments may be expected values (``.startswith(y)``, ``.equals(y)``).
-                return False
+                # its arguments may be expected values (``.startswith(y)``, ``.equals(y)``); except a method of a
+                # fresh instance of a program class (``Solution().twoSum(...)``), which is the function under test.
+                if not self._instance_method(func):
+                    return False
             return self._chain(func, argument) and self._inputs(node, argument)
         return False
 
@@ -588,14 +636,13 @@ def _no_format(value: Any) -> Any:
     return value
 
 
-def _humaneval_check(body: list[ast.stmt]) -> tuple[ast.FunctionDef, str] | None:
-    """``(def check(candidate), entry point name)`` if the snippet ends with ``check(<name>)`` calling a local def."""
+def _humaneval_check(body: list[ast.stmt]) -> tuple[ast.FunctionDef, ast.expr] | None:
+    """``(def check(candidate), entry point)`` if the snippet ends with ``check(<entry point>)`` calling a local def
+    (:meth:`_Planner._entry_point` decides which entry points decompose)."""
     if not body or not isinstance(body[-1], ast.Expr) or not isinstance(body[-1].value, ast.Call):
         return None
     call = body[-1].value
     if not (isinstance(call.func, ast.Name) and len(call.args) == 1 and not call.keywords):
-        return None
-    if not isinstance(call.args[0], ast.Name):
         return None
     defs = [s for s in body[:-1] if isinstance(s, ast.FunctionDef) and s.name == call.func.id]
     if len(defs) != 1:
@@ -604,7 +651,7 @@ def _humaneval_check(body: list[ast.stmt]) -> tuple[ast.FunctionDef, str] | None
     a = func.args
     if func.decorator_list or len(a.args) != 1 or a.posonlyargs or a.kwonlyargs or a.vararg or a.kwarg:
         return None
-    return func, call.args[0].id
+    return func, call.args[0]
 
 
 def _is_docstring(stmt: ast.stmt) -> bool:
