@@ -8,6 +8,8 @@ from .models import (
     LLaDAModelLM,
     SDARConfig,
     SDARForCausalLM,
+    SDARMoeConfig,
+    SDARMoeForCausalLM,
     register_models,
 )
 
@@ -31,6 +33,8 @@ __all__ = [
     "LLaDAModelLM",
     "SDARConfig",
     "SDARForCausalLM",
+    "SDARMoeConfig",
+    "SDARMoeForCausalLM",
     "TraceRLConfig",
     "TraceRLTrainer",
     "register_models",

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from .models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM
+from .models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM, SDARMoeConfig
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
 EOS_ID, IM_START_ID, IM_END_ID, MASK_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -53,6 +53,18 @@ def tiny_sdar_config(**overrides) -> SDARConfig:
                   rope_theta=10000.0, block_size=4, mask_token_id=MASK_ID, eos_token_id=EOS_ID,
                   pad_token_id=EOS_ID, bos_token_id=EOS_ID)
     return SDARConfig(**{**fields, **overrides})
+
+
+def tiny_sdar_moe_config(**overrides) -> SDARMoeConfig:
+    """A tiny SDAR-MoE config: tiny SDAR's sizes, 4 experts of width 32, 2 per token with renormalised weights
+    (``norm_topk_prob``; JetEngine, SDAR's inference engine, always renormalises), every layer sparse. Not in
+    ``TINY_CONFIGS``: build ``SDARMoeForCausalLM`` from it."""
+    fields = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                  rope_theta=10000.0, block_size=4, mask_token_id=MASK_ID, eos_token_id=EOS_ID,
+                  pad_token_id=EOS_ID, bos_token_id=EOS_ID, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    return SDARMoeConfig(**{**fields, **overrides})
 
 
 def tiny_llada_config(**overrides) -> LLaDAConfig:

@@ -54,6 +54,12 @@ def runner_class(settings, device: torch.device, generator) -> type[ModelRunner]
         settings.cache_mode, ModelRunner)
 
 
+def cuda_graph_capturable(model) -> bool:
+    """Whether ``model``'s forward can be captured: not where it reads its data on the host, as a mixture-of-experts
+    dispatch does (the experts that got tokens; ``cuda_graph_capturable = False`` on the model class)."""
+    return bool(getattr(model, "cuda_graph_capturable", True))
+
+
 def spread_over_devices(model) -> bool:
     """Whether ``model``'s weights span several devices or are offloaded (``device_map`` with several devices, CPU /
     disk offload hooks): a captured step would copy between devices or from the host inside the graph, so such a

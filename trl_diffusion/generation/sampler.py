@@ -8,14 +8,16 @@ import numbers
 from dataclasses import dataclass
 
 import torch
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
 from ..states import NOT_COMMITTED, CanvasLayout
 from ..synced_forwards import needs_synced_forwards, synced_forwards
-from .cuda_graphs import GraphRunner, runner_class, spread_over_devices
+from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows
 from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators
+
+logger = logging.get_logger(__name__)
 
 CACHE_MODES = ("none", "exact", "prefix", "dual")
 CUDA_GRAPH_MODES = ("auto", "off")
@@ -203,6 +205,10 @@ def diffusion_generate(
     The host touches the device's results at most once per block (the per-row stop flags, and only when there
     are stop tokens): the number of steps of a block follows from the layout and the schedule, and everything
     that depends on model outputs stays on the device as per-row masks."""
+    if settings.cuda_graphs not in ("auto", "off") and not cuda_graph_capturable(model):
+        raise ValueError(f"cuda_graphs={settings.cuda_graphs!r}: {type(model).__name__} cannot be captured as a CUDA "
+                         "graph (its mixture-of-experts dispatch reads on the host which experts got tokens); pass "
+                         "cuda_graphs='off', or 'auto', which decodes it eagerly.")
     settings.validate()
     attention_mask = check_generation_inputs(model, input_ids, attention_mask, settings, generator)
     device = input_ids.device
@@ -235,6 +241,10 @@ def diffusion_generate(
     runner_type = runner_class(settings, device, generator)
     if issubclass(runner_type, GraphRunner) and (synced or spread_over_devices(model)):
         runner_type = ModelRunner  # a captured step would copy between devices, or hold the processes' collectives
+    if issubclass(runner_type, GraphRunner) and not cuda_graph_capturable(model):
+        logger.info_once(f"cuda_graphs='auto': {type(model).__name__} decodes eagerly (its mixture-of-experts "
+                         "dispatch depends on the data, which a CUDA graph cannot capture).")
+        runner_type = ModelRunner
     runner = runner_type(model, settings, state, block_causal)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream
     compactable = isinstance(generator, (list, tuple)) or not settings.draws_randomness

@@ -8,9 +8,11 @@ from .dream import DreamConfig, DreamModel, DreamTokenizer
 from .llada import LLaDAConfig, LLaDAModelLM
 from .remote_code import carry_remote_code, carry_tokenizer_code
 from .sdar import SDARConfig, SDARForCausalLM, SDARModel
+from .sdar_moe import SDARMoeConfig, SDARMoeForCausalLM, SDARMoeModel
 
 FAMILIES = {
     "sdar": (SDARConfig, SDARForCausalLM),
+    "sdar_moe": (SDARMoeConfig, SDARMoeForCausalLM),
     "llada": (LLaDAConfig, LLaDAModelLM),
     "Dream": (DreamConfig, DreamModel),
 }
@@ -18,12 +20,15 @@ FAMILIES = {
 
 LORA_TARGET_MODULES = {
     "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    # the experts' projections (and a dense layer's) by the same names; the router, `mlp.gate`, matches none of them
+    "sdar_moe": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "Dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
     "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj"],
 }
-r"""peft's default LoRA targets per family: the attention and MLP projections. LLaDA's MLP output projection is
-named ``ff_out`` like its LM head (``transformer.ff_out``), and a name matches both, so it is left out by default
-(TRL refuses adapters on the LM head); target it with a regex such as ``r".*blocks\.\d+\.ff_out"``."""
+r"""peft's default LoRA targets per family: the attention and MLP projections (for SDAR-MoE, the experts' and not
+the router's). LLaDA's MLP output projection is named ``ff_out`` like its LM head (``transformer.ff_out``), and a name
+matches both, so it is left out by default (TRL refuses adapters on the LM head); target it with a regex such as
+``r".*blocks\.\d+\.ff_out"``."""
 
 
 def register_models() -> None:
@@ -62,5 +67,8 @@ __all__ = [
     "SDARConfig",
     "SDARForCausalLM",
     "SDARModel",
+    "SDARMoeConfig",
+    "SDARMoeForCausalLM",
+    "SDARMoeModel",
     "register_models",
 ]

@@ -365,12 +365,15 @@ class QwenStyleMLP(nn.Module):
 
 
 class QwenStyleDecoderLayer(GradientCheckpointingLayer):
-    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
+    """Pre-norm attention + MLP. ``mlp``: the layer's MLP (a module mapping ``[..., hidden]`` to the same shape, e.g.
+    SDAR-MoE's sparse expert block); default the dense ``QwenStyleMLP``."""
+
+    def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = QwenStyleAttention(config, layer_idx, qkv_bias, qk_norm)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = QwenStyleMLP(config)
+        self.mlp = QwenStyleMLP(config) if mlp is None else mlp
 
     def forward(self, hidden_states, cos, sin, mask, cache=None, store=False):
         h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
@@ -461,11 +464,17 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
         self.padding_idx = self._embedding_padding_idx(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         self.layers = nn.ModuleList(
-            QwenStyleDecoderLayer(config, i, self.qkv_bias, self.qk_norm) for i in range(config.num_hidden_layers)
+            QwenStyleDecoderLayer(config, i, self.qkv_bias, self.qk_norm, self._layer_mlp(config, i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def _layer_mlp(self, config, layer_idx: int) -> nn.Module | None:
+        """The MLP of layer ``layer_idx``; None = the dense ``QwenStyleMLP`` (a mixture-of-experts backbone overrides
+        this to choose per layer)."""
+        return None
 
     def _embedding_padding_idx(self, config) -> int | None:
         """``padding_idx = pad_token_id`` as SDAR's and Dream's releases build the embedding (the pad row gets no

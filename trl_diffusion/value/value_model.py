@@ -1,13 +1,13 @@
-"""``DiffusionValueModel``: a diffusion backbone (SDAR, LLaDA or Dream) plus a zero-initialised scalar head.
+"""``DiffusionValueModel``: a diffusion backbone (SDAR, SDAR-MoE, LLaDA or Dream) plus a zero-initialised scalar head.
 
 For every response token it predicts a value conditioned on the state the policy saw when that token was
 committed. ``token_values`` builds those states with the trajectory estimator's packed layouts
 (``estimators.packing``: one noisy block copy per merged step for block-causal models, one row per merged step
 for full-attention ones) and reads the value at each token's own position, where the token is still masked.
 
-The config is the backbone's own (``model_type`` ``sdar`` / ``llada`` / ``Dream``) and the state-dict keys are
-``model.*`` (the backbone, named as in the policy) and ``value_head.weight``, the layout of the TraceRL reference's
-SDAR value model. ``from_policy`` copies a policy's backbone weights.
+The config is the backbone's own (``model_type`` ``sdar`` / ``sdar_moe`` / ``llada`` / ``Dream``) and the state-dict
+keys are ``model.*`` (the backbone, named as in the policy) and ``value_head.weight``, the layout of the TraceRL
+reference's SDAR value model. ``from_policy`` copies a policy's backbone weights.
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.sdar.modeling_sdar import SDARModel
+from ..models.sdar_moe.modeling_sdar_moe import SDARMoeModel
 from ..states import resolve_model_attention_backend, trajectory_groups
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 
-BACKBONES = {"sdar": SDARModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
+BACKBONES = {"sdar": SDARModel, "sdar_moe": SDARMoeModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                "trust_remote_code")
 _MERGE_ADAPTERS = ("a value model copies a plain policy's weights; merge the PEFT adapters first: "
@@ -57,7 +58,7 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         super().__init__(config)
         backbone = BACKBONES.get(config.model_type)
         if backbone is None:
-            raise ValueError(f"DiffusionValueModel needs an SDAR, LLaDA or Dream config, got model_type "
+            raise ValueError(f"DiffusionValueModel needs an SDAR, SDAR-MoE, LLaDA or Dream config, got model_type "
                              f"{config.model_type!r}; supported: {sorted(BACKBONES)}.")
         self.model = backbone(config)
         transformer = getattr(self.model, "transformer", None)
