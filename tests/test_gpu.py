@@ -1,6 +1,6 @@
 """What only a GPU shows: compiled flex attention against SDPA (values and gradients) for the SFT objectives and
 TraceRL scoring, generation on CUDA equal to the CPU, the exact KV cache, a bf16 + gradient checkpointing + LoRA
-TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, the three examples and ``trl-diffusion
+TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-MoE decoding, the three examples and ``trl-diffusion
 eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
 
 Skipped without CUDA. One command runs them all (under 5 minutes on one H200)::
@@ -21,7 +21,8 @@ import torch
 from datasets import Dataset
 
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
-from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, tiny_model
+from trl_diffusion.models import SDARMoeForCausalLM
+from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, seeded_fill_, tiny_model, tiny_sdar_moe_config
 from trl_diffusion.trainers import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.trainers.diffusion_losses import (
     build_objective,
@@ -139,6 +140,25 @@ def test_exact_kv_cache_on_cuda():
         cached = rollout(model, temperature=temperature, use_cache=True, generator=row_generators(1))
         assert torch.equal(plain[2], cached[2]) and torch.equal(plain[3], cached[3])
         torch.testing.assert_close(plain[4], cached[4], rtol=1e-4, atol=1e-5)
+
+
+def test_sdar_moe_on_cuda():
+    """SDAR-MoE on CUDA: greedy decoding equals the CPU's, the exact cache equals recomputing, ``cuda_graphs="auto"``
+    decodes it eagerly (its expert dispatch reads on the host) with the same result, and a backward pass reaches the
+    router."""
+    cpu = seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0).eval()
+    gpu = seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0).eval().to(CUDA)
+    greedy = dict(temperature=0.0, generator=None)
+    on_cpu, on_gpu = rollout(cpu, **greedy), rollout(gpu, **greedy)
+    assert torch.equal(on_gpu[2].cpu(), on_cpu[2]) and torch.equal(on_gpu[3].cpu(), on_cpu[3])
+    plain = rollout(gpu, use_cache=False, **greedy)
+    assert torch.equal(plain[2], on_gpu[2]) and torch.equal(plain[3], on_gpu[3])
+    graphs = rollout(gpu, cuda_graphs="auto", **greedy)
+    assert torch.equal(graphs[2], on_gpu[2]) and torch.equal(graphs[3], on_gpu[3])
+    gpu.train()
+    gpu(input_ids=on_gpu[0]).logits.float().logsumexp(-1).mean().backward()
+    router = gpu.model.layers[0].mlp.gate.weight.grad
+    assert router is not None and router.abs().sum() > 0
 
 
 def distinct_chars(completions, **kwargs):

@@ -23,6 +23,10 @@ def test_bf16_lora_tracerl_steps_set_up(tmp_path, on_the_cpu):
     test_gpu.test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, "sdpa")
 
 
+def test_sdar_moe_on_cuda_set_up(on_the_cpu):
+    test_gpu.test_sdar_moe_on_cuda()
+
+
 @pytest.fixture
 def graph_runners_on_the_cpu(monkeypatch):
     test_static_cache._force_graph_runners(monkeypatch)
