@@ -1,7 +1,7 @@
 """What only a GPU shows: compiled flex attention against SDPA (values and gradients) for the SFT objectives and
 TraceRL scoring, generation on CUDA equal to the CPU, the exact KV cache, a bf16 + gradient checkpointing + LoRA
-TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-MoE decoding, the three examples and ``trl-diffusion
-eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
+TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-MoE decoding, the three examples and
+``trl-diffusion eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
 
 Skipped without CUDA. One command runs them all (under 5 minutes on one H200)::
 
