@@ -41,7 +41,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.cli import load_pretrained, resume_checkpoint, run_script, setting_errors
+from trl_diffusion.cli import checkpointing_off, load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
 from trl_diffusion.rewards import make_code_reward
 
@@ -123,7 +123,8 @@ def make_parser() -> TrlParser:
     parser.set_defaults(output_dir="outputs/code", max_steps=40, per_device_train_batch_size=64, num_generations=8,
                         max_completion_length=16, block_length=4, denoising_steps=4,
                         remasking_strategy="low_confidence_static", learning_rate=1e-4, beta=0.0, logging_steps=5,
-                        save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False, seed=0)
+                        save_strategy="no", report_to="none", bf16=False, seed=0,
+                        **checkpointing_off())
     return parser
 
 

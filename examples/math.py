@@ -39,7 +39,14 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import find_reward, load_pretrained, resume_checkpoint, run_script, setting_errors
+from trl_diffusion.cli import (
+    checkpointing_off,
+    find_reward,
+    load_pretrained,
+    resume_checkpoint,
+    run_script,
+    setting_errors,
+)
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -169,7 +176,7 @@ def make_parser() -> TrlParser:
         output_dir="outputs/math", max_steps=60, per_device_train_batch_size=64, num_generations=8,
         max_completion_length=16, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static",
         learning_rate=1e-4, beta=0.0, logging_steps=5, save_strategy="no", report_to="none", bf16=False,
-        gradient_checkpointing=False, seed=0,
+        seed=0, **checkpointing_off(),
     )
     return parser
 

@@ -33,6 +33,7 @@ from trl import TrlParser
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback
+from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import arithmetic_reward, make_problems, to_dataset
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS
 
@@ -66,7 +67,7 @@ def make_parser() -> TrlParser:
         output_dir="runs/tracerl_arithmetic", per_device_train_batch_size=64, num_generations=8,
         max_completion_length=16, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static",
         temperature=1.0, learning_rate=1e-4, logging_steps=10, save_strategy="no", report_to="none", bf16=False,
-        gradient_checkpointing=False, use_cpu=True, seed=0, disable_tqdm=True,
+        **checkpointing_off(), use_cpu=True, seed=0, disable_tqdm=True,
     )
     return parser
 

@@ -23,6 +23,7 @@ import torch
 from trl import TrlParser
 
 from trl_diffusion.callbacks import TimeBudgetCallback
+from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import evaluate_accuracy, make_problems, to_dataset
 from trl_diffusion.models import LLaDAModelLM, SDARForCausalLM
 from trl_diffusion.testing import build_tokenizer, tiny_llada_config, tiny_sdar_config
@@ -73,7 +74,7 @@ def make_parser() -> TrlParser:
     parser.set_defaults(
         output_dir="runs/arithmetic", max_steps=20000, per_device_train_batch_size=32, learning_rate=1e-3,
         max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=50, weight_decay=0.0,
-        logging_steps=200, save_strategy="no", report_to="none", bf16=False, activation_checkpointing=False,
+        logging_steps=200, save_strategy="no", report_to="none", bf16=False, **checkpointing_off(),
         max_length=64, seed=0, disable_tqdm=True, dataloader_drop_last=True,
     )
     return parser

@@ -23,6 +23,7 @@ from trl import TrlParser
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
+from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import evaluate_accuracy, make_problems, score_completion, to_dataset
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueModel
@@ -124,7 +125,7 @@ def make_parser() -> TrlParser:
         max_completion_length=16, block_length=4, denoising_steps=4, remasking_strategy="low_confidence_static",
         temperature=1.0, learning_rate=1e-4, value_learning_rate=1e-3, gamma=1.0, lam=1.0, cliprange_value=0.2,
         beta=0.0, loss_type="dapo", dynamic_group_filtering="none", reward_std="sample", value_batch_size=None,
-        logging_steps=10, save_strategy="no", report_to="none", bf16=False, gradient_checkpointing=False,
+        logging_steps=10, save_strategy="no", report_to="none", bf16=False, **checkpointing_off(),
         use_cpu=True, seed=0, disable_tqdm=True,
     )
     return parser

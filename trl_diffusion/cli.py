@@ -65,6 +65,21 @@ UNUSED_MODEL_FLAGS = {
 apply: setting one is an error rather than silently ignored."""
 
 
+def checkpointing_off() -> dict[str, Any]:
+    """An example script's default of no activation checkpointing (TRL's configs turn it on), for
+    ``parser.set_defaults(**checkpointing_off())``. Where transformers has ``activation_checkpointing`` (5.24, which
+    warns with a FutureWarning whenever the old name ``gradient_checkpointing`` is set) it leaves
+    ``gradient_checkpointing`` unset (None), which with both names unset is off; before, it is ``False``. Not
+    ``activation_checkpointing=False``: transformers reads the old name only while the new one is unset, so a
+    ``--gradient_checkpointing true`` on the command line or in a recipe would then be ignored."""
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    renamed = "activation_checkpointing" in {item.name for item in dataclasses.fields(TrainingArguments)}
+    return {"gradient_checkpointing": None if renamed else False}
+
+
 def find_reward(name: str) -> Callable[..., Any]:
     """The reward function ``name``: a function of :mod:`trl_diffusion.rewards`, or ``module.function`` (a dotted
     path, imported). Raises :class:`UsageError` naming it when there is no such function."""
@@ -109,7 +124,8 @@ def check_script_args(parsed: Sequence[Any]) -> None:
     ``dataset_name`` that names a local file (it must exist, without a ``dataset_config``) or is one of
     :data:`EVAL_ONLY_NAMES`, ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no
     flag of ``UNUSED_MODEL_FLAGS``, and every
-    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes)."""
+    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes). A single module name in
+    ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
     from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
 
@@ -131,6 +147,12 @@ def check_script_args(parsed: Sequence[Any]) -> None:
                              f"config file write reward_funcs: [{args.reward_funcs}]).")
         for name in getattr(args, "reward_funcs", None) or []:
             find_reward(name)
+        targets = getattr(args, "lora_target_modules", None)
+        if isinstance(targets, str) and re.fullmatch(r"[\w.]+", targets):
+            # TRL's ModelConfig passes a single name on as a string, which peft reads as a regular expression for the
+            # whole module path ("q_proj" matched nothing: "Target modules q_proj not found"); as a list peft matches
+            # it as a name, as it does two names. "all-linear" and patterns (".*q_proj") stay strings.
+            args.lora_target_modules = [targets]
         unused = [flag for flag, set_ in UNUSED_MODEL_FLAGS.items() if getattr(args, flag, None) not in (None, False)]
         if unused:
             raise UsageError(f"{', '.join('--' + flag for flag in unused)}: not used by the example scripts; "
@@ -195,17 +217,50 @@ def _nullable_fields(parser: Any) -> set[str]:
     return nullable
 
 
+def _list_only_fields(parser: Any) -> set[str]:
+    """The dataclass fields of ``parser`` typed ``list[T]`` (or ``list[T] | None``): a single value given for one in a
+    config file is a one-element list, as ``--flag value`` gives on the command line. Not a field that also takes a
+    scalar (``TrainingArguments.debug: str | list[DebugOption]`` splits a string itself)."""
+    import dataclasses
+    import types
+    import typing
+
+    fields = set()
+    for dataclass_type in getattr(parser, "dataclass_types", ()):
+        try:
+            hints = typing.get_type_hints(dataclass_type)
+        except Exception:  # an annotation that does not resolve: leave its values as they are
+            hints = {}
+        for item in dataclasses.fields(dataclass_type):
+            hint = hints.get(item.name)
+            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+            members = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+            if members and all(typing.get_origin(a) is list or a is list for a in members):
+                fields.add(item.name)
+    return fields
+
+
+SCALAR_REFUSED = ("reward_funcs",)
+"""List fields for which a config file's single value stays an error (:func:`check_script_args` names it) rather
+than becoming a one-element list."""
+
+
 def check_config_values(parser: Any) -> Any:
-    """Make a ``--config`` file's values pass the checks their flags pass. TrlParser sets a YAML value as the flag's
-    default, and argparse converts (so checks) only string defaults, and checks choices only on the command line:
-    ``max_steps: 2.5`` or ``num_generations: 8.0`` reached the trainer as floats and failed mid-run, ``dtype:
-    bfloat15`` failed when the model loaded, ``num_eval: null`` (a field that cannot be None) was a ``TypeError``
-    traceback. Raises ``ValueError`` naming the key."""
+    """Make a ``--config`` file's values pass the checks their flags pass, and convert them as the command line does.
+    TrlParser sets a YAML value as the flag's default, and argparse converts (so checks) only string defaults, and
+    checks choices only on the command line: ``max_steps: 2.5`` or ``num_generations: 8.0`` reached the trainer as
+    floats and failed mid-run, ``dtype: bfloat15`` failed when the model loaded, ``num_eval: null`` (a field that
+    cannot be None) was a ``TypeError`` traceback, ``bf16: 0`` reached the config as the int 0, ``reward_weights:
+    2`` as the int 2. Now a single value for a list field is a one-element list (as ``--flag value`` gives; not for
+    :data:`SCALAR_REFUSED`), and each int, float or bool value is converted by its flag's own converter (a bool takes
+    what ``--flag`` takes: true/false, yes/no, 1/0, ...). Raises ``ValueError`` naming the key. (A single
+    ``lora_target_modules`` name is a string again after TRL's ``ModelConfig``; see :func:`check_script_args`.)"""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
     set_defaults_with_config = parser.set_defaults_with_config
 
     def checked(**config: Any) -> list[str]:
-        nullable = _nullable_fields(parser)
+        nullable, list_only = _nullable_fields(parser), _list_only_fields(parser)
+        config = dict(config)
         for action in parser._actions:
             if action.dest not in config or not action.option_strings or action.dest == "help":
                 continue
@@ -213,18 +268,23 @@ def check_config_values(parser: Any) -> Any:
             if value is None and action.dest not in nullable:
                 raise ValueError(f"config file: {action.dest}: null is not a value of this option (leave the key "
                                  "out for its default).")
+            if (action.nargs in ("+", "*") and action.dest in list_only and action.dest not in SCALAR_REFUSED
+                    and value is not None and not isinstance(value, list)):
+                value = [value]  # `--flag value` on the command line gives a one-element list too
             if value is not None and action.choices is not None:
                 for item in value if isinstance(value, list) else [value]:
                     if item not in action.choices and str(item) not in action.choices:
                         raise ValueError(f"config file: {action.dest}: {item!r} is not one of "
                                          f"{list(action.choices)}.")
-            if value is None or kind is None:
-                continue
-            for item in value if isinstance(value, list) else [value]:
-                try:
-                    action.type(str(item))
-                except (TypeError, ValueError, argparse.ArgumentTypeError):
-                    raise ValueError(f"config file: {action.dest}: expected {kind}, got {item!r}.") from None
+            if value is not None and kind is not None:
+                converted = []
+                for item in value if isinstance(value, list) else [value]:
+                    try:
+                        converted.append(action.type(str(item)))
+                    except (TypeError, ValueError, argparse.ArgumentTypeError):
+                        raise ValueError(f"config file: {action.dest}: expected {kind}, got {item!r}.") from None
+                value = converted if isinstance(value, list) else converted[0]
+            config[action.dest] = value
         return set_defaults_with_config(**config)
 
     parser.set_defaults_with_config = checked

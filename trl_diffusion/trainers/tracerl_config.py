@@ -64,12 +64,13 @@ class TraceRLConfig(GRPOConfig):
         default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy."}
     )
     # annotated `str` so that the command line passes 'prefix' / 'dual' through (a bool annotation would reject
-    # them); __post_init__ turns every form into True / False / 'prefix' / 'dual'
+    # them); __post_init__ turns every form into 'auto' / True / False / 'prefix' / 'dual'
     rollout_cache: str = field(
-        default=True,
-        metadata={"help": "Rollout KV cache: True = exact cache on block models (none on full-attention ones); "
-                  "False = none; 'prefix' / 'dual' = approximate caches for LLaDA/Dream. (Was `use_cache`, which "
-                  "is transformers' model.config.use_cache during training.)"},
+        default="auto",
+        metadata={"help": "Rollout KV cache: 'auto' = the exact cache on block models (SDAR / TraDo), none on "
+                  "full-attention ones (LLaDA / Dream); True = the exact cache, which only block models have (an "
+                  "error on LLaDA / Dream); False = none; 'prefix' / 'dual' = approximate caches for LLaDA / Dream. "
+                  "(Was `use_cache`, which is transformers' model.config.use_cache during training.)"},
     )
     rollout_cuda_graphs: str = field(
         default="off",
@@ -278,6 +279,7 @@ class TraceRLConfig(GRPOConfig):
             self.rollout_cache, self.use_cache = old, False
         super().__post_init__()
         check_field_types(self, GRPOConfig)
+        self._check_checkpointing_kwargs()
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         self._check_objective()
         if self.rollout_cuda_graphs not in ("auto", "off"):
@@ -363,6 +365,19 @@ class TraceRLConfig(GRPOConfig):
                              "rollouts; leave them at their defaults (min_p=None, repetition_penalty=1.0, "
                              "generation_kwargs=None, cache_implementation=None). The rollout KV cache is "
                              "`rollout_cache`.")
+
+    def _check_checkpointing_kwargs(self) -> None:
+        """transformers 5.24's ``every_n_layers`` / ``offload`` checkpointing settings are arguments of
+        ``activation_checkpointing_enable``, not of ``torch.utils.checkpoint``; GRPO turns checkpointing off around
+        each rollout and back on with the kwargs as they are (``disable_gradient_checkpointing``), after which every
+        layer's forward got them (a TypeError at the first loss). Before 5.24 no release took them."""
+        kwargs = getattr(self, "activation_checkpointing_kwargs", None) or self.gradient_checkpointing_kwargs
+        unsupported = sorted(set(kwargs) & {"every_n_layers", "offload"}) if isinstance(kwargs, dict) else []
+        if unsupported and (getattr(self, "activation_checkpointing", None) or self.gradient_checkpointing):
+            raise ValueError(f"activation_checkpointing_kwargs {unsupported} cannot be used with TraceRL: TRL's GRPO "
+                             "turns checkpointing off around each rollout and back on passing these kwargs to "
+                             "torch.utils.checkpoint, which does not take them. Leave them out (every layer is "
+                             "checkpointed).")
 
     @classmethod
     def from_official(cls, name: str, num_processes: int | None = None, **overrides) -> TraceRLConfig:
@@ -510,12 +525,13 @@ def _official_accumulation(name: str, settings: dict, world: int) -> int:
     divisors = [d for d in range(1, micro_steps + 1) if micro_steps % d == 0]
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
 
-_CACHE_VALUES = {"true": True, "false": False, "prefix": "prefix", "dual": "dual"}
+_CACHE_VALUES = {"auto": "auto", "true": True, "false": False, "prefix": "prefix", "dual": "dual"}
 
 
 def _cache_value(name: str, value) -> bool | str:
-    """True / False / 'prefix' / 'dual' from a Python value or its command-line / YAML string form."""
+    """'auto' / True / False / 'prefix' / 'dual' from a Python value or its command-line / YAML string form."""
     key = str(value).strip().lower()
     if key not in _CACHE_VALUES:
-        raise ValueError(f"{name} must be one of True, False, 'prefix', 'dual' (or their strings), got {value!r}.")
+        raise ValueError(f"{name} must be one of 'auto', True, False, 'prefix', 'dual' (or their strings), got "
+                         f"{value!r}.")
     return _CACHE_VALUES[key]

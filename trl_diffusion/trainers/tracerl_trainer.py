@@ -149,11 +149,7 @@ class TraceRLTrainer(GRPOTrainer):
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         check_block_size_applies("training_block_size", args.training_block_size, base.block_size)
-        if args.rollout_cache in ("prefix", "dual") and base.block_size is not None:
-            # said now rather than by generate() at the first rollout
-            raise ValueError(f"rollout_cache={args.rollout_cache!r} is an approximate cache for full-attention models "
-                             f"(LLaDA, Dream); {type(base).__name__} is a block model, whose cache is exact: set "
-                             "rollout_cache=True (or False for none).")
+        self._rollout_cache = _rollout_cache(args.rollout_cache, base)
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
@@ -213,8 +209,10 @@ class TraceRLTrainer(GRPOTrainer):
         generator = [torch.Generator().manual_seed(mask_seed(self.args.seed + 1, rollout_step, first + i))
                      for i in range(rows)]
         with (
-            unwrap_model_for_generation(self.model_wrapped, self.accelerator,
-                                        gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped,
+            # GRPOTrainer's call: the checkpointing it turns off for the rollout comes back with the run's kwargs
+            unwrap_model_for_generation(
+                self.model_wrapped, self.accelerator, gather_deepspeed3_params=self.args.ds3_gather_for_generation,
+                gradient_checkpointing_kwargs=self.args.gradient_checkpointing_kwargs) as unwrapped,
             torch.no_grad(),
             self._dist.summon_full_params(self.model_wrapped, recurse=False),  # FSDP1's root weights, as TRL does
         ):
@@ -264,7 +262,7 @@ class TraceRLTrainer(GRPOTrainer):
                 # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
                 # top_p 0.95), not from this config
                 "top_k": args.top_k or 0, "top_p": args.top_p, "alg_temp": 0.0, "cfg_scale": 0.0,
-                "use_cache": args.rollout_cache, "num_return_sequences": 1,  # TRL repeats the prompts itself
+                "use_cache": self._rollout_cache, "num_return_sequences": 1,  # TRL repeats the prompts itself
                 "stop_token_ids": list(self.eos_token_ids), "pad_token_id": self._tokenizer.pad_token_id}
 
     def _rollout_key(self) -> int | str:
@@ -500,8 +498,8 @@ class TraceRLTrainer(GRPOTrainer):
                            f"an update smaller than their rounding is lost (at value_learning_rate="
                            f"{args.value_learning_rate:g} most weights of a pretrained backbone never move). Pass a "
                            "float32 value model, or its path (loaded in float32).")
-        if args.gradient_checkpointing:
-            value_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        if getattr(args, "activation_checkpointing", args.gradient_checkpointing):
+            _enable_checkpointing(value_model, args)
         if args.disable_dropout:
             disable_dropout_in_model(value_model)
         self.value_model = self.accelerator.prepare_model(value_model)
@@ -1028,6 +1026,41 @@ def _check_completion_fits(model, args: TraceRLConfig) -> None:
         slack = f" + block_length ({extra})" if extra else ""
         raise ValueError(f"max_completion_length ({args.max_completion_length}){slack} leaves no room for a prompt in "
                          f"the model's {positions} positions (max_position_embeddings); lower max_completion_length.")
+
+
+def _enable_checkpointing(model, args: TraceRLConfig) -> None:
+    """Checkpoint ``model`` (the value model) as transformers' Trainer checkpoints the policy: through
+    ``activation_checkpointing_enable`` where it exists (transformers 5.24 deprecates ``gradient_checkpointing_enable``
+    with a FutureWarning), with ``every_n_layers`` / ``offload`` taken out of the kwargs as its arguments; before 5.24,
+    ``gradient_checkpointing_enable`` with ``gradient_checkpointing_kwargs`` as they are."""
+    if not hasattr(model, "activation_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)
+        return
+    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None) or {})
+    every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs or None,
+                                          every_n_layers=every_n_layers, offload=offload)
+
+
+def _rollout_cache(value: bool | str, base) -> bool | str:
+    """The ``use_cache`` the rollouts pass to ``generate()`` for ``rollout_cache=value`` on the model ``base``:
+    ``'auto'`` is the exact cache on a block model and none on a full-attention one. A cache the model's family does
+    not have is refused now (``generate()`` reads ``True`` on LLaDA / Dream as no cache, so that a generation config's
+    ``use_cache: true`` does not change their output; asked for here, it would silently be none)."""
+    block_model = base.block_size is not None
+    family = f"{type(base).__name__} (model_type {getattr(base.config, 'model_type', None)!r})"
+    if value == "auto":
+        return block_model
+    if value is True and not block_model:
+        raise ValueError(f"rollout_cache=True is the exact KV cache of block models (SDAR / TraDo); {family} has full "
+                         "attention and no exact cache, so its rollouts would run uncached. Set rollout_cache="
+                         "'prefix' or 'dual' (the approximate Fast-dLLM-style caches of LLaDA / Dream), False for "
+                         "none, or leave it at 'auto' (none on full-attention models).")
+    if value in ("prefix", "dual") and block_model:  # said now rather than by generate() at the first rollout
+        raise ValueError(f"rollout_cache={value!r} is an approximate cache for full-attention models (LLaDA, Dream); "
+                         f"{family} is a block model, whose cache is exact: set rollout_cache=True or 'auto' (or "
+                         "False for none).")
+    return value
 
 
 def _check_rollout_cuda_graphs(args: TraceRLConfig, fsdp: bool, zero_stage: int | None) -> None:

@@ -46,6 +46,28 @@ def _check_supported(config: LLaDAConfig) -> None:
             f"LLaDA options {bad} are not supported; the released checkpoints use {wanted}. "
             "Set these fields in the config (config.json of LLaDA-8B sets all of them)."
         )
+    if config.embedding_size is not None and config.embedding_size < config.vocab_size:
+        # the release's LLaDAModel refuses this too ("embedding size should be at least as big as vocab size")
+        raise ValueError(
+            f"LLaDA embedding_size ({config.embedding_size}) is smaller than vocab_size ({config.vocab_size}): the "
+            "embedding and the output layer have embedding_size rows, so token ids from embedding_size up would have "
+            "no row. Set embedding_size >= vocab_size, or leave it unset (null) for vocab_size rows."
+        )
+    # The norms below always carry a weight and no bias; the release's follow layer_norm_with_affine and
+    # bias_for_layer_norm (None: include_bias), so a config asking for anything else would build another model
+    if not config.layer_norm_with_affine:
+        raise ValueError(
+            "LLaDA layer_norm_with_affine=False (RMS norms without a weight) is not supported; the released "
+            "checkpoints use layer_norm_with_affine=True (every attn_norm / ff_norm / ln_f has a weight)."
+        )
+    norm_bias = config.bias_for_layer_norm if config.bias_for_layer_norm is not None else config.include_bias
+    if norm_bias:
+        raise ValueError(
+            f"LLaDA layer norms with a bias (bias_for_layer_norm={config.bias_for_layer_norm!r}, include_bias="
+            f"{config.include_bias!r}; an unset bias_for_layer_norm follows include_bias) are not supported; the "
+            "released checkpoints have none (include_bias=False). Set bias_for_layer_norm=False to keep the linear "
+            "layers' biases without norm biases."
+        )
 
 
 class LLaDALlamaBlock(GradientCheckpointingLayer):
