@@ -235,3 +235,17 @@ def test_cli_entry_point_subprocess(model_and_tokenizer, tmp_path):
     report = json.loads(result.stdout)
     assert report["num_problems"] == 2 and report["metrics"]["pass@2"] == 0.0
     assert len((out / "model__code_tests_sample.jsonl").read_text().splitlines()) == 4
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_exact_cache_asked_of_a_full_attention_model_is_an_error(family, tmp_path):
+    """``--use_cache true`` on LLaDA / Dream (no exact cache) would evaluate uncached without a word; ``prefix`` and
+    ``false`` still run."""
+    length = {"dream": "max_position_embeddings", "llada": "max_sequence_length"}[family]
+    model, tokenizer = tiny_model(family, **{length: 2048}), build_tokenizer()
+    with pytest.raises(ValueError, match="use_cache=true is the exact KV cache of block models"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache="true", **FAST)
+    for cache in ("prefix", "false"):
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache=cache, max_problems=2,
+                          **FAST)
+        assert report["num_problems"] == 2

@@ -505,6 +505,12 @@ def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:
     if not isinstance(model, DiffusionGenerationMixin):
         raise ValueError(f"{type(model).__name__} is not a trl_diffusion model (SDAR / LLaDA / Dream).")
     check_tokenizer(tokenizer, model)
+    if generate_kwargs.get("use_cache") is True and model.block_size is None:
+        # generate() reads True on a full-attention model as no cache (a generation config's default); asked for on
+        # the command line it would silently evaluate uncached
+        raise ValueError(f"use_cache=true is the exact KV cache of block models (SDAR / TraDo); "
+                         f"{type(model).__name__} has full attention and no exact cache. Pass --use_cache prefix "
+                         "or dual (the approximate LLaDA / Dream caches), false, or leave it out.")
     settings, _ = model._resolve_settings(dict(generate_kwargs))
     settings.validate()
     return settings
