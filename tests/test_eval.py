@@ -246,6 +246,6 @@ def test_exact_cache_asked_of_a_full_attention_model_is_an_error(family, tmp_pat
     with pytest.raises(ValueError, match="use_cache=true is the exact KV cache of block models"):
         evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache="true", **FAST)
     for cache in ("prefix", "false"):
-        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache=cache, max_problems=2, output_dir=str(tmp_path),
-                          **FAST)
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache=cache, max_problems=2,
+                          output_dir=str(tmp_path), **FAST)
         assert report["num_problems"] == 2
