@@ -247,7 +247,8 @@ def test_dream_tokenizer_loads_without_remote_code(tmp_path):
 
 def test_llada_moe_checkpoint_is_named_in_the_error(tmp_path):
     """LLaDA-MoE's config.json says model_type "llada" too; the error told the user to set the dense model's OLMo
-    options (block_type, rope, ...) in its config, which would only lead to a key-mismatch error."""
+    options (block_type, rope, ...) in its config, which would only lead to a key-mismatch error. It now loads as
+    LLaDA-MoE (tests/test_llada_moe.py), and a checkpoint missing its weights names that class."""
     config = {"model_type": "llada", "architectures": ["LLaDAMoEModelLM"], "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 4, "vocab_size": 128, "num_experts": 4,
               "num_experts_per_tok": 2, "expert_intermediate_size": 32, "rms_norm_eps": 1e-5, "rope_theta": 50000.0,
@@ -255,7 +256,7 @@ def test_llada_moe_checkpoint_is_named_in_the_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     save_file({"model.embed_tokens.weight": torch.zeros(128, 64)}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
-    with pytest.raises(ValueError, match="LLaDA-MoE checkpoints .*LLaDAMoEModelLM.* are not supported"):
+    with pytest.raises(ValueError, match="does not match LLaDAMoEModelLM .*missing_keys"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 

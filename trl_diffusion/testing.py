@@ -13,7 +13,16 @@ import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
-from .models import DreamConfig, DreamModel, LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM, SDARMoeConfig
+from .models import (
+    DreamConfig,
+    DreamModel,
+    LLaDAConfig,
+    LLaDAModelLM,
+    LLaDAMoEConfig,
+    SDARConfig,
+    SDARForCausalLM,
+    SDARMoeConfig,
+)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
 EOS_ID, IM_START_ID, IM_END_ID, MASK_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -75,6 +84,18 @@ def tiny_llada_config(**overrides) -> LLaDAConfig:
                   residual_dropout=0.0, embedding_dropout=0.0, mask_token_id=MASK_ID, eos_token_id=EOS_ID,
                   pad_token_id=EOS_ID)
     return LLaDAConfig(**{**fields, **overrides})
+
+
+def tiny_llada_moe_config(**overrides) -> LLaDAMoEConfig:
+    """A tiny LLaDA-MoE config: 2 layers of 4 heads over 2 key/value heads (16 wide) with per-head q/k norms, every
+    layer sparse (4 experts of width 32, 2 per token; a dense layer, ``moe_layer_freq`` 0, has width 128), no shared
+    expert, no expert bias. Not in ``TINY_CONFIGS``: build ``LLaDAMoEModelLM`` from it."""
+    fields = dict(vocab_size=TINY_VOCAB_SIZE, hidden_size=64, dense_intermediate_size=128, expert_intermediate_size=32,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  rope_theta=10000.0, partial_rotary_factor=1.0, qk_layernorm=True, num_experts=4,
+                  num_experts_per_tok=2, moe_layer_freq=[1, 1], mask_token_id=MASK_ID, eos_token_id=EOS_ID,
+                  pad_token_id=EOS_ID)
+    return LLaDAMoEConfig(**{**fields, **overrides})
 
 
 def tiny_dream_config(**overrides) -> DreamConfig:

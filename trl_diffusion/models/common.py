@@ -337,6 +337,8 @@ class QwenStyleAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        # OLMoE's clip_qkv (LLaDA-MoE's config has it): q, k (after their norms) and v clamped to [-clip, clip]
+        self.clip_qkv = getattr(config, "clip_qkv", None)
 
     def forward(self, x, cos, sin, mask, cache, store):
         b, n, _ = x.shape
@@ -345,6 +347,8 @@ class QwenStyleAttention(nn.Module):
         v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, full_precision=False)
         dropout = self.dropout if self.training else 0.0
         out = attend(q, k, v, mask, self.layer_idx, cache, store, dropout)
@@ -404,7 +408,8 @@ class DiffusionPreTrainedModel(PreTrainedModel):
         if bad:
             raise ValueError(
                 f"the checkpoint does not match {cls.__name__} ({model.config.model_type}): {bad}. Check that the "
-                "checkpoint is a released SDAR/TraDo, LLaDA or Dream/DiffuCoder model with its original key names."
+                "checkpoint is a released SDAR/TraDo(-MoE), LLaDA(-MoE) or Dream/DiffuCoder model with its original "
+                "key names."
             )
         return (model, info) if want_info else model
 
@@ -463,13 +468,16 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
         super().__init__(config)
         self.padding_idx = self._embedding_padding_idx(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            QwenStyleDecoderLayer(config, i, self.qkv_bias, self.qk_norm, self._layer_mlp(config, i))
-            for i in range(config.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(self._decoder_layer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
+
+    def _decoder_layer(self, config, layer_idx: int) -> nn.Module:
+        """Layer ``layer_idx``: a ``QwenStyleDecoderLayer`` with ``_layer_mlp``'s MLP (a backbone whose layers hold
+        more, as LLaDA-MoE's shared expert, overrides this)."""
+        mlp = self._layer_mlp(config, layer_idx)
+        return QwenStyleDecoderLayer(config, layer_idx, self.qkv_bias, self.qk_norm, mlp)
 
     def _layer_mlp(self, config, layer_idx: int) -> nn.Module | None:
         """The MLP of layer ``layer_idx``; None = the dense ``QwenStyleMLP`` (a mixture-of-experts backbone overrides

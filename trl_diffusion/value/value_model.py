@@ -1,13 +1,14 @@
-"""``DiffusionValueModel``: a diffusion backbone (SDAR, SDAR-MoE, LLaDA or Dream) plus a zero-initialised scalar head.
+"""``DiffusionValueModel``: a diffusion backbone (SDAR, SDAR-MoE, LLaDA, LLaDA-MoE or Dream) plus a zero-initialised
+scalar head.
 
 For every response token it predicts a value conditioned on the state the policy saw when that token was
 committed. ``token_values`` builds those states with the trajectory estimator's packed layouts
 (``estimators.packing``: one noisy block copy per merged step for block-causal models, one row per merged step
 for full-attention ones) and reads the value at each token's own position, where the token is still masked.
 
-The config is the backbone's own (``model_type`` ``sdar`` / ``sdar_moe`` / ``llada`` / ``Dream``) and the state-dict
-keys are ``model.*`` (the backbone, named as in the policy) and ``value_head.weight``, the layout of the TraceRL
-reference's SDAR value model. ``from_policy`` copies a policy's backbone weights.
+The config is the backbone's own (``model_type`` ``sdar`` / ``sdar_moe`` / ``llada`` (LLaDA and LLaDA-MoE) /
+``Dream``) and the state-dict keys are ``model.*`` (the backbone, named as in the policy) and ``value_head.weight``,
+the layout of the TraceRL reference's SDAR value model. ``from_policy`` copies a policy's backbone weights.
 """
 
 from __future__ import annotations
@@ -26,12 +27,15 @@ from ..estimators.packing import build_scoring_chunks
 from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
+from ..models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel
 from ..models.sdar.modeling_sdar import SDARModel
 from ..models.sdar_moe.modeling_sdar_moe import SDARMoeModel
 from ..states import resolve_model_attention_backend, trajectory_groups
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 
-BACKBONES = {"sdar": SDARModel, "sdar_moe": SDARMoeModel, "llada": LLaDAModel, "Dream": DreamBaseModel}
+BACKBONES = {"sdar": SDARModel, "sdar_moe": SDARMoeModel, "llada": LLaDAModel, "llada_moe": LLaDAMoEModel,
+             "Dream": DreamBaseModel}
+"""The backbone class per family: the config's ``model_type``, but LLaDA-MoE's (also ``"llada"``; see ``_family``)."""
 _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder",
                "trust_remote_code")
 _MERGE_ADAPTERS = ("a value model copies a plain policy's weights; merge the PEFT adapters first: "
@@ -49,17 +53,17 @@ class ValueOutput(ModelOutput):
 
 
 class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
-    """Value model for TraceRL: ``config`` is an SDAR, LLaDA or Dream config; the head starts at zero."""
+    """Value model for TraceRL: ``config`` is an SDAR(-MoE), LLaDA(-MoE) or Dream config; the head starts at zero."""
 
     config_class = PretrainedConfig
-    _no_split_modules = ["QwenStyleDecoderLayer", "LLaDALlamaBlock"]
+    _no_split_modules = ["QwenStyleDecoderLayer", "LLaDALlamaBlock", "LLaDAMoEDecoderLayer"]
 
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__(config)
-        backbone = BACKBONES.get(config.model_type)
+        backbone = BACKBONES.get(_family(config))
         if backbone is None:
-            raise ValueError(f"DiffusionValueModel needs an SDAR, SDAR-MoE, LLaDA or Dream config, got model_type "
-                             f"{config.model_type!r}; supported: {sorted(BACKBONES)}.")
+            raise ValueError(f"DiffusionValueModel needs an SDAR, SDAR-MoE, LLaDA, LLaDA-MoE or Dream config, got "
+                             f"model_type {config.model_type!r}; supported: {sorted(BACKBONES)}.")
         self.model = backbone(config)
         transformer = getattr(self.model, "transformer", None)
         if transformer is not None and "ff_out" in transformer:  # LLaDA keeps its LM head in the backbone
@@ -135,6 +139,12 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if cls.__name__ in (getattr(config, "architectures", None) or []):
             return cls.from_pretrained(name_or_path, config=config, **kwargs)
         return cls.from_policy(name_or_path, **kwargs)
+
+
+def _family(config: PretrainedConfig) -> str:
+    """The ``BACKBONES`` key of ``config``: its ``model_type``, but ``"llada_moe"`` for an ``LLaDAMoEConfig`` (whose
+    ``model_type`` is the released ``"llada"``, dense LLaDA's)."""
+    return "llada_moe" if isinstance(config, LLaDAMoEConfig) else config.model_type
 
 
 def _has_adapters(model: nn.Module) -> bool:

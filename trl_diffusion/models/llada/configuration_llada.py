@@ -1,4 +1,7 @@
-"""LLaDAConfig: the config of LLaDA-8B-Base/Instruct and LLaDA-1.5 (OLMo-style names, full attention)."""
+"""LLaDAConfig: the config of LLaDA-8B-Base/Instruct and LLaDA-1.5 (OLMo-style names, full attention).
+
+LLaDA-MoE's released config.json says ``model_type`` ``"llada"`` as well: loading such a dict (``from_dict``, which
+``AutoConfig`` and ``from_pretrained`` use) gives an ``LLaDAMoEConfig`` instead."""
 
 from __future__ import annotations
 
@@ -67,6 +70,17 @@ class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     init_cutoff_factor: float | None = None
     precision: str | None = None
     use_cache: bool = False
+
+    @classmethod
+    def from_dict(cls, config_dict: dict[str, Any], **kwargs):
+        """``PreTrainedConfig.from_dict``, except that LLaDA-MoE's dict (its released ``config.json`` says
+        ``model_type`` ``"llada"`` too; ``is_llada_moe_config``) gives an ``LLaDAMoEConfig``: ``AutoConfig`` and every
+        ``from_pretrained`` load through here."""
+        from ..llada_moe.configuration_llada_moe import LLaDAMoEConfig, is_llada_moe_config
+
+        if cls is LLaDAConfig and is_llada_moe_config(config_dict):
+            return LLaDAMoEConfig.from_dict(config_dict, **kwargs)
+        return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs: Any):
         if self.architectures is None:

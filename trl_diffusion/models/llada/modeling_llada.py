@@ -27,8 +27,9 @@ def _check_supported(config: LLaDAConfig) -> None:
     if any("MoE" in a for a in config.architectures or []) or getattr(config, "num_experts", None):
         # LLaDA-MoE's config.json also says model_type "llada"
         raise ValueError(
-            f"LLaDA-MoE checkpoints (architectures {config.architectures}) are not supported: trl_diffusion's LLaDA "
-            "is the dense LLaDA-8B / LLaDA-1.5 architecture (architectures ['LLaDAModelLM'])."
+            f"LLaDA-MoE configs (architectures {config.architectures}) are for LLaDAMoEModelLM, not LLaDAModelLM (the "
+            "dense LLaDA-8B / LLaDA-1.5 architecture): load the folder with AutoModelForCausalLM.from_pretrained or "
+            "LLaDAMoEModelLM.from_pretrained (AutoConfig gives an LLaDAMoEConfig for it)."
         )
     wanted = {
         "block_type": "llama",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from ..moe import pop_router_logits_flag
 from ..sdar.configuration_sdar import SDARConfig
 
 
@@ -41,12 +42,7 @@ class SDARMoeConfig(SDARConfig):
     mlp_only_layers: list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        if kwargs.pop("output_router_logits", False):
-            raise ValueError(
-                "SDARMoeConfig: output_router_logits=True is not supported: trl_diffusion computes no auxiliary "
-                "load-balancing loss and returns no router logits. Set output_router_logits=False (the released "
-                "checkpoints' value); training then uses the diffusion loss alone."
-            )
+        pop_router_logits_flag(kwargs, "SDARMoeConfig")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)
