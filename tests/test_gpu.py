@@ -1,6 +1,6 @@
 """What only a GPU shows: compiled flex attention against SDPA (values and gradients) for the SFT objectives and
 TraceRL scoring, generation on CUDA equal to the CPU, the exact KV cache, a bf16 + gradient checkpointing + LoRA
-TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-MoE decoding, the three examples and
+TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-/LLaDA-MoE decoding, the three examples and
 ``trl-diffusion eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
 
 Skipped without CUDA. One command runs them all (under 5 minutes on one H200)::
@@ -21,8 +21,16 @@ import torch
 from datasets import Dataset
 
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
-from trl_diffusion.models import SDARMoeForCausalLM
-from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, seeded_fill_, tiny_model, tiny_sdar_moe_config
+from trl_diffusion.models import LLaDAMoEModelLM, SDARMoeForCausalLM
+from trl_diffusion.testing import (
+    EOS_ID,
+    MASK_ID,
+    build_tokenizer,
+    seeded_fill_,
+    tiny_llada_moe_config,
+    tiny_model,
+    tiny_sdar_moe_config,
+)
 from trl_diffusion.trainers import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.trainers.diffusion_losses import (
     build_objective,
@@ -142,17 +150,24 @@ def test_exact_kv_cache_on_cuda():
         torch.testing.assert_close(plain[4], cached[4], rtol=1e-4, atol=1e-5)
 
 
-def test_sdar_moe_on_cuda():
-    """SDAR-MoE on CUDA: greedy decoding equals the CPU's, the exact cache equals recomputing, ``cuda_graphs="auto"``
-    decodes it eagerly (its expert dispatch reads on the host) with the same result, and a backward pass reaches the
-    router."""
-    cpu = seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0).eval()
-    gpu = seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0).eval().to(CUDA)
+MOE_MODELS = {"sdar_moe": (SDARMoeForCausalLM, tiny_sdar_moe_config, True),
+              "llada_moe": (LLaDAMoEModelLM, tiny_llada_moe_config, "dual")}
+
+
+@pytest.mark.parametrize("family", sorted(MOE_MODELS))
+def test_moe_on_cuda(family):
+    """SDAR-MoE / LLaDA-MoE on CUDA: greedy decoding equals the CPU's, SDAR-MoE's exact cache equals recomputing
+    (LLaDA-MoE's dual cache runs), ``cuda_graphs="auto"`` decodes eagerly (the expert dispatch reads on the host) with
+    the same result, and a backward pass reaches the router."""
+    model_class, make_config, cache = MOE_MODELS[family]
+    cpu = seeded_fill_(model_class(make_config()), 0).eval()
+    gpu = seeded_fill_(model_class(make_config()), 0).eval().to(CUDA)
     greedy = dict(temperature=0.0, generator=None)
     on_cpu, on_gpu = rollout(cpu, **greedy), rollout(gpu, **greedy)
     assert torch.equal(on_gpu[2].cpu(), on_cpu[2]) and torch.equal(on_gpu[3].cpu(), on_cpu[3])
-    plain = rollout(gpu, use_cache=False, **greedy)
-    assert torch.equal(plain[2], on_gpu[2]) and torch.equal(plain[3], on_gpu[3])
+    plain, cached = rollout(gpu, use_cache=False, **greedy), rollout(gpu, use_cache=cache, **greedy)
+    if cache is True:
+        assert torch.equal(plain[2], cached[2]) and torch.equal(plain[3], cached[3])
     graphs = rollout(gpu, cuda_graphs="auto", **greedy)
     assert torch.equal(graphs[2], on_gpu[2]) and torch.equal(graphs[3], on_gpu[3])
     gpu.train()
