@@ -40,8 +40,9 @@ _GENERATE_FIELDS = ("max_new_tokens", "block_length", "denoising_steps", "remask
                     "cfg_scale", "cuda_graphs")
 _DATASET_GENERATION_DEFAULTS = {"arithmetic": {"max_new_tokens": 16, "temperature": 0.0}}
 _BATCH_SIZE, _DATASET_BATCH_SIZE = 16, {"arithmetic": 100}  # the tiny model's short rows: few, wide batches
-MATH_GRADERS = ("math_verify", "official")
-"""``math_grader`` values: math-verify (our reward), or dLLM-RL's ``is_equal`` as its ``reward/reward.py`` scores."""
+MATH_GRADERS = ("math_verify", "math_verify_plain", "official")
+"""``math_grader`` values: math-verify with the answer rules (our reward), math-verify's own comparison (without them,
+comparable with other math-verify evaluations), or dLLM-RL's ``is_equal`` as its ``reward/reward.py`` scores."""
 CODE_GRADERS = ("sandbox", "official")
 """``code_grader`` values: the code reward's extraction and ``code_timeout`` (ours), or dLLM-RL's
 (``reward/execute.py``: ``python`` fences only, the row's ``test_time_limit``, one run per stdio case)."""
@@ -111,8 +112,10 @@ class EvalConfig:
                                    "decoding only here: sampling shares one generator, which needs the eager loop); "
                                    "off: eager (the default).", choices=["auto", "off"])
     math_grader: str = _arg("math_verify", "Math scoring: math_verify (the last \\boxed{}, else math-verify's own "
-                            "extraction from the text) or official (dLLM-RL's eval: the last \\boxed{} only, "
-                            "Hendrycks is_equiv, else sympy within 1 s; no box scores 0).", choices=list(MATH_GRADERS))
+                            "extraction from the text, with the training reward's answer rules), math_verify_plain "
+                            "(the same without them: math-verify's own comparison) or official (dLLM-RL's eval: "
+                            "the last \\boxed{} only, Hendrycks is_equiv, else sympy within 1 s; no box scores 0).",
+                            choices=list(MATH_GRADERS))
     code_grader: str = _arg("sandbox", "Code scoring: sandbox (the code reward's extraction: the last ```python, "
                             "else untagged, block; --code_timeout per completion) or official (dLLM-RL's execute.py: "
                             "the last ```python block only; the row's test_time_limit (default 1 s) + 2 s per "
@@ -159,7 +162,9 @@ class EvalConfig:
         """The reward that scores math completions (``math_grader``); raises for an unknown grader."""
         if self.math_grader not in MATH_GRADERS:
             raise ValueError(f"math_grader must be one of {list(MATH_GRADERS)}, got {self.math_grader!r}.")
-        return OfficialMathReward() if self.math_grader == "official" else MathAccuracyReward()
+        if self.math_grader == "official":
+            return OfficialMathReward()
+        return MathAccuracyReward(answer_rules=self.math_grader == "math_verify")
 
     def check_code_grader(self) -> None:
         """Raise for an unknown ``code_grader``."""

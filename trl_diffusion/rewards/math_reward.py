@@ -3,7 +3,12 @@
 The gold answer comes from the dataset row: a bare ``answer`` column ("18", "\\frac{1}{2}"), a GSM8K-style answer
 ("... #### 18"), or a full ``solution`` text whose last ``\\boxed{}`` holds the answer. The prediction is the last
 ``\\boxed{}`` of the completion when there is one, otherwise whatever math-verify extracts from the text. Both sides
-are normalised to the same ``\\boxed{...}`` form before parsing so equivalent LaTeX compares equal.
+are normalised to the same ``\\boxed{...}`` form before parsing so equivalent LaTeX compares equal. On top of
+math-verify's comparison the prediction must be an answer, not something math-verify can reduce to one: a box read
+only in part (``17 \\lor 18``), an operation left to sympy that the gold answer does not use (the question's
+``\\dbinom{31}{28}``), arithmetic or an unsimplified expression where the gold is simplified (``99^2+99+1``), an
+unknown the gold answer does not have, or a number close to a small gold one only in absolute terms all score 0.0
+(the rules and the reasons are in :mod:`~trl_diffusion.rewards.math_verify_check`).
 
 math-verify's timeouts use ``signal.alarm``, which only works in the main thread. Elsewhere (e.g. a trainer that
 scores rewards in a worker thread, or an ``async`` wrapper on TRL's event-loop thread) a completion is checked in a
@@ -25,8 +30,7 @@ from typing import Any
 from .dllm_rl_math import SympyWorker, extract_boxed_answer, is_equiv, repeatness
 from .format_reward import completion_to_text, has_box, last_boxed_content
 from .math_verify_check import as_boxed as _as_boxed
-from .math_verify_check import boot_command, verify_source
-from .math_verify_check import extraction_configs as _configs
+from .math_verify_check import boot_command, parse_boxed, verify_source
 
 __all__ = [
     "MathAccuracyReward",
@@ -74,6 +78,12 @@ class MathAccuracyReward:
         parsing_timeout: seconds allowed for each math-verify parse (main thread only).
         verify_timeout: seconds allowed for each math-verify comparison (main thread only).
         max_answer_chars: answers longer than this score 0.0 without parsing.
+        answer_rules: require an answer written as an answer (the rules of
+            :mod:`~trl_diffusion.rewards.math_verify_check`: no operation left to sympy that the gold answer does not
+            use, a written number for a numeric gold answer, no unknowns the gold answer lacks, at most one operation
+            longer than it, four significant digits for a small one), so that a policy cannot score by copying the
+            question's expression into the box. ``False``: math-verify's own comparison (a box is still read
+            whole), for numbers comparable with other math-verify evaluations.
 
     Rows are read from the ``answer`` and/or ``solution`` dataset columns TRL passes as keyword lists. A row whose
     gold answer cannot be found or parsed gets ``None``, which TRL treats as NaN and leaves out of the reward; a
@@ -82,8 +92,10 @@ class MathAccuracyReward:
     callable class (not a closure) so it pickles for multi-process rollouts.
     """
 
-    def __init__(self, parsing_timeout: int = 5, verify_timeout: int = 5, max_answer_chars: int = 1000) -> None:
+    def __init__(self, parsing_timeout: int = 5, verify_timeout: int = 5, max_answer_chars: int = 1000,
+                 answer_rules: bool = True) -> None:
         self.parsing_timeout = parsing_timeout
+        self.answer_rules = answer_rules
         self.verify_timeout = verify_timeout
         self.max_answer_chars = max_answer_chars
         self.__name__ = "math_accuracy_reward"
@@ -135,13 +147,12 @@ class MathAccuracyReward:
 
     def _parse_gold(self, gold: str | None, in_main: bool) -> list | None:
         """math-verify parse of a bare gold answer; ``None`` if absent, too long or unparseable."""
-        from math_verify import parse
         from math_verify.errors import TimeoutException
 
         if gold is None or len(gold) > self.max_answer_chars:
             return None
         try:
-            parsed = parse(_as_boxed(gold), extraction_config=_configs(), parsing_timeout=self._timeout(in_main))
+            parsed = parse_boxed(_as_boxed(gold), self._timeout(in_main))
         except (Exception, TimeoutException):
             return None
         return parsed or None
@@ -160,14 +171,18 @@ class MathAccuracyReward:
         else:
             source = text[-self.max_answer_chars * 4 :]
         if not in_main:
-            return 1.0 if self._child().compare(source, _as_boxed(gold)) else 0.0
-        return 1.0 if verify_source(source, gold_parsed, self.parsing_timeout, self.verify_timeout) else 0.0
+            return 1.0 if self._child().compare(source, gold) else 0.0
+        verdict = verify_source(source, gold_parsed, self.parsing_timeout, self.verify_timeout, gold,
+                                self.answer_rules)
+        return 1.0 if verdict else 0.0
 
     def _child(self) -> SympyWorker:
         """The child process checking completions in its main thread; killed past the timeouts plus a margin."""
         if self.worker is None:
-            limit = 2 * self.parsing_timeout + self.verify_timeout + 2  # both parses, the comparison, the pipe
-            self.worker = SympyWorker(timeout=limit, command=boot_command(self.parsing_timeout, self.verify_timeout))
+            # both parses, the prediction's checks, the gold's tolerance, the comparison, the pipe
+            limit = 2 * self.parsing_timeout + 3 * self.verify_timeout + 2
+            self.worker = SympyWorker(timeout=limit, command=boot_command(self.parsing_timeout, self.verify_timeout,
+                                                                         self.answer_rules))
         return self.worker
 
     def _timeout(self, in_main: bool) -> int | None:

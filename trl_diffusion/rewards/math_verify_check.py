@@ -3,23 +3,45 @@
 math-verify's timeouts use ``signal.alarm``, which only works in a main thread. :class:`MathAccuracyReward` called
 from another thread sends each check to a child process (this file run as a script, line protocol of
 :class:`~trl_diffusion.rewards.dllm_rl_math.SympyWorker`), where the timeouts work and which is killed if it hangs
-anyway. Imports only the standard library and math-verify, so the child starts without loading ``trl_diffusion``.
+anyway. Imports only the standard library, math-verify and sympy, so the child starts without loading
+``trl_diffusion``.
+
+On top of math-verify's ``verify``, a prediction must be an answer, not something math-verify can reduce to one
+(each rule closes a way to score without solving the problem; see :func:`verify_source`):
+
+* a boxed answer (and the gold answer) is read as a whole: when math-verify cannot parse all of it, it does not fall
+  back to the last number or the last ``= ...`` inside it (``\\boxed{17 \\lor 18}``, ``\\boxed{x = 17 \\lor x = 18}``);
+* no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
+  floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det``, ``|.|``, ``\\max`` /
+  ``\\min`` (copying ``\\dbinom{31}{28}`` or ``\\log_2 64`` from the question is not an answer);
+* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``) needs a number, not arithmetic left to do
+  (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a percentage, scientific notation;
+* no unknown when the gold answer has none (``\\frac{18x}{x}``);
+* a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
+  decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import sys
 
-__all__ = ["as_boxed", "boot_command", "extraction_configs", "verify_source"]
+__all__ = ["as_boxed", "boot_command", "parse_boxed", "verify_source"]
 
 
-def extraction_configs() -> list:
-    """Extraction targets for a ``$\\boxed{...}$``-wrapped answer: LaTeX with the box first, then plain expressions."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+def parse_boxed(source: str, parsing_timeout: int | None) -> list:
+    """math-verify's parse of an :func:`as_boxed` answer (a gold answer or a boxed prediction), read as a whole: its
+    LaTeX only, and no value read from a part of it -- math-verify would otherwise fall back to the last number
+    (``1, 2, \\ldots, 100`` -> 100, ``17 \\lor 18`` -> 18) or the last ``= ...`` of what it cannot parse. What it
+    cannot read whole keeps only its text (which then only matches the same text)."""
+    from math_verify import LatexExtractionConfig, parse
 
-    return [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    parsed = parse(source, extraction_config=[LatexExtractionConfig(boxed_match_priority=0)],
+                   extraction_mode="first_match", parsing_timeout=parsing_timeout)
+    return [p for p in parsed if isinstance(p, str) or _read_whole(p, parsed)]
 
 
 def as_boxed(answer: str) -> str:
@@ -27,42 +49,323 @@ def as_boxed(answer: str) -> str:
     return "$\\boxed{" + answer + "}$"
 
 
-def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None) -> bool:
-    """math-verify's verdict on one prediction: ``source`` is an :func:`as_boxed` answer, or raw text to extract the
-    answer from. ``False`` when it cannot be parsed, raises or runs out of time."""
+def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None,
+                  gold: str = "", answer_rules: bool = True) -> bool:
+    """math-verify's verdict on one prediction, with the rules of the module docstring: ``source`` is an
+    :func:`as_boxed` answer, or raw text to extract the answer from; ``gold`` is the bare gold answer (its LaTeX),
+    ``gold_parsed`` its math-verify parse. ``answer_rules=False`` keeps only the first rule (a box is read whole)
+    and math-verify's own comparison. ``False`` when it cannot be parsed, raises or runs out of time."""
     from math_verify import parse, verify
     from math_verify.errors import TimeoutException
+    from math_verify.utils import timeout
 
     try:
         if source.startswith("$\\boxed{"):
-            pred_parsed = parse(source, extraction_config=extraction_configs(), parsing_timeout=parsing_timeout)
+            text = source[len("$\\boxed{"):-len("}$")]
+            pred_parsed = parse_boxed(source, parsing_timeout)
         else:
             pred_parsed = parse(source, parsing_timeout=parsing_timeout)
-        return bool(pred_parsed) and bool(verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout))
+            text = next((p for p in pred_parsed if isinstance(p, str)), "")
+        if not pred_parsed:
+            return False
+        if not answer_rules:
+            return bool(verify(gold_parsed, pred_parsed, timeout_seconds=verify_timeout))
+        checked = timeout(timeout_seconds=verify_timeout)(_admissible)
+        pred_parsed = checked(pred_parsed, text, gold_parsed, gold)
+        if not pred_parsed:
+            return False
+        rounding = timeout(timeout_seconds=verify_timeout)(_float_rounding)(gold_parsed)
+        return bool(verify(gold_parsed, pred_parsed, float_rounding=rounding, timeout_seconds=verify_timeout))
     except (Exception, TimeoutException):
         return False
 
 
-def _check(source: str, gold: str, parsing_timeout: int, verify_timeout: int) -> bool:
-    from math_verify import parse
+# ------------------------------------------------------------------------------------------ the prediction rules
+
+# Operations a prediction may only use if the gold answer does: with them the question's own expression, copied
+# into the box, is "equal" to the answer once sympy evaluates it. Matched in the LaTeX (sympy evaluates some of
+# them while parsing, e.g. \binom and \gcd) and as sympy functions (the text of an unboxed answer is not known).
+_OPERATION_LATEX = {
+    "binomial": r"\\[dt]?binom(?![a-zA-Z])|\\choose(?![a-zA-Z])",
+    "factorial": r"(?<!\\)!(?!=)",
+    "sum": r"\\(?:sum|prod)(?![a-zA-Z])",
+    "integral": r"\\i+nt(?![a-zA-Z])|\\oint(?![a-zA-Z])",
+    "limit": r"\\lim(?![a-zA-Z])|\\lim(?:sup|inf)(?![a-zA-Z])",
+    "derivative": r"\\partial(?![a-zA-Z])|\\[dt]?frac\s*\{\s*d[a-zA-Z]?\s*\}\s*\{\s*d[a-zA-Z]",
+    "rounding": r"\\(?:operatorname\s*\{\s*)?[lr]?(?:floor|ceil)(?![a-zA-Z])",
+    "logarithm": r"\\(?:operatorname\s*\{\s*)?(?:log|ln|lg)(?![a-zA-Z])",
+    "trigonometric": r"\\(?:operatorname\s*\{\s*)?(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?(?![a-zA-Z])",
+    "gcd": r"\\gcd(?![a-zA-Z])|\b(?:gcd|lcm)\b",
+    "modulo": r"\\bmod(?![a-zA-Z])",
+    "determinant": r"\\det(?![a-zA-Z])",
+    "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
+    "max/min": r"\\(?:max|min)(?![a-zA-Z])",
+}
+_OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
+
+
+def _operations(text: str, parsed: list) -> set[str]:
+    """The operations of :data:`_OPERATION_LATEX` used in an answer (its LaTeX and its sympy parse)."""
+    import sympy
+
+    found = {name for name, pattern in _OPERATION_RE.items() if pattern.search(text)}
+    classes = {
+        "binomial": (sympy.binomial,), "factorial": (sympy.factorial, sympy.factorial2),
+        "sum": (sympy.Sum, sympy.Product), "integral": (sympy.Integral,), "limit": (sympy.Limit,),
+        "derivative": (sympy.Derivative,), "rounding": (sympy.floor, sympy.ceiling),
+        "logarithm": (sympy.log,), "modulo": (sympy.Mod,), "absolute value": (sympy.Abs,),
+        "max/min": (sympy.Max, sympy.Min),
+        "trigonometric": (sympy.functions.elementary.trigonometric.TrigonometricFunction,
+                          sympy.functions.elementary.trigonometric.InverseTrigonometricFunction,
+                          sympy.functions.elementary.hyperbolic.HyperbolicFunction),
+    }
+    for expr in parsed:
+        if isinstance(expr, sympy.Basic):
+            for node in sympy.preorder_traversal(expr):
+                found.update(name for name, types in classes.items() if isinstance(node, types))
+    return found
+
+
+def _read_whole(expr, parsed: list) -> bool:
+    """False if math-verify read only the part after the last ``=`` of a box it could not parse whole (its
+    fallback for ``a = b = c`` chains): ``x = 17 \\lor x = 18`` would otherwise be read as 18."""
+    from math_verify.grader import is_relation
+    from math_verify.parser import get_last_eq
+
+    latex = next((p for p in parsed if isinstance(p, str)), None)
+    return latex is None or get_last_eq(latex) == latex or is_relation(expr)
+
+
+def _admissible(pred_parsed: list, text: str, gold_parsed: list, gold: str) -> list:
+    """``pred_parsed`` without the sympy values that break a rule for every gold value (its text stays: it only
+    matches a gold answer written the same way). The rules read what math-verify compares: of an equation chain
+    against a gold value, only its last side (``3! \\times 5! = 720`` is read as 720)."""
+    golds = [g for g in gold_parsed if not isinstance(g, str)]
+    return [p for p in pred_parsed if isinstance(p, str) or any(_passes(p, text, g, gold) for g in golds)]
+
+
+def _passes(pred, text: str, gold_expr, gold: str) -> bool:
+    """Whether the sympy prediction ``pred`` (LaTeX ``text``) is an admissible answer for one gold value."""
+    from math_verify.grader import is_assignment_relation, is_equation, is_relation, take_last_relation
+
+    gold_value, value, answer = gold_expr, pred, text
+    if is_equation(pred) and not is_equation(gold_expr):
+        value, answer = take_last_relation(pred).rhs, _EQUATION_SPLIT.split(text)[-1]
+    elif is_assignment_relation(gold_expr) and not is_equation(pred):
+        gold_value = take_last_relation(gold_expr).rhs
+    if not is_relation(pred) and _EQUATION_SPLIT.search(text):
+        answer = _EQUATION_SPLIT.split(text)[-1]  # math-verify read the part after the last "="
+    if _operations(answer, [value]) - _operations(gold, [gold_value]):
+        return False  # an operation left to sympy: \binom{31}{28} for 4495
+    if not _free_symbols(gold_value) and _free_symbols(value):
+        return False  # an unknown in the answer to a question whose answer has none: \frac{18x}{x}
+    if _plain_number(gold_value) and not _written_number(value):
+        return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901
+    if _less_simplified(value, gold_value):
+        return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
+    return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
+
+
+# "=" as math-verify splits equation chains (not <=, >=, !=), and "\equiv", which it reads as "=".
+_EQUATION_SPLIT = re.compile(r"(?<!\\|<|!|>)=|\\equiv(?![a-zA-Z])")
+
+
+def _value(expr):
+    """What math-verify compares a non-equation gold answer with: the right side of an equation (``x = 5`` -> 5)."""
+    from math_verify.grader import is_equation, take_last_relation
+
+    return take_last_relation(expr).rhs if is_equation(expr) else expr
+
+
+def _free_symbols(expr) -> set:
+    try:
+        return set(expr.free_symbols)
+    except Exception:
+        return set()
+
+
+def _percent_value(expr):
+    """``X`` for a percentage ``X\\%`` (math-verify's ``X * UnevaluatedExpr(1/100)``), else ``None``."""
+    from math_verify.grader import get_pct_val
+
+    return get_pct_val(expr)
+
+
+def _plain_number(expr) -> bool:
+    """A gold answer that is a number: an integer, a fraction, a decimal, or a percentage of one."""
+    import sympy
+
+    percent = _percent_value(expr)
+    return isinstance(percent if percent is not None else expr, sympy.Number)
+
+
+def _written_number(expr) -> bool:
+    """A number written as a final answer: a literal (``-5``, ``\\frac{1}{2}``, ``0.15``), a percentage, scientific
+    notation (``1.2 \\times 10^{6}``), a root of a literal, ``\\pi``, ``e``, ``i`` -- not arithmetic still to do."""
+    import sympy
+
+    percent = _percent_value(expr)
+    if percent is not None:
+        return _written_number(percent)
+    if isinstance(expr, (sympy.Number, sympy.NumberSymbol)) or expr is sympy.I:
+        return True
+    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)):
+        return all(_written_number(element) for element in expr.args)  # \{18\} for 18
+    if isinstance(expr, sympy.Pow):
+        base, exponent = expr.args
+        if base == 10 and exponent.is_Integer:
+            return True  # 10^{-3}
+        if exponent == -1 or (exponent.is_Rational and not exponent.is_Integer):
+            return _written_number(base)  # a reciprocal (\frac{1}{\sqrt{2}}) or a root (\sqrt{2})
+        return False
+    if isinstance(expr, sympy.Mul):
+        numbers = [f for f in expr.args if isinstance(f, sympy.Number) and abs(f) != 1]
+        return len(numbers) <= 1 and all(_written_number(f) for f in expr.args)
+    return False
+
+
+def _less_simplified(value, gold) -> bool:
+    """More than one operation longer than the gold answer. Not judged for text answers (read as symbols) or for
+    answers with functions (``\\cot x`` written ``\\frac{\\cos x}{\\sin x}``, ``\\log_2 3`` as a quotient of logs)."""
+    import sympy
+
+    if isinstance(gold, sympy.Symbol) or _has_function(gold) or _has_function(value):
+        return False
+    gold_size, size = _operation_count(gold), _operation_count(value)
+    return gold_size is not None and size is not None and size > gold_size + 1
+
+
+def _has_function(expr) -> bool:
+    import sympy
+
+    try:
+        return bool(expr.atoms(sympy.Function))
+    except Exception:
+        return True
+
+
+def _operation_count(expr) -> int | None:
+    """Operations written in an answer: each sum, product, power, function, relation. Numbers (``-\\frac{3}{4}``,
+    ``0.5``), a sign, a numeric coefficient (``\\frac{4 \\pi r^3}{3}`` counts as ``\\frac{4}{3} \\pi r^3``), a percent
+    sign and the brackets of a set, tuple or interval are free. ``None``: not counted (e.g. a matrix of symbols)."""
+    import sympy
+
+    percent = _percent_value(expr)
+    if percent is not None:
+        return _operation_count(percent)
+    if isinstance(expr, sympy.MatrixBase):
+        counts = [_operation_count(entry) for entry in expr]
+        return None if None in counts else sum(counts)
+    if not isinstance(expr, sympy.Basic):
+        return None
+    if not expr.args or isinstance(expr, (sympy.Number, sympy.Symbol, sympy.NumberSymbol)):
+        return 0
+    if isinstance(expr, (sympy.Add, sympy.Mul)):
+        parts = _flattened(expr, type(expr))
+        if expr.is_Mul:  # numbers and their reciprocals make one coefficient, a sign none
+            coefficient = [sympy.Integer(2)] if any(_is_numeral(p) and p not in (1, -1) for p in parts) else []
+            parts = [p for p in parts if not _is_numeral(p)] + coefficient
+        counts = [_operation_count(part) for part in parts]
+        return None if None in counts else max(len(counts) - 1, 0) + sum(counts)
+    counts = [_operation_count(arg) for arg in expr.args]
+    if None in counts:
+        return None
+    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple, sympy.Interval, sympy.UnevaluatedExpr)):
+        return sum(counts)
+    return 1 + sum(counts)
+
+
+def _flattened(expr, kind) -> list:
+    """The terms of nested sums, or the factors of nested products, as written (they are not evaluated)."""
+    return [part for arg in expr.args for part in (_flattened(arg, kind) if isinstance(arg, kind) else [arg])]
+
+
+def _is_numeral(expr) -> bool:
+    """A number, the reciprocal of one (``\\frac{x}{3}`` is parsed as ``x \\cdot 3^{-1}``) or a power of ten."""
+    import sympy
+
+    return isinstance(expr, sympy.Number) or (isinstance(expr, sympy.Pow) and isinstance(expr.base, sympy.Number) and (
+        expr.exp == -1 or (expr.base == 10 and expr.exp.is_Integer)))
+
+
+def _too_far(value, gold) -> bool:
+    """A number that differs from a small gold number (under 10^{-3}) by more than 0.1 %: math-verify's own test,
+    ``(gold - answer).evalf(chop=True) == 0``, passes any two numbers under about 10^{-15} (``5 \\times 10^{-19}``
+    for ``1.6 \\times 10^{-19}``). Single numbers only; sets and tuples rely on :func:`_float_rounding`."""
+    import sympy
+
+    if isinstance(value, (sympy.FiniteSet, sympy.Tuple, sympy.Interval, sympy.Union, sympy.MatrixBase)):
+        return False
+    answer = _numbers(value)
+    try:
+        if len(answer) != 1:
+            return False
+        numbers = _numbers(gold)
+        if len(numbers) != 1 or isinstance(gold, (sympy.FiniteSet, sympy.Tuple, sympy.Interval)):
+            return False
+        exact = complex(sympy.N(numbers[0].doit(), 20))
+        if not 0 < abs(exact) < 1e-3:
+            return False  # the answer is evaluated only when the gold answer is small
+        return abs(complex(sympy.N(answer[0].doit(), 20)) - exact) > 1e-3 * abs(exact)
+    except Exception:
+        return False
+
+
+def _float_rounding(gold_parsed: list) -> int:
+    """math-verify rounds decimals to 6 places (0.0000001 "equals" 10^{-8}); for a gold answer under 10^{-3}
+    (or an element of one: a set, a tuple, an interval, a matrix) keep about 4 significant digits instead."""
+    import sympy
+
+    sizes = []
+    for gold in gold_parsed:
+        for number in _numbers(_value(gold)) if isinstance(gold, sympy.Basic) else ():
+            try:
+                sizes.append(abs(complex(sympy.N(number.doit(), 20))))
+            except Exception:
+                continue
+    smallest = min((size for size in sizes if size > 0), default=math.inf)
+    if not smallest < 1e-3:
+        return 6
+    return min(max(6, 3 - math.floor(math.log10(smallest))), 100)
+
+
+def _numbers(expr) -> list:
+    """The numbers an answer is made of: itself, or the elements of a set, tuple, interval or matrix."""
+    import sympy
+
+    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple, sympy.Union)):
+        return [number for arg in expr.args for number in _numbers(arg)]
+    if isinstance(expr, sympy.Interval):
+        return _numbers(expr.start) + _numbers(expr.end)
+    if isinstance(expr, sympy.MatrixBase):
+        return [number for entry in expr for number in _numbers(entry)]
+    percent = _percent_value(expr)
+    if percent is not None:
+        return [number / 100 for number in _numbers(percent)]
+    return [expr] if isinstance(expr, sympy.Expr) and expr.is_number else []
+
+
+def _check(source: str, gold: str, parsing_timeout: int, verify_timeout: int, answer_rules: bool = True) -> bool:
+    """One check in the child: ``gold`` is the bare gold answer."""
     from math_verify.errors import TimeoutException
 
     try:
-        gold_parsed = parse(gold, extraction_config=extraction_configs(), parsing_timeout=parsing_timeout)
+        gold_parsed = parse_boxed(as_boxed(gold), parsing_timeout)
     except (Exception, TimeoutException):
         return False
-    return bool(gold_parsed) and verify_source(source, gold_parsed, parsing_timeout, verify_timeout)
+    return bool(gold_parsed) and verify_source(source, gold_parsed, parsing_timeout, verify_timeout, gold,
+                                               answer_rules)
 
 
 def _serve() -> None:
-    """Child loop: one JSON ``[prediction source, boxed gold]`` per input line, ``1`` / ``0`` per output line."""
-    parsing_timeout, verify_timeout = int(sys.argv[-2]), int(sys.argv[-1])
-    _check(as_boxed("1"), as_boxed("1"), parsing_timeout, verify_timeout)  # imports off the first check's clock
+    """Child loop: one JSON ``[prediction source, bare gold]`` per input line, ``1`` / ``0`` per output line."""
+    parsing_timeout, verify_timeout, answer_rules = int(sys.argv[-3]), int(sys.argv[-2]), sys.argv[-1] == "1"
+    _check(as_boxed("1"), "1", parsing_timeout, verify_timeout)  # imports off the first check's clock
     out = sys.stdout.buffer
     out.write(b"ready\n")
     out.flush()
     for line in sys.stdin.buffer:
-        out.write(b"1\n" if _check(*json.loads(line), parsing_timeout, verify_timeout) else b"0\n")
+        out.write(b"1\n" if _check(*json.loads(line), parsing_timeout, verify_timeout, answer_rules) else b"0\n")
         out.flush()
 
 
@@ -71,10 +374,10 @@ _BOOT = ("import importlib.util, sys; sys.path.pop(0); spec = importlib.util.spe
          "spec.loader.exec_module(module); module._serve()")
 
 
-def boot_command(parsing_timeout: int, verify_timeout: int) -> list[str]:
+def boot_command(parsing_timeout: int, verify_timeout: int, answer_rules: bool = True) -> list[str]:
     """The child's command line (this file loaded by path, so the ``trl_diffusion`` package is not imported)."""
-    timeouts = [str(int(parsing_timeout)), str(int(verify_timeout))]
-    return [sys.executable, "-c", _BOOT, os.path.abspath(__file__), *timeouts]
+    settings = [str(int(parsing_timeout)), str(int(verify_timeout)), "1" if answer_rules else "0"]
+    return [sys.executable, "-c", _BOOT, os.path.abspath(__file__), *settings]
 
 
 if __name__ == "__main__":

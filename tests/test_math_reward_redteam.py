@@ -1,0 +1,171 @@
+"""Red-team tests of ``math_accuracy_reward``: answers a policy can write without solving the problem, which
+math-verify alone scores 1.0, must score 0.0; correct answers written in other ways must still score 1.0; an answer
+that makes sympy work forever is cut off by the timeouts. Each attack below scored 1.0 before the rules of
+``trl_diffusion/rewards/math_verify_check.py`` (see its docstring)."""
+
+import threading
+import time
+
+import pytest
+
+from trl_diffusion.rewards.math_reward import MathAccuracyReward
+
+REWARD = MathAccuracyReward(parsing_timeout=2, verify_timeout=2)
+
+
+def boxed(answer):
+    return f"So the answer is $\\boxed{{{answer}}}$."
+
+
+def scores(pairs, reward=REWARD):
+    """The reward of each (completion, gold) pair, in one call."""
+    return reward([completion for completion, _ in pairs], answer=[gold for _, gold in pairs])
+
+
+# (answer in the box, gold): math-verify reads each as the gold answer, but it is not a solution.
+ATTACKS = {
+    # Alternatives in one box: math-verify could not parse the box and fell back to its last number / "= ...".
+    "or": (r"17 \lor 18", "18"),
+    "or, as equations": (r"x = 17 \lor x = 18", "18"),
+    "line break": (r"17 \\ 18", "18"),
+    "cases": (r"\begin{cases} 17 & n \text{ even} \\ 18 & n \text{ odd} \end{cases}", "18"),
+    "divides": (r"17 \mid 18", "18"),
+    "implies": (r"17 \implies 18", "18"),
+    # The question's expression copied into the box, evaluated by sympy (MATH-500 has such questions).
+    "binomial": (r"\dbinom{31}{28}", "4495"),
+    "logarithm": (r"\log_2 64", "6"),
+    "factorial": ("5!", "120"),
+    "ceiling": (r"\lceil{\sqrt{20}}\rceil^2", "25"),
+    "inverse sine": (r"\arcsin \left( -\frac{1}{2} \right)", r"-\frac{\pi}{6}"),
+    "sum": (r"\sum_{k=1}^{4} k", "10"),
+    "integral": (r"\int_0^1 2x \, dx", "1"),
+    "absolute value": ("|-7|", "7"),
+    "maximum": (r"\max(3, 7)", "7"),
+    "arithmetic for a number": ("99^2+99+1", "9901"),
+    "difference of squares": ("513^2 - 487^2", "26000"),
+    "power for a number": ("2^{10}", "1024"),
+    "subtraction for a number": ("50 - 8", "42"),
+    "unsimplified polynomial": ("19x + 1 - 4x - 81", "15x - 80"),
+    "expanded, asked to factor": ("ab+5b+2a+10", "(a+5)(b+2)"),
+    "complex arithmetic": ("(1+2i)6-3i", "6+9i"),
+    # Unknowns that cancel, where the answer has none.
+    "unknown that cancels": (r"\frac{18x}{x}", "18"),
+    "unknown added and removed": (r"2\sqrt{3} + x - x", r"2\sqrt{3}"),
+    # math-verify's six decimal places, and its evalf(chop=True) test, for small numbers.
+    "zero for a small gold": ("0.0", "10^{-8}"),
+    "ten times a small gold": ("0.0000001", "10^{-8}"),
+    "wrong physical constant": (r"5 \times 10^{-19}", r"1.6 \times 10^{-19}"),
+}
+
+
+@pytest.mark.parametrize("name", list(ATTACKS))
+def test_an_answer_that_is_not_a_solution_scores_zero(name):
+    answer, gold = ATTACKS[name]
+    assert scores([(boxed(answer), gold)]) == [0.0]
+
+
+def test_the_rules_also_hold_without_a_box():
+    """The unboxed fallback (math-verify's own extraction from the text) is no way around the rules."""
+    completions = [
+        (r"The final answer is $\dbinom{31}{28}$.", "4495"),
+        ("The final answer is $99^2+99+1$.", "9901"),
+        ("The final answer is $19x + 1 - 4x - 81$.", "15x - 80"),
+        (r"The final answer is $\frac{18x}{x}$.", "18"),
+    ]
+    assert scores(completions) == [0.0] * len(completions)
+
+
+# (answer in the box, gold): the gold answer written another way, as a model may write it.
+EQUIVALENT = [
+    ("18", "18"), ("18.0", "18"), ("x = 18", "18"), ("n = 18", "18"), (r"\{18\}", "18"), (r"18\%", "18"),
+    ("1800\\%", "18"), (r"\$18", "18"), (r"18 \text{ apples}", "18"), (r"5 \text{ sec}", "5"), ("18^\\circ", "18"),
+    ("1,234", "1234"), (r"1.2 \times 10^{6}", "1200000"), (r"\frac{84}{2}", "42"), ("0.18", r"18\%"),
+    (r"\frac{1}{2}", "0.5"), ("0.5", r"\frac{1}{2}"), (r"\dfrac{1}{2}", r"\frac{1}{2}"), ("1/2", r"\frac{1}{2}"),
+    (r"-\frac{1}{2}", "-0.5"), (r"4\frac{2}{3}", r"\frac{14}{3}"), (r"50\%", r"\frac{1}{2}"),
+    (r"\sqrt{12}", r"2\sqrt{3}"), (r"\frac{1}{\sqrt{3}}", r"\frac{\sqrt{3}}{3}"), ("3.4641016", r"2\sqrt{3}"),
+    (r"\frac12 + \frac{\sqrt5}{2}", r"\frac{1+\sqrt5}{2}"), (r"\frac{4\pi r^3}{3}", r"\frac{4}{3}\pi r^3"),
+    ("(x+2)(x+5)", "x^2+7x+10"), ("3 - 13x", "-13x+3"), ("y - 2x = 3", "y = 2x + 3"),
+    (r"\frac{\cos x}{\sin x}", r"\cot x"), (r"\frac{\ln 3}{\ln 2}", r"\log_2 3"),
+    (r"1 - \sqrt{19}, 1 + \sqrt{19}", r"1 \pm \sqrt{19}"), ("(0,1]", "(0, 1]"), (r"x \in (0, 1]", "(0, 1]"),
+    ("(1,2)", "(1, 2)"), (r"\text{monday}", r"\text{Monday}"), ("Evelyn", r"\text{Evelyn}"), ("C", r"\text{(C)}"),
+    (r"\textbf{(C)}", r"\text{(C)}"), (r"\infty", r"\infty"), ("0.00000001", "10^{-8}"),
+    (r"1 \times 10^{-8}", "10^{-8}"), (r"1.6 \times 10^{-19}", r"1.6 \times 10^{-19}"),
+    (r"\binom{n}{2}", r"\binom{n}{2}"), (r"\frac{n(n-1)}{2}", r"\binom{n}{2}"),
+    # Work shown before the final value: only the value after the last "=" is the answer.
+    (r"3! \times 5! = 720", "720"), (r"\binom{4}{2} = 6", "6"), (r"\log_2 64 = 6", "6"), (r"x = 2 \cdot 9 = 18", "18"),
+    (r"\tan A = \frac{BC}{AB} = 2", "2"),
+]
+
+
+def test_correct_answers_written_another_way_still_score_one():
+    assert scores([(boxed(answer), gold) for answer, gold in EQUIVALENT]) == [1.0] * len(EQUIVALENT)
+
+
+def test_work_chains_without_a_box_still_score_one():
+    """Solutions end with a chain such as ``$\\binom{4}{2} = 6$`` and no box; the operations are in the work."""
+    completions = [
+        (r"He can choose them in $\binom{4}{2} = 6$ ways.", "6"),
+        (r"The answer is $3! \times 5! = 720$.", "720"),
+        (r"So $\left| m - n \right| = 16-13 =3$.", "3"),
+        ("The final answer is 18.", "18"),
+    ]
+    assert scores(completions) == [1.0] * len(completions)
+
+
+def test_a_gold_answer_is_read_whole():
+    """A gold answer math-verify cannot parse whole used to be reduced to its last number: "100" matched the gold
+    ``1, 2, \\ldots, 100``. It now only matches the same text."""
+    golds = [r"1, 2, \ldots, 100", r"17 \lor 18"]
+    assert scores([(boxed("100"), golds[0]), (boxed("18"), golds[1])]) == [0.0, 0.0]
+    assert scores([(boxed(golds[0]), golds[0]), (boxed(golds[1]), golds[1])]) == [1.0, 1.0]
+
+
+def test_worker_threads_apply_the_same_rules():
+    """Off the main thread each completion is checked in a child process: same verdicts."""
+    reward = MathAccuracyReward(parsing_timeout=2, verify_timeout=2)
+    names = ["or", "binomial", "arithmetic for a number", "unsimplified polynomial", "unknown that cancels",
+             "zero for a small gold"]
+    pairs = [(boxed(ATTACKS[name][0]), ATTACKS[name][1]) for name in names]
+    pairs += [(boxed(answer), gold) for answer, gold in EQUIVALENT[::8]]
+    out = {}
+    try:
+        thread = threading.Thread(target=lambda: out.setdefault("scores", scores(pairs, reward)), daemon=True)
+        thread.start()
+        thread.join(120)
+        assert not thread.is_alive(), "the reward hung in a worker thread"
+        assert out["scores"] == [0.0] * len(names) + [1.0] * (len(pairs) - len(names))
+        assert reward.worker is not None and reward.worker.pid is not None
+    finally:
+        reward.close()
+
+
+@pytest.mark.parametrize("answer", [r"9^{9^{9^9}}", r"(10^{6})!!", r"\frac{9^{9^{9^9}}}{9^{9^{9^9}}}"])
+def test_an_answer_that_never_finishes_is_cut_off_in_the_main_thread(answer):
+    """math-verify's timeouts bound a short answer that sympy would evaluate for hours; the rules add no
+    unbounded work (their own sympy steps run under ``verify_timeout``)."""
+    reward = MathAccuracyReward(parsing_timeout=1, verify_timeout=1)
+    start = time.monotonic()
+    assert reward([boxed(answer), boxed("18")], answer=["18", "18"]) == [0.0, 1.0]
+    assert time.monotonic() - start < 1 + 3 * 1 + 2  # one parse and the checks, with a margin
+
+
+def test_answer_rules_off_is_math_verify_s_own_comparison():
+    """``answer_rules=False`` (and eval's ``--math_grader math_verify_plain``) keeps math-verify's verdict on the
+    copied expressions, in the main thread and in the worker's child process; a box is still read whole."""
+    from trl_diffusion.eval import EvalConfig
+
+    plain = MathAccuracyReward(parsing_timeout=2, verify_timeout=2, answer_rules=False)
+    copied = [(boxed(ATTACKS[name][0]), ATTACKS[name][1]) for name in ("binomial", "arithmetic for a number")]
+    hedge = [(boxed(ATTACKS["or"][0]), ATTACKS["or"][1])]
+    assert scores(copied + hedge, plain) == [1.0, 1.0, 0.0]
+    assert scores(copied, REWARD) == [0.0, 0.0]
+    out = {}
+    try:
+        thread = threading.Thread(target=lambda: out.setdefault("scores", scores(copied + hedge, plain)), daemon=True)
+        thread.start()
+        thread.join(120)
+        assert out["scores"] == [1.0, 1.0, 0.0]
+    finally:
+        plain.close()
+    assert EvalConfig(math_grader="math_verify_plain").math_reward().answer_rules is False
+    assert EvalConfig().math_reward().answer_rules is True
