@@ -15,7 +15,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 USAGE = "usage: trl-diffusion <command> [options]   (trl-diffusion <command> --help for its options)"
@@ -195,48 +195,50 @@ def one_line_errors(parser: Any) -> Any:
     return parser
 
 
+def _field_hints(parser: Any) -> Iterator[tuple[Any, Any]]:
+    """``(dataclass field, its resolved type hint)`` for every field of ``parser``'s dataclasses; the hint is None
+    where the annotations do not resolve."""
+    import dataclasses
+    import typing
+
+    for dataclass_type in getattr(parser, "dataclass_types", ()):
+        try:
+            hints = typing.get_type_hints(dataclass_type)
+        except Exception:  # an annotation that does not resolve
+            hints = {}
+        for item in dataclasses.fields(dataclass_type):
+            yield item, hints.get(item.name)
+
+
 def _nullable_fields(parser: Any) -> set[str]:
     """The dataclass fields of ``parser`` that may be None: typed ``T | None`` (or not resolvable) or None by
     default."""
-    import dataclasses
     import types
     import typing
 
     nullable = set()
-    for dataclass_type in getattr(parser, "dataclass_types", ()):
-        try:
-            hints = typing.get_type_hints(dataclass_type)
-        except Exception:  # an annotation that does not resolve: do not refuse None for it
-            hints = {}
-        for item in dataclasses.fields(dataclass_type):
-            hint = hints.get(item.name)
-            optional = hint is None or hint is Any or (typing.get_origin(hint) in (typing.Union, types.UnionType)
-                                                       and type(None) in typing.get_args(hint))
-            if optional or item.default is None:
-                nullable.add(item.name)
+    for item, hint in _field_hints(parser):
+        optional = hint is None or hint is Any or (typing.get_origin(hint) in (typing.Union, types.UnionType)
+                                                   and type(None) in typing.get_args(hint))
+        if optional or item.default is None:
+            nullable.add(item.name)
     return nullable
 
 
 def _list_only_fields(parser: Any) -> set[str]:
     """The dataclass fields of ``parser`` typed ``list[T]`` (or ``list[T] | None``): a single value given for one in a
     config file is a one-element list, as ``--flag value`` gives on the command line. Not a field that also takes a
-    scalar (``TrainingArguments.debug: str | list[DebugOption]`` splits a string itself)."""
-    import dataclasses
+    scalar (``TrainingArguments.debug: str | list[DebugOption]`` splits a string itself), nor one whose type does
+    not resolve."""
     import types
     import typing
 
     fields = set()
-    for dataclass_type in getattr(parser, "dataclass_types", ()):
-        try:
-            hints = typing.get_type_hints(dataclass_type)
-        except Exception:  # an annotation that does not resolve: leave its values as they are
-            hints = {}
-        for item in dataclasses.fields(dataclass_type):
-            hint = hints.get(item.name)
-            union = typing.get_origin(hint) in (typing.Union, types.UnionType)
-            members = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
-            if members and all(typing.get_origin(a) is list or a is list for a in members):
-                fields.add(item.name)
+    for item, hint in _field_hints(parser):
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        members = [a for a in typing.get_args(hint) if a is not type(None)] if union else [hint]
+        if hint is not None and members and all(typing.get_origin(a) is list or a is list for a in members):
+            fields.add(item.name)
     return fields
 
 
