@@ -253,7 +253,8 @@ class DiffusionGenerationMixin:
         default, decides as transformers does); ``return_dict_in_generate`` to get
         a ``DiffusionGenerationOutput`` with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is
         measured on a GPU: always eager; ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and
-        of LLaDA's / Dream's prefix and dual caches as CUDA graphs).
+        of LLaDA's / Dream's prefix and dual caches as CUDA graphs; SDAR-MoE and LLaDA-MoE decode eagerly, as
+        their expert dispatch depends on the data, and any other value is a ValueError for them).
 
         Sizes (``max_new_tokens``, ``block_length``, ``denoising_steps``, ``steps``, ``max_length``) and token ids
         are integers (Python, numpy, 0-d tensors; ``eos_token_id`` / ``stop_token_ids`` also lists or 1-d tensors);
