@@ -242,19 +242,14 @@ def _list_only_fields(parser: Any) -> set[str]:
     return fields
 
 
-SCALAR_REFUSED = ("reward_funcs",)
-"""List fields for which a config file's single value stays an error (:func:`check_script_args` names it) rather
-than becoming a one-element list."""
-
-
 def check_config_values(parser: Any) -> Any:
     """Make a ``--config`` file's values pass the checks their flags pass, and convert them as the command line does.
     TrlParser sets a YAML value as the flag's default, and argparse converts (so checks) only string defaults, and
     checks choices only on the command line: ``max_steps: 2.5`` or ``num_generations: 8.0`` reached the trainer as
     floats and failed mid-run, ``dtype: bfloat15`` failed when the model loaded, ``num_eval: null`` (a field that
     cannot be None) was a ``TypeError`` traceback, ``bf16: 0`` reached the config as the int 0, ``reward_weights:
-    2`` as the int 2. Now a single value for a list field is a one-element list (as ``--flag value`` gives; not for
-    :data:`SCALAR_REFUSED`), and each int, float or bool value is converted by its flag's own converter (a bool takes
+    2`` as the int 2. Now a single value for a list field is a one-element list (as ``--flag value`` gives), and
+    each int, float or bool value is converted by its flag's own converter (a bool takes
     what ``--flag`` takes: true/false, yes/no, 1/0, ...). Raises ``ValueError`` naming the key. (A single
     ``lora_target_modules`` name is a string again after TRL's ``ModelConfig``; see :func:`check_script_args`.)"""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
@@ -270,8 +265,8 @@ def check_config_values(parser: Any) -> Any:
             if value is None and action.dest not in nullable:
                 raise ValueError(f"config file: {action.dest}: null is not a value of this option (leave the key "
                                  "out for its default).")
-            if (action.nargs in ("+", "*") and action.dest in list_only and action.dest not in SCALAR_REFUSED
-                    and value is not None and not isinstance(value, list)):
+            if (action.nargs in ("+", "*") and action.dest in list_only and value is not None
+                    and not isinstance(value, list)):
                 value = [value]  # `--flag value` on the command line gives a one-element list too
             if value is not None and action.choices is not None:
                 for item in value if isinstance(value, list) else [value]:
