@@ -355,17 +355,26 @@ class QwenStyleAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-class QwenStyleMLP(nn.Module):
-    def __init__(self, config) -> None:
+class SwiGLUMLP(nn.Module):
+    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases: a dense MLP, one expert or a shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class QwenStyleMLP(SwiGLUMLP):
+    """The dense MLP of SDAR's and Dream's layers (``intermediate_size`` wide)."""
+
+    def __init__(self, config) -> None:
         if config.hidden_act != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        super().__init__(config.hidden_size, config.intermediate_size)
 
 
 class QwenStyleDecoderLayer(GradientCheckpointingLayer):

@@ -21,6 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .common import SwiGLUMLP
+
+__all__ = ["SparseMoeBlock", "SwiGLUMLP", "check_router_logits", "pop_router_logits_flag"]
+
 
 def check_router_logits(config, requested=None, model_name: str = "this mixture-of-experts model") -> None:
     """Refuse router logits (``output_router_logits``), asked for by a call or set on the config after loading."""
@@ -28,32 +32,15 @@ def check_router_logits(config, requested=None, model_name: str = "this mixture-
         raise ValueError(
             f"{model_name}: output_router_logits=True is not supported: trl_diffusion computes no auxiliary "
             "load-balancing loss and returns no router logits. Leave output_router_logits False (the released "
-            "checkpoints' value; TRL's trainers then add no router loss either)."
+            "checkpoints' value; TRL's trainers then add no router loss either, and training uses the diffusion "
+            "loss alone)."
         )
 
 
 def pop_router_logits_flag(kwargs: dict, config_name: str) -> None:
     """A config's ``output_router_logits``: ``True`` is refused; ``False`` (the released value) is accepted and not
     kept as an attribute, since TRL's trainers read the attribute's presence as "this model returns router logits"."""
-    if kwargs.pop("output_router_logits", False):
-        raise ValueError(
-            f"{config_name}: output_router_logits=True is not supported: trl_diffusion computes no auxiliary "
-            "load-balancing loss and returns no router logits. Set output_router_logits=False (the released "
-            "checkpoints' value); training then uses the diffusion loss alone."
-        )
-
-
-class SwiGLUMLP(nn.Module):
-    """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases: one expert, a shared expert or a dense MLP."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    check_router_logits(None, kwargs.pop("output_router_logits", False), config_name)
 
 
 class SparseMoeBlock(nn.Module):

@@ -32,7 +32,7 @@ def check_router_logits(config, requested=None) -> None:
 
 
 SDARMoeMLP = SwiGLUMLP
-"""One SwiGLU expert: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (the shared ``moe.SwiGLUMLP``)."""
+"""One SwiGLU expert: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (the shared ``common.SwiGLUMLP``)."""
 
 
 class SDARMoeSparseMoeBlock(SparseMoeBlock):
