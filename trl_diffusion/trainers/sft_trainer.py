@@ -28,6 +28,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
+from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -267,6 +268,11 @@ class DiffusionSFTTrainer(SFTTrainer):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         model_id = self.hub_model_id or self.args.output_dir
         finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' ``save_model``; under FSDP with a sharded state dict, where it writes nothing, the model is
+        saved whole (``full_save.py``)."""
+        save_model_whole(self, output_dir, _internal_call, super().save_model)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then the tokenizer's released remote

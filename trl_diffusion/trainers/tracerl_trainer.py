@@ -39,6 +39,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
+from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -628,6 +629,11 @@ class TraceRLTrainer(GRPOTrainer):
         quick_start = policy_quick_start(self.hub_model_id or self.args.output_dir, sampler,
                                          in_generation_config=self.args.save_rollout_generation_config)
         finish_model_card(self, quick_start)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' ``save_model``; under FSDP with a sharded state dict, where it writes nothing, the model is
+        saved whole (``full_save.py``)."""
+        save_model_whole(self, output_dir, _internal_call, super().save_model)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then, on the process that writes, the

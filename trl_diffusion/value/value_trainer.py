@@ -20,6 +20,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
+from ..full_save import save_model_whole
 from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -120,6 +121,11 @@ class DiffusionValueTrainer(_BaseTrainer):
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
         finish_model_card(self, value_quick_start(self.hub_model_id or self.args.output_dir))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """transformers' ``save_model``; under FSDP with a sharded state dict, where it writes nothing, the model is
+        saved whole (``full_save.py``)."""
+        save_model_whole(self, output_dir, _internal_call, super().save_model)
 
     def _save(self, output_dir: str | None = None, state_dict=None):
         """transformers' save, then the tokenizer's released remote code is carried along (``models/remote_code.py``;
