@@ -80,6 +80,13 @@ class MathScriptArguments(ScriptArguments):
         if self.prompt_template is not None and "{question}" not in self.prompt_template:
             raise ValueError("prompt_template must contain {question} (where each problem goes); without it every "
                              "prompt would be the same text.")
+        if self.dataset_name is None:  # the synthetic task has its own prompts and reward
+            if self.prompt_template is not None:
+                raise ValueError("prompt_template applies to a math dataset (--dataset_name); the synthetic "
+                                 "arithmetic task writes its own prompts.")
+            if self.reward_funcs != ["math_accuracy_reward"]:
+                raise ValueError(f"reward_funcs {self.reward_funcs} apply to a math dataset (--dataset_name); the "
+                                 "synthetic arithmetic task is scored by its own arithmetic reward.")
 
 
 def math_dataset(name: str, config: str | None, split: str, prompt_template: str | None = None):

@@ -27,11 +27,13 @@ def error_line(capsys, parser, argv) -> str:
                             "official_math_reward?)"),
     ("no_such_module_here.reward", "cannot import 'no_such_module_here'"),
 ])
-def test_a_mistyped_reward_name_is_one_line_before_loading(capsys, reward, message):
+def test_a_mistyped_reward_name_is_one_line_before_loading(capsys, tmp_path, reward, message):
     """Before the fix a mistyped ``--reward_funcs`` name was an ``AttributeError`` / ``ModuleNotFoundError``
     traceback after the model and the dataset had loaded (minutes for a recipe's 4B model)."""
+    data = tmp_path / "math.jsonl"  # reward_funcs apply to a dataset (on the synthetic task they are refused)
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n')
     parser = load_example("math").make_parser()
-    assert message in error_line(capsys, parser, ["--reward_funcs", reward])
+    assert message in error_line(capsys, parser, ["--dataset_name", str(data), "--reward_funcs", reward])
     assert find_reward("official_math_reward") is official_math_reward
     assert find_reward("trl_diffusion.rewards.official_math_reward") is official_math_reward
 
