@@ -119,3 +119,22 @@ def test_full_state_dict_and_plain_runs_keep_transformers_save(tmp_path, monkeyp
     assert not sharded_fsdp(trainer)
     trainer.save_model(str(tmp_path / "full"))  # transformers gathers itself (accelerator.get_state_dict)
     assert len(gathered) == 1 and (tmp_path / "full" / "config.json").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (FSDP runs on accelerators only)")
+def test_fsdp2_config_on_one_gpu_ends_with_a_loadable_model(tmp_path):
+    """UNMEASURED until run on a GPU. ``accelerate launch --config_file fsdp2.yaml`` (one process: FSDP2 over a
+    one-rank mesh, sharded state dict) of ``examples/sft.py``: its checkpoint holds accelerate's sharded files (so
+    FSDP and its sharded state dict were in effect) and its final ``save_model`` a model that loads."""
+    from test_distributed import CONFIGS, ROOT, accelerate_launch
+
+    out = tmp_path / "run"
+    accelerate_launch(["--config_file", str(CONFIGS / "fsdp2.yaml"), "--num_processes", "1", "--mixed_precision",
+                       "no"], ROOT / "examples" / "sft.py", "--output_dir", str(out), "--max_steps", "1",
+                      "--max_train_samples", "16", "--num_eval", "2", "--eval_every", "1", "--save_strategy", "steps",
+                      "--save_steps", "1", timeout=300)
+    assert list((out / "checkpoint-1").glob("pytorch_model_fsdp_*")), sorted(p.name for p in out.rglob("*"))
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "SDARForCausalLM"
