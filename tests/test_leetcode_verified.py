@@ -235,7 +235,7 @@ def test_only_decidable_neighbours_are_verified():
         "assert Solution(3).twoSum(nums=[2, 7], target=9)[0] == 0": "verified",
         "assert make([2, 7]).equals([0, 1])": "unverified",
         "assert Solution().__eq__([0, 1])": "unverified",
-        "assert Solution().twoSum(list_node([2, 7]), 9) == [0, 1]": "unverified",
+        "assert Solution().twoSum(helper([2, 7]), 9) == [0, 1]": "unverified",
         "assert Solution().twoSum([2, 7], 9).index(1) == 1": "verified",  # .index runs here, on the plain value
         CHECK + "\n\ncheck(Solution().twoSum)\n": "verified",
         CHECK + "\n\ncheck(Solution(3).twoSum)\n": "verified",

@@ -1261,7 +1261,7 @@ def _install_landlock(workdir: str) -> int:
 
 
 def _make_encoder() -> tuple[Any, type]:
-    """Return ``(encode, Unrepresentable)``: ``encode`` turns a probe's value into tagged plain data.
+    """Return ``(encode, Unrepresentable)``: ``encode(value, shape)`` turns a probe's value into tagged plain data.
 
     Every function and type it uses is bound here, before the program runs, and values are recognised by their
     exact type or, for subclasses of builtin types (``Counter``, ``namedtuple``, ``IntEnum``), read through the base
@@ -1269,8 +1269,16 @@ def _make_encoder() -> tuple[Any, type]:
     scalars (and size-1 arrays) are asked, through ``.item()``, whose result must be plain. Anything else raises
     ``Unrepresentable`` (the test fails). The encoder's output is only ever the program's own answer: the parent
     decodes it into exact builtin types and compares there.
+
+    ``shape`` ``"list"`` or ``"tree"`` (a probe the check gives to the LeetCode prompt's ``is_same_list`` /
+    ``is_same_tree``): the value is a linked list or binary tree of the program's nodes, walked by their ``.val``,
+    ``.next`` / ``.left`` / ``.right`` and truth value, and sent back in the plain form ``verdict`` describes (its
+    section on plain forms). The walk is iterative and flat (a tree deeper than ``_MAX_DEPTH`` is fine), each node
+    counts against ``_MAX_NODES`` like a value, and its ``.val`` is encoded as above; whatever raises on the way fails
+    the probe.
     """
     tp, issub, getattr_, fmt, get_name = type, issubclass, getattr, int.__format__, type.__dict__["__name__"].__get__
+    id_ = id
     b_bool, b_int, b_float, b_complex, b_str, b_bytes, b_bytearray, b_dict = (
         bool, int, float, complex, str, bytes, bytearray, dict,
     )  # fmt: skip
@@ -1286,7 +1294,43 @@ def _make_encoder() -> tuple[Any, type]:
     class Unrepresentable(Exception):
         """A probe's value is not plain data."""
 
-    def encode(value: Any) -> list[Any]:
+    def linked_list(head: Any, enc: Any) -> list[Any]:
+        """``(values, falsy_end)``: the nodes' ``.val`` along ``.next`` up to ``None`` or to a falsy node (then
+        ``falsy_end``: natively ``not p1`` fails the comparison there). A node met twice is a cycle: refused."""
+        vals: list[Any] = []
+        seen: dict[int, Any] = {}  # id -> node: held, so that no id is reused during the walk
+        node = head
+        while node is not None:
+            if not node:
+                return ["t", [["l", vals], ["b", True]]]
+            if id_(node) in seen:
+                raise Unrepresentable("a cyclic linked list")
+            seen[id_(node)] = node
+            vals.append(enc(getattr_(node, "val"), 2, True))
+            node = getattr_(node, "next")
+        return ["t", [["l", vals], ["b", False]]]
+
+    def binary_tree(root: Any, enc: Any, budget: list[int]) -> list[Any]:
+        """``(shape, values)`` in level order: "1" per node (and its ``.val`` in ``values``), "0" per missing child,
+        ``None`` or falsy (natively ``not p`` makes them alike). A node reached twice is walked twice, as natively;
+        a cycle runs into the node budget."""
+        shape: list[str] = []
+        vals: list[Any] = []
+        queue = [root]
+        for node in queue:  # grows while it is walked: breadth first
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise Unrepresentable("too large")
+            if node is None or not node:
+                shape.append("0")
+                continue
+            shape.append("1")
+            vals.append(enc(getattr_(node, "val"), 2, True))
+            queue.append(getattr_(node, "left"))
+            queue.append(getattr_(node, "right"))
+        return ["t", [["s", "".join(shape)], ["l", vals]]]
+
+    def encode(value: Any, shape: str = "") -> list[Any]:
         budget = [_MAX_NODES]
 
         def enc(x: Any, depth: int, numpy_ok: bool) -> list[Any]:
@@ -1324,6 +1368,10 @@ def _make_encoder() -> tuple[Any, type]:
                 name = "?"
             raise Unrepresentable(f"a {name} object")
 
+        if shape == "list":
+            return linked_list(value, enc)
+        if shape == "tree":
+            return binary_tree(value, enc, budget)
         return enc(value, 0, True)
 
     return encode, Unrepresentable
@@ -1373,10 +1421,10 @@ def _run_job(config: dict[str, Any], encode: Any, unrepresentable: type) -> dict
             continue
         has = [name in local or name in namespace or name in builtin_names for name in spec.get("has", [])]
         values: list[list[Any]] = []
-        for index, source in enumerate(spec.get("probes", [])):
+        for index, (source, shape) in enumerate(zip(spec.get("probes", []), spec.get("shapes", []))):
             try:
                 code = build(f"lambda {', '.join(local)}: ({source})", f"<probe {index}>", "eval")
-                values.append(["v", encode(evaluate(code, namespace)(**local))])
+                values.append(["v", encode(evaluate(code, namespace)(**local), shape)])
             except unrepresentable as exc:
                 values.append(["u", describe(exc)])
             except BaseException as exc:

@@ -40,10 +40,25 @@ same bound method: exactly as natively, where ``check(Solution().twoSum)`` build
 (so a solution that keeps state in its instance behaves the same). In an assert, a method called on a fresh instance,
 ``Name(<inputs>).method(<inputs>)``, is a probe (natively each such assert builds its own instance, and so does each
 probe) when the name is a program name written as a class (CapWords: its first letter is upper case) and ``method`` is
-neither a method of plain values nor a dunder: a test that calls a method on what a *function* returned
-(``make(x).equals(y)``) usually means a library method whose argument is the expected value, so it stays unverified.
+not a dunder, whatever its name (``Solution().count(0)`` is the program's method, not ``list.count``): a test that
+calls a method on what a *function* returned (``make(x).equals(y)``) usually means a library method whose argument is
+the expected value, so it stays unverified (``f(x).count(1)`` runs ``list.count`` here, on the plain value).
 Anything else (loops, assignments, helper functions, ``print``) is *unverified*: it runs the old way, inside the
 sandbox, where the program can forge its result (see ``docs/rewards.md``).
+
+LeetCode's linked-list and binary-tree problems compare structures through helpers that the row's prompt defines
+(``list_node``, ``tree_node``, ``is_same_list``, ``is_same_tree``; the prompt goes before the completion, so they are
+the program's names). Where the test does not bind these names itself (by an import, or as ``check``'s parameter), a
+call ``list_node(<literals>)`` or ``tree_node(<literals>)`` is an *input* of a probe
+(``candidate(head=list_node([1, 2]))``: the program's helper builds it in the sandbox, as natively), and
+``is_same_list(a, b)`` / ``is_same_tree(a, b)`` is decided here when each of ``a`` and ``b`` is a probe or the
+matching builder with literal arguments: a probe compared this way is sent back in a plain form
+(:func:`_is_same_list`, :func:`_is_same_tree`), the builder's structure is made here from the literals with the
+prompt's own steps (:func:`_list_node`, :func:`_tree_node`; the program's builder never sees the expected values), and
+the comparison follows the prompt's helper on the plain forms (the section on plain forms, at the end of this module,
+lists where that differs from running the helpers natively). The helpers a check uses must be bound in the program
+(``Plan.has``), as natively. Any other use of them (``f(x) == list_node([1])``, keyword arguments,
+``is_same_list(f(x), None)``, a chain such as ``list_node([1]).val``) stays unverified.
 """
 
 from __future__ import annotations
@@ -97,6 +112,11 @@ _METHODS = {
                 "symmetric_difference"},
 }  # fmt: skip
 _ALL_METHODS = set().union(*_METHODS.values())
+# The helpers of LeetCode rows' prompts: each comparison's builder, and the plain form ("list", "tree") in which the
+# sandbox sends back a probe given to it (see _Planner._same).
+_COMPARERS = {"is_same_list": "list_node", "is_same_tree": "tree_node"}
+_BUILDERS = {"list_node": "list", "tree_node": "tree"}
+_HELPERS = frozenset(_COMPARERS) | frozenset(_BUILDERS)
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.LShift: operator.lshift,
@@ -162,8 +182,11 @@ class Plan:
     # bound to ``param`` for all its probes, as natively (``check(Solution().twoSum)`` builds one instance).
     candidate: str | None = None
     param: str | None = None
-    has: tuple[str, ...] = ()
+    has: tuple[str, ...] = ()  # names the program must bind (modules and helpers the check uses), as natively
     probes: tuple[str, ...] = ()
+    # Per probe, how the sandbox sends its value back: "" (plain data), "list" or "tree" (a structure's plain form,
+    # for is_same_list / is_same_tree; see _Planner._same).
+    shapes: tuple[str, ...] = ()
     checks: tuple[ast.expr, ...] = field(default=(), repr=False)
     names: dict[str, Any] = field(default_factory=dict, repr=False)
     asserts: tuple[tuple[str, range], ...] = field(default=(), repr=False)  # (source, its probes) per check
@@ -177,6 +200,7 @@ class Plan:
             "param": self.param,
             "has": list(self.has),
             "probes": list(self.probes),
+            "shapes": list(self.shapes),
         }
 
 
@@ -259,6 +283,7 @@ class _Planner:
         self.imported: dict[str, Any] = {}  # name -> module table (dict), whitelisted value, or _NOT_ALLOWED
         self.param: str | None = None
         self.probes: list[str] = []
+        self.shapes: list[str] = []
         self.has: list[str] = []
         self.names: dict[str, Any] = {}  # what the parent-side check may reference, by (placeholder) name
         # Library names whose calls are probes in this test (see _choose_subjects), with the test their arguments
@@ -298,7 +323,7 @@ class _Planner:
         return Plan(
             self.source, "verified", global_imports=tuple(global_imports), local_imports=tuple(local_imports),
             candidate=candidate, param=self.param, has=tuple(self.has), probes=tuple(self.probes),
-            checks=tuple(checks), names=self.names, asserts=tuple(sources),
+            shapes=tuple(self.shapes), checks=tuple(checks), names=self.names, asserts=tuple(sources),
         )  # fmt: skip
 
     def _import(self, stmt: ast.Import | ast.ImportFrom) -> str:
@@ -351,16 +376,30 @@ class _Planner:
     def _instance_method(self, func: ast.Attribute) -> bool:
         """``Name(<inputs>).method``: a method of a fresh instance of a class the program defines (``Solution()
         .twoSum``), decided from the test alone: the name is a program name written as a class (CapWords) and the
-        method is not one plain values have, nor a dunder. A method called on what a function returned
-        (``make(x).equals(y)``, ``f(x).all()``) is usually a library type's, whose argument may be the expected
-        value: not a probe. ``candidate`` is never taken for a class (HumanEval's entry points are functions)."""
+        method is not a dunder. Its name does not matter: ``Solution().count(0)`` is the program's method, even
+        though plain values have a ``count`` too (the instance is the program's object, not a plain value). A
+        method called on what a function returned (``make(x).equals(y)``, ``f(x).all()``, ``f(x).count(1)``) is
+        usually a library type's, whose argument may be the expected value: not a probe. ``candidate`` is never
+        taken for a class (HumanEval's entry points are functions)."""
         owner, name = func.value, func.attr
-        if name in _ALL_METHODS or (name.startswith("__") and name.endswith("__")):
+        if name.startswith("__") and name.endswith("__"):
             return False
         if not (isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name)):
             return False
         cls = owner.func.id
         return cls != self.param and cls[:1].isupper() and self._is_program_name(cls)
+
+    def _is_helper(self, name: str) -> bool:
+        """A name of the LeetCode prompt's helpers that means the helper: the test does not import it and it is not
+        ``check``'s parameter (a test that binds it otherwise, by ``def`` or assignment, is unverified anyway)."""
+        return name in _HELPERS and name != self.param and name not in self.imported
+
+    def _builder(self, node: ast.expr | None) -> str | None:
+        """``list_node(<literals>)`` or ``tree_node(<literals>)``: the helper's name, else ``None``. Only literals,
+        so that a structure built here, from the expected side, holds nothing but the test's own data."""
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in _BUILDERS):
+            return None
+        return node.func.id if self._is_helper(node.func.id) and self._inputs(node, _literal) else None
 
     def _choose_subjects(self, asserts: list[ast.expr]) -> None:
         """Pick the library function a test that calls no program name is about, from the test alone.
@@ -414,10 +453,14 @@ class _Planner:
     def _probe_root(self, node: ast.expr) -> bool:
         """A program call or a call of the test's subject (``_choose_subjects``): a name, then attributes,
         subscripts and calls whose arguments are all inputs (for a subject that is not the program's for sure:
-        literals, so that a real library function never combines values the program computed with the test's)."""
+        literals, so that a real library function never combines values the program computed with the test's).
+        A chain rooted at one of the LeetCode prompt's helpers is never a probe: ``list_node([5, 4])`` is the expected
+        side (``_same`` builds it here), ``is_same_list(...)`` the comparison (``_same`` decides it here)."""
+        root = _root_name(node)
+        if root is not None and self._is_helper(root):
+            return False
         if self._is_program_call(node):
             return self._chain(node, self._input)
-        root = _root_name(node)
         if root not in self.subjects or not _calls_in(node):
             return False
         return self._chain(node, self.subjects[root])
@@ -434,7 +477,8 @@ class _Planner:
             if isinstance(func, ast.Attribute) and (func.attr in _ALL_METHODS or _calls_in(func.value)):
                 # A method of a returned value, or one plain values have: decided here, on the plain value, since
                 # its arguments may be expected values (``.startswith(y)``, ``.equals(y)``); except a method of a
-                # fresh instance of a program class (``Solution().twoSum(...)``), which is the function under test.
+                # fresh instance of a program class (``Solution().twoSum(...)``, ``Solution().count(0)``), which is
+                # the function under test.
                 if not self._instance_method(func):
                     return False
             return self._chain(func, argument) and self._inputs(node, argument)
@@ -466,8 +510,8 @@ class _Planner:
             return self._input(node.value)
         if isinstance(node, ast.Subscript):
             return self._input(node.value) and self._input(node.slice)
-        if isinstance(node, ast.Call):
-            return self._input(node.func) and self._inputs(node)
+        if isinstance(node, ast.Call):  # the prompt's helpers build the test's structures (list_node([1, 2]))
+            return self._builder(node) is not None or (self._input(node.func) and self._inputs(node))
         return False
 
     # -- the parent-side check -----------------------------------------------------------------------------------
@@ -475,12 +519,7 @@ class _Planner:
     def _check(self, node: ast.expr, conditional: bool) -> ast.expr:
         """Return ``node`` with every probe replaced by a placeholder; raise :class:`Unverifiable` if unsupported."""
         if self._probe_root(node):
-            if conditional:
-                if _root_name(node) in self.shadowed:  # evaluated here in the plan without ``shadowed``
-                    raise _Shadowed(f"the check calls {_root_name(node)!r}, which the program redefines")
-                raise Unverifiable(f"program call in a conditionally evaluated position: {ast.unparse(node)[:80]}")
-            self.probes.append(ast.unparse(node))
-            return self._name(f"#probe{len(self.probes) - 1}", None)
+            return self._probe(node, conditional)
         sub = self._check
         if isinstance(node, ast.Constant):
             return node
@@ -525,6 +564,8 @@ class _Planner:
             if any(isinstance(a, ast.Starred) for a in node.args) or any(k.arg is None for k in node.keywords):
                 raise Unverifiable("argument unpacking")
             func = node.func
+            if isinstance(func, ast.Name) and func.id in _COMPARERS and self._is_helper(func.id):
+                return self._same(node, conditional)
             if isinstance(func, ast.Name):
                 func = self._name(func.id, self._parent_value(func.id))
             elif isinstance(func, ast.Attribute) and self._is_module(func.value):
@@ -537,6 +578,50 @@ class _Planner:
             keywords = [ast.keyword(arg=k.arg, value=sub(k.value, conditional)) for k in node.keywords]
             return ast.Call(func=func, args=args, keywords=keywords)
         raise Unverifiable(f"unsupported expression: {ast.unparse(node)[:80]}")
+
+    def _probe(self, node: ast.expr, conditional: bool, shape: str = "") -> ast.Name:
+        """Record ``node`` as the next probe (its value sent back as ``shape``, see ``Plan.shapes``); return its
+        placeholder. Probes run unconditionally in the sandbox, so one in a conditional position is refused."""
+        if conditional:
+            if _root_name(node) in self.shadowed:  # evaluated here in the plan without ``shadowed``
+                raise _Shadowed(f"the check calls {_root_name(node)!r}, which the program redefines")
+            raise Unverifiable(f"program call in a conditionally evaluated position: {ast.unparse(node)[:80]}")
+        self.probes.append(ast.unparse(node))
+        self.shapes.append(shape)
+        return self._name(f"#probe{len(self.probes) - 1}", None)
+
+    def _same(self, node: ast.Call, conditional: bool) -> ast.Call:
+        """``is_same_list(a, b)`` / ``is_same_tree(a, b)`` of the LeetCode prompt, decided here: each argument is a
+        probe, whose structure the sandbox sends back in plain form, or the matching builder with literal arguments
+        (``list_node([5, 4])``), built here. Both are compared by the helper's plain-form twin (``_HELPER_TWINS``).
+        Any other argument (a constant, a keyword, the other kind of builder) leaves the test unverified."""
+        name = node.func.id
+        builder = _COMPARERS[name]
+        if len(node.args) != 2 or node.keywords:
+            raise Unverifiable(f"unsupported call: {ast.unparse(node)[:80]}")
+        args: list[ast.expr] = []
+        for arg in node.args:  # in Python's order: probes are numbered, and run, in evaluation order
+            if self._builder(arg) == builder:
+                args.append(self._built(arg, conditional))
+            elif self._probe_root(arg):
+                args.append(self._probe(arg, conditional, _BUILDERS[builder]))
+            else:
+                raise Unverifiable(f"unsupported argument of {name}: {ast.unparse(arg)[:80]}")
+        self._need(name)
+        return ast.Call(func=self._name(f"#{name}", _HELPER_TWINS[name]), args=args, keywords=[])
+
+    def _built(self, call: ast.Call, conditional: bool) -> ast.Call:
+        """A builder's call (``list_node([5, 4])``) made here, on its literal arguments (see ``_builder``)."""
+        name = call.func.id
+        self._need(name)
+        args = [self._check(a, conditional) for a in call.args]
+        keywords = [ast.keyword(arg=k.arg, value=self._check(k.value, conditional)) for k in call.keywords]
+        return ast.Call(func=self._name(f"#{name}", _HELPER_TWINS[name]), args=args, keywords=keywords)
+
+    def _need(self, name: str) -> None:
+        """The check uses ``name`` as the program binds it natively: the sandbox reports whether it is bound."""
+        if name not in self.has:
+            self.has.append(name)
 
     def _name(self, name: str, value: Any) -> ast.Name:
         if not name.startswith("#probe"):
@@ -572,8 +657,7 @@ class _Planner:
         if module not in self.imported:
             if module in self.shadowed:
                 raise _Shadowed(f"the check uses {module!r}, which the program redefines")
-            if module not in self.has:
-                self.has.append(module)
+            self._need(module)
         return self._name(f"{module}.{node.attr}", table[node.attr])
 
 
@@ -903,3 +987,96 @@ def _binop(op: type, left: Any, right: Any) -> Any:
     if op is ast.LShift and isinstance(left, int) and isinstance(right, int) and right > _MAX_BITS:
         raise MemoryError("the check would build an integer that is too large")
     return _BINOPS[op](left, right)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# LeetCode's linked lists and binary trees, as plain forms
+# ----------------------------------------------------------------------------------------------------------------
+# A probe given to ``is_same_list`` comes back from the sandbox (sandbox._make_encoder) as ``(values, falsy_end)``:
+# the ``.val`` of each node along ``.next`` (each encoded as plain data) and whether the walk stopped at a falsy
+# node rather than at ``None``. One given to ``is_same_tree`` comes back as ``(shape, values)`` in level order:
+# ``shape`` holds "1" for each node and "0" for each missing child (``None`` or a falsy object), ``values`` the
+# nodes' ``.val``; flat, so a tree deeper than MAX_DEPTH (a skewed one) travels as well. Both forms are canonical:
+# two structures compare equal under the prompt's helper exactly when their forms do, value by value.
+#
+# Deliberate differences from running the prompt's helpers natively, all on what the program returns:
+# * the helpers recurse once per node (list) or level (tree), so natively a list longer than about 1000 nodes, or a
+#   tree deeper than that, raises RecursionError and fails; here the whole structure is compared (up to the
+#   encoder's node budget), so a right answer passes;
+# * anything that raises while the sandbox walks the structure (a ``.val`` property, ``__bool__``), or a ``.val``
+#   that is not plain data, fails the probe as a whole, even where natively the comparison would stop before that
+#   node (at an earlier value that differs); so does a cycle (a list revisiting a node; a tree runs into the node
+#   budget), which natively compares False against a finite structure. Only ``not is_same_list(...)`` and the like
+#   can tell: such a test fails here where natively it might pass;
+# * ``.val`` values are compared as plain data (natively the program's ``__eq__`` / ``__ne__`` answer), and the
+#   expected side is built here from the test's literals with the prompt's steps, whatever the program binds to
+#   ``list_node`` / ``tree_node`` (natively the program's own builder would make it); the program's
+#   ``is_same_list`` / ``is_same_tree`` are never called.
+
+
+def _list_node(values: Any) -> tuple[list[Any], bool]:
+    """The plain form of the prompt's ``list_node(values)``, by its steps: ``None`` for empty ``values``, else a
+    node for ``values[0]`` followed by one for each item of ``values[1:]``."""
+    if not values:
+        return [], False
+    return [values[0], *values[1:]], False
+
+
+def _tree_node(values: Any) -> tuple[str, list[Any]]:
+    """The plain form of the prompt's ``tree_node(values)``, by its steps. Its queue hands out nodes in the order
+    they were made, which is level order, each taking the next two entries of ``values`` as its left and right child
+    (``None``: no child); so the children it makes, in that order, are the level-order form itself, and only the
+    queue's length needs keeping."""
+    if not values:
+        return "0", []
+    shape, vals = ["1"], [values[0]]
+    i, queue = 1, 1
+    while queue:
+        queue -= 1
+        for _side in ("left", "right"):
+            child = i < len(values) and values[i] is not None
+            if child:
+                vals.append(values[i])
+                queue += 1
+            shape.append("1" if child else "0")
+            i += 1
+    return "".join(shape), vals
+
+
+def _list_form(value: Any) -> tuple[list[Any], bool]:
+    """``value`` if it is a linked list's plain form; only a program writing its own report sends anything else."""
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is list and type(value[1]) is bool:
+        return value
+    raise ValueError("malformed linked list")
+
+
+def _tree_form(value: Any) -> tuple[str, list[Any]]:
+    """``value`` if it is a binary tree's plain form (one value per node); else ``ValueError``, as ``_list_form``."""
+    if type(value) is tuple and len(value) == 2 and type(value[0]) is str and type(value[1]) is list:
+        shape, vals = value
+        if not shape.strip("01") and shape.count("1") == len(vals):
+            return value
+    raise ValueError("malformed binary tree")
+
+
+def _is_same_list(p1: Any, p2: Any) -> bool:
+    """The prompt's ``is_same_list`` on plain forms: both lists end at ``None`` after the same number of nodes, and
+    their values are pairwise ``==``. A falsy node never matches (natively ``not p1`` answers False there, even for
+    two falsy nodes); ``None`` matches ``None`` (``list_node([])``)."""
+    (vals1, falsy1), (vals2, falsy2) = _list_form(p1), _list_form(p2)
+    if falsy1 or falsy2 or len(vals1) != len(vals2):
+        return False
+    return all(a == b for a, b in zip(vals1, vals2))
+
+
+def _is_same_tree(p: Any, q: Any) -> bool:
+    """The prompt's ``is_same_tree`` on plain forms: the same shape (a falsy node is a missing one, as natively),
+    and no pair of values ``!=``."""
+    (shape1, vals1), (shape2, vals2) = _tree_form(p), _tree_form(q)
+    return shape1 == shape2 and not any(a != b for a, b in zip(vals1, vals2))
+
+
+# What the check calls in place of the prompt's helpers (see _Planner._same).
+_HELPER_TWINS = {
+    "is_same_list": _is_same_list, "is_same_tree": _is_same_tree, "list_node": _list_node, "tree_node": _tree_node,
+}  # fmt: skip
