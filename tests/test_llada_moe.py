@@ -271,7 +271,7 @@ def test_config_fields_and_layers():
     assert not model.model.layers[0].mlp.norm_topk_prob  # never renormalised
     saved = config.to_dict()
     assert saved["model_type"] == "llada" and saved["architectures"] == ["LLaDAMoEModelLM"]
-    assert "output_router_logits" not in saved and "head_dim" not in saved
+    assert saved["output_router_logits"] is False and "head_dim" not in saved
     for field in ("dense_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size",
                   "moe_layer_freq", "qk_layernorm", "clip_qkv", "moe_router_enable_expert_bias",
                   "partial_rotary_factor", "router_aux_loss_coef", "norm_topk_prob", "mask_token_id"):
@@ -352,7 +352,7 @@ def test_released_checkpoint_loads_without_remote_code(tmp_path, model_type, aut
     assert type(LLaDAConfig.from_pretrained(tmp_path)) is LLaDAMoEConfig  # LLaDAConfig's loading dispatches
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(loaded) is LLaDAMoEModelLM and loaded.config.moe_layer_freq == [1, 0, 1]
-    assert not hasattr(loaded.config, "output_router_logits")
+    assert loaded.config.output_router_logits is False
     ids = torch.randint(5, 120, (2, 11))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)  # expert biases loaded (they are not zero)
@@ -536,27 +536,6 @@ def test_value_model_from_an_moe_policy(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ refusals
-
-
-def test_router_logits_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        tiny_llada_moe_config(output_router_logits=True)
-    model = moe_model()
-    ids = torch.randint(5, 120, (1, 5))
-    with pytest.raises(ValueError, match="LLaDA-MoE: output_router_logits=True is not supported"):
-        model(ids, output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model.model(ids, output_router_logits=True)
-    write_released_checkpoint(model, tmp_path)
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, output_router_logits=True)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
-    model.config.output_router_logits = True  # set after loading
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model(ids)
 
 
 def test_cuda_graphs_auto_decodes_eagerly_and_on_is_refused(monkeypatch):

@@ -105,7 +105,7 @@ def test_config_fields_and_which_layers_are_sparse():
                   "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "block_size", "mask_token_id",
                   "head_dim", "intermediate_size"):
         assert field in saved, field
-    assert "output_router_logits" not in saved
+    assert saved["output_router_logits"] is False
     assert AutoConfig.for_model("sdar_moe").model_type == "sdar_moe"
     assert SDARMoeConfig(hidden_size=256, num_attention_heads=8).head_dim == 32  # Qwen3-MoE's default head_dim
 
@@ -271,7 +271,7 @@ def test_released_checkpoint_loads_without_remote_code(tmp_path):
     assert type(AutoConfig.from_pretrained(tmp_path)) is SDARMoeConfig
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
     assert type(loaded) is SDARMoeForCausalLM and loaded.config.mlp_only_layers == [1]
-    assert not hasattr(loaded.config, "output_router_logits")  # accepted as false, not kept (see the config)
+    assert loaded.config.output_router_logits is False
     ids = torch.randint(5, 120, (2, 11))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
@@ -377,10 +377,10 @@ def test_tracerl_step_scores_the_rollout_with_the_sampler_logprobs(tmp_path):
     trainer = TraceRLTrainer(model, lambda completions, **kw: [float(len(set(c))) for c in completions], args=args,
                              train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?", "abc"]}),
                              processing_class=build_tokenizer())
-    assert not trainer.aux_loss_enabled  # the MoE computes no router loss: TRL adds none
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.001  # the config's, as in TRL
     trainer.train()
     logs = trainer.state.log_history[0]
-    assert math.isfinite(logs["loss"]) and "aux_loss" not in logs
+    assert math.isfinite(logs["loss"]) and math.isfinite(logs["aux_loss"])
     assert logs["rollout/sampler_logp_gap"] < 1e-4  # first iteration, same weights: ratio exactly 1
     changed = {n for n, p in model.named_parameters() if not torch.equal(before[n], p.detach())}
     assert "model.layers.0.mlp.gate.weight" in changed
@@ -418,35 +418,14 @@ def test_value_model_from_an_moe_policy():
 # ------------------------------------------------------------------------------------------------ refusals
 
 
-def test_router_logits_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        tiny_sdar_moe_config(output_router_logits=True)
-    model = moe_model()
-    ids = torch.randint(5, 120, (1, 5))
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model(ids, output_router_logits=True)
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model.model(ids, output_router_logits=True)
-    model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        AutoModelForCausalLM.from_pretrained(tmp_path, output_router_logits=True)
-    config = json.loads((tmp_path / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
-    model.config.output_router_logits = True  # set after loading
-    with pytest.raises(ValueError, match="output_router_logits=True is not supported"):
-        model(ids)
-
-
 def test_a_router_loss_coefficient_is_refused_by_the_trainers(tmp_path):
     from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 
     data = Dataset.from_list([{"prompt": "What is 1+2?", "completion": "3"}])
     args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=32,
                               router_aux_loss_coef=0.01)
-    with pytest.raises(ValueError, match="router_aux_loss_coef"):
-        DiffusionSFTTrainer(moe_model(), args=args, train_dataset=data, processing_class=build_tokenizer())
+    trainer = DiffusionSFTTrainer(moe_model(), args=args, train_dataset=data, processing_class=build_tokenizer())
+    assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.01
 
 
 def graph_runners_forced(monkeypatch):

@@ -92,9 +92,14 @@ class EstimatorSettings:
         return completion_width * self.masks_per_response
 
 
-def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, compute_entropy: bool):
+def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, compute_entropy: bool, *,
+                 router_losses: list[torch.Tensor] | None = None):
     """Run each chunk and scatter the target tokens' log-probs (and entropies) back to ``[B, C]``. The LM head runs
-    only at the targets (``logits_to_keep``), never over a whole packed row."""
+    only at the targets (``logits_to_keep``), never over a whole packed row.
+
+    ``router_losses`` (mixture-of-experts models): a list that gets each forward's load-balancing ``aux_loss`` over
+    the chunk's real tokens (``layout.valid``: not the padding of its shorter rows); None asks for no router logits,
+    whatever the model config says. The forwards that only keep processes in step add none."""
     logps = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
     entropies = torch.zeros_like(logps) if compute_entropy else None
     shift = 1 if model.logits_shift else 0
@@ -106,8 +111,12 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
         logps = logps + zero_forward_term(model, completion_ids[:1, :1])
     for chunk in chunks:
         mask = chunk.layout.attention_mask(backend)
-        selected = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
-                         logits_to_keep=(chunk.chunk_row, chunk.chunk_col - shift)).logits
+        output = model(input_ids=chunk.input_ids, attention_mask=mask, position_ids=chunk.position_ids,
+                       logits_to_keep=(chunk.chunk_row, chunk.chunk_col - shift),
+                       output_router_logits=router_losses is not None, router_loss_mask=chunk.layout.valid)
+        if router_losses is not None:
+            router_losses.append(output.aux_loss)
+        selected = output.logits
         targets = completion_ids[chunk.source_row, chunk.source_col]
         values, ent, _ = target_scores(selected, targets, settings.temperature, settings.top_k, settings.top_p,
                                        model.mask_token_id if settings.exclude_mask_token else None,
@@ -116,6 +125,12 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
         if compute_entropy:
             entropies = entropies.index_put((chunk.source_row, chunk.source_col), ent)
     return logps, entropies
+
+
+def _collecting(router_losses: list[torch.Tensor] | None) -> dict:
+    """``score_chunks``'s ``router_losses`` argument when the losses are collected; nothing otherwise, so that plain
+    scoring keeps its five-argument call."""
+    return {} if router_losses is None else {"router_losses": router_losses}
 
 
 def row_canvas(committed: torch.Tensor, block_size: int | None) -> torch.Tensor | None:
@@ -152,8 +167,10 @@ def estimate_logprobs(
     settings: EstimatorSettings,
     seeds: torch.Tensor | None = None,
     compute_entropy: bool = False,
+    router_losses: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Per-token log-probs of ``completion_ids`` (the full sampler canvas) under ``settings.name``."""
+    """Per-token log-probs of ``completion_ids`` (the full sampler canvas) under ``settings.name``.
+    ``router_losses``: a list that gets the load-balancing loss of every forward (see ``score_chunks``)."""
     settings.validate()
     block_size = (settings.block_size or model.block_size) if model.block_size is not None else None
     mask_id = model.mask_token_id
@@ -164,7 +181,7 @@ def estimate_logprobs(
     def run(groups, scored=None, prompt_noise=None, canvas=None):
         chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_id, block_size,
                                       settings.token_budget, pad_id, scored, prompt_noise, canvas)
-        return score_chunks(model, chunks, completion_ids, settings, compute_entropy)
+        return score_chunks(model, chunks, completion_ids, settings, compute_entropy, **_collecting(router_losses))
 
     if settings.name == "trajectory":
         groups = trajectory_groups(unmask_step, prompt_mask, settings.shrinkage, block_size)
@@ -180,7 +197,7 @@ def estimate_logprobs(
         return logps, entropies, committed
     if settings.name in MULTI_MASK_ESTIMATORS:
         return _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size,
-                                  masks, settings, compute_entropy)
+                                  masks, settings, compute_entropy, router_losses)
     first, t = masks["masked"], masks["t"]
     second = ~first & committed
     full_logps, entropies = run(_masked_groups(torch.ones_like(committed), blocks, committed))
@@ -252,7 +269,8 @@ def _sample_masks(settings: EstimatorSettings, generators: list, width: int) -> 
 
 
 def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size, masks,
-                       settings: EstimatorSettings, compute_entropy: bool):
+                       settings: EstimatorSettings, compute_entropy: bool,
+                       router_losses: list[torch.Tensor] | None = None):
     """``random_masking`` / ``coupled_pairs``: every drawn mask (pair half) is one state; all of them are scored in
     one packed pass over the batch tiled once per state, then laid out ``[B, m * C]``."""
     batch, width = committed.shape
@@ -267,7 +285,8 @@ def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed
     chunks = build_scoring_chunks(prompt_ids.repeat(copies, 1), prompt_mask.repeat(copies, 1), tiled_completion,
                                   groups, model.mask_token_id, block_size, settings.token_budget,
                                   0, states)
-    logps, entropies = score_chunks(model, chunks, tiled_completion, settings, compute_entropy)
+    logps, entropies = score_chunks(model, chunks, tiled_completion, settings, compute_entropy,
+                                    **_collecting(router_losses))
 
     def per_response(values):  # [copies * B, C] -> [B, m * C], a pair's halves merged (they are disjoint)
         if values is None:

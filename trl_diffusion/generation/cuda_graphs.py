@@ -239,7 +239,7 @@ class ExactCacheGraphRunner(GraphRunner):
             self.cache.place(self._slots[length:], self.width)
             ids, positions = self._buf.tokens, self._positions[:, length:]
         return self.model(input_ids=ids, attention_mask=self._masks[fused], position_ids=positions,
-                          past_key_values=self.cache, logits_to_keep=length).logits
+                          past_key_values=self.cache, logits_to_keep=length, output_router_logits=False).logits
 
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,
                   fractions: list[float] | None) -> None:
@@ -303,7 +303,7 @@ class WindowCacheGraphRunner(GraphRunner):
         length, shift = self._shape[1], self.shift
         ids = torch.cat([self._ids[:, :shift], self._buf.tokens, self._ids[:, shift + length:]], dim=1)
         logits = self.model(input_ids=ids, attention_mask=self._mask, position_ids=self._positions,
-                            past_key_values=self.cache).logits
+                            past_key_values=self.cache, output_router_logits=False).logits
         return logits[:, :length]
 
     def run_block(self, block: Block, row_steps: list[int], quotas: list[int] | None,

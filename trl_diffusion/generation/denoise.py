@@ -187,17 +187,18 @@ class ModelRunner:
         self.calls = 0
 
     def forward(self, cols: slice, mask, keep: int = 0) -> torch.Tensor:
-        """Logits of the canvas columns ``cols`` (the last ``keep`` of them if ``keep``)."""
+        """Logits of the canvas columns ``cols`` (the last ``keep`` of them if ``keep``). Never with router logits
+        (a mixture-of-experts config may say ``output_router_logits``: a training setting)."""
         state = self.state
         ids, pos = state.canvas[:, cols], state.positions[:, cols]
         self.calls += 1
         if not self.settings.cfg_scale:
             return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                              logits_to_keep=keep).logits
+                              logits_to_keep=keep, output_router_logits=False).logits
         unconditional = ids.masked_fill(state.prompt_cols[:, cols], self.mask_id)
         both = self.model(input_ids=torch.cat([ids, unconditional]),
                           attention_mask=None if mask is None else torch.cat([mask, mask]),
-                          position_ids=torch.cat([pos, pos]), logits_to_keep=keep).logits
+                          position_ids=torch.cat([pos, pos]), logits_to_keep=keep, output_router_logits=False).logits
         cond, uncond = both.chunk(2)
         return uncond + (self.settings.cfg_scale + 1) * (cond - uncond)
 

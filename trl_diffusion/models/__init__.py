@@ -4,7 +4,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
 from .cache import DiffusionCache
-from .common import DiffusionModelMixin, check_tokenizer, model_argument
+from .common import DiffusionModelMixin, check_router_aux_loss_coef, check_tokenizer, model_argument
 from .dream import DreamConfig, DreamModel, DreamTokenizer
 from .llada import LLaDAConfig, LLaDAModelLM
 from .llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
@@ -74,6 +74,7 @@ __all__ = [
     "DiffusionModelMixin",
     "carry_remote_code",
     "carry_tokenizer_code",
+    "check_router_aux_loss_coef",
     "check_tokenizer",
     "model_argument",
     "DreamConfig",

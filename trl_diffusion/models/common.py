@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
-from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 
 from ..states import attention_mask_from_positions
 from .cache import DiffusionCache, StaticDiffusionCache
@@ -71,6 +71,8 @@ class DiffusionModelMixin:
         output_hidden_states: bool = False,
         logits_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
+        output_router_logits: bool | None = None,
+        router_loss_mask: torch.Tensor | None = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
         """``attention_mask``: None, 2-D key padding, or a custom 3-/4-D mask (see ``resolve_attention_mask``; the
@@ -87,6 +89,12 @@ class DiffusionModelMixin:
         in that order (row-major for a mask): what training needs, since it scores a few positions of long packed
         rows and a vocabulary-wide head over every position would be a large part of the memory.
 
+        Mixture-of-experts models (a config with an ``output_router_logits`` field; dense models ignore both
+        arguments) return a ``MoeCausalLMOutputWithPast``; with ``output_router_logits`` (None: the config's) it
+        holds each sparse layer's ``router_logits`` and the load-balancing ``aux_loss`` (``moe.MoeLMMixin``) over
+        the tokens ``router_loss_mask`` ``[B, L]`` marks (default: a 2-D ``attention_mask``'s real tokens, else
+        all; see ``moe.router_token_mask``). The logits do not change.
+
         As in transformers, ``return_dict=False`` returns a tuple; ``output_attentions=True`` is an error (no
         attention weights are formed)."""
         if kwargs.get("attention_bias") is not None:
@@ -97,13 +105,18 @@ class DiffusionModelMixin:
                              "kernels, which never form the attention weights (attn_implementation is not read).")
         if isinstance(attention_mask, str):
             attention_mask = None
+        routed = router_logits_requested(self.config, output_router_logits)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, store_kv=store_kv,
-                         output_hidden_states=output_hidden_states)
+                         output_hidden_states=output_hidden_states,
+                         **({} if routed is None else {"output_router_logits": routed}))
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
         if labels is not None and hidden.dim() != 3:
             raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
         output = causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
+        if routed is not None:  # a mixture-of-experts LM (``moe.MoeLMMixin``)
+            output = self._moe_output(output, out.router_logits, attention_mask, router_loss_mask,
+                                      tuple(out.last_hidden_state.shape[:2]))
         # transformers' return_dict=False: a tuple of the fields that are set (unpacking the output object would
         # give its keys)
         return output.to_tuple() if kwargs.get("return_dict") is False else output
@@ -388,9 +401,30 @@ class QwenStyleDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = QwenStyleMLP(config) if mlp is None else mlp
 
-    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False):
+    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False, output_router_logits: bool = False):
+        """The layer's output; with ``output_router_logits`` (a mixture-of-experts backbone collecting them),
+        ``(output, router_logits)`` (see ``mlp_output``)."""
         h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        out, router_logits = mlp_output(self.mlp, self.post_attention_layernorm(h), output_router_logits)
+        return (h + out, router_logits) if output_router_logits else h + out
+
+
+def mlp_output(mlp: nn.Module, hidden: torch.Tensor,
+               output_router_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``mlp(hidden)`` and, when asked and ``mlp`` is a mixture-of-experts block (``routes_tokens``:
+    ``moe.SparseMoeBlock``), its router logits ``[tokens, num_experts]``; None otherwise."""
+    if output_router_logits and getattr(mlp, "routes_tokens", False):
+        return mlp(hidden, output_router_logits=True)
+    return mlp(hidden), None
+
+
+def router_logits_requested(config, requested: bool | None) -> bool | None:
+    """Whether a forward returns router logits: None for a model without routers (its config has no
+    ``output_router_logits`` field, which is also how TRL's trainers tell mixture-of-experts models apart), else the
+    call's ``output_router_logits``, or the config's when the call leaves it None (as transformers reads it)."""
+    if not hasattr(config, "output_router_logits"):
+        return None
+    return bool(config.output_router_logits if requested is None else requested)
 
 
 class DiffusionPreTrainedModel(PreTrainedModel):
@@ -507,16 +541,23 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
-                output_hidden_states: bool = False, **kwargs) -> BaseModelOutputWithPast:
+                output_hidden_states: bool = False, output_router_logits: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
+        """``output_router_logits`` (mixture-of-experts backbones; None: the config's): see ``run_backbone``."""
         head_dim = self.layers[0].self_attn.head_dim
         return run_backbone(self, self.embed_tokens, self.layers, self.norm, head_dim, input_ids, inputs_embeds,
-                            attention_mask, position_ids, past_key_values, store_kv, output_hidden_states)
+                            attention_mask, position_ids, past_key_values, store_kv, output_hidden_states,
+                            router_logits=router_logits_requested(self.config, output_router_logits))
 
 
 def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_embeds, attention_mask,
-                 position_ids, cache, store_kv, output_hidden_states, embed_dropout=None) -> BaseModelOutputWithPast:
+                 position_ids, cache, store_kv, output_hidden_states, embed_dropout=None,
+                 router_logits: bool | None = None) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
     """The forward every backbone shares: embed, resolve positions and mask, run the layers (reading the cache,
-    and writing it when ``store_kv``), final norm."""
+    and writing it when ``store_kv``), final norm. ``router_logits``: None for a dense backbone (a
+    ``BaseModelOutputWithPast``); for a mixture-of-experts one a ``MoeModelOutputWithPast``, whose
+    ``router_logits`` hold, when True, each sparse layer's ``[B * L, num_experts]`` in layer order (the layers
+    return them: gradient checkpointing keeps their gradient)."""
     hidden, position_ids, mask, new_valid = _prepare_inputs(
         model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed
     )
@@ -524,17 +565,27 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
         hidden = embed_dropout(hidden)
     cos, sin = rotary_cos_sin(position_ids, head_dim, model.config.rope_theta)
     all_hidden = [] if output_hidden_states else None
+    routers = [] if router_logits else None
     for layer in layers:
         if all_hidden is not None:
             all_hidden.append(hidden)
-        hidden = layer(hidden, cos, sin, mask, cache, store_kv)
+        if routers is None:
+            hidden = layer(hidden, cos, sin, mask, cache, store_kv)
+            continue
+        hidden, logits = layer(hidden, cos, sin, mask, cache, store_kv, output_router_logits=True)
+        if logits is not None:
+            routers.append(logits)
     hidden = final_norm(hidden)
     if all_hidden is not None:
         all_hidden.append(hidden)
     if isinstance(cache, DiffusionCache) and store_kv:
         cache.append_positions(position_ids, new_valid)
     hidden_states = tuple(all_hidden) if all_hidden is not None else None
-    return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_FIELD: cache})
+    if router_logits is None:
+        return BaseModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states, **{CACHE_FIELD: cache})
+    return MoeModelOutputWithPast(last_hidden_state=hidden, hidden_states=hidden_states,
+                                  router_logits=tuple(routers) if routers is not None else None,
+                                  **{CACHE_FIELD: cache})
 
 
 def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed):
@@ -594,6 +645,20 @@ def check_tokenizer(tokenizer, model) -> None:
     if tok_mask != mask_id:
         raise ValueError(
             f"the tokenizer's mask token id ({tok_mask}) differs from the model's mask_token_id ({mask_id})."
+        )
+
+
+def check_router_aux_loss_coef(model, coef: float | None) -> None:
+    """Refuse an explicit non-zero ``router_aux_loss_coef`` (TRL's ``SFTConfig`` / ``GRPOConfig`` field) for a model
+    without routers: a config without ``output_router_logits``, TRL's own test for a mixture-of-experts model. TRL
+    refuses it too, but only once its trainer has loaded the model and, for SFT, prepared the datasets."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = base.config.get_text_config()
+    if coef and not hasattr(config, "output_router_logits"):
+        raise ValueError(
+            f"router_aux_loss_coef={coef} weighs the load-balancing loss of a mixture-of-experts model's routers "
+            f"(SDAR-MoE, LLaDA-MoE), but {type(base).__name__} is a dense model: it has no router and no such loss. "
+            "Leave router_aux_loss_coef unset (or 0) for dense models."
         )
 
 

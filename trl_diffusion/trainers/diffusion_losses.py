@@ -70,12 +70,14 @@ class ScoringBatch:
 @dataclass
 class TokenScores:
     """Per-position log-probability of the target, entropy of the prediction and whether the target is the
-    argmax; all zero where ``scored`` is False."""
+    argmax; all zero where ``scored`` is False. ``aux_loss``: the forward's load-balancing loss over its real tokens
+    (mixture-of-experts models, when ``score_tokens`` is asked for it; None otherwise)."""
 
     log_probs: torch.Tensor
     entropy: torch.Tensor
     is_top1: torch.Tensor
     scored: torch.Tensor
+    aux_loss: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -410,30 +412,34 @@ def trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id: in
 
 def score_tokens(
     model, batch: ScoringBatch, logits_shift: bool = False, mask_token_id: int | None = None,
-    attention_backend: str = "auto",
+    attention_backend: str = "auto", router_loss: bool = False,
 ) -> TokenScores:
     """One forward over ``batch``; log-prob, entropy and top-1 of every target (fp32, only at scored
     positions). ``logits_shift`` (Dream): position i is predicted from logits[i-1], so position 0 is never
     scored. With ``mask_token_id`` the mask token is removed from the distribution, exactly as the sampler
     removes it (``generation.sampling.sampling_logits``), so training and decoding share one distribution.
     ``attention_backend`` (``states.ATTENTION_BACKENDS``) says how the layout's mask is built. The LM head runs
-    only at the scored positions (``logits_to_keep``)."""
+    only at the scored positions (``logits_to_keep``). ``router_loss`` (mixture-of-experts models; the trainer
+    decides, whatever the model config says): also the forward's load-balancing ``aux_loss``, over the tokens it
+    really processed (the layout's ``valid``: a packed or padded row's padding is left out)."""
     mask = None
     if batch.layout is not None:
         backend = resolve_model_attention_backend(attention_backend, model, batch.input_ids.device)
         mask = batch.layout.attention_mask(backend)
     scored = scorable(batch, logits_shift)
     rows, cols = scored.nonzero(as_tuple=True)  # row-major, the order of batch.targets[scored]
-    logits = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
-                   logits_to_keep=(rows, cols - 1 if logits_shift else cols)).logits
-    picked, entropy, top1 = target_scores(logits, batch.targets[scored], mask_token_id=mask_token_id, entropy=True,
-                                          entropy_grad=False, top1=True)
+    output = model(input_ids=batch.input_ids, attention_mask=mask, position_ids=batch.position_ids,
+                   logits_to_keep=(rows, cols - 1 if logits_shift else cols), output_router_logits=router_loss,
+                   router_loss_mask=None if batch.layout is None else batch.layout.valid)
+    picked, entropy, top1 = target_scores(output.logits, batch.targets[scored], mask_token_id=mask_token_id,
+                                          entropy=True, entropy_grad=False, top1=True)
     zeros = torch.zeros(scored.shape, dtype=picked.dtype, device=picked.device)
     return TokenScores(
         log_probs=zeros.masked_scatter(scored, picked),
         entropy=zeros.detach().masked_scatter(scored, entropy),
         is_top1=torch.zeros_like(scored).masked_scatter(scored, top1),
         scored=scored,
+        aux_loss=output.aux_loss if router_loss else None,
     )
 
 
@@ -455,10 +461,12 @@ def count_loss_tokens(labels: torch.Tensor, logits_shift: bool = False) -> torch
 def diffusion_loss(
     model, batch: ScoringBatch, normaliser: torch.Tensor | int, logits_shift: bool = False,
     mask_token_id: int | None = None, loss_type: str = "nll", attention_backend: str = "auto",
+    router_loss: bool = False,
 ) -> tuple[torch.Tensor, TokenScores]:
-    """``sum(weight * -log p(target)) / normaliser`` and the token scores (see ``score_tokens``).
+    """``sum(weight * -log p(target)) / normaliser`` and the token scores (see ``score_tokens``; with
+    ``router_loss`` they carry the forward's load-balancing ``aux_loss``, which the caller weighs and adds).
     ``loss_type="dft"`` multiplies each token's loss by its detached probability (TRL's DFT)."""
-    scores = score_tokens(model, batch, logits_shift, mask_token_id, attention_backend)
+    scores = score_tokens(model, batch, logits_shift, mask_token_id, attention_backend, router_loss)
     per_token = -scores.log_probs * batch.weights.to(scores.log_probs.dtype)
     if loss_type == "dft":
         per_token = per_token * scores.log_probs.detach().exp()

@@ -11,7 +11,9 @@ This subclass only
 * wraps the collator (EOS padding, the extra columns, a mask-token check; for padding-free rows, which document
   each token belongs to);
 * replaces ``compute_loss`` with the objectives of ``diffusion_losses``, normalised exactly as TRL does: the
-  summed token loss divided by ``num_items_in_batch`` (all loss tokens of the accumulated batch).
+  summed token loss divided by ``num_items_in_batch`` (all loss tokens of the accumulated batch); for a
+  mixture-of-experts model SFTTrainer's load-balancing term is added and logged as ``aux_loss`` as TRL does
+  (``router_aux_loss_coef``, default the config's; the forward's loss over the real tokens of its rows).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
-from ..models import check_tokenizer, model_argument
+from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import check_block_size_applies, resolve_model_attention_backend
 from .diffusion_losses import (
@@ -327,6 +329,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
         if not isinstance(model, str):
             self._validate_model(model, args, processing_class)
+            check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
         self.spec = self._validate_model(self.model, self.args, self._tokenizer)
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
@@ -487,15 +490,25 @@ class DiffusionSFTTrainer(SFTTrainer):
             normaliser = batch.input_ids.shape[0] * steps  # Trainer leaves the division by accumulation steps to us
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
         loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, excluded, args.loss_type,
-                                      self.attention_backend)
+                                      self.attention_backend, router_loss=self.aux_loss_enabled)
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
         by_tokens = args.loss_normalization == "tokens"
         if args.average_tokens_across_devices and num_items_in_batch is not None and by_tokens:
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        if scores.aux_loss is not None:
+            loss = loss + self._weighted_aux_loss(scores.aux_loss, mode, num_items_in_batch is not None)
         self._log_metrics(mode, inputs, scores, counted=real != 0)
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
+
+    def _weighted_aux_loss(self, aux_loss: torch.Tensor, mode: str, accumulated: bool) -> torch.Tensor:
+        """SFTTrainer's mixture-of-experts term: ``router_aux_loss_coef`` times the forward's load-balancing loss (a
+        mean over the micro-batch's real tokens, which DDP averages across processes), divided by the accumulation
+        steps when ``Trainer`` leaves the accumulation to the loss (``accumulated``: it passed ``num_items_in_batch``,
+        as in training)."""
+        steps = self.current_gradient_accumulation_steps if accumulated and mode == "train" else 1
+        return self.router_aux_loss_coef * aux_loss / steps
 
     def _log_metrics(self, mode: str, inputs, scores, counted: bool = True) -> None:
         """Token metrics summed over every process (``counted=False``: this process adds nothing, its batch being
@@ -510,6 +523,10 @@ class DiffusionSFTTrainer(SFTTrainer):
         metrics["entropy"].append((entropy / num_scored).item() if num_scored > 0 else 0.0)
         metrics["mean_token_accuracy"].append((correct / num_scored).item() if num_scored > 0 else 0.0)
         metrics["scored_tokens"].append(num_scored.item())
+        if scores.aux_loss is not None:  # SFTTrainer's `aux_loss`: the mean of the processes' load-balancing losses
+            pooled = gather(torch.stack([scores.aux_loss.detach().float(), torch.ones_like(scores.aux_loss)]) * keep)
+            pooled = pooled.view(-1, 2).sum(0)
+            metrics["aux_loss"].append((pooled[0] / pooled[1]).item() if pooled[1] > 0 else 0.0)
         if mode == "train":
             if "attention_mask" in inputs:
                 tokens = inputs["attention_mask"].sum()

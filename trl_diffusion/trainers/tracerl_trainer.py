@@ -6,7 +6,9 @@ logging, callbacks — is TRL's):
 * rollouts come from the model's diffusion ``generate()``; the whole sampler canvas, its trajectory
   (``unmask_step``), the sampler's log-probs and per-row mask seeds travel with the batch as tensors;
 * ``_get_per_token_logps_and_entropies`` scores completions with the configured likelihood estimator
-  (TraceRL's ``trajectory`` by default) instead of causal next-token log-probs;
+  (TraceRL's ``trajectory`` by default) instead of causal next-token log-probs; for a mixture-of-experts model
+  GRPO's load-balancing ``aux_loss`` (``router_aux_loss_coef``, default the config's) is the mean over those scoring
+  forwards of each one's loss over the real tokens of its packed rows (rollouts never ask for router logits);
 * the loss mask carries TraceRL's per-token weights (1/|tau(t)| or 1/L_max) and, for masking estimators, which
   tokens were scored; ``loss_type="tracerl"`` divides by the number of training rows (response x merged step, or
   dLLM-RL's rows of the masking baselines); with ``masks_per_response = m`` every per-token tensor of the loss is
@@ -41,7 +43,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
-from ..models import check_tokenizer, model_argument
+from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import (
     blocks_from_prompt_end,
@@ -108,6 +110,8 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        if not isinstance(model, str):
+            check_router_aux_loss_coef(model, args.router_aux_loss_coef)
         if args.cast_lm_head_to_fp32 and not isinstance(model, str) and model.get_output_embeddings() is None:
             raise ValueError("cast_lm_head_to_fp32=True needs a separate output layer; this model computes its logits "
                              "from the input embeddings (LLaDA with weight_tying=True).")
@@ -149,6 +153,12 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
+        if self.aux_loss_enabled and args.dynamic_group_filtering != "none" and args.loss_type in _ROW_MEAN_LOSSES:
+            raise ValueError(f"the mixture-of-experts load-balancing loss (router_aux_loss_coef="
+                             f"{self.router_aux_loss_coef}) with loss_type={args.loss_type!r} and group filtering is "
+                             "not supported (filtered rows are taken out of the row count by rescaling the loss, "
+                             "which would rescale the router loss too); use loss_type 'tracerl' or 'dapo', "
+                             "dynamic_group_filtering='none', or router_aux_loss_coef=0.")
         check_block_size_applies("training_block_size", args.training_block_size, base.block_size)
         self._rollout_cache = _rollout_cache(args.rollout_cache, base)
         _check_completion_fits(base, args)
@@ -870,11 +880,13 @@ class TraceRLTrainer(GRPOTrainer):
         unwrapped = self.accelerator.unwrap_model(model)
         rows = batch_size or input_ids.shape[0]
         logps, entropies = [], []
+        router_losses = [] if compute_aux_loss else None  # one per scoring forward, averaged below as GRPO does
         for start in range(0, input_ids.shape[0], rows):
             part = slice(start, start + rows)
             lp, ent, _ = estimate_logprobs(
                 _ForwardThrough(model, unwrapped), prompt_ids[part], prompt_mask[part], scoring["canvas_ids"][part],
                 scoring["unmask_step"][part], self.estimator_settings, scoring["mask_seeds"][part], compute_entropy,
+                router_losses,
             )
             logps.append(lp)
             entropies.append(ent)
@@ -897,7 +909,7 @@ class TraceRLTrainer(GRPOTrainer):
             mode = "train" if self.model.training else "eval"
             self._metrics[mode]["rollout/sampler_logp_gap"].append((totals[0] / totals[1].clamp(min=1)).item())
             self._metrics[mode]["rollout/sampler_logp_gap_exact"].append((totals[2] / totals[3].clamp(min=1)).item())
-        aux = torch.zeros((), device=input_ids.device) if compute_aux_loss else None
+        aux = _mean_router_loss(router_losses, input_ids.device) if compute_aux_loss else None
         return self._against_old_policy(logps), entropies, aux
 
     def _against_old_policy(self, logps: torch.Tensor) -> torch.Tensor:
@@ -913,6 +925,14 @@ class TraceRLTrainer(GRPOTrainer):
             logps = old + (logps - old).clamp(-clip, clip)
         inputs["scored_logps"] = logps
         return logps
+
+
+def _mean_router_loss(router_losses: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The mean of the scoring forwards' load-balancing losses (GRPO's ``aux_loss``: the mean over its forwards);
+    0 when this process ran none (nothing to score)."""
+    if not router_losses:
+        return torch.zeros((), device=device)
+    return torch.stack([loss.to(device) for loss in router_losses]).mean()
 
 
 def _gathered(parameters: list, modifier_rank: int | None):

@@ -13,7 +13,6 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
-from ..moe import pop_router_logits_flag
 from ..remote_code import CarryRemoteCodeConfig
 
 logger = logging.get_logger(__name__)
@@ -55,9 +54,15 @@ class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
 
     The released router ignores ``norm_topk_prob``, ``moe_router_score_function``, ``routed_scaling_factor``,
     ``router_num_group`` and ``router_topk_group`` (softmax, top-k, no renormalisation, no scaling, no groups); they
-    are kept, ignored as well, with a warning when they ask for something else. ``output_router_logits=True`` is
-    refused (no router loss is computed); ``false`` is accepted and not kept (see ``moe.pop_router_logits_flag``).
-    ``rope_scaling`` other than null, ``attention_bias=True`` and a ``hidden_act`` other than ``"silu"`` are refused.
+    are kept, ignored as well, with a warning when they ask for something else. ``rope_scaling`` other than null,
+    ``attention_bias=True`` and a ``hidden_act`` other than ``"silu"`` are refused.
+
+    ``output_router_logits`` (default ``False``, the released value): whether a forward that does not say returns the
+    sparse layers' router logits and the auxiliary load-balancing loss ``aux_loss`` (the release's function,
+    transformers' OLMoE ``load_balancing_loss_func``: ``moe.load_balancing_loss``; decoding never asks for them).
+    ``router_aux_loss_coef`` (0.01) weighs ``aux_loss`` in a loss computed from ``labels`` (as OLMoE; the release
+    computes no loss) and is the coefficient TRL's trainers (and ours) use when their ``router_aux_loss_coef`` is
+    unset; a config with ``output_router_logits`` is what they take for a mixture-of-experts model.
     """
 
     model_type = "llada"
@@ -87,6 +92,7 @@ class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     clip_qkv: float | None = None
     num_experts_per_tok: int | None = None
     num_experts: int | None = None
+    output_router_logits: bool = False
     router_aux_loss_coef: float = 0.01
     norm_topk_prob: bool | None = None
     qk_layernorm: bool | None = None
@@ -100,7 +106,6 @@ class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
 
     def __post_init__(self, **kwargs: Any):
         kwargs.pop("model_type", None)  # "llada" (released) or "lladamoe" (dllm): the class attribute says "llada"
-        pop_router_logits_flag(kwargs, "LLaDAMoEConfig")
         if kwargs.get("rope_scaling") is not None:
             raise ValueError("LLaDAMoEConfig: rope_scaling is not supported (the released checkpoints use none).")
         kwargs.pop("rope_scaling", None)

@@ -20,32 +20,25 @@ the generation mixin are Dream's and SDAR's code):
   of ``mlp``) on the same normed input, added to the experts' sum.
 
 As for SDAR-MoE, the expert dispatch reads on the host which experts got tokens: no CUDA-graph capture
-(``cuda_graph_capturable``) and no router logits or auxiliary loss (``output_router_logits`` is refused).
+(``cuda_graph_capturable``); ``output_router_logits`` (the forward's, else the config's) returns the sparse layers'
+router logits and the auxiliary load-balancing loss ``aux_loss`` of the release (OLMoE's; see ``moe.py``).
 """
 
 from __future__ import annotations
-
-import functools
 
 from torch import nn
 from transformers import initialization as init
 
 from ...generation.mixin import DiffusionGenerationMixin
 from ..common import (
-    DiffusionModelMixin,
     DiffusionPreTrainedModel,
     QwenStyleBackbone,
     QwenStyleDecoderLayer,
     QwenStyleLM,
+    mlp_output,
 )
-from ..moe import SparseMoeBlock, SwiGLUMLP
-from ..moe import check_router_logits as _check_router_logits
+from ..moe import MoeLMMixin, SparseMoeBlock, SwiGLUMLP
 from .configuration_llada_moe import LLaDAMoEConfig
-
-
-def check_router_logits(config, requested=None) -> None:
-    """Refuse router logits (``output_router_logits``), asked for by a call or set on the config after loading."""
-    _check_router_logits(config, requested, "LLaDA-MoE")
 
 
 class LLaDAMoEDecoderLayer(QwenStyleDecoderLayer):
@@ -63,13 +56,15 @@ class LLaDAMoEDecoderLayer(QwenStyleDecoderLayer):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = SwiGLUMLP(hidden, shared) if sparse and shared is not None else None
 
-    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False):
+    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False, output_router_logits: bool = False):
+        """The layer's output; with ``output_router_logits``, ``(output, router_logits)`` (None for a dense
+        layer)."""
         h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
         normed = self.post_attention_layernorm(h)
-        out = self.mlp(normed)
+        out, router_logits = mlp_output(self.mlp, normed, output_router_logits)
         if self.shared_expert is not None:
             out = out + self.shared_expert(normed)
-        return h + out
+        return (h + out, router_logits) if output_router_logits else h + out
 
 
 class LLaDAMoEPreTrainedModel(DiffusionPreTrainedModel):
@@ -89,33 +84,19 @@ class LLaDAMoEModel(LLaDAMoEPreTrainedModel, QwenStyleBackbone):
     diffusion_block_size = None
 
     def __init__(self, config: LLaDAMoEConfig, **kwargs) -> None:
-        check_router_logits(config, kwargs.pop("output_router_logits", None))
         config.check_buildable()
         super().__init__(config, **kwargs)
 
     def _decoder_layer(self, config: LLaDAMoEConfig, layer_idx: int) -> nn.Module:
         return LLaDAMoEDecoderLayer(config, layer_idx)
 
-    @functools.wraps(QwenStyleBackbone.forward)
-    def forward(self, *args, **kwargs):
-        check_router_logits(self.config, kwargs.get("output_router_logits"))
-        return QwenStyleBackbone.forward(self, *args, **kwargs)
 
-
-class LLaDAMoEModelLM(QwenStyleLM, LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
+class LLaDAMoEModelLM(MoeLMMixin, QwenStyleLM, LLaDAMoEPreTrainedModel, DiffusionGenerationMixin):
     """``model`` (``LLaDAMoEModel``) + ``lm_head``, the released class name (``architectures: ["LLaDAMoEModelLM"]``,
-    what its ``auto_map`` gives ``AutoModel`` and ``AutoModelForCausalLM``)."""
+    what its ``auto_map`` gives ``AutoModel`` and ``AutoModelForCausalLM``); with router logits, the release's
+    ``aux_loss`` (``moe.MoeLMMixin``)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     backbone_class = LLaDAMoEModel
     cuda_graph_capturable = False
     """The expert dispatch is data-dependent: ``generate(cuda_graphs="auto")`` decodes eagerly."""
-
-    def __init__(self, config: LLaDAMoEConfig, **kwargs) -> None:
-        check_router_logits(config, kwargs.pop("output_router_logits", None))
-        super().__init__(config, **kwargs)
-
-    @functools.wraps(DiffusionModelMixin.forward)
-    def forward(self, *args, **kwargs):
-        check_router_logits(self.config, kwargs.get("output_router_logits"))
-        return DiffusionModelMixin.forward(self, *args, **kwargs)

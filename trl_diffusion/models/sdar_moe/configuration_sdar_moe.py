@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from ..moe import pop_router_logits_flag
 from ..sdar.configuration_sdar import SDARConfig
 
 
@@ -18,10 +17,12 @@ class SDARMoeConfig(SDARConfig):
     when ``i`` is not in ``mlp_only_layers``, ``num_experts > 0`` and ``(i + 1) % decoder_sparse_step == 0``; the
     other layers have the dense MLP of width ``intermediate_size``.
 
-    No auxiliary load-balancing loss is computed and no router logits are returned, so ``output_router_logits=True``
-    is refused; ``false`` (the released value) is accepted and not kept as an attribute: TRL's trainers read the
-    attribute's presence as "this model returns router logits" and would otherwise ask for them.
-    ``router_aux_loss_coef`` is kept (for the released code) and not used.
+    ``output_router_logits`` (default ``False``, the released value) is Qwen3-MoE's: whether a forward that does not
+    say returns the sparse layers' router logits and the auxiliary load-balancing loss ``aux_loss``
+    (``moe.load_balancing_loss``; decoding never asks for them). ``router_aux_loss_coef`` (0.001) weighs ``aux_loss``
+    in a loss computed from ``labels``, as in Qwen3-MoE, and is the coefficient TRL's trainers (and ours) use when
+    their ``router_aux_loss_coef`` is unset; a config with ``output_router_logits`` is what they take for a
+    mixture-of-experts model.
     """
 
     model_type = "sdar_moe"
@@ -38,11 +39,11 @@ class SDARMoeConfig(SDARConfig):
     num_experts_per_tok: int = 8
     num_experts: int = 128
     norm_topk_prob: bool = False
+    output_router_logits: bool = False
     router_aux_loss_coef: float = 0.001
     mlp_only_layers: list[int] | None = None
 
     def __post_init__(self, **kwargs):
-        pop_router_logits_flag(kwargs, "SDARMoeConfig")
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)

@@ -9,27 +9,18 @@ activation dtype; the expert outputs are weighted and summed per token in ascend
 arithmetic, and bfloat16 rounding, follow the reference's.
 
 The dispatch depends on the data (which experts got tokens is read on the host), so the model is not captured as a
-CUDA graph (``cuda_graph_capturable``), and no auxiliary load-balancing loss is computed (``output_router_logits``
-is refused).
+CUDA graph (``cuda_graph_capturable``). ``output_router_logits`` (the forward's, else the config's) returns the
+sparse layers' router logits and Qwen3-MoE's auxiliary load-balancing loss ``aux_loss`` (see ``moe.py``).
 """
 
 from __future__ import annotations
 
-import functools
-
 from torch import nn
 
 from ...generation.mixin import DiffusionGenerationMixin
-from ..common import DiffusionModelMixin, DiffusionPreTrainedModel, QwenStyleBackbone, QwenStyleLM
-from ..moe import SparseMoeBlock, SwiGLUMLP
-from ..moe import check_router_logits as _check_router_logits
+from ..common import DiffusionPreTrainedModel, QwenStyleBackbone, QwenStyleLM
+from ..moe import MoeLMMixin, SparseMoeBlock, SwiGLUMLP
 from .configuration_sdar_moe import SDARMoeConfig
-
-
-def check_router_logits(config, requested=None) -> None:
-    """Refuse router logits (``output_router_logits``), asked for by a call or set on the config after loading."""
-    _check_router_logits(config, requested, "SDAR-MoE")
-
 
 SDARMoeMLP = SwiGLUMLP
 """One SwiGLU expert: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (the shared ``common.SwiGLUMLP``)."""
@@ -56,10 +47,6 @@ class SDARMoeModel(SDARMoePreTrainedModel, QwenStyleBackbone):
 
     qk_norm = True
 
-    def __init__(self, config: SDARMoeConfig, **kwargs) -> None:
-        check_router_logits(config, kwargs.pop("output_router_logits", None))
-        super().__init__(config, **kwargs)
-
     @property
     def diffusion_block_size(self) -> int:
         return self.config.block_size
@@ -67,29 +54,16 @@ class SDARMoeModel(SDARMoePreTrainedModel, QwenStyleBackbone):
     def _layer_mlp(self, config: SDARMoeConfig, layer_idx: int) -> nn.Module | None:
         return SDARMoeSparseMoeBlock(config) if config.layer_is_sparse(layer_idx) else None
 
-    @functools.wraps(QwenStyleBackbone.forward)
-    def forward(self, *args, **kwargs):
-        check_router_logits(self.config, kwargs.get("output_router_logits"))
-        return QwenStyleBackbone.forward(self, *args, **kwargs)
 
-
-class SDARMoeForCausalLM(QwenStyleLM, SDARMoePreTrainedModel, DiffusionGenerationMixin):
-    """``model`` (``SDARMoeModel``) + ``lm_head``, the release's ``SDARMoeForCausalLM``."""
+class SDARMoeForCausalLM(MoeLMMixin, QwenStyleLM, SDARMoePreTrainedModel, DiffusionGenerationMixin):
+    """``model`` (``SDARMoeModel``) + ``lm_head``, the release's ``SDARMoeForCausalLM``; with router logits,
+    Qwen3-MoE's ``aux_loss`` (``moe.MoeLMMixin``)."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     backbone_class = SDARMoeModel
     cuda_graph_capturable = False
     """The expert dispatch is data-dependent: ``generate(cuda_graphs="auto")`` decodes eagerly."""
 
-    def __init__(self, config: SDARMoeConfig, **kwargs) -> None:
-        check_router_logits(config, kwargs.pop("output_router_logits", None))
-        super().__init__(config, **kwargs)
-
     @property
     def block_size(self) -> int:
         return self.config.block_size
-
-    @functools.wraps(DiffusionModelMixin.forward)
-    def forward(self, *args, **kwargs):
-        check_router_logits(self.config, kwargs.get("output_router_logits"))
-        return DiffusionModelMixin.forward(self, *args, **kwargs)
