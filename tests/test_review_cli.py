@@ -70,15 +70,18 @@ def test_eval_config_value_of_the_wrong_type_is_one_line(tmp_path, capsys):
 
 
 def test_config_values_of_the_right_type_still_parse(tmp_path):
+    data = tmp_path / "math.jsonl"  # reward_funcs apply to a dataset (on the synthetic task they are refused)
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n')
     (tmp_path / "run.yaml").write_text("max_steps: 3\nlearning_rate: 1.0e-5\nbeta: 0\nbf16: false\n"
-                                       "max_completion_length: 32\nreward_funcs: [official_math_reward]\n")
+                                       "max_completion_length: 32\nreward_funcs: [official_math_reward]\n"
+                                       f"dataset_name: {data}\n")
     script_args, args, _ = parse_script_args(load_example("math").make_parser(),
                                              ["--config", str(tmp_path / "run.yaml"), "--use_cpu", "true"])
     assert (args.max_steps, args.learning_rate, args.beta, args.max_completion_length) == (3, 1e-5, 0, 32)
     assert script_args.reward_funcs == ["official_math_reward"]
     # one name for a list option is a one-element list, as `--reward_funcs official_math_reward` gives (it was read
     # as a list of one-letter names, then refused)
-    (tmp_path / "run.yaml").write_text("reward_funcs: official_math_reward\n")
+    (tmp_path / "run.yaml").write_text(f"reward_funcs: official_math_reward\ndataset_name: {data}\n")
     script_args, _, _ = parse_script_args(load_example("math").make_parser(),
                                           ["--config", str(tmp_path / "run.yaml"), "--use_cpu", "true"])
     assert script_args.reward_funcs == ["official_math_reward"]
