@@ -55,7 +55,7 @@ def synced_forwards(model, enabled: bool, dummy_input_ids: torch.Tensor) -> Iter
         if running.item() == 0:
             return
         with torch.no_grad():
-            model(input_ids=dummy_input_ids)
+            model(input_ids=dummy_input_ids, output_router_logits=False)
 
 
 def agreed_forward_count(count: int, device: torch.device, enabled: bool) -> int:
@@ -70,5 +70,5 @@ def agreed_forward_count(count: int, device: torch.device, enabled: bool) -> int
 def zero_forward_term(model, input_ids: torch.Tensor) -> torch.Tensor:
     """A forward of ``input_ids`` that contributes exactly zero: added to a loss it keeps the forward in the
     autograd graph, so its backward (and the collectives of both) runs on this process as on the others."""
-    output = model(input_ids=input_ids)
+    output = model(input_ids=input_ids, output_router_logits=False)
     return output[0].float().sum() * 0.0

@@ -51,7 +51,8 @@ def replay_logprobs(
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
-        logits = _aligned_logits(model, model(input_ids=state, attention_mask=mask, position_ids=positions).logits,
+        logits = _aligned_logits(model, model(input_ids=state, attention_mask=mask, position_ids=positions,
+                                                   output_router_logits=False).logits,
                                  valid)
         log_dist = sampling_logits(logits, temperature, top_k, top_p,
                                    model.mask_token_id if exclude_mask_token else None).log_softmax(-1)

@@ -101,7 +101,8 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         ``values_to_keep``: the positions to compute values at, as the LM's ``logits_to_keep`` takes them
         (``models.common.keep_positions``; a ``(rows, cols)`` pair gives ``value`` ``[N]``)."""
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states)
+                         inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                         output_router_logits=False)  # values train no router loss (MoE; dense ignores it)
         hidden = keep_positions(out.last_hidden_state, values_to_keep).to(self.value_head.weight.dtype)
         return ValueOutput(value=self.value_head(hidden).squeeze(-1).float(), hidden_states=out.hidden_states)
 
