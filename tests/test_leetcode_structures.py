@@ -15,15 +15,13 @@ Also here: a LeetCode method named like a method of plain values (``Solution().c
 so the correct solution passes (it used to fail: ``.count`` was taken for ``list.count``, run in the parent).
 """
 
-import json
 import random
-import subprocess
-import sys
 
 import pytest
+from code_verdicts import fenced, native_outcomes, run_verified
 
 from trl_diffusion.eval import problems_from_rows, score_completions
-from trl_diffusion.rewards import build_tests, make_code_reward, run_tests
+from trl_diffusion.rewards import build_tests, make_code_reward
 from trl_diffusion.rewards.dllm_rl_code import make_official_code_reward
 from trl_diffusion.rewards.sandbox import SandboxLimits, _make_encoder
 from trl_diffusion.rewards.verdict import ProbeError, decode, judge, plan_test
@@ -469,47 +467,16 @@ ALL_CHECKS = [test for entry in CHECKS for test in _tests(entry)]
 STRUCTURE_TESTS = _tests("Solution().reverseList") + _tests("Solution().invertTree") + PLAIN[:7]
 
 
-def _fenced(code):
-    return f"```python\n{code}\n```"
-
-
 def _run(code, tests):
-    result = run_tests(PROMPT + code, tests, LIMITS)
+    """``code`` after the prompt, every test decided outside the sandbox and the sandbox run ending normally."""
+    result = run_verified(PROMPT + code, tests, LIMITS)
     assert result.status == "ok", (result.errors, result.output)
-    assert result.verified == result.total == len(tests), result  # decided outside the sandbox
     return result
 
 
-NATIVE = """
-import json, sys
-job = json.load(sys.stdin)
-namespace = {"__name__": "solution"}
-exec(job["program"], namespace)
-outcomes = []
-for test in job["tests"]:
-    try:
-        exec(test, namespace)
-        outcomes.append(True)
-    except BaseException:
-        outcomes.append(False)
-with open(sys.argv[1], "w") as f:
-    json.dump(outcomes, f)
-"""
-
-
 def _native(code, tests, tmp_path):
-    """Each test's verdict run natively, as the unverified mode ran it (the program's namespace, in order), in a
-    plain subprocess: some programs patch builtins."""
-    out = tmp_path / "native.json"
-    subprocess.run(
-        [sys.executable, "-c", NATIVE, str(out)],
-        input=json.dumps({"program": PROMPT + code, "tests": tests}),
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(out.read_text())
+    """The native verdicts (``native_outcomes``) of ``code`` after the prompt."""
+    return native_outcomes(PROMPT + code, tests, tmp_path)
 
 
 # ------------------------------------------------------------------------------------------------------- planning
@@ -653,7 +620,7 @@ def test_correct_solutions_pass_and_wrong_ones_fail(shape):
         column = {"tests": [PLAIN] * 2}
     # allow_unverified=False scores these rows instead of leaving them out.
     wrong = WRONG["list_missing_node"]
-    assert reward([_fenced(PROMPT + CORRECT), _fenced(PROMPT + wrong)], **column) == [1.0, 0.0]
+    assert reward([fenced(PROMPT + CORRECT), fenced(PROMPT + wrong)], **column) == [1.0, 0.0]
 
 
 def test_verdicts_equal_native_execution(tmp_path):
@@ -677,8 +644,8 @@ def test_forgeries_score_zero(name):
     code = FORGERIES[name]
     reward = make_code_reward(timeout=10.0, memory_mb=256)
     for entry in _forged(code):
-        assert reward([_fenced(PROMPT + code)], test=[CHECKS[entry]], entry_point=[entry]) == [0.0], entry
-    assert reward([_fenced(PROMPT + code)], tests=[PLAIN[:7]]) == [0.0]
+        assert reward([fenced(PROMPT + code)], test=[CHECKS[entry]], entry_point=[entry]) == [0.0], entry
+    assert reward([fenced(PROMPT + code)], tests=[PLAIN[:7]]) == [0.0]
     result = _run(code, STRUCTURE_TESTS)
     assert not result.all_passed
 
@@ -760,7 +727,7 @@ def test_methods_named_like_methods_of_plain_values(tmp_path):
     assert _run(wrong, COUNTING_TESTS).outcomes == [False, True, True, True, True, False]
     assert _native(wrong, COUNTING_TESTS, tmp_path) == [False, True, True, True, True, False]
     reward = make_code_reward(timeout=10.0, memory_mb=256, allow_unverified=False)
-    assert reward([_fenced(COUNTING), _fenced(wrong)], tests=[COUNTING_TESTS] * 2) == [1.0, 0.0]
+    assert reward([fenced(COUNTING), fenced(wrong)], tests=[COUNTING_TESTS] * 2) == [1.0, 0.0]
 
 
 # ------------------------------------------------------------------------------------------------- graders, rows
@@ -778,7 +745,7 @@ def test_eval_graders_decide_structure_rows_outside(grader):
     """A LeetCodeDataset-style row: the prompt goes before the completion, its check is verified."""
     problems = problems_from_rows([ROW])
     programs = [CORRECT, WRONG["list_extra_node"], FORGERIES["always_equal_values"], FORGERIES["patched_builders"]]
-    completions = [_fenced(p) for p in programs]
+    completions = [fenced(p) for p in programs]
     results = score_completions(problems * len(programs), completions, limits=LIMITS, code_grader=grader)
     assert [r["reward"] for r in results] == [1.0, 0.0, 0.0, 0.0]
     assert [r["tests_verified"] for r in results] == [1] * len(programs)
@@ -787,6 +754,6 @@ def test_eval_graders_decide_structure_rows_outside(grader):
 def test_official_code_reward_scores_structure_rows():
     """dLLM-RL's reward with ``allow_unverified=False`` scores these rows (they used to get ``None``)."""
     strict = make_official_code_reward(memory_mb=256, allow_unverified=False)
-    completions = [_fenced(PROMPT + CORRECT), _fenced(PROMPT + FORGERIES["patched_helpers_at_import"])]
+    completions = [fenced(PROMPT + CORRECT), fenced(PROMPT + FORGERIES["patched_helpers_at_import"])]
     tests = PLAIN[:2] + PLAIN[3:6]  # the forgery's None would be right for an empty list or tree
     assert strict(completions, test_method=["function"] * 2, test_list=[tests] * 2) == [5.0, 0.0]

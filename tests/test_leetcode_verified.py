@@ -18,14 +18,11 @@ its bound method, while each plain ``assert Solution().twoSum(...)`` builds its 
 (``test_instances_are_shared_exactly_as_natively``).
 """
 
-import json
-import subprocess
-import sys
-
 import pytest
+from code_verdicts import fenced, native_outcomes, run_verified
 
 from trl_diffusion.eval import problems_from_rows, score_completions
-from trl_diffusion.rewards import build_tests, make_code_reward, run_tests
+from trl_diffusion.rewards import build_tests, make_code_reward
 from trl_diffusion.rewards.dllm_rl_code import make_official_code_reward, official_code_reward
 from trl_diffusion.rewards.sandbox import SandboxLimits
 from trl_diffusion.rewards.verdict import plan_test
@@ -154,56 +151,18 @@ class Solution:
 }
 
 
-def _fenced(program):
-    return f"```python\n{program}\n```"
-
-
 def _check_reward(program, **kwargs):
     reward = make_code_reward(timeout=5.0, memory_mb=256, **kwargs)
-    return reward([_fenced(program)], test=[CHECK], entry_point=[ENTRY])[0]
+    return reward([fenced(program)], test=[CHECK], entry_point=[ENTRY])[0]
 
 
 def _plain_reward(program, **kwargs):
     reward = make_code_reward(timeout=5.0, memory_mb=256, **kwargs)
-    return reward([_fenced(program)], tests=[PLAIN])[0]
+    return reward([fenced(program)], tests=[PLAIN])[0]
 
 
 def _run(program, tests):
-    result = run_tests(program, tests, LIMITS)
-    assert result.verified == result.total == len(tests), result  # decided outside the sandbox
-    return result
-
-
-NATIVE = """
-import json, sys
-job = json.load(sys.stdin)
-namespace = {"__name__": "solution"}
-exec(job["program"], namespace)
-outcomes = []
-for test in job["tests"]:
-    try:
-        exec(test, namespace)
-        outcomes.append(True)
-    except BaseException:
-        outcomes.append(False)
-with open(sys.argv[1], "w") as f:
-    json.dump(outcomes, f)
-"""
-
-
-def _native(program, tests, tmp_path):
-    """Each test's verdict run natively, as the unverified mode runs it (the program's namespace, in order), in a
-    separate process: a forgery patches builtins."""
-    out = tmp_path / "native.json"
-    subprocess.run(
-        [sys.executable, "-c", NATIVE, str(out)],
-        input=json.dumps({"program": program, "tests": tests}),
-        text=True,
-        capture_output=True,
-        timeout=60,
-        check=True,
-    )
-    return json.loads(out.read_text())
+    return run_verified(program, tests, LIMITS)
 
 
 def test_both_leetcode_shapes_are_planned_verified():
@@ -265,11 +224,11 @@ def test_keyword_arguments_reach_the_method_by_name(tmp_path):
         .replace("target - x", "b - x")
     )
     tests = build_tests(test=CHECK, entry_point=ENTRY)
-    assert _native(renamed, tests, tmp_path) == [False] == _run(renamed, tests).outcomes
-    assert _native(renamed, PLAIN, tmp_path) == [True, False] == _run(renamed, PLAIN).outcomes
+    assert native_outcomes(renamed, tests, tmp_path) == [False] == _run(renamed, tests).outcomes
+    assert native_outcomes(renamed, PLAIN, tmp_path) == [True, False] == _run(renamed, PLAIN).outcomes
     swapped = CORRECT.replace("nums, target", "target, nums")
-    assert _native(swapped, tests, tmp_path) == [True] == _run(swapped, tests).outcomes
-    assert _native(swapped, PLAIN, tmp_path) == [False, True] == _run(swapped, PLAIN).outcomes
+    assert native_outcomes(swapped, tests, tmp_path) == [True] == _run(swapped, tests).outcomes
+    assert native_outcomes(swapped, PLAIN, tmp_path) == [False, True] == _run(swapped, PLAIN).outcomes
 
 
 def test_several_asserts_each_count_and_fail_alone(tmp_path):
@@ -279,15 +238,15 @@ def test_several_asserts_each_count_and_fail_alone(tmp_path):
         "assert Solution().twoSum([1, 5], 6) == [1, 0]",
     ]
     result = _run(CORRECT, tests)
-    assert result.outcomes == [True, True, True, False] == _native(CORRECT, tests, tmp_path)
+    assert result.outcomes == [True, True, True, False] == native_outcomes(CORRECT, tests, tmp_path)
     assert (
-        make_code_reward(timeout=5.0, memory_mb=256, partial_credit=True)([_fenced(CORRECT)], tests=[tests])[0] == 0.75
+        make_code_reward(timeout=5.0, memory_mb=256, partial_credit=True)([fenced(CORRECT)], tests=[tests])[0] == 0.75
     )
     # In a check, the first failing assert fails the one test, as natively.
     first_wrong = CHECK.replace("== [1,2]", "== [2,1]")
     assert _check_reward(CORRECT) == 1.0
     assert (
-        make_code_reward(timeout=5.0, memory_mb=256)([_fenced(CORRECT)], test=[first_wrong], entry_point=[ENTRY])[0]
+        make_code_reward(timeout=5.0, memory_mb=256)([fenced(CORRECT)], test=[first_wrong], entry_point=[ENTRY])[0]
         == 0.0
     )
 
@@ -314,17 +273,17 @@ def test_instances_are_shared_exactly_as_natively(tmp_path):
     fresh = check.replace("[1, 2]", "[2, 1]")  # what a fresh instance per probe would answer
     for test, expected in ((check, [True]), (fresh, [False])):
         tests = build_tests(test=test, entry_point="Solution().tally")
-        assert _native(STATEFUL, tests, tmp_path) == expected == _run(STATEFUL, tests).outcomes
+        assert native_outcomes(STATEFUL, tests, tmp_path) == expected == _run(STATEFUL, tests).outcomes
     plain = [
         "assert Solution().tally(0) == [1, 1]",
         "assert Solution().tally(x=0) == [2, 1]",
         "assert Solution().tally(0)[1] == 2",
     ]
-    assert _native(STATEFUL, plain, tmp_path) == [True, True, False] == _run(STATEFUL, plain).outcomes
+    assert native_outcomes(STATEFUL, plain, tmp_path) == [True, True, False] == _run(STATEFUL, plain).outcomes
     # Each test of a row builds its own instance, as each check(...) call natively does; the class attribute counting
     # them is shared by all, as natively (the second check sees built == 2).
     two = build_tests(test=check, entry_point="Solution().tally") * 2
-    assert _native(STATEFUL, two, tmp_path) == [True, False] == _run(STATEFUL, two).outcomes
+    assert native_outcomes(STATEFUL, two, tmp_path) == [True, False] == _run(STATEFUL, two).outcomes
 
 
 def test_results_that_differ_natively_still_differ(tmp_path):
@@ -332,7 +291,7 @@ def test_results_that_differ_natively_still_differ(tmp_path):
     for body in ("return (0, 1)", "return None", "raise ValueError('no')", "return [0, 1.0]", "return [False, True]"):
         program = f"class Solution:\n    def twoSum(self, nums, target):\n        {body}\n"
         tests = [PLAIN[0], *build_tests(test=CHECK.split("\n    assert sorted")[0] + "\n", entry_point=ENTRY)]
-        assert _run(program, tests).outcomes == _native(program, tests, tmp_path), body
+        assert _run(program, tests).outcomes == native_outcomes(program, tests, tmp_path), body
 
 
 @pytest.mark.parametrize("name", sorted(FORGERIES))
@@ -356,9 +315,9 @@ def test_the_forgeries_really_act(tmp_path):
         "class_attribute_switches",
     }
     for name in sorted(passing_check):
-        assert _native(FORGERIES[name], check, tmp_path) == [True], name
+        assert native_outcomes(FORGERIES[name], check, tmp_path) == [True], name
     for name in ("always_equal", "list_subclass_eq", "patched_builtins", "class_attribute_switches"):
-        assert _native(FORGERIES[name], PLAIN, tmp_path) == [True, True], name
+        assert native_outcomes(FORGERIES[name], PLAIN, tmp_path) == [True, True], name
     # ... and still fail here, decided outside the sandbox.
     for name in sorted(passing_check):
         assert _run(FORGERIES[name], check).outcomes == [False], name
@@ -380,7 +339,7 @@ def test_eval_graders_decide_leetcode_rows_outside(grader):
         FORGERIES["class_attribute_switches"],
     ]
     results = score_completions(
-        problems * len(programs), [_fenced(p) for p in programs], limits=LIMITS, code_grader=grader
+        problems * len(programs), [fenced(p) for p in programs], limits=LIMITS, code_grader=grader
     )
     assert [r["reward"] for r in results] == [1.0, 0.0, 0.0, 0.0, 0.0]
     assert [r["tests_verified"] for r in results] == [1] * len(programs)
@@ -395,7 +354,7 @@ UNVERIFIABLE = [
 def test_official_code_reward_allow_unverified():
     """``official_code_reward`` takes ``allow_unverified`` with ``make_code_reward``'s meaning: ``False`` gives a row
     with any test that cannot be decided outside the sandbox ``None``; the default still scores it."""
-    completions = [_fenced(CORRECT), _fenced(FORGERIES["always_equal"])]
+    completions = [fenced(CORRECT), fenced(FORGERIES["always_equal"])]
     strict = make_official_code_reward(memory_mb=256, allow_unverified=False)
     assert official_code_reward.allow_unverified is True
     # The loop runs inside the sandbox: the forgery passes it (1.0) there, but not the verified assert.
@@ -405,5 +364,5 @@ def test_official_code_reward_allow_unverified():
     assert strict(completions, test_method=["function"] * 2, test_list=[PLAIN] * 2) == [2.0, 0.0]
     assert official_code_reward(completions, test_method=["function"] * 2, test_list=[PLAIN] * 2) == [2.0, 0.0]
     # stdio rows are always decided outside; the row's other columns still decide the rest.
-    echo = _fenced("print(input())")
+    echo = fenced("print(input())")
     assert strict([echo], test_method=["stdio"], test_input=[["3\n"]], test_output=[["3"]]) == [1.0]

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from moe_reference import qwen3_moe_from
 from numerics import MIN_MARGIN, DecisionMargins, assert_close_fp32
 from safetensors.torch import save_file
 from transformers import (
@@ -19,8 +20,6 @@ from transformers import (
     AutoModelForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
-    Qwen3MoeConfig,
-    Qwen3MoeForCausalLM,
 )
 
 from trl_diffusion import DiffusionValueModel, LLaDAConfig, LLaDAModelLM, LLaDAMoEConfig, LLaDAMoEModelLM
@@ -188,26 +187,6 @@ def test_the_expert_bias_ranks_and_weights():
                 module.expert_bias.zero_()
         unbiased = reference_logits(model, ids)
     assert not torch.allclose(ours, unbiased, rtol=1e-3, atol=1e-3)
-
-
-def qwen3_moe_from(model, path):
-    """transformers' Qwen3MoeForCausalLM holding ``model``'s weights (the same key names; per-head q/k norms)."""
-    c = model.config
-    dense = [i for i in range(c.num_hidden_layers) if not c.layer_is_sparse(i)]
-    config = Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.dense_intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.expert_intermediate_size,
-        norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=dense, tie_word_embeddings=False,
-    )
-    model.save_pretrained(path)
-    reference, info = Qwen3MoeForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                          experts_implementation="eager", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    return reference.eval()
 
 
 def test_logits_equal_transformers_qwen3_moe_with_a_full_mask(tmp_path):

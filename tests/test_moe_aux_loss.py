@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from moe_reference import qwen3_moe_from
+from transformers import AutoModelForCausalLM
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from transformers.models.olmoe.modeling_olmoe import load_balancing_loss_func as olmoe_loss
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func as qwen3_moe_loss
@@ -108,24 +109,6 @@ def test_aux_loss_equals_transformers_load_balancing_loss(family, padded):
     assert torch.equal(out.aux_loss, ours)
     if padded:  # the padding is left out: it would change the loss
         assert not torch.allclose(ours, load_balancing_loss(out.router_logits, experts, top_k))
-
-
-def qwen3_moe_from(model, path) -> Qwen3MoeForCausalLM:
-    """transformers' Qwen3-MoE with ``model``'s weights (an SDAR-MoE at ``block_size=1`` is causal Qwen3-MoE)."""
-    c = model.config
-    config = Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta}, num_experts=c.num_experts,
-        num_experts_per_tok=c.num_experts_per_tok, moe_intermediate_size=c.moe_intermediate_size,
-        norm_topk_prob=c.norm_topk_prob, decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=c.mlp_only_layers,
-        tie_word_embeddings=False, router_aux_loss_coef=c.router_aux_loss_coef,
-    )
-    model.save_pretrained(path)
-    return Qwen3MoeForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                               experts_implementation="eager").eval()
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from datasets import Dataset
+from moe_reference import qwen3_moe_from
 from numerics import MIN_MARGIN, DecisionMargins, assert_close_fp32
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from trl_diffusion import DiffusionValueModel, SDARMoeConfig, SDARMoeForCausalLM
@@ -139,27 +140,6 @@ def test_state_dict_keys_are_the_released_names():
 
 
 # ------------------------------------------------------------------------------------------------ arithmetic
-
-
-def qwen3_moe_from(model, path):
-    """transformers' Qwen3MoeForCausalLM holding ``model``'s weights: saved in the released (per-expert) layout and
-    loaded through transformers' own key conversion."""
-    c = model.config
-    config = Qwen3MoeConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
-        max_position_embeddings=c.max_position_embeddings, rope_parameters={"rope_type": "default",
-                                                                            "rope_theta": c.rope_theta},
-        num_experts=c.num_experts, num_experts_per_tok=c.num_experts_per_tok,
-        moe_intermediate_size=c.moe_intermediate_size, norm_topk_prob=c.norm_topk_prob,
-        decoder_sparse_step=c.decoder_sparse_step, mlp_only_layers=c.mlp_only_layers, tie_word_embeddings=False,
-    )
-    model.save_pretrained(path)
-    reference, info = Qwen3MoeForCausalLM.from_pretrained(path, config=config, dtype=torch.float32,
-                                                          experts_implementation="eager", output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
-    return reference.eval()
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
