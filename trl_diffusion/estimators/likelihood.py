@@ -23,6 +23,12 @@ official training row of every scored token and ``row_sizes`` counts them, for d
 
 Random masks come from one ``torch.Generator`` per row seeded with ``seeds[row]``, so old, new and reference
 log-probs (and a resumed run) see the same masks.
+
+On block models every estimator scores a row within its own canvas: the trajectory estimator up to the row's last
+committed token (``row_canvas``), the masking ones up to the end of the rollout block that holds it
+(``rollout_canvas``). The batch's right padding, and rollout blocks a row never reached, are left out of every
+state, so a training block larger than the rollout's (``block_size`` > ``rollout_block_length``) shows no masks
+that exist only because another response of the batch is longer.
 """
 
 from __future__ import annotations
@@ -70,6 +76,11 @@ class EstimatorSettings:
     exclude_mask_token: bool = True
     """Leave the mask token out of the scored softmax (a committed token is never a mask; the sampler excludes it
     too). False: dLLM-RL's trainers, which include it."""
+    rollout_block_length: int | None = None
+    """Block length the rollouts were sampled with (block models; default: the model's block size, the sampler's
+    default). The masking estimators end each row's canvas with the rollout block of its last committed token
+    (``rollout_canvas``), so that with a larger training block (``block_size``) a row scores the same alone as in a
+    batch with longer rows. Full-attention models ignore it (their sampler saw the whole shared canvas)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -82,6 +93,9 @@ class EstimatorSettings:
         if not 0 < self.mask_low <= self.mask_high < 1 or not 0 < self.coupled_low <= self.coupled_high < 1:
             raise ValueError("masking ratios must satisfy 0 < low <= high < 1.")
         check_mask_options(self.random_mask_sampling, self.masks_per_response)
+        length = self.rollout_block_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ValueError(f"rollout_block_length must be None or an integer >= 1, got {length!r}.")
         if self.name not in MULTI_MASK_ESTIMATORS and (
                 self.masks_per_response != 1 or self.random_mask_sampling != "per_token"):
             raise ValueError(f"masks_per_response and random_mask_sampling apply to the {MULTI_MASK_ESTIMATORS} "
@@ -141,13 +155,30 @@ def row_canvas(committed: torch.Tensor, block_size: int | None) -> torch.Tensor 
     blocks it never committed (after a stop) or that padding; with the rollout's block size no scored block sees
     them, but a larger training block (``training_block_size``, e.g. 4 -> 8) would show them as masks, so that a
     response's log-probs would depend on the other responses of its batch. Leaving them out makes every row score
-    as it would alone. Used by the ``trajectory`` estimator (the masking baselines keep dLLM-RL's rows, whose
-    uncommitted tokens are masks)."""
+    as it would alone. Used by the ``trajectory`` estimator; the masking ones use ``rollout_canvas``."""
     if block_size is None or committed.shape[1] == 0:
         return None
     columns = torch.arange(committed.shape[1], device=committed.device)
     last = torch.where(committed, columns, -1).max(-1, keepdim=True).values
     return columns <= last
+
+
+def rollout_canvas(committed: torch.Tensor, prompt_mask: torch.Tensor,
+                   rollout_block: int | None) -> torch.Tensor | None:
+    """The completion columns ``[B, C]`` the masking estimators show for each row of a block model: up to the end of
+    the rollout block (``rollout_block``, aligned from the row's position 0 as the sampler aligns it) that holds its
+    last committed token; None for full attention (``rollout_block`` None), whose sampler saw the whole canvas.
+
+    The sampler commits whole blocks and stops after the block holding a stop token, so behind that block lie only
+    blocks the row never reached and the right padding up to the batch's longest canvas. No committed token was
+    ever sampled next to them, yet a training block larger than the rollout's would show them as masks, and how many
+    depends on the other rows of the batch. Positions inside the rollout block of the last committed token stay:
+    the sampler saw any it left uncommitted as masks (dLLM-RL's rows show them so too)."""
+    if rollout_block is None or committed.shape[1] == 0:
+        return None
+    blocks = completion_blocks(prompt_mask, committed.shape[1], rollout_block)
+    last = torch.where(committed, blocks, -1).max(-1, keepdim=True).values
+    return blocks <= last
 
 
 def _masked_groups(masked: torch.Tensor, blocks: torch.Tensor | None, committed: torch.Tensor) -> torch.Tensor:
@@ -191,18 +222,21 @@ def estimate_logprobs(
     if seeds is None:
         raise ValueError(f"the {settings.name!r} estimator needs per-row seeds for its random masks.")
     masks = draw_masks(settings, committed, seeds, prompt_ids.shape[1])
+    canvas = rollout_canvas(committed, prompt_mask,
+                            (settings.rollout_block_length or model.block_size) if block_size is not None else None)
     if settings.name == "mean_field":
         everything = torch.ones_like(committed)
-        logps, entropies = run(_masked_groups(everything, blocks, committed), prompt_noise=masks["prompt_noise"])
+        logps, entropies = run(_masked_groups(everything, blocks, committed), prompt_noise=masks["prompt_noise"],
+                               canvas=canvas)
         return logps, entropies, committed
     if settings.name in MULTI_MASK_ESTIMATORS:
         return _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size,
-                                  masks, settings, compute_entropy, router_losses)
+                                  masks, settings, compute_entropy, router_losses, canvas)
     first, t = masks["masked"], masks["t"]
     second = ~first & committed
-    full_logps, entropies = run(_masked_groups(torch.ones_like(committed), blocks, committed))
-    first_logps, _ = run(_masked_groups(first, blocks, committed), scored=first)
-    second_logps, _ = run(_masked_groups(second, blocks, committed), scored=second)
+    full_logps, entropies = run(_masked_groups(torch.ones_like(committed), blocks, committed), canvas=canvas)
+    first_logps, _ = run(_masked_groups(first, blocks, committed), scored=first, canvas=canvas)
+    second_logps, _ = run(_masked_groups(second, blocks, committed), scored=second, canvas=canvas)
     weighted = torch.where(first, first_logps / t[:, None], second_logps / (1 - t[:, None]))
     return 0.5 * (full_logps + weighted), entropies, committed
 
@@ -270,9 +304,10 @@ def _sample_masks(settings: EstimatorSettings, generators: list, width: int) -> 
 
 def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size, masks,
                        settings: EstimatorSettings, compute_entropy: bool,
-                       router_losses: list[torch.Tensor] | None = None):
+                       router_losses: list[torch.Tensor] | None = None, canvas: torch.Tensor | None = None):
     """``random_masking`` / ``coupled_pairs``: every drawn mask (pair half) is one state; all of them are scored in
-    one packed pass over the batch tiled once per state, then laid out ``[B, m * C]``."""
+    one packed pass over the batch tiled once per state, then laid out ``[B, m * C]``. ``canvas``: each row's
+    columns (``rollout_canvas``; None: all)."""
     batch, width = committed.shape
     m = settings.masks_per_response
     masked = masks["masked"].view(batch, m, width).transpose(0, 1).reshape(m * batch, width)
@@ -284,7 +319,7 @@ def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed
     groups = _masked_groups(states, tiled_blocks, committed.repeat(copies, 1))
     chunks = build_scoring_chunks(prompt_ids.repeat(copies, 1), prompt_mask.repeat(copies, 1), tiled_completion,
                                   groups, model.mask_token_id, block_size, settings.token_budget,
-                                  0, states)
+                                  0, states, None, None if canvas is None else canvas.repeat(copies, 1))
     logps, entropies = score_chunks(model, chunks, tiled_completion, settings, compute_entropy,
                                     **_collecting(router_losses))
 

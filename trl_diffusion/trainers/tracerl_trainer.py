@@ -189,7 +189,7 @@ class TraceRLTrainer(GRPOTrainer):
                                                               training=False),
             random_mask_sampling=args.random_mask_sampling if multi_mask else "per_token",
             masks_per_response=args.masks_per_response if multi_mask else 1,
-            exclude_mask_token=args.exclude_mask_token_from_softmax,
+            exclude_mask_token=args.exclude_mask_token_from_softmax, rollout_block_length=args.block_length,
         )
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
