@@ -339,10 +339,11 @@ def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple
     return ids.to(device), mask.to(device)
 
 
-def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[str, int]:
-    """Decode up to the first stop or special token; return (text, length in tokens)."""
+def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[str, int, bool]:
+    """Decode up to the first stop or special token; return (text, length in tokens, whether it ran out of room:
+    no stop token anywhere in the canvas, so the answer may be cut off)."""
     end = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
-    return tokenizer.decode(tokens[:end]), end
+    return tokenizer.decode(tokens[:end]), end, end == len(tokens)
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -374,7 +375,7 @@ def evaluate(
     loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
     ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
     known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics``
-    (``accuracy``, ``pass@k``..., ``avg_length``, ``tokens_per_step``, ``throughput_tokens_per_s``,
+    (``accuracy``, ``pass@k``..., ``avg_length``, ``clipped_ratio``, ``tokens_per_step``, ``throughput_tokens_per_s``,
     ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the
     resolved sampler settings), ``samples_file``, ``metrics_file``.
     """
@@ -400,6 +401,8 @@ def evaluate(
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
     settings = _check_model(model, tokenizer, config.generate_kwargs(tag))
+    if _length_unset(model, config.generate_kwargs(tag)):
+        logger.warning(LENGTH_HINT, settings.max_new_tokens)
     if config.num_samples > 1 and _deterministic(settings):
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
                        config.num_samples)
@@ -438,6 +441,22 @@ PLAIN_PROMPT_HINT = (
     "embedded one. A model trained on plain prompts (a copy of the embedded model, or what examples/*.py train from "
     "it, e.g. outputs/math) needs --apply_chat_template false.")
 """Logged when an evaluation that chose the chat template by default scores nothing."""
+
+
+LENGTH_HINT = (
+    "max_new_tokens is set neither here nor in the model's generation_config.json: every completion gets the "
+    "family default of %d new tokens, which cuts reasoning short (metrics['clipped_ratio'] counts the completions "
+    "that ran out of room). Pass --max_new_tokens: dLLM-RL evaluates TraDo / SDAR with 2000, LLaDA and Dream with "
+    "1024 (docs/evaluation.md).")
+"""Logged before an evaluation whose generation length nobody chose."""
+
+
+def _length_unset(model: Any, generate_kwargs: dict) -> bool:
+    """Whether neither the call nor the model's ``generation_config`` sets a generation length (``max_new_tokens``
+    or transformers' ``max_length``), so ``generate`` falls back to the family default."""
+    config = getattr(model, "generation_config", None)
+    return all(generate_kwargs.get(name) is None and getattr(config, name, None) is None
+               for name in ("max_new_tokens", "max_length"))
 
 
 def _all_wrong(metrics: dict[str, Any]) -> bool:
@@ -577,14 +596,14 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             seconds += time.perf_counter() - began
             forward_passes += int(out.num_forward_passes or 0)
             decoded = [_completion(tokenizer, row[ids.shape[1]:].tolist(), stop_ids) for row in out.sequences]
-            scores = score_completions([problems[i] for i, _ in batch], [t for t, _ in decoded], limits,
+            scores = score_completions([problems[i] for i, _ in batch], [d[0] for d in decoded], limits,
                                        config.code_workers, math_reward, config.code_grader)
             if samples_path is not None and handle is None:  # an earlier run's metrics would not describe these rows
                 samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
                 handle = samples_path.open("w", encoding="utf-8")
-            for j, ((i, s), (text, length), score) in enumerate(zip(batch, decoded, scores)):
+            for j, ((i, s), (text, length, clipped), score) in enumerate(zip(batch, decoded, scores)):
                 row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
-                       "length": length, "tokens_per_step": float(out.tokens_per_step[j]),
+                       "length": length, "clipped": clipped, "tokens_per_step": float(out.tokens_per_step[j]),
                        "denoising_steps": int(out.denoising_steps[j]), **score,
                        "correct": None if score["reward"] is None else score["reward"] == 1.0}
                 rows.append(row)
@@ -619,6 +638,7 @@ def _metrics(rows: list[dict], problems: list[EvalProblem], n: int, ks: list[int
     for k in ks:
         metrics[f"pass@{k}"] = _mean([pass_at_k(n, sum(bool(r["correct"]) for r in rs), k) for rs in complete])
     metrics["avg_length"] = _mean([r["length"] for r in rows])
+    metrics["clipped_ratio"] = _mean([float(r["clipped"]) for r in rows])  # TRL's completions/clipped_ratio
     if problems[0].task == "math":
         metrics["boxed_rate"] = _mean([float(bool(r.get("prediction"))) for r in rows])
     return metrics
