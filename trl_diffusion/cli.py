@@ -316,10 +316,51 @@ def setting_errors():
         raise UsageError(_one_line(exc)) from exc
 
 
+EMBEDDED_SCALE_FIELDS = ("max_completion_length", "max_length", "learning_rate", "per_device_train_batch_size")
+"""Settings the examples default for the embedded tiny model that a real model needs its own values of."""
+
+
+def example_defaults(parser: Any) -> dict[str, Any]:
+    """The parser's defaults of :data:`EMBEDDED_SCALE_FIELDS`, read before parsing (``--config`` turns a config
+    file's values into parser defaults)."""
+    return {name: parser.get_default(name) for name in EMBEDDED_SCALE_FIELDS}
+
+
+def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) -> list[str]:
+    """``name=value`` for each :data:`EMBEDDED_SCALE_FIELDS` setting still at the example's own default
+    (``defaults``, from :func:`example_defaults`: one it sets with ``parser.set_defaults`` for the embedded tiny model,
+    not the config class's default) in a run on another model (``model_name_or_path`` set and not the embedded
+    model). Empty for the embedded model."""
+    from .assets import is_embedded_model
+
+    model = next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
+    if not model or is_embedded_model(model):
+        return []
+    kept = []
+    for settings in parsed:
+        fields = {f.name: f for f in getattr(settings, "__dataclass_fields__", {}).values()}
+        for name in EMBEDDED_SCALE_FIELDS:
+            if name not in fields:
+                continue
+            example_default, class_default = defaults[name], fields[name].default
+            if example_default != class_default and getattr(settings, name) == example_default:
+                kept.append(f"{name}={example_default}")
+    return kept
+
+
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
     """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
-    :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is."""
+    :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.
+    A run on another model than the embedded one that keeps the example's tiny-model sizes says so on stderr (main
+    process only): e.g. 16-token completions would cut every answer of a real model."""
+    defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
+    kept = embedded_defaults_in_use(defaults, parsed)
+    if kept and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{parser.prog}: warning: {', '.join(kept)} are this example's defaults for the embedded tiny model; "
+              "a real model needs its own (the recipes/ configs set the published ones: --config "
+              "recipes/<name>.yaml).",
+              file=sys.stderr)
     try:
         return main(*parsed)
     except UsageError as exc:

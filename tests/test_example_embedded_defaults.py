@@ -1,0 +1,72 @@
+"""The examples default their sizes for the embedded tiny model (16-token completions, learning rate 1e-4, ...). A run
+on another model that keeps them says so on stderr before anything loads; the embedded model, explicit values and the
+recipes do not."""
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.cli import embedded_defaults_in_use, example_defaults, run_script
+
+ROOT = Path(__file__).parent.parent
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+CPU = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false"]
+
+
+def example_parser(name: str):
+    spec = importlib.util.spec_from_file_location(f"example_defaults_{name}", ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.make_parser()
+
+
+@pytest.fixture(scope="module")
+def other_model(tmp_path_factory) -> str:
+    """A model directory that is not the embedded one (a copy of it: the check reads the path, not the weights)."""
+    return str(shutil.copytree(EMBEDDED_MODEL, tmp_path_factory.mktemp("other") / "model"))
+
+
+def kept(name: str, argv: list[str]) -> list[str]:
+    parser = example_parser(name)
+    defaults = example_defaults(parser)
+    return embedded_defaults_in_use(defaults, parser.parse_args_and_config(args=[*argv, *CPU]))
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("math", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64"]),
+    ("code", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64"]),
+    ("sft", ["max_length=64", "learning_rate=0.0005", "per_device_train_batch_size=32"]),
+])
+def test_another_model_with_the_tiny_sizes_is_named(other_model, name, expected):
+    assert sorted(kept(name, ["--model_name_or_path", other_model])) == sorted(expected)
+    assert kept(name, []) == []  # the embedded model: these are its sizes
+    assert kept(name, ["--model_name_or_path", str(EMBEDDED_MODEL)]) == []
+
+
+def test_explicit_values_are_not_named(other_model):
+    assert kept("math", ["--model_name_or_path", other_model, "--max_completion_length", "512",
+                         "--learning_rate", "1e-6", "--per_device_train_batch_size", "8"]) == []
+    assert kept("math", ["--model_name_or_path", other_model, "--learning_rate", "1e-6"]) == [
+        "max_completion_length=16", "per_device_train_batch_size=64"]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
+def test_the_recipes_set_their_own_sizes(recipe):
+    name = "sft" if "sft" in recipe.stem else "code" if "code" in recipe.stem else "math"
+    assert kept(name, ["--config", str(recipe)]) == []
+
+
+def test_run_script_warns_on_stderr_before_main(other_model, capsys):
+    parser = example_parser("math")
+    seen = []
+    run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser,
+               ["--model_name_or_path", other_model, "--max_completion_length", "256", *CPU])
+    assert ": warning: learning_rate=0.0001, per_device_train_batch_size=64 are this example's defaults" \
+        in seen[0]
+    run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser, CPU)
+    assert "warning" not in seen[1]
