@@ -158,9 +158,7 @@ def row_canvas(committed: torch.Tensor, block_size: int | None) -> torch.Tensor 
     as it would alone. Used by the ``trajectory`` estimator; the masking ones use ``rollout_canvas``."""
     if block_size is None or committed.shape[1] == 0:
         return None
-    columns = torch.arange(committed.shape[1], device=committed.device)
-    last = torch.where(committed, columns, -1).max(-1, keepdim=True).values
-    return columns <= last
+    return _through_last_committed(committed, torch.arange(committed.shape[1], device=committed.device))
 
 
 def rollout_canvas(committed: torch.Tensor, prompt_mask: torch.Tensor,
@@ -176,9 +174,14 @@ def rollout_canvas(committed: torch.Tensor, prompt_mask: torch.Tensor,
     the sampler saw any it left uncommitted as masks (dLLM-RL's rows show them so too)."""
     if rollout_block is None or committed.shape[1] == 0:
         return None
-    blocks = completion_blocks(prompt_mask, committed.shape[1], rollout_block)
-    last = torch.where(committed, blocks, -1).max(-1, keepdim=True).values
-    return blocks <= last
+    return _through_last_committed(committed, completion_blocks(prompt_mask, committed.shape[1], rollout_block))
+
+
+def _through_last_committed(committed: torch.Tensor, units: torch.Tensor) -> torch.Tensor:
+    """The columns whose unit (``units``: each column's index, or its block) is at most that of the row's last
+    committed token; none for a row without one."""
+    last = torch.where(committed, units, -1).max(-1, keepdim=True).values
+    return units <= last
 
 
 def _masked_groups(masked: torch.Tensor, blocks: torch.Tensor | None, committed: torch.Tensor) -> torch.Tensor:
