@@ -400,8 +400,9 @@ def evaluate(
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
-    settings = _check_model(model, tokenizer, config.generate_kwargs(tag))
-    if _length_unset(model, config.generate_kwargs(tag)):
+    generate_kwargs = config.generate_kwargs(tag)
+    settings = _check_model(model, tokenizer, generate_kwargs)
+    if _length_unset(model, generate_kwargs):
         logger.warning(LENGTH_HINT, settings.max_new_tokens)
     if config.num_samples > 1 and _deterministic(settings):
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
