@@ -4,12 +4,11 @@ one-line usage errors with exit status 2 (in the command and in the example scri
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
 
@@ -19,14 +18,6 @@ from trl_diffusion.data import evaluate_accuracy, make_problems
 from trl_diffusion.eval import EvalConfig, evaluate
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"cli_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def one_line_error(capsys, prog: str) -> str:

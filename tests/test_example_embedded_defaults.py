@@ -2,12 +2,11 @@
 on another model that keeps them says so on stderr before anything loads; the embedded model, explicit values and the
 recipes do not."""
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 
 from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.cli import embedded_defaults_in_use, example_defaults, run_script
@@ -18,11 +17,7 @@ CPU = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false"]
 
 
 def example_parser(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_defaults_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.make_parser()
+    return load_example(name).make_parser()
 
 
 @pytest.fixture(scope="module")

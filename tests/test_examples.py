@@ -1,12 +1,11 @@
 """Examples and recipes: every recipe parses with its example's TrlParser, and the examples run end to end on the
 embedded model (tiny settings), report held-out accuracies that can be recomputed, and save their training curves."""
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
+from example_scripts import load_example
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -17,14 +16,6 @@ from trl_diffusion.data import evaluate_accuracy, make_problems
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
 EXAMPLE_OF = {"sft": "sft", "code": "code"}
-
-
-def load_example(name):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 def example_for(recipe: Path) -> str:

@@ -1,12 +1,11 @@
 """Recipes: each parses into the config classes its example targets, says which official config it mirrors, never
 trains on an evaluation set, and the TraDo-4B recipe carries the official run's values."""
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
+from example_scripts import load_example
 
 from trl_diffusion.eval.datasets import HUB_DATASETS
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS, TraceRLConfig
@@ -23,11 +22,7 @@ EVALUATION_SETS = ({name.lower() for name in HUB_DATASETS} | {repo.lower() for r
 def example_module(recipe: Path):
     """The example the recipe is launched with (examples/sft.py, code.py or math.py), imported."""
     name = "sft" if "sft" in recipe.stem else "code" if "code" in recipe.stem else "math"
-    spec = importlib.util.spec_from_file_location(f"recipe_example_{name}", ROOT / "examples" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    return load_example(name)
 
 
 def example_parser(recipe: Path):

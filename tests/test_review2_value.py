@@ -1,19 +1,16 @@
 """Review round 2 of the diffusion value model and its use in TraceRL: GAE against a slow float64 transcription of
 dLLM-RL's definitions, the dtype a value model is trained in, and settings that silently did nothing."""
 
-import json
 import logging
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset
+from example_scripts import load_example
 from numerics import assert_close_fp32
 
 from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.cli import run_script
 from trl_diffusion.states import trajectory_groups
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
@@ -168,14 +165,10 @@ def test_a_half_precision_value_model_is_warned_about(tmp_path, caplog):
 def test_math_example_saves_the_trained_value_model(tmp_path):
     """`examples/math.py --value_model` trained a value model and dropped it (`save_model` saves the policy and the
     example's default is save_strategy="no"); it is saved beside the policy, ready for `--value_model`."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    root = Path(__file__).parent.parent
-    out = subprocess.run([sys.executable, str(root / "examples" / "math.py"), "--output_dir", str(tmp_path),
-                          "--use_cpu", "true", "--value_model", EMBEDDED_MODEL, "--max_steps", "1",
-                          "--per_device_train_batch_size", "8", "--num_generations", "4", "--num_eval", "4"],
-                         capture_output=True, text=True, timeout=600, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    example = load_example("math")  # in this process, as its __main__ runs it
+    result = run_script(example.main, example.make_parser(), [
+        "--output_dir", str(tmp_path), "--use_cpu", "true", "--value_model", str(EMBEDDED_MODEL), "--max_steps", "1",
+        "--per_device_train_batch_size", "8", "--num_generations", "4", "--num_eval", "4"])
     assert result["value_model"] == f"{tmp_path}/value_model"
     value = DiffusionValueModel.from_pretrained(result["value_model"])
     assert value.config.model_type == "sdar" and value.value_head.weight.shape[0] == 1
