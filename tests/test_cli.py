@@ -5,7 +5,6 @@ one-line usage errors with exit status 2 (in the command and in the example scri
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 from example_scripts import load_example
@@ -16,8 +15,6 @@ from trl_diffusion.assets import EMBEDDED_MODEL, EMBEDDED_TASK, resolve_model_pa
 from trl_diffusion.cli import UsageError, main, parse_script_args, resume_checkpoint
 from trl_diffusion.data import evaluate_accuracy, make_problems
 from trl_diffusion.eval import EvalConfig, evaluate
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def one_line_error(capsys, prog: str) -> str:
