@@ -6,9 +6,9 @@ sandbox (``trl_diffusion.rewards.make_code_reward``).
 
 With no arguments: the embedded tiny SDAR on a synthetic code task, on a CPU in a few minutes. Each row asks for
 ``a+b`` and its test is ``assert f() == <a+b>``. The tiny model was trained on arithmetic and answers
-``\\boxed{579}`` rather than writing code, so this example turns its answer into the program
-``def f(): return <boxed text>`` (``answer_as_program``); every completion is then run in the sandbox against the
-test, and the reward rises as the model learns:
+``\\boxed{579}`` rather than writing code, so this example turns its answer (or that of a model trained from it,
+``--model_name_or_path outputs/sft``) into the program ``def f(): return <boxed text>`` (``answer_as_program``);
+every completion is then run in the sandbox against the test, and the reward rises as the model learns:
 
     accelerate launch examples/code.py
 
@@ -89,7 +89,7 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
                               partial_credit=script_args.partial_credit)
     if script_args.dataset_name is None:
-        embedded = is_embedded_model(model.name_or_path)
+        embedded = is_embedded_model(model.config)  # the embedded model, or one trained from it
         dataset = synthetic_code_tasks(plain=embedded and EMBEDDED_FORMAT != "conversational")
         reward = AnswerAsProgram(reward) if embedded else reward
     else:

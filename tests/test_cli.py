@@ -15,6 +15,7 @@ from trl_diffusion.assets import EMBEDDED_MODEL, EMBEDDED_TASK, resolve_model_pa
 from trl_diffusion.cli import UsageError, main, parse_script_args, resume_checkpoint
 from trl_diffusion.data import evaluate_accuracy, make_problems
 from trl_diffusion.eval import EvalConfig, evaluate
+from trl_diffusion.testing import tiny_model
 
 
 def one_line_error(capsys, prog: str) -> str:
@@ -38,8 +39,8 @@ def test_eval_defaults_match_the_embedded_models_own_evaluation():
 
 
 def test_eval_chat_template_default_is_per_model(tmp_path):
-    """The embedded model defaults to plain prompts; any other model (here a copy in another folder) keeps the chat
-    template; an explicit flag always wins."""
+    """The embedded model and the models trained from it (here a copy in another folder) default to plain prompts;
+    any other model keeps the chat template; an explicit flag always wins."""
     from trl_diffusion.eval.evaluate import _resolve_chat_template
 
     assert _resolve_chat_template(EvalConfig(), None) is False
@@ -48,9 +49,13 @@ def test_eval_chat_template_default_is_per_model(tmp_path):
     assert _resolve_chat_template(EvalConfig(apply_chat_template=True), None) is True
     assert _resolve_chat_template(EvalConfig(model_name_or_path="x/y", apply_chat_template=False), None) is False
     model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL)
-    assert _resolve_chat_template(EvalConfig(), model) is False  # a loaded embedded model: by its name_or_path
+    assert _resolve_chat_template(EvalConfig(), model) is False  # a loaded embedded model: by its config
     model.save_pretrained(tmp_path / "copy")
-    assert _resolve_chat_template(EvalConfig(), AutoModelForCausalLM.from_pretrained(tmp_path / "copy")) is True
+    assert _resolve_chat_template(EvalConfig(), AutoModelForCausalLM.from_pretrained(tmp_path / "copy")) is False
+    assert _resolve_chat_template(EvalConfig(model_name_or_path=str(tmp_path / "copy")), None) is False
+    tiny_model("sdar").save_pretrained(tmp_path / "other")  # another architecture on the same tokenizer
+    assert _resolve_chat_template(EvalConfig(model_name_or_path=str(tmp_path / "other")), None) is True
+    assert _resolve_chat_template(EvalConfig(), tiny_model("sdar")) is True
 
 
 @pytest.mark.parametrize("path", ["./my-sdar", "/tmp/does/not/exist", "~/no-such-model-dir", "a/b/c"])

@@ -10,6 +10,7 @@ from example_scripts import load_example
 
 from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.cli import embedded_defaults_in_use, example_defaults, run_script
+from trl_diffusion.testing import tiny_model
 
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
@@ -22,8 +23,11 @@ def example_parser(name: str):
 
 @pytest.fixture(scope="module")
 def other_model(tmp_path_factory) -> str:
-    """A model directory that is not the embedded one (a copy of it: the check reads the path, not the weights)."""
-    return str(shutil.copytree(EMBEDDED_MODEL, tmp_path_factory.mktemp("other") / "model"))
+    """A model directory that is neither the embedded model nor trained from it: a tiny SDAR of another shape (the
+    check reads its config.json, not the weights)."""
+    folder = tmp_path_factory.mktemp("other") / "model"
+    tiny_model("sdar").config.save_pretrained(folder)
+    return str(folder)
 
 
 def kept(name: str, argv: list[str]) -> list[str]:
@@ -41,6 +45,15 @@ def test_another_model_with_the_tiny_sizes_is_named(other_model, name, expected)
     assert sorted(kept(name, ["--model_name_or_path", other_model])) == sorted(expected)
     assert kept(name, []) == []  # the embedded model: these are its sizes
     assert kept(name, ["--model_name_or_path", str(EMBEDDED_MODEL)]) == []
+
+
+def test_a_model_trained_from_the_embedded_one_keeps_its_sizes_quietly(tmp_path):
+    """What an example saves from the embedded model (``outputs/math``: its config, other weights) is trained on with
+    the same sizes: no warning (before, it counted as another model)."""
+    trained = tmp_path / "outputs" / "math"
+    shutil.copytree(EMBEDDED_MODEL, trained, ignore=shutil.ignore_patterns("*.safetensors"))
+    for name in ("math", "code", "sft"):
+        assert kept(name, ["--model_name_or_path", str(trained)]) == []
 
 
 def test_explicit_values_are_not_named(other_model):

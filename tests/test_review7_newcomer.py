@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib
 import logging
 import re
-import shutil
 from pathlib import Path
 
 import pytest
@@ -17,10 +16,11 @@ from huggingface_hub import constants
 from test_cli import load_example, one_line_error
 
 from trl_diffusion import DiffusionSFTConfig, TraceRLConfig
-from trl_diffusion.assets import EMBEDDED_MODEL, check_hub_model_cached
+from trl_diffusion.assets import check_hub_model_cached
 from trl_diffusion.cli import explain_unknown_flags, main, parse_script_args
 from trl_diffusion.eval import evaluate
 from trl_diffusion.eval.evaluate import PLAIN_PROMPT_HINT
+from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -208,26 +208,28 @@ def test_every_docs_page_is_linked_from_the_readme():
 
 
 @pytest.fixture(scope="module")
-def embedded_copy(tmp_path_factory):
-    """The embedded model saved elsewhere, as the examples save what they train (``outputs/math``)."""
-    folder = tmp_path_factory.mktemp("trained") / "math"
-    shutil.copytree(EMBEDDED_MODEL, folder)
+def other_model(tmp_path_factory):
+    """A saved model that is not the embedded one nor trained from it (random tiny weights): it never answers."""
+    folder = tmp_path_factory.mktemp("other") / "model"
+    tiny_model("sdar").save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
     return folder
 
 
-def test_eval_of_an_embedded_copy_scoring_nothing_says_to_drop_the_chat_template(embedded_copy, caplog):
-    """``trl-diffusion eval --model_name_or_path outputs/math`` right after an example: the copy is another model,
-    so the chat template is the default and every sample scores 0; before, nothing said why."""
+def test_eval_of_another_model_scoring_nothing_says_when_to_drop_the_chat_template(other_model, caplog):
+    """Another model takes the chat template by default; when every sample scores 0 the log says that a model trained
+    on plain prompts needs ``--apply_chat_template false`` (before, nothing said why)."""
     with caplog.at_level(logging.WARNING, logger=evaluate_module.__name__):
-        report = evaluate(model_name_or_path=str(embedded_copy), max_problems=4, output_dir="", progress=False)
+        report = evaluate(model_name_or_path=str(other_model), max_problems=4, output_dir="", progress=False,
+                          max_new_tokens=8)
     assert report["apply_chat_template"] is True and report["metrics"]["accuracy"] == 0.0
     assert PLAIN_PROMPT_HINT in caplog.text and "--apply_chat_template false" in PLAIN_PROMPT_HINT
 
 
-def test_no_plain_prompt_hint_when_the_template_was_chosen(embedded_copy, caplog):
+def test_no_plain_prompt_hint_when_the_template_was_chosen(other_model, caplog):
     with caplog.at_level(logging.WARNING, logger=evaluate_module.__name__):
-        report = evaluate(model_name_or_path=str(embedded_copy), max_problems=4, output_dir="", progress=False,
-                          apply_chat_template=True)
+        report = evaluate(model_name_or_path=str(other_model), max_problems=4, output_dir="", progress=False,
+                          max_new_tokens=8, apply_chat_template=True)
     assert report["metrics"]["accuracy"] == 0.0 and PLAIN_PROMPT_HINT not in caplog.text
 
 

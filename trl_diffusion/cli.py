@@ -329,8 +329,8 @@ def example_defaults(parser: Any) -> dict[str, Any]:
 def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) -> list[str]:
     """``name=value`` for each :data:`EMBEDDED_SCALE_FIELDS` setting still at the example's own default
     (``defaults``, from :func:`example_defaults`: one it sets with ``parser.set_defaults`` for the embedded tiny model,
-    not the config class's default) in a run on another model (``model_name_or_path`` set and not the embedded
-    model). Empty for the embedded model."""
+    not the config class's default) in a run on another model (``model_name_or_path`` set, and neither the
+    embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those."""
     from .assets import is_embedded_model
 
     model = next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)

@@ -9,8 +9,13 @@ variant of the 2-digit task the from-scratch proof masters, so RL has room to im
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 EMBEDDED_MODEL = Path(__file__).parent / "tiny-sdar-arithmetic"
 EMBEDDED_TASK = {"num_train": 12000, "num_test": 500, "digits": 3, "seed": 0}
@@ -21,8 +26,8 @@ EMBEDDED_FORMAT = "prompt_completion"
 EMBEDDED_CHAT_TEMPLATE = EMBEDDED_FORMAT == "conversational"
 
 __all__ = [
-    "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK", "check_hub_model_cached",
-    "is_embedded_model", "resolve_model_path",
+    "EMBEDDED_ARCHITECTURE", "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK",
+    "check_hub_model_cached", "is_embedded_model", "resolve_model_path",
 ]
 
 
@@ -66,11 +71,32 @@ def check_hub_model_cached(name: str, revision: str | None = None, file_name: st
                          "directory.")
 
 
-def is_embedded_model(name: str | os.PathLike | None) -> bool:
-    """Whether ``name`` (a path, or a loaded model's ``name_or_path``) is the embedded model's directory."""
-    if name is None or str(name) == "":
+EMBEDDED_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads", "num_key_value_heads", "head_dim", "block_size", "mask_token_id")
+"""The ``config.json`` fields that identify the embedded model's architecture. A model with all of them equal was
+trained from it (what ``examples/*.py`` save in ``outputs/<name>``, their checkpoints, a copy): no other checkpoint
+has this 0.8M-parameter shape over a 128-token vocabulary."""
+
+
+def is_embedded_model(name_or_config: str | os.PathLike | PretrainedConfig | None) -> bool:
+    """Whether ``name_or_config`` is the embedded model or a model trained from it, which want the same plain prompts
+    (:data:`EMBEDDED_FORMAT`): the embedded directory, or a local directory (a path, or a loaded model's
+    ``name_or_path``) or a model config with the embedded model's architecture (:data:`EMBEDDED_ARCHITECTURE`).
+    A Hub id is not read (False)."""
+    if name_or_config is None or str(name_or_config) == "":
         return False
+    if not isinstance(name_or_config, (str, os.PathLike)):  # a model config
+        return _embedded_architecture(name_or_config.to_dict())
     try:
-        return Path(str(name)).expanduser().resolve() == EMBEDDED_MODEL.resolve()
-    except OSError:
+        path = Path(str(name_or_config)).expanduser().resolve()
+        if path == EMBEDDED_MODEL.resolve():
+            return True
+        config = path / "config.json"
+        return config.is_file() and _embedded_architecture(json.loads(config.read_text()))
+    except (OSError, ValueError):  # not a readable directory, or not a JSON config
         return False
+
+
+def _embedded_architecture(config: dict) -> bool:
+    embedded = json.loads((EMBEDDED_MODEL / "config.json").read_text())
+    return all(config.get(field) == embedded[field] for field in EMBEDDED_ARCHITECTURE)

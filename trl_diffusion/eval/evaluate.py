@@ -82,7 +82,8 @@ class EvalConfig:
                                        "/ TraDo), dllm_rl_sdar_think, dllm_rl_llada, dllm_rl_dream.")
     system_prompt: str | None = _arg(None, "Optional system message (needs the chat template).")
     apply_chat_template: bool | None = _arg(None, "Wrap the prompt in the tokenizer's chat template (default: true, "
-                                            "false for the embedded model, which was trained on plain prompts).")
+                                            "false for the embedded model and the models trained from it, e.g. "
+                                            "outputs/math: it was trained on plain prompts).")
     chat_template_kwargs: dict | str | None = _arg(None, "Keyword arguments of the chat template, as GRPOConfig's "
                                                    "(a JSON object on the command line), e.g. '{\"enable_thinking\": "
                                                    "false}' for SDAR / TraDo's Qwen3 template: the values the model "
@@ -439,8 +440,8 @@ def evaluate(
 
 PLAIN_PROMPT_HINT = (
     "every sample scored 0 with the prompts in the tokenizer's chat template, the default for every model but the "
-    "embedded one. A model trained on plain prompts (a copy of the embedded model, or what examples/*.py train from "
-    "it, e.g. outputs/math) needs --apply_chat_template false.")
+    "embedded one and those trained from it. A model trained on plain prompts (a base model, or one fine-tuned "
+    "without the chat template) needs --apply_chat_template false.")
 """Logged when an evaluation that chose the chat template by default scores nothing."""
 
 
@@ -482,9 +483,9 @@ def _split_overrides(overrides: dict, model: Any, dataset: Any) -> dict:
 
 
 def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
-    """``apply_chat_template`` as set, else the model's own prompt format: plain prompts for the embedded model
-    (``trl_diffusion.assets.EMBEDDED_FORMAT``) and for a :data:`PROMPT_PRESETS` prompt (a whole prompt), the chat
-    template for every other model."""
+    """``apply_chat_template`` as set, else the model's own prompt format: plain prompts for the embedded model and
+    the models trained from it (``trl_diffusion.assets.EMBEDDED_FORMAT``, ``is_embedded_model``) and for a
+    :data:`PROMPT_PRESETS` prompt (a whole prompt), the chat template for every other model."""
     from ..assets import EMBEDDED_CHAT_TEMPLATE, is_embedded_model
 
     chat = config.apply_chat_template
@@ -500,10 +501,10 @@ def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
         if model is None or isinstance(model, (str, Path)):
             embedded = not config.model_name_or_path or is_embedded_model(config.model_name_or_path)
         else:
-            embedded = is_embedded_model(getattr(model, "name_or_path", None))
+            embedded = is_embedded_model(getattr(model, "config", None))
         chat = EMBEDDED_CHAT_TEMPLATE if embedded else True
-    why = "" if config.apply_chat_template is not None else " (the default for the embedded model, trained on " \
-        "plain prompts)"
+    why = "" if config.apply_chat_template is not None else " (the default for the embedded model and the models " \
+        "trained from it: plain prompts)"
     for name, other_fix in (("system_prompt", ", or put the text in --prompt_template"), ("chat_template_kwargs", "")):
         if getattr(config, name) and not chat:
             raise ValueError(f"{name} needs the chat template, but apply_chat_template is false{why}; pass "
