@@ -72,3 +72,24 @@ def test_code_example_turns_a_trained_copys_answers_into_programs(trained, tmp_p
         "--model_name_or_path", str(trained), "--max_steps", "1", "--per_device_train_batch_size", "16",
         "--num_generations", "4", "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none"])
     assert result["reward_first"] > 0
+
+
+def test_a_lora_adapter_is_judged_by_its_base_model(tmp_path):
+    """``examples/math.py --use_peft`` saves an adapter folder (no config.json): trained from the embedded model when
+    its ``base_model_name_or_path`` is; eval then takes the plain prompts and scores like the base (LoRA's B = 0)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL)
+    get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).save_pretrained(tmp_path / "lora")
+    AutoTokenizer.from_pretrained(EMBEDDED_MODEL).save_pretrained(tmp_path / "lora")
+    assert not (tmp_path / "lora" / "config.json").exists() and is_embedded_model(tmp_path / "lora")
+    kwargs = dict(max_problems=40, output_dir="", progress=False)
+    report = evaluate(model_name_or_path=str(tmp_path / "lora"), **kwargs)
+    assert report["apply_chat_template"] is False
+    assert report["metrics"]["accuracy"] == evaluate(model_name_or_path=str(EMBEDDED_MODEL), **kwargs)["metrics"][
+        "accuracy"] > 0
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "x/y"}))
+    assert not is_embedded_model(tmp_path / "other")
+    (tmp_path / "other" / "adapter_config.json").write_text("[]")
+    assert not is_embedded_model(tmp_path / "other")

@@ -81,19 +81,26 @@ has this 0.8M-parameter shape over a 128-token vocabulary."""
 def is_embedded_model(name_or_config: str | os.PathLike | PretrainedConfig | None) -> bool:
     """Whether ``name_or_config`` is the embedded model or a model trained from it, which want the same plain prompts
     (:data:`EMBEDDED_FORMAT`): the embedded directory, or a local directory (a path, or a loaded model's
-    ``name_or_path``) or a model config with the embedded model's architecture (:data:`EMBEDDED_ARCHITECTURE`).
-    A Hub id is not read (False)."""
+    ``name_or_path``) or a model config with the embedded model's architecture (:data:`EMBEDDED_ARCHITECTURE`). A
+    PEFT adapter directory (``--use_peft``) is judged by its ``base_model_name_or_path``. A Hub id is not read
+    (False)."""
     if name_or_config is None or str(name_or_config) == "":
         return False
     if not isinstance(name_or_config, (str, os.PathLike)):  # a model config
         return _embedded_architecture(name_or_config.to_dict())
     try:
         path = Path(str(name_or_config)).expanduser().resolve()
+        adapter = path / "adapter_config.json"
+        if not (path / "config.json").is_file() and adapter.is_file():
+            base = json.loads(adapter.read_text()).get("base_model_name_or_path")
+            if not base:
+                return False
+            path = Path(base).expanduser().resolve()
         if path == EMBEDDED_MODEL.resolve():
             return True
         config = path / "config.json"
         return config.is_file() and _embedded_architecture(json.loads(config.read_text()))
-    except (OSError, ValueError):  # not a readable directory, or not a JSON config
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, or not a JSON object
         return False
 
 
