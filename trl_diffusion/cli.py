@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import io
 import json
 import os
 import re
@@ -425,7 +426,54 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"eval": _eval}
+def _env(argv: list[str]) -> int:
+    """Print the versions and devices to paste into a bug report (TRL's `trl env`, plus this package's)."""
+    prog = "trl-diffusion env"
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {prog}\n\n{_env.__doc__}")
+        return 0
+    if argv:
+        print(f"{prog}: error: takes no arguments, got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    from trl.scripts.env import print_env
+
+    with contextlib.redirect_stdout(io.StringIO()) as trl_report:
+        print_env()
+    lines = [f"- {name}: {value}" for name, value in diffusion_environment().items()]
+    print("\n".join([trl_report.getvalue().rstrip(), *lines]))
+    return 0
+
+
+def diffusion_environment() -> dict[str, str]:
+    """What ``trl-diffusion env`` adds to TRL's report: this package's version, the optional packages it reads, and
+    which attention kernel ``attention_backend="auto"`` runs here for a model with head_dim 128 in bfloat16 (the
+    released SDAR / TraDo shape) and for the embedded model (head_dim 32, float32)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import torch
+
+    from . import __version__
+    from .states import AttentionFacts, flex_attention_problem, resolve_attention_backend
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    report = {"trl_diffusion version": __version__}
+    report |= {f"{package} version": installed(package) for package in ("math-verify", "flash-attn", "kernels")}
+    for label, head_dim, dtype in (("head_dim 128, bfloat16", 128, torch.bfloat16),
+                                   ("embedded model: head_dim 32, float32", 32, torch.float32)):
+        backend = resolve_attention_backend("auto", device, head_dim, dtype, training=True)
+        reason, _ = flex_attention_problem(AttentionFacts(device, head_dim, dtype))
+        report[f"attention_backend='auto' on {device} ({label})"] = backend if reason is None else \
+            f"{backend} ({reason})"
+    return report
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"eval": _eval, "env": _env}
 """Subcommands; ``sft`` and ``tracerl`` will join ``eval`` here."""
 
 
