@@ -106,16 +106,32 @@ def find_reward(name: str) -> Callable[..., Any]:
 def load_pretrained(model_args: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` as the example scripts train them, from TRL's ``ModelConfig``: ``model_name_or_path``
     (the embedded model when empty) at ``model_revision``, in ``dtype`` (``ModelConfig``'s default float32 keeps
-    float32 weights under bf16 mixed precision, as TRL's own scripts do; ``auto`` keeps the checkpoint's)."""
+    float32 weights under bf16 mixed precision, as TRL's own scripts do; ``auto`` keeps the checkpoint's). A PEFT
+    adapter folder or repo is loaded as its base model with the adapter merged in (a :class:`UsageError` with
+    ``use_peft``)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import find_adapter_config_file
 
     from .assets import resolve_model_path
 
     path = resolve_model_path(model_args.model_name_or_path)
     revision = model_args.model_revision
     tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=model_args.dtype)
-    return model, tokenizer
+    if not find_adapter_config_file(path, revision=revision):
+        return AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=model_args.dtype), tokenizer
+    # A PEFT adapter (what --use_peft saves): its base with the adapter merged in, the model it trained. Loaded as
+    # transformers loads it (the adapter attached, not merged), the run could not save it (peft < 0.22).
+    if getattr(model_args, "use_peft", False):
+        raise UsageError(f"model_name_or_path {path!r} is a PEFT adapter: with --use_peft a new adapter would be "
+                         "trained on top of it and saved against a base model it does not fit. Drop --use_peft to "
+                         "train the adapter's merged model, or resume the adapter's own run "
+                         "(--resume_from_checkpoint).")
+    from peft import PeftConfig, PeftModel
+
+    adapter = PeftConfig.from_pretrained(path, revision=revision)
+    base = AutoModelForCausalLM.from_pretrained(adapter.base_model_name_or_path, revision=adapter.revision,
+                                                dtype=model_args.dtype)
+    return PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload(), tokenizer
 
 
 def check_script_args(parsed: Sequence[Any]) -> None:

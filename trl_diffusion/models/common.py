@@ -662,11 +662,39 @@ def check_router_aux_loss_coef(model, coef: float | None) -> None:
         )
 
 
+def check_adapter_saveable(model, trainer: str) -> None:
+    """Refuse, before training, a model the run could not save: a PEFT adapter folder given as the model (TRL loads
+    it with transformers, which attaches the adapter: ``_hf_peft_config_loaded``), or a model loaded that way, when
+    transformers needs a newer peft than the installed one to save it (transformers 5.2x: peft >= 0.22.0; the
+    run would train and then fail at its first save). A ``ValueError`` says how to merge the adapter."""
+    if isinstance(model, (str, os.PathLike)):
+        attached = os.path.isfile(os.path.join(os.path.expanduser(os.fspath(model)), "adapter_config.json"))
+    else:
+        attached = bool(getattr(model, "_hf_peft_config_loaded", False))  # a PeftModel forwards the attribute
+    if not attached:
+        return
+    from importlib.metadata import version
+
+    from packaging.version import Version
+    from transformers.integrations import peft as transformers_peft
+
+    needed = getattr(transformers_peft, "MIN_PEFT_VERSION", None)
+    if needed is None or Version(version("peft")) >= Version(needed):
+        return
+    raise ValueError(
+        f"{trainer}: the model carries a PEFT adapter that transformers attached when loading an adapter folder, and "
+        f"transformers cannot save such a model with peft {version('peft')} (it needs peft >= {needed}): the run "
+        "would fail at its first save. Merge the adapter first, peft.PeftModel.from_pretrained(base_model, path)"
+        ".merge_and_unload() with base_model loaded by AutoModelForCausalLM.from_pretrained, and pass that model "
+        "(with peft_config= to train a new adapter on it).")
+
+
 def model_argument(model, processing_class, trainer: str):
     """``model`` as a trainer's ``__init__`` takes it: a path (``str`` or ``os.PathLike``, e.g.
     ``trl_diffusion.assets.EMBEDDED_MODEL``) becomes a ``str``, which TRL loads; a model object given without a
     ``processing_class`` must have been loaded from somewhere (``config._name_or_path``), since TRL loads the
     tokenizer from there. Raises a ``ValueError`` saying what to pass otherwise."""
+    check_adapter_saveable(model, trainer)
     if isinstance(model, os.PathLike):
         return os.fspath(model)
     if isinstance(model, str) or processing_class is not None:

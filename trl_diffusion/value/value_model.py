@@ -40,7 +40,8 @@ _HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revi
                "trust_remote_code")
 _MERGE_ADAPTERS = ("a value model copies a plain policy's weights; merge the PEFT adapters first: "
                    "model.merge_and_unload(), or for a saved adapter "
-                   "peft.AutoPeftModelForCausalLM.from_pretrained(path).merge_and_unload().")
+                   "peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), path)"
+                   ".merge_and_unload().")
 
 
 @dataclass
