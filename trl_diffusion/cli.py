@@ -174,9 +174,23 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         if unused:
             raise UsageError(f"{', '.join('--' + flag for flag in unused)}: not used by the example scripts; "
                              + " ".join(UNUSED_MODEL_FLAGS[flag] for flag in unused))
+        check_save_steps_apply(args)
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
+
+
+def check_save_steps_apply(args: Any) -> None:
+    """Refuse a ``save_steps`` of its own with ``save_strategy="no"``: the examples default to saving nothing (no
+    checkpoints for the tiny model), where transformers defaults to ``"steps"``, so ``--save_steps 10`` alone would
+    silently save nothing (and a later ``--resume_from_checkpoint`` find nothing)."""
+    fields = getattr(type(args), "__dataclass_fields__", {})
+    if "save_steps" not in fields or getattr(args, "save_strategy", None) != "no":
+        return
+    if args.save_steps != fields["save_steps"].default:
+        raise UsageError(f"save_steps={args.save_steps:g} saves nothing: save_strategy is 'no' (the examples' "
+                         "default; transformers' is 'steps'). Pass --save_strategy steps to save a checkpoint every "
+                         f"{args.save_steps:g} steps.")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
