@@ -61,9 +61,30 @@ def test_sft_example_trains_and_saves_from_an_adapter(adapter, tmp_path):
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
 
 
-def test_trainers_refuse_an_attached_adapter_before_training(adapter, tmp_path):
+def test_the_check_refuses_exactly_what_transformers_cannot_save(adapter, tmp_path):
+    """With the installed transformers and peft (5.24 / 5.25 with peft 0.21: refused; 5.20-5.23 ask for peft 0.20
+    and save it): the trainers' check refuses an attached adapter exactly when saving it fails."""
     attached = AutoModelForCausalLM.from_pretrained(adapter)
     assert attached._hf_peft_config_loaded
+    try:
+        attached.save_pretrained(tmp_path / "saved")
+        saves = True
+    except ValueError as error:
+        assert "version of PEFT" in str(error)
+        saves = False
+    try:
+        common.check_adapter_saveable(attached, "DiffusionSFTTrainer")
+        accepted = True
+    except ValueError:
+        accepted = False
+    assert accepted == saves
+
+
+def test_trainers_refuse_an_attached_adapter_before_training(adapter, tmp_path, monkeypatch):
+    from transformers.integrations import peft as transformers_peft
+
+    monkeypatch.setattr(transformers_peft, "MIN_PEFT_VERSION", "99.0.0")  # as transformers 5.24 with peft 0.21
+    attached = AutoModelForCausalLM.from_pretrained(adapter)
     sft = DiffusionSFTConfig(str(tmp_path / "sft"), **CPU)
     rl = TraceRLConfig(str(tmp_path / "rl"), per_device_train_batch_size=4, num_generations=4, **CPU)
     prompts = [{"prompt": "1+1="}] * 4

@@ -665,8 +665,8 @@ def check_router_aux_loss_coef(model, coef: float | None) -> None:
 def check_adapter_saveable(model, trainer: str) -> None:
     """Refuse, before training, a model the run could not save: a PEFT adapter folder given as the model (TRL loads
     it with transformers, which attaches the adapter: ``_hf_peft_config_loaded``), or a model loaded that way, when
-    transformers needs a newer peft than the installed one to save it (transformers 5.2x: peft >= 0.22.0; the
-    run would train and then fail at its first save). A ``ValueError`` says how to merge the adapter."""
+    transformers needs a newer peft than the installed one to save it (transformers 5.24 and 5.25: peft >= 0.22.0,
+    unreleased; the run would train and then fail at its first save). A ``ValueError`` says how to merge it."""
     if isinstance(model, (str, os.PathLike)):
         attached = os.path.isfile(os.path.join(os.path.expanduser(os.fspath(model)), "adapter_config.json"))
     else:
