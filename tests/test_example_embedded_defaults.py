@@ -78,3 +78,21 @@ def test_run_script_warns_on_stderr_before_main(other_model, capsys):
         in seen[0]
     run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser, CPU)
     assert "warning" not in seen[1]
+
+
+@pytest.mark.parametrize("name", ["math", "code", "sft"])
+def test_another_model_on_the_synthetic_task_is_named(other_model, name, capsys):
+    """``--config recipes/sdar_4b_long_cot_sft.yaml`` without the ``--dataset_name`` its header asks for trained
+    SDAR-4B-Chat on the synthetic 3-digit arithmetic, silently (the recipe sets every size, so nothing warned)."""
+    seen = []
+    record = lambda *parsed: seen.append(capsys.readouterr().err)  # noqa: E731
+    sizes = {"sft": ["--max_length", "256", "--learning_rate", "1e-5", "--per_device_train_batch_size", "2"]}.get(
+        name, ["--max_completion_length", "64", "--learning_rate", "1e-6", "--per_device_train_batch_size", "8"])
+    run_script(record, example_parser(name), ["--model_name_or_path", other_model, *sizes, *CPU])
+    assert f": warning: no --dataset_name: {other_model} trains on the synthetic arithmetic task" in seen[0]
+    data = Path(other_model).parent / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "completion": "2", "answer": "2"}\n')
+    run_script(record, example_parser(name), ["--model_name_or_path", other_model, "--dataset_name", str(data),
+                                             *sizes, *CPU])
+    run_script(record, example_parser(name), CPU)  # the embedded model: its own task
+    assert "warning" not in seen[1] and "warning" not in seen[2]

@@ -30,3 +30,17 @@ def test_save_steps_with_the_steps_strategy_or_the_defaults_parse():
     assert args.save_strategy == "no"
     args = parse_script_args(parser, ["--save_strategy", "epoch"])[1]
     assert args.save_strategy == "epoch"
+
+
+def test_the_command_line_save_strategy_overrides_a_config_files_save_steps(tmp_path, capsys):
+    """``--config recipes/trado_4b_tracerl_math.yaml --save_strategy no`` (a recipe's checkpoints turned off for a
+    trial run) was refused with the error above, which blamed the examples' default for the recipe's save_steps."""
+    config = tmp_path / "run.yaml"
+    config.write_text("save_strategy: steps\nsave_steps: 160\n")
+    parser = load_example("math").make_parser()
+    args = parse_script_args(parser, ["--config", str(config), "--save_strategy", "no"])[1]
+    assert args.save_strategy == "no" and args.save_steps == 160
+    config.write_text("save_steps: 160\n")  # the file's save_steps alone still saves nothing: refused
+    with pytest.raises(SystemExit):
+        parse_script_args(load_example("math").make_parser(), ["--config", str(config)])
+    assert "save_steps=160 saves nothing" in one_line_error(capsys, parser.prog)

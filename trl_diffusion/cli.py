@@ -134,13 +134,14 @@ def load_pretrained(model_args: Any) -> tuple[Any, Any]:
     return PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload(), tokenizer
 
 
-def check_script_args(parsed: Sequence[Any]) -> None:
+def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = frozenset()) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
     from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
     ``dataset_name`` that names a local file (it must exist, without a ``dataset_config``) or is one of
     :data:`EVAL_ONLY_NAMES`, ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no
-    flag of ``UNUSED_MODEL_FLAGS``, and every
+    flag of ``UNUSED_MODEL_FLAGS``, a ``save_steps`` that would save nothing (:func:`check_save_steps_apply`;
+    ``command_line`` names the options given on the command line, :func:`command_line_options`), and every
     ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes). A single module name in
     ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
     from .assets import check_hub_model_cached, resolve_model_path
@@ -174,23 +175,35 @@ def check_script_args(parsed: Sequence[Any]) -> None:
         if unused:
             raise UsageError(f"{', '.join('--' + flag for flag in unused)}: not used by the example scripts; "
                              + " ".join(UNUSED_MODEL_FLAGS[flag] for flag in unused))
-        check_save_steps_apply(args)
+        check_save_steps_apply(args, strategy_given="save_strategy" in command_line)
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
 
 
-def check_save_steps_apply(args: Any) -> None:
-    """Refuse a ``save_steps`` of its own with ``save_strategy="no"``: the examples default to saving nothing (no
-    checkpoints for the tiny model), where transformers defaults to ``"steps"``, so ``--save_steps 10`` alone would
-    silently save nothing (and a later ``--resume_from_checkpoint`` find nothing)."""
+def check_save_steps_apply(args: Any, strategy_given: bool = False) -> None:
+    """Refuse a ``save_steps`` of its own with ``save_strategy="no"`` left at the example's default: the examples
+    default to saving nothing (no checkpoints for the tiny model), where transformers defaults to ``"steps"``, so
+    ``--save_steps 10`` alone would silently save nothing (and a later ``--resume_from_checkpoint`` find nothing).
+    ``strategy_given``: ``--save_strategy`` is on the command line, which overrides a config file's ``save_steps``
+    (``--config recipes/...yaml --save_strategy no`` turns the recipe's checkpoints off)."""
     fields = getattr(type(args), "__dataclass_fields__", {})
-    if "save_steps" not in fields or getattr(args, "save_strategy", None) != "no":
+    if "save_steps" not in fields or getattr(args, "save_strategy", None) != "no" or strategy_given:
         return
     if args.save_steps != fields["save_steps"].default:
         raise UsageError(f"save_steps={args.save_steps:g} saves nothing: save_strategy is 'no' (the examples' "
                          "default; transformers' is 'steps'). Pass --save_strategy steps to save a checkpoint every "
                          f"{args.save_steps:g} steps.")
+
+
+def command_line_options(parser: Any, argv: Sequence[str]) -> frozenset[str]:
+    """The options ``argv`` itself sets (by destination name; abbreviations resolved as argparse resolves them), not
+    their defaults nor a ``--config`` file's values: ``argv`` parsed into a namespace whose every option is already
+    present, which argparse then fills only with what the command line gives."""
+    unset = object()
+    namespace = argparse.Namespace(**{action.dest: unset for action in parser._actions})
+    namespace, _ = argparse.ArgumentParser.parse_known_args(parser, list(argv), namespace=namespace)
+    return frozenset(name for name, value in vars(namespace).items() if value is not unset)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -326,8 +339,9 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[A
     argparse's own errors (:func:`one_line_errors`)."""
     one_line_errors(check_config_values(clear_help(parser)))
     try:
-        parsed = parser.parse_args_and_config(args=config_flag(argv))
-        check_script_args(parsed)
+        args = config_flag(argv)
+        parsed = parser.parse_args_and_config(args=args)
+        check_script_args(parsed, command_line_options(parser, args))
     except (OSError, ValueError) as exc:  # OSError: a --config file that cannot be read
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
         sys.exit(2)
@@ -379,19 +393,36 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) ->
     return kept
 
 
+def synthetic_task_on_other_model(parsed: Sequence[Any]) -> str | None:
+    """The model, when a run without ``dataset_name`` (the synthetic arithmetic task, made for the embedded tiny
+    model) trains another model than the embedded one (``trl_diffusion.assets.is_embedded_model``): e.g. a recipe run
+    without its ``--dataset_name`` would fine-tune a released model on 3-digit arithmetic. None otherwise."""
+    from .assets import is_embedded_model
+
+    model = next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
+    no_dataset = any(hasattr(p, "dataset_name") and p.dataset_name is None for p in parsed)
+    return model if model and no_dataset and not is_embedded_model(model) else None
+
+
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
     """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
     :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.
-    A run on another model than the embedded one that keeps the example's tiny-model sizes says so on stderr (main
-    process only): e.g. 16-token completions would cut every answer of a real model."""
+    A run on another model than the embedded one that keeps the example's tiny-model sizes, or trains on the synthetic
+    task (no ``dataset_name``), says so on stderr (main process only): e.g. 16-token completions would cut every
+    answer of a real model."""
     defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
     kept = embedded_defaults_in_use(defaults, parsed)
+    synthetic_model = synthetic_task_on_other_model(parsed)
     if kept and int(os.environ.get("RANK", "0")) == 0:
         print(f"{parser.prog}: warning: {', '.join(kept)} are this example's defaults for the embedded tiny model; "
               "a real model needs its own (the recipes/ configs set the published ones: --config "
               "recipes/<name>.yaml).",
               file=sys.stderr)
+    if synthetic_model and int(os.environ.get("RANK", "0")) == 0:
+        print(f"{parser.prog}: warning: no --dataset_name: {synthetic_model} trains on the synthetic arithmetic task "
+              "made for the embedded tiny model; pass --dataset_name (a Hub dataset or a local json/jsonl/parquet "
+              "file) to train on your data.", file=sys.stderr)
     try:
         return main(*parsed)
     except UsageError as exc:
