@@ -258,14 +258,24 @@ def test_logged_value_statistics_and_advantages_equal_a_hand_computation(tmp_pat
     value = value_model_for(policy, seed=3)
     before = copy.deepcopy(value).eval()
     trainer = make_trainer(tmp_path, family, value_model=value, policy=policy)
+    value_advantages, normalised = trainer._value_advantages, []
+
+    def record_reward(output, *args):  # GRPO's normalised reward R, which the GAE advantages replace
+        normalised.append(output["advantages"].clone())
+        return value_advantages(output, *args)
+
+    trainer._value_advantages = record_reward
     output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
     trained = output["completion_mask"] > 0
     with torch.no_grad():
         values, _ = token_values(before, output["prompt_ids"], output["prompt_mask"], output["canvas_ids"],
                                  output["unmask_step"], shrinkage=1, block_size=4)
     values = values[:, : trained.shape[1]]
-    reward = torch.tensor(list(trainer._logs["advantages"]))[:, None].expand_as(values)  # GRPO's normalised R
+    reward = normalised[0][:, None].expand_as(values)
     assert_close_fp32(output["advantages"], reward - values, trained)
+    # the completions table's advantage: each response's mean over its trained tokens, what the loss uses
+    mean = (output["advantages"] * trained).sum(1) / trained.sum(1).clamp(min=1)
+    assert_close_fp32(torch.tensor(list(trainer._logs["advantages"])), mean)
     v, r = values[trained].double(), reward[trained].double()
     explained = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
     assert abs(explained) > 0.1 and v.abs().max() > 1  # neither statistic is trivially 0

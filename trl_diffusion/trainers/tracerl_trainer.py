@@ -169,6 +169,8 @@ class TraceRLTrainer(GRPOTrainer):
             reference.requires_grad_(False)
             if args.disable_dropout:
                 disable_dropout_in_model(reference)
+            if args.cast_lm_head_to_fp32:  # TRL casts the reference it builds; this one it never sees
+                cast_output_layer_to_fp32(reference)
             if self.is_deepspeed_enabled:
                 reference = prepare_deepspeed(reference, self.accelerator)
             elif self.is_fsdp_enabled:
@@ -349,7 +351,8 @@ class TraceRLTrainer(GRPOTrainer):
         output.pop("sampling_per_token_logps", None)
         rows, width = output["completion_ids"].shape
         completion_mask = output["completion_mask"]
-        keep = self._kept_rows(rows, mode)
+        kept_responses = self._kept_responses(rows, mode)
+        keep = self._local(kept_responses, rows)
         if self.args.reward_std == "population":
             output["advantages"] = self._population_advantages(rows, mode)
         trainable = completion_mask.bool() & _fit_width(scoring["unmask_step"] >= 0, width) & keep[:, None]
@@ -375,7 +378,21 @@ class TraceRLTrainer(GRPOTrainer):
             folded = weights.view(rows, masks, width).sum(1)
             advantages = self._value_advantages(output, trainable, folded, training_rows_, mode)
             output["advantages"] = advantages.repeat(1, masks)
+            per_response = (advantages * trainable).sum(1) / trainable.sum(1).clamp(min=1)
+            self._log_advantages(self.accelerator.gather(per_response))
+        else:
+            self._log_advantages(self.accelerator.gather(output["advantages"]) * kept_responses)
         return output
+
+    def _log_advantages(self, advantages: torch.Tensor) -> None:
+        """Make the completions table's ``advantage`` column (``log_completions``; TRL logs its own group advantages
+        for the generation batch, every process's rows) what the loss uses: ``advantages`` ``[N]``, 0 for a response
+        of a group ``dynamic_group_filtering`` dropped, the mean of its trained tokens' GAE advantages with a value
+        model."""
+        logged = self._logs["advantages"]  # a bounded deque TRL just extended
+        values = advantages.tolist()[-len(logged):] if logged else []
+        for i, value in enumerate(values):
+            logged[len(logged) - len(values) + i] = value
 
     def _log_rollout_stats(self, mode: str) -> None:
         """The sampler's metrics over every process's rows, as one process sampling the whole generation batch
@@ -400,25 +417,22 @@ class TraceRLTrainer(GRPOTrainer):
         return values[start : start + local_rows].to(self.accelerator.device)
 
     def _population_advantages(self, local_rows: int, mode: str) -> torch.Tensor:
-        """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's; the logged ones follow."""
+        """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's (this process's rows)."""
         group = self.num_generations if mode == "train" else self.num_generations_eval
         advantages = population_advantages(self._rewards(), group, self.args.scale_rewards)
-        logged = self._logs["advantages"]  # a bounded deque TRL just extended with its own advantages
-        values = advantages.tolist()[-len(logged):] if logged else []
-        for i, value in enumerate(values):
-            logged[len(logged) - len(values) + i] = value
         return self._local(advantages, local_rows)
 
-    def _kept_rows(self, local_rows: int, mode: str) -> torch.Tensor:
-        """``[local_rows]`` False for the rows of groups ``dynamic_group_filtering`` drops."""
+    def _kept_responses(self, local_rows: int, mode: str) -> torch.Tensor:
+        """``[N]`` (every process's responses) False for those of the groups ``dynamic_group_filtering`` drops."""
         args = self.args
         if args.dynamic_group_filtering == "none" or self._rollout_rewards is None:
-            return torch.ones(local_rows, dtype=torch.bool, device=self.accelerator.device)
+            return torch.ones(self.accelerator.num_processes * local_rows, dtype=torch.bool,
+                              device=self.accelerator.device)
         group = self.num_generations if mode == "train" else self.num_generations_eval
         keep = kept_groups(self._rewards(), group, args.dynamic_group_filtering, args.group_accuracy_low,
                            args.group_accuracy_high)
         self._metrics[mode]["filtered_groups"].append(1.0 - keep.float().mean().item())
-        return self._local(keep, local_rows)
+        return keep.to(self.accelerator.device)
 
     def _loss_weights(self, prompt_mask: torch.Tensor, scoring: dict,
                       trainable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -1127,6 +1141,19 @@ def _per_mask(tensor: torch.Tensor, masks: int, width: int) -> torch.Tensor:
     zero-padded to the completion width (``_fit_width`` per mask)."""
     batch = tensor.shape[0]
     return _fit_width(tensor.view(batch, masks, -1), width).reshape(batch, masks * width)
+
+
+def cast_output_layer_to_fp32(model: torch.nn.Module) -> None:
+    """``cast_lm_head_to_fp32`` for a model TRL does not build (the trainer's own reference copy of an in-memory
+    policy): the output layer's weights in float32 and its input cast to float32, so the logits are float32 as the
+    policy's are after TRL's cast. With tied embeddings the input embedding (the same weights) still returns the
+    model's dtype to the layers."""
+    head = model.get_output_embeddings()
+    dtype = head.weight.dtype
+    head.float()
+    head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(), *inputs[1:]))
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.to(dtype))
 
 
 def _is_peft(model) -> bool:
