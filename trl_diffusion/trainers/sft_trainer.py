@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset, List, Value
+from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
@@ -255,6 +256,27 @@ def document_noise_key(input_ids: list[int], index, offset, start: int, length: 
     return hash(tuple(input_ids[start : start + length])) % (2**31), 0
 
 
+class PassCounter(TrainerCallback):
+    """Which pass over the training data the batches come from, the epoch that seeds their noise. ``state.epoch`` is
+    updated after each optimizer step and, for an ``IterableDataset``, estimated from ``max_steps`` (its length is
+    unknown), so at the first step of a new pass it still read the previous pass (whose masks that step repeated). The
+    first ``on_epoch_begin`` of a ``train()`` takes ``int(state.epoch)`` (0, or the pass a resumed run is in); each
+    later one is the next pass."""
+
+    def __init__(self) -> None:
+        self.current: int | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.current = None
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        self.current = int(state.epoch or 0) if self.current is None else self.current + 1
+
+    def epoch(self, state) -> int:
+        """The pass being trained on (``int(state.epoch)`` outside ``train()``)."""
+        return int(state.epoch or 0) if self.current is None else self.current
+
+
 class DiffusionSFTTrainer(SFTTrainer):
     """Supervised fine-tuning for diffusion language models (SDAR / TraDo, LLaDA, Dream / DiffuCoder).
 
@@ -336,6 +358,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
         self._noise_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        self._passes = PassCounter()
+        self.add_callback(self._passes)
         # Our loss is normalised by `num_items_in_batch`; make Trainer always count it, over every label (it would
         # drop position 0 of each row for a "...ForCausalLM" class name) or over labels[1:] for shifted logits.
         self.model_accepts_loss_kwargs = True
@@ -460,7 +484,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             # `num_items_in_batch` counted the whole padded batch (the duplicated samples too, on every process):
             # normalise by the tokens of the samples kept here instead.
             num_items_in_batch = None
-        epoch = int(self.state.epoch or 0) if mode == "train" else 0
+        epoch = self._passes.epoch(self.state) if mode == "train" else 0
         offsets = inputs.get("sample_offset")
         generators = sample_generators(inputs["sample_index"].tolist(), self._noise_seed, epoch,
                                        None if offsets is None else offsets.tolist())
