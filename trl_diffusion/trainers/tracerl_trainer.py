@@ -907,7 +907,7 @@ class TraceRLTrainer(GRPOTrainer):
         masks = self.estimator_settings.masks_per_response
         logps = _per_mask(torch.cat(logps), masks, logits_to_keep)
         entropies = _per_mask(torch.cat(entropies), masks, logits_to_keep) if compute_entropy else None
-        if torch.is_grad_enabled() and self.estimator_settings.name == "trajectory":
+        if torch.is_grad_enabled() and self.estimator_settings.name == "trajectory" and self._rollout_weights():
             sampler = _fit_width(scoring["sampler_logps"], logits_to_keep)
             # the completion part of ``attention_mask`` carries the loss weights (1/|tau|, ...): any weight > 0 counts
             committed = _fit_width((scoring["unmask_step"] >= 0).float(), logits_to_keep) * (
@@ -925,6 +925,16 @@ class TraceRLTrainer(GRPOTrainer):
             self._metrics[mode]["rollout/sampler_logp_gap_exact"].append((totals[2] / totals[3].clamp(min=1)).item())
         aux = _mean_router_loss(router_losses, input_ids.device) if compute_aux_loss else None
         return self._against_old_policy(logps), entropies, aux
+
+    def _rollout_weights(self) -> bool:
+        """Whether the policy being scored is the one that sampled the rollout: in evaluation, or in the micro-batches
+        of the first optimizer step after a rollout (``self._step`` counts micro-batches; TRL generates every
+        ``steps_per_generation x num_iterations`` of them). The sampler gap is measured there only: later steps score
+        with moved weights, which the gap would mistake for a disagreement."""
+        if not self.model.training:
+            return True
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        return self._step % generate_every < self.args.gradient_accumulation_steps
 
     def _against_old_policy(self, logps: torch.Tensor) -> torch.Tensor:
         """Inside the loss: fill in pi_old as the KL target when the batch has no stored old log-probs (pi_old is
