@@ -43,8 +43,12 @@ def test_num_return_sequences_of_the_generation_config_is_read():
                                                block_length=4)
     assert model.generate(ids, mask).shape == (6, ids.shape[1] + 4)
     assert model.generate(ids, mask, num_return_sequences=1).shape == (2, ids.shape[1] + 4)  # the call wins
-    greedy = model.generate(ids, mask, temperature=0.0, stop_token_ids=[])
-    assert torch.equal(greedy[0], greedy[2]) and torch.equal(greedy[3], greedy[5])  # copies of one prompt
+    # greedy copies would be identical: refused, as transformers refuses it; random commit orders make them differ
+    with pytest.raises(ValueError, match="num_return_sequences=3 with greedy decoding"):
+        model.generate(ids, mask, temperature=0.0, stop_token_ids=[])
+    drawn = model.generate(ids, mask, temperature=0.0, remasking_strategy="random", stop_token_ids=[],
+                           generator=torch.Generator().manual_seed(0))
+    assert drawn.shape == (6, ids.shape[1] + 4) and torch.equal(drawn[:3, : ids.shape[1]], ids[[0, 0, 0]])
 
 
 @pytest.mark.parametrize("value", [0, -1, 2.0, True])

@@ -21,6 +21,20 @@ _ARGUMENTS = ("max_new_tokens", "block_length", "denoising_steps", "remasking_st
               "max_length", "do_sample")
 
 
+UNSUPPORTED_CONFIG_FIELDS = {
+    "num_beams": 1, "num_beam_groups": 1, "diversity_penalty": 0.0, "penalty_alpha": None, "repetition_penalty": 1.0,
+    "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None, "sequence_bias": None,
+    "min_length": 0, "min_new_tokens": None, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "exponential_decay_length_penalty": None, "guidance_scale": None, "max_time": None, "stop_strings": None,
+    "output_scores": False, "output_logits": False, "watermarking_config": None, "prompt_lookup_num_tokens": None,
+}
+"""transformers ``GenerationConfig`` fields that change autoregressive decoding and that diffusion decoding does not
+implement, with their neutral values (``None`` is neutral too). As call arguments they are unknown (a TypeError); in
+a generation config (the call's or the model's) a value other than these is a ValueError rather than ignored."""
+
+
 def _integer(name: str, value) -> int:
     """``value`` as an ``int``: Python and numpy integers and 0-d integer tensors pass; a float (even 4.0), a bool
     or anything else is a ValueError naming ``name`` (``int()`` would truncate 4.7 silently)."""
@@ -93,11 +107,20 @@ class DiffusionGenerationMixin:
         unknown = set(kwargs) - set(_ARGUMENTS) - {"generation_config", "generator"}
         if unknown:
             raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}; accepted: {_ARGUMENTS}.")
-        config = kwargs.pop("generation_config", None) or getattr(self, "generation_config", None)
+        # as transformers: a passed config's unset (None) fields come from the model's generation config
+        configs = [c for c in (kwargs.pop("generation_config", None), getattr(self, "generation_config", None))
+                   if c is not None]
         defaults = self._family_defaults()
 
         def from_config(name):
-            return getattr(config, name, None) if config is not None else None
+            return next((value for value in (getattr(c, name, None) for c in configs) if value is not None), None)
+
+        for name, neutral in UNSUPPORTED_CONFIG_FIELDS.items():
+            value = from_config(name)
+            if value is not None and value != neutral:
+                raise ValueError(f"generation_config sets {name}={value!r}, which diffusion decoding does not "
+                                 f"implement (transformers' autoregressive decoding option); leave it unset"
+                                 f"{'' if neutral is None else f' or {neutral!r}'}.")
 
         def pick(name, default=None):  # ``default`` for the names without a family default
             if kwargs.get(name) is not None:
@@ -162,15 +185,17 @@ class DiffusionGenerationMixin:
             temperature = 0.0
         elif temperature is None:  # do_sample=True samples at temperature 1; nothing set is greedy (transformers)
             temperature = 1.0 if do_sample else 0.0
-        stop = kwargs.get("stop_token_ids")
-        if stop is None and kwargs.get("eos_token_id") is None:
-            stop = from_config("stop_token_ids")
-        if stop is not None:
-            stop = _token_ids("stop_token_ids", stop)
-        else:
-            eos = pick("eos_token_id")
-            if eos is None:
-                eos = getattr(self.config, "eos_token_id", None)
+        # the first place (call, passed config, model's config) that names stop ids decides; there stop_token_ids
+        # (the full list) beats eos_token_id
+        stop = None
+        for place in (kwargs, *configs):
+            read = place.get if isinstance(place, dict) else lambda name, place=place: getattr(place, name, None)
+            name = next((n for n in ("stop_token_ids", "eos_token_id") if read(n) is not None), None)
+            if name is not None:
+                stop = _token_ids(name, read(name))
+                break
+        if stop is None:
+            eos = getattr(self.config, "eos_token_id", None)
             stop = [] if eos is None else _token_ids("eos_token_id", eos)
         pad = pick("pad_token_id")
         if pad is None:
@@ -198,9 +223,9 @@ class DiffusionGenerationMixin:
         """Pop transformers' ``num_return_sequences`` (call, else ``generation_config``; default 1): the sequences per
         prompt. A config's value was ignored (one sequence per prompt) while a call's was refused."""
         value = kwargs.pop("num_return_sequences", None)
-        if value is None:
-            config = kwargs.get("generation_config") or getattr(self, "generation_config", None)
-            value = getattr(config, "num_return_sequences", None) if config is not None else None
+        for config in (kwargs.get("generation_config"), getattr(self, "generation_config", None)):
+            if value is None and config is not None:
+                value = getattr(config, "num_return_sequences", None)
         if value is None:
             return 1
         value = _integer("num_return_sequences", value)
@@ -275,6 +300,10 @@ class DiffusionGenerationMixin:
                 attention_mask = attention_mask.repeat_interleave(copies, 0)
         width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() else 0
         settings, return_dict = self._resolve_settings(kwargs, width)
+        if copies > 1 and not settings.draws_randomness:
+            raise ValueError(f"num_return_sequences={copies} with greedy decoding would return {copies} identical "
+                             "copies of each sequence (transformers refuses it too): sample (a temperature > 0, "
+                             "do_sample=True) or use num_return_sequences=1.")
         was_training = self.training
         self.eval()
         try:
