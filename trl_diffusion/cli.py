@@ -295,13 +295,17 @@ def check_config_values(parser: Any) -> Any:
     2`` as the int 2. Now a single value for a list field is a one-element list (as ``--flag value`` gives), and
     each int, float or bool value is converted by its flag's own converter (a bool takes
     what ``--flag`` takes: true/false, yes/no, 1/0, ...). Raises ``ValueError`` naming the key. (A single
-    ``lora_target_modules`` name is a string again after TRL's ``ModelConfig``; see :func:`check_script_args`.)"""
+    ``lora_target_modules`` name is a string again after TRL's ``ModelConfig``; see :func:`check_script_args`.) A
+    flag's alias (``dataset: ...`` for eval's ``--dataset``) is read as its flag."""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
     set_defaults_with_config = parser.set_defaults_with_config
 
     def checked(**config: Any) -> list[str]:
         nullable, list_only = _nullable_fields(parser), _list_only_fields(parser)
-        config = dict(config)
+        # a flag's alias (eval's `--dataset` for `--dataset_name`) is a key too, as any flag is
+        aliases = {option[2:]: action.dest for action in parser._actions if type(action) is argparse._StoreAction
+                   for option in action.option_strings if option.startswith("--") and option[2:] != action.dest}
+        config = {aliases.get(key, key): value for key, value in config.items()}
         for action in parser._actions:
             if action.dest not in config or not action.option_strings or action.dest == "help":
                 continue

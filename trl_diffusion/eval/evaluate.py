@@ -392,8 +392,11 @@ def evaluate(
     chat_by_default = config.apply_chat_template is None
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems = _problems(config, dataset)
+    # the built-in task's own settings: not for a file or rows that happen to be tagged "arithmetic"
+    by_name = dataset is None or isinstance(dataset, (str, Path))  # else rows or problems given directly
+    builtin = tag if by_name and config.dataset_name.strip().lower() == "arithmetic" else None
     if config.batch_size is None:
-        config = dataclasses.replace(config, batch_size=_DATASET_BATCH_SIZE.get(tag, _BATCH_SIZE))
+        config = dataclasses.replace(config, batch_size=_DATASET_BATCH_SIZE.get(builtin, _BATCH_SIZE))
     if config.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
     if model is None or isinstance(model, (str, Path)):
@@ -401,7 +404,7 @@ def evaluate(
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
-    generate_kwargs = config.generate_kwargs(tag)
+    generate_kwargs = config.generate_kwargs(builtin)
     settings = _check_model(model, tokenizer, generate_kwargs)
     if _length_unset(model, generate_kwargs):
         logger.warning(LENGTH_HINT, settings.max_new_tokens)
@@ -409,11 +412,14 @@ def evaluate(
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
+    dataset_name = config.dataset_name if by_name else "custom"
     samples_path = _output_path(config.output_dir, model_name, tag)
-    rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path)
+    _check_output_free(samples_path, model_name, dataset_name)
+    rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
     report = {
         "model": model_name,
         "dataset": tag,
+        "dataset_name": dataset_name,
         "task": problems[0].task,
         "num_problems": len(problems),
         "num_samples": config.num_samples,
@@ -558,15 +564,45 @@ def _output_path(output_dir: str | None, model_name: str, tag: str) -> Path | No
     return path
 
 
+def _check_output_free(samples_path: Path | None, model_name: str, dataset_name: str) -> None:
+    """Refuse, before generating, to replace the results of another model or dataset that share the file name
+    (``runA/checkpoint-100`` and ``runB/checkpoint-100``; ``a/test.jsonl`` and ``b/test.jsonl``): an earlier run of
+    the same model on the same dataset is replaced, as documented."""
+    metrics_path = samples_path.with_suffix(".metrics.json") if samples_path is not None else None
+    if metrics_path is None or not metrics_path.is_file():
+        return
+    try:
+        earlier = json.loads(metrics_path.read_text())
+    except (OSError, ValueError):
+        return  # not a report of ours: the run replaces it
+    same_model = _same_source(earlier.get("model"), model_name)
+    same_dataset = "dataset_name" not in earlier or _same_source(earlier["dataset_name"], dataset_name)
+    if not (same_model and same_dataset):
+        raise ValueError(f"{metrics_path} holds the results of model {earlier.get('model')!r} on dataset "
+                         f"{earlier.get('dataset_name', earlier.get('dataset'))!r}, which this run ({model_name!r} on "
+                         f"{dataset_name!r}) would replace (the file is named by the model's and the dataset's last "
+                         "path components): pass another --output_dir.")
+
+
+def _same_source(earlier: Any, current: str) -> bool:
+    """Whether two model or dataset names given to eval name the same thing (local paths compared resolved)."""
+    if not isinstance(earlier, str):
+        return False
+    if earlier == current:
+        return True
+    paths = [Path(name).expanduser() for name in (earlier, current)]
+    return all(path.exists() for path in paths) and paths[0].resolve() == paths[1].resolve()
+
+
 @torch.no_grad()
 def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalConfig, tag: str,
-         samples_path: Path | None) -> tuple[list[dict[str, Any]], float, int]:
-    """Generate ``num_samples`` completions per problem, score them and stream the rows to ``samples_path``.
-    Returns the rows (in problem, sample order), the seconds spent in ``generate`` and its forward passes."""
+         samples_path: Path | None, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], float, int]:
+    """Generate ``num_samples`` completions per problem with the ``generate`` arguments ``kwargs``, score them and
+    stream the rows to ``samples_path``. Returns the rows (in problem, sample order), the seconds spent in
+    ``generate`` and its forward passes."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
-    kwargs = config.generate_kwargs(tag)
     settings, _ = model._resolve_settings(dict(kwargs))
     stop_ids = set(settings.stop_token_ids) | set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.pad_token_id

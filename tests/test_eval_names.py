@@ -1,0 +1,76 @@
+"""Names given to ``trl-diffusion eval`` mean what they say: a local file called ``arithmetic.jsonl`` is not the
+built-in task (it got the task's 16-token, greedy, batch-100 settings and no length warning); runs whose output
+files share a name (``runA/checkpoint-100`` and ``runB/checkpoint-100``, ``a/test.jsonl`` and ``b/test.jsonl``) do
+not silently replace each other's results; a folder named like a benchmark does not hide it; a config file takes a
+flag's alias (``dataset:``)."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from trl_diffusion.cli import main
+from trl_diffusion.eval import evaluate, load_eval_problems
+from trl_diffusion.testing import build_tokenizer, tiny_model
+
+GSM8K = Path(__file__).parent / "fixtures" / "rewards" / "gsm8k_sample.jsonl"
+FAST = dict(block_length=4, denoising_steps=4, progress=False, max_problems=2)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("runA") / "checkpoint-100"
+    tiny_model("sdar", max_position_embeddings=2048).save_pretrained(folder)
+    build_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_a_file_named_arithmetic_is_not_the_built_in_task(model_dir, tmp_path):
+    for name in ("arithmetic.jsonl", "other.jsonl"):
+        shutil.copy(GSM8K, tmp_path / name)
+    reports = [evaluate(model_name_or_path=str(model_dir), dataset_name=str(tmp_path / name), output_dir="",
+                        max_new_tokens=None, **FAST) for name in ("arithmetic.jsonl", "other.jsonl")]
+    assert reports[0]["generation"] == reports[1]["generation"]
+    assert reports[0]["generation"]["max_new_tokens"] == 128  # the family default, not the task's 16
+    assert reports[0]["dataset_name"] == str(tmp_path / "arithmetic.jsonl")
+
+
+def test_results_of_another_model_or_dataset_are_not_replaced(model_dir, tmp_path):
+    out = tmp_path / "eval_results"
+    run = dict(output_dir=str(out), max_new_tokens=8, **FAST)
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    shutil.copy(GSM8K, tmp_path / "a" / "test.jsonl")
+    shutil.copy(GSM8K, tmp_path / "b" / "test.jsonl")
+    first = evaluate(model_name_or_path=str(model_dir), dataset_name=str(tmp_path / "a" / "test.jsonl"), **run)
+    evaluate(model_name_or_path=str(model_dir), dataset_name=str(tmp_path / "a" / "test.jsonl"), **run)  # re-run
+    written = Path(first["metrics_file"]).read_text()
+    with pytest.raises(ValueError, match="holds the results of model .* pass another --output_dir"):
+        evaluate(model_name_or_path=str(model_dir), dataset_name=str(tmp_path / "b" / "test.jsonl"), **run)
+    other = tmp_path / "runB" / "checkpoint-100"
+    shutil.copytree(model_dir, other)
+    with pytest.raises(ValueError, match="holds the results of model"):
+        evaluate(model_name_or_path=str(other), dataset_name=str(tmp_path / "a" / "test.jsonl"), **run)
+    assert Path(first["metrics_file"]).read_text() == written  # refused before anything was written
+
+
+def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "gsm8k").mkdir()
+    (tmp_path / "mydata").mkdir()
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.Dataset.from_list(rows))
+    assert load_eval_problems("gsm8k", max_problems=1)[0] == "gsm8k"
+    with pytest.raises(ValueError, match="'mydata' is a folder here: give a file in it"):
+        load_eval_problems("mydata")
+
+
+def test_a_config_file_takes_a_flags_alias(model_dir, tmp_path, capsys):
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"dataset: {GSM8K}\nmodel_name_or_path: {model_dir}\nmax_problems: 1\nmax_new_tokens: 4\n"
+                      "output_dir: ''\nprogress: false\n")
+    assert main(["eval", "--config", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out)["dataset_name"] == str(GSM8K)
