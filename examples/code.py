@@ -41,7 +41,14 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.cli import checkpointing_off, load_pretrained, resume_checkpoint, run_script, setting_errors
+from trl_diffusion.cli import (
+    checkpointing_off,
+    evaluation_split,
+    load_pretrained,
+    resume_checkpoint,
+    run_script,
+    setting_errors,
+)
 from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
 from trl_diffusion.rewards import make_code_reward
 
@@ -54,15 +61,20 @@ class CodeScriptArguments(ScriptArguments):
     timeout: float = field(default=10.0, metadata={"help": "Sandbox wall-time per completion (seconds)."})
     memory_mb: int = field(default=1024, metadata={"help": "Sandbox memory limit (MiB)."})
     partial_credit: bool = field(default=False, metadata={"help": "Reward the fraction of tests passed."})
+    num_eval: int = field(default=64, metadata={"help": "Held-out synthetic tasks evaluated with --eval_strategy "
+                                                        "(without --dataset_name)."})
+
+    def __post_init__(self):
+        if self.num_eval < 1:
+            raise ValueError(f"num_eval must be >= 1 (held-out tasks for --eval_strategy), got {self.num_eval}.")
 
 
-def synthetic_code_tasks(plain: bool) -> Dataset:
-    """The embedded model's training problems (``EMBEDDED_TASK``) as code tasks with one test, ``assert f() == a+b``.
-    ``plain``: the embedded model's own prompts (``"What is a+b?\\n"``, ``EMBEDDED_FORMAT``); otherwise a chat
-    request for the function."""
-    train, _ = make_problems(**EMBEDDED_TASK)
+def synthetic_code_tasks(plain: bool, problems: list) -> Dataset:
+    """Arithmetic problems of the embedded model's task (``EMBEDDED_TASK``) as code tasks with one test,
+    ``assert f() == a+b``. ``plain``: the embedded model's own prompts (``"What is a+b?\\n"``, ``EMBEDDED_FORMAT``);
+    otherwise a chat request for the function."""
     rows = []
-    for p in train:
+    for p in problems:
         request = f"Write a Python function f() that returns {p.a}{p.op}{p.b}, in a ```python``` code block."
         prompt = p.prompt + "\n" if plain else [{"role": "user", "content": request}]
         rows.append({"prompt": prompt, "tests": [f"assert f() == {p.answer}"]})
@@ -88,15 +100,23 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     model, tokenizer = load_pretrained(model_args)
     reward = make_code_reward(timeout=script_args.timeout, memory_mb=script_args.memory_mb,
                               partial_credit=script_args.partial_credit)
+    held_out = None
     if script_args.dataset_name is None:
         embedded = is_embedded_model(model.config)  # the embedded model, or one trained from it
-        dataset = synthetic_code_tasks(plain=embedded and EMBEDDED_FORMAT != "conversational")
+        plain = embedded and EMBEDDED_FORMAT != "conversational"
+        train, test = make_problems(**EMBEDDED_TASK)
+        dataset = synthetic_code_tasks(plain, train)
+        held_out = synthetic_code_tasks(plain, test[: script_args.num_eval])
         reward = AnswerAsProgram(reward) if embedded else reward
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
+    with setting_errors():  # a split the file lacks: one line, exit 2
+        eval_dataset = evaluation_split(script_args, args, lambda split: load_training_dataset(
+            script_args.dataset_name, script_args.dataset_config, split), held_out)
     with setting_errors():  # a setting the model's family refuses, a dataset without a prompt: one line, exit 2
-        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                                 processing_class=tokenizer,
                                  peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)

@@ -41,6 +41,7 @@ from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDD
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
 from trl_diffusion.cli import (
     checkpointing_off,
+    evaluation_split,
     find_reward,
     load_pretrained,
     resume_checkpoint,
@@ -142,12 +143,18 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, held_out, script_args.eval_every,
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
-        with setting_errors():  # a file without the columns: one line, exit 2
-            dataset = math_dataset(script_args.dataset_name, script_args.dataset_config,
-                                   script_args.dataset_train_split, script_args.prompt_template)
         reward = [load_reward(name, args.max_completion_length) for name in script_args.reward_funcs]
+
+    def load(split: str):
+        return math_dataset(script_args.dataset_name, script_args.dataset_config, split, script_args.prompt_template)
+
+    with setting_errors():  # a file without the columns, a split it lacks: one line, exit 2
+        if not synthetic:
+            dataset = load(script_args.dataset_train_split)
+        eval_dataset = evaluation_split(script_args, args, load, held_out and to_dataset(held_out, EMBEDDED_FORMAT))
     with setting_errors():  # a setting the model's family refuses (training_block_size on LLaDA / Dream, ...)
-        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, processing_class=tokenizer,
+        trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                                 processing_class=tokenizer,
                                  callbacks=callbacks, peft_config=get_peft_config(model_args),
                                  value_model=script_args.value_model)
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))

@@ -37,7 +37,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
-from trl_diffusion.cli import load_pretrained, resume_checkpoint, run_script, setting_errors
+from trl_diffusion.cli import evaluation_split, load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
@@ -62,19 +62,24 @@ class SFTScriptArguments(ScriptArguments):
 
 def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: ModelConfig) -> dict:
     model, tokenizer = load_pretrained(model_args)
-    callbacks = []
+    callbacks, held_out = [], None
     if script_args.dataset_name is None:
         train, test = make_problems(**EMBEDDED_TASK)
-        dataset = to_dataset(train, EMBEDDED_FORMAT)
+        dataset, held_out = to_dataset(train, EMBEDDED_FORMAT), to_dataset(test[: script_args.num_eval],
+                                                                           EMBEDDED_FORMAT)
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, test[: script_args.num_eval],
                                                  script_args.eval_every, chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
+    with setting_errors():  # a split the file lacks: one line, exit 2
+        eval_dataset = evaluation_split(script_args, args, lambda split: load_training_dataset(
+            script_args.dataset_name, script_args.dataset_config, split), held_out)
     if script_args.max_train_samples is not None:
         dataset = dataset.select(range(min(script_args.max_train_samples, len(dataset))))
     with setting_errors():  # a setting the model's family refuses (block_size on LLaDA / Dream, ...): one line, exit 2
-        trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, processing_class=tokenizer,
+        trainer = DiffusionSFTTrainer(model, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
+                                      processing_class=tokenizer,
                                       callbacks=callbacks, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)

@@ -134,6 +134,27 @@ def load_pretrained(model_args: Any) -> tuple[Any, Any]:
     return PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload(), tokenizer
 
 
+def evaluation_split(script_args: Any, args: Any, load: Callable[[str], Any], held_out: Any = None) -> Any:
+    """The examples' evaluation set, as TRL's scripts take it: None unless ``args.eval_strategy`` evaluates; then
+    ``held_out`` (the synthetic task's held-out problems, without ``dataset_name``) or ``load(dataset_test_split)``.
+    A local file is one split, ``train``: another split name is a :class:`UsageError` saying how to slice it."""
+    from .data.loading import LOCAL_SUFFIXES
+
+    if args.eval_strategy == "no":
+        return None
+    if script_args.dataset_name is None:
+        return held_out
+    split = script_args.dataset_test_split
+    try:
+        return load(split)
+    except ValueError as exc:
+        if not script_args.dataset_name.endswith(LOCAL_SUFFIXES) or "Unknown split" not in str(exc):
+            raise
+        raise UsageError(f"dataset_test_split={split!r}: the local file {script_args.dataset_name!r} is one split, "
+                         "train; with --eval_strategy give each run its slice, e.g. --dataset_train_split "
+                         "'train[:90%]' --dataset_test_split 'train[90%:]'.") from None
+
+
 def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = frozenset()) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
     that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
