@@ -126,6 +126,11 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
             raise TypeError(f"from_policy got a policy with PEFT adapters: {_MERGE_ADAPTERS}")
         config = copy.deepcopy(policy.config)
         config.architectures = [cls.__name__]
+        # the stop ids of the policy's rollouts (TRL: its generation_config's eos ids, e.g. an end-of-turn token only
+        # declared there), so that DiffusionValueTrainer ends a completion where TraceRL does
+        rollout_eos = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+        if rollout_eos is not None:
+            config.eos_token_id = rollout_eos
         value = cls(config).to(device=policy.device, dtype=policy.dtype)
         state = {k: v for k, v in policy.model.state_dict().items() if k != "transformer.ff_out.weight"}
         value.model.load_state_dict(state, strict=True)

@@ -88,7 +88,8 @@ class DiffusionValueTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
-        prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs)
+        prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
+                          vocab_size=model.get_input_embeddings().num_embeddings)
         train_dataset = prepare(train_dataset) if train_dataset is not None else None
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare(v) for k, v in eval_dataset.items()}
@@ -199,9 +200,22 @@ def _stop_token_ids(tokenizer, model) -> list[int]:
     return sorted(ids)
 
 
-def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None) -> Dataset:
+def _check_integers(index: int, name: str, values: list, low: int, high: int | None = None) -> None:
+    """Each of ``values`` an integer in ``[low, high)`` (``high`` None: no upper bound), else a ValueError naming the
+    row and column: float ids (pandas, NaN padding) were truncated silently, out-of-vocabulary ids failed at the
+    first step with a bare IndexError."""
+    for column, value in enumerate(values):
+        in_range = value >= low and (high is None or value < high) if isinstance(value, int) else False
+        if isinstance(value, bool) or not in_range:
+            bound = f"[{low}, {high})" if high is not None else f">= {low}"
+            raise ValueError(f"row {index}: {name!r}[{column}] must be an integer {bound}, got {value!r}.")
+
+
+def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None,
+                     vocab_size: int | None = None) -> Dataset:
     """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
-    ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths."""
+    ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths and that ids are
+    integers in ``[0, vocab_size)`` and steps integers >= -1."""
     columns = set(dataset.column_names)
     missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
     if missing or not columns & {"prompt", "prompt_ids"}:
@@ -221,6 +235,10 @@ def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | N
             raise ValueError(f"row {index}: no completion token was committed (every 'unmask_step' is -1, or the "
                              "canvas is empty): there is nothing to fit; drop the row.")
         steps = example["unmask_step"]
+        _check_integers(index, "completion_ids", example["completion_ids"], 0, vocab_size)
+        _check_integers(index, "unmask_step", steps, -1)
+        if "prompt_ids" in example:
+            _check_integers(index, "prompt_ids", example["prompt_ids"], 0, vocab_size)
         last = max(i for i, step in enumerate(steps) if step >= 0)
         if any(step < 0 for step in steps[:last]):
             # the samplers commit every column up to the last committed one; the packed scoring layout relies on it

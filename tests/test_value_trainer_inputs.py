@@ -1,0 +1,42 @@
+"""``DiffusionValueTrainer`` reads its trajectories as TraceRL produces them: a completion ends at the stop ids of
+the policy's rollouts (TRL's: the tokenizer's EOS and the policy's ``generation_config`` eos ids, which a value model
+built with ``from_policy`` lost), and ids are checked (float ids were truncated silently, out-of-vocabulary ids
+failed at the first step with a bare IndexError)."""
+
+import pytest
+from datasets import Dataset
+
+from trl_diffusion.testing import EOS_ID, IM_END_ID, build_tokenizer, tiny_model
+from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
+
+ROW = dict(prompt_ids=[20, 21, 22], completion_ids=[30, 31, IM_END_ID, 33, 34, 35, 36, 37],
+           unmask_step=list(range(8)), reward=1.0)
+
+
+def value_trainer(tmp_path, value_model, rows):
+    args = DiffusionValueConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_steps=1,
+                                save_strategy="no")
+    return DiffusionValueTrainer(value_model, args=args, train_dataset=Dataset.from_list(rows),
+                                 processing_class=build_tokenizer())
+
+
+def test_a_completion_ends_where_the_policys_rollouts_end(tmp_path):
+    policy = tiny_model("sdar")
+    policy.generation_config.eos_token_id = [EOS_ID, IM_END_ID]  # an end-of-turn id declared there only
+    value_model = DiffusionValueModel.from_policy(policy)
+    trainer = value_trainer(tmp_path, value_model, [ROW])
+    trained = trainer.data_collator([trainer.train_dataset[0]])["trained_mask"][0]
+    assert trained.tolist() == [True] * 3 + [False] * 5  # up to and including <|im_end|>, as TraceRL trains
+    value_model.save_pretrained(tmp_path / "value")
+    assert DiffusionValueModel.from_pretrained(tmp_path / "value").config.eos_token_id == [EOS_ID, IM_END_ID]
+
+
+@pytest.mark.parametrize("column,values,message", [
+    ("completion_ids", [30.7, 31.2, 32.9, 33.5, 34.0, 35.0, 36.0, 37.0], r"'completion_ids'\[0\] must be an integer"),
+    ("completion_ids", [500, 31, 32, 33, 34, 35, 36, 37], r"'completion_ids'\[0\] must be an integer \[0, 128\)"),
+    ("prompt_ids", [20, -3, 22], r"'prompt_ids'\[1\] must be an integer \[0, 128\)"),
+    ("unmask_step", [0.5, 1.5, 0, 1, 2, 3, 4, 5], r"'unmask_step'\[0\] must be an integer >= -1"),
+])
+def test_ids_and_steps_that_are_not_what_a_sampler_writes_are_refused(tmp_path, column, values, message):
+    with pytest.raises(ValueError, match="row 0: " + message):
+        value_trainer(tmp_path, DiffusionValueModel.from_policy(tiny_model("sdar")), [{**ROW, column: values}])
