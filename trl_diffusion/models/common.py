@@ -436,6 +436,18 @@ class DiffusionPreTrainedModel(PreTrainedModel):
     _supports_flash_attn = False
     _supports_flex_attn = True  # released SDAR configs ask for "flex_attention"; the kernel follows the mask passed
 
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        """transformers' check of ``attn_implementation``, after ours: the kernel follows the attention mask (SDPA,
+        or flex attention for a ``BlockMask``), so ``"sdpa"``, ``"flex_attention"`` and ``"eager"`` (the same
+        attention; its weights are never formed) load, and flash-attn or a Hub kernel is a clear error rather than
+        transformers' "request support on the model's Hub page"."""
+        if isinstance(attn_implementation, str) and attn_implementation not in ("eager", "sdpa", "flex_attention"):
+            raise ValueError(f"attn_implementation={attn_implementation!r}: {type(self).__name__} (trl_diffusion) "
+                             "does not use flash-attn or Hub kernels: its attention is PyTorch SDPA, or flex "
+                             "attention when given a flex-attention BlockMask (the trainers' attention_backend). "
+                             "Leave attn_implementation unset (or 'sdpa').")
+        return super()._check_and_adjust_attn_implementation(attn_implementation, *args, **kwargs)
+
     @classmethod
     def from_pretrained(cls, *args, **kwargs):
         """``PreTrainedModel.from_pretrained``, but a checkpoint whose keys don't match is an error, not a
