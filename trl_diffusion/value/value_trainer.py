@@ -205,8 +205,8 @@ def _check_integers(index: int, name: str, values: list, low: int, high: int | N
     row and column: float ids (pandas, NaN padding) were truncated silently, out-of-vocabulary ids failed at the
     first step with a bare IndexError."""
     for column, value in enumerate(values):
-        in_range = value >= low and (high is None or value < high) if isinstance(value, int) else False
-        if isinstance(value, bool) or not in_range:
+        integer = isinstance(value, int) and not isinstance(value, bool)
+        if not (integer and value >= low and (high is None or value < high)):
             bound = f"[{low}, {high})" if high is not None else f">= {low}"
             raise ValueError(f"row {index}: {name!r}[{column}] must be an integer {bound}, got {value!r}.")
 
