@@ -189,10 +189,11 @@ class DiffusionGenerationMixin:
         # (the full list) beats eos_token_id
         stop = None
         for place in (kwargs, *configs):
-            read = place.get if isinstance(place, dict) else lambda name, place=place: getattr(place, name, None)
-            name = next((n for n in ("stop_token_ids", "eos_token_id") if read(n) is not None), None)
+            named = {n: place.get(n) if isinstance(place, dict) else getattr(place, n, None)
+                     for n in ("stop_token_ids", "eos_token_id")}
+            name = next((n for n, ids in named.items() if ids is not None), None)
             if name is not None:
-                stop = _token_ids(name, read(name))
+                stop = _token_ids(name, named[name])
                 break
         if stop is None:
             eos = getattr(self.config, "eos_token_id", None)
