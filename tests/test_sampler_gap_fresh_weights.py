@@ -25,3 +25,23 @@ def test_the_gap_is_measured_with_the_rollouts_weights_only(tmp_path):
     # a rollout every 4 optimizer steps (2 per generation batch x 2 iterations): steps 1 and 5 are fresh
     assert [bool(set(GAPS) & set(entry)) for entry in steps] == [True, False, False, False, True, False]
     assert all(entry[name] < 1e-4 for entry in steps for name in GAPS if name in entry)
+
+
+def test_a_rollout_made_inside_an_optimizer_step_counts_that_step_only(tmp_path):
+    """steps_per_generation=3 with gradient_accumulation_steps=2: the second rollout is made at micro-batch 3, in the
+    middle of optimizer step 2 (whose micro-batch 2 still scored the first rollout with moved weights); micro-batch 4
+    belongs to step 3, scored after that step's update (a gap of 1.15 was logged there)."""
+    train, _ = make_problems(**EMBEDDED_TASK)
+    flips = iter(range(10**6))
+    args = TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=3,
+                         logging_steps=1, num_generations=4, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=2, steps_per_generation=3, max_completion_length=8,
+                         block_length=4, denoising_steps=4, learning_rate=1e-2, dynamic_group_filtering="none",
+                         save_strategy="no")
+    trainer = TraceRLTrainer(str(EMBEDDED_MODEL), lambda completions, **kw: [float(next(flips) % 2)
+                                                                               for _ in completions],
+                             args=args, train_dataset=to_dataset(train[:32], EMBEDDED_FORMAT))
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [bool(set(GAPS) & set(entry)) for entry in steps] == [True, True, False]
+    assert all(entry[name] < 1e-4 for entry in steps for name in GAPS if name in entry)

@@ -928,13 +928,15 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _rollout_weights(self) -> bool:
         """Whether the policy being scored is the one that sampled the rollout: in evaluation, or in the micro-batches
-        of the first optimizer step after a rollout (``self._step`` counts micro-batches; TRL generates every
-        ``steps_per_generation x num_iterations`` of them). The sampler gap is measured there only: later steps score
-        with moved weights, which the gap would mistake for a disagreement."""
+        of the optimizer step in which the rollout was made (``self._step`` counts micro-batches; TRL generates every
+        ``steps_per_generation x num_iterations`` of them, not always at an optimizer step's first one). The sampler
+        gap is measured there only: later steps score with moved weights, which the gap would mistake for a
+        disagreement."""
         if not self.model.training:
             return True
-        generate_every = self.args.steps_per_generation * self.num_iterations
-        return self._step % generate_every < self.args.gradient_accumulation_steps
+        rollout_step = self._step - self._step % (self.args.steps_per_generation * self.num_iterations)
+        accumulation = self.args.gradient_accumulation_steps  # micro-batches per optimizer step
+        return self._step // accumulation == rollout_step // accumulation
 
     def _against_old_policy(self, logps: torch.Tensor) -> torch.Tensor:
         """Inside the loss: fill in pi_old as the KL target when the batch has no stored old log-probs (pi_old is
