@@ -48,9 +48,28 @@ def test_unimplemented_decoding_options_in_a_config_are_refused(field, value):
     model = tiny_model("sdar")
     with pytest.raises(ValueError, match=f"generation_config sets {field}="):
         model.generate(IDS, generation_config=GenerationConfig(max_new_tokens=4, **{field: value}))
-    setattr(model.generation_config, field, value)  # the model's own config too
-    with pytest.raises(ValueError, match=f"generation_config sets {field}="):
-        model.generate(IDS, max_new_tokens=4)
+
+
+
+@pytest.mark.parametrize("field,value", [("repetition_penalty", 1.05), ("num_beams", 4)])
+def test_the_models_own_unimplemented_options_are_ignored_with_a_warning(field, value, caplog):
+    """A checkpoint's file may carry them (Qwen2.5's repetition_penalty 1.05): refusing would stop every caller
+    (rollouts, eval, pipelines), none of which can unset it by argument."""
+    model = tiny_model("sdar")
+    plain = model.generate(IDS, max_new_tokens=4, temperature=0.0)
+    setattr(model.generation_config, field, value)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(model.generate(IDS, max_new_tokens=4, temperature=0.0), plain)
+    assert f"model.generation_config sets {field}={value!r}" in caplog.text
+
+
+def test_do_sample_with_temperature_zero_is_refused_from_any_place():
+    model = tiny_model("sdar")
+    with pytest.raises(ValueError, match="do_sample=True with temperature 0"):
+        model.generate(IDS, generation_config=GenerationConfig(do_sample=True, temperature=0.0, max_new_tokens=4))
+    model.generation_config.temperature = 0.0
+    with pytest.raises(ValueError, match="do_sample=True with temperature 0"):
+        model.generate(IDS, max_new_tokens=4, generation_config=GenerationConfig(do_sample=True))
 
 
 def test_neutral_values_of_those_options_decode_as_unset():

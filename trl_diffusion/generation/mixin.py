@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
-from transformers.utils import GENERATION_CONFIG_NAME, cached_file
+from transformers.utils import GENERATION_CONFIG_NAME, cached_file, logging
 
 from .sampler import DiffusionGenerationOutput, SamplingSettings, diffusion_generate, steps_for_dream
+
+logger = logging.get_logger(__name__)
 
 _DREAM_ALGS = {"origin": "origin", "maskgit_plus": "low_confidence_static", "topk_margin": "topk_margin",
                "entropy": "entropy"}
@@ -108,19 +110,23 @@ class DiffusionGenerationMixin:
         if unknown:
             raise TypeError(f"generate() got unexpected arguments {sorted(unknown)}; accepted: {_ARGUMENTS}.")
         # as transformers: a passed config's unset (None) fields come from the model's generation config
-        configs = [c for c in (kwargs.pop("generation_config", None), getattr(self, "generation_config", None))
-                   if c is not None]
+        passed, own = kwargs.pop("generation_config", None), getattr(self, "generation_config", None)
+        configs = [c for c in (passed, own) if c is not None]
         defaults = self._family_defaults()
 
         def from_config(name):
             return next((value for value in (getattr(c, name, None) for c in configs) if value is not None), None)
 
         for name, neutral in UNSUPPORTED_CONFIG_FIELDS.items():
-            value = from_config(name)
+            value, own_value = getattr(passed, name, None), getattr(own, name, None)
             if value is not None and value != neutral:
                 raise ValueError(f"generation_config sets {name}={value!r}, which diffusion decoding does not "
                                  f"implement (transformers' autoregressive decoding option); leave it unset"
                                  f"{'' if neutral is None else f' or {neutral!r}'}.")
+            if value is None and own_value is not None and own_value != neutral:
+                # a checkpoint's file (e.g. Qwen2.5's repetition_penalty 1.05): every caller would fail on it
+                logger.warning_once(f"model.generation_config sets {name}={own_value!r}, which diffusion decoding "
+                                    "does not implement (transformers' autoregressive decoding option): ignored.")
 
         def pick(name, default=None):  # ``default`` for the names without a family default
             if kwargs.get(name) is not None:
@@ -178,8 +184,8 @@ class DiffusionGenerationMixin:
         do_sample = kwargs.get("do_sample")
         if do_sample is None and kwargs.get("temperature") is None:
             do_sample = from_config("do_sample")
-        if kwargs.get("do_sample") is True and temperature is not None and float(temperature) == 0.0:
-            raise ValueError("do_sample=True with temperature 0 (the call's or the generation config's) would decode "
+        if do_sample is True and temperature is not None and float(temperature) == 0.0:
+            raise ValueError("do_sample=True with temperature 0 (the call's or a generation config's) would decode "
                              "greedily: pass a temperature > 0, or do_sample=False.")
         if do_sample is False:  # transformers: do_sample=False is greedy whatever the temperature
             temperature = 0.0
