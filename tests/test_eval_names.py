@@ -74,3 +74,21 @@ def test_a_config_file_takes_a_flags_alias(model_dir, tmp_path, capsys):
                       "output_dir: ''\nprogress: false\n")
     assert main(["eval", "--config", str(config)]) == 0
     assert json.loads(capsys.readouterr().out)["dataset_name"] == str(GSM8K)
+
+
+def test_the_same_model_and_dataset_from_another_folder_replace_their_results(model_dir, tmp_path, monkeypatch):
+    import datasets
+
+    out = tmp_path / "eval_results"
+    monkeypatch.chdir(model_dir.parent)
+    evaluate(model_name_or_path=model_dir.name, dataset_name=str(GSM8K), output_dir=str(out), max_new_tokens=4,
+             **FAST)
+    monkeypatch.chdir(model_dir.parent.parent)  # the same folder, named from its parent
+    evaluate(model_name_or_path=f"{model_dir.parent.name}/{model_dir.name}", dataset_name=str(GSM8K),
+             output_dir=str(out), max_new_tokens=4, **FAST)
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.Dataset.from_list(rows))
+    hub = dict(model_name_or_path=str(model_dir), output_dir=str(out), max_new_tokens=4, **FAST)
+    evaluate(dataset_name="someone/set", dataset_test_split="validation", **hub)
+    with pytest.raises(ValueError, match="holds the results of model"):  # another split: other results
+        evaluate(dataset_name="someone/set", dataset_test_split="test", **hub)

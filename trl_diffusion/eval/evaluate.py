@@ -413,13 +413,15 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
+    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else "custom"}
     samples_path = _output_path(config.output_dir, model_name, tag)
-    _check_output_free(samples_path, model_name, dataset_name)
+    _check_output_free(samples_path, sources)
     rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
     report = {
         "model": model_name,
         "dataset": tag,
         "dataset_name": dataset_name,
+        "sources": sources,
         "task": problems[0].task,
         "num_problems": len(problems),
         "num_samples": config.num_samples,
@@ -564,34 +566,41 @@ def _output_path(output_dir: str | None, model_name: str, tag: str) -> Path | No
     return path
 
 
-def _check_output_free(samples_path: Path | None, model_name: str, dataset_name: str) -> None:
+def _check_output_free(samples_path: Path | None, sources: dict[str, str]) -> None:
     """Refuse, before generating, to replace the results of another model or dataset that share the file name
-    (``runA/checkpoint-100`` and ``runB/checkpoint-100``; ``a/test.jsonl`` and ``b/test.jsonl``): an earlier run of
-    the same model on the same dataset is replaced, as documented."""
+    (``runA/checkpoint-100`` and ``runB/checkpoint-100``; ``a/test.jsonl`` and ``b/test.jsonl``; another split of a
+    Hub dataset): an earlier run of the same ``sources`` (:func:`_source`, :func:`_dataset_source`) is replaced, as
+    documented. A report without ``sources`` (written before they were recorded) is replaced."""
     metrics_path = samples_path.with_suffix(".metrics.json") if samples_path is not None else None
     if metrics_path is None or not metrics_path.is_file():
         return
     try:
-        earlier = json.loads(metrics_path.read_text())
-    except (OSError, ValueError):
+        earlier = json.loads(metrics_path.read_text()).get("sources")
+    except (OSError, ValueError, AttributeError):
         return  # not a report of ours: the run replaces it
-    same_model = _same_source(earlier.get("model"), model_name)
-    same_dataset = "dataset_name" not in earlier or _same_source(earlier["dataset_name"], dataset_name)
-    if not (same_model and same_dataset):
+    if earlier is not None and earlier != sources:
         raise ValueError(f"{metrics_path} holds the results of model {earlier.get('model')!r} on dataset "
-                         f"{earlier.get('dataset_name', earlier.get('dataset'))!r}, which this run ({model_name!r} on "
-                         f"{dataset_name!r}) would replace (the file is named by the model's and the dataset's last "
-                         "path components): pass another --output_dir.")
+                         f"{earlier.get('dataset')!r}, which this run ({sources['model']!r} on "
+                         f"{sources['dataset']!r}) would replace (the file is named by the model's and the dataset's "
+                         "last path components): pass another --output_dir.")
 
 
-def _same_source(earlier: Any, current: str) -> bool:
-    """Whether two model or dataset names given to eval name the same thing (local paths compared resolved)."""
-    if not isinstance(earlier, str):
-        return False
-    if earlier == current:
-        return True
-    paths = [Path(name).expanduser() for name in (earlier, current)]
-    return all(path.exists() for path in paths) and paths[0].resolve() == paths[1].resolve()
+def _source(name: str) -> str:
+    """A model or dataset name as eval identifies it: a local path resolved (the same folder from another working
+    directory is the same), anything else as given."""
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.exists() else name
+
+
+def _dataset_source(config: EvalConfig) -> str:
+    """The dataset an evaluation by name reads: a local file resolved, or a short name / Hub id (case-insensitive)
+    with its ``dataset_config`` and ``dataset_test_split`` (other splits are other results)."""
+    name = config.dataset_name.strip()
+    if name.lower() == "arithmetic":
+        return "arithmetic"
+    if Path(name).expanduser().is_file():
+        return _source(name)
+    return ":".join(str(part) for part in (name.lower(), config.dataset_config, config.dataset_test_split))
 
 
 @torch.no_grad()
