@@ -112,8 +112,7 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
     with setting_errors():  # a split the file lacks: one line, exit 2
-        eval_dataset = evaluation_split(script_args, args, lambda split: load_training_dataset(
-            script_args.dataset_name, script_args.dataset_config, split), held_out)
+        eval_dataset = evaluation_split(script_args, args, held_out)
     with setting_errors():  # a setting the model's family refuses, a dataset without a prompt: one line, exit 2
         trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                                  processing_class=tokenizer,

@@ -139,8 +139,9 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
     if synthetic:
         train, test = make_problems(**EMBEDDED_TASK)
         dataset, reward = to_dataset(train, EMBEDDED_FORMAT), arithmetic_reward
-        held_out = test[: script_args.num_eval]
-        callbacks.append(HeldOutAccuracyCallback(model, tokenizer, held_out, script_args.eval_every,
+        problems = test[: script_args.num_eval]
+        held_out = to_dataset(problems, EMBEDDED_FORMAT)
+        callbacks.append(HeldOutAccuracyCallback(model, tokenizer, problems, script_args.eval_every,
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
         reward = [load_reward(name, args.max_completion_length) for name in script_args.reward_funcs]
@@ -151,7 +152,7 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
     with setting_errors():  # a file without the columns, a split it lacks: one line, exit 2
         if not synthetic:
             dataset = load(script_args.dataset_train_split)
-        eval_dataset = evaluation_split(script_args, args, load, held_out and to_dataset(held_out, EMBEDDED_FORMAT))
+        eval_dataset = evaluation_split(script_args, args, held_out, load)
     with setting_errors():  # a setting the model's family refuses (training_block_size on LLaDA / Dream, ...)
         trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, eval_dataset=eval_dataset,
                                  processing_class=tokenizer,

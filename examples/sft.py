@@ -65,16 +65,15 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
     callbacks, held_out = [], None
     if script_args.dataset_name is None:
         train, test = make_problems(**EMBEDDED_TASK)
-        dataset, held_out = to_dataset(train, EMBEDDED_FORMAT), to_dataset(test[: script_args.num_eval],
-                                                                           EMBEDDED_FORMAT)
-        callbacks.append(HeldOutAccuracyCallback(model, tokenizer, test[: script_args.num_eval],
-                                                 script_args.eval_every, chat_template=EMBEDDED_CHAT_TEMPLATE))
+        problems = test[: script_args.num_eval]
+        dataset, held_out = to_dataset(train, EMBEDDED_FORMAT), to_dataset(problems, EMBEDDED_FORMAT)
+        callbacks.append(HeldOutAccuracyCallback(model, tokenizer, problems, script_args.eval_every,
+                                                 chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
         dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
                                         script_args.dataset_train_split)
     with setting_errors():  # a split the file lacks: one line, exit 2
-        eval_dataset = evaluation_split(script_args, args, lambda split: load_training_dataset(
-            script_args.dataset_name, script_args.dataset_config, split), held_out)
+        eval_dataset = evaluation_split(script_args, args, held_out)
     if script_args.max_train_samples is not None:
         dataset = dataset.select(range(min(script_args.max_train_samples, len(dataset))))
     with setting_errors():  # a setting the model's family refuses (block_size on LLaDA / Dream, ...): one line, exit 2

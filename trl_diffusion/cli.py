@@ -134,11 +134,17 @@ def load_pretrained(model_args: Any) -> tuple[Any, Any]:
     return PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload(), tokenizer
 
 
-def evaluation_split(script_args: Any, args: Any, load: Callable[[str], Any], held_out: Any = None) -> Any:
+def evaluation_split(script_args: Any, args: Any, held_out: Any = None,
+                     load: Callable[[str], Any] | None = None) -> Any:
     """The examples' evaluation set, as TRL's scripts take it: None unless ``args.eval_strategy`` evaluates; then
-    ``held_out`` (the synthetic task's held-out problems, without ``dataset_name``) or ``load(dataset_test_split)``.
+    ``held_out`` (the synthetic task's held-out problems, without ``dataset_name``) or ``load(dataset_test_split)``
+    (default: ``load_training_dataset`` of ``dataset_name`` / ``dataset_config``, as the training split is loaded).
     A local file is one split, ``train``: another split name is a :class:`UsageError` saying how to slice it."""
-    from .data.loading import LOCAL_SUFFIXES
+    from .data.loading import LOCAL_SUFFIXES, load_training_dataset
+
+    if load is None:
+        def load(split: str) -> Any:
+            return load_training_dataset(script_args.dataset_name, script_args.dataset_config, split)
 
     if args.eval_strategy == "no":
         return None
