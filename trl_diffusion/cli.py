@@ -402,6 +402,11 @@ def example_defaults(parser: Any) -> dict[str, Any]:
     return {name: parser.get_default(name) for name in EMBEDDED_SCALE_FIELDS}
 
 
+def _model_name(parsed: Sequence[Any]) -> str | None:
+    """The ``model_name_or_path`` of a script's parsed arguments (TRL's ``ModelConfig``), None when unset."""
+    return next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
+
+
 def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) -> list[str]:
     """``name=value`` for each :data:`EMBEDDED_SCALE_FIELDS` setting still at the example's own default
     (``defaults``, from :func:`example_defaults`: one it sets with ``parser.set_defaults`` for the embedded tiny model,
@@ -409,7 +414,7 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) ->
     embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those."""
     from .assets import is_embedded_model
 
-    model = next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
+    model = _model_name(parsed)
     if not model or is_embedded_model(model):
         return []
     kept = []
@@ -430,7 +435,7 @@ def synthetic_task_on_other_model(parsed: Sequence[Any]) -> str | None:
     without its ``--dataset_name`` would fine-tune a released model on 3-digit arithmetic. None otherwise."""
     from .assets import is_embedded_model
 
-    model = next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
+    model = _model_name(parsed)
     no_dataset = any(hasattr(p, "dataset_name") and p.dataset_name is None for p in parsed)
     return model if model and no_dataset and not is_embedded_model(model) else None
 
