@@ -45,3 +45,27 @@ def test_a_rollout_made_inside_an_optimizer_step_counts_that_step_only(tmp_path)
     steps = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert [bool(set(GAPS) & set(entry)) for entry in steps] == [True, True, False]
     assert all(entry[name] < 1e-4 for entry in steps for name in GAPS if name in entry)
+
+
+
+def test_an_epoch_ending_in_a_short_accumulation_window_moves_the_boundaries(tmp_path):
+    """transformers ends an epoch whose micro-batches are not a multiple of ``gradient_accumulation_steps`` with a
+    shorter optimizer step and starts the next epoch's windows afresh. Here an epoch is 4 micro-batches (windows of 3
+    and 1) with a rollout every 2: steps 1 and 3 score fresh rollouts only, steps 2 and 4 (one micro-batch each) the
+    previous step's rollout with moved weights. Counting windows of 3 from the start of the run, step 4 had been
+    measured (micro-batch 7 taken for step 3's), logging a gap of 0.05-0.3 for weights that had moved."""
+    train, _ = make_problems(**EMBEDDED_TASK)
+    flips = iter(range(10**6))
+    args = TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=4,
+                         logging_steps=1, num_generations=4, per_device_train_batch_size=4,
+                         gradient_accumulation_steps=3, steps_per_generation=2, max_completion_length=8,
+                         block_length=4, denoising_steps=4, learning_rate=3e-3, dynamic_group_filtering="none",
+                         save_strategy="no")
+    trainer = TraceRLTrainer(str(EMBEDDED_MODEL), lambda completions, **kw: [float(next(flips) % 2)
+                                                                               for _ in completions],
+                             args=args, train_dataset=to_dataset(train[:4], EMBEDDED_FORMAT))
+    trainer.train()
+    steps = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert [entry["epoch"] for entry in steps] == [0.75, 1.0, 1.75, 2.0]  # the windows described above
+    assert [bool(set(GAPS) & set(entry)) for entry in steps] == [True, False, True, False]
+    assert all(entry[name] < 1e-4 for entry in steps for name in GAPS if name in entry)

@@ -199,6 +199,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._rollout_rewards: torch.Tensor | None = None
         self._rollout_stats: list[float] = []  # this process's sampler statistics of the last rollout
         self._eval_rollouts = [-1, 0]  # [global step, eval generation batches run at it]: see _rollout_key
+        self._rollout_global_step: int | None = None  # the optimizer step during which the training rollout was made
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
@@ -216,6 +217,8 @@ class TraceRLTrainer(GRPOTrainer):
         rows = len(prompt_ids)
         first = self.accelerator.process_index * rows
         rollout_step = self._rollout_key()
+        if self.model.training:
+            self._rollout_global_step = self.state.global_step
         seeds = torch.tensor([mask_seed(self.args.seed, rollout_step, first + i) for i in range(rows)])
         # one sampling generator per row, keyed like the masks: a row's rollout does not depend on its batch or
         # process, so a 2-process run samples exactly what a 1-process run with twice the batch samples
@@ -928,15 +931,15 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _rollout_weights(self) -> bool:
         """Whether the policy being scored is the one that sampled the rollout: in evaluation, or in the micro-batches
-        of the optimizer step in which the rollout was made (``self._step`` counts micro-batches; TRL generates every
-        ``steps_per_generation x num_iterations`` of them, not always at an optimizer step's first one). The sampler
-        gap is measured there only: later steps score with moved weights, which the gap would mistake for a
-        disagreement."""
+        of the optimizer step during which the rollout was made (the weights move only at optimizer steps). Read
+        from ``global_step`` itself, not from a count of micro-batches: TRL generates every ``steps_per_generation x
+        num_iterations`` micro-batches, not always at an optimizer step's first one, and transformers ends an epoch
+        with a shorter accumulation window. The sampler gap is measured there only: later steps score with moved
+        weights, which the gap would mistake for a disagreement. (A rollout restored from a checkpoint was made
+        before the step the run resumes at: None.)"""
         if not self.model.training:
             return True
-        rollout_step = self._step - self._step % (self.args.steps_per_generation * self.num_iterations)
-        accumulation = self.args.gradient_accumulation_steps  # micro-batches per optimizer step
-        return self._step // accumulation == rollout_step // accumulation
+        return self._rollout_global_step == self.state.global_step
 
     def _against_old_policy(self, logps: torch.Tensor) -> torch.Tensor:
         """Inside the loss: fill in pi_old as the KL target when the batch has no stored old log-probs (pi_old is
