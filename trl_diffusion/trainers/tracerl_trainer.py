@@ -26,6 +26,7 @@ import contextlib
 import copy
 import hashlib
 import os
+import types
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -142,6 +143,10 @@ class TraceRLTrainer(GRPOTrainer):
         base = unwrapped.get_base_model() if _is_peft(unwrapped) else unwrapped
         if not hasattr(base, "attention_kind"):
             raise TypeError(f"{type(base).__name__} is not a diffusion model of trl_diffusion (SDAR, LLaDA, Dream).")
+        if args.cast_lm_head_to_fp32:  # TRL cast the weights (policy, and the reference it built) but not autocast
+            run_output_layer_in_fp32(base.get_output_embeddings())
+            if self.ref_model is not None:
+                run_output_layer_in_fp32(self.accelerator.unwrap_model(self.ref_model).get_output_embeddings())
         _ = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
         self.beta = beta
@@ -1160,15 +1165,33 @@ def _per_mask(tensor: torch.Tensor, masks: int, width: int) -> torch.Tensor:
 
 def cast_output_layer_to_fp32(model: torch.nn.Module) -> None:
     """``cast_lm_head_to_fp32`` for a model TRL does not build (the trainer's own reference copy of an in-memory
-    policy): the output layer's weights in float32 and its input cast to float32, so the logits are float32 as the
-    policy's are after TRL's cast. With tied embeddings the input embedding (the same weights) still returns the
-    model's dtype to the layers."""
+    policy): the output layer's weights in float32, run as ``run_output_layer_in_fp32``. With tied embeddings the
+    input embedding (the same weights) still returns the model's dtype to the layers."""
     head = model.get_output_embeddings()
     dtype = head.weight.dtype
     head.float()
-    head.register_forward_pre_hook(lambda module, inputs: (inputs[0].float(), *inputs[1:]))
+    run_output_layer_in_fp32(head)
     if getattr(model.config, "tie_word_embeddings", False):
         model.get_input_embeddings().register_forward_hook(lambda module, inputs, output: output.to(dtype))
+
+
+def _float32_linear(head: torch.nn.Linear, hidden: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(hidden.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return torch.nn.functional.linear(hidden.float(), head.weight.float(), bias)
+
+
+def run_output_layer_in_fp32(head: torch.nn.Linear) -> None:
+    """Make the output layer compute in float32 outside autocast, which TRL documents ``cast_lm_head_to_fp32`` to do
+    ("the LM head projection in float32, outside autocast") and its fused scoring head does. The forward TRL installs
+    on the layer only casts dtypes, which accelerate's mixed-precision autocast (``bf16=True``) undoes: the logits of
+    rollouts, training and reference forwards were bf16 products. Bound as a method, so a copy of the model (deepcopy)
+    computes with its own weights."""
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"cast_lm_head_to_fp32=True needs a plain linear output layer; this model's is a "
+                         f"{type(head).__name__} (e.g. a PEFT modules_to_save copy). Leave the output layer out of "
+                         "the adapter, or set cast_lm_head_to_fp32=False.")
+    head.forward = types.MethodType(_float32_linear, head)
 
 
 def _is_peft(model) -> bool:
