@@ -149,13 +149,26 @@ def test_value_trainer_loads_a_path_in_float32(tmp_path, bf16_checkpoint):
 def test_a_half_precision_value_model_is_warned_about(tmp_path, caplog):
     policy = tiny_model("sdar")
     value = DiffusionValueModel.from_policy(policy).to(torch.bfloat16)
-    with caplog.at_level(logging.WARNING, logger="trl_diffusion.trainers.tracerl_trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
         tracerl(tmp_path, policy, value)
     assert "keeps no float32 copy" in caplog.text
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="trl_diffusion.trainers.tracerl_trainer"):
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
         tracerl(tmp_path, policy, DiffusionValueModel.from_policy(policy))
     assert "keeps no float32 copy" not in caplog.text
+
+
+def test_the_value_trainer_warns_about_a_half_precision_value_model(tmp_path, caplog):
+    """``DiffusionValueTrainer`` trains with the same plain AdamW at the same learning rate (5e-6): 4 steps moved 300
+    of 90,432 backbone weights of a bf16 value model (86,175 in float32), without a word."""
+    for dtype, warned in ((torch.bfloat16, True), (torch.float32, False)):
+        model = DiffusionValueModel.from_policy(tiny_model("sdar")).to(dtype)
+        caplog.clear()
+        args = DiffusionValueConfig(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none")
+        with caplog.at_level(logging.WARNING, logger="trl_diffusion"):
+            DiffusionValueTrainer(model, args=args, processing_class=build_tokenizer())
+        assert ("keeps no float32 copy" in caplog.text) == warned
+        assert ("learning_rate=5e-06" in caplog.text) == warned
 
 
 # ------------------------------------------------------------------------------------------------ examples

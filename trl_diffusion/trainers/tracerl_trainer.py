@@ -63,6 +63,7 @@ from ..value import (
     token_values,
     value_statistics,
 )
+from ..value.value_model import warn_if_half_precision
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
 
@@ -526,11 +527,7 @@ class TraceRLTrainer(GRPOTrainer):
                              f"({policy.attention_kind}); use a backbone of the policy's family.")
         if getattr(self.accelerator, "is_fsdp2", False):
             raise NotImplementedError("a value model under FSDP2 is not supported yet; use DDP, FSDP1 or DeepSpeed.")
-        if value_model.dtype in (torch.bfloat16, torch.float16):
-            logger.warning(f"the value model's weights are {value_model.dtype} and its AdamW keeps no float32 copy: "
-                           f"an update smaller than their rounding is lost (at value_learning_rate="
-                           f"{args.value_learning_rate:g} most weights of a pretrained backbone never move). Pass a "
-                           "float32 value model, or its path (loaded in float32).")
+        warn_if_half_precision(value_model, args.value_learning_rate, "value_learning_rate")
         if getattr(args, "activation_checkpointing", args.gradient_checkpointing):
             _enable_checkpointing(value_model, args)
         if args.disable_dropout:

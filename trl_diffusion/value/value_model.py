@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import initialization as init
-from transformers.utils import ModelOutput, find_adapter_config_file
+from transformers.utils import ModelOutput, find_adapter_config_file, logging
 
 from ..estimators.packing import build_scoring_chunks
 from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
@@ -32,6 +32,8 @@ from ..models.sdar.modeling_sdar import SDARModel
 from ..models.sdar_moe.modeling_sdar_moe import SDARMoeModel
 from ..states import resolve_model_attention_backend, trajectory_groups
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
+
+logger = logging.get_logger(__name__)
 
 BACKBONES = {"sdar": SDARModel, "sdar_moe": SDARMoeModel, "llada": LLaDAModel, "llada_moe": LLaDAMoEModel,
              "Dream": DreamBaseModel}
@@ -146,6 +148,16 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if cls.__name__ in (getattr(config, "architectures", None) or []):
             return cls.from_pretrained(name_or_path, config=config, **kwargs)
         return cls.from_policy(name_or_path, **kwargs)
+
+
+def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) -> None:
+    """Warn that a bf16 / fp16 value model trains without a float32 master copy (both value trainers use a plain
+    AdamW): an update smaller than the weights' rounding is lost, which at the value learning rates (5e-6) leaves
+    most weights of a pretrained backbone where they were."""
+    if model.dtype in (torch.bfloat16, torch.float16):
+        logger.warning(f"the value model's weights are {model.dtype} and its AdamW keeps no float32 copy: an update "
+                       f"smaller than their rounding is lost (at {option}={learning_rate:g} most weights of a "
+                       "pretrained backbone never move). Pass a float32 value model, or its path (loaded in float32).")
 
 
 def _family(config: PretrainedConfig) -> str:

@@ -28,7 +28,7 @@ from ..states import check_block_size_applies, resolve_model_attention_backend
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
-from .value_model import DiffusionValueModel, token_values
+from .value_model import DiffusionValueModel, token_values, warn_if_half_precision
 
 TRAJECTORY_COLUMNS = ("prompt_ids", "completion_ids", "unmask_step", "reward")
 
@@ -84,6 +84,7 @@ class DiffusionValueTrainer(_BaseTrainer):
             args = DiffusionValueConfig(f"{str(model.config._name_or_path or 'model').split('/')[-1]}-Value")
         elif not isinstance(args, DiffusionValueConfig):
             raise TypeError(f"args must be a DiffusionValueConfig, got {type(args).__name__}.")
+        warn_if_half_precision(model, args.learning_rate, "learning_rate")
         check_block_size_applies("training_block_size", args.training_block_size, model.block_size)
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
