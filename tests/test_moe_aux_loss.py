@@ -442,3 +442,19 @@ def test_tracerl_refuses_the_aux_loss_where_group_filtering_rescales_the_loss(tm
     tracerl_trainer(moe_model("sdar_moe"), tmp_path, loss_type="grpo", dynamic_group_filtering="all_equal",
                     router_aux_loss_coef=0.0)
     tracerl_trainer(moe_model("sdar_moe"), tmp_path, loss_type="dapo", dynamic_group_filtering="all_equal")
+
+
+def test_tracerl_logs_every_processes_aux_loss(tmp_path):
+    """GRPO logs ``aux_loss`` with ``gather_for_metrics``, which at a training epoch's last batch keeps the first
+    ``remainder`` values: on two processes (5 prompts, 2 per process) process 0's alone (2.0351 logged where the
+    processes had 2.0351 and 2.0257). The trainer logs the mean over every process with ``gather``: shown here by
+    a ``gather_for_metrics`` that would keep nothing."""
+    model = moe_model("sdar_moe").train()
+    trainer = tracerl_trainer(model, tmp_path, num_generations=2)
+    trainer.accelerator.gather_for_metrics = lambda data, **kwargs: data.reshape(-1)[:0]  # its mean would be NaN
+    calls = record_phases(trainer, model)
+    trainer.train()
+    routed = [kwargs for phase, kwargs in calls if kwargs.get("output_router_logits")]
+    with torch.no_grad():
+        aux = torch.stack([independent_aux_loss(model, kwargs, kwargs["router_loss_mask"]) for kwargs in routed])
+    assert trainer.state.log_history[0]["aux_loss"] == pytest.approx(aux.mean().item(), rel=1e-5)

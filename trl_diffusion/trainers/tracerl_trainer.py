@@ -859,6 +859,12 @@ class TraceRLTrainer(GRPOTrainer):
                 loss = loss + beta * self._summed_kl(inputs)
         finally:
             self._loss_inputs, self.beta = None, beta
+        if "router_loss" in inputs:
+            # GRPO logs it with gather_for_metrics, which at a training epoch's last batch keeps only the first
+            # ``remainder`` values (counted in prompts): process 0's alone on two processes. Every process's counts.
+            mode = "train" if self.model.training else "eval"
+            logged = self.accelerator.gather(inputs["router_loss"][None]).mean().item()
+            self._metrics[mode]["aux_loss"][-1] = logged
         if self.args.loss_type in _ROW_MEAN_LOSSES:
             # TRL averages over every row; filtered rows (zero loss) must not count (see kept_row_scale)
             loss = loss * inputs["kept_row_scale"]
@@ -929,6 +935,8 @@ class TraceRLTrainer(GRPOTrainer):
             self._metrics[mode]["rollout/sampler_logp_gap"].append((totals[0] / totals[1].clamp(min=1)).item())
             self._metrics[mode]["rollout/sampler_logp_gap_exact"].append((totals[2] / totals[3].clamp(min=1)).item())
         aux = _mean_router_loss(router_losses, input_ids.device) if compute_aux_loss else None
+        if aux is not None and self._loss_inputs is not None:
+            self._loss_inputs["router_loss"] = aux.detach()
         return self._against_old_policy(logps), entropies, aux
 
     def _rollout_weights(self) -> bool:
