@@ -63,8 +63,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def accelerate_launch(launcher: list[str], script: Path, *args: str, timeout: int = 600) -> None:
-    """``accelerate launch`` with ``launcher`` options on a free port; fails the test with the output tail."""
+def accelerate_launch(launcher: list[str], script: Path, *args: str,
+                      timeout: int = 600) -> subprocess.CompletedProcess:
+    """``accelerate launch`` with ``launcher`` options on a free port; fails the test with the output tail, returns
+    the finished process (its output) otherwise."""
     command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, "--main_process_port",
                str(free_port()), str(script), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
@@ -72,6 +74,7 @@ def accelerate_launch(launcher: list[str], script: Path, *args: str, timeout: in
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if done.returncode != 0:
         pytest.fail(f"{' '.join(command)} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+    return done
 
 
 TWO_CPU_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",

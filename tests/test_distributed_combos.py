@@ -67,13 +67,25 @@ def test_tracerl_eval_loss_counts_every_process(tmp_path):
     """4 prompts x 4 generations = 16 rows, global eval batch 8, so no batch is padded. The evaluation loss is the
     mean over both eval batches of both processes, as one process with batch 8 computes it (accelerate counted the
     last batch's remainder over the 4 prompts, so ``gather_for_metrics`` kept process 0's loss only)."""
-    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(tmp_path / "two"),
-                      "--per_device_batch", "4", "--prompts", "4", timeout=300)
+    done = accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(tmp_path / "two"),
+                             "--per_device_batch", "4", "--prompts", "4", timeout=300)
     one = in_one_process(tracerl_eval.run, tmp_path / "one", 8, 4)
     two = json.loads((tmp_path / "two" / "metrics.json").read_text())
     assert abs(one["eval_loss"]) > 1e-3  # not trivially equal
     for name in TRACERL_EVAL:
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
+    assert "rows of padding" not in done.stdout + done.stderr
+
+
+@pytest.mark.slow
+def test_tracerl_eval_says_when_accelerate_pads_the_last_batch(tmp_path):
+    """5 prompts x 4 generations = 20 rows in global eval batches of 8: accelerate fills the last batch with the
+    first prompt's 4 rows again, which GRPO generates, scores and counts in every eval metric (eval_reward 3.583
+    where one process gives 3.542). The trainer says so, once."""
+    done = accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(tmp_path),
+                             "--per_device_batch", "4", "--prompts", "5", timeout=300)
+    output = done.stdout + done.stderr
+    assert output.count("rows of padding") == 1 and "the last eval batch holds 4 rows of padding" in output
 
 
 def test_tracerl_eval_loss_weighs_every_eval_batch_fully(tmp_path, monkeypatch):

@@ -64,6 +64,7 @@ from ..value import (
     value_statistics,
 )
 from ..value.value_model import warn_if_half_precision
+from .eval_padding import padded_eval_batch
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
 
@@ -840,6 +841,14 @@ class TraceRLTrainer(GRPOTrainer):
         loader = self.accelerator.gradient_state.active_dataloader
         if loader is not None and loader.remainder >= 0 and hasattr(loader.dataset, "__len__"):
             loader.remainder = len(loader.dataset) * self.num_generations_eval % loader.total_batch_size
+            if self.accelerator.num_processes > 1 and self.accelerator.is_main_process and \
+                    padded_eval_batch(self.accelerator):
+                logger.warning_once(
+                    f"evaluation: the last eval batch holds {loader.total_batch_size - loader.remainder} rows of "
+                    "padding (accelerate fills every process's batch with the first prompts' rows again); GRPO "
+                    "generates, scores and counts them in the eval metrics like real rows. An eval set whose prompts "
+                    f"x num_generations_eval ({self.num_generations_eval}) fill whole global eval batches "
+                    f"({loader.total_batch_size} rows) has none.")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
     def _compute_loss(self, model, inputs):
