@@ -18,7 +18,8 @@
 # and send .whl along (the device tool's carry: [".whl"]). Then, from the project root:  bash scripts/gpu_check.sh
 #
 # GPU_CHECK_TINY=1 runs the same steps on the CPU with the tiny presets (a dry run of this script, e.g. with
-# GPU_CHECK_BUDGET=300; the gpu tests skip there). The pytest steps continue past a test module that fails to
+# GPU_CHECK_BUDGET=300, and GPU_CHECK_LIMIT_SCALE=4 to multiply every step's limit on a slow or busy CPU; the gpu
+# tests skip there). The pytest steps continue past a test module that fails to
 # import (a package the GPU image lacks), so the gpu tests still run.
 set -u
 cd "$(dirname "$0")/.."
@@ -51,7 +52,7 @@ fi
 
 left() { echo $((BUDGET - (SECONDS - START))); }
 step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless the budget is spent
-    local name=$1 limit=$2
+    local name=$1 limit=$(($2 * ${GPU_CHECK_LIMIT_SCALE:-1}))
     shift 2
     if [ "$(left)" -lt 30 ]; then
         echo "$name: skipped (budget spent)" | tee -a "$OUT/summary.txt"
