@@ -119,9 +119,11 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
                                  peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
-    plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
-                                ["reward", "rollout/tokens_per_step", "completions/mean_length"],
-                                title="TraceRL on code")
+    plot = None
+    if trainer.is_world_process_zero():  # one process writes the figure
+        plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
+                                    ["reward", "rollout/tokens_per_step", "completions/mean_length"],
+                                    title="TraceRL on code")
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None,
               "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
@@ -132,7 +134,8 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
-    print(json.dumps(result))
+    if trainer.is_world_process_zero():  # one result line, not one per process
+        print(json.dumps(result))
     return result
 
 

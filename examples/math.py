@@ -165,10 +165,12 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         value_dir = f"{args.output_dir}/value_model"  # loadable with --value_model
         if args.should_save:
             trainer.accelerator.unwrap_model(trainer.value_model).save_pretrained(value_dir)
-    plot = save_training_curves(
-        trainer.state.log_history, f"{args.output_dir}/training_curves.png",
-        ["reward", "eval/held_out_accuracy", "rollout/tokens_per_step", "rollout/sampler_logp_gap"],
-        title=f"TraceRL ({args.likelihood_estimator}) on {script_args.dataset_name or 'synthetic arithmetic'}")
+    plot = None
+    if trainer.is_world_process_zero():  # one process writes the figure
+        plot = save_training_curves(
+            trainer.state.log_history, f"{args.output_dir}/training_curves.png",
+            ["reward", "eval/held_out_accuracy", "rollout/tokens_per_step", "rollout/sampler_logp_gap"],
+            title=f"TraceRL ({args.likelihood_estimator}) on {script_args.dataset_name or 'synthetic arithmetic'}")
     result = {"output_dir": args.output_dir, "value_model": value_dir, "training_curves": str(plot) if plot else None}
     if synthetic:
         curve = callbacks[0].curve
@@ -180,7 +182,8 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
     # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
-    print(json.dumps(result))
+    if trainer.is_world_process_zero():  # one result line, not one per process
+        print(json.dumps(result))
     return result
 
 

@@ -82,9 +82,11 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
                                       callbacks=callbacks, peft_config=get_peft_config(model_args))
     trainer.train(resume_from_checkpoint=resume_checkpoint(args.resume_from_checkpoint, args.output_dir))
     trainer.save_model(args.output_dir)
-    plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
-                                ["loss", "mean_token_accuracy", "eval/held_out_accuracy"],
-                                title=f"Diffusion SFT ({trainer.objective})")
+    plot = None
+    if trainer.is_world_process_zero():  # one process writes the figure
+        plot = save_training_curves(trainer.state.log_history, f"{args.output_dir}/training_curves.png",
+                                    ["loss", "mean_token_accuracy", "eval/held_out_accuracy"],
+                                    title=f"Diffusion SFT ({trainer.objective})")
     result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None}
     if callbacks:
         curve = callbacks[0].curve
@@ -95,7 +97,8 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
     # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
     trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
-    print(json.dumps(result))
+    if trainer.is_world_process_zero():  # one result line, not one per process
+        print(json.dumps(result))
     return result
 
 

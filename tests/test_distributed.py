@@ -341,6 +341,21 @@ def test_cpu_two_processes_config_starts_two_processes(tmp_path):
 
 
 @pytest.mark.slow
+def test_example_on_two_processes_prints_one_result_and_no_ddp_warning(tmp_path):
+    """``accelerate launch --num_processes 2 examples/math.py``: the closing JSON result is printed by process 0
+    only (every process printed it, and once two copies landed on one line, which no JSON reader parses), and DDP
+    does not search for unused parameters: transformers turns the search on when checkpointing is off, and DDP then
+    warned on every process at every step that it found none (every parameter takes part)."""
+    done = accelerate_launch(TWO_CPU_PROCESSES, ROOT / "examples" / "math.py", "--use_cpu", "true", "--max_steps", "1",
+                             "--per_device_train_batch_size", "4", "--num_generations", "4", "--num_eval", "4",
+                             "--output_dir", str(tmp_path), timeout=300)
+    results = [line for line in done.stdout.splitlines() if '"output_dir"' in line]
+    assert len(results) == 1 and json.loads(results[0])["output_dir"] == str(tmp_path)
+    assert "find_unused_parameters=True" not in done.stderr
+    assert len(list(tmp_path.glob("training_curves.png"))) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 an FSDP config on the CPU silently runs "
     "DDP and DeepSpeed cannot initialise its process group (docs/distributed.md)."))

@@ -72,13 +72,18 @@ def checkpointing_off() -> dict[str, Any]:
     warns with a FutureWarning whenever the old name ``gradient_checkpointing`` is set) it leaves
     ``gradient_checkpointing`` unset (None), which with both names unset is off; before, it is ``False``. Not
     ``activation_checkpointing=False``: transformers reads the old name only while the new one is unset, so a
-    ``--gradient_checkpointing true`` on the command line or in a recipe would then be ignored."""
+    ``--gradient_checkpointing true`` on the command line or in a recipe would then be ignored.
+
+    Also ``ddp_find_unused_parameters=False``: without checkpointing transformers defaults DDP to searching the
+    autograd graph for unused parameters at every step, and warns on every process that it found none. Every
+    parameter of these models takes part in a training forward (mixture-of-experts layers run every expert while
+    gradients are recorded), as transformers assumes with checkpointing on."""
     import dataclasses
 
     from transformers import TrainingArguments
 
     renamed = "activation_checkpointing" in {item.name for item in dataclasses.fields(TrainingArguments)}
-    return {"gradient_checkpointing": None if renamed else False}
+    return {"gradient_checkpointing": None if renamed else False, "ddp_find_unused_parameters": False}
 
 
 def find_reward(name: str) -> Callable[..., Any]:
