@@ -12,11 +12,11 @@ setup(
     package_data={"trl_diffusion": ["assets/**/*"]},
     include_package_data=True,
     install_requires=[
-        "torch>=2.6,<2.15",
+        "torch>=2.6,<2.16",
         "transformers>=5.20,<6",
         "trl>=1.16,<1.17",
         "peft>=0.21,<0.22",
-        "accelerate>=1.15,<1.16",
+        "accelerate>=1.15,<1.17",
         "datasets>=5.0,<6",
         "evaluate>=0.4,<0.5",
         "math-verify>=0.9,<0.10",

@@ -6,7 +6,7 @@ and the accelerate configs under ``examples/accelerate_configs``.
   stay with their completions, and both ranks end with the same parameters.
 * A run stopped after a checkpoint and resumed from it ends where an uninterrupted run ends, with the same
   metric and completion logs (no gaps, no duplicates).
-* ZeRO-3 and FSDP2 cannot run on a CPU-only machine with accelerate 1.15 (DeepSpeed does not start, an FSDP
+* ZeRO-3 and FSDP2 cannot run on a CPU-only machine with accelerate 1.15 / 1.16 (DeepSpeed does not start, an FSDP
   config silently becomes DDP; see docs/distributed.md): their test runs only where two GPUs are present.
 
 The runs themselves live in ``tests/distributed/train.py``.
@@ -357,7 +357,7 @@ def test_example_on_two_processes_prints_one_result_and_no_ddp_warning(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
-    "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 an FSDP config on the CPU silently runs "
+    "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 / 1.16 an FSDP config on the CPU silently runs "
     "DDP and DeepSpeed cannot initialise its process group (docs/distributed.md)."))
 @pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
 def test_sharded_config_runs_a_step(tmp_path, config):
