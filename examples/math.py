@@ -38,7 +38,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
-from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
+from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
 from trl_diffusion.cli import (
     checkpointing_off,
     evaluation_split,
@@ -173,7 +173,7 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
             title=f"TraceRL ({args.likelihood_estimator}) on {script_args.dataset_name or 'synthetic arithmetic'}")
     result = {"output_dir": args.output_dir, "value_model": value_dir, "training_curves": str(plot) if plot else None}
     if synthetic:
-        curve = callbacks[0].curve
+        curve = held_out_curve(trainer.state.log_history)  # the whole run's, across a resume
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1],
                       accuracy_curve=curve)
     if args.push_to_hub:

@@ -36,7 +36,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
-from trl_diffusion.callbacks import HeldOutAccuracyCallback, save_training_curves
+from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
 from trl_diffusion.cli import evaluation_split, load_pretrained, resume_checkpoint, run_script, setting_errors
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
@@ -89,7 +89,7 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
                                     title=f"Diffusion SFT ({trainer.objective})")
     result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None}
     if callbacks:
-        curve = callbacks[0].curve
+        curve = held_out_curve(trainer.state.log_history)  # the whole run's, across a resume
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1])
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)

@@ -138,16 +138,19 @@ def test_example_resumes_from_the_last_checkpoint_with_true(tmp_path):
     common = ["--output_dir", str(tmp_path), "--per_device_train_batch_size", "4", "--num_generations", "4",
               "--max_completion_length", "8", "--num_eval", "4", "--eval_every", "0", "--use_cpu", "true",
               "--save_strategy", "steps", "--save_steps", "1", "--logging_steps", "1"]
-    math.main(*parse_script_args(math.make_parser(), [*common, "--max_steps", "1"]))
+    first = math.main(*parse_script_args(math.make_parser(), [*common, "--max_steps", "1"]))
     saved = tmp_path / "checkpoint-1" / "trainer_state.json"
     state = json.loads(saved.read_text())
     state["log_history"].append({"step": 1, "resumed_from_here": 1.0})  # survives only if this state is loaded
     saved.write_text(json.dumps(state))
     parsed = parse_script_args(math.make_parser(), [*common, "--max_steps", "2", "--resume_from_checkpoint", "true"])
     assert parsed[1].resume_from_checkpoint is True
-    math.main(*parsed)
+    resumed = math.main(*parsed)
     state = json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())
     assert state["global_step"] == 2 and any("resumed_from_here" in h for h in state["log_history"])
+    # the held-out curve is the whole run's: "before" is step 0's accuracy, not a measurement at the resume step
+    assert [step for step, _ in resumed["accuracy_curve"]] == [0, 2]
+    assert resumed["held_out_accuracy_before"] == first["held_out_accuracy_before"] == first["accuracy_curve"][0][1]
 
 
 def test_eval_cuda_graphs_flag_reaches_generate():

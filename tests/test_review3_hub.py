@@ -131,10 +131,12 @@ def test_time_budget_stops_every_process_at_the_same_step(tmp_path):
 def test_held_out_accuracy_logs_the_starting_point_once(capsys):
     """The accuracy measured when training begins (the "before" point) was kept in ``curve`` only, so the training
     curve read from ``log_history`` started at the first ``every`` step. It is now logged, once per step (a resume
-    at a step already logged adds no second point), and only the main process prints it."""
+    at a step already logged adds no second point), and only the main process prints it. A resumed run does not
+    measure at the step it resumes from when the checkpoint's history has the starting point (it added a point the
+    uninterrupted run does not have, and the examples reported it as the accuracy "before" training)."""
     from transformers import TrainerControl, TrainerState
 
-    from trl_diffusion.callbacks import HELD_OUT_KEY, HeldOutAccuracyCallback
+    from trl_diffusion.callbacks import HELD_OUT_KEY, HeldOutAccuracyCallback, held_out_curve
     from trl_diffusion.data import make_problems
 
     problems = make_problems(num_train=1, num_test=3, seed=0)[1]
@@ -148,8 +150,20 @@ def test_held_out_accuracy_logs_the_starting_point_once(capsys):
     assert [entry["step"] for entry in state.log_history if HELD_OUT_KEY in entry] == [0, 2, 3]
     assert [step for step, _ in callback.curve] == [0, 2, 3]
     assert len(capsys.readouterr().out.splitlines()) == 3
+    assert held_out_curve(state.log_history) == callback.curve
     resumed = HeldOutAccuracyCallback(callback.model, callback.tokenizer, problems, every=2, max_new_tokens=4)
-    state.is_world_process_zero = False  # another process: measures and logs, does not print
+    state.log_history = state.log_history[:2]  # the checkpoint saved at step 2
+    state.global_step = 2
     resumed.on_train_begin(None, state, control)
-    assert [entry["step"] for entry in state.log_history if HELD_OUT_KEY in entry] == [0, 2, 3]
-    assert resumed.curve[0][0] == 3 and capsys.readouterr().out == ""
+    assert resumed.curve == [] and capsys.readouterr().out == ""
+    state.is_world_process_zero = False  # another process: measures and logs, does not print
+    for step in (3, 4):
+        state.global_step = step
+        resumed.on_step_end(None, state, control)
+    resumed.on_train_end(None, state, control)
+    assert [step for step, _ in held_out_curve(state.log_history)] == [0, 2, 4]
+    assert capsys.readouterr().out == ""
+    without = HeldOutAccuracyCallback(callback.model, callback.tokenizer, problems, every=2, max_new_tokens=4)
+    state.log_history = [{"step": 4, "loss": 1.0}]  # a checkpoint made without the callback: measured at the start
+    without.on_train_begin(None, state, control)
+    assert [step for step, _ in held_out_curve(state.log_history)] == [4] == [step for step, _ in without.curve]

@@ -16,12 +16,20 @@ from .data.arithmetic import ArithmeticProblem, evaluate_accuracy
 HELD_OUT_KEY = "eval/held_out_accuracy"
 
 
+def held_out_curve(log_history: list[dict]) -> list[tuple[int, float]]:
+    """The ``(step, accuracy)`` points that ``HeldOutAccuracyCallback`` logged, in order: the whole run's curve,
+    including the part before a resume (``log_history`` is restored from the checkpoint)."""
+    return [(entry["step"], round(entry[HELD_OUT_KEY], 4)) for entry in log_history if HELD_OUT_KEY in entry]
+
+
 class HeldOutAccuracyCallback(TrainerCallback):
-    """Greedy held-out accuracy on arithmetic problems when training begins, every ``every`` optimizer steps and
-    when it ends, appended to ``state.log_history`` as ``eval/held_out_accuracy`` (read by
-    ``save_training_curves``; once per step, also across a resume; a callback has no ``Trainer.log``, so
-    ``report_to`` integrations do not receive it), printed as JSON by the main process and kept in ``curve``. Every
-    process measures (the model must be whole on each: not under ZeRO-3 / FSDP)."""
+    """Greedy held-out accuracy on arithmetic problems when training starts, every ``every`` optimizer steps and
+    when it ends, appended to ``state.log_history`` as ``eval/held_out_accuracy`` (read by ``held_out_curve`` and
+    ``save_training_curves``; a callback has no ``Trainer.log``, so ``report_to`` integrations do not receive it),
+    printed as JSON by the main process and kept in ``curve`` (this process's measurements). A resumed run does not
+    measure again at the step it resumes from when the checkpoint's history already has the starting point, so its
+    logged curve is the uninterrupted run's. Every process measures (the model must be whole on each: not under
+    ZeRO-3 / FSDP)."""
 
     def __init__(self, model, tokenizer, problems: list[ArithmeticProblem], every: int, **generate_kwargs):
         self.model, self.tokenizer, self.problems, self.every = model, tokenizer, problems, every
@@ -36,13 +44,11 @@ class HeldOutAccuracyCallback(TrainerCallback):
         return accuracy
 
     def _record(self, state) -> None:
-        step = state.global_step
-        accuracy = self.measure(step, announce=state.is_world_process_zero)
-        if not any(entry.get("step") == step and HELD_OUT_KEY in entry for entry in state.log_history):
-            state.log_history.append({"step": step, HELD_OUT_KEY: accuracy})
+        accuracy = self.measure(state.global_step, announce=state.is_world_process_zero)
+        state.log_history.append({"step": state.global_step, HELD_OUT_KEY: accuracy})
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not self.curve:
+        if not held_out_curve(state.log_history):  # a fresh run, or a checkpoint made without this callback
             self._record(state)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -50,7 +56,7 @@ class HeldOutAccuracyCallback(TrainerCallback):
             self._record(state)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self.curve[-1][0] != state.global_step:
+        if held_out_curve(state.log_history)[-1][0] != state.global_step:
             self._record(state)
 
 
