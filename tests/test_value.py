@@ -2,7 +2,11 @@
 warm-start fitting, TraceRL with a value model for every family, gradient isolation and bad inputs."""
 
 import copy
+import json
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from trl_diffusion.value import (
     DiffusionValueModel,
     DiffusionValueTrainer,
     clipped_value_loss,
+    discounted_reverse_cumsum,
     outcome_token_rewards,
     step_gae,
     token_values,
@@ -79,6 +84,53 @@ def test_gae_equals_a_hand_computed_example():
     # the step-level recursion is recovered from the token-level one: mean over tau_0 of A_j is A*_0
     assert advantages[0, :2].mean().item() == pytest.approx(big_a[0], abs=1e-6)
     assert returns[0, :2].mean().item() == pytest.approx(big_r[0], abs=1e-6)
+
+
+def loop_reverse_cumsum(x: torch.Tensor, discount: float) -> torch.Tensor:
+    """The recursion as written: one step at a time, float64."""
+    out, carry = torch.zeros_like(x, dtype=torch.float64), torch.zeros(x.shape[0], dtype=torch.float64)
+    for t in reversed(range(x.shape[1])):
+        carry = x[:, t].double() + discount * carry
+        out[:, t] = carry
+    return out
+
+
+@pytest.mark.parametrize("discount", [1.0, 0.97, 0.5, 0.0])
+@pytest.mark.parametrize("length", [1, 7, 8, 9, 61])
+def test_discounted_reverse_cumsum_equals_the_step_by_step_recursion(discount, length):
+    """Chunk 8: single, exact-multiple and ragged chunks (the carry crosses chunk boundaries)."""
+    x = torch.randn(3, length, generator=torch.Generator().manual_seed(length))
+    for chunk in (8, 128):
+        assert_close_fp32(discounted_reverse_cumsum(x, discount, chunk=chunk), loop_reverse_cumsum(x, discount))
+
+
+def test_step_gae_over_many_steps_equals_the_recursion():
+    """1,000 merged steps (one token per step, 8 chunks of the scan), gamma and lambda below 1: the token values
+    equal the module docstring's recursion run step by step in float64."""
+    torch.manual_seed(0)
+    steps = 1000
+    groups = torch.arange(steps).repeat(2, 1)
+    mask = torch.ones(2, steps, dtype=torch.bool)
+    mask[1, 700:] = False  # a shorter second row
+    values, token_rewards = torch.randn(2, steps), torch.rand(2, steps) * 0.01
+    gamma, lam = 0.999, 0.95
+    advantages, returns = step_gae(token_rewards, values, groups, mask, gamma, lam)
+    r = torch.where(mask, token_rewards, torch.zeros(()))
+    v = torch.where(mask, values, torch.zeros(()))
+    v_next = torch.cat([v[:, 1:], torch.zeros(2, 1)], dim=1).double()
+    expected_returns = loop_reverse_cumsum(r, gamma)
+    expected_advantages = loop_reverse_cumsum(r.double() - v.double() + gamma * v_next, gamma * lam)
+    assert_close_fp32(returns, expected_returns, mask)
+    assert_close_fp32(advantages, expected_advantages, mask)
+
+
+def test_advantages_benchmark_reports_both_implementations():
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "advantages.py"
+    run = subprocess.run([sys.executable, str(script), "--lengths", "20", "300", "--rows", "2", "--repeats", "1"],
+                         capture_output=True, text=True, check=True)
+    records = [json.loads(line) for line in run.stdout.splitlines()]
+    assert [r["steps"] for r in records] == [20, 300]
+    assert all(r["loop_ms"] > 0 and r["scan_ms"] > 0 and r["max_abs_difference"] < 1e-4 for r in records)
 
 
 def test_gamma_lam_one_gives_reward_minus_value():

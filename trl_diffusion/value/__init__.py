@@ -5,6 +5,7 @@ from ..states import completion_blocks
 from .advantages import (
     clipped_value_loss,
     dense_steps,
+    discounted_reverse_cumsum,
     outcome_token_rewards,
     step_gae,
     step_means,
@@ -24,6 +25,7 @@ __all__ = [
     "clipped_value_loss",
     "completion_blocks",
     "dense_steps",
+    "discounted_reverse_cumsum",
     "outcome_token_rewards",
     "step_gae",
     "step_means",

@@ -54,6 +54,30 @@ def outcome_token_rewards(rewards: torch.Tensor, groups: torch.Tensor, mask: tor
     return torch.where(on_last, rewards.float()[:, None], torch.zeros((), device=rewards.device))
 
 
+def discounted_reverse_cumsum(x: torch.Tensor, discount: float, chunk: int = 128) -> torch.Tensor:
+    """``y[:, t] = x[:, t] + discount * y[:, t + 1]`` along the last dimension, with 0 past the end.
+
+    The same recursion as a loop over ``t``, in ``ceil(T / chunk)`` steps instead of ``T``: inside a chunk ``y`` is
+    ``sum_j discount^(j - t) x_j`` plus the chunk's carry (the ``y`` just past it) times ``discount^(n - t)``. A loop
+    over 8,192 steps cost 0.6 s on a CPU (8 small operations, kernel launches on a GPU, per step). Elementwise
+    products and sums, no matmul, so TF32 never rounds it; powers that underflow are negligible terms."""
+    batch, length = x.shape
+    size = min(chunk, length)
+    offsets = torch.arange(size, device=x.device, dtype=x.dtype)
+    exponents = offsets[None, :] - offsets[:, None]  # [t, j]: j - t
+    powers = torch.where(exponents >= 0, discount ** exponents.clamp(min=0), torch.zeros((), dtype=x.dtype))
+    past_end = discount ** (size - offsets)  # discount^(size - t)
+    out = torch.empty_like(x)
+    carry = torch.zeros(batch, 1, dtype=x.dtype, device=x.device)
+    for end in range(length, 0, -size):
+        start = max(0, end - size)
+        n = end - start
+        block = (x[:, None, start:end] * powers[:n, :n]).sum(-1) + carry * past_end[size - n:]
+        out[:, start:end] = block
+        carry = block[:, :1]
+    return out
+
+
 def step_gae(
     token_rewards: torch.Tensor,
     values: torch.Tensor,
@@ -78,12 +102,9 @@ def step_gae(
     v_star = step_means(values, steps, num_steps)
     zeros = torch.zeros(batch, 1, dtype=values.dtype, device=values.device)
     v_next = torch.cat([v_star, zeros], dim=1)
-    ret = torch.zeros(batch, num_steps + 1, dtype=values.dtype, device=values.device)
-    adv = torch.zeros_like(ret)
-    for t in reversed(range(num_steps)):
-        ret[:, t] = r_star[:, t] + gamma * ret[:, t + 1]
-        delta = r_star[:, t] - v_star[:, t] + gamma * v_next[:, t + 1]
-        adv[:, t] = delta + gamma * lam * adv[:, t + 1]
+    delta = r_star - v_star + gamma * v_next[:, 1:]
+    ret = torch.cat([discounted_reverse_cumsum(r_star, gamma), zeros], dim=1)
+    adv = torch.cat([discounted_reverse_cumsum(delta, gamma * lam), zeros], dim=1)
     valid = steps >= 0
     nxt = (steps + 1).clamp(min=0)
     returns = token_rewards + gamma * ret.gather(1, nxt)
