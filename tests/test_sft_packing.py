@@ -11,7 +11,7 @@ from trl import SFTConfig, SFTTrainer
 
 from trl_diffusion.states import AttentionLayout, noisy_clean_attention_layout, noisy_columns
 from trl_diffusion.testing import tiny_model
-from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers import DiffusionSFTTrainer, diffusion_losses
 from trl_diffusion.trainers import sft_trainer as sft_trainer_module
 from trl_diffusion.trainers.diffusion_losses import build_objective, count_loss_tokens, sample_generators
 
@@ -283,3 +283,52 @@ def assert_same_step(deltas: list[torch.Tensor], losses: list[float]) -> None:
     assert deltas[0].abs().max() > 1e-4
     assert_close_fp32(deltas[1], deltas[0])
     assert losses[1] == pytest.approx(losses[0], rel=1e-4)
+
+
+def slow_random_mask(labels, valid, generators, eps, high, documents, per_token):
+    """The obvious version: for each document, its real tokens by a comparison over the whole row, the draws made
+    over the whole row (the implementation before the per-document columns)."""
+    ratios, uniforms, token_ratios = {}, torch.ones(labels.shape), torch.ones(labels.shape)
+    for row in range(labels.shape[0]):
+        for document in torch.unique(documents[row][documents[row] >= 0]).tolist():
+            where = valid[row] & (documents[row] == document)
+            if per_token:
+                probabilities, row_uniforms = diffusion_losses.draw_token_noise(generators[document], where)
+                token_ratios[row][where] = diffusion_losses.mask_ratio(probabilities, eps, high)[where]
+            else:
+                ratio, row_uniforms = diffusion_losses.draw_noise(generators[document], 1, where)
+                ratios[document] = diffusion_losses.mask_ratio(ratio[0], eps, high)
+            uniforms[row][where] = row_uniforms[where]
+    if not per_token:
+        token_ratios = documents.clone().float().apply_(lambda d: ratios.get(int(d), 1.0))
+    masked = (labels != -100) & (uniforms < token_ratios)
+    return masked, token_ratios
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_packed_random_masks_equal_the_per_document_row_scan(per_token):
+    """``_random_mask`` finds each document's columns with one sort per row (a row of 64k padding-free tokens took
+    339 ms with a pass over the row per document, 44 ms now): the same draws on the same tokens, on random packed
+    rows with padding, documents with no real token and unpacked rows."""
+    rng = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        batch, length = int(torch.randint(1, 4, (), generator=rng)), int(torch.randint(1, 40, (), generator=rng))
+        documents, count = torch.full((batch, length), -1), 0
+        for row in range(batch):
+            column = 0
+            while column < length and torch.rand((), generator=rng) > 0.15:
+                size = int(torch.randint(1, 12, (), generator=rng))
+                documents[row, column:column + size] = count
+                count, column = count + 1, column + size
+        if trial % 4 == 0 or count == 0:  # unpacked: one document per row
+            documents, count = torch.arange(batch)[:, None].expand(batch, length).clone(), batch
+        valid = (torch.rand(batch, length, generator=rng) < 0.8) & (documents >= 0)
+        labels = torch.where(torch.rand(batch, length, generator=rng) < 0.7, 1, -100)
+        seeds = torch.randint(0, 2**30, (count,), generator=rng).tolist()
+        masked, ratio = diffusion_losses._random_mask(
+            torch.zeros(batch, length, dtype=torch.long), labels, valid,
+            [torch.Generator().manual_seed(s) for s in seeds], 0.1, 0.9, documents, per_token)
+        expected_masked, expected_ratio = slow_random_mask(
+            labels, valid, [torch.Generator().manual_seed(s) for s in seeds], 0.1, 0.9, documents, per_token)
+        real = documents >= 0
+        assert torch.equal(masked, expected_masked) and torch.equal(ratio[real], expected_ratio[real])

@@ -155,6 +155,15 @@ def _attention(positions: torch.Tensor, valid: torch.Tensor, block_size: int | N
     return AttentionLayout.plain(positions, valid, block_size, documents)
 
 
+def _document_columns(documents: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """``(document id, its columns in order)`` for every document of a row (``documents`` ``[L]``, -1 = none), by
+    increasing id: one stable sort of the row, not one pass over it per document."""
+    columns = (documents >= 0).nonzero().flatten()
+    columns = columns[torch.argsort(documents[columns], stable=True)]
+    ids, counts = torch.unique_consecutive(documents[columns], return_counts=True)
+    return list(zip(ids.tolist(), columns.split(counts.tolist()), strict=True))
+
+
 def _random_mask(input_ids, labels, valid, generators, eps, high=1.0, documents=None, per_token=False):
     """Per-document ratio p and a Bernoulli(p) mask over its completion positions (``per_token``: each position
     with its own p); returns the mask and every position's ratio ``[B, L]``. Ratios lie in ``[eps, high]``.
@@ -167,15 +176,16 @@ def _random_mask(input_ids, labels, valid, generators, eps, high=1.0, documents=
     valid_cpu = valid.bool().cpu()
     ratios, uniforms, token_ratios = torch.empty(count), torch.ones(input_ids.shape), torch.ones(input_ids.shape)
     for row in range(input_ids.shape[0]):
-        for document in torch.unique(documents[row][documents[row] >= 0]).tolist():
-            where = valid_cpu[row] & (documents[row] == document)
+        for document, columns in _document_columns(documents[row]):
+            where = columns[valid_cpu[row, columns]]  # the document's real tokens, in order
+            every = torch.ones(len(where), dtype=torch.bool)
             if per_token:
-                probabilities, row_uniforms = draw_token_noise(generators[document], where)
-                token_ratios[row][where] = mask_ratio(probabilities, eps, high)[where]
+                probabilities, document_uniforms = draw_token_noise(generators[document], every)
+                token_ratios[row, where] = mask_ratio(probabilities, eps, high)
             else:
-                ratio, row_uniforms = draw_noise(generators[document], 1, where)
+                ratio, document_uniforms = draw_noise(generators[document], 1, every)
                 ratios[document] = ratio[0]
-            uniforms[row][where] = row_uniforms[where]
+            uniforms[row, where] = document_uniforms
     if per_token:
         ratio = token_ratios.to(input_ids.device)
     else:
