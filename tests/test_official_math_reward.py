@@ -3,6 +3,7 @@ gold columns, and the sympy child process (hard timeout, restart, no leaked proc
 
 import os
 import pickle
+import random
 import sys
 import textwrap
 import threading
@@ -11,7 +12,7 @@ import time
 import pytest
 
 from trl_diffusion.rewards import OfficialMathReward, make_official_math_reward, official_math_reward
-from trl_diffusion.rewards.dllm_rl_math import SympyWorker, repeatness
+from trl_diffusion.rewards.dllm_rl_math import SympyWorker, repeatness, suffix_ranks
 
 # (completion, gold, expected). Every case is settled by the Hendrycks rules or by Minerva-normalised strings, so
 # it holds with or without sympy's LaTeX parser (which needs antlr4 4.11).
@@ -90,6 +91,23 @@ def test_long_repetitive_answers_skip_sympy():
     assert reward.equal("\\textbf{" + body[:60] + "}", body[:60])  # short: the sympy step's normalisation matches
     assert not reward.equal("\\textbf{" + body + "}", body)
     reward.close()
+
+
+def test_suffix_ranks_equal_sorting_the_suffixes():
+    """The repetition test's suffix ranks (numpy prefix doubling: 0.5 s -> 0.14 s on 32,000 characters) equal the
+    obvious ones: each suffix's first ``span`` characters ranked among all of them, ties sharing a rank; lengths
+    around powers of two + 1, where the doubling stops with the whole string still tied to its shift."""
+    rng = random.Random(0)
+    for trial in range(400):
+        n = (1, 2, 3, 5, 9, 17, 33)[trial % 7] if trial < 70 else rng.randint(1, 80)
+        alphabet = ("a", "ab", "abc", "0123456789 +-")[trial % 4]
+        text = "".join(rng.choice(alphabet) for _ in range(n))
+        span = 1
+        while span < n - 1:
+            span *= 2
+        prefixes = [text[i:i + span] for i in range(n)]
+        order = {prefix: rank for rank, prefix in enumerate(sorted(set(prefixes)))}
+        assert suffix_ranks([ord(c) for c in text]) == [order[prefix] for prefix in prefixes], text
 
 
 SLOW_SERVER = textwrap.dedent("""
