@@ -299,12 +299,19 @@ def generate(model, **kw):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_exact_cache_equals_no_cache(temperature):
+    """On the first sampling seed whose run has no decision near a tie (which float path wins a tie depends on the
+    machine and the torch version: torch 2.6 met a routing gap of 1.4e-6 with seed 3)."""
     model = moe_model()
-    with DecisionMargins() as margins, routing_margins() as routes:
-        outs = [generate(model, use_cache=cache, temperature=temperature, generator=torch.Generator().manual_seed(3),
-                         remasking_strategy="low_confidence_dynamic", confidence_threshold=0.3)[0]
-                for cache in (False, True)]
-    assert margins.smallest > MIN_MARGIN and min(routes) > ROUTING_MARGIN  # no decision near a tie
+    for seed in range(3, 11):
+        with DecisionMargins() as margins, routing_margins() as routes:
+            outs = [generate(model, use_cache=cache, temperature=temperature,
+                             generator=torch.Generator().manual_seed(seed),
+                             remasking_strategy="low_confidence_dynamic", confidence_threshold=0.3)[0]
+                    for cache in (False, True)]
+        if margins.smallest > MIN_MARGIN and min(routes) > ROUTING_MARGIN:  # no decision near a tie
+            break
+    else:
+        pytest.fail("every seed met a decision near a tie")
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert torch.equal(outs[0].unmask_step, outs[1].unmask_step)
     assert_close_fp32(outs[0].token_logprobs, outs[1].token_logprobs)
