@@ -43,6 +43,7 @@ from trl_diffusion.cli import (
     checkpointing_off,
     evaluation_split,
     find_reward,
+    leave_process_group,
     load_pretrained,
     resume_checkpoint,
     run_script,
@@ -178,10 +179,7 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
                       accuracy_curve=curve)
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    # last, after everything that needs the other processes: leave the process group together (a process exiting with
-    # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    leave_process_group(trainer)  # last, after everything that needs the other processes
     if trainer.is_world_process_zero():  # one result line, not one per process
         print(json.dumps(result))
     return result

@@ -37,7 +37,14 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
-from trl_diffusion.cli import evaluation_split, load_pretrained, resume_checkpoint, run_script, setting_errors
+from trl_diffusion.cli import (
+    evaluation_split,
+    leave_process_group,
+    load_pretrained,
+    resume_checkpoint,
+    run_script,
+    setting_errors,
+)
 from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
@@ -93,10 +100,7 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1])
     if args.push_to_hub:
         trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    # last, after everything that needs the other processes: leave the process group together (a process exiting with
-    # gloo's threads still up can abort with "terminate called without an active exception"); nothing in one process
-    trainer.accelerator.wait_for_everyone()
-    trainer.accelerator.end_training()
+    leave_process_group(trainer)  # last, after everything that needs the other processes
     if trainer.is_world_process_zero():  # one result line, not one per process
         print(json.dumps(result))
     return result

@@ -78,6 +78,21 @@ def test_example_in_two_processes_leaves_the_group_and_exits_cleanly(tmp_path):
         assert json.loads((tmp_path / f"rank{rank}.json").read_text()) == {"in_process_group": False}
 
 
+@pytest.mark.slow
+def test_leave_process_group_drops_the_ddp_wrappers_first(tmp_path):
+    """The examples' last call: after a two-process TraceRL step with a value model (policy and value model wrapped
+    in DDP), no DDP wrapper is left while the trainer is still alive, and both processes are out of the group. A DDP
+    reducer that outlived the group destroyed it holding the GIL: one process of a two-process CPU run hung at exit
+    (seen in CI, with gloo's worker thread waiting for the GIL)."""
+    from test_distributed import TWO_CPU_PROCESSES, accelerate_launch
+
+    accelerate_launch(TWO_CPU_PROCESSES, ROOT / "tests" / "distributed" / "leave.py", "--out", str(tmp_path),
+                      timeout=300)
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert facts == {"wrappers_before": 2, "wrappers_after": 0, "in_process_group": False}
+
+
 @pytest.fixture(scope="module")
 def only_model(tmp_path_factory) -> dict:
     """Step-1 ``save_only_model=True`` checkpoints of a run without and a run with a value model (mid-cycle:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import gc
 import io
 import json
 import os
@@ -443,6 +444,26 @@ def synthetic_task_on_other_model(parsed: Sequence[Any]) -> str | None:
     model = _model_name(parsed)
     no_dataset = any(hasattr(p, "dataset_name") and p.dataset_name is None for p in parsed)
     return model if model and no_dataset and not is_embedded_model(model) else None
+
+
+def leave_process_group(trainer: Any) -> None:
+    """End a script's distributed run: wait for every process, then leave the process group together (a process
+    exiting with gloo's threads still up can abort with "terminate called without an active exception"); nothing
+    happens in a single process. Call it last, after everything that needs the other processes.
+
+    The DistributedDataParallel wrappers go first. A DDP reducer holds the process group; freed after
+    ``destroy_process_group`` (when the trainer goes), it destroyed the group itself, holding the GIL while joining
+    gloo's worker threads, one of which was still releasing a collective's tensors and waited for the GIL: one process
+    of a two-process CPU run never exited (seen in CI). Without them, the group is destroyed by torch's own binding,
+    which releases the GIL."""
+    accelerator = trainer.accelerator
+    accelerator.wait_for_everyone()
+    trainer.model_wrapped = trainer.model
+    if getattr(trainer, "value_model", None) is not None:
+        trainer.value_model = accelerator.unwrap_model(trainer.value_model)
+    accelerator.free_memory()  # its list of prepared models holds the wrappers too
+    gc.collect()
+    accelerator.end_training()
 
 
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:

@@ -13,6 +13,7 @@ machine without GPUs the processes run on the CPU)::
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 from pathlib import Path
@@ -176,6 +177,7 @@ def shut_down() -> None:
     """Leave the process group together: a process that exits while gloo's threads are still up can abort with
     "terminate called without an active exception" (seen once in CI after an otherwise finished run)."""
     if torch.distributed.is_initialized():
+        gc.collect()  # a DDP reducer freed after the group is destroyed can deadlock (cli.leave_process_group)
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
