@@ -2,7 +2,7 @@
 
 * The example scripts leave the torch.distributed process group at the end of a run (every process together): a
   process that exits with gloo's threads still up can abort with "terminate called without an active exception"
-  after the work is done.
+  after the work is done, and the DDP wrappers go before the group (``cli.leave_process_group``).
 * ``save_only_model=True`` TraceRL checkpoints hold the value model's weights but not its optimizer (as transformers
   saves the policy), and resuming from one is refused: transformers documents such checkpoints as not resumable but
   resumes them with a fresh optimizer and scheduler.
@@ -21,6 +21,7 @@ import pytest
 import torch
 from accelerate import Accelerator
 from test_cli import load_example
+from test_distributed import TWO_CPU_PROCESSES, accelerate_launch
 from test_resume_integrity import tracerl
 
 from trl_diffusion.cli import parse_script_args
@@ -84,8 +85,6 @@ def test_leave_process_group_drops_the_ddp_wrappers_first(tmp_path):
     in DDP), no DDP wrapper is left while the trainer is still alive, and both processes are out of the group. A DDP
     reducer that outlived the group destroyed it holding the GIL: one process of a two-process CPU run hung at exit
     (seen in CI, with gloo's worker thread waiting for the GIL)."""
-    from test_distributed import TWO_CPU_PROCESSES, accelerate_launch
-
     accelerate_launch(TWO_CPU_PROCESSES, ROOT / "tests" / "distributed" / "leave.py", "--out", str(tmp_path),
                       timeout=300)
     for rank in (0, 1):
