@@ -24,6 +24,7 @@ from trl_diffusion.trainers.diffusion_losses import (
     build_objective,
     diffusion_loss,
     per_row_weights,
+    rows_averaged,
     sample_generators,
 )
 
@@ -37,7 +38,7 @@ def fast_row_loss(model, objective, ids, labels, valid, normalization, per_token
                             block_size=model.block_size, eps=LOW, high=HIGH, per_token=per_token, weighting="none",
                             **kw)
     batch.weights = per_row_weights(batch, normalization, labels.ne(IGNORE_INDEX).sum(-1))
-    return diffusion_loss(model, batch, batch.input_ids.shape[0], model.logits_shift, MASK_ID)[0]
+    return diffusion_loss(model, batch, rows_averaged(batch, normalization), model.logits_shift, MASK_ID)[0]
 
 
 def per_token_mask(generator, n, completion):
@@ -64,7 +65,8 @@ def test_block_per_token_noise_and_row_tokens_normalisation():
 
 
 def test_random_masking_ratio_range_and_row_masked_normalisation():
-    """LLaDA's random_masking in dLLM-RL: one t ~ U(0.1, 0.9) per row, each row's loss over its masked count."""
+    """LLaDA's random_masking in dLLM-RL: one t ~ U(0.1, 0.9) per row, each row's loss over its masked count,
+    averaged over the rows with a masked token (dLLM-RL drops the others)."""
     model = tiny_model("llada")
     ids, labels, valid = make_batch()
     with torch.no_grad():
@@ -74,30 +76,39 @@ def test_random_masking_ratio_range_and_row_masked_normalisation():
             n = int(valid[row].sum())
             t = LOW + (HIGH - LOW) * torch.rand(1, generator=generator)
             masked = (labels[row] != IGNORE_INDEX)[:n] & (torch.rand(n, generator=generator) < t)
+            if not masked.any():
+                continue
             noisy = ids[row, :n].masked_fill(masked, MASK_ID)
-            rows.append(-logp_full_attention(model, noisy, ids[row, :n], masked) / max(int(masked.sum()), 1))
+            rows.append(-logp_full_attention(model, noisy, ids[row, :n], masked) / int(masked.sum()))
     assert_close_fp32(loss, torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rows]).mean())
 
 
-def test_semi_ar_per_token_noise_one_row_per_block():
+@pytest.mark.parametrize("block_length", [3, 1])
+def test_semi_ar_per_token_noise_one_row_per_block(block_length):
     """LLaDA / Dream semi-AR SFT in dLLM-RL: per block a row (earlier blocks clean, later ones masked), the current
-    block's tokens each masked with their own probability, each row's loss over its masked count."""
+    block's tokens each masked with their own probability, each row's loss over its masked count, averaged over the
+    rows with a masked token: dLLM-RL drops a block row in which nothing was masked (with one-token blocks, about
+    half of them), so it does not count in the mean."""
     model = tiny_model("llada")
     ids, labels, valid = make_batch()
     completion = labels != IGNORE_INDEX
-    blocks = blocks_from_prompt_end(completion, 3)
+    blocks = blocks_from_prompt_end(completion, block_length)
     with torch.no_grad():
         loss = fast_row_loss(model, "semi_ar", ids, labels, valid, "row_masked", per_token=True,
-                             semi_ar_block_length=3)
-        rows = []
+                             semi_ar_block_length=block_length)
+        rows, dropped = [], 0
         for row, generator in enumerate(gens(len(ids))):
             n = int(valid[row].sum())
             eligible = per_token_mask(generator, n, completion[row])
             for b in range(int(blocks[row].max()) + 1):
                 masked = eligible & (blocks[row, :n] == b)
+                if not masked.any():
+                    dropped += 1
+                    continue
                 hidden = masked | (completion[row, :n] & (blocks[row, :n] > b))
                 score = logp_full_attention(model, ids[row, :n].masked_fill(hidden, MASK_ID), ids[row, :n], masked)
-                rows.append(-torch.as_tensor(score, dtype=torch.float32) / max(int(masked.sum()), 1))
+                rows.append(-torch.as_tensor(score, dtype=torch.float32) / int(masked.sum()))
+    assert dropped > 0 or block_length > 1  # one-token blocks: some rows have nothing masked
     assert_close_fp32(loss, torch.stack(rows).mean())
 
 

@@ -503,6 +503,15 @@ def per_row_weights(batch: ScoringBatch, normalization: str, sample_tokens: torc
     return batch.weights / counts.clamp(min=1).to(batch.weights)[:, None]
 
 
+def rows_averaged(batch: ScoringBatch, normalization: str, logits_shift: bool = False) -> int:
+    """How many rows the per-row mean of ``per_row_weights`` divides by. ``row_masked``: the rows with a scored
+    token (a row with none has no loss to average; dLLM-RL's full-attention SFT drops such rows when it builds
+    them). ``row_tokens``: every row (dLLM-RL's block SFT keeps them all)."""
+    if normalization == "row_masked":
+        return int(scorable(batch, logits_shift).any(-1).sum())
+    return batch.targets.shape[0]
+
+
 def build_objective(
     objective: str, input_ids, labels, valid, generators, *, mask_token_id: int, block_size: int | None,
     eps: float = 1e-3, weighting: str = "elbo", semi_ar_block_length: int = 32, unmask_step=None, shrinkage: int = 1,

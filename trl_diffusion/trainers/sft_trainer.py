@@ -42,6 +42,7 @@ from .diffusion_losses import (
     count_loss_tokens,
     diffusion_loss,
     per_row_weights,
+    rows_averaged,
     sample_generators,
 )
 from .eval_padding import padded_eval_batch, real_eval_rows
@@ -511,7 +512,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             batch.weights = per_row_weights(batch, args.loss_normalization, labels_counted.ne(IGNORE_INDEX).sum(-1),
                                             logits_shift=self.spec.logits_shift)
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1
-            normaliser = batch.input_ids.shape[0] * steps  # Trainer leaves the division by accumulation steps to us
+            # Trainer leaves the division by accumulation steps to us
+            normaliser = rows_averaged(batch, args.loss_normalization, self.spec.logits_shift) * steps
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
         loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, excluded, args.loss_type,
                                       self.attention_backend, router_loss=self.aux_loss_enabled)
