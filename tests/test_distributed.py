@@ -359,14 +359,18 @@ def test_example_on_two_processes_prints_one_result_and_no_ddp_warning(tmp_path)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
     "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 / 1.16 an FSDP config on the CPU silently runs "
     "DDP and DeepSpeed cannot initialise its process group (docs/distributed.md)."))
-@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2"])
+@pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2", "fsdp2+budget"])
 def test_sharded_config_runs_a_step(tmp_path, config):
+    """``fsdp2+budget``: ``scoring_token_budget`` small enough for several forwards per micro-batch (under FSDP
+    every process runs as many as the busiest)."""
     if config.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
+    config, budget = config.split("+")[0], config.endswith("+budget")
+    overrides = {"use_cpu": False, **({"scoring_token_budget": 24} if budget else {})}
     launcher = ["--config_file", str(CONFIGS / f"{config}.yaml"), "--num_processes", "2", "--mixed_precision",
                 "no"]
     accelerate_launch(launcher, HELPERS / "train.py", "--out", str(tmp_path), "--per_device_batch", "2",
-                      "--max_steps", "1", "--jobs", "sft", "tracerl", "--overrides", json.dumps({"use_cpu": False}))
+                      "--max_steps", "1", "--jobs", "sft", "tracerl", "--overrides", json.dumps(overrides))
     for job in ("sft", "tracerl"):
         setup = json.loads((tmp_path / job / "setup.json").read_text())
         assert setup["num_processes"] == 2
@@ -398,3 +402,26 @@ def test_value_steps_with_a_process_holding_only_filtered_groups(tmp_path):
     initial = train.value_model_for(train.tiny_policy()).state_dict()
     assert any(not torch.equal(rank0[f"value.{name}"], initial[name]) for name in initial)
     assert all(math.isfinite(entry["value/loss"]) for entry in history(folder) if "value/loss" in entry)
+
+
+@pytest.mark.slow
+def test_sft_token_budget_on_two_processes_matches_one_forward(tmp_path):
+    """``scoring_token_budget`` back-propagates each forward of a micro-batch before the next. Under DDP the early
+    backwards run without the all-reduce (the micro-batch's last backward, or the window's last micro-batch, makes
+    it): two processes with a budget and gradient accumulation end where one process without a budget does."""
+    overrides = {"scoring_token_budget": 30, "gradient_accumulation_steps": 2}
+    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(tmp_path / "two"), "--per_device_batch",
+                      "2", "--max_steps", "2", "--jobs", "sft", "--overrides", json.dumps(overrides))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train.run("sft", tmp_path / "one", 4, 2, gradient_accumulation_steps=2)
+    finally:
+        torch.set_num_threads(threads)
+    two, one = parameters(tmp_path / "two" / "sft", 0), parameters(tmp_path / "one" / "sft")
+    assert all(torch.equal(two[name], parameters(tmp_path / "two" / "sft", 1)[name]) for name in two)
+    initial = train.tiny_policy().state_dict()
+    assert max((one[name] - initial[name]).abs().max().item() for name in initial) > 1e-2
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+    assert_same_metrics(history(tmp_path / "two" / "sft"), history(tmp_path / "one" / "sft"))

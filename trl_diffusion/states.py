@@ -262,6 +262,11 @@ class AttentionLayout:
         block = block_index(positions, block_size) if block_size is not None else torch.zeros_like(positions)
         return cls(block, torch.full_like(positions, CLEAN), valid.bool(), documents)
 
+    def rows(self, first: int, last: int) -> AttentionLayout:
+        """The layout of rows ``first:last``."""
+        document = None if self.document is None else self.document[first:last]
+        return AttentionLayout(self.block[first:last], self.copy[first:last], self.valid[first:last], document)
+
     def dense(self) -> torch.Tensor:
         """Boolean mask ``[B, 1, N, N]``; padding queries are opened to every key (finite, never read)."""
         same = True if self.document is None else self.document[:, :, None] == self.document[:, None, :]

@@ -137,7 +137,7 @@ def build_scoring_chunks(
 
     chunks = []
     bounds = torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.cumsum(row_len, 0)]).tolist()
-    for first, last in _chunk_rows(row_len.tolist(), token_budget):
+    for first, last in row_chunks(row_len.tolist(), token_budget):
         part = slice(bounds[first], bounds[last])
         n, width = last - first, int(row_len[first:last].max())
         where = (out_row[part] - first, col[part])
@@ -155,7 +155,7 @@ def build_scoring_chunks(
     return chunks
 
 
-def _chunk_rows(lengths: list[int], token_budget: int | None) -> list[tuple[int, int]]:
+def row_chunks(lengths: list[int], token_budget: int | None) -> list[tuple[int, int]]:
     """Consecutive ``[first, last)`` row ranges whose padded size (rows x longest row) stays within
     ``token_budget`` (a row longer than the budget gets a chunk of its own)."""
     ranges, first, longest = [], 0, 0

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..estimators.packing import build_scoring_chunks
+from ..estimators.packing import build_scoring_chunks, row_chunks
 from ..generation.sampling import target_scores
 from ..states import (
     NOT_COMMITTED,
@@ -450,6 +450,33 @@ def score_tokens(
         is_top1=torch.zeros_like(scored).masked_scatter(scored, top1),
         scored=scored,
         aux_loss=output.aux_loss if router_loss else None,
+    )
+
+
+def split_rows(batch: ScoringBatch, token_budget: int | None) -> list[ScoringBatch]:
+    """``batch`` cut into consecutive row ranges of at most ``token_budget`` padded tokens (rows x width; a row
+    wider than the budget alone), one forward each; ``[batch]`` itself when it fits or without a budget."""
+    rows, width = batch.input_ids.shape
+    ranges = row_chunks([width] * rows, token_budget)
+    if len(ranges) == 1:
+        return [batch]
+    return [ScoringBatch(batch.input_ids[first:last], batch.position_ids[first:last],
+                         None if batch.layout is None else batch.layout.rows(first, last),
+                         batch.targets[first:last], batch.weights[first:last]) for first, last in ranges]
+
+
+def joined_scores(parts: list[TokenScores]) -> TokenScores:
+    """The token scores of the forwards ``split_rows`` made, as one batch's (detached: for metrics); ``aux_loss`` is
+    the mean of the forwards' (GRPO's rule for a batch scored in several forwards)."""
+    if len(parts) == 1:
+        return parts[0]
+    aux = [part.aux_loss.detach() for part in parts if part.aux_loss is not None]
+    return TokenScores(
+        log_probs=torch.cat([part.log_probs.detach() for part in parts]),
+        entropy=torch.cat([part.entropy for part in parts]),
+        is_top1=torch.cat([part.is_top1 for part in parts]),
+        scored=torch.cat([part.scored for part in parts]),
+        aux_loss=torch.stack(aux).mean() if aux else None,
     )
 
 

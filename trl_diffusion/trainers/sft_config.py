@@ -66,6 +66,11 @@ class DiffusionSFTConfig(SFTConfig):
         trajectory_shrinkage (`int`, *optional*, defaults to `1`):
             `"trajectory"`: merge this many (>= 1) consecutive denoising steps into one training state (within each
             block for block-causal models, as TraceRL).
+        scoring_token_budget (`int` or `None`, *optional*):
+            Most padded tokens (>= 1) per training forward. The rows the objective builds from a micro-batch
+            (`semi_ar` and `trajectory` build several per sample) are cut into forwards of at most this many tokens
+            (a longer row alone); in training each is back-propagated before the next runs, so activation memory
+            is that of one forward and the gradient is unchanged. `None`: one forward per micro-batch (TRL's).
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
@@ -134,6 +139,13 @@ class DiffusionSFTConfig(SFTConfig):
         metadata={"help": "'trajectory': merge this many (>= 1) consecutive denoising steps into one training state "
                   "(within each block for block-causal models, as TraceRL)."},
     )
+    scoring_token_budget: int | None = field(
+        default=None,
+        metadata={"help": "Most padded tokens (>= 1) per training forward: the rows the objective builds (semi_ar "
+                  "and trajectory build several per sample) are cut into forwards of at most this many tokens, each "
+                  "back-propagated before the next (same gradient, one forward's activations). None: one forward "
+                  "per micro-batch (TRL's)."},
+    )
     pad_to_length_with_eos: bool = field(
         default=False,
         metadata={"help": "Pad every sequence with EOS up to max_length and train on the padding (LLaDA SFT)."},
@@ -164,7 +176,8 @@ class DiffusionSFTConfig(SFTConfig):
             raise ValueError(f"loss_weighting must be one of {LOSS_WEIGHTINGS}, got {self.loss_weighting!r}.")
         if not 0 < self.mask_eps < 0.5:
             raise ValueError(f"mask_eps must be in (0, 0.5), got {self.mask_eps}.")
-        for name in ("max_length", "block_size", "semi_ar_block_length", "trajectory_shrinkage"):
+        for name in ("max_length", "block_size", "semi_ar_block_length", "trajectory_shrinkage",
+                     "scoring_token_budget"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")

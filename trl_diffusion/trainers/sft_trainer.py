@@ -18,6 +18,7 @@ This subclass only
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass
@@ -36,14 +37,19 @@ from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..states import check_block_size_applies, resolve_model_attention_backend
+from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from .diffusion_losses import (
     IGNORE_INDEX,
+    ScoringBatch,
+    TokenScores,
     build_objective,
     count_loss_tokens,
     diffusion_loss,
+    joined_scores,
     per_row_weights,
     rows_averaged,
     sample_generators,
+    split_rows,
 )
 from .eval_padding import padded_eval_batch, real_eval_rows
 from .sft_config import DiffusionSFTConfig
@@ -355,6 +361,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
         self.spec = self._validate_model(self.model, self.args, self._tokenizer)
+        _check_token_budget(self.args, self.is_deepspeed_enabled)
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
@@ -514,19 +521,65 @@ class DiffusionSFTTrainer(SFTTrainer):
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1
             # Trainer leaves the division by accumulation steps to us
             normaliser = rows_averaged(batch, args.loss_normalization, self.spec.logits_shift) * steps
-        excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
-        loss, scores = diffusion_loss(model, batch, normaliser, self.spec.logits_shift, excluded, args.loss_type,
-                                      self.attention_backend, router_loss=self.aux_loss_enabled)
         # As SFTTrainer: `num_items_in_batch` counts every rank's tokens and DDP averages the gradients.
         by_tokens = args.loss_normalization == "tokens"
+        scale = 1
         if args.average_tokens_across_devices and num_items_in_batch is not None and by_tokens:
-            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
-        if scores.aux_loss is not None:
-            loss = loss + self._weighted_aux_loss(scores.aux_loss, mode, num_items_in_batch is not None)
+            scale = self.accelerator.num_processes // self.get_tp_size()
+        loss, scores = self._loss_in_forwards(model, batch, normaliser, scale, mode, num_items_in_batch)
         self._log_metrics(mode, inputs, scores, counted=real != 0)
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
+
+    def _loss_in_forwards(self, model, batch: ScoringBatch, normaliser, scale: int, mode: str,
+                          num_items_in_batch) -> tuple[torch.Tensor, TokenScores]:
+        """``diffusion_loss`` of ``batch`` (times ``scale``, plus the weighted router loss), in forwards of at most
+        ``scoring_token_budget`` tokens (``split_rows``). The loss is a sum over rows, so in training each forward
+        but the last is back-propagated here, as Trainer back-propagates what this returns: the value of them all
+        with the graph of the last, and the same gradient as one forward. Under FSDP every process runs as many
+        forwards as the busiest (each is a collective): the missing ones are zero-loss forwards."""
+        args = self.args
+        chunks = split_rows(batch, args.scoring_token_budget)
+        count = agreed_forward_count(len(chunks), batch.input_ids.device, needs_synced_forwards(model))
+        plan = chunks[:-1] + [None] * (count - len(chunks)) + chunks[-1:]
+        excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
+        backward_here = torch.is_grad_enabled() and mode == "train"
+        total, parts = 0.0, []
+        for i, chunk in enumerate(plan):
+            early = backward_here and i < len(plan) - 1
+            # DDP decides at the forward whether its backward all-reduces: the forward runs without the sync too.
+            # Trainer's own `no_sync` is already open on the window's other micro-batches (nesting FSDP2's would
+            # end it).
+            local = early and self.accelerator.sync_gradients
+            with self.accelerator.no_sync(model) if local else contextlib.nullcontext():
+                if chunk is None:
+                    loss = zero_forward_term(model, batch.input_ids[:1])
+                else:
+                    loss, scores = diffusion_loss(model, chunk, normaliser, self.spec.logits_shift, excluded,
+                                                  args.loss_type, self.attention_backend,
+                                                  router_loss=self.aux_loss_enabled)
+                    loss = loss * scale
+                    if scores.aux_loss is not None:  # GRPO's rule for several forwards: their mean
+                        weighted = self._weighted_aux_loss(scores.aux_loss, mode, num_items_in_batch is not None)
+                        loss = loss + weighted / len(chunks)
+                    parts.append(scores)
+                if early:
+                    self._backward_early(loss, num_items_in_batch)
+                    loss = loss.detach()
+            total = total + loss
+        return total, joined_scores(parts)
+
+    def _backward_early(self, loss: torch.Tensor, num_items_in_batch) -> None:
+        """Back-propagate one forward's share of the micro-batch loss as ``Trainer.training_step`` back-propagates
+        the rest: divided by the accumulation steps when it would divide. (Without the gradient all-reduce: the
+        micro-batch's last backward, Trainer's, or the accumulation window's last micro-batch makes it.)"""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.24 may set it
+        if scaled is None:
+            scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
+        if not scaled:
+            loss = loss / self.current_gradient_accumulation_steps
+        self.accelerator.backward(loss)
 
     def _weighted_aux_loss(self, aux_loss: torch.Tensor, mode: str, accumulated: bool) -> torch.Tensor:
         """SFTTrainer's mixture-of-experts term: ``router_aux_loss_coef`` times the forward's load-balancing loss (a
@@ -563,6 +616,22 @@ class DiffusionSFTTrainer(SFTTrainer):
             self._total_train_tokens += int(self.accelerator.gather_for_metrics(
                 torch.as_tensor(tokens, device=self.accelerator.device)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
+    """``scoring_token_budget`` back-propagates several forwards per micro-batch. Refused where a backward does more
+    than accumulate gradients: DeepSpeed's (accelerate steps its engine with it) and the LOMO optimizers' (which
+    update the weights inside the backward)."""
+    if args.scoring_token_budget is None:
+        return
+    if deepspeed:
+        raise ValueError("scoring_token_budget is not supported with DeepSpeed (accelerate's backward also steps the "
+                         "DeepSpeed engine, once per forward here); use DDP or FSDP, or lower "
+                         "per_device_train_batch_size instead.")
+    if args.optim in ("lomo", "adalomo"):
+        raise ValueError(f"scoring_token_budget is not supported with optim={str(args.optim)!r} (LOMO updates the "
+                         "weights inside each backward); choose another optimizer or lower "
+                         "per_device_train_batch_size instead.")
 
 
 def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:

@@ -1,0 +1,125 @@
+"""``scoring_token_budget`` of ``DiffusionSFTTrainer``: the rows an objective builds, cut into several forwards (each
+back-propagated before the next), give the loss, gradient, metrics and eval loss of one forward."""
+
+import pytest
+import torch
+from test_sft_value_combos import SMALL, TOKENIZER, conversational, sft_config, trajectories
+
+from trl_diffusion.states import AttentionLayout
+from trl_diffusion.testing import MASK_ID, tiny_model
+from trl_diffusion.trainers import DiffusionSFTTrainer
+from trl_diffusion.trainers.diffusion_losses import (
+    ScoringBatch,
+    build_objective,
+    diffusion_loss,
+    sample_generators,
+    split_rows,
+)
+from trl_diffusion.trainers.sft_trainer import _check_token_budget
+
+CASES = {  # (family, data, settings): each builds several rows per micro-batch, with padding and layouts
+    "llada-semi-ar-row-masked": ("llada", conversational, dict(
+        diffusion_objective="semi_ar", semi_ar_block_length=2, mask_ratio_sampling="per_token",
+        mask_ratio_range=[0.1, 0.9], loss_weighting="none", loss_normalization="row_masked")),
+    "sdar-block": ("sdar", conversational, {}),
+    "dream-trajectory": ("dream", trajectories, dict(diffusion_objective="trajectory")),
+    "sdar-trajectory-packed": ("sdar", trajectories, dict(diffusion_objective="trajectory", trajectory_shrinkage=2)),
+}
+METRICS = ("loss", "mean_token_accuracy", "entropy", "scored_tokens")
+
+
+def one_step(tmp_path, family, data, settings, budget):
+    """Train one SGD step (2 samples x 2 accumulation steps) from the same weights: the logged metrics, the eval
+    loss before the step, the parameter change and how many forwards the model ran in training."""
+    torch.manual_seed(0)
+    model = tiny_model(family, **SMALL[family]).train()
+    args = sft_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                      scoring_token_budget=budget, **settings)
+    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=data().select(range(4)),
+                                  eval_dataset=data(), processing_class=TOKENIZER)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    forwards = []
+    hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trainer.train()
+    hook.remove()
+    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    return logged, eval_loss, after - before, len(forwards)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_a_token_budget_gives_the_step_of_one_forward(tmp_path, name):
+    family, data, settings = CASES[name]
+    whole, whole_eval, step, whole_forwards = one_step(tmp_path / "whole", family, data, settings, None)
+    split, split_eval, split_step, split_forwards = one_step(tmp_path / "split", family, data, settings, 40)
+    assert whole_forwards == 2 and split_forwards > whole_forwards  # the budget really cut the micro-batches
+    for metric in METRICS:
+        assert split[metric] == pytest.approx(whole[metric], rel=1e-5), metric
+    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
+    largest = step.abs().max()
+    assert largest > 1e-6
+    torch.testing.assert_close(split_step, step, rtol=0, atol=1e-4 * float(largest))
+
+
+def test_split_rows_keeps_each_forward_within_the_budget():
+    """Consecutive row ranges, each within the budget (a row wider than it alone), the layout cut with the rows;
+    the chunks' losses add up to the whole batch's."""
+    model = tiny_model("sdar")
+    ids = torch.randint(5, 100, (5, 12), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[:, :4] = -100
+    valid = torch.ones_like(ids, dtype=torch.bool)
+    valid[1, 9:] = valid[3, 10:] = False
+    labels[~valid] = -100
+    batch = build_objective("block", ids, labels, valid, sample_generators(list(range(5)), 0, 0),
+                            mask_token_id=MASK_ID, block_size=4)
+    width = batch.input_ids.shape[1]
+    for budget, sizes in ((None, [5]), (2 * width, [2, 2, 1]), (2 * width + 1, [2, 2, 1]), (1, [1] * 5)):
+        chunks = split_rows(batch, budget)
+        assert [len(c.input_ids) for c in chunks] == sizes
+        rebuilt = ScoringBatch(*(torch.cat([getattr(c, f) for c in chunks]) for f in (
+            "input_ids", "position_ids")), AttentionLayout(*(torch.cat([getattr(c.layout, f) for c in chunks])
+                                                             for f in ("block", "copy", "valid"))),
+            *(torch.cat([getattr(c, f) for c in chunks]) for f in ("targets", "weights")))
+        for field in ("input_ids", "position_ids", "targets", "weights"):
+            assert torch.equal(getattr(rebuilt, field), getattr(batch, field))
+        assert torch.equal(rebuilt.layout.dense(), batch.layout.dense())
+        with torch.no_grad():
+            whole = diffusion_loss(model, batch, 10)[0]
+            parts = sum(diffusion_loss(model, c, 10)[0] for c in chunks)
+        torch.testing.assert_close(parts, whole, rtol=1e-5, atol=1e-6 * float(whole.abs()))
+
+
+def test_the_logged_router_loss_is_the_mean_of_the_forwards(tmp_path):
+    """A mixture-of-experts model's load-balancing loss is not a sum over rows: with a budget each forward adds
+    its own, weighted by 1 / (number of forwards), and the logged ``aux_loss`` is their mean (GRPO's rule for a
+    batch scored in several forwards)."""
+    from test_moe_aux_loss import moe_model
+
+    model = moe_model("llada_moe").train()
+    args = sft_config(tmp_path, per_device_train_batch_size=2, router_aux_loss_coef=0.5, scoring_token_budget=20,
+                      learning_rate=0.0)
+    trainer = DiffusionSFTTrainer(model, args=args, train_dataset=conversational().select(range(2)),
+                                  processing_class=TOKENIZER)
+    seen = []
+    hook = model.register_forward_hook(lambda module, args, output: seen.append(float(output.aux_loss)))
+    trainer.train()
+    hook.remove()
+    logged = next(h for h in trainer.state.log_history if "loss" in h)
+    assert len(seen) > 1
+    assert logged["aux_loss"] == pytest.approx(sum(seen) / len(seen), rel=1e-5)
+
+
+def test_a_budget_is_refused_where_a_backward_does_more_than_accumulate(tmp_path):
+    """DeepSpeed (accelerate's backward steps the engine) and LOMO (updates inside the backward) would step once
+    per forward; a budget below 1 is refused by the config."""
+    with pytest.raises(ValueError, match="not supported with DeepSpeed"):
+        _check_token_budget(sft_config(tmp_path, scoring_token_budget=64), deepspeed=True)
+    _check_token_budget(sft_config(tmp_path, scoring_token_budget=None), deepspeed=True)
+    lomo = sft_config(tmp_path, scoring_token_budget=64)
+    lomo.optim = "lomo"
+    with pytest.raises(ValueError, match="optim='lomo'"):
+        _check_token_budget(lomo, deepspeed=False)
+    with pytest.raises(ValueError, match="scoring_token_budget must be a positive integer"):
+        sft_config(tmp_path, scoring_token_budget=0)
