@@ -1,5 +1,6 @@
 """Peak memory of TraceRL's packed trajectory scoring (``estimate_logprobs``, forward + backward) against the
-response length, with and without ``scoring_token_budget`` chunking and with gradient checkpointing.
+response length, with and without ``scoring_token_budget`` chunking and with gradient checkpointing; with
+``--trainer sft``, of one ``DiffusionSFTTrainer`` training step of the ``semi_ar`` objective instead.
 
 Worst case for packing: one token committed per denoising step, block 4, so a response of L tokens becomes
 one packed row of ``prompt + L`` clean tokens plus L noisy copies of a 4-token block (``prompt + 5L`` tokens).
@@ -10,15 +11,22 @@ above what was allocated before the step. Prints one JSON record per configurati
     python benchmarks/memory.py                        # CPU, L in 128 256 512 1024
     python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
     python benchmarks/memory.py --lengths 512 --vocab 151936 --dtype bfloat16   # a released vocabulary, bf16
+    python benchmarks/memory.py --trainer sft --lengths 256 512 1024 --batch 1  # semi_ar SFT, LLaDA
+
+``--trainer sft``: a LLaDA of the same shape, each sample a prompt and an answer of L tokens, ``semi_ar`` with
+16-token blocks (dLLM-RL's), so one full-length row per block (L / 16 rows of ``prompt + L`` tokens a sample). The
+step is Trainer's ``training_step`` (forward and backward; with a budget, one backward per forward).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -114,6 +122,66 @@ def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, lay
                       "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
 
 
+def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
+                device: str, dtype: str = "float32") -> dict:
+    """One ``DiffusionSFTTrainer.training_step`` of ``semi_ar`` (block 16) on a LLaDA; the step's peak memory."""
+    from datasets import Dataset
+
+    from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+
+    spec = importlib.util.spec_from_file_location("sft_benchmark", Path(__file__).with_name("sft.py"))
+    sft = importlib.util.module_from_spec(spec)  # its random-token samples, LLaDA builder and tokenizer
+    spec.loader.exec_module(sft)
+    build_model, tokenized_samples, tokenizer_for = sft.build_model, sft.tokenized_samples, sft.tokenizer_for
+
+    budget, checkpointing = VARIANTS[variant]
+    shape = dict(hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 64, 1),
+                 head_dim=64, intermediate=3 * hidden, vocab=vocab, max_length=prompt + length, dtype=dtype)
+    model = build_model("llada", shape, device).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    rows = tokenized_samples([(prompt, length)] * batch, vocab)
+    with tempfile.TemporaryDirectory() as output_dir:
+        args = DiffusionSFTConfig(
+            output_dir=output_dir, report_to=[], use_cpu=not device.startswith("cuda"), bf16=False,
+            save_strategy="no", max_length=prompt + length, per_device_train_batch_size=batch,
+            gradient_checkpointing=False, completion_only_loss=True, disable_tqdm=True, dataloader_pin_memory=False,
+            diffusion_objective="semi_ar", semi_ar_block_length=16, scoring_token_budget=budget)
+        trainer = DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows),
+                                      processing_class=tokenizer_for(vocab))
+        inputs = next(iter(trainer.get_train_dataloader()))
+        tokens = inputs["labels"].ne(-100).sum()
+        is_cuda = device.startswith("cuda")
+        if is_cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated() / 2**20
+        else:
+            before = _current_rss_mb()
+            exact = _reset_peak_rss()
+        rows_seen = []  # rows of each forward
+        hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_seen.append(
+            kwargs["input_ids"].shape[0]), with_kwargs=True)
+        start = time.perf_counter()
+        loss = trainer.training_step(model, inputs, num_items_in_batch=tokens)
+        if is_cuda:
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() / 2**20 - before
+            method = "cuda_max_memory_allocated"
+        else:
+            peak = _peak_rss_mb() - before
+            method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
+        seconds = time.perf_counter() - start
+        hook.remove()
+    return {"trainer": "sft", "objective": "semi_ar", "variant": variant, "response_length": length, "batch": batch,
+            "prompt_length": prompt, "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
+            "rows": sum(rows_seen), "row_tokens": prompt + length, "rows_per_forward": max(rows_seen),
+            "forwards": len(rows_seen), "loss": round(float(loss), 4), "peak_mb": round(peak, 1),
+            "seconds": round(seconds, 2), "method": method, "device": device,
+            "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
+                      "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
@@ -126,14 +194,17 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the model's weights")
     parser.add_argument("--output", type=Path, help="also write the records to this JSON file")
+    parser.add_argument("--trainer", choices=["tracerl", "sft"], default="tracerl",
+                        help="tracerl: packed trajectory scoring; sft: a semi_ar DiffusionSFTTrainer step")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     shape = [str(v) for v in ("--batch", args.batch, "--prompt", args.prompt, "--hidden", args.hidden,
                               "--layers", args.layers, "--vocab", args.vocab, "--device", args.device,
-                              "--dtype", args.dtype)]
+                              "--dtype", args.dtype, "--trainer", args.trainer)]
     if args.one:
-        record = measure(args.one[0], int(args.one[1]), args.batch, args.prompt, args.hidden, args.layers,
-                         args.vocab, args.device, args.dtype)
+        step = measure_sft if args.trainer == "sft" else measure
+        record = step(args.one[0], int(args.one[1]), args.batch, args.prompt, args.hidden, args.layers,
+                      args.vocab, args.device, args.dtype)
         print(json.dumps(record))
         return
     records = []
