@@ -14,9 +14,11 @@ from trl_diffusion.trainers import DiffusionSFTTrainer
 from trl_diffusion.trainers import sft_trainer as sft_trainer_module
 from trl_diffusion.trainers.diffusion_losses import (
     IGNORE_INDEX,
+    ScoringBatch,
     build_objective,
     count_loss_tokens,
     per_row_weights,
+    rows_averaged,
     scorable,
 )
 
@@ -75,6 +77,20 @@ def test_row_masked_counts_only_the_tokens_dream_scores():
     weights = per_row_weights(batch, "row_masked", logits_shift=True)
     sums = (weights * scorable(batch, logits_shift=True)).sum(-1)
     torch.testing.assert_close(sums, torch.ones_like(sums))
+
+
+def test_row_masked_averages_over_the_rows_dream_scores_a_token_of():
+    """The rows ``row_masked`` averages over are those with a scored token: a Dream row whose only masked token is
+    column 0 (which its shifted logits never score) has no loss and does not count; ``row_tokens`` counts every
+    row."""
+    ids = torch.arange(5, 17).view(3, 4)
+    targets = torch.full_like(ids, IGNORE_INDEX)
+    targets[0, 0] = ids[0, 0]  # only column 0
+    targets[1, [0, 2]] = ids[1, [0, 2]]
+    batch = ScoringBatch(ids, torch.arange(4).expand(3, 4), None, targets, (targets != IGNORE_INDEX).float())
+    assert rows_averaged(batch, "row_masked", logits_shift=True) == 1
+    assert rows_averaged(batch, "row_masked", logits_shift=False) == 2
+    assert rows_averaged(batch, "row_tokens", logits_shift=True) == 3
 
 
 def test_complementary_ratio_one_is_refused_and_never_gives_nan():

@@ -83,31 +83,37 @@ def test_random_masking_ratio_range_and_row_masked_normalisation():
     assert_close_fp32(loss, torch.stack([torch.as_tensor(r, dtype=torch.float32) for r in rows]).mean())
 
 
-@pytest.mark.parametrize("block_length", [3, 1])
-def test_semi_ar_per_token_noise_one_row_per_block(block_length):
-    """LLaDA / Dream semi-AR SFT in dLLM-RL: per block a row (earlier blocks clean, later ones masked), the current
-    block's tokens each masked with their own probability, each row's loss over its masked count, averaged over the
-    rows with a masked token: dLLM-RL drops a block row in which nothing was masked (with one-token blocks, about
-    half of them), so it does not count in the mean."""
-    model = tiny_model("llada")
-    ids, labels, valid = make_batch()
+def semi_ar_rows_by_hand(model, ids, labels, valid, generators, block_length):
+    """dLLM-RL's semi-AR rows, one forward each: per block, earlier blocks clean, later ones masked, the block's
+    tokens each masked with their own probability; each row's loss over its masked count. A row with nothing masked
+    is dropped, as dLLM-RL drops it. Returns the row losses and how many were dropped."""
     completion = labels != IGNORE_INDEX
     blocks = blocks_from_prompt_end(completion, block_length)
+    rows, dropped = [], 0
+    for row, generator in enumerate(generators):
+        n = int(valid[row].sum())
+        eligible = per_token_mask(generator, n, completion[row])
+        for b in range(int(blocks[row].max()) + 1):
+            masked = eligible & (blocks[row, :n] == b)
+            if not masked.any():
+                dropped += 1
+                continue
+            hidden = masked | (completion[row, :n] & (blocks[row, :n] > b))
+            score = logp_full_attention(model, ids[row, :n].masked_fill(hidden, MASK_ID), ids[row, :n], masked)
+            rows.append(-torch.as_tensor(score, dtype=torch.float32) / int(masked.sum()))
+    return rows, dropped
+
+
+@pytest.mark.parametrize("block_length", [3, 1])
+def test_semi_ar_per_token_noise_one_row_per_block(block_length):
+    """LLaDA / Dream semi-AR SFT in dLLM-RL, averaged over the rows with a masked token (with one-token blocks
+    about half of the rows have none)."""
+    model = tiny_model("llada")
+    ids, labels, valid = make_batch()
     with torch.no_grad():
         loss = fast_row_loss(model, "semi_ar", ids, labels, valid, "row_masked", per_token=True,
                              semi_ar_block_length=block_length)
-        rows, dropped = [], 0
-        for row, generator in enumerate(gens(len(ids))):
-            n = int(valid[row].sum())
-            eligible = per_token_mask(generator, n, completion[row])
-            for b in range(int(blocks[row].max()) + 1):
-                masked = eligible & (blocks[row, :n] == b)
-                if not masked.any():
-                    dropped += 1
-                    continue
-                hidden = masked | (completion[row, :n] & (blocks[row, :n] > b))
-                score = logp_full_attention(model, ids[row, :n].masked_fill(hidden, MASK_ID), ids[row, :n], masked)
-                rows.append(-torch.as_tensor(score, dtype=torch.float32) / int(masked.sum()))
+        rows, dropped = semi_ar_rows_by_hand(model, ids, labels, valid, gens(len(ids)), block_length)
     assert dropped > 0 or block_length > 1  # one-token blocks: some rows have nothing masked
     assert_close_fp32(loss, torch.stack(rows).mean())
 
@@ -134,6 +140,22 @@ def test_the_trainer_draws_dllm_rls_noise():
         objective.weights = per_row_weights(objective, "row_tokens", batch["labels"].ne(IGNORE_INDEX).sum(-1))
         expected = diffusion_loss(model, objective, len(batch["input_ids"]), False, MASK_ID)[0]
     assert_close_fp32(loss, expected)
+
+
+def test_the_trainer_averages_row_masked_over_the_rows_with_a_masked_token():
+    """Through the trainer (LLaDA, semi_ar in one-token blocks): the mean, over the rows with a masked token only,
+    of each row's loss over its masked tokens, the rows built by hand from the trainer's batch and generators."""
+    trainer, model = dllm_rl_trainer("llada", diffusion_objective="semi_ar", semi_ar_block_length=1,
+                                     loss_normalization="row_masked", **OFFICIAL)
+    batch = next(iter(trainer.get_train_dataloader()))
+    model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, batch)
+        generators = sample_generators(batch["sample_index"].tolist(), trainer.args.seed, 0)
+        rows, dropped = semi_ar_rows_by_hand(model, batch["input_ids"], batch["labels"],
+                                             batch["attention_mask"].bool(), generators, 1)
+    assert dropped > 0
+    assert_close_fp32(loss, torch.stack(rows).mean())
 
 
 def test_row_means_under_gradient_accumulation():

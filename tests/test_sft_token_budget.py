@@ -24,26 +24,35 @@ CASES = {  # (family, data, settings): each builds several rows per micro-batch,
     "sdar-block": ("sdar", conversational, {}),
     "dream-trajectory": ("dream", trajectories, dict(diffusion_objective="trajectory")),
     "sdar-trajectory-packed": ("sdar", trajectories, dict(diffusion_objective="trajectory", trajectory_shrinkage=2)),
+    "dream-semi-ar-lora-checkpointing": ("dream", conversational, dict(
+        diffusion_objective="semi_ar", semi_ar_block_length=2, gradient_checkpointing=True)),
 }
 METRICS = ("loss", "mean_token_accuracy", "entropy", "scored_tokens")
 
 
 def one_step(tmp_path, family, data, settings, budget):
     """Train one SGD step (2 samples x 2 accumulation steps) from the same weights: the logged metrics, the eval
-    loss before the step, the parameter change and how many forwards the model ran in training."""
+    loss before the step, the parameter change and how many forwards the model ran in training. With
+    ``gradient_checkpointing`` in ``settings``, a LoRA adapter trains."""
     torch.manual_seed(0)
     model = tiny_model(family, **SMALL[family]).train()
+    peft = {}
+    if settings.get("gradient_checkpointing"):
+        from peft import LoraConfig
+
+        peft["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     args = sft_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=2,
                       scoring_token_budget=budget, **settings)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=data().select(range(4)),
-                                  eval_dataset=data(), processing_class=TOKENIZER)
+                                  eval_dataset=data(), processing_class=TOKENIZER, **peft)
     eval_loss = trainer.evaluate()["eval_loss"]
     forwards = []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
-    before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
+    trained = [p for p in trainer.model.parameters() if p.requires_grad]
+    before = torch.cat([p.detach().flatten().clone() for p in trained])
     trainer.train()
     hook.remove()
-    after = torch.cat([p.detach().flatten() for p in model.parameters()])
+    after = torch.cat([p.detach().flatten() for p in trained])
     logged = next(h for h in trainer.state.log_history if "loss" in h)
     return logged, eval_loss, after - before, len(forwards)
 
@@ -117,10 +126,12 @@ def test_a_budget_is_refused_where_a_backward_does_more_than_accumulate(tmp_path
     with pytest.raises(ValueError, match="not supported with DeepSpeed"):
         _check_token_budget(sft_config(tmp_path, scoring_token_budget=64), deepspeed=True)
     _check_token_budget(sft_config(tmp_path, scoring_token_budget=None), deepspeed=True)
-    lomo = sft_config(tmp_path, scoring_token_budget=64)
-    lomo.optim = "lomo"
-    with pytest.raises(ValueError, match="optim='lomo'"):
-        _check_token_budget(lomo, deepspeed=False)
+    for optim in ("lomo", "adalomo", "galore_adamw_layerwise", "apollo_adamw_layerwise"):
+        updating = sft_config(tmp_path, scoring_token_budget=64)
+        updating.optim = optim
+        with pytest.raises(ValueError, match=f"optim='{optim}'"):
+            _check_token_budget(updating, deepspeed=False)
+    _check_token_budget(sft_config(tmp_path, scoring_token_budget=64, optim="adamw_torch"), deepspeed=False)
     with pytest.raises(ValueError, match="scoring_token_budget must be a positive integer"):
         sft_config(tmp_path, scoring_token_budget=0)
 
@@ -139,3 +150,21 @@ def test_the_memory_benchmark_measures_the_same_step_in_every_variant(monkeypatc
     records = [bench.measure_sft(variant, 32, 2, 8, 64, 1, 256, "cpu") for variant in ("unchunked", "budget_2048")]
     assert [(r["rows"], r["rows_per_forward"], r["forwards"]) for r in records] == [(4, 4, 1), (4, 2, 2)]
     assert records[1]["loss"] == pytest.approx(records[0]["loss"], rel=1e-5)
+
+
+def test_compute_loss_called_by_itself_leaves_the_backward_to_the_caller(tmp_path):
+    """Outside Trainer's training step (a callback, a user's loop) ``compute_loss`` back-propagates nothing itself:
+    with a budget it returns the loss of every forward with all their graphs, whose backward is one forward's."""
+    family, data, settings = CASES["llada-semi-ar-row-masked"]
+    grads = []
+    for budget in (None, 40):
+        torch.manual_seed(0)
+        model = tiny_model(family, **SMALL[family]).train()
+        trainer = DiffusionSFTTrainer(model, args=sft_config(tmp_path, scoring_token_budget=budget, **settings),
+                                      train_dataset=data(), processing_class=TOKENIZER)
+        inputs = next(iter(trainer.get_train_dataloader()))
+        loss = trainer.compute_loss(model, inputs)
+        assert all(p.grad is None for p in model.parameters())  # nothing back-propagated yet
+        loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6 * float(grads[0].abs().max()))

@@ -53,7 +53,7 @@ class DiffusionSFTConfig(SFTConfig):
         loss_normalization (`str`, *optional*, defaults to `"tokens"`):
             `"tokens"`: TRL's (summed loss / the accumulated batch's loss tokens); `"row_masked"` / `"row_tokens"`:
             dLLM-RL's, each training row's summed loss divided by its masked tokens (its full-attention SFT) or by its
-            sample's loss tokens (its block SFT), averaged over rows (for `"row_masked"`, those with a masked token)
+            sample's loss tokens (its block SFT), averaged over rows (for `"row_masked"`, those with a scored token)
             and accumulation steps.
         exclude_mask_token_from_softmax (`bool`, *optional*, defaults to `True`):
             Leave the mask token out of the loss's softmax; `False` scores over the whole vocabulary, as the
@@ -121,7 +121,7 @@ class DiffusionSFTConfig(SFTConfig):
         default="tokens",
         metadata={"help": "'tokens' (TRL: summed loss / the accumulated batch's loss tokens), or dLLM-RL's per-row "
                   "means: 'row_masked' (each row's loss / its masked tokens) or 'row_tokens' (/ its sample's loss "
-                  "tokens), averaged over rows (for 'row_masked', those with a masked token) and accumulation steps.",
+                  "tokens), averaged over rows (for 'row_masked', those with a scored token) and accumulation steps.",
                   "choices": list(LOSS_NORMALIZATIONS)},
     )
     block_size: int | None = field(

@@ -366,6 +366,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
         self._noise_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        self._inside_training_step = False  # see training_step
         self._passes = PassCounter()
         self.add_callback(self._passes)
         # Our loss is normalised by `num_items_in_batch`; make Trainer always count it, over every label (it would
@@ -532,27 +533,39 @@ class DiffusionSFTTrainer(SFTTrainer):
             return loss, MaskedLMOutput(loss=loss)
         return loss
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step; inside it (and only there) ``compute_loss`` may back-propagate the forwards of a
+        micro-batch cut by ``scoring_token_budget`` before the last (``_loss_in_forwards``)."""
+        self._inside_training_step = True
+        try:
+            return super().training_step(model, inputs, num_items_in_batch)
+        finally:
+            self._inside_training_step = False
+
     def _loss_in_forwards(self, model, batch: ScoringBatch, normaliser, scale: int, mode: str,
                           num_items_in_batch) -> tuple[torch.Tensor, TokenScores]:
         """``diffusion_loss`` of ``batch`` (times ``scale``, plus the weighted router loss), in forwards of at most
-        ``scoring_token_budget`` tokens (``split_rows``). The loss is a sum over rows, so in training each forward
-        but the last is back-propagated here, as Trainer back-propagates what this returns: the value of them all
-        with the graph of the last, and the same gradient as one forward. Under FSDP every process runs as many
-        forwards as the busiest (each is a collective): the missing ones are zero-loss forwards."""
+        ``scoring_token_budget`` tokens (``split_rows``). The loss is a sum over rows, so in a training step each
+        forward but the last is back-propagated here, as Trainer back-propagates what this returns: the value of
+        them all with the graph of the last, and the same gradient as one forward. (Called outside Trainer's
+        ``training_step``, the returned loss carries every forward's graph.)
+
+        Processes may run different numbers of forwards. Under DDP the early ones therefore run inside ``no_sync``
+        (DDP decides at the forward whether its backward all-reduces; its ``no_sync`` nests): the micro-batch's
+        last backward, or the accumulation window's last, all-reduces what they accumulated. Under FSDP / ZeRO-3
+        every forward is a collective: every process runs as many as the busiest (the missing ones are zero-loss
+        forwards), and each backward reduces its gradients as FSDP decides."""
         args = self.args
         chunks = split_rows(batch, args.scoring_token_budget)
-        count = agreed_forward_count(len(chunks), batch.input_ids.device, needs_synced_forwards(model))
+        synced = args.scoring_token_budget is not None and needs_synced_forwards(model)
+        count = agreed_forward_count(len(chunks), batch.input_ids.device, synced)
         plan = chunks[:-1] + [None] * (count - len(chunks)) + chunks[-1:]
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
-        backward_here = torch.is_grad_enabled() and mode == "train"
+        backward_here = self._inside_training_step and torch.is_grad_enabled()
         total, parts = 0.0, []
         for i, chunk in enumerate(plan):
             early = backward_here and i < len(plan) - 1
-            # DDP decides at the forward whether its backward all-reduces: the forward runs without the sync too.
-            # Trainer's own `no_sync` is already open on the window's other micro-batches (nesting FSDP2's would
-            # end it).
-            local = early and self.accelerator.sync_gradients
-            with self.accelerator.no_sync(model) if local else contextlib.nullcontext():
+            with self.accelerator.no_sync(model) if early and not synced else contextlib.nullcontext():
                 if chunk is None:
                     loss = zero_forward_term(model, batch.input_ids[:1])
                 else:
@@ -572,8 +585,7 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def _backward_early(self, loss: torch.Tensor, num_items_in_batch) -> None:
         """Back-propagate one forward's share of the micro-batch loss as ``Trainer.training_step`` back-propagates
-        the rest: divided by the accumulation steps when it would divide. (Without the gradient all-reduce: the
-        micro-batch's last backward, Trainer's, or the accumulation window's last micro-batch makes it.)"""
+        the rest: divided by the accumulation steps when it would divide."""
         scaled = getattr(self, "loss_is_scaled_for_ga", None)  # transformers >= 5.24 may set it
         if scaled is None:
             scaled = self.model_accepts_loss_kwargs and num_items_in_batch is not None
@@ -620,18 +632,18 @@ class DiffusionSFTTrainer(SFTTrainer):
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
     """``scoring_token_budget`` back-propagates several forwards per micro-batch. Refused where a backward does more
-    than accumulate gradients: DeepSpeed's (accelerate steps its engine with it) and the LOMO optimizers' (which
-    update the weights inside the backward)."""
+    than accumulate gradients: DeepSpeed's (accelerate steps its engine with it), and the LOMO and layer-wise
+    (GaLore, APOLLO) optimizers' (they update the weights inside the backward)."""
     if args.scoring_token_budget is None:
         return
     if deepspeed:
         raise ValueError("scoring_token_budget is not supported with DeepSpeed (accelerate's backward also steps the "
                          "DeepSpeed engine, once per forward here); use DDP or FSDP, or lower "
                          "per_device_train_batch_size instead.")
-    if args.optim in ("lomo", "adalomo"):
-        raise ValueError(f"scoring_token_budget is not supported with optim={str(args.optim)!r} (LOMO updates the "
-                         "weights inside each backward); choose another optimizer or lower "
-                         "per_device_train_batch_size instead.")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if optim in ("lomo", "adalomo") or "layerwise" in optim:
+        raise ValueError(f"scoring_token_budget is not supported with optim={optim!r} (it updates the weights inside "
+                         "each backward); choose another optimizer or lower per_device_train_batch_size instead.")
 
 
 def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:
