@@ -533,12 +533,12 @@ class DiffusionSFTTrainer(SFTTrainer):
             return loss, MaskedLMOutput(loss=loss)
         return loss
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def training_step(self, *args, **kwargs):
         """Trainer's step; inside it (and only there) ``compute_loss`` may back-propagate the forwards of a
         micro-batch cut by ``scoring_token_budget`` before the last (``_loss_in_forwards``)."""
         self._inside_training_step = True
         try:
-            return super().training_step(model, inputs, num_items_in_batch)
+            return super().training_step(*args, **kwargs)
         finally:
             self._inside_training_step = False
 
