@@ -28,6 +28,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -67,6 +69,31 @@ def _reset_peak_rss() -> bool:
         return False
 
 
+@contextmanager
+def measured_step(device: str) -> Iterator[dict]:
+    """Measures the block it wraps: fills ``peak_mb`` (peak memory above what was in use before it: the allocator's
+    on CUDA, the process's resident set otherwise), ``method`` and ``seconds``."""
+    result = {}
+    is_cuda = device.startswith("cuda")
+    if is_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated() / 2**20
+    else:
+        before = _current_rss_mb()
+        exact = _reset_peak_rss()
+    start = time.perf_counter()
+    yield result
+    if is_cuda:
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() / 2**20 - before
+        method = "cuda_max_memory_allocated"
+    else:
+        peak = _peak_rss_mb() - before
+        method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
+    result.update(peak_mb=round(peak, 1), method=method, seconds=round(time.perf_counter() - start, 2))
+
+
 def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
             device: str, dtype: str = "float32") -> dict:
     """One forward + backward of the packed estimator; returns the step's peak memory and shape facts."""
@@ -94,30 +121,13 @@ def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, lay
                                   model.mask_token_id, 4, budget)
     del blocks
 
-    is_cuda = device.startswith("cuda")
-    if is_cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() / 2**20
-    else:
-        before = _current_rss_mb()
-        exact = _reset_peak_rss()
-    start = time.perf_counter()
-    logps, _, _ = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings)
-    logps.sum().backward()
-    if is_cuda:
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**20 - before
-        method = "cuda_max_memory_allocated"
-    else:
-        peak = _peak_rss_mb() - before
-        method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
-    seconds = time.perf_counter() - start
+    with measured_step(device) as measured:
+        logps, _, _ = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings)
+        logps.sum().backward()
     return {"variant": variant, "response_length": length, "batch": batch, "prompt_length": prompt,
             "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
             "packed_row_tokens": int(chunks[0].input_ids.shape[1]), "forwards": len(chunks),
-            "rows_per_forward": max(int(c.input_ids.shape[0]) for c in chunks),
-            "peak_mb": round(peak, 1), "seconds": round(seconds, 2), "method": method, "device": device,
+            "rows_per_forward": max(int(c.input_ids.shape[0]) for c in chunks), **measured, "device": device,
             "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
                       "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
 
@@ -151,33 +161,16 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
                                       processing_class=tokenizer_for(vocab))
         inputs = next(iter(trainer.get_train_dataloader()))
         tokens = inputs["labels"].ne(-100).sum()
-        is_cuda = device.startswith("cuda")
-        if is_cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated() / 2**20
-        else:
-            before = _current_rss_mb()
-            exact = _reset_peak_rss()
         rows_seen = []  # rows of each forward
         hook = model.register_forward_pre_hook(lambda module, args, kwargs: rows_seen.append(
             kwargs["input_ids"].shape[0]), with_kwargs=True)
-        start = time.perf_counter()
-        loss = trainer.training_step(model, inputs, num_items_in_batch=tokens)
-        if is_cuda:
-            torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated() / 2**20 - before
-            method = "cuda_max_memory_allocated"
-        else:
-            peak = _peak_rss_mb() - before
-            method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
-        seconds = time.perf_counter() - start
+        with measured_step(device) as measured:
+            loss = trainer.training_step(model, inputs, num_items_in_batch=tokens)
         hook.remove()
     return {"trainer": "sft", "objective": "semi_ar", "variant": variant, "response_length": length, "batch": batch,
             "prompt_length": prompt, "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
             "rows": sum(rows_seen), "row_tokens": prompt + length, "rows_per_forward": max(rows_seen),
-            "forwards": len(rows_seen), "loss": round(float(loss), 4), "peak_mb": round(peak, 1),
-            "seconds": round(seconds, 2), "method": method, "device": device,
+            "forwards": len(rows_seen), "loss": round(float(loss), 4), **measured, "device": device,
             "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
                       "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
 
