@@ -13,7 +13,9 @@ This subclass only
 * replaces ``compute_loss`` with the objectives of ``diffusion_losses``, normalised exactly as TRL does: the
   summed token loss divided by ``num_items_in_batch`` (all loss tokens of the accumulated batch); for a
   mixture-of-experts model SFTTrainer's load-balancing term is added and logged as ``aux_loss`` as TRL does
-  (``router_aux_loss_coef``, default the config's; the forward's loss over the real tokens of its rows).
+  (``router_aux_loss_coef``, default the config's; the forward's loss over the real tokens of its rows);
+* with ``scoring_token_budget``, runs a micro-batch's rows in several forwards inside ``training_step``,
+  back-propagating each before the next (the same gradient as one forward).
 """
 
 from __future__ import annotations
