@@ -405,16 +405,16 @@ def test_value_steps_with_a_process_holding_only_filtered_groups(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync_each_batch", [False, True])
-def test_sft_token_budget_on_two_processes_matches_one_forward(tmp_path, sync_each_batch):
+def test_sft_token_budget_on_two_processes_matches_one_forward(tmp_path):
     """``scoring_token_budget`` back-propagates each forward of a micro-batch before the next, and the two processes
     may run different numbers of forwards (their batches' widths differ). Under DDP the early ones run without the
-    all-reduce (the micro-batch's last backward, or the window's last micro-batch, makes it), also when
-    ``sync_each_batch`` opens no ``no_sync`` of Trainer's (an all-reduce there used to wait for the other process
-    forever): two processes with a budget and gradient accumulation end where one process without a budget does."""
-    overrides = {"scoring_token_budget": 30, "gradient_accumulation_steps": 2}
-    if sync_each_batch:
-        overrides["accelerator_config"] = {"gradient_accumulation_kwargs": {"sync_each_batch": True}}
+    all-reduce (the micro-batch's last backward, or the window's last micro-batch, makes it). With
+    ``sync_each_batch`` Trainer opens no ``no_sync`` of its own on any micro-batch (an all-reduce in an early
+    backward used to wait for the other process forever): two processes with a budget and gradient accumulation end
+    where one process without a budget does. (Without ``sync_each_batch`` ours nests in Trainer's, which DDP
+    allows.)"""
+    overrides = {"scoring_token_budget": 30, "gradient_accumulation_steps": 2,
+                 "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
     accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(tmp_path / "two"), "--per_device_batch",
                       "2", "--max_steps", "2", "--jobs", "sft", "--overrides", json.dumps(overrides))
     threads = torch.get_num_threads()
