@@ -167,20 +167,25 @@ def test_save_pretrained_writes_released_names_and_fields(family, tmp_path):
 
 def test_reload_in_fresh_process(tmp_path):
     """Each family saved here loads bit-identically in a fresh interpreter (one interpreter for all three: its
-    start-up is most of the cost)."""
+    start-up is most of the cost): the same weights, bit for bit, and the same logits to float32 rounding (the
+    loaded weights may sit at other memory alignments, which changes how the CPU kernels round)."""
     ids = torch.randint(4, 100, (1, 9))
     for family in ("sdar", "llada", "dream"):
         model = tiny_model(family)
         model.save_pretrained(tmp_path / family)
-        torch.save({"ids": ids, "logits": model(ids).logits}, tmp_path / family / "expected.pt")
-    code = (  # bit-identical needs the same kernels: the same thread count in both processes
+        torch.save({"ids": ids, "logits": model(ids).logits, "state": model.state_dict()},
+                   tmp_path / family / "expected.pt")
+    code = (  # the same thread count in both processes: the same kernels
         "import sys, torch, trl_diffusion\n"
         "from transformers import AutoModelForCausalLM\n"
         "torch.set_num_threads(int(sys.argv[1]))\n"
         "for d in sys.argv[2:]:\n"
         "    e = torch.load(d + '/expected.pt')\n"
         "    m = AutoModelForCausalLM.from_pretrained(d).eval()\n"
-        "    assert torch.equal(m(e['ids']).logits, e['logits']), d\n"
+        "    state, saved = m.state_dict(), e['state']\n"
+        "    assert state.keys() == saved.keys() and all(torch.equal(state[k], v) for k, v in saved.items())\n"
+        "    error = (m(e['ids']).logits - e['logits']).abs().max().item()\n"
+        "    assert error <= 1e-5 * max(1.0, e['logits'].abs().max().item()), (d, error)\n"
         "    print('reloaded', type(m).__name__)\n"
     )
     done = subprocess.run([sys.executable, "-c", code, str(torch.get_num_threads()),
@@ -197,7 +202,7 @@ def test_rope_is_correct_after_from_pretrained(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert not [n for n, _ in loaded.named_buffers()]
     ids = torch.randint(4, 100, (1, 16))
-    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    assert_close_fp32(loaded(ids).logits, model(ids).logits)  # a stale RoPE moves them by far more
     # RoPE matters: the same tokens at shifted positions give different logits
     shifted = loaded(ids, position_ids=torch.arange(3, 19)[None]).logits
     assert not torch.allclose(shifted, model(ids).logits)
