@@ -1,9 +1,13 @@
 """Peak memory of TraceRL's packed trajectory scoring (``estimate_logprobs``, forward + backward) against the
-response length, with and without ``scoring_token_budget`` chunking and with gradient checkpointing; with
-``--trainer sft``, of one ``DiffusionSFTTrainer`` training step of the ``semi_ar`` objective instead.
+response length, with and without ``scoring_token_budget`` chunking, with gradient checkpointing, and with each
+scoring forward recomputed in the backward pass (``recompute_scoring_forwards``); with ``--trainer sft``, of one
+``DiffusionSFTTrainer`` training step of the ``semi_ar`` objective instead (whose budget back-propagates each
+forward before the next: no recompute variants).
 
 Worst case for packing: one token committed per denoising step, block 4, so a response of L tokens becomes
 one packed row of ``prompt + L`` clean tokens plus L noisy copies of a 4-token block (``prompt + 5L`` tokens).
+``--family llada``: full attention, so a response is L / ``--shrinkage`` rows of ``prompt + L`` tokens, one per
+merged step (dLLM-RL's LLaDA / Dream rows), which ``scoring_token_budget`` groups into forwards.
 Each configuration runs in its own process. On the CPU the number is the growth of the process's peak resident
 set during the step (the kernel's high-water mark is reset just before it); on CUDA it is the allocator's peak
 above what was allocated before the step. Prints one JSON record per configuration, then a summary table::
@@ -12,6 +16,7 @@ above what was allocated before the step. Prints one JSON record per configurati
     python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
     python benchmarks/memory.py --lengths 512 --vocab 151936 --dtype bfloat16   # a released vocabulary, bf16
     python benchmarks/memory.py --trainer sft --lengths 256 512 1024 --batch 1  # semi_ar SFT, LLaDA
+    python benchmarks/memory.py --family llada --shrinkage 8 --batch 1 --lengths 256 512   # full-attention rows
 
 ``--trainer sft``: a LLaDA of the same shape, each sample a prompt and an answer of L tokens, ``semi_ar`` with
 16-token blocks (dLLM-RL's), so one full-length row per block (L / 16 rows of ``prompt + L`` tokens a sample). The
@@ -34,12 +39,15 @@ from pathlib import Path
 
 import torch
 
-VARIANTS = {  # name: (scoring_token_budget, gradient checkpointing)
-    "unchunked": (None, False),
-    "budget_2048": (2048, False),
-    "checkpointing": (None, True),
-    "budget_2048_checkpointing": (2048, True),
+VARIANTS = {  # name: (scoring_token_budget, gradient checkpointing, recompute_scoring_forwards)
+    "unchunked": (None, False, False),
+    "budget_2048": (2048, False, False),
+    "checkpointing": (None, True, False),
+    "budget_2048_checkpointing": (2048, True, False),
+    "budget_2048_recompute": (2048, False, True),
+    "budget_2048_recompute_checkpointing": (2048, True, True),
 }
+SFT_VARIANTS = [name for name, (_, _, recompute) in VARIANTS.items() if not recompute]
 
 
 def _peak_rss_mb() -> float:
@@ -95,18 +103,25 @@ def measured_step(device: str) -> Iterator[dict]:
 
 
 def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
-            device: str, dtype: str = "float32") -> dict:
-    """One forward + backward of the packed estimator; returns the step's peak memory and shape facts."""
-    from trl_diffusion.estimators import EstimatorSettings, build_scoring_chunks, estimate_logprobs, step_groups
-    from trl_diffusion.states import block_index
+            device: str, dtype: str = "float32", family: str = "sdar", shrinkage: int = 1) -> dict:
+    """One forward + backward of the packed ``trajectory`` estimator, one token committed per step; returns the
+    step's peak memory and shape facts. ``sdar``: one packed row a response (block 4); ``llada``: full attention,
+    one whole-sequence row per ``shrinkage`` merged steps."""
+    from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
+    from trl_diffusion.recomputed_forwards import recomputed_forwards
     from trl_diffusion.testing import tiny_model
 
-    budget, checkpointing = VARIANTS[variant]
+    budget, checkpointing, recompute = VARIANTS[variant]
     torch.manual_seed(0)
-    model = tiny_model("sdar", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                       num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
-                       head_dim=64, vocab_size=vocab, max_position_embeddings=prompt + length + 64).to(
-                           device, getattr(torch, dtype))
+    if family == "sdar":
+        model = tiny_model("sdar", hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                           num_attention_heads=max(hidden // 64, 1), num_key_value_heads=max(hidden // 128, 1),
+                           head_dim=64, vocab_size=vocab, max_position_embeddings=prompt + length + 64).to(
+                               device, getattr(torch, dtype))
+    else:
+        shape = dict(hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 64, 1),
+                     head_dim=64, intermediate=3 * hidden, vocab=vocab, max_length=prompt + length, dtype=dtype)
+        model = _sft_benchmark().build_model("llada", shape, device)
     model.train()
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -115,21 +130,30 @@ def measure(variant: str, length: int, batch: int, prompt: int, hidden: int, lay
     prompt_mask = torch.ones_like(prompt_ids)
     completion = torch.randint(10, 100, (batch, length), generator=generator).to(device)
     steps = torch.arange(length, device=device).expand(batch, -1).contiguous()  # one token per step
-    settings = EstimatorSettings(block_size=4, shrinkage=1, token_budget=budget)
-    blocks = block_index(prompt + torch.arange(length, device=device), 4).expand(batch, -1)
-    chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion, step_groups(steps, 1, blocks),
-                                  model.mask_token_id, 4, budget)
-    del blocks
-
+    settings = EstimatorSettings(block_size=4 if family == "sdar" else None, shrinkage=shrinkage, token_budget=budget)
+    shapes = []  # (rows, tokens) of each scoring forward (the recomputations in the backward pass call forward)
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(
+        tuple(kwargs["input_ids"].shape)), with_kwargs=True)
     with measured_step(device) as measured:
-        logps, _, _ = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings)
+        with recomputed_forwards(model, recompute):
+            logps, _, _ = estimate_logprobs(model, prompt_ids, prompt_mask, completion, steps, settings)
         logps.sum().backward()
-    return {"variant": variant, "response_length": length, "batch": batch, "prompt_length": prompt,
-            "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
-            "packed_row_tokens": int(chunks[0].input_ids.shape[1]), "forwards": len(chunks),
-            "rows_per_forward": max(int(c.input_ids.shape[0]) for c in chunks), **measured, "device": device,
+    hook.remove()
+    return {"variant": variant, "family": family, "response_length": length, "batch": batch, "prompt_length": prompt,
+            "shrinkage": shrinkage, "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
+            "recompute_scoring_forwards": recompute, "rows": sum(r for r, _ in shapes),
+            "row_tokens": max(t for _, t in shapes), "forwards": len(shapes),
+            "rows_per_forward": max(r for r, _ in shapes), **measured, "device": device,
             "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
                       "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 2)}}
+
+
+def _sft_benchmark():
+    """``benchmarks/sft.py`` as a module: its random-token samples, LLaDA builder and tokenizer."""
+    spec = importlib.util.spec_from_file_location("sft_benchmark", Path(__file__).with_name("sft.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int, layers: int, vocab: int,
@@ -139,12 +163,13 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
 
     from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 
-    spec = importlib.util.spec_from_file_location("sft_benchmark", Path(__file__).with_name("sft.py"))
-    sft = importlib.util.module_from_spec(spec)  # its random-token samples, LLaDA builder and tokenizer
-    spec.loader.exec_module(sft)
+    sft = _sft_benchmark()
     build_model, tokenized_samples, tokenizer_for = sft.build_model, sft.tokenized_samples, sft.tokenizer_for
 
-    budget, checkpointing = VARIANTS[variant]
+    budget, checkpointing, recompute = VARIANTS[variant]
+    if recompute:
+        raise ValueError(f"{variant}: SFT has no recompute_scoring_forwards (its budget back-propagates each forward "
+                         f"before the next); choose one of {SFT_VARIANTS}.")
     shape = dict(hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 64, 1),
                  head_dim=64, intermediate=3 * hidden, vocab=vocab, max_length=prompt + length, dtype=dtype)
     model = build_model("llada", shape, device).train()
@@ -178,7 +203,8 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        help="default: all of them (--trainer sft: those without recompute)")
     parser.add_argument("--batch", type=int, default=2, help="responses scored together (one per-device batch)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
@@ -189,15 +215,22 @@ def main() -> None:
     parser.add_argument("--output", type=Path, help="also write the records to this JSON file")
     parser.add_argument("--trainer", choices=["tracerl", "sft"], default="tracerl",
                         help="tracerl: packed trajectory scoring; sft: a semi_ar DiffusionSFTTrainer step")
+    parser.add_argument("--family", choices=["sdar", "llada"], default="sdar",
+                        help="tracerl: sdar (one packed row a response) or llada (one row per merged step)")
+    parser.add_argument("--shrinkage", type=int, default=1, help="tracerl: denoising steps merged per scored state")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.variants is None:
+        args.variants = SFT_VARIANTS if args.trainer == "sft" else list(VARIANTS)
     shape = [str(v) for v in ("--batch", args.batch, "--prompt", args.prompt, "--hidden", args.hidden,
                               "--layers", args.layers, "--vocab", args.vocab, "--device", args.device,
-                              "--dtype", args.dtype, "--trainer", args.trainer)]
+                              "--dtype", args.dtype, "--trainer", args.trainer, "--family", args.family,
+                              "--shrinkage", args.shrinkage)]
     if args.one:
+        scoring = {} if args.trainer == "sft" else {"family": args.family, "shrinkage": args.shrinkage}
         step = measure_sft if args.trainer == "sft" else measure
         record = step(args.one[0], int(args.one[1]), args.batch, args.prompt, args.hidden, args.layers,
-                      args.vocab, args.device, args.dtype)
+                      args.vocab, args.device, args.dtype, **scoring)
         print(json.dumps(record))
         return
     records = []

@@ -145,8 +145,8 @@ def test_both_ranks_end_with_identical_parameters(runs, job):
     rank0, rank1 = parameters(runs["two"] / job, 0), parameters(runs["two"] / job, 1)
     assert rank0.keys() == rank1.keys()
     assert all(torch.equal(rank0[name], rank1[name]) for name in rank0)
-    if job == "tracerl_value":  # the value model is placed like the policy
-        assert setup["value_wrapper"] == "DistributedDataParallel"
+    if job == "tracerl_value":  # the value model is placed like the policy; both scored with recomputed forwards
+        assert setup["value_wrapper"] == "DistributedDataParallel" and setup["recompute_scoring_forwards"] is True
         assert any(name.startswith("value.") for name in rank0)
 
 

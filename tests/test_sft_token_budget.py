@@ -146,7 +146,7 @@ def test_the_memory_benchmark_measures_the_same_step_in_every_variant(monkeypatc
         "memory_benchmark", Path(__file__).resolve().parents[1] / "benchmarks" / "memory.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setitem(bench.VARIANTS, "budget_2048", (100, False))  # 2 of the 4 rows of 40 tokens a forward
+    monkeypatch.setitem(bench.VARIANTS, "budget_2048", (100, False, False))  # 2 of the 4 rows of 40 tokens a forward
     records = [bench.measure_sft(variant, 32, 2, 8, 64, 1, 256, "cpu") for variant in ("unchunked", "budget_2048")]
     assert [(r["rows"], r["rows_per_forward"], r["forwards"]) for r in records] == [(4, 4, 1), (4, 2, 2)]
     assert records[1]["loss"] == pytest.approx(records[0]["loss"], rel=1e-5)

@@ -126,6 +126,9 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 
 
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True)}
+JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True}}
+"""Config fields of a job (before ``overrides``): TraceRL with a value model also covers recomputed scoring
+forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model)."""
 
 
 def record_value_live_responses(trainer) -> list[int]:
@@ -145,7 +148,8 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
     ``out/job``."""
     trainer, value = JOBS[job]
     folder = Path(out) / job
-    built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value, **overrides)
+    built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value,
+                         **{**JOB_CONFIG.get(job, {}), **overrides})
     live_responses = record_value_live_responses(built) if value else []
     built.train(resume_from_checkpoint=resume)
     state = full_state_dict(built)
@@ -159,7 +163,8 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
                  "distributed_type": str(built.accelerator.distributed_type),
                  "fsdp": built.is_fsdp_enabled, "deepspeed": built.is_deepspeed_enabled,
                  "wrapper": type(built.model_wrapped).__name__, "model": type(built.model).__name__,
-                 "value_wrapper": type(getattr(built, "value_model", None)).__name__}
+                 "value_wrapper": type(getattr(built, "value_model", None)).__name__,
+                 "recompute_scoring_forwards": getattr(built.args, "recompute_scoring_forwards", None)}
         (folder / "setup.json").write_text(json.dumps(setup))
     built.accelerator.wait_for_everyone()
     return built

@@ -38,7 +38,8 @@ class TraceRLConfig(GRPOConfig):
       `save_rollout_generation_config` (saved models carry that sampler in `generation_config.json`),
     * how completions are scored (`likelihood_estimator`, `shrinkage`, `training_block_size`,
       `step_normalization`, `scoring_temperature`, `exclude_mask_token_from_softmax`, `scoring_token_budget`,
-      `attention_backend`, and the masking estimators' ratios, `random_mask_sampling` and `masks_per_response`),
+      `recompute_scoring_forwards`, `attention_backend`, and the masking estimators' ratios, `random_mask_sampling`
+      and `masks_per_response`),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * `reset_optimizer_per_rollout` (dLLM-RL's fresh optimizer state at every rollout),
@@ -168,6 +169,13 @@ class TraceRLConfig(GRPOConfig):
     scoring_token_budget: int | None = field(
         default=16384,
         metadata={"help": "Maximum padded tokens per scoring forward (packed rows are chunked to stay under it)."},
+    )
+    recompute_scoring_forwards: bool = field(
+        default=False,
+        metadata={"help": "Checkpoint each scoring forward as a whole: the backward pass runs it again, so it holds "
+                  "one forward's activations (at most `scoring_token_budget` tokens) instead of the whole "
+                  "micro-batch's. Gradients are unchanged; costs one more forward per scoring forward. Also for the "
+                  "value model. Not with FSDP or DeepSpeed ZeRO-3."},
     )
     scoring_temperature: float | None = field(
         default=None,

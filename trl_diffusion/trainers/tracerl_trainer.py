@@ -46,6 +46,7 @@ from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
+from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import (
     blocks_from_prompt_end,
     check_block_size_applies,
@@ -172,6 +173,8 @@ class TraceRLTrainer(GRPOTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
         _check_optimizer_reset(args, self.is_deepspeed_enabled)
+        check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
+                                  "recompute_scoring_forwards")
         if own_reference:
             reference.requires_grad_(False)
             if args.disable_dropout:
@@ -541,8 +544,10 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _token_values(self, prompt_ids, prompt_mask, canvas_ids, unmask_step) -> tuple[torch.Tensor, torch.Tensor]:
         settings, unwrapped = self.estimator_settings, self.accelerator.unwrap_model(self.value_model)
-        return token_values(self.value_model, prompt_ids, prompt_mask, canvas_ids, unmask_step, settings.shrinkage,
-                            settings.block_size, settings.token_budget, unwrapped, settings.attention_backend)
+        with recomputed_forwards(unwrapped, self.args.recompute_scoring_forwards):
+            return token_values(self.value_model, prompt_ids, prompt_mask, canvas_ids, unmask_step,
+                                settings.shrinkage, settings.block_size, settings.token_budget, unwrapped,
+                                settings.attention_backend)
 
     def _value_advantages(self, output: dict, trainable: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
                           mode: str) -> torch.Tensor:
@@ -915,15 +920,16 @@ class TraceRLTrainer(GRPOTrainer):
         rows = batch_size or input_ids.shape[0]
         logps, entropies = [], []
         router_losses = [] if compute_aux_loss else None  # one per scoring forward, averaged below as GRPO does
-        for start in range(0, input_ids.shape[0], rows):
-            part = slice(start, start + rows)
-            lp, ent, _ = estimate_logprobs(
-                _ForwardThrough(model, unwrapped), prompt_ids[part], prompt_mask[part], scoring["canvas_ids"][part],
-                scoring["unmask_step"][part], self.estimator_settings, scoring["mask_seeds"][part], compute_entropy,
-                router_losses,
-            )
-            logps.append(lp)
-            entropies.append(ent)
+        with recomputed_forwards(unwrapped, self.args.recompute_scoring_forwards):  # only where gradients flow
+            for start in range(0, input_ids.shape[0], rows):
+                part = slice(start, start + rows)
+                lp, ent, _ = estimate_logprobs(
+                    _ForwardThrough(model, unwrapped), prompt_ids[part], prompt_mask[part],
+                    scoring["canvas_ids"][part], scoring["unmask_step"][part], self.estimator_settings,
+                    scoring["mask_seeds"][part], compute_entropy, router_losses,
+                )
+                logps.append(lp)
+                entropies.append(ent)
         masks = self.estimator_settings.masks_per_response
         logps = _per_mask(torch.cat(logps), masks, logits_to_keep)
         entropies = _per_mask(torch.cat(entropies), masks, logits_to_keep) if compute_entropy else None

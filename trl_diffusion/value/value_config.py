@@ -32,6 +32,10 @@ class DiffusionValueConfig(_BaseConfig):
             error for a full-attention (LLaDA / Dream) value model, whose states have no blocks.
         scoring_token_budget (`int` or `None`, *optional*, defaults to `16384`):
             Maximum padded tokens per forward (>= 1; packed rows are chunked to stay under it).
+        recompute_scoring_forwards (`bool`, *optional*, defaults to `False`):
+            Checkpoint each forward as a whole, as `TraceRLConfig.recompute_scoring_forwards`: the backward pass
+            holds one forward's activations, not the micro-batch's; gradients unchanged, one more forward each. Not
+            with FSDP or DeepSpeed ZeRO-3.
         truncate_at_eos (`bool`, *optional*, defaults to `True`):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
@@ -62,6 +66,11 @@ class DiffusionValueConfig(_BaseConfig):
     scoring_token_budget: int | None = field(
         default=16384, metadata={"help": "Maximum padded tokens per forward, >= 1 or None (rows are chunked to stay "
                                  "under it)."}
+    )
+    recompute_scoring_forwards: bool = field(
+        default=False, metadata={"help": "Checkpoint each forward as a whole (run again in the backward pass): "
+                                 "activation memory of one forward instead of the micro-batch's, same gradients, "
+                                 "one more forward each. Not with FSDP or DeepSpeed ZeRO-3."}
     )
     truncate_at_eos: bool = field(
         default=True,

@@ -24,6 +24,7 @@ from ..full_save import save_model_whole
 from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
+from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, resolve_model_attention_backend
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
@@ -108,6 +109,9 @@ class DiffusionValueTrainer(_BaseTrainer):
         self._value_stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
                                                                  training=False)
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
+        check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
+                                  "recompute_scoring_forwards")
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """transformers' micro-batches of one optimizer step, with ``num_items_in_batch`` the trained tokens of all
@@ -155,10 +159,12 @@ class DiffusionValueTrainer(_BaseTrainer):
         real = real_eval_rows(self.accelerator, inputs["reward"].shape[0]) if mode == "eval" else None
         if real:  # the last eval batch, padded by accelerate with repeated rows: score only its real rows
             inputs = {key: value[:real] for key, value in inputs.items()}
-        values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
-                                      inputs["unmask_step"], args.shrinkage, args.training_block_size,
-                                      args.scoring_token_budget, self.accelerator.unwrap_model(model),
-                                      self.attention_backend, inputs["completion_mask"])
+        unwrapped = self.accelerator.unwrap_model(model)
+        with recomputed_forwards(unwrapped, args.recompute_scoring_forwards):
+            values, groups = token_values(model, inputs["prompt_ids"], inputs["prompt_mask"], inputs["completion_ids"],
+                                          inputs["unmask_step"], args.shrinkage, args.training_block_size,
+                                          args.scoring_token_budget, unwrapped, self.attention_backend,
+                                          inputs["completion_mask"])
         mask = inputs["trained_mask"]
         rewards = outcome_token_rewards(inputs["reward"], groups, mask)
         _, returns = step_gae(rewards, values.detach(), groups, mask, args.gamma, 1.0)
