@@ -22,6 +22,7 @@ from datasets import Dataset
 
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
 from trl_diffusion.models import LLaDAMoEModelLM, SDARMoeForCausalLM
+from trl_diffusion.recomputed_forwards import recomputed_forwards
 from trl_diffusion.testing import (
     EOS_ID,
     MASK_ID,
@@ -129,6 +130,28 @@ def test_compiled_flex_equals_sdpa_for_tracerl_scoring(family, estimator):
     assert_close_grads(out["flex"][1], out["sdpa"][1])
     if estimator == "trajectory":  # same weights as the sampler: ratio exactly 1, through the compiled kernel too
         assert (out["flex"][0] - sampler)[scored].abs().max() <= 1e-4
+
+
+def test_recomputed_scoring_forwards_on_cuda(family="llada"):
+    """``recompute_scoring_forwards`` with compiled flex attention (its BlockMask built again in the backward pass),
+    LoRA dropout on the GPU (the CUDA random state restored for the recomputation) and layer-wise checkpointing
+    inside: the same log-probs and gradients as one pass."""
+    out = {}
+    for recompute in (False, True):
+        base = wide_model(family).train()
+        ids, mask, completion, steps, _ = rollout(base)
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        torch.manual_seed(0)
+        model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_dropout=0.3, target_modules="all-linear"))
+        backend = "flex" if CUDA.type == "cuda" else "sdpa"
+        settings = EstimatorSettings(block_size=4, token_budget=96, attention_backend=backend)
+        torch.manual_seed(1)
+        with recomputed_forwards(model, recompute):
+            logps, _, _ = estimate_logprobs(model, ids, mask, completion, steps, settings)
+        logps.sum().backward()
+        out[recompute] = (logps.detach(), grads(model))
+    torch.testing.assert_close(out[True][0], out[False][0], rtol=1e-4, atol=1e-5)
+    assert_close_grads(out[True][1], out[False][1])
 
 
 def test_generate_on_cuda_equals_the_cpu(family):

@@ -23,6 +23,10 @@ def test_bf16_lora_tracerl_steps_set_up(tmp_path, on_the_cpu):
     test_gpu.test_bf16_gradient_checkpointing_lora_tracerl_steps(tmp_path, "sdpa")
 
 
+def test_recomputed_scoring_forwards_set_up(on_the_cpu):
+    test_gpu.test_recomputed_scoring_forwards_on_cuda()
+
+
 @pytest.mark.parametrize("family", sorted(test_gpu.MOE_MODELS))
 def test_moe_on_cuda_set_up(on_the_cpu, family):
     test_gpu.test_moe_on_cuda(family)
