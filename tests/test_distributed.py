@@ -119,8 +119,8 @@ def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same three jobs (SFT, TraceRL, TraceRL with a value model), 2 steps each: two CPU processes with
-    per-device batch 2, and one process (in this one) with batch 4."""
+    """The same jobs (``train.JOBS``: SFT, TraceRL, TraceRL with a value model, TraceRL with random masks), 2 steps
+    each: two CPU processes with per-device batch 2, and one process (in this one) with batch 4."""
     root = tmp_path_factory.mktemp("scale_out")
     overrides = json.dumps({"eos_scale": EOS_SCALE})
     accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(root / "two"), "--per_device_batch",
@@ -151,7 +151,7 @@ def test_both_ranks_end_with_identical_parameters(runs, job):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", ["sft", "tracerl", "tracerl_value"])
+@pytest.mark.parametrize("job", ["sft", "tracerl", "tracerl_value", "tracerl_masks"])
 def test_two_processes_match_one_process_with_twice_the_batch(runs, job):
     # the two layouts score with float32 probabilities ~1e-6 apart; every sampled draw of the rollouts is at least
     # 2e-5 of probability away from taking another token (~300 draws, so not the 1e-4 of a single generate)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from trl_diffusion.estimators import EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
+from trl_diffusion.estimators.likelihood import _draw_stream
 from trl_diffusion.testing import MASK_ID, tiny_model
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
@@ -231,17 +232,38 @@ def test_per_row_sampling_draws_one_ratio_per_mask_and_per_token_one_per_token()
 
 
 def test_per_token_masks_follow_the_spec():
-    """Mask k of a row: its own generator draws u ~ U(low, high) per token, then U(0, 1) per token; masked where
-    the draw is below u (the estimator's default since it was added)."""
+    """Mask k of a row: u ~ U(low, high) per token from the row's "threshold" stream of mask k, then U(0, 1) per
+    token from its "mask" stream; masked where the draw is below u (the estimator's default since it was added)."""
     committed = torch.ones(2, 30, dtype=torch.bool)
     settings = EstimatorSettings(name="random_masking", masks_per_response=2)
     draws = draw_masks(settings, committed, torch.tensor([8, 9]), 1)
     for row, seed in enumerate((8, 9)):
-        g = torch.Generator().manual_seed(seed)
         for k in range(2):
-            u = 0.1 + 0.8 * torch.rand(30, generator=g)
-            expected = torch.rand(30, generator=g) < u
+            u = 0.1 + 0.8 * torch.rand(30, generator=_draw_stream(seed, k, "threshold"))
+            expected = torch.rand(30, generator=_draw_stream(seed, k, "mask")) < u
             assert torch.equal(draws["masked"][row, k * 30:(k + 1) * 30], expected)
+
+
+@pytest.mark.parametrize("name,sampling", [("random_masking", "per_token"), ("random_masking", "per_row"),
+                                           ("coupled_pairs", "per_token"), ("coupled", "per_token"),
+                                           ("mean_field", "per_token")])
+def test_draws_do_not_depend_on_the_padded_width(name, sampling):
+    """A row's draws are a function of its seed and of the column: a batch padded wider (a longer canvas beside
+    it, another process layout) or a longer left-padded prompt leaves them as they were."""
+    multi = name in ("random_masking", "coupled_pairs")
+    settings = EstimatorSettings(name=name, random_mask_sampling=sampling, masks_per_response=3 if multi else 1)
+    seeds = torch.tensor([11, 12])
+    narrow = draw_masks(settings, torch.ones(2, 20, dtype=torch.bool), seeds, 6)
+    wide = draw_masks(settings, torch.ones(2, 32, dtype=torch.bool), seeds, 9)
+    if name == "mean_field":  # prompt noise, aligned at the prompt's end
+        assert torch.equal(wide["prompt_noise"][:, 3:], narrow["prompt_noise"])
+        return
+    masks = 3 if multi else 1
+    for k in range(masks):
+        assert torch.equal(wide["masked"][:, k * 32:k * 32 + 20], narrow["masked"][:, k * 20:(k + 1) * 20])
+    if narrow["t"] is not None:
+        assert torch.equal(wide["t"], narrow["t"])
+    assert narrow["masked"].any() and (~narrow["masked"]).any()
 
 
 @pytest.mark.parametrize("name", ["random_masking", "coupled_pairs"])

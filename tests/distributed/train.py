@@ -125,10 +125,13 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
     return state
 
 
-JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True)}
-JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True}}
+JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True),
+        "tracerl_masks": ("tracerl", False)}
+JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True},
+              "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2}}
 """Config fields of a job (before ``overrides``): TraceRL with a value model also covers recomputed scoring
-forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model)."""
+forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model);
+``tracerl_masks`` dLLM-RL's random-masking baseline, whose masks must not depend on the process layout."""
 
 
 def record_value_live_responses(trainer) -> list[int]:

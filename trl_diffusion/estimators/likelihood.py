@@ -33,6 +33,7 @@ that exist only because another response of the batch is longer.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -245,7 +246,10 @@ def estimate_logprobs(
 
 
 def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torch.Tensor, prompt_width: int) -> dict:
-    """The estimator's random draws, from one generator per row seeded by ``seeds[row]`` (CPU, then moved).
+    """The estimator's random draws, from generators seeded by ``seeds[row]`` (CPU, then moved). A row's draws
+    depend on its seed alone, not on how wide its batch is padded: column j of a completion (and, for
+    ``mean_field``, the j-th prompt token from the prompt's end) gets the same draw whatever the other rows of its
+    batch or process are, so a run on two processes scores the masks one process with twice the batch scores.
 
     ``masked``: tokens masked (``coupled``: ``[B, C]``, the first of the complementary pair, ``draw < t``;
     ``random_masking`` / ``coupled_pairs``: ``[B, m * C]``, mask ``k`` in columns ``k * C ...``, for
@@ -256,11 +260,12 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
     elsewhere. Which tokens an estimator scores is a function of these alone, so the trainer can know it before
     any forward.
     """
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds.tolist()]
+    seeds = [int(s) for s in seeds.tolist()]
+    generators = [torch.Generator().manual_seed(s) for s in seeds]
     width, device = committed.shape[1], committed.device
     out = {"masked": None, "t": None, "prompt_noise": None, "scored": committed, "row": None}
     if settings.name in MULTI_MASK_ESTIMATORS:
-        masked, ratios = _sample_masks(settings, generators, width)
+        masked, ratios = _sample_masks(settings, seeds, width)
         masks_per_response = settings.masks_per_response
         live = committed.repeat(1, masks_per_response)
         masked = masked.flatten(1).to(device) & live
@@ -272,37 +277,46 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
             out["scored"], out["row"] = masked, torch.where(masked, index, -1)
         else:
             out["scored"], out["row"] = live, torch.where(live, 2 * index + (~masked).long(), -1)
-    elif settings.name == "coupled":
+    elif settings.name == "coupled":  # t first, then column j's draw: the j-th after it, for any width
         low, high = settings.coupled_low, settings.coupled_high
         t = torch.stack([low + (high - low) * torch.rand((), generator=g) for g in generators])
         draws = torch.stack([torch.rand(width, generator=g) for g in generators])
         out["t"] = t.to(device)
         out["masked"] = (draws < t[:, None]).to(device) & committed
     elif settings.name == "mean_field":
-        noise = torch.stack([torch.rand(prompt_width, generator=g) for g in generators])
+        # prompts are left-padded: the draws are laid out from the prompt's end, so padding only adds draws in front
+        noise = torch.stack([torch.rand(prompt_width, generator=g).flip(0) for g in generators])
         out["prompt_noise"] = (noise < settings.prompt_mask_prob).to(device)
     return out
 
 
-def _sample_masks(settings: EstimatorSettings, generators: list, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sample_masks(settings: EstimatorSettings, seeds: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``masks_per_response`` masks per row, ``[B, m, C]``, and their ratios ``[B, m]`` (CPU).
 
     ``per_token``: each token masked with its own probability ``u ~ U(low, high)`` (dLLM-RL's block models,
     ``train/rl_trado.py``; the ratios returned are NaN); ``per_row``: one ``t ~ U(low, high)`` per mask, each token
-    masked with probability ``t`` (dLLM-RL's full-attention models, ``train/rl_dream.py``, ``rl_llada.py``). Draws
-    come from each row's generator in mask order, so a row's masks never depend on the other rows.
+    masked with probability ``t`` (dLLM-RL's full-attention models, ``train/rl_dream.py``, ``rl_llada.py``). Each
+    sequence of column draws comes from a generator of its own (``_draw_stream``: per row seed, mask and kind), so
+    column j's draws are the same for any ``width``, and a row's masks never depend on the other rows.
     """
     low, high = settings.mask_low, settings.mask_high
-    masks = torch.zeros(len(generators), settings.masks_per_response, width, dtype=torch.bool)
+    masks = torch.zeros(len(seeds), settings.masks_per_response, width, dtype=torch.bool)
     ratios = torch.full(masks.shape[:2], float("nan"))
-    for row, g in enumerate(generators):
+    for row, seed in enumerate(seeds):
         for k in range(settings.masks_per_response):
+            draws = _draw_stream(seed, k, "mask")
             if settings.random_mask_sampling == "per_token":
-                threshold = low + (high - low) * torch.rand(width, generator=g)
-            else:
-                threshold = ratios[row, k] = low + (high - low) * torch.rand((), generator=g)
-            masks[row, k] = torch.rand(width, generator=g) < threshold
+                threshold = low + (high - low) * torch.rand(width, generator=_draw_stream(seed, k, "threshold"))
+            else:  # the ratio first, then the columns' draws
+                threshold = ratios[row, k] = low + (high - low) * torch.rand((), generator=draws)
+            masks[row, k] = torch.rand(width, generator=draws) < threshold
     return masks, ratios
+
+
+def _draw_stream(seed: int, mask: int, kind: str) -> torch.Generator:
+    """A generator for one sequence of draws of one row (``seed``): mask ``mask``'s ``kind`` ("mask", "threshold")."""
+    digest = hashlib.sha256(f"{seed}:{mask}:{kind}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
 
 
 def _score_drawn_masks(model, prompt_ids, prompt_mask, completion_ids, committed, blocks, block_size, masks,
