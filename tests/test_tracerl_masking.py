@@ -7,6 +7,8 @@ loss written here: masks redrawn from each row's seed by the documented rule, on
 and block for block models) with gradients, the loss summed row by row (train/rl_trado.py 441-512, 727-755;
 train/rl_dream.py 307-404, 600-631)."""
 
+import hashlib
+
 import pytest
 import torch
 from test_tracerl_official import (
@@ -28,18 +30,24 @@ from trl_diffusion.value import DiffusionValueModel
 EPS = 0.2
 
 
+def stream(seed: int, mask: int, kind: str) -> torch.Generator:
+    """The generator of one sequence of draws of a response: its seed, the mask's index and the kind of draw."""
+    digest = hashlib.sha256(f"{seed}:{mask}:{kind}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+
+
 def drawn_masks(seed: int, sampling: str, masks: int, width: int, low=0.1, high=0.9) -> list[torch.Tensor]:
-    """The masks of one response, by the rule the docs state: a generator seeded with the row's seed; per mask,
-    ``per_token`` draws u ~ U(low, high) per token, ``per_row`` one t ~ U(low, high); then U(0, 1) per token,
-    masked below u (t)."""
-    g = torch.Generator().manual_seed(seed)
+    """The masks of one response, by the rule the docs state: per mask, ``per_token`` draws u ~ U(low, high) per
+    token from the mask's "threshold" stream, ``per_row`` one t ~ U(low, high) first from its "mask" stream; then
+    U(0, 1) per token from the "mask" stream, masked below u (t)."""
     out = []
-    for _ in range(masks):
+    for k in range(masks):
+        draws = stream(seed, k, "mask")
         if sampling == "per_token":
-            threshold = low + (high - low) * torch.rand(width, generator=g)
+            threshold = low + (high - low) * torch.rand(width, generator=stream(seed, k, "threshold"))
         else:
-            threshold = low + (high - low) * torch.rand((), generator=g)
-        out.append(torch.rand(width, generator=g) < threshold)
+            threshold = low + (high - low) * torch.rand((), generator=draws)
+        out.append(torch.rand(width, generator=draws) < threshold)
     return out
 
 
