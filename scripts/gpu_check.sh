@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared GPU check (one H200, no network): installs the wheels the image lacks, then runs, each under its
 # own time limit and all within ~9 minutes, writing logs and JSON to $OUT (default ./gpu_out). In order of
-# priority (the limits sum to the budget, so a slow step cannot crowd out the ones after it):
+# priority (the limits of steps 1-5 sum to the budget, so a slow step cannot crowd out the ones after it; step 6
+# runs in what they leave, if at least 30 s):
 #   1. generation benchmark:   the SDAR-4B rollout table (issue 13's targets)   -> generation.log
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side (MFU) -> training_sdar4b.json
 #   3. the GPU tests:          pytest -m gpu, CUDA-graph decoding first (it decides cuda_graphs' default), then
@@ -9,6 +10,8 @@
 #                                                                            -> gpu_graph_tests.log, gpu_tests.log
 #   4. generation benchmark:   the LLaDA-1.6B table (no cache, prefix, dual)    -> generation_llada.log
 #   5. flex-attention probe:   which head sizes / dtypes compile                -> flex_probe.json
+#   6. scoring memory:         LLaDA full-attention rows, layer checkpointing vs recompute_scoring_forwards
+#                                                                            -> memory_recompute.json
 #
 # Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
 # (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git), plus the pure-Python wheels
@@ -46,8 +49,10 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
     DEVICE=cpu SDAR=tiny LLADA=llada-tiny TRAIN=tiny PROBE=(--head_dims 16 --dtypes float32 --lengths 40 56)
+    MEMORY=(--lengths 32 --hidden 64 --layers 1 --vocab 512 --prompt 16)
 else
     DEVICE=cuda SDAR=sdar-4b LLADA=llada-1.6b TRAIN=sdar-4b PROBE=()
+    MEMORY=(--lengths 256 --hidden 2048 --layers 8 --vocab 126464 --dtype bfloat16 --prompt 128)
 fi
 
 left() { echo $((BUDGET - (SECONDS - START))); }
@@ -76,5 +81,8 @@ step gpu_tests 160 python3 -m pytest -v -m gpu $GPU_TEST_FILES -p no:cacheprovid
     --continue-on-collection-errors --durations=20 --junitxml="$OUT/gpu_tests.xml"
 step generation_llada 40 python3 benchmarks/generation.py --device $DEVICE --preset $LLADA
 step flex_probe 25 python3 scripts/flex_probe.py --device $DEVICE ${PROBE[@]+"${PROBE[@]}"} --output "$OUT/flex_probe.json"
+step memory_recompute 40 python3 benchmarks/memory.py --device $DEVICE --family llada --shrinkage 8 --batch 1 \
+    "${MEMORY[@]}" --variants checkpointing budget_2048_recompute \
+    --output "$OUT/memory_recompute.json"
 tail -n 3 "$OUT/gpu_graph_tests.log" "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
 echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"

@@ -125,13 +125,17 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    steps = ["generation", "training_sdar4b", "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe"]
+    steps = ["generation", "training_sdar4b", "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe",
+             "memory_recompute"]
     assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
     assert summary.count(": exit 0 ") == len(steps), summary
     for log in ("gpu_graph_tests", "gpu_tests"):
         assert " skipped" in (tmp_path / f"{log}.log").read_text() and (tmp_path / f"{log}.xml").is_file()
     training = json.loads((tmp_path / "training_sdar4b.json").read_text())
     assert training["records"] and all("error" not in r and r["seconds_per_step"] > 0 for r in training["records"])
+    memory = json.loads((tmp_path / "memory_recompute.json").read_text())["records"]
+    assert [r["variant"] for r in memory] == ["checkpointing", "budget_2048_recompute"]
+    assert all(r["family"] == "llada" and r["rows"] == 4 for r in memory)  # 32 tokens, 8 merged steps a row
     probe = json.loads((tmp_path / "flex_probe.json").read_text())
     assert probe and all("length_40" in r for r in probe)
     for log in ("generation", "generation_llada"):
