@@ -2,7 +2,7 @@
 response length, with and without ``scoring_token_budget`` chunking, with gradient checkpointing, and with each
 scoring forward recomputed in the backward pass (``recompute_scoring_forwards``); with ``--trainer sft``, of one
 ``DiffusionSFTTrainer`` training step of the ``semi_ar`` objective instead (whose budget back-propagates each
-forward before the next: no recompute variants).
+forward before the next, or, with ``recompute_scoring_forwards``, runs each again in one backward).
 
 Worst case for packing: one token committed per denoising step, block 4, so a response of L tokens becomes
 one packed row of ``prompt + L`` clean tokens plus L noisy copies of a 4-token block (``prompt + 5L`` tokens).
@@ -47,7 +47,6 @@ VARIANTS = {  # name: (scoring_token_budget, gradient checkpointing, recompute_s
     "budget_2048_recompute": (2048, False, True),
     "budget_2048_recompute_checkpointing": (2048, True, True),
 }
-SFT_VARIANTS = [name for name, (_, _, recompute) in VARIANTS.items() if not recompute]
 
 
 def _peak_rss_mb() -> float:
@@ -167,9 +166,6 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
     build_model, tokenized_samples, tokenizer_for = sft.build_model, sft.tokenized_samples, sft.tokenizer_for
 
     budget, checkpointing, recompute = VARIANTS[variant]
-    if recompute:
-        raise ValueError(f"{variant}: SFT has no recompute_scoring_forwards (its budget back-propagates each forward "
-                         f"before the next); choose one of {SFT_VARIANTS}.")
     shape = dict(hidden=hidden, layers=layers, heads=max(hidden // 64, 1), kv_heads=max(hidden // 64, 1),
                  head_dim=64, intermediate=3 * hidden, vocab=vocab, max_length=prompt + length, dtype=dtype)
     model = build_model("llada", shape, device).train()
@@ -181,7 +177,8 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
             output_dir=output_dir, report_to=[], use_cpu=not device.startswith("cuda"), bf16=False,
             save_strategy="no", max_length=prompt + length, per_device_train_batch_size=batch,
             gradient_checkpointing=False, completion_only_loss=True, disable_tqdm=True, dataloader_pin_memory=False,
-            diffusion_objective="semi_ar", semi_ar_block_length=16, scoring_token_budget=budget)
+            diffusion_objective="semi_ar", semi_ar_block_length=16, scoring_token_budget=budget,
+            recompute_scoring_forwards=recompute)
         trainer = DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows),
                                       processing_class=tokenizer_for(vocab))
         inputs = next(iter(trainer.get_train_dataloader()))
@@ -194,6 +191,7 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
         hook.remove()
     return {"trainer": "sft", "objective": "semi_ar", "variant": variant, "response_length": length, "batch": batch,
             "prompt_length": prompt, "scoring_token_budget": budget, "gradient_checkpointing": checkpointing,
+            "recompute_scoring_forwards": recompute,
             "rows": sum(rows_seen), "row_tokens": prompt + length, "rows_per_forward": max(rows_seen),
             "forwards": len(rows_seen), "loss": round(float(loss), 4), **measured, "device": device,
             "model": {"hidden": hidden, "layers": layers, "vocab": vocab, "dtype": dtype,
@@ -203,8 +201,7 @@ def measure_sft(variant: str, length: int, batch: int, prompt: int, hidden: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", nargs="+", type=int, default=[128, 256, 512, 1024])
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
-                        help="default: all of them (--trainer sft: those without recompute)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--batch", type=int, default=2, help="responses scored together (one per-device batch)")
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--hidden", type=int, default=256)
@@ -220,8 +217,6 @@ def main() -> None:
     parser.add_argument("--shrinkage", type=int, default=1, help="tracerl: denoising steps merged per scored state")
     parser.add_argument("--one", nargs=2, metavar=("VARIANT", "LENGTH"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.variants is None:
-        args.variants = SFT_VARIANTS if args.trainer == "sft" else list(VARIANTS)
     shape = [str(v) for v in ("--batch", args.batch, "--prompt", args.prompt, "--hidden", args.hidden,
                               "--layers", args.layers, "--vocab", args.vocab, "--device", args.device,
                               "--dtype", args.dtype, "--trainer", args.trainer, "--family", args.family,

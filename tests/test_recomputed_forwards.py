@@ -106,6 +106,13 @@ def test_the_forward_is_checkpointed_only_where_gradients_flow_and_restored_afte
     assert len(calls) == 1
 
 
+def test_refused_without_a_budget(tmp_path):
+    for config in (TraceRLConfig, DiffusionValueConfig):
+        with pytest.raises(ValueError, match="recompute_scoring_forwards=True needs a scoring_token_budget"):
+            config(output_dir=str(tmp_path), use_cpu=True, bf16=False, scoring_token_budget=None,
+                   recompute_scoring_forwards=True)
+
+
 def test_refused_where_the_weights_are_gathered_in_forward_hooks():
     check_recomputed_forwards(True, fsdp=False, zero_stage=2, option="x")
     check_recomputed_forwards(False, fsdp=True, zero_stage=3, option="x")
@@ -182,7 +189,7 @@ def test_value_trainer_step_is_unchanged(tmp_path):
 
 def test_the_memory_benchmark_measures_the_same_scoring_in_each_variant(monkeypatch):
     """``benchmarks/memory.py``: the recompute variant scores in several forwards (each run again in the backward
-    pass); SFT has no such variant."""
+    pass); SFT's takes the step of one forward."""
     import importlib.util
     from pathlib import Path
 
@@ -193,5 +200,6 @@ def test_the_memory_benchmark_measures_the_same_scoring_in_each_variant(monkeypa
     monkeypatch.setitem(bench.VARIANTS, "budget_2048_recompute", (60, False, True))  # one row per forward
     records = [bench.measure(name, 8, 2, 8, 64, 1, 256, "cpu") for name in ("unchunked", "budget_2048_recompute")]
     assert [(r["forwards"], r["recompute_scoring_forwards"]) for r in records] == [(1, False), (2, True)]
-    with pytest.raises(ValueError, match="SFT has no recompute_scoring_forwards"):
-        bench.measure_sft("budget_2048_recompute", 8, 1, 8, 64, 1, 256, "cpu")
+    sft = [bench.measure_sft(name, 32, 2, 8, 64, 1, 256, "cpu") for name in ("unchunked", "budget_2048_recompute")]
+    assert [(r["forwards"], r["recompute_scoring_forwards"]) for r in sft] == [(1, False), (4, True)]  # a row each
+    assert sft[1]["loss"] == pytest.approx(sft[0]["loss"], rel=1e-5)

@@ -32,8 +32,9 @@ METRICS = ("loss", "mean_token_accuracy", "entropy", "scored_tokens")
 
 def one_step(tmp_path, family, data, settings, budget):
     """Train one SGD step (2 samples x 2 accumulation steps) from the same weights: the logged metrics, the eval
-    loss before the step, the parameter change and how many forwards the model ran in training. With
-    ``gradient_checkpointing`` in ``settings``, a LoRA adapter trains."""
+    loss before the step, the parameter change and how many forwards the model ran in training, and its backbone
+    (which a recomputation in the backward pass runs again). With ``gradient_checkpointing`` in ``settings``, a
+    LoRA adapter trains."""
     torch.manual_seed(0)
     model = tiny_model(family, **SMALL[family]).train()
     peft = {}
@@ -46,23 +47,44 @@ def one_step(tmp_path, family, data, settings, budget):
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=data().select(range(4)),
                                   eval_dataset=data(), processing_class=TOKENIZER, **peft)
     eval_loss = trainer.evaluate()["eval_loss"]
-    forwards = []
+    forwards, backbone = [], []
     hook = model.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    backbone_hook = model.model.register_forward_pre_hook(lambda module, args: backbone.append(1))
     trained = [p for p in trainer.model.parameters() if p.requires_grad]
     before = torch.cat([p.detach().flatten().clone() for p in trained])
     trainer.train()
     hook.remove()
+    backbone_hook.remove()
     after = torch.cat([p.detach().flatten() for p in trained])
     logged = next(h for h in trainer.state.log_history if "loss" in h)
-    return logged, eval_loss, after - before, len(forwards)
+    return logged, eval_loss, after - before, len(forwards), len(backbone)
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_token_budget_gives_the_step_of_one_forward(tmp_path, name):
     family, data, settings = CASES[name]
-    whole, whole_eval, step, whole_forwards = one_step(tmp_path / "whole", family, data, settings, None)
-    split, split_eval, split_step, split_forwards = one_step(tmp_path / "split", family, data, settings, 40)
+    whole, whole_eval, step, whole_forwards, _ = one_step(tmp_path / "whole", family, data, settings, None)
+    split, split_eval, split_step, split_forwards, _ = one_step(tmp_path / "split", family, data, settings, 40)
     assert whole_forwards == 2 and split_forwards > whole_forwards  # the budget really cut the micro-batches
+    for metric in METRICS:
+        assert split[metric] == pytest.approx(whole[metric], rel=1e-5), metric
+    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
+    largest = step.abs().max()
+    assert largest > 1e-6
+    torch.testing.assert_close(split_step, step, rtol=0, atol=1e-4 * float(largest))
+
+
+@pytest.mark.parametrize("name", ["llada-semi-ar-row-masked", "dream-semi-ar-lora-checkpointing"])
+def test_recomputed_forwards_give_the_step_of_one_forward(tmp_path, name):
+    """``recompute_scoring_forwards``: the budget's forwards back-propagated by Trainer's one backward, each run
+    again in it, give the same step as one forward (LoRA and layer checkpointing inside, for Dream)."""
+    family, data, settings = CASES[name]
+    whole, whole_eval, step, whole_forwards, _ = one_step(tmp_path / "whole", family, data, settings, None)
+    split, split_eval, split_step, split_forwards, backbone = one_step(
+        tmp_path / "split", family, data, {**settings, "recompute_scoring_forwards": True}, 40)
+    *_, budget_backbone = one_step(tmp_path / "budget", family, data, settings, 40)
+    assert split_forwards > whole_forwards == 2
+    assert backbone == 2 * budget_backbone  # each of the budget's forwards run again in the backward pass
     for metric in METRICS:
         assert split[metric] == pytest.approx(whole[metric], rel=1e-5), metric
     assert split_eval == pytest.approx(whole_eval, rel=1e-5)
@@ -134,6 +156,13 @@ def test_a_budget_is_refused_where_a_backward_does_more_than_accumulate(tmp_path
     _check_token_budget(sft_config(tmp_path, scoring_token_budget=64, optim="adamw_torch"), deepspeed=False)
     with pytest.raises(ValueError, match="scoring_token_budget must be a positive integer"):
         sft_config(tmp_path, scoring_token_budget=0)
+    # with recomputed forwards there is one backward per micro-batch: DeepSpeed (ZeRO-1/2) and LOMO may take it
+    one_backward = sft_config(tmp_path, scoring_token_budget=64, recompute_scoring_forwards=True)
+    _check_token_budget(one_backward, deepspeed=True)
+    one_backward.optim = "lomo"
+    _check_token_budget(one_backward, deepspeed=False)
+    with pytest.raises(ValueError, match="recompute_scoring_forwards=True needs a scoring_token_budget"):
+        sft_config(tmp_path, recompute_scoring_forwards=True)
 
 
 def test_the_memory_benchmark_measures_the_same_step_in_every_variant(monkeypatch):

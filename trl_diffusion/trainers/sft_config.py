@@ -71,6 +71,11 @@ class DiffusionSFTConfig(SFTConfig):
             (`semi_ar` and `trajectory` build several per sample) are cut into forwards of at most this many tokens
             (a longer row alone); in training each is back-propagated before the next runs, so activation memory
             is that of one forward and the gradient is unchanged. `None`: one forward per micro-batch (TRL's).
+        recompute_scoring_forwards (`bool`, *optional*, defaults to `False`):
+            With `scoring_token_budget`: instead of a backward per forward, one backward per micro-batch (as TRL),
+            each forward checkpointed as a whole and run again in it, one at a time: the same gradient and
+            activation memory, one more forward each, and usable where a backward must run once per micro-batch
+            (DeepSpeed ZeRO-1/2, LOMO, layer-wise optimizers). Not with FSDP or DeepSpeed ZeRO-3.
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
@@ -146,6 +151,13 @@ class DiffusionSFTConfig(SFTConfig):
                   "back-propagated before the next (same gradient, one forward's activations). None: one forward "
                   "per micro-batch (TRL's)."},
     )
+    recompute_scoring_forwards: bool = field(
+        default=False,
+        metadata={"help": "With scoring_token_budget: one backward per micro-batch (TRL's) instead of one per "
+                  "forward, each forward checkpointed as a whole and run again in it (same gradient and memory, one "
+                  "more forward each); usable with DeepSpeed ZeRO-1/2, LOMO and layer-wise optimizers. Not with "
+                  "FSDP or DeepSpeed ZeRO-3."},
+    )
     pad_to_length_with_eos: bool = field(
         default=False,
         metadata={"help": "Pad every sequence with EOS up to max_length and train on the padding (LLaDA SFT)."},
@@ -181,6 +193,9 @@ class DiffusionSFTConfig(SFTConfig):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if self.recompute_scoring_forwards and self.scoring_token_budget is None:
+            raise ValueError("recompute_scoring_forwards=True needs a scoring_token_budget: with one forward per "
+                             "micro-batch there is only one forward to hold.")
         if self.overlong_policy not in OVERLONG_POLICIES:
             raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {self.overlong_policy!r}.")
         if self.pad_to_length_with_eos and self.max_length is None:

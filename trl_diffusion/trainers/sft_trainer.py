@@ -38,6 +38,7 @@ from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
+from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, resolve_model_attention_backend
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from .diffusion_losses import (
@@ -363,7 +364,10 @@ class DiffusionSFTTrainer(SFTTrainer):
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
         super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, None, **kwargs)
         self.spec = self._validate_model(self.model, self.args, self._tokenizer)
+        zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_token_budget(self.args, self.is_deepspeed_enabled)
+        check_recomputed_forwards(self.args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
+                                  "recompute_scoring_forwards")
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
@@ -556,34 +560,45 @@ class DiffusionSFTTrainer(SFTTrainer):
         (DDP decides at the forward whether its backward all-reduces; its ``no_sync`` nests): the micro-batch's
         last backward, or the accumulation window's last, all-reduces what they accumulated. Under FSDP / ZeRO-3
         every forward is a collective: every process runs as many as the busiest (the missing ones are zero-loss
-        forwards), and each backward reduces its gradients as FSDP decides."""
+        forwards), and each backward reduces its gradients as FSDP decides.
+
+        With ``recompute_scoring_forwards`` nothing is back-propagated here: each forward is checkpointed as a whole
+        (``recomputed_forwards``) and Trainer's one backward runs them again, one at a time."""
         args = self.args
         chunks = split_rows(batch, args.scoring_token_budget)
         synced = args.scoring_token_budget is not None and needs_synced_forwards(model)
         count = agreed_forward_count(len(chunks), batch.input_ids.device, synced)
         plan = chunks[:-1] + [None] * (count - len(chunks)) + chunks[-1:]
         excluded = self.spec.mask_token_id if args.exclude_mask_token_from_softmax else None
-        backward_here = self._inside_training_step and torch.is_grad_enabled()
+        recompute = args.recompute_scoring_forwards
+        backward_here = self._inside_training_step and torch.is_grad_enabled() and not recompute
         total, parts = 0.0, []
-        for i, chunk in enumerate(plan):
-            early = backward_here and i < len(plan) - 1
-            with self.accelerator.no_sync(model) if early and not synced else contextlib.nullcontext():
-                if chunk is None:
-                    loss = zero_forward_term(model, batch.input_ids[:1])
-                else:
-                    loss, scores = diffusion_loss(model, chunk, normaliser, self.spec.logits_shift, excluded,
-                                                  args.loss_type, self.attention_backend,
-                                                  router_loss=self.aux_loss_enabled)
-                    loss = loss * scale
-                    if scores.aux_loss is not None:  # GRPO's rule for several forwards: their mean
-                        weighted = self._weighted_aux_loss(scores.aux_loss, mode, num_items_in_batch is not None)
-                        loss = loss + weighted / len(chunks)
+        with recomputed_forwards(self.accelerator.unwrap_model(model), recompute):
+            for i, chunk in enumerate(plan):
+                early = backward_here and i < len(plan) - 1
+                with self.accelerator.no_sync(model) if early and not synced else contextlib.nullcontext():
+                    loss, scores = self._forward_loss(model, batch, chunk, normaliser, scale, excluded,
+                                                      len(chunks), mode, num_items_in_batch)
+                    if early:
+                        self._backward_early(loss, num_items_in_batch)
+                        loss = loss.detach()
+                if scores is not None:
                     parts.append(scores)
-                if early:
-                    self._backward_early(loss, num_items_in_batch)
-                    loss = loss.detach()
-            total = total + loss
+                total = total + loss
         return total, joined_scores(parts)
+
+    def _forward_loss(self, model, batch: ScoringBatch, chunk: ScoringBatch | None, normaliser, scale: int,
+                      excluded: int | None, forwards: int, mode: str, num_items_in_batch):
+        """One forward of ``_loss_in_forwards``: ``chunk``'s loss times ``scale`` plus its share (1 / ``forwards``)
+        of the weighted router loss, and its scores; for None, a forward that adds exactly zero (scores None)."""
+        if chunk is None:
+            return zero_forward_term(model, batch.input_ids[:1]), None
+        loss, scores = diffusion_loss(model, chunk, normaliser, self.spec.logits_shift, excluded, self.args.loss_type,
+                                      self.attention_backend, router_loss=self.aux_loss_enabled)
+        loss = loss * scale
+        if scores.aux_loss is not None:  # GRPO's rule for several forwards: their mean
+            loss = loss + self._weighted_aux_loss(scores.aux_loss, mode, num_items_in_batch is not None) / forwards
+        return loss, scores
 
     def _backward_early(self, loss: torch.Tensor, num_items_in_batch) -> None:
         """Back-propagate one forward's share of the micro-batch loss as ``Trainer.training_step`` back-propagates
@@ -633,19 +648,21 @@ class DiffusionSFTTrainer(SFTTrainer):
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
-    """``scoring_token_budget`` back-propagates several forwards per micro-batch. Refused where a backward does more
-    than accumulate gradients: DeepSpeed's (accelerate steps its engine with it), and the LOMO and layer-wise
-    (GaLore, APOLLO) optimizers' (they update the weights inside the backward)."""
-    if args.scoring_token_budget is None:
+    """``scoring_token_budget`` back-propagates several forwards per micro-batch (unless
+    ``recompute_scoring_forwards``: one backward). Refused where a backward does more than accumulate gradients:
+    DeepSpeed's (accelerate steps its engine with it), and the LOMO and layer-wise (GaLore, APOLLO) optimizers'
+    (they update the weights inside the backward)."""
+    if args.scoring_token_budget is None or args.recompute_scoring_forwards:
         return
     if deepspeed:
         raise ValueError("scoring_token_budget is not supported with DeepSpeed (accelerate's backward also steps the "
-                         "DeepSpeed engine, once per forward here); use DDP or FSDP, or lower "
-                         "per_device_train_batch_size instead.")
+                         "DeepSpeed engine, once per forward here); add recompute_scoring_forwards=True (one "
+                         "backward, ZeRO-1/2), use DDP or FSDP, or lower per_device_train_batch_size instead.")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim in ("lomo", "adalomo") or "layerwise" in optim:
         raise ValueError(f"scoring_token_budget is not supported with optim={optim!r} (it updates the weights inside "
-                         "each backward); choose another optimizer or lower per_device_train_batch_size instead.")
+                         "each backward); add recompute_scoring_forwards=True (one backward), choose another "
+                         "optimizer or lower per_device_train_batch_size instead.")
 
 
 def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:

@@ -351,6 +351,9 @@ class TraceRLConfig(GRPOConfig):
                                  f"{high}={getattr(self, high)}.")
         if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
             raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
+        if self.recompute_scoring_forwards and self.scoring_token_budget is None:
+            raise ValueError("recompute_scoring_forwards=True needs a scoring_token_budget: with one forward per "
+                             "micro-batch there is only one forward to hold.")
         if self.max_completion_length is None or self.max_completion_length <= 0:
             raise ValueError("max_completion_length must be a positive int (diffusion rollouts decode on a canvas of "
                              f"that many tokens), got {self.max_completion_length}.")

@@ -102,6 +102,9 @@ class DiffusionValueConfig(_BaseConfig):
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
         if self.scoring_token_budget is not None and self.scoring_token_budget <= 0:
             raise ValueError(f"scoring_token_budget must be positive (or None), got {self.scoring_token_budget}.")
+        if self.recompute_scoring_forwards and self.scoring_token_budget is None:
+            raise ValueError("recompute_scoring_forwards=True needs a scoring_token_budget: with one forward per "
+                             "micro-batch there is only one forward to hold.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
         if self.label_smoothing_factor:
