@@ -9,8 +9,11 @@ one packed row of ``prompt + L`` clean tokens plus L noisy copies of a 4-token b
 ``--family llada``: full attention, so a response is L / ``--shrinkage`` rows of ``prompt + L`` tokens, one per
 merged step (dLLM-RL's LLaDA / Dream rows), which ``scoring_token_budget`` groups into forwards.
 Each configuration runs in its own process. On the CPU the number is the growth of the process's peak resident
-set during the step (the kernel's high-water mark is reset just before it); on CUDA it is the allocator's peak
-above what was allocated before the step. Prints one JSON record per configuration, then a summary table::
+set during the step (the kernel's high-water mark is reset just before it), with glibc's mmap threshold fixed at
+128 KiB (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors go back to the system at once: by default glibc raises
+the threshold after the first large free and keeps later blocks in its heap, and the resident set then counts
+freed memory too (peaks up to ~2x; before 2026-12-04 the figures were taken that way). On CUDA it is the
+allocator's peak above what was allocated before the step. Prints one JSON record per configuration, then a summary table::
 
     python benchmarks/memory.py                        # CPU, L in 128 256 512 1024
     python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -98,6 +102,8 @@ def measured_step(device: str) -> Iterator[dict]:
     else:
         peak = _peak_rss_mb() - before
         method = "peak_rss_delta" if exact else "ru_maxrss_delta (peak not reset: includes start-up)"
+        if os.environ.get("MALLOC_MMAP_THRESHOLD_"):
+            method += f" (mmap threshold {os.environ['MALLOC_MMAP_THRESHOLD_']})"
     result.update(peak_mb=round(peak, 1), method=method, seconds=round(time.perf_counter() - start, 2))
 
 
@@ -229,10 +235,12 @@ def main() -> None:
         print(json.dumps(record))
         return
     records = []
+    # freed blocks back to the system at once, so that the resident set is live memory (see the module docstring)
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
     for length in args.lengths:
         for variant in args.variants:
             command = [sys.executable, __file__, "--one", variant, str(length), *shape]
-            done = subprocess.run(command, capture_output=True, text=True, check=True)
+            done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
             records.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(records[-1]), flush=True)
     table = {f"L={r['response_length']}": {} for r in records}
