@@ -13,7 +13,8 @@ set during the step (the kernel's high-water mark is reset just before it), with
 128 KiB (``MALLOC_MMAP_THRESHOLD_``) so that freed tensors go back to the system at once: by default glibc raises
 the threshold after the first large free and keeps later blocks in its heap, and the resident set then counts
 freed memory too (peaks up to ~2x; before 2026-12-04 the figures were taken that way). On CUDA it is the
-allocator's peak above what was allocated before the step. Prints one JSON record per configuration, then a summary table::
+allocator's peak above what was allocated before the step. Prints one JSON record per configuration, then a
+summary table::
 
     python benchmarks/memory.py                        # CPU, L in 128 256 512 1024
     python benchmarks/memory.py --lengths 128 256 --device cuda --hidden 1024 --layers 8
