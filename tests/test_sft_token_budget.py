@@ -60,18 +60,25 @@ def one_step(tmp_path, family, data, settings, budget):
     return logged, eval_loss, after - before, len(forwards), len(backbone)
 
 
+def assert_same_step(got, expected) -> None:
+    """``(logged metrics, eval loss, parameter change)`` of two runs equal: metrics and eval loss to 1e-5 relative,
+    the change to 1e-4 of its largest element (which must be non-zero)."""
+    (logged, eval_loss, step), (logged_expected, eval_expected, step_expected) = got, expected
+    for metric in METRICS:
+        assert logged[metric] == pytest.approx(logged_expected[metric], rel=1e-5), metric
+    assert eval_loss == pytest.approx(eval_expected, rel=1e-5)
+    largest = step_expected.abs().max()
+    assert largest > 1e-6
+    torch.testing.assert_close(step, step_expected, rtol=0, atol=1e-4 * float(largest))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_a_token_budget_gives_the_step_of_one_forward(tmp_path, name):
     family, data, settings = CASES[name]
     whole, whole_eval, step, whole_forwards, _ = one_step(tmp_path / "whole", family, data, settings, None)
     split, split_eval, split_step, split_forwards, _ = one_step(tmp_path / "split", family, data, settings, 40)
     assert whole_forwards == 2 and split_forwards > whole_forwards  # the budget really cut the micro-batches
-    for metric in METRICS:
-        assert split[metric] == pytest.approx(whole[metric], rel=1e-5), metric
-    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
-    largest = step.abs().max()
-    assert largest > 1e-6
-    torch.testing.assert_close(split_step, step, rtol=0, atol=1e-4 * float(largest))
+    assert_same_step((split, split_eval, split_step), (whole, whole_eval, step))
 
 
 @pytest.mark.parametrize("name", ["llada-semi-ar-row-masked", "dream-semi-ar-lora-checkpointing"])
@@ -85,12 +92,7 @@ def test_recomputed_forwards_give_the_step_of_one_forward(tmp_path, name):
     *_, budget_backbone = one_step(tmp_path / "budget", family, data, settings, 40)
     assert split_forwards > whole_forwards == 2
     assert backbone == 2 * budget_backbone  # each of the budget's forwards run again in the backward pass
-    for metric in METRICS:
-        assert split[metric] == pytest.approx(whole[metric], rel=1e-5), metric
-    assert split_eval == pytest.approx(whole_eval, rel=1e-5)
-    largest = step.abs().max()
-    assert largest > 1e-6
-    torch.testing.assert_close(split_step, step, rtol=0, atol=1e-4 * float(largest))
+    assert_same_step((split, split_eval, split_step), (whole, whole_eval, step))
 
 
 def test_split_rows_keeps_each_forward_within_the_budget():
