@@ -20,23 +20,27 @@
 #       pytest pluggy iniconfig math-verify==0.9.0 latex2sympy2_extended antlr4-python3-runtime==4.13.2
 # and send .whl along (the device tool's carry: [".whl"]). Then, from the project root:  bash scripts/gpu_check.sh
 #
+# GPU_CHECK_LOGS=DIR writes the logs to DIR and packs them into $OUT/gpu_check.tar.gz after every step: a run cut
+# short still brings back what it measured, and the device tool returns at most 8 files (use it there:
+# GPU_CHECK_LOGS=/tmp/gpu_logs bash scripts/gpu_check.sh). The step lines and the measured tables also go to stdout.
 # GPU_CHECK_TINY=1 runs the same steps on the CPU with the tiny presets (a dry run of this script, e.g. with
 # GPU_CHECK_BUDGET=300, and GPU_CHECK_LIMIT_SCALE=4 to multiply every step's limit on a slow or busy CPU; the gpu
-# tests skip there). The pytest steps continue past a test module that fails to
-# import (a package the GPU image lacks), so the gpu tests still run.
+# tests skip there). The pytest steps continue past a test module that fails to import (a package the GPU image
+# lacks), so the gpu tests still run.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
-mkdir -p "$OUT"
+LOGS="${GPU_CHECK_LOGS:-$OUT}"  # where the logs go; a folder other than $OUT is packed into $OUT after each step
+mkdir -p "$OUT" "$LOGS"
 START=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET:-540}  # seconds; a step that would start after this is skipped
 
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        > "$OUT/install.log" 2>&1 || echo "wheel install failed (see install.log)"
+        > "$LOGS/install.log" 2>&1 || echo "wheel install failed (see install.log)"
     export PYTHONPATH="/tmp/site:$PWD"
 else
-    echo "no .whl/ folder: using the image's packages" | tee "$OUT/install.log"
+    echo "no .whl/ folder: using the image's packages" | tee "$LOGS/install.log"
     export PYTHONPATH="$PWD"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -45,7 +49,8 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
     python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'trl', trl.__version__)"
     python3 -c "import pytest, math_verify; print('pytest', pytest.__version__, 'math_verify ok')"
-} > "$OUT/environment.txt" 2>&1
+} > "$LOGS/environment.txt" 2>&1
+cat "$LOGS/environment.txt"
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
     DEVICE=cpu SDAR=tiny LLADA=llada-tiny TRAIN=tiny PROBE=(--head_dims 16 --dtypes float32 --lengths 40 56)
@@ -60,29 +65,46 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
     local name=$1 limit=$(($2 * ${GPU_CHECK_LIMIT_SCALE:-1}))
     shift 2
     if [ "$(left)" -lt 30 ]; then
-        echo "$name: skipped (budget spent)" | tee -a "$OUT/summary.txt"
+        echo "$name: skipped (budget spent)" | tee -a "$LOGS/summary.txt"
         return
     fi
     [ "$limit" -gt "$(left)" ] && limit=$(left)
     local begin=$SECONDS
-    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-    echo "$name: exit $? after $((SECONDS - begin)) s (limit $limit s)" | tee -a "$OUT/summary.txt"
+    timeout "$limit" "$@" > "$LOGS/$name.log" 2>&1
+    echo "$name: exit $? after $((SECONDS - begin)) s (limit $limit s)" | tee -a "$LOGS/summary.txt"
+    pack
+}
+pack() {  # with GPU_CHECK_LOGS set: one archive and the summary in $OUT (the device tool brings back at most 8 files)
+    [ "$LOGS" = "$OUT" ] && return
+    tar czf "$OUT/gpu_check.tar.gz.part" -C "$LOGS" . && mv "$OUT/gpu_check.tar.gz.part" "$OUT/gpu_check.tar.gz"
+    cp "$LOGS/summary.txt" "$OUT/summary.txt" 2>/dev/null
 }
 
 step generation 140 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR
 step training_sdar4b 125 python3 benchmarks/training.py --preset $TRAIN --device $DEVICE --timeout 60 \
-    --profile --output "$OUT/training_sdar4b.json"
+    --profile --output "$LOGS/training_sdar4b.json"
 step gpu_graph_tests 50 python3 -m pytest -v -m gpu tests/test_static_cache.py -p no:cacheprovider \
-    --junitxml="$OUT/gpu_graph_tests.xml"
+    --junitxml="$LOGS/gpu_graph_tests.xml"
 # the other modules with gpu-marked tests (collecting the whole suite only to skip it cost ~10 s of the budget)
 GPU_TEST_FILES=$(grep -l "mark.gpu" tests/test_*.py | grep -v "tests/test_static_cache.py")
 # shellcheck disable=SC2086
 step gpu_tests 160 python3 -m pytest -v -m gpu $GPU_TEST_FILES -p no:cacheprovider \
-    --continue-on-collection-errors --durations=20 --junitxml="$OUT/gpu_tests.xml"
+    --continue-on-collection-errors --durations=20 --junitxml="$LOGS/gpu_tests.xml"
 step generation_llada 40 python3 benchmarks/generation.py --device $DEVICE --preset $LLADA
-step flex_probe 25 python3 scripts/flex_probe.py --device $DEVICE ${PROBE[@]+"${PROBE[@]}"} --output "$OUT/flex_probe.json"
+step flex_probe 25 python3 scripts/flex_probe.py --device $DEVICE ${PROBE[@]+"${PROBE[@]}"} --output "$LOGS/flex_probe.json"
 step memory_recompute 40 python3 benchmarks/memory.py --device $DEVICE --family llada --shrinkage 8 --batch 1 \
     "${MEMORY[@]}" --variants checkpointing budget_2048_recompute \
-    --output "$OUT/memory_recompute.json"
-tail -n 3 "$OUT/gpu_graph_tests.log" "$OUT/gpu_tests.log" >> "$OUT/summary.txt" 2>/dev/null
-echo "total: $((SECONDS - START)) s" | tee -a "$OUT/summary.txt"
+    --output "$LOGS/memory_recompute.json"
+tail -n 3 "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" >> "$LOGS/summary.txt" 2>/dev/null
+echo "total: $((SECONDS - START)) s" | tee -a "$LOGS/summary.txt"
+pack
+# the measured tables on stdout too (the device tool returns the output's tail even when files do not come back)
+for log in generation generation_llada; do
+    echo "== $log"; grep -h '^{"' "$LOGS/$log.log" 2>/dev/null | cut -c1-400
+done
+echo "== training"
+python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1])).get('table'), indent=0))" \
+    "$LOGS/training_sdar4b.json" 2>/dev/null | cut -c1-400
+echo "== gpu tests not passed"
+grep -h -E " (FAILED|ERROR)" "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" 2>/dev/null | cut -c1-300
+cat "$LOGS/summary.txt"
