@@ -118,8 +118,12 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
         if is_cuda:
             torch.cuda.synchronize()
 
+    warmup_seconds = []
     for _ in range(shape["warmup"]):  # compiles flex attention on CUDA
+        begin = time.perf_counter()
         step()
+        warmup_seconds.append(round(time.perf_counter() - begin, 2))
+        print(f"warm-up step: {warmup_seconds[-1]} s", file=sys.stderr, flush=True)  # kept by a timeout's record
     if is_cuda:
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
@@ -134,7 +138,7 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
               "prompt_length": prompt_len, "response_length": response, "scored_tokens": batch * response,
               "processed_tokens": processed, "parameters_without_input_embedding": parameters,
               "seconds_per_step": round(seconds, 4), "scored_tokens_per_s": round(batch * response / seconds, 1),
-              "processed_tokens_per_s": round(processed / seconds, 1)}
+              "processed_tokens_per_s": round(processed / seconds, 1), "warmup_seconds": warmup_seconds}
     if is_cuda:
         flops = 6 * parameters * processed
         record.update(model_flops_per_step=flops, mfu=round(flops / seconds / H200_BF16_PEAK_FLOPS, 4),
@@ -169,8 +173,10 @@ def run_one(mode: str, shrinkage: int, backend: str, shape: dict, device: str, t
     command = [sys.executable, __file__, "--one", json.dumps(spec)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "error": f"timeout {timeout}s"}
+    except subprocess.TimeoutExpired as expired:  # what it printed so far (the warm-up steps' times) says where
+        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
+        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "error": f"timeout {timeout}s",
+                "stderr_tail": (stderr or "").strip().splitlines()[-5:]}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
         return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend,

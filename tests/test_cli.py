@@ -158,6 +158,6 @@ def test_eval_cuda_graphs_flag_reaches_generate():
     (config,) = parser.parse_args_and_config(["--cuda_graphs", "auto"])
     assert config.generate_kwargs()["cuda_graphs"] == "auto"
     (config,) = parser.parse_args_and_config([])
-    assert "cuda_graphs" not in config.generate_kwargs()  # the model's generation_config, then "off"
+    assert "cuda_graphs" not in config.generate_kwargs()  # the model's generation_config, then "auto"
     with pytest.raises(SystemExit):
         parser.parse_args_and_config(["--cuda_graphs", "on"])

@@ -94,15 +94,22 @@ def test_per_row_peft_argument_errors():
         alora.generate(torch.tensor([[11, 12, 7, 8, 13]]), **settings)
 
 
-def test_mixed_adapters_refused_on_cuda_graphs(monkeypatch):
-    """The graph runners are chosen on CUDA only; here the choice is forced on the CPU, where the first forward
-    (eager in every runner, before any capture) raises."""
-    monkeypatch.setattr(sampler, "runner_class", lambda *args: cuda_graphs.ExactCacheGraphRunner)
+def test_mixed_adapters_decode_eagerly_under_cuda_graphs(monkeypatch):
+    """A mixed-adapter batch under ``cuda_graphs="auto"`` (the default) decodes eagerly: a captured step would keep
+    one batch's adapter names. The graph runners are chosen on CUDA only; here the choice is forced on the CPU. If
+    peft's hooks were missed, the first forward (eager in every runner, before any capture) raises instead."""
     wrapped = two_adapters(tiny_model("sdar"))
     ids, mask = left_pad(PROMPTS)
+    settings = dict(adapter_names=NAMES, max_new_tokens=8, block_length=4, denoising_steps=4, use_cache=True)
+    eager = wrapped.generate(ids, mask, cuda_graphs="off", **settings)
+    built, graph_runner_init = [], cuda_graphs.GraphRunner.__init__
+    monkeypatch.setattr(sampler, "runner_class", lambda *args: cuda_graphs.ExactCacheGraphRunner)
+    monkeypatch.setattr(cuda_graphs.GraphRunner, "__init__",
+                        lambda self, *args: built.append(type(self)) or graph_runner_init(self, *args))
+    assert torch.equal(wrapped.generate(ids, mask, **settings), eager) and built == []
+    monkeypatch.setattr(sampler, "per_row_adapter_names", lambda model: False)
     with pytest.raises(ValueError, match="cuda_graphs='off'"):
-        wrapped.generate(ids, mask, adapter_names=NAMES, max_new_tokens=8, block_length=4, denoising_steps=4,
-                         use_cache=True)
+        wrapped.generate(ids, mask, **settings)
 
 
 def score(completions, **kwargs):

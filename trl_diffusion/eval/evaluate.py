@@ -110,8 +110,9 @@ class EvalConfig:
     eps: float | None = _arg(None, "Dream: final mask ratio of the linspace schedule.")
     cfg_scale: float | None = _arg(None, "LLaDA classifier-free guidance scale.")
     cuda_graphs: str | None = _arg(None, "auto: on CUDA, replay the cached denoising steps as CUDA graphs (greedy "
-                                   "decoding only here: sampling shares one generator, which needs the eager loop); "
-                                   "off: eager (the default).", choices=["auto", "off"])
+                                   "decoding only here: sampling shares one generator, which needs the eager "
+                                   "loop; the default, after the model's generation config); off: eager.",
+                                   choices=["auto", "off"])
     math_grader: str = _arg("math_verify", "Math scoring: math_verify (the last \\boxed{}, else math-verify's own "
                             "extraction from the text, with the training reward's answer rules), math_verify_plain "
                             "(the same without them: math-verify's own comparison) or official (dLLM-RL's eval: "

@@ -222,7 +222,7 @@ class DiffusionGenerationMixin:
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", pad_token_id=_integer("pad_token_id", pad),
-            cuda_graphs=pick("cuda_graphs") or "off",
+            cuda_graphs=pick("cuda_graphs") or "auto",
         )
         return settings, bool(pick("return_dict_in_generate"))
 
@@ -283,10 +283,11 @@ class DiffusionGenerationMixin:
         consecutive rows; a generator list has one generator per returned row); ``synced_gpus`` (as in
         transformers: every process runs the same number of forwards, which FSDP and ZeRO-3 need; ``None``, the
         default, decides as transformers does); ``return_dict_in_generate`` to get
-        a ``DiffusionGenerationOutput`` with the trajectory; ``cuda_graphs`` (``"off"``, the default until it is
-        measured on a GPU: always eager; ``"auto"``: on CUDA, replay the denoising steps of SDAR's exact cache and
-        of LLaDA's / Dream's prefix and dual caches as CUDA graphs; SDAR-MoE and LLaDA-MoE decode eagerly, as
-        their expert dispatch depends on the data, and any other value is a ValueError for them).
+        a ``DiffusionGenerationOutput`` with the trajectory; ``cuda_graphs`` (``"auto"``, the default: on CUDA,
+        replay the denoising steps of SDAR's exact cache and of LLaDA's / Dream's prefix and dual caches as CUDA
+        graphs, and decode eagerly where a graph cannot apply: the CPU, no cache, a single shared generator with
+        sampling, classifier-free guidance, mixed-adapter batches, FSDP / ZeRO-3 forwards, SDAR-MoE and LLaDA-MoE,
+        whose expert dispatch depends on the data; ``"off"``: always eager; any other value is a ValueError).
 
         Sizes (``max_new_tokens``, ``block_length``, ``denoising_steps``, ``steps``, ``max_length``) and token ids
         are integers (Python, numpy, 0-d tensors; ``eos_token_id`` / ``stop_token_ids`` also lists or 1-d tensors);

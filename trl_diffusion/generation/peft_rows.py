@@ -7,6 +7,7 @@ peft's, gives each layer the names of the rows its forward actually holds."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,7 +33,7 @@ class WorkingRows:
             return None
         if len(names) != self.batch:
             raise ValueError(f"adapter_names has {len(names)} names for {self.batch} prompts; give one per prompt.")
-        if self.cuda_graphs:
+        if self.cuda_graphs:  # per_row_adapter_names missed peft's hooks (a peft version that sets them otherwise)
             raise ValueError("adapter_names (mixed-adapter batches) cannot be replayed as CUDA graphs; pass "
                              "cuda_graphs='off'.")
         names = [names[row] for row in self.rows]
@@ -53,6 +54,14 @@ def follow_working_rows(model: torch.nn.Module, batch: int, cuda_graphs: bool) -
     finally:
         for handle in handles:
             handle.remove()
+
+
+def per_row_adapter_names(model: torch.nn.Module) -> bool:
+    """Whether this call runs a mixed-adapter batch: ``PeftModel.generate(adapter_names=...)`` has hooked the names
+    into ``model``'s peft layers. A captured step would keep the first batch's names, so such a call decodes
+    eagerly."""
+    return any(isinstance(hook, functools.partial) and "adapter_names" in hook.keywords
+               for layer in _peft_layers(model) for hook in layer._forward_pre_hooks.values())
 
 
 def _peft_layers(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -14,7 +14,7 @@ from ..states import NOT_COMMITTED, CanvasLayout
 from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
-from .peft_rows import WorkingRows, follow_working_rows
+from .peft_rows import WorkingRows, follow_working_rows, per_row_adapter_names
 from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators
 
 logger = logging.get_logger(__name__)
@@ -59,7 +59,7 @@ class SamplingSettings:
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
     pad_token_id: int = 0
-    cuda_graphs: str = "off"
+    cuda_graphs: str = "auto"
 
     @property
     def draws_randomness(self) -> bool:
@@ -244,6 +244,10 @@ def diffusion_generate(
     if issubclass(runner_type, GraphRunner) and not cuda_graph_capturable(model):
         logger.info_once(f"cuda_graphs='auto': {type(model).__name__} decodes eagerly (its mixture-of-experts "
                          "dispatch depends on the data, which a CUDA graph cannot capture).")
+        runner_type = ModelRunner
+    if issubclass(runner_type, GraphRunner) and per_row_adapter_names(model):
+        logger.info_once("cuda_graphs='auto': a mixed-adapter batch (adapter_names) decodes eagerly (a captured step "
+                         "would keep one batch's adapter names).")
         runner_type = ModelRunner
     runner = runner_type(model, settings, state, block_causal)
     # one generator shared by the rows draws for every row of the batch: dropping rows would shift its stream

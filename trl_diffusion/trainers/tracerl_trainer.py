@@ -171,7 +171,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._rollout_cache = _rollout_cache(args.rollout_cache, base)
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
-        _check_rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
+        self._rollout_graphs = _rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
         _check_optimizer_reset(args, self.is_deepspeed_enabled)
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
                                   "recompute_scoring_forwards")
@@ -251,7 +251,7 @@ class TraceRLTrainer(GRPOTrainer):
                          else contextlib.nullcontext())
             with precision:
                 out = model.generate(prompt, prompt_mask, **self._rollout_sampler(),
-                                     cuda_graphs=self.args.rollout_cuda_graphs, return_dict_in_generate=True,
+                                     cuda_graphs=self._rollout_graphs, return_dict_in_generate=True,
                                      generator=generator)
         width = prompt.shape[1]
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
@@ -1143,13 +1143,16 @@ def _rollout_cache(value: bool | str, base) -> bool | str:
     return value
 
 
-def _check_rollout_cuda_graphs(args: TraceRLConfig, fsdp: bool, zero_stage: int | None) -> None:
-    """CUDA-graph rollouts replay the forward as captured; FSDP and DeepSpeed ZeRO-3 gather parameters inside it
-    (hooks, communication), which a capture cannot hold."""
+def _rollout_cuda_graphs(args: TraceRLConfig, fsdp: bool, zero_stage: int | None) -> str:
+    """The rollouts' ``cuda_graphs``: the config's, except that FSDP and DeepSpeed ZeRO-3 decode eagerly. They
+    gather parameters inside the forward (hooks, communication, memory freed after it), which a capture cannot
+    hold, also with one process."""
     if args.rollout_cuda_graphs == "auto" and (fsdp or zero_stage == 3):
-        raise ValueError(f"rollout_cuda_graphs='auto' cannot be used with {'FSDP' if fsdp else 'DeepSpeed ZeRO-3'}: "
-                         "its parameter gathering inside the forward cannot be captured in a CUDA graph. Set "
-                         "rollout_cuda_graphs='off'.")
+        setup = "FSDP" if fsdp else "DeepSpeed ZeRO-3"
+        logger.info(f"rollout_cuda_graphs='auto': rollouts decode eagerly under {setup} (its parameter gathering "
+                    "inside the forward cannot be captured in a CUDA graph).")
+        return "off"
+    return args.rollout_cuda_graphs
 
 
 def _check_optimizer_reset(args: TraceRLConfig, deepspeed: bool) -> None:
