@@ -31,6 +31,7 @@ uncached rows. ``peak_memory_mb`` is each call's own peak on CUDA, the process's
     python benchmarks/generation.py --preset tiny                     # the same table on a tiny model
     python benchmarks/generation.py --device cuda --preset llada-1.6b # LLaDA: no cache, prefix, dual
     python benchmarks/generation.py --count_ops                       # torch ops per cached SDAR token (cpu model)
+    python benchmarks/generation.py --device cuda --profile           # where a cached step's time goes (kernels)
 """
 
 from __future__ import annotations
@@ -38,9 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import profile_call  # noqa: E402  (benchmarks/ is not a package)
 
 from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM
 from trl_diffusion.testing import tiny_model
@@ -234,6 +240,34 @@ def rollout_table(args, device: torch.device) -> None:
     print(json.dumps(summary, indent=1))
 
 
+def profile_table(args, device: torch.device, blocks: int = 2) -> None:
+    """Where a cached decoding step's time goes, for a rollout preset's model at its smallest and largest batch:
+    the top operators (device time on CUDA: the kernels by name, which also says which attention kernel SDPA
+    chose) and the device kernels per forward, from one eager call of ``blocks`` blocks (a replayed CUDA graph runs
+    the same kernels, launched at once)."""
+    table = TABLES[args.preset]
+    config = table["config"]
+    model = build_model(table["family"], config, device)
+    settings = dict(max_new_tokens=blocks * table["block"], block_length=table["block"],
+                    denoising_steps=table["steps"], stop_token_ids=[], return_dict_in_generate=True,
+                    use_cache=table["caches"][0], cuda_graphs="off", temperature=0.0)
+    for batch in sorted({min(table["batches"]), max(table["batches"])}):
+        prompt = torch.randint(10, config["mask_token_id"] - 1, (batch, table["prompt"]), device=device,
+                               generator=torch.Generator(device=device).manual_seed(batch))
+        model.generate(prompt, **settings)  # warm-up
+        out = {}
+
+        def call(prompt=prompt, out=out):
+            out["generated"] = model.generate(prompt, **settings)
+
+        operators, kernels = profile_call(call, device.type == "cuda", top=25)
+        forwards = out["generated"].num_forward_passes
+        per_forward = None if kernels is None else round(kernels / forwards)
+        cache = cache_name(settings["use_cache"])
+        print(json.dumps({"profile": {"preset": args.preset, "batch": batch, "cache": cache, "forwards": forwards,
+                                      "kernels_per_forward": per_forward, "top": operators}}), flush=True)
+
+
 def rollout_sampling(sampling: str, batch: int) -> dict:
     """``generate()`` arguments of a row's sampling: ``greedy`` (the issue's table), or ``rollout``, as TraceRL's
     rollouts sample (temperature 1, one CPU generator per row, whose uniforms are drawn on the host and copied to
@@ -260,6 +294,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128, help="cpu preset")
     parser.add_argument("--batch_sizes", nargs=2, type=int, default=[1, 16], help="cpu preset: batching ratio")
     parser.add_argument("--batch_sizes_table", nargs="+", type=int, help="rollout table presets: batch sizes")
+    parser.add_argument("--profile", action="store_true",
+                        help="rollout table presets: profile eager cached steps at the smallest and largest batch "
+                             "(top operators, kernels per forward) instead of the table")
     parser.add_argument("--count_ops", action="store_true",
                         help="print the torch operations per cached SDAR token (cpu preset's model) and stop")
     args = parser.parse_args()
@@ -268,6 +305,8 @@ def main() -> None:
     torch.manual_seed(0)
     if args.count_ops:
         count_ops(args, device)
+    elif args.profile and args.preset != "cpu":
+        profile_table(args, device)
     elif args.preset == "cpu":
         cpu_grid(args, device)
     else:

@@ -39,6 +39,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profiling import profile_call  # noqa: E402  (benchmarks/ is not a package)
+
 H200_BF16_PEAK_FLOPS = 790e12
 """Dense bf16 matmul throughput measured on one H200 (the MFU denominator)."""
 
@@ -148,21 +151,8 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
     else:
         record["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     if profile:
-        record["profile"] = profile_step(step, is_cuda)
+        record["profile"] = profile_call(step, is_cuda)[0]
     return record
-
-
-def profile_step(step, is_cuda: bool, top: int = 20) -> list[dict]:
-    """The operators with the most self time (device time on CUDA) in one call of ``step``."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if is_cuda else [ProfilerActivity.CPU]
-    with torch_profile(activities=activities) as prof:
-        step()
-    key = "self_device_time_total" if is_cuda else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:top]
-    return [{"name": e.key[:100], "self_ms": round(getattr(e, key, 0) / 1000, 2), "calls": e.count} for e in events]
 
 
 def run_one(mode: str, shrinkage: int, backend: str, shape: dict, device: str, timeout: float,

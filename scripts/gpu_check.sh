@@ -3,6 +3,7 @@
 # own time limit, writing logs and JSON to $OUT (default ./gpu_out). In order of priority:
 #   1. generation benchmark:   the SDAR-4B rollout table (issue 13's targets)   -> generation.log
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side (MFU) -> training_sdar4b.json
+#   2b. generation profile:    the kernels of an eager cached SDAR-4B step, batch 1 and 128 -> generation_profile.log
 #   3. the GPU tests:          pytest -m gpu, CUDA-graph decoding first, then every other gpu-marked test; -v, so a
 #                              log cut by its limit still names each result -> gpu_graph_tests.log, gpu_tests.log
 #   4. generation benchmark:   the LLaDA-1.6B table (no cache, prefix, dual)    -> generation_llada.log
@@ -14,7 +15,7 @@
 # configuration did not finish its first (compiling) step within 60 s, SDPA took ~35 s; the CUDA-graph tests 18 s;
 # the other gpu tests 215 s (72 s of it compiling flex for the first test); steps 4-6 needed more than 40 / 25 /
 # 40 s. All six do not fit one 10-minute device call: run them as two calls on the same warm machine, e.g.
-#   GPU_CHECK_STEPS="generation training_sdar4b gpu_graph_tests" bash scripts/gpu_check.sh
+#   GPU_CHECK_STEPS="generation training_sdar4b generation_profile gpu_graph_tests" bash scripts/gpu_check.sh
 #   GPU_CHECK_STEPS="gpu_tests generation_llada flex_probe memory_recompute" bash scripts/gpu_check.sh
 # (GPU_CHECK_STEPS: the steps to run, by name; default all). GPU_CHECK_PYTEST_K="expression" runs only the gpu
 # tests pytest's -k selects (e.g. "compiled_flex").
@@ -90,6 +91,7 @@ pack() {  # with GPU_CHECK_LOGS set: one archive and the summary in $OUT (the de
 step generation 150 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR
 step training_sdar4b 300 python3 benchmarks/training.py --preset $TRAIN --device $DEVICE --timeout 200 \
     --profile --output "$LOGS/training_sdar4b.json"
+step generation_profile 60 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR --profile
 step gpu_graph_tests 40 python3 -m pytest -v -m gpu tests/test_static_cache.py -p no:cacheprovider \
     --junitxml="$LOGS/gpu_graph_tests.xml"
 # the other modules with gpu-marked tests (collecting the whole suite only to skip it cost ~10 s of the budget)
@@ -108,7 +110,7 @@ tail -n 3 "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" >> "$LOGS/summary.tx
 echo "total: $((SECONDS - START)) s" | tee -a "$LOGS/summary.txt"
 pack
 # the measured tables on stdout too (the device tool returns the output's tail even when files do not come back)
-for log in generation generation_llada; do
+for log in generation generation_llada generation_profile; do
     echo "== $log"; grep -h '^{"' "$LOGS/$log.log" 2>/dev/null | cut -c1-400
 done
 echo "== training"

@@ -51,3 +51,18 @@ def test_generation_presets_have_the_stated_sizes():
         assert model.dtype == torch.float32  # bf16 is for CUDA only
     assert 4.4e9 < sizes["sdar-4b"] < 4.5e9
     assert 1.6e9 < sizes["llada-1.6b"] < 1.7e9
+
+
+def test_profile_reports_where_a_cached_step_spends_its_time(capsys):
+    """``--profile``: one record per batch (the preset's smallest and largest) with the forwards of a two-block
+    eager call and its top operators; the kernel count is CUDA's only."""
+    bench = load_generation_benchmark()
+    bench.profile_table(argparse.Namespace(preset="tiny"), torch.device("cpu"))
+    records = [json.loads(line)["profile"] for line in capsys.readouterr().out.splitlines()
+               if line.startswith('{"profile"')]
+    table = bench.TABLES["tiny"]
+    assert [r["batch"] for r in records] == [min(table["batches"]), max(table["batches"])]
+    for r in records:
+        assert r["cache"] == "exact" and r["kernels_per_forward"] is None
+        assert r["forwards"] == 2 * table["block"] + 1  # one token per step, and the prompt's prefill
+        assert any(op["name"] == "aten::mm" and op["calls"] > 0 for op in r["top"])

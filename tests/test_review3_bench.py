@@ -125,8 +125,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    steps = ["generation", "training_sdar4b", "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe",
-             "memory_recompute"]
+    steps = ["generation", "training_sdar4b", "generation_profile", "gpu_graph_tests", "gpu_tests", "generation_llada",
+             "flex_probe", "memory_recompute"]
     assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
     assert summary.count(": exit 0 ") == len(steps), summary
     for log in ("gpu_graph_tests", "gpu_tests"):
@@ -138,6 +138,9 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     assert all(r["family"] == "llada" and r["rows"] == 4 for r in memory)  # 32 tokens, 8 merged steps a row
     probe = json.loads((tmp_path / "flex_probe.json").read_text())
     assert probe and all("length_40" in r for r in probe)
+    profiles = [json.loads(line)["profile"] for line in (tmp_path / "generation_profile.log").read_text().splitlines()
+                if line.startswith('{"profile"')]
+    assert [p["batch"] for p in profiles] == [1, 8] and all(p["top"] for p in profiles)
     for log in ("generation", "generation_llada"):
         rows = [json.loads(line) for line in (tmp_path / f"{log}.log").read_text().splitlines()
                 if line.startswith('{"')]
