@@ -311,7 +311,7 @@ def _release_rotary(x, positions, theta, full_precision):
 def test_norm_and_rotary_equal_the_releases_formulas(dtype):
     """``rms_norm`` (one ``F.rms_norm`` call) and ``apply_rotary`` (a roll and a signed sin table) compute exactly the
     releases' arithmetic; only the number of operations changed. Checked at far positions, where RoPE errors show."""
-    from trl_diffusion.models.common import apply_rotary, rms_norm, rotary_cos_sin
+    from trl_diffusion.models.common import RotaryTables, apply_rotary, rms_norm, rotary_cos_sin
 
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(2, 5, 64, generator=g)).to(dtype)
@@ -324,7 +324,7 @@ def test_norm_and_rotary_equal_the_releases_formulas(dtype):
     positions = torch.tensor([[0, 1, 2, 3, 4], [1000, 1001, 1002, 2040, 4095]])
     cos, signed_sin = rotary_cos_sin(positions, 32, 10000.0)
     for full_precision in (False, True):
-        rq, rk = apply_rotary(q, k, cos, signed_sin, full_precision)
+        rq, rk = apply_rotary(q, k, RotaryTables(cos, signed_sin), full_precision)
         torch.testing.assert_close(rq, _release_rotary(q, positions, 10000.0, full_precision), **tol)
         torch.testing.assert_close(rk, _release_rotary(k, positions, 10000.0, full_precision), **tol)
 
@@ -387,3 +387,46 @@ def test_trl_create_model_from_path(family, tmp_path):
 
     tiny_model(family).save_pretrained(tmp_path)
     assert type(create_model_from_path(str(tmp_path))) is type(tiny_model(family))
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_rotary_tables_cast_once_per_forward(family, autocast, monkeypatch):
+    """The rotary tables are cast to the dtype q/k rotate in once per forward, not in every layer: the same logits
+    bit for bit as casting them in each layer (bf16 weights, or float32 weights under bf16 autocast, where SDAR's
+    q/k norms give float32 q/k), and two casts fewer per layer in a bf16 forward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trl_diffusion.models import common
+
+    class CountCasts(TorchDispatchMode):
+        casts = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.casts += func.overloadpacket.__name__ == "_to_copy"
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model(family).eval()
+    if not autocast:
+        model = model.to(torch.bfloat16)
+    ids = torch.randint(4, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def logits_and_casts():
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16, enabled=autocast), CountCasts() as counter:
+            return model(ids).logits, counter.casts
+
+    once, casts = logits_and_casts()
+
+    class CastEveryTime(common.RotaryTables):  # what every layer did before
+        def cast(self, dtype):
+            cos, signed_sin = self._tables[torch.float32]
+            return cos.to(dtype), signed_sin.to(dtype)
+
+    monkeypatch.setattr(common, "RotaryTables", CastEveryTime)
+    every_layer, casts_every_layer = logits_and_casts()
+    assert torch.equal(once, every_layer)
+    layers = model.config.n_layers if family == "llada" else model.config.num_hidden_layers
+    full_precision = getattr(model.config, "rope_full_precision", False)
+    if not autocast and not full_precision:
+        assert casts_every_layer - casts == 2 * (layers - 1)
+    else:  # fp32 tables (LLaDA) or fp32 q/k: nothing to cast, either way
+        assert casts_every_layer >= casts

@@ -184,19 +184,35 @@ def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> t
     return torch.cat([cos, cos], dim=-1), torch.cat([-sin, sin], dim=-1)
 
 
+class RotaryTables:
+    """One forward's fp32 rotary tables (``rotary_cos_sin``), shared by every layer, and their casts to the dtypes
+    the layers rotate in, each made once (two kernels per layer saved in a bf16 forward, where a layer would cast
+    them itself)."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self._tables = {cos.dtype: (cos, signed_sin)}
+
+    def cast(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype not in self._tables:
+            cos, signed_sin = self._tables[torch.float32]
+            self._tables[dtype] = (cos.to(dtype), signed_sin.to(dtype))
+        return self._tables[dtype]
+
+
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, full_precision: bool
+    q: torch.Tensor, k: torch.Tensor, rope: RotaryTables, full_precision: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q``/``k`` ``[B, H, L, D]`` with ``rotary_cos_sin``'s tables: ``x * cos + rotate_half(x) * sin``.
+    """Rotate ``q``/``k`` ``[B, H, L, D]`` with the forward's tables: ``x * cos + rotate_half(x) * sin``.
     ``full_precision`` rotates in fp32 (LLaDA); otherwise the tables are cast to the activation dtype and the
     rotation runs in it (SDAR, Dream)."""
     half = q.shape[-1] // 2
     if full_precision:
         dtype = q.dtype
+        cos, signed_sin = rope.cast(torch.float32)
         q32, k32 = cast(q, torch.float32), cast(k, torch.float32)
         return (cast(q32 * cos + q32.roll(half, -1) * signed_sin, dtype),
                 cast(k32 * cos + k32.roll(half, -1) * signed_sin, dtype))
-    cos, signed_sin = cast(cos, q.dtype), cast(signed_sin, q.dtype)
+    cos, signed_sin = rope.cast(q.dtype)
     return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
 
 
@@ -355,7 +371,7 @@ class QwenStyleAttention(nn.Module):
         # OLMoE's clip_qkv (LLaDA-MoE's config has it): q, k (after their norms) and v clamped to [-clip, clip]
         self.clip_qkv = getattr(config, "clip_qkv", None)
 
-    def forward(self, x, cos, sin, mask, cache, store):
+    def forward(self, x, rope, mask, cache, store):
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
@@ -364,7 +380,7 @@ class QwenStyleAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), cos, sin, full_precision=False)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), rope, full_precision=False)
         dropout = self.dropout if self.training else 0.0
         out = attend(q, k, v, mask, self.layer_idx, cache, store, dropout)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
@@ -403,10 +419,10 @@ class QwenStyleDecoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = QwenStyleMLP(config) if mlp is None else mlp
 
-    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False, output_router_logits: bool = False):
+    def forward(self, hidden_states, rope, mask, cache=None, store=False, output_router_logits: bool = False):
         """The layer's output; with ``output_router_logits`` (a mixture-of-experts backbone collecting them),
         ``(output, router_logits)`` (see ``mlp_output``)."""
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
         out, router_logits = mlp_output(self.mlp, self.post_attention_layernorm(h), output_router_logits)
         return (h + out, router_logits) if output_router_logits else h + out
 
@@ -577,16 +593,16 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
     )
     if embed_dropout is not None:
         hidden = embed_dropout(hidden)
-    cos, sin = rotary_cos_sin(position_ids, head_dim, model.config.rope_theta)
+    rope = RotaryTables(*rotary_cos_sin(position_ids, head_dim, model.config.rope_theta))
     all_hidden = [] if output_hidden_states else None
     routers = [] if router_logits else None
     for layer in layers:
         if all_hidden is not None:
             all_hidden.append(hidden)
         if routers is None:
-            hidden = layer(hidden, cos, sin, mask, cache, store_kv)
+            hidden = layer(hidden, rope, mask, cache, store_kv)
             continue
-        hidden, logits = layer(hidden, cos, sin, mask, cache, store_kv, output_router_logits=True)
+        hidden, logits = layer(hidden, rope, mask, cache, store_kv, output_router_logits=True)
         if logits is not None:
             routers.append(logits)
     hidden = final_norm(hidden)

@@ -93,13 +93,13 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         self.ff_out = nn.Linear(hidden, d, bias=config.include_bias)
         self.residual_dropout = nn.Dropout(config.residual_dropout)
 
-    def forward(self, x, cos, sin, mask, cache=None, store=False):
+    def forward(self, x, rope, mask, cache=None, store=False):
         b, n, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin, full_precision=self.rope_full_precision)
+        q, k = apply_rotary(q, k, rope, full_precision=self.rope_full_precision)
         dropout = self.dropout if self.training else 0.0
         att = attend(q, k, v, mask, self.layer_idx, cache, store, dropout).transpose(1, 2).reshape(b, n, -1)
         x = x + self.residual_dropout(self.attn_out(att))

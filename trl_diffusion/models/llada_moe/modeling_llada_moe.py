@@ -56,10 +56,10 @@ class LLaDAMoEDecoderLayer(QwenStyleDecoderLayer):
         shared = config.shared_expert_intermediate_size
         self.shared_expert = SwiGLUMLP(hidden, shared) if sparse and shared is not None else None
 
-    def forward(self, hidden_states, cos, sin, mask, cache=None, store=False, output_router_logits: bool = False):
+    def forward(self, hidden_states, rope, mask, cache=None, store=False, output_router_logits: bool = False):
         """The layer's output; with ``output_router_logits``, ``(output, router_logits)`` (None for a dense
         layer)."""
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), cos, sin, mask, cache, store)
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
         normed = self.post_attention_layernorm(h)
         out, router_logits = mlp_output(self.mlp, normed, output_router_logits)
         if self.shared_expert is not None:
