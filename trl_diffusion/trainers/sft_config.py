@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
+from ..checkpointing_default import CheckpointingDefault
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -28,7 +29,7 @@ NONE_STRINGS = ("None", "none")
 
 
 @dataclass
-class DiffusionSFTConfig(SFTConfig):
+class DiffusionSFTConfig(CheckpointingDefault, SFTConfig):
     """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
     [`trl.SFTConfig`] field keeps its meaning.
 
