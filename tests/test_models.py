@@ -430,3 +430,42 @@ def test_rotary_tables_cast_once_per_forward(family, autocast, monkeypatch):
         assert casts_every_layer - casts == 2 * (layers - 1)
     else:  # fp32 tables (LLaDA) or fp32 q/k: nothing to cast, either way
         assert casts_every_layer >= casts
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "float", "broadcast_rows"])
+def test_grouped_query_attention_folds_the_heads_exactly(mask_kind):
+    """Decoding over a KV cache folds each key/value head's query heads into the query length: the same attention
+    as SDPA with ``enable_gqa`` (float64, to rounding), for no mask, a boolean or additive ``[B, 1, Q, K]`` mask,
+    and one shared by the batch; padded keys stay unseen."""
+    from trl_diffusion.models.common import grouped_query_attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 8, 4, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(3, 2, 10, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    visible = torch.rand(3, 1, 4, 10, generator=g) < 0.7
+    visible[..., 0] = True  # every query sees a key
+    mask = {"none": None, "bool": visible, "float": torch.zeros(visible.shape, dtype=torch.float64).masked_fill(
+        ~visible, float("-inf")), "broadcast_rows": visible[:1]}[mask_kind]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(grouped_query_attention(q, k, v, mask), expected, rtol=1e-12, atol=1e-12)
+    if mask_kind == "bool":  # a wrong fold (heads matched to the wrong key/value head, or the mask's rows) shows
+        wrong = torch.nn.functional.scaled_dot_product_attention(q, k.flip(1), v.flip(1), attn_mask=mask,
+                                                                 enable_gqa=True)
+        assert not torch.allclose(grouped_query_attention(q, k, v, mask), wrong)
+
+
+def test_cached_decoding_uses_the_folded_heads(monkeypatch):
+    """SDAR's cached forwards (grouped-query heads) attend through ``grouped_query_attention``; a forward without a
+    cache (training, scoring) does not."""
+    from trl_diffusion.models import common
+
+    calls = []
+    fold = common.grouped_query_attention
+    monkeypatch.setattr(common, "grouped_query_attention", lambda *a: calls.append(1) or fold(*a))
+    model = tiny_model("sdar").eval()
+    assert model.config.num_attention_heads != model.config.num_key_value_heads
+    ids = torch.tensor([[11, 12, 13, 14, 15]])
+    model(ids)
+    assert calls == []
+    model.generate(ids, max_new_tokens=4, use_cache=True)
+    assert len(calls) >= model.config.num_hidden_layers

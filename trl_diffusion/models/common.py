@@ -236,6 +236,9 @@ def attend(
     if cache is not None:
         k, v = cache.update(layer_idx, k, v, store)
     gqa = q.shape[1] != k.shape[1]
+    shared_mask = mask is None or not is_block_mask(mask) and mask.dim() == 4 and mask.shape[1] == 1
+    if cache is not None and gqa and shared_mask:  # decoding over a cache: see grouped_query_attention
+        return grouped_query_attention(q, k, v, mask, dropout)
     if is_block_mask(mask):
         if dropout:
             raise ValueError("flex attention has no attention dropout; set attention_dropout to 0 or use "
@@ -243,6 +246,23 @@ def attend(
         return flex_attention_kernel(q.device)(q, k, v, block_mask=mask, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False,
                                           enable_gqa=gqa)
+
+
+def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                            dropout: float = 0.0) -> torch.Tensor:
+    """SDPA of ``q`` ``[B, H, Q, D]`` over fewer key/value heads ``[B, KV, K, D]`` (a KV cache's read window) with
+    each key/value head's ``H / KV`` query heads folded into the query length, ``[B, KV, H / KV * Q, D]``: the same
+    attention, with the cached keys read once per key/value head and never copied. SDPA's ``enable_gqa`` runs only
+    on its flash and math kernels on CUDA (torch's documentation), flash takes no mask, and the math kernel copies
+    every cached key and value ``H / KV`` times in every layer and step, a cost that grows with batch x cache
+    length. ``mask``: None, or ``[B or 1, 1, Q, K]`` (shared by the heads), repeated over the folded rows."""
+    b, heads, n, d = q.shape
+    group = heads // k.shape[1]
+    folded = q.reshape(b, k.shape[1], group * n, d)
+    if mask is not None:
+        mask = mask.expand(mask.shape[0], 1, n, mask.shape[-1]).repeat(1, 1, group, 1)
+    out = F.scaled_dot_product_attention(folded, k, v, attn_mask=mask, dropout_p=dropout, is_causal=False)
+    return out.reshape(b, heads, n, d)
 
 
 def is_block_mask(mask) -> bool:
