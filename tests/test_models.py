@@ -469,3 +469,28 @@ def test_cached_decoding_uses_the_folded_heads(monkeypatch):
     assert calls == []
     model.generate(ids, max_new_tokens=4, use_cache=True)
     assert len(calls) >= model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rms_norm_of_half_inputs_computes_in_float32(dtype):
+    """``rms_norm`` hands half-precision inputs to ``F.rms_norm`` as they are: it must give the same bits, values and
+    gradients, as casting them to float32 and back around the call (the releases' arithmetic), which torch does
+    inside the call."""
+    import torch.nn.functional as F
+
+    from trl_diffusion.models.common import rms_norm
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(2, 37, 256), (3, 5, 8, 64), (1, 2052, 128)]:
+        x0 = (3 * torch.randn(*shape, generator=g)).to(dtype)
+        w0 = (0.5 + torch.rand(shape[-1], generator=g)).to(dtype)
+        upstream = torch.randn(*shape, generator=g).to(dtype)
+        results = []
+        for norm in (lambda x, w: rms_norm(x, w, 1e-6),
+                     lambda x, w: w * F.rms_norm(x.float(), x.shape[-1:], eps=1e-6).to(dtype)):
+            x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+            out = norm(x, w)
+            (out * upstream).sum().backward()
+            results.append((out, x.grad, w.grad))
+        assert results[0][0].dtype == dtype
+        assert all(torch.equal(a, b) for a, b in zip(*results))
