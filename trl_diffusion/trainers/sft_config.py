@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
-from ..checkpointing_default import CheckpointingDefault
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -29,7 +28,7 @@ NONE_STRINGS = ("None", "none")
 
 
 @dataclass
-class DiffusionSFTConfig(CheckpointingDefault, SFTConfig):
+class DiffusionSFTConfig(SFTConfig):
     """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
     [`trl.SFTConfig`] field keeps its meaning.
 

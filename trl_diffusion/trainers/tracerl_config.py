@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 from trl import GRPOConfig
 
-from ..checkpointing_default import CheckpointingDefault
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES
 from ..states import (
@@ -30,7 +29,7 @@ LOSS_TYPES = ("tracerl", *GRPO_LOSS_TYPES)
 
 
 @dataclass
-class TraceRLConfig(CheckpointingDefault, GRPOConfig):
+class TraceRLConfig(GRPOConfig):
     r"""Configuration for [`TraceRLTrainer`]: every [`~trl.GRPOConfig`] field keeps its meaning (rewards,
     advantages, `loss_type`, clipping, `beta`, `num_iterations`, logging, ...). Added:
 

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
-from ..checkpointing_default import CheckpointingDefault
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -18,7 +17,7 @@ from ..states import (
 
 
 @dataclass
-class DiffusionValueConfig(CheckpointingDefault, _BaseConfig):
+class DiffusionValueConfig(_BaseConfig):
     r"""Configuration for [`DiffusionValueTrainer`], which fits a [`DiffusionValueModel`] on stored trajectories.
     Every [`~transformers.TrainingArguments`] field keeps its meaning (TRL's defaults for logging and precision).
 
