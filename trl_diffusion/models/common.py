@@ -253,10 +253,11 @@ def grouped_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m
                             dropout: float = 0.0) -> torch.Tensor:
     """SDPA of ``q`` ``[B, H, Q, D]`` over fewer key/value heads ``[B, KV, K, D]`` (a KV cache's read window) with
     each key/value head's ``H / KV`` query heads folded into the query length, ``[B, KV, H / KV * Q, D]``: the same
-    attention, with the cached keys read once per key/value head and never copied. SDPA's ``enable_gqa`` runs only
-    on its flash and math kernels on CUDA (torch's documentation), flash takes no mask, and the math kernel copies
-    every cached key and value ``H / KV`` times in every layer and step, a cost that grows with batch x cache
-    length. ``mask``: None, or ``[B or 1, 1, Q, K]`` (shared by the heads), repeated over the folded rows."""
+    attention, with the cached keys read once per key/value head and never copied, whatever kernel SDPA picks.
+    By torch's documentation ``enable_gqa`` runs only on the flash and math kernels on CUDA (cuDNN took it in the
+    H200 training profile, torch 2.11), flash takes no mask, and the math kernel copies every cached key and value
+    ``H / KV`` times in every layer and step, a cost that grows with batch x cache length. ``mask``: None, or
+    ``[B or 1, 1, Q, K]`` (shared by the heads), repeated over the folded rows."""
     b, heads, n, d = q.shape
     group = heads // k.shape[1]
     folded = q.reshape(b, k.shape[1], group * n, d)
