@@ -261,7 +261,6 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
     any forward.
     """
     seeds = [int(s) for s in seeds.tolist()]
-    generators = [torch.Generator().manual_seed(s) for s in seeds]
     width, device = committed.shape[1], committed.device
     out = {"masked": None, "t": None, "prompt_noise": None, "scored": committed, "row": None}
     if settings.name in MULTI_MASK_ESTIMATORS:
@@ -278,6 +277,7 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
         else:
             out["scored"], out["row"] = live, torch.where(live, 2 * index + (~masked).long(), -1)
     elif settings.name == "coupled":  # t first, then column j's draw: the j-th after it, for any width
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
         low, high = settings.coupled_low, settings.coupled_high
         t = torch.stack([low + (high - low) * torch.rand((), generator=g) for g in generators])
         draws = torch.stack([torch.rand(width, generator=g) for g in generators])
@@ -285,6 +285,7 @@ def draw_masks(settings: EstimatorSettings, committed: torch.Tensor, seeds: torc
         out["masked"] = (draws < t[:, None]).to(device) & committed
     elif settings.name == "mean_field":
         # prompts are left-padded: the draws are laid out from the prompt's end, so padding only adds draws in front
+        generators = [torch.Generator().manual_seed(s) for s in seeds]
         noise = torch.stack([torch.rand(prompt_width, generator=g).flip(0) for g in generators])
         out["prompt_noise"] = (noise < settings.prompt_mask_prob).to(device)
     return out
