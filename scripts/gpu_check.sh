@@ -18,7 +18,9 @@
 #   GPU_CHECK_STEPS="generation training_sdar4b generation_profile gpu_graph_tests" bash scripts/gpu_check.sh
 #   GPU_CHECK_STEPS="gpu_tests generation_llada flex_probe memory_recompute" bash scripts/gpu_check.sh
 # (GPU_CHECK_STEPS: the steps to run, by name; default all). GPU_CHECK_PYTEST_K="expression" runs only the gpu
-# tests pytest's -k selects (e.g. "compiled_flex").
+# tests pytest's -k selects (e.g. "compiled_flex"). A session's 15 minutes of device time (the machine's start
+# included) hold the first call and about 4 minutes of the second: give that one GPU_CHECK_BUDGET=220, or select
+# fewer steps or tests.
 #
 # Before (on a machine with network, in the project root): bash <shared>/gpu/wheels.sh .whl
 # (the wheels of transformers / trl / datasets the project pins; keep .whl/ out of git), plus the pure-Python wheels
