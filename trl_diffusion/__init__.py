@@ -13,6 +13,7 @@ from .models import (
     SDARMoeConfig,
     SDARMoeForCausalLM,
     register_models,
+    set_fused_kernels,
 )
 
 register_models()
@@ -42,4 +43,5 @@ __all__ = [
     "TraceRLConfig",
     "TraceRLTrainer",
     "register_models",
+    "set_fused_kernels",
 ]

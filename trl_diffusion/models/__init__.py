@@ -6,6 +6,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from .cache import DiffusionCache
 from .common import DiffusionModelMixin, check_router_aux_loss_coef, check_tokenizer, model_argument
 from .dream import DreamConfig, DreamModel, DreamTokenizer
+from .kernels import set_fused_kernels
 from .llada import LLaDAConfig, LLaDAModelLM
 from .llada_moe import LLaDAMoEConfig, LLaDAMoEModel, LLaDAMoEModelLM
 from .remote_code import carry_remote_code, carry_tokenizer_code
@@ -92,4 +93,5 @@ __all__ = [
     "SDARMoeForCausalLM",
     "SDARMoeModel",
     "register_models",
+    "set_fused_kernels",
 ]

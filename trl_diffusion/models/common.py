@@ -15,6 +15,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from ..states import attention_mask_from_positions
 from .cache import DiffusionCache, StaticDiffusionCache
+from .kernels import EAGER, Kernels, UsesKernels, rms_norm  # noqa: F401 (rms_norm: imported from here)
 
 # transformers 5.24 renamed the model outputs' ``past_key_values`` field to ``cache``; 5.20-5.23 have the old name
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -144,30 +145,19 @@ def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
                      f"mask; got a {keep.dim()}-D {keep.dtype} tensor.")
 
 
-def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x.to(dtype)``, skipped when it would do nothing (a no-op cast still costs a dispatch, which adds up in a
-    small decode step)."""
-    return x if x.dtype == dtype else x.to(dtype)
+class RMSNorm(UsesKernels, nn.Module):
+    """RMSNorm (``kernels.rms_norm``); given a ``residual``, the residual connection before it as well: returns
+    ``(residual + x, norm(residual + x))``, one fused kernel when the kernels are compiled."""
 
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with the variance in fp32 and the result cast back before scaling (as all three releases do):
-    ``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(dtype)``. ``F.rms_norm`` computes its part in fp32 for half
-    inputs and returns the input's dtype, so ``x`` goes in as it is: on a CPU the same bits as casting it to fp32
-    and back around the call (tested, forward and backward), on CUDA one fused kernel instead of two full-size
-    casts around it (four norms a layer). The weight is not passed to ``F.rms_norm``, even in float32: on a CPU
-    (torch 2.13) that call took 655 µs on a ``[1, 2052, 128]`` input, against 167 µs for the two operations here."""
-    return weight * F.rms_norm(x, x.shape[-1:], eps=eps)
-
-
-class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self.kernels.rms_norm(x, self.weight, self.eps)
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rotary_cos_sin(position_ids: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -201,20 +191,13 @@ class RotaryTables:
 
 
 def apply_rotary(
-    q: torch.Tensor, k: torch.Tensor, rope: RotaryTables, full_precision: bool
+    q: torch.Tensor, k: torch.Tensor, rope: RotaryTables, full_precision: bool, kernels: Kernels = EAGER
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q``/``k`` ``[B, H, L, D]`` with the forward's tables: ``x * cos + rotate_half(x) * sin``.
     ``full_precision`` rotates in fp32 (LLaDA); otherwise the tables are cast to the activation dtype and the
-    rotation runs in it (SDAR, Dream)."""
-    half = q.shape[-1] // 2
-    if full_precision:
-        dtype = q.dtype
-        cos, signed_sin = rope.cast(torch.float32)
-        q32, k32 = cast(q, torch.float32), cast(k, torch.float32)
-        return (cast(q32 * cos + q32.roll(half, -1) * signed_sin, dtype),
-                cast(k32 * cos + k32.roll(half, -1) * signed_sin, dtype))
-    cos, signed_sin = rope.cast(q.dtype)
-    return q * cos + q.roll(half, -1) * signed_sin, k * cos + k.roll(half, -1) * signed_sin
+    rotation runs in it (SDAR, Dream). ``kernels``: the layer's (``kernels.rotate_pair``)."""
+    cos, signed_sin = rope.cast(torch.float32 if full_precision else q.dtype)
+    return kernels.rotate_pair(q, k, cos, signed_sin, full_precision)
 
 
 def attend(
@@ -372,7 +355,7 @@ def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | S
 # ----------------------------------------------------------------------------------------------------------
 
 
-class QwenStyleAttention(nn.Module):
+class QwenStyleAttention(UsesKernels, nn.Module):
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -402,13 +385,13 @@ class QwenStyleAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), rope, full_precision=False)
+        q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), rope, False, self.kernels)
         dropout = self.dropout if self.training else 0.0
         out = attend(q, k, v, mask, self.layer_idx, cache, store, dropout)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 
-class SwiGLUMLP(nn.Module):
+class SwiGLUMLP(UsesKernels, nn.Module):
     """``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases: a dense MLP, one expert or a shared expert."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
@@ -418,7 +401,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.kernels.silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 class QwenStyleMLP(SwiGLUMLP):
@@ -444,8 +427,9 @@ class QwenStyleDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states, rope, mask, cache=None, store=False, output_router_logits: bool = False):
         """The layer's output; with ``output_router_logits`` (a mixture-of-experts backbone collecting them),
         ``(output, router_logits)`` (see ``mlp_output``)."""
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
-        out, router_logits = mlp_output(self.mlp, self.post_attention_layernorm(h), output_router_logits)
+        attended = self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
+        h, normed = self.post_attention_layernorm(attended, residual=hidden_states)
+        out, router_logits = mlp_output(self.mlp, normed, output_router_logits)
         return (h + out, router_logits) if output_router_logits else h + out
 
 

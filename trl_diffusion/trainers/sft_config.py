@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl import SFTConfig
 
+from ..models.kernels import FUSED_KERNELS_HELP
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -86,6 +87,10 @@ class DiffusionSFTConfig(SFTConfig):
             How training attention masks are built: `"flex"` (a flex-attention `BlockMask`, no dense mask),
             `"sdpa"` (a dense boolean mask), or `"auto"` (flex on CUDA for half precision and head_dim
             64/128/256, SDPA otherwise; `states.resolve_attention_backend`).
+        fused_kernels (`bool`, *optional*, defaults to `False`):
+            Compile the layers' elementwise chains (RMSNorm, residual add + norm, RoPE, SwiGLU) into fused kernels
+            with `torch.compile` (`models.set_fused_kernels`), for training forwards and `generate()`. Half-precision
+            values differ from eager in their last bits; the first calls compile (seconds).
     """
 
     diffusion_objective: str | None = field(
@@ -174,6 +179,7 @@ class DiffusionSFTConfig(SFTConfig):
                   "boolean mask) or 'auto' (flex on CUDA if verified, else sdpa).",
                   "choices": list(ATTENTION_BACKENDS)},
     )
+    fused_kernels: bool = field(default=False, metadata={"help": FUSED_KERNELS_HELP})
 
     def __post_init__(self):
         if self.diffusion_objective in NONE_STRINGS:

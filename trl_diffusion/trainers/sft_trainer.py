@@ -37,6 +37,7 @@ from trl import SFTConfig, SFTTrainer, pack_dataset
 from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
+from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, resolve_model_attention_backend
@@ -371,6 +372,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
+        apply_fused_kernels(self.args.fused_kernels, self.model)
         self._noise_seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         self._inside_training_step = False  # see training_step
         self._passes = PassCounter()

@@ -11,6 +11,7 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES
+from ..models.kernels import FUSED_KERNELS_HELP
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -40,6 +41,7 @@ class TraceRLConfig(GRPOConfig):
       `step_normalization`, `scoring_temperature`, `exclude_mask_token_from_softmax`, `scoring_token_budget`,
       `recompute_scoring_forwards`, `attention_backend`, and the masking estimators' ratios, `random_mask_sampling`
       and `masks_per_response`),
+    * `fused_kernels` (the layers' elementwise chains compiled into fused kernels, for scoring and rollouts),
     * `dynamic_group_filtering`,
     * `resume_without_rollout_state` (resuming from a checkpoint that lacks TraceRL's rollout state),
     * `reset_optimizer_per_rollout` (dLLM-RL's fresh optimizer state at every rollout),
@@ -222,6 +224,7 @@ class TraceRLConfig(GRPOConfig):
                   "boolean mask) or 'auto' (flex on CUDA if verified, else sdpa).",
                   "choices": list(ATTENTION_BACKENDS)},
     )
+    fused_kernels: bool = field(default=False, metadata={"help": FUSED_KERNELS_HELP})
     dynamic_group_filtering: str = field(
         default="accuracy_band",
         metadata={"help": "Which prompt groups leave the loss (and the value model's training) before training: "

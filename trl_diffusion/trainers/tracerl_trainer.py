@@ -45,6 +45,7 @@ from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, e
 from ..full_save import save_model_whole
 from ..model_card import finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
+from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import (
@@ -203,6 +204,7 @@ class TraceRLTrainer(GRPOTrainer):
             masks_per_response=args.masks_per_response if multi_mask else 1,
             exclude_mask_token=args.exclude_mask_token_from_softmax, rollout_block_length=args.block_length,
         )
+        apply_fused_kernels(args.fused_kernels, self.model, self.ref_model)
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
@@ -536,6 +538,7 @@ class TraceRLTrainer(GRPOTrainer):
             _enable_checkpointing(value_model, args)
         if args.disable_dropout:
             disable_dropout_in_model(value_model)
+        apply_fused_kernels(args.fused_kernels, value_model)
         self.value_model = self.accelerator.prepare_model(value_model)
         params = [p for p in self.value_model.parameters() if p.requires_grad]
         self.value_optimizer = torch.optim.AdamW(params, lr=args.value_learning_rate,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from trl.trainer.base_config import _BaseConfig
 
+from ..models.kernels import FUSED_KERNELS_HELP
 from ..states import (
     ATTENTION_BACKENDS,
     check_attention_backend,
@@ -45,6 +46,10 @@ class DiffusionValueConfig(_BaseConfig):
         attention_backend (`str`, *optional*, defaults to `"auto"`):
             `"flex"` (flex-attention `BlockMask`), `"sdpa"` (dense boolean mask) or `"auto"` (flex on CUDA where
             verified, SDPA otherwise; `states.resolve_attention_backend`).
+        fused_kernels (`bool`, *optional*, defaults to `False`):
+            Compile the layers' elementwise chains (RMSNorm, residual add + norm, RoPE, SwiGLU) into fused kernels
+            with `torch.compile` (`models.set_fused_kernels`), for the value model's forwards. Half-precision values
+            differ from eager in their last bits; the first calls compile (seconds).
     """
 
     learning_rate: float = field(
@@ -88,6 +93,7 @@ class DiffusionValueConfig(_BaseConfig):
                   "mask) or 'auto' (flex on CUDA if verified, else sdpa).",
                   "choices": list(ATTENTION_BACKENDS)},
     )
+    fused_kernels: bool = field(default=False, metadata={"help": FUSED_KERNELS_HELP})
 
     def __post_init__(self):
         super().__post_init__()

@@ -23,6 +23,7 @@ from trl.trainer.utils import pad
 from ..full_save import save_model_whole
 from ..model_card import finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
+from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, resolve_model_attention_backend
@@ -109,6 +110,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         self._value_stats: dict[str, torch.Tensor | None] = {"train": None, "eval": None}
         self.attention_backend = resolve_model_attention_backend(args.attention_backend, self.model, args.device,
                                                                  training=False)
+        apply_fused_kernels(args.fused_kernels, self.model)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
                                   "recompute_scoring_forwards")

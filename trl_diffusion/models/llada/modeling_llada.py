@@ -19,6 +19,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from ...generation.mixin import DiffusionGenerationMixin
 from ..cache import DiffusionCache
 from ..common import DiffusionModelMixin, DiffusionPreTrainedModel, RMSNorm, apply_rotary, attend, run_backbone
+from ..kernels import UsesKernels
 from .configuration_llada import LLaDAConfig
 
 
@@ -71,7 +72,7 @@ def _check_supported(config: LLaDAConfig) -> None:
         )
 
 
-class LLaDALlamaBlock(GradientCheckpointingLayer):
+class LLaDALlamaBlock(UsesKernels, GradientCheckpointingLayer):
     def __init__(self, config: LLaDAConfig, layer_idx: int) -> None:
         super().__init__()
         d, hidden = config.d_model, config.effective_mlp_hidden_size
@@ -99,12 +100,11 @@ class LLaDALlamaBlock(GradientCheckpointingLayer):
         q = self.q_proj(h).view(b, n, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, rope, full_precision=self.rope_full_precision)
+        q, k = apply_rotary(q, k, rope, self.rope_full_precision, self.kernels)
         dropout = self.dropout if self.training else 0.0
         att = attend(q, k, v, mask, self.layer_idx, cache, store, dropout).transpose(1, 2).reshape(b, n, -1)
-        x = x + self.residual_dropout(self.attn_out(att))
-        h = self.ff_norm(x)
-        return x + self.residual_dropout(self.ff_out(F.silu(self.ff_proj(h)) * self.up_proj(h)))
+        x, h = self.ff_norm(self.residual_dropout(self.attn_out(att)), residual=x)
+        return x + self.residual_dropout(self.ff_out(self.kernels.silu_mul(self.ff_proj(h), self.up_proj(h))))
 
 
 class LLaDAPreTrainedModel(DiffusionPreTrainedModel):

@@ -59,8 +59,8 @@ class LLaDAMoEDecoderLayer(QwenStyleDecoderLayer):
     def forward(self, hidden_states, rope, mask, cache=None, store=False, output_router_logits: bool = False):
         """The layer's output; with ``output_router_logits``, ``(output, router_logits)`` (None for a dense
         layer)."""
-        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
-        normed = self.post_attention_layernorm(h)
+        attended = self.self_attn(self.input_layernorm(hidden_states), rope, mask, cache, store)
+        h, normed = self.post_attention_layernorm(attended, residual=hidden_states)
         out, router_logits = mlp_output(self.mlp, normed, output_router_logits)
         if self.shared_expert is not None:
             out = out + self.shared_expert(normed)
