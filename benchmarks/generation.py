@@ -32,6 +32,7 @@ uncached rows. ``peak_memory_mb`` is each call's own peak on CUDA, the process's
     python benchmarks/generation.py --device cuda --preset llada-1.6b # LLaDA: no cache, prefix, dual
     python benchmarks/generation.py --count_ops                       # torch ops per cached SDAR token (cpu model)
     python benchmarks/generation.py --device cuda --profile           # where a cached step's time goes (kernels)
+    python benchmarks/generation.py --device cuda --fused_kernels     # the table with compiled elementwise chains
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profiling import profile_call  # noqa: E402  (benchmarks/ is not a package)
 
-from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM
+from trl_diffusion.models import LLaDAConfig, LLaDAModelLM, SDARConfig, SDARForCausalLM, set_fused_kernels
 from trl_diffusion.testing import tiny_model
 
 CACHE_MODES = {"sdar": [False, True], "llada": [False, "dual"], "dream": [False, "dual"]}
@@ -188,12 +189,14 @@ def count_ops(args, device: torch.device, new_tokens: int = 128) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def build_model(family: str, config: dict, device: torch.device):
+def build_model(family: str, config: dict, device: torch.device, fused_kernels: bool = False):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config_class, model_class = MODELS[family]
     torch.manual_seed(0)
     with torch.device(device):
         model = model_class._from_config(config_class(**config), dtype=dtype)
+    if fused_kernels:
+        set_fused_kernels(model)
     return model.eval()
 
 
@@ -202,7 +205,7 @@ def rollout_table(args, device: torch.device) -> None:
     config, prompt_length, new_tokens = table["config"], table["prompt"], table["new_tokens"]
     batches = args.batch_sizes_table or table["batches"]
     began = time.perf_counter()
-    model = build_model(table["family"], config, device)
+    model = build_model(table["family"], config, device, args.fused_kernels)
     built = time.perf_counter() - began
     token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
     settings = dict(max_new_tokens=new_tokens, block_length=table["block"], denoising_steps=table["steps"],
@@ -223,17 +226,21 @@ def rollout_table(args, device: torch.device) -> None:
         prompt = torch.randint(*token_ids, (batch, prompt_length), device=device,
                                generator=torch.Generator(device=device).manual_seed(batch))
         call = dict(settings, use_cache=cache, cuda_graphs=graphs, **rollout_sampling(sampling, batch))
+        warmup = None
         if (batch, cache, graphs, sampling) not in warm:  # first calls compile kernels / capture graphs
             # (with generators of their own: the timed call's start unused)
-            timed_generate(model, prompt, **{**call, **rollout_sampling(sampling, batch),
-                                             "max_new_tokens": table["block"]})
+            warmup = timed_generate(model, prompt, **{**call, **rollout_sampling(sampling, batch),
+                                                      "max_new_tokens": table["block"]})[1]
             warm.add((batch, cache, graphs, sampling))
         out, seconds = timed_generate(model, prompt, remasking_strategy=strategy, **call)
         rows.append(record(out, seconds, device, batch=batch, cache=cache_name(cache), strategy=strategy,
-                           cuda_graphs=graphs, sampling=sampling, new_tokens=new_tokens, prompt=prompt_length))
+                           cuda_graphs=graphs, sampling=sampling, fused_kernels=args.fused_kernels,
+                           new_tokens=new_tokens, prompt=prompt_length,
+                           warmup_seconds=None if warmup is None else round(warmup, 1)))
         print(json.dumps(rows[-1]), flush=True)
     summary = {"preset": args.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-               else "cpu", "torch": torch.__version__, "build_seconds": round(built, 1),
+               else "cpu", "torch": torch.__version__, "fused_kernels": args.fused_kernels,
+               "build_seconds": round(built, 1),
                "total_seconds": round(time.perf_counter() - began, 1),
                "table": [{k: r[k] for k in ("batch", "cache", "strategy", "cuda_graphs", "sampling", "tokens_per_s",
                                             "ms_per_forward", "tokens_per_step")} for r in rows]}
@@ -247,7 +254,7 @@ def profile_table(args, device: torch.device, blocks: int = 2) -> None:
     the same kernels, launched at once)."""
     table = TABLES[args.preset]
     config = table["config"]
-    model = build_model(table["family"], config, device)
+    model = build_model(table["family"], config, device, args.fused_kernels)
     settings = dict(max_new_tokens=blocks * table["block"], block_length=table["block"],
                     denoising_steps=table["steps"], stop_token_ids=[], return_dict_in_generate=True,
                     use_cache=table["caches"][0], cuda_graphs="off", temperature=0.0)
@@ -264,7 +271,8 @@ def profile_table(args, device: torch.device, blocks: int = 2) -> None:
         forwards = out["generated"].num_forward_passes
         per_forward = None if kernels is None else round(kernels / forwards)
         cache = cache_name(settings["use_cache"])
-        print(json.dumps({"profile": {"preset": args.preset, "batch": batch, "cache": cache, "forwards": forwards,
+        print(json.dumps({"profile": {"preset": args.preset, "fused_kernels": args.fused_kernels, "batch": batch,
+                                      "cache": cache, "forwards": forwards,
                                       "kernels_per_forward": per_forward, "top": operators}}), flush=True)
 
 
@@ -297,6 +305,9 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true",
                         help="rollout table presets: profile eager cached steps at the smallest and largest batch "
                              "(top operators, kernels per forward) instead of the table")
+    parser.add_argument("--fused_kernels", action="store_true",
+                        help="rollout table presets and --profile: the model's elementwise chains compiled into fused "
+                             "kernels (trl_diffusion.set_fused_kernels); warm-up calls include the compilation")
     parser.add_argument("--count_ops", action="store_true",
                         help="print the torch operations per cached SDAR token (cpu preset's model) and stop")
     args = parser.parse_args()

@@ -25,6 +25,7 @@ slightly overstates the work done: it is the count earlier measurements used, ke
     python benchmarks/training.py                                    # CPU, packed vs naive
     python benchmarks/training.py --preset tiny
     python benchmarks/training.py --preset sdar-4b --device cuda --output sdar4b.json --profile
+    python benchmarks/training.py --preset sdar-4b --device cuda --backends sdpa --kernels eager fused
 """
 
 from __future__ import annotations
@@ -61,9 +62,10 @@ SHAPE = ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate", "v
 BLOCK = 4
 
 
-def build_model(shape: dict, device: str):
-    """A random-weight SDAR of ``shape``, built directly on ``device`` in its dtype (no download, no copy)."""
-    from trl_diffusion.models import SDARConfig, SDARForCausalLM
+def build_model(shape: dict, device: str, kernels: str = "eager"):
+    """A random-weight SDAR of ``shape``, built directly on ``device`` in its dtype (no download, no copy);
+    ``kernels`` "fused": its elementwise chains compiled (``set_fused_kernels``)."""
+    from trl_diffusion.models import SDARConfig, SDARForCausalLM, set_fused_kernels
 
     config = SDARConfig(vocab_size=shape["vocab"], hidden_size=shape["hidden"],
                         intermediate_size=shape["intermediate"], num_hidden_layers=shape["layers"],
@@ -75,12 +77,15 @@ def build_model(shape: dict, device: str):
     with torch.device(device):
         model = SDARForCausalLM._from_config(config, dtype=getattr(torch, shape["dtype"]))
     model.train()
+    if kernels == "fused":
+        set_fused_kernels(model)
     if shape["checkpointing"]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, profile: bool = False) -> dict:
+def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, profile: bool = False,
+            kernels: str = "eager") -> dict:
     """Seconds per forward + backward step of one configuration, with its token counts, MFU and peak memory;
     ``profile`` adds the 20 operators with the most self time in one more step (where the time goes)."""
     from trl_diffusion.estimators import (
@@ -92,7 +97,7 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
     )
     from trl_diffusion.states import block_index
 
-    model = build_model(shape, device)
+    model = build_model(shape, device, kernels)
     batch, prompt_len, response = shape["batch"], shape["prompt_length"], shape["response_length"]
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(10, 100, (batch, prompt_len), generator=generator).to(device)
@@ -122,7 +127,7 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
             torch.cuda.synchronize()
 
     warmup_seconds = []
-    for _ in range(shape["warmup"]):  # compiles flex attention on CUDA
+    for _ in range(shape["warmup"]):  # compiles flex attention on CUDA (and fused kernels)
         begin = time.perf_counter()
         step()
         warmup_seconds.append(round(time.perf_counter() - begin, 2))
@@ -136,7 +141,7 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
     seconds = (time.perf_counter() - start) / shape["repeats"]
     embedding = model.get_input_embeddings().weight.numel()
     parameters = sum(p.numel() for p in model.parameters()) - embedding
-    record = {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "device": device,
+    record = {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "kernels": kernels, "device": device,
               "dtype": shape["dtype"], "gradient_checkpointing": shape["checkpointing"], "batch": batch,
               "prompt_length": prompt_len, "response_length": response, "scored_tokens": batch * response,
               "processed_tokens": processed, "parameters_without_input_embedding": parameters,
@@ -156,20 +161,21 @@ def measure(mode: str, shrinkage: int, backend: str, shape: dict, device: str, p
 
 
 def run_one(mode: str, shrinkage: int, backend: str, shape: dict, device: str, timeout: float,
-            profile: bool = False) -> dict:
+            profile: bool = False, kernels: str = "eager") -> dict:
     """``measure`` in a fresh process; a failure becomes a record with its error."""
     spec = {"mode": mode, "shrinkage": shrinkage, "backend": backend, "shape": shape, "device": device,
-            "profile": profile}
+            "profile": profile, "kernels": kernels}
     command = [sys.executable, __file__, "--one", json.dumps(spec)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as expired:  # what it printed so far (the warm-up steps' times) says where
         stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else expired.stderr
-        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "error": f"timeout {timeout}s",
+        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "kernels": kernels,
+                "error": f"timeout {timeout}s",
                 "stderr_tail": (stderr or "").strip().splitlines()[-5:]}
     lines = done.stdout.strip().splitlines()
     if done.returncode != 0 or not lines:
-        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend,
+        return {"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "kernels": kernels,
                 "error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
     return json.loads(lines[-1])
 
@@ -180,16 +186,17 @@ def summarize(records: list[dict]) -> dict:
     for r in records:
         if "error" in r:
             continue
-        key = f"{r['mode']} s={r['shrinkage']} {r['attention_backend']}"
+        key = f"{r['mode']} s={r['shrinkage']} {r['attention_backend']} {r['kernels']}"
         table[key] = {k: r[k] for k in ("seconds_per_step", "processed_tokens_per_s", "mfu", "peak_memory_gib",
                                         "peak_rss_mb") if k in r}
     ratios = {}
     for packed in (r for r in records if r.get("mode") == "packed" and "error" not in r):
         naive = next((r for r in records if r.get("mode") == "naive" and "error" not in r
                       and r["shrinkage"] == packed["shrinkage"]
-                      and r["attention_backend"] == packed["attention_backend"]), None)
+                      and r["attention_backend"] == packed["attention_backend"]
+                      and r["kernels"] == packed["kernels"]), None)
         if naive is not None:
-            ratios[f"s={packed['shrinkage']} {packed['attention_backend']}"] = {
+            ratios[f"s={packed['shrinkage']} {packed['attention_backend']} {packed['kernels']}"] = {
                 "packed_over_naive_scored_tokens_per_s": round(
                     packed["scored_tokens_per_s"] / naive["scored_tokens_per_s"], 2)}
     return {"table": table, "ratios": ratios}
@@ -202,6 +209,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=["packed", "naive"])
     parser.add_argument("--backends", nargs="+", choices=["auto", "sdpa", "flex"])
     parser.add_argument("--shrinkage", nargs="+", type=int)
+    parser.add_argument("--kernels", nargs="+", choices=["eager", "fused"], default=["eager"],
+                        help="the layers' elementwise chains: eager, and/or fused (compiled; set_fused_kernels)")
     for name in SHAPE:
         kind = {"dtype": str, "checkpointing": lambda v: v.lower() in ("1", "true", "yes")}.get(name, int)
         parser.add_argument(f"--{name}", type=kind, help=f"override the preset's {name}")
@@ -214,7 +223,7 @@ def main() -> None:
     if args.one:
         spec = json.loads(args.one)
         print(json.dumps(measure(spec["mode"], spec["shrinkage"], spec["backend"], spec["shape"], spec["device"],
-                                 spec["profile"])))
+                                 spec["profile"], spec["kernels"])))
         return
     preset = PRESETS[args.preset]
     shape = {name: getattr(args, name) if getattr(args, name) is not None else preset[name] for name in SHAPE}
@@ -222,11 +231,13 @@ def main() -> None:
     for shrinkage in args.shrinkage or preset["shrinkage"]:
         for backend in args.backends or preset["backends"]:
             for mode in args.modes or preset["modes"]:
-                records.append(run_one(mode, shrinkage, backend, shape, args.device, args.timeout, args.profile))
-                print(json.dumps(records[-1]), flush=True)
-                summary = {"preset": args.preset, **summarize(records)}
-                if args.output:  # after every record: a run killed by an outer time limit keeps what it measured
-                    args.output.write_text(json.dumps({"records": records, **summary}, indent=1))
+                for kernels in args.kernels:
+                    records.append(run_one(mode, shrinkage, backend, shape, args.device, args.timeout, args.profile,
+                                           kernels))
+                    print(json.dumps(records[-1]), flush=True)
+                    summary = {"preset": args.preset, **summarize(records)}
+                    if args.output:  # after every record: a run killed by an outer time limit keeps what it measured
+                        args.output.write_text(json.dumps({"records": records, **summary}, indent=1))
     print(json.dumps(summary, indent=1))
 
 

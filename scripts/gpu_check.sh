@@ -2,6 +2,8 @@
 # The prepared GPU check (one H200, no network): installs the wheels the image lacks, then runs, each under its
 # own time limit, writing logs and JSON to $OUT (default ./gpu_out). In order of priority:
 #   1. generation benchmark:   the SDAR-4B rollout table (issue 13's targets)   -> generation.log
+#   1b. the same with fused kernels (set_fused_kernels), batch 1 and 128      -> generation_fused.log
+#   1c. training, SDPA, eager and fused kernels side by side (MFU)            -> training_fused.json
 #   2. training benchmark:     SDAR-4B shapes, flex and SDPA side by side (MFU) -> training_sdar4b.json
 #   2b. generation profile:    the kernels of an eager cached SDAR-4B step, batch 1 and 128 -> generation_profile.log
 #   3. the GPU tests:          pytest -m gpu, CUDA-graph decoding first, then every other gpu-marked test; -v, so a
@@ -14,9 +16,11 @@
 # step's limit is cut to what is left. Measured on 2026-12-04 (one H200): step 1 took 136 s; step 2's flex
 # configuration did not finish its first (compiling) step within 60 s, SDPA took ~35 s; the CUDA-graph tests 18 s;
 # the other gpu tests 215 s (72 s of it compiling flex for the first test); steps 4-6 needed more than 40 / 25 /
-# 40 s. All six do not fit one 10-minute device call: run them as two calls on the same warm machine, e.g.
-#   GPU_CHECK_STEPS="generation training_sdar4b generation_profile gpu_graph_tests" bash scripts/gpu_check.sh
-#   GPU_CHECK_STEPS="gpu_tests generation_llada flex_probe memory_recompute" bash scripts/gpu_check.sh
+# 40 s. Steps 1b and 1c (added after that run) are unmeasured; their limits guess a minute of compiling. Not all
+# steps fit one 10-minute device call: run them as two calls on the same warm machine, e.g.
+#   GPU_CHECK_STEPS="generation generation_fused training_fused generation_profile gpu_graph_tests" bash ...
+#   GPU_CHECK_STEPS="gpu_tests training_sdar4b generation_llada flex_probe memory_recompute" bash ...
+# (the second with GPU_CHECK_BUDGET=220 and GPU_CHECK_PYTEST_K="fused or compiled_flex or example", see below)
 # (GPU_CHECK_STEPS: the steps to run, by name; default all). GPU_CHECK_PYTEST_K="expression" runs only the gpu
 # tests pytest's -k selects (e.g. "compiled_flex"). A session's 15 minutes of device time (the machine's start
 # included) hold the first call and about 4 minutes of the second: give that one GPU_CHECK_BUDGET=220, or select
@@ -63,9 +67,11 @@ cat "$LOGS/environment.txt"
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
     DEVICE=cpu SDAR=tiny LLADA=llada-tiny TRAIN=tiny PROBE=(--head_dims 16 --dtypes float32 --lengths 40 56)
+    FUSED_BATCHES=(1 8)
     MEMORY=(--lengths 32 --hidden 64 --layers 1 --vocab 512 --prompt 16)
 else
     DEVICE=cuda SDAR=sdar-4b LLADA=llada-1.6b TRAIN=sdar-4b PROBE=()
+    FUSED_BATCHES=(1 128)  # the two targets
     MEMORY=(--lengths 256 --hidden 2048 --layers 8 --vocab 126464 --dtype bfloat16 --prompt 128)
 fi
 
@@ -91,6 +97,10 @@ pack() {  # with GPU_CHECK_LOGS set: one archive and the summary in $OUT (the de
 }
 
 step generation 150 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR
+step generation_fused 180 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR --fused_kernels \
+    --batch_sizes_table "${FUSED_BATCHES[@]}"
+step training_fused 200 python3 benchmarks/training.py --preset $TRAIN --device $DEVICE --timeout 120 \
+    --backends sdpa --kernels eager fused --output "$LOGS/training_fused.json"
 step training_sdar4b 300 python3 benchmarks/training.py --preset $TRAIN --device $DEVICE --timeout 200 \
     --profile --output "$LOGS/training_sdar4b.json"
 step generation_profile 60 python3 benchmarks/generation.py --device $DEVICE --preset $SDAR --profile
@@ -112,12 +122,14 @@ tail -n 3 "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" >> "$LOGS/summary.tx
 echo "total: $((SECONDS - START)) s" | tee -a "$LOGS/summary.txt"
 pack
 # the measured tables on stdout too (the device tool returns the output's tail even when files do not come back)
-for log in generation generation_llada generation_profile; do
+for log in generation generation_fused generation_llada generation_profile; do
     echo "== $log"; grep -h '^{"' "$LOGS/$log.log" 2>/dev/null | cut -c1-400
 done
-echo "== training"
-python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1])).get('table'), indent=0))" \
-    "$LOGS/training_sdar4b.json" 2>/dev/null | cut -c1-400
+for table in training_sdar4b training_fused; do
+    echo "== $table"
+    python3 -c "import json, sys; print(json.dumps(json.load(open(sys.argv[1])).get('table'), indent=0))" \
+        "$LOGS/$table.json" 2>/dev/null | cut -c1-600
+done
 echo "== gpu tests not passed"
 grep -h -E " (FAILED|ERROR)" "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" 2>/dev/null | cut -c1-300
 cat "$LOGS/summary.txt"

@@ -25,7 +25,8 @@ def test_rollout_table_rows(capsys, preset, caches):
     table's tokens, one per step."""
     bench = load_generation_benchmark()
     table = bench.TABLES[preset]
-    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=[4], cuda_graphs="auto"),
+    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=[4], cuda_graphs="auto",
+                                           fused_kernels=False),
                         torch.device("cpu"))
     out = capsys.readouterr().out
     records = [json.loads(line) for line in out.splitlines() if line.startswith('{"')]
@@ -57,7 +58,7 @@ def test_profile_reports_where_a_cached_step_spends_its_time(capsys):
     """``--profile``: one record per batch (the preset's smallest and largest) with the forwards of a two-block
     eager call and its top operators; the kernel count is CUDA's only."""
     bench = load_generation_benchmark()
-    bench.profile_table(argparse.Namespace(preset="tiny"), torch.device("cpu"))
+    bench.profile_table(argparse.Namespace(preset="tiny", fused_kernels=False), torch.device("cpu"))
     records = [json.loads(line)["profile"] for line in capsys.readouterr().out.splitlines()
                if line.startswith('{"profile"')]
     table = bench.TABLES["tiny"]

@@ -18,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def rollout_rows(capsys, preset: str, batches: list[int]) -> list[dict]:
     bench = load_generation_benchmark()
-    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=batches, cuda_graphs="auto"),
+    bench.rollout_table(argparse.Namespace(preset=preset, batch_sizes_table=batches, cuda_graphs="auto",
+                                           fused_kernels=False),
                         torch.device("cpu"))
     return [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"')]
 
@@ -98,7 +99,8 @@ def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path
     def run_one(mode, shrinkage, backend, *args):
         if measured:
             raise KeyboardInterrupt  # stands in for the outer time limit's signal
-        measured.append({"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "seconds_per_step": 1.0,
+        measured.append({"mode": mode, "shrinkage": shrinkage, "attention_backend": backend, "kernels": "eager",
+                         "seconds_per_step": 1.0,
                          "processed_tokens_per_s": 2.0, "scored_tokens_per_s": 1.0})
         return measured[-1]
 
@@ -109,7 +111,7 @@ def test_training_benchmark_output_keeps_the_records_of_a_run_cut_short(tmp_path
     with pytest.raises(KeyboardInterrupt):
         bench.main()
     saved = json.loads(output.read_text())
-    assert saved["records"] == measured and saved["table"]["packed s=1 sdpa"]["seconds_per_step"] == 1.0
+    assert saved["records"] == measured and saved["table"]["packed s=1 sdpa eager"]["seconds_per_step"] == 1.0
 
 
 @pytest.mark.slow
@@ -125,8 +127,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    steps = ["generation", "training_sdar4b", "generation_profile", "gpu_graph_tests", "gpu_tests", "generation_llada",
-             "flex_probe", "memory_recompute"]
+    steps = ["generation", "generation_fused", "training_fused", "training_sdar4b", "generation_profile",
+             "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe", "memory_recompute"]
     assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
     assert summary.count(": exit 0 ") == len(steps), summary
     for log in ("gpu_graph_tests", "gpu_tests"):
@@ -141,7 +143,12 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     profiles = [json.loads(line)["profile"] for line in (tmp_path / "generation_profile.log").read_text().splitlines()
                 if line.startswith('{"profile"')]
     assert [p["batch"] for p in profiles] == [1, 8] and all(p["top"] for p in profiles)
-    for log in ("generation", "generation_llada"):
+    fused = json.loads((tmp_path / "training_fused.json").read_text())["records"]
+    assert [r["kernels"] for r in fused] == ["eager", "fused"] and all("error" not in r for r in fused)
+    fused_rows = [json.loads(line) for line in (tmp_path / "generation_fused.log").read_text().splitlines()
+                  if line.startswith('{"batch"')]
+    assert {r["batch"] for r in fused_rows} == {1, 8} and all(r["fused_kernels"] for r in fused_rows)
+    for log in ("generation", "generation_fused", "generation_llada"):
         rows = [json.loads(line) for line in (tmp_path / f"{log}.log").read_text().splitlines()
                 if line.startswith('{"')]
         assert rows and all(r["tokens_per_s"] > 0 for r in rows)
