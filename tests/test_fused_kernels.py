@@ -143,6 +143,14 @@ def test_trainers_fused_kernels_reach_every_model_they_run(tmp_path, enabled):
     assert fused(value.model) == expected
 
 
+def test_eval_loads_the_model_with_fused_kernels_when_asked():
+    from trl_diffusion.eval.evaluate import EvalConfig, load_model_and_tokenizer
+
+    for enabled, expected in ((True, {"inductor"}), (False, {None})):
+        model, _ = load_model_and_tokenizer(EvalConfig(fused_kernels=enabled, device="cpu"))
+        assert fused(model) == expected
+
+
 def test_a_tracerl_step_with_fused_kernels_trains_as_eager(tmp_path, monkeypatch):
     """One TraceRL step (rollouts through the exact cache, scoring, backward, optimizer) with the trainer's
     ``fused_kernels`` gives the eager step's loss and weights (the chains compiled by ``aot_eager`` here, for time)."""

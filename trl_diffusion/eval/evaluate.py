@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from ..models.kernels import set_fused_kernels
 from ..rewards import (
     MathAccuracyReward,
     OfficialMathReward,
@@ -113,6 +114,9 @@ class EvalConfig:
                                    "decoding only here: sampling shares one generator, which needs the eager "
                                    "loop; the default, after the model's generation config); off: eager.",
                                    choices=["auto", "off"])
+    fused_kernels: bool = _arg(False, "Compile the layers' elementwise chains into fused kernels "
+                               "(trl_diffusion.set_fused_kernels): fewer GPU kernels per step; bf16 values differ "
+                               "from eager in their last bits; the first calls compile.")
     math_grader: str = _arg("math_verify", "Math scoring: math_verify (the last \\boxed{}, else math-verify's own "
                             "extraction from the text, with the training reward's answer rules), math_verify_plain "
                             "(the same without them: math-verify's own comparison) or official (dLLM-RL's eval: "
@@ -294,6 +298,8 @@ def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    if config.fused_kernels:
+        set_fused_kernels(model)
     return model.to(device).eval(), tokenizer
 
 
