@@ -172,6 +172,8 @@ def count_ops(args, device: torch.device, new_tokens: int = 128) -> None:
 
     model = tiny_model("sdar", hidden_size=args.hidden, intermediate_size=4 * args.hidden,
                        max_position_embeddings=4096).to(device)
+    if args.fused_kernels:
+        set_fused_kernels(model)
     prompt = torch.randint(10, 100, (1, 32), device=device)
     settings = dict(block_length=4, denoising_steps=4, temperature=0.0, use_cache=True, stop_token_ids=[],
                     remasking_strategy="low_confidence_static", return_dict_in_generate=True)
@@ -181,6 +183,7 @@ def count_ops(args, device: torch.device, new_tokens: int = 128) -> None:
     top_level = [e for e in prof.events() if e.name.startswith("aten::")
                  and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
     print(json.dumps({"family": "sdar", "cache": "exact", "new_tokens": new_tokens, "hidden": args.hidden,
+                      "fused_kernels": args.fused_kernels,
                       "torch_ops_per_token": round(len(top_level) / new_tokens, 1)}))
 
 
@@ -306,10 +309,12 @@ def main() -> None:
                         help="rollout table presets: profile eager cached steps at the smallest and largest batch "
                              "(top operators, kernels per forward) instead of the table")
     parser.add_argument("--fused_kernels", action="store_true",
-                        help="rollout table presets and --profile: the model's elementwise chains compiled into fused "
-                             "kernels (trl_diffusion.set_fused_kernels); warm-up calls include the compilation")
+                        help="rollout table presets, --profile and --count_ops: the model's elementwise chains "
+                             "compiled into fused kernels (trl_diffusion.set_fused_kernels); warm-up calls include "
+                             "the compilation")
     parser.add_argument("--count_ops", action="store_true",
-                        help="print the torch operations per cached SDAR token (cpu preset's model) and stop")
+                        help="print the torch operations per cached SDAR token (cpu preset's model) and stop "
+                             "(with --fused_kernels: the compiled kernels are not counted)")
     args = parser.parse_args()
     device = torch.device(args.device)
     args.preset = args.preset or ("sdar-4b" if device.type == "cuda" else "cpu")
