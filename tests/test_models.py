@@ -311,7 +311,8 @@ def _release_rotary(x, positions, theta, full_precision):
 def test_norm_and_rotary_equal_the_releases_formulas(dtype):
     """``rms_norm`` (one ``F.rms_norm`` call) and ``apply_rotary`` (a roll and a signed sin table) compute exactly the
     releases' arithmetic; only the number of operations changed. Checked at far positions, where RoPE errors show."""
-    from trl_diffusion.models.common import RotaryTables, apply_rotary, rms_norm, rotary_cos_sin
+    from trl_diffusion.models.common import RotaryTables, apply_rotary, rotary_cos_sin
+    from trl_diffusion.models.kernels import rms_norm
 
     g = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(2, 5, 64, generator=g)).to(dtype)
@@ -478,7 +479,7 @@ def test_rms_norm_of_half_inputs_computes_in_float32(dtype):
     inside the call."""
     import torch.nn.functional as F
 
-    from trl_diffusion.models.common import rms_norm
+    from trl_diffusion.models.kernels import rms_norm
 
     g = torch.Generator().manual_seed(0)
     for shape in [(2, 37, 256), (3, 5, 8, 64), (1, 2052, 128)]:

@@ -4,6 +4,7 @@
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import types
@@ -121,14 +122,16 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     # the script runs `python`: this interpreter's, also when pytest was started without activating its venv
     path = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
     # the steps' limits are sized for the GPU: scaled up here, so that a busy CI machine does not cut a step short
+    steps = ["generation", "training_sdar4b", "generation_profile", "gpu_graph_tests", "gpu_tests", "generation_llada",
+             "flex_probe", "memory_recompute"]
+    # the fused-kernel steps (generation_fused, training_fused) compile with inductor, about two CPU minutes: their
+    # commands are checked by test_gpu_check_fused_steps_run_the_benchmarks_with_their_flags instead
     env = {**os.environ, "PATH": path, "OUT": str(tmp_path), "GPU_CHECK_TINY": "1", "GPU_CHECK_BUDGET": "1200",
-           "GPU_CHECK_LIMIT_SCALE": "4"}
+           "GPU_CHECK_LIMIT_SCALE": "4", "GPU_CHECK_STEPS": " ".join(steps)}
     done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=1500)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    steps = ["generation", "generation_fused", "training_fused", "training_sdar4b", "generation_profile",
-             "gpu_graph_tests", "gpu_tests", "generation_llada", "flex_probe", "memory_recompute"]
     assert [line.split(":")[0] for line in summary.splitlines() if ": exit " in line] == steps
     assert summary.count(": exit 0 ") == len(steps), summary
     for log in ("gpu_graph_tests", "gpu_tests"):
@@ -143,12 +146,52 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     profiles = [json.loads(line)["profile"] for line in (tmp_path / "generation_profile.log").read_text().splitlines()
                 if line.startswith('{"profile"')]
     assert [p["batch"] for p in profiles] == [1, 8] and all(p["top"] for p in profiles)
-    fused = json.loads((tmp_path / "training_fused.json").read_text())["records"]
-    assert [r["kernels"] for r in fused] == ["eager", "fused"] and all("error" not in r for r in fused)
-    fused_rows = [json.loads(line) for line in (tmp_path / "generation_fused.log").read_text().splitlines()
-                  if line.startswith('{"batch"')]
-    assert {r["batch"] for r in fused_rows} == {1, 8} and all(r["fused_kernels"] for r in fused_rows)
-    for log in ("generation", "generation_fused", "generation_llada"):
+    for log in ("generation", "generation_llada"):
         rows = [json.loads(line) for line in (tmp_path / f"{log}.log").read_text().splitlines()
                 if line.startswith('{"')]
         assert rows and all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def gpu_check_command(step: str) -> list[str]:
+    """The arguments gpu_check.sh gives the benchmark of ``step`` in its tiny (CPU) mode, from the script's text."""
+    text = (ROOT / "scripts" / "gpu_check.sh").read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if line.startswith(f"step {step} "))
+    words = shlex.split(line.split("#")[0])[3:]  # after "step NAME LIMIT"
+    tiny = {"$DEVICE": "cpu", "$SDAR": "tiny", "$TRAIN": "tiny", "${FUSED_BATCHES[@]}": "1 8",
+            "$LOGS/training_fused.json": "OUTPUT"}
+    return shlex.split(" ".join(tiny.get(word, word) for word in words))
+
+
+def test_gpu_check_fused_steps_run_the_benchmarks_with_their_flags(tmp_path, monkeypatch, capsys):
+    """The generation_fused and training_fused steps' commands (as the script writes them, tiny mode), run in this
+    process with the chains compiled by aot_eager (inductor would compile for minutes on a CPU): every row has the
+    fused kernels, and the training benchmark measures eager and fused side by side."""
+    from test_scored_head import load_training_benchmark
+
+    from trl_diffusion.models import kernels
+
+    aot_eager = kernels.compiled_kernels("aot_eager")
+    monkeypatch.setattr(kernels, "compiled_kernels", lambda backend: aot_eager)
+    command = gpu_check_command("generation_fused")
+    assert command[:2] == ["python3", "benchmarks/generation.py"] and "--fused_kernels" in command
+    monkeypatch.setattr(sys, "argv", ["generation.py", *command[2:]])
+    load_generation_benchmark().main()
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"batch"')]
+    assert {r["batch"] for r in rows} == {1, 8} and all(r["fused_kernels"] and r["tokens_per_s"] > 0 for r in rows)
+
+    command = gpu_check_command("training_fused")
+    assert command[:2] == ["python3", "benchmarks/training.py"]
+    bench = load_training_benchmark()
+    measured = []
+
+    def run_one(mode, shrinkage, backend, shape, device, timeout, profile, kernels):  # in this process
+        measured.append(bench.measure(mode, shrinkage, backend, shape, device, profile, kernels))
+        return measured[-1]
+
+    monkeypatch.setattr(bench, "run_one", run_one)
+    output = tmp_path / "training_fused.json"
+    monkeypatch.setattr(sys, "argv", ["training.py", *[str(output) if w == "OUTPUT" else w for w in command[2:]]])
+    bench.main()
+    assert [(r["attention_backend"], r["kernels"]) for r in measured] == [("sdpa", "eager"), ("sdpa", "fused")]
+    assert all(r["seconds_per_step"] > 0 for r in measured)
+    assert set(json.loads(output.read_text())["table"]) == {"packed s=1 sdpa eager", "packed s=1 sdpa fused"}

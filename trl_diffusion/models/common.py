@@ -15,7 +15,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutpu
 
 from ..states import attention_mask_from_positions
 from .cache import DiffusionCache, StaticDiffusionCache
-from .kernels import EAGER, Kernels, UsesKernels, rms_norm  # noqa: F401 (rms_norm: imported from here)
+from .kernels import EAGER, Kernels, UsesKernels
 
 # transformers 5.24 renamed the model outputs' ``past_key_values`` field to ``cache``; 5.20-5.23 have the old name
 CACHE_FIELD = "cache" if "cache" in BaseModelOutputWithPast.__dataclass_fields__ else "past_key_values"
