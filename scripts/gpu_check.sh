@@ -40,7 +40,8 @@
 # GPU_CHECK_TINY=1 runs the same steps on the CPU with the tiny presets (a dry run of this script, e.g. with
 # GPU_CHECK_BUDGET=300, and GPU_CHECK_LIMIT_SCALE=4 to multiply every step's limit on a slow or busy CPU; the gpu
 # tests skip there). The pytest steps continue past a test module that fails to import (a package the GPU image
-# lacks), so the gpu tests still run.
+# lacks), so the gpu tests still run. GPU_CHECK_PRINT=1 runs nothing: it prints each selected step's command as bash
+# expands it ("NAME: ARG ARG ...", each argument shell-quoted), which the test suite runs in its own process.
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/gpu_out}"
@@ -49,7 +50,9 @@ mkdir -p "$OUT" "$LOGS"
 START=$SECONDS
 BUDGET=${GPU_CHECK_BUDGET:-570}  # seconds; a step that would start after this is skipped
 
-if compgen -G ".whl/*.whl" > /dev/null; then
+if [ "${GPU_CHECK_PRINT:-0}" = 1 ]; then
+    :  # only the commands: nothing installed, nothing imported
+elif compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
         > "$LOGS/install.log" 2>&1 || echo "wheel install failed (see install.log)"
     export PYTHONPATH="/tmp/site:$PWD"
@@ -58,13 +61,15 @@ else
     export PYTHONPATH="$PWD"
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-{
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-    python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+if [ "${GPU_CHECK_PRINT:-0}" != 1 ]; then
+    {
+        nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        python3 -c "import torch, transformers, trl; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'transformers', transformers.__version__, 'trl', trl.__version__)"
-    python3 -c "import pytest, math_verify; print('pytest', pytest.__version__, 'math_verify ok')"
-} > "$LOGS/environment.txt" 2>&1
-cat "$LOGS/environment.txt"
+        python3 -c "import pytest, math_verify; print('pytest', pytest.__version__, 'math_verify ok')"
+    } > "$LOGS/environment.txt" 2>&1
+    cat "$LOGS/environment.txt"
+fi
 
 if [ "${GPU_CHECK_TINY:-0}" = 1 ]; then
     DEVICE=cpu SDAR=tiny LLADA=llada-tiny TRAIN=tiny PROBE=(--head_dims 16 --dtypes float32 --lengths 40 56)
@@ -81,6 +86,10 @@ step() {  # step NAME SECONDS COMMAND...: run COMMAND under a time limit unless 
     local name=$1 limit=$(($2 * ${GPU_CHECK_LIMIT_SCALE:-1}))
     shift 2
     case " ${GPU_CHECK_STEPS:-all} " in *" all "*|*" $name "*) ;; *) return ;; esac
+    if [ "${GPU_CHECK_PRINT:-0}" = 1 ]; then
+        printf '%s:' "$name"; printf ' %q' "$@"; echo
+        return
+    fi
     if [ "$(left)" -lt 30 ]; then
         echo "$name: skipped (budget spent)" | tee -a "$LOGS/summary.txt"
         return
@@ -119,6 +128,7 @@ step flex_probe 45 python3 scripts/flex_probe.py --device $DEVICE ${PROBE[@]+"${
 step memory_recompute 60 python3 benchmarks/memory.py --device $DEVICE --family llada --shrinkage 8 --batch 1 \
     "${MEMORY[@]}" --variants checkpointing budget_2048_recompute \
     --output "$LOGS/memory_recompute.json"
+[ "${GPU_CHECK_PRINT:-0}" = 1 ] && exit 0
 tail -n 3 "$LOGS/gpu_graph_tests.log" "$LOGS/gpu_tests.log" >> "$LOGS/summary.txt" 2>/dev/null
 echo "total: $((SECONDS - START)) s" | tee -a "$LOGS/summary.txt"
 pack
