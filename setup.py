@@ -26,7 +26,8 @@ setup(
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],
-        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff>=0.6"],
+        "deepspeed": ["deepspeed>=0.19"],  # ZeRO-2/3 (accelerate's DeepSpeed plugin); tested on the CPU with 0.19.8
+        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff>=0.6", "deepspeed>=0.19"],
     },
     entry_points={"console_scripts": ["trl-diffusion=trl_diffusion.cli:main"]},
 )

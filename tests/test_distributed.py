@@ -6,8 +6,9 @@ and the accelerate configs under ``examples/accelerate_configs``.
   stay with their completions, and both ranks end with the same parameters.
 * A run stopped after a checkpoint and resumed from it ends where an uninterrupted run ends, with the same
   metric and completion logs (no gaps, no duplicates).
-* ZeRO-3 and FSDP2 cannot run on a CPU-only machine with accelerate 1.15 / 1.16 (DeepSpeed does not start, an FSDP
-  config silently becomes DDP; see docs/distributed.md): their test runs only where two GPUs are present.
+* FSDP2 cannot run on a CPU-only machine with accelerate 1.15 / 1.16 (an FSDP config silently becomes DDP; see
+  docs/distributed.md): its test runs only where two GPUs are present. DeepSpeed ZeRO-2/3 do run on the CPU:
+  tests/test_deepspeed.py.
 
 The runs themselves live in ``tests/distributed/train.py``.
 """
@@ -46,6 +47,9 @@ def _load_helper():
 
 
 train = _load_helper()
+SCALE_OUT_JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_masks"]
+"""The jobs run on two processes and on one (``train.JOBS`` but ``tracerl_sharded_rollouts``, which differs from
+``tracerl`` only under ZeRO-3: tests/test_deepspeed.py)."""
 
 
 @pytest.fixture(autouse=True)
@@ -119,17 +123,17 @@ def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same jobs (``train.JOBS``: SFT, TraceRL, TraceRL with a value model, TraceRL with random masks), 2 steps
+    """The same jobs (``SCALE_OUT_JOBS``: SFT, TraceRL, TraceRL with a value model, TraceRL with random masks), 2 steps
     each: two CPU processes with per-device batch 2, and one process (in this one) with batch 4."""
     root = tmp_path_factory.mktemp("scale_out")
     overrides = json.dumps({"eos_scale": EOS_SCALE})
     accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(root / "two"), "--per_device_batch",
-                      "2", "--max_steps", "2", "--jobs", *train.JOBS, "--overrides", overrides)
+                      "2", "--max_steps", "2", "--jobs", *SCALE_OUT_JOBS, "--overrides", overrides)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with DecisionMargins() as margins:
-            for job in train.JOBS:
+            for job in SCALE_OUT_JOBS:
                 train.run(job, root / "one", 4, 2, eos_scale=EOS_SCALE)
     finally:
         torch.set_num_threads(threads)
@@ -137,7 +141,7 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("job", list(train.JOBS))
+@pytest.mark.parametrize("job", SCALE_OUT_JOBS)
 def test_both_ranks_end_with_identical_parameters(runs, job):
     setup = json.loads((runs["two"] / job / "setup.json").read_text())
     assert setup["num_processes"] == 2 and setup["distributed_type"] == "DistributedType.MULTI_CPU"
@@ -357,8 +361,8 @@ def test_example_on_two_processes_prints_one_result_and_no_ddp_warning(tmp_path)
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
-    "ZeRO-3 and FSDP2 need accelerator devices: with accelerate 1.15 / 1.16 an FSDP config on the CPU silently runs "
-    "DDP and DeepSpeed cannot initialise its process group (docs/distributed.md)."))
+    "FSDP2 needs accelerator devices (with accelerate 1.15 / 1.16 an FSDP config on the CPU silently runs DDP, "
+    "docs/distributed.md); ZeRO-3 on GPUs beside it (on the CPU: tests/test_deepspeed.py)."))
 @pytest.mark.parametrize("config", ["deepspeed_zero3", "fsdp2", "fsdp2+budget"])
 def test_sharded_config_runs_a_step(tmp_path, config):
     """``fsdp2+budget``: ``scoring_token_budget`` small enough for several forwards per micro-batch (under FSDP

@@ -90,7 +90,10 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
                  stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0,
                  reward: str = "distinct_chars", **overrides: Any):
     """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` and ``reward`` (a
-    name in ``REWARDS``) apply to TraceRL only; ``overrides`` go to the config."""
+    name in ``REWARDS``) apply to TraceRL only; ``overrides`` go to the config, those named ``"<trainer>.<field>"``
+    (e.g. ``"tracerl.num_generations"``) to that trainer's only."""
+    overrides = {name.split(".", 1)[-1]: value for name, value in overrides.items()
+                 if "." not in name or name.startswith(f"{trainer}.")}
     config = common_args(out, per_device_batch, max_steps, seed)
     callbacks = [StopAfter(stop_after)] if stop_after else None
     model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0)
@@ -126,12 +129,14 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 
 
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True),
-        "tracerl_masks": ("tracerl", False)}
+        "tracerl_masks": ("tracerl", False), "tracerl_sharded_rollouts": ("tracerl", False)}
 JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True},
-              "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2}}
+              "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2},
+              "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}}
 """Config fields of a job (before ``overrides``): TraceRL with a value model also covers recomputed scoring
 forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model);
-``tracerl_masks`` dLLM-RL's random-masking baseline, whose masks must not depend on the process layout."""
+``tracerl_masks`` dLLM-RL's random-masking baseline, whose masks must not depend on the process layout;
+``tracerl_sharded_rollouts`` decodes from ZeRO-3's sharded weights (plain TraceRL elsewhere)."""
 
 
 def record_value_live_responses(trainer) -> list[int]:
@@ -146,6 +151,19 @@ def record_value_live_responses(trainer) -> list[int]:
     return counts
 
 
+def record_rollout_forwards(trainer) -> list[int]:
+    """The forwards of each of this process's rollouts (filled as it trains; TraceRL logs the largest over the
+    processes)."""
+    counts, log = [], trainer._log_rollout_stats
+
+    def recording(mode):
+        counts.append(int(trainer._rollout_stats[4]))
+        return log(mode)
+
+    trainer._log_rollout_stats = recording
+    return counts
+
+
 def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None, **overrides: Any):
     """Train one of ``JOBS`` and write this process's parameters (and, on rank 0, the log history) under
     ``out/job``."""
@@ -154,11 +172,14 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
     built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value,
                          **{**JOB_CONFIG.get(job, {}), **overrides})
     live_responses = record_value_live_responses(built) if value else []
+    rollout_forwards = record_rollout_forwards(built) if trainer == "tracerl" else []
     built.train(resume_from_checkpoint=resume)
     state = full_state_dict(built)
     rank = built.accelerator.process_index
     if value:
         (folder / f"value_live_rank{rank}.json").write_text(json.dumps(live_responses))
+    if rollout_forwards:
+        (folder / f"rollout_forwards_rank{rank}.json").write_text(json.dumps(rollout_forwards))
     torch.save(state, folder / f"rank{rank}.pt")
     if rank == 0:
         (folder / "log_history.json").write_text(json.dumps(built.state.log_history))
@@ -167,10 +188,33 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
                  "fsdp": built.is_fsdp_enabled, "deepspeed": built.is_deepspeed_enabled,
                  "wrapper": type(built.model_wrapped).__name__, "model": type(built.model).__name__,
                  "value_wrapper": type(getattr(built, "value_model", None)).__name__,
-                 "recompute_scoring_forwards": getattr(built.args, "recompute_scoring_forwards", None)}
+                 "recompute_scoring_forwards": getattr(built.args, "recompute_scoring_forwards", None),
+                 **deepspeed_setup(built)}
         (folder / "setup.json").write_text(json.dumps(setup))
     built.accelerator.wait_for_everyone()
     return built
+
+
+def deepspeed_setup(trainer) -> dict[str, Any]:
+    """Under DeepSpeed: its ZeRO stage, whether this process holds only a shard of the policy's weights, the
+    rollouts' ``cuda_graphs`` and the reference model's wrapper (TraceRL)."""
+    if not trainer.is_deepspeed_enabled:
+        return {}
+    parameters = list(trainer.accelerator.unwrap_model(trainer.model_wrapped).parameters())
+    return {"zero_stage": trainer.accelerator.state.deepspeed_plugin.zero_stage,
+            "sharded": all(hasattr(p, "ds_tensor") and p.ds_tensor.numel() < p.ds_numel for p in parameters),
+            "rollout_graphs": getattr(trainer, "_rollout_graphs", None),
+            "ref_wrapper": type(getattr(trainer, "ref_model", None)).__name__}
+
+
+def without_deepspeed_shm_op() -> None:
+    """DeepSpeed's CPU accelerator compiles a shared-memory all-reduce the first time it starts on a machine (about
+    50 s on two cores); these tiny runs communicate through gloo instead (what DeepSpeed does where it cannot build
+    the op)."""
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        import deepspeed.ops
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
 def save_metrics(trainer, out, metrics: dict) -> dict:
@@ -196,10 +240,12 @@ def main() -> None:
     parser.add_argument("--jobs", nargs="+", default=["sft", "tracerl"], choices=sorted(JOBS))
     parser.add_argument("--per_device_batch", type=int, default=2)
     parser.add_argument("--max_steps", type=int, default=2)
-    parser.add_argument("--overrides", type=json.loads, default={}, help="config fields and eos_scale, as JSON")
+    parser.add_argument("--overrides", type=json.loads, default={},
+                        help="config fields (\"tracerl.<field>\": TraceRL's only) and eos_scale, as JSON")
     parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    without_deepspeed_shm_op()
     for job in args.jobs:
         run(job, args.out, args.per_device_batch, args.max_steps, resume=args.resume, **args.overrides)
     shut_down()
