@@ -3,11 +3,13 @@ two DDP processes do (same parameters to float32 rounding, same logged metrics).
 
 What runs under ZeRO-3 here: the policy's weights sharded over the processes (checked on every parameter), SFT,
 TraceRL with its rollouts on weights gathered once (``ds3_gather_for_generation=True``, TRL's default) and on
-sharded weights (``False``), processes decoding different numbers of steps (both run as many forwards: with gathered
-weights too, DeepSpeed's start-of-forward hook, which TRL's ``remove_hooks`` leaves in place, is a collective until
-its trace is recorded again after every rollout; a run without ``synced_gpus`` hung here), the value model beside
-it with packed scoring split into one row per forward (processes agree on the number of forwards), and the 16-bit
-weights gathered on rank 0 (``zero3_save_16bit_model``). The runs live in ``tests/distributed/train.py``.
+sharded weights (``False``), scoring forwards recomputed in the backward pass (``recompute_scoring_forwards``:
+ZeRO-3 gathers each module's weights again in that module's own hooks), processes decoding different numbers of
+steps (both run as many forwards: with gathered weights too, DeepSpeed's start-of-forward hook, which TRL's
+``remove_hooks`` leaves in place, is a collective until its trace is recorded again after every rollout; a run
+without ``synced_gpus`` hung here), the value model beside it with packed scoring split into one row per forward
+(processes agree on the number of forwards), and the 16-bit weights gathered on rank 0 (``zero3_save_16bit_model``).
+The runs live in ``tests/distributed/train.py``.
 
 Checked with DeepSpeed 0.19.8 under accelerate 1.15 and 1.16 (the shipped configs as they are: the runs' own
 ``use_cpu=True`` puts them on the CPU, and DeepSpeed's CPU accelerator talks over gloo).
@@ -37,16 +39,17 @@ pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (th
 
 JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts"]
 OVERRIDES = {"eos_scale": EOS_SCALE, "tracerl.max_completion_length": 16, "tracerl.num_generations": 2,
-             "tracerl.kl_reference": "reference_model", "recompute_scoring_forwards": False}
+             "tracerl.kl_reference": "reference_model", "sft.scoring_token_budget": 24,
+             "sft.recompute_scoring_forwards": True}
 """Completions of mixed lengths, and each process holding one prompt's group: the processes decode different
-numbers of steps. The KL against a frozen reference model (prepared by DeepSpeed, sharded under ZeRO-3). Recomputed
-scoring forwards are refused under ZeRO-3, so the value job scores with layer outputs kept (the same values and
-gradients)."""
+numbers of steps. The KL against a frozen reference model (prepared by DeepSpeed, sharded under ZeRO-3). The value
+job recomputes its scoring forwards in the backward pass (``recompute_scoring_forwards``, policy and value model),
+and SFT splits each micro-batch into forwards of at most 24 tokens, recomputed in its one backward."""
 
 
-def launch(root: Path, launcher: list[str], jobs: list[str], overrides: dict = OVERRIDES) -> Path:
+def launch(root: Path, launcher: list[str], jobs: list[str]) -> Path:
     accelerate_launch(launcher, HELPERS / "train.py", "--out", str(root), "--per_device_batch", "2",
-                      "--max_steps", "2", "--jobs", *jobs, "--overrides", json.dumps(overrides))
+                      "--max_steps", "2", "--jobs", *jobs, "--overrides", json.dumps(OVERRIDES))
     return root
 
 
@@ -82,6 +85,7 @@ def test_zero3_trains_as_ddp(tmp_path, ddp):
     for job in JOBS:
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["zero_stage"] == 3 and setup["sharded"] and setup["wrapper"] == "DeepSpeedEngine", job
+        assert setup["recompute_scoring_forwards"] == (job in ("sft", "tracerl_value")), job
         expected = ddp / reference_job(job)
         assert_same_metrics(history(runs / job), history(expected), rel=1e-4, skip=frozenset({"train_loss"}),
                             value_rel=VALUE_REL)
@@ -105,16 +109,13 @@ def test_zero3_trains_as_ddp(tmp_path, ddp):
 
 
 def test_zero2_trains_as_ddp(tmp_path, ddp):
-    """ZeRO-2 with the value job's recomputed scoring forwards (each forward run again in the backward pass, one row
-    per forward), which ZeRO-3 refuses."""
     jobs = ["sft", "tracerl", "tracerl_value"]
-    overrides = {name: value for name, value in OVERRIDES.items() if name != "recompute_scoring_forwards"}
-    runs = launch(tmp_path, deepspeed_launcher("deepspeed_zero2"), jobs, overrides)
+    runs = launch(tmp_path, deepspeed_launcher("deepspeed_zero2"), jobs)
     for job in jobs:
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["zero_stage"] == 2 and not setup["sharded"], job
         assert job == "sft" or setup["ref_wrapper"] == "DeepSpeedEngine"
-        assert setup["recompute_scoring_forwards"] == (job == "tracerl_value"), job
+        assert setup["recompute_scoring_forwards"] == (job in ("sft", "tracerl_value")), job
         assert_same_metrics(history(runs / job), history(ddp / job), rel=1e-4, skip=frozenset({"train_loss"}),
                             value_rel=VALUE_REL)
         assert_same_parameters(parameters(runs / job), parameters(ddp / job))

@@ -11,8 +11,10 @@ from numerics import assert_close_fp32
 
 import trl_diffusion.recomputed_forwards as recomputed
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
+from trl_diffusion.models.llada_moe import LLaDAMoEModelLM
+from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
 from trl_diffusion.recomputed_forwards import check_recomputed_forwards, recomputed_forwards
-from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.testing import build_tokenizer, tiny_llada_moe_config, tiny_model, tiny_sdar_moe_config
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
@@ -113,13 +115,23 @@ def test_refused_without_a_budget(tmp_path):
                    recompute_scoring_forwards=True)
 
 
-def test_refused_where_the_weights_are_gathered_in_forward_hooks():
-    check_recomputed_forwards(True, fsdp=False, zero_stage=2, option="x")
-    check_recomputed_forwards(False, fsdp=True, zero_stage=3, option="x")
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream", "sdar_moe", "llada_moe", "value"])
+def test_refused_where_the_weights_are_gathered_in_forward_hooks(family):
+    """FSDP always; DeepSpeed ZeRO-3 only for a model with weights on its root module, which none of the families
+    has (ZeRO-3 runs with recomputation in tests/test_deepspeed.py)."""
+    models = {"sdar_moe": lambda: SDARMoeForCausalLM(tiny_sdar_moe_config()),
+              "llada_moe": lambda: LLaDAMoEModelLM(tiny_llada_moe_config()),
+              "value": lambda: DiffusionValueModel.from_policy(tiny_model("sdar"))}
+    model = models.get(family, lambda: tiny_model(family))()
+    check_recomputed_forwards(True, fsdp=False, zero_stage=2, option="x", model=model)
+    check_recomputed_forwards(True, fsdp=False, zero_stage=3, option="x", model=model)
+    check_recomputed_forwards(False, fsdp=True, zero_stage=3, option="x", model=model)
     with pytest.raises(ValueError, match="x=True is not supported with FSDP"):
-        check_recomputed_forwards(True, fsdp=True, zero_stage=None, option="x")
-    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3"):
-        check_recomputed_forwards(True, fsdp=False, zero_stage=3, option="x")
+        check_recomputed_forwards(True, fsdp=True, zero_stage=None, option="x", model=model)
+    model.scale = torch.nn.Parameter(torch.ones(1))  # a weight of the root module's own
+    check_recomputed_forwards(True, fsdp=False, zero_stage=2, option="x", model=model)
+    with pytest.raises(ValueError, match=r"DeepSpeed ZeRO-3 .* root module \(scale\)"):
+        check_recomputed_forwards(True, fsdp=False, zero_stage=3, option="x", model=model)
 
 
 def distinct_chars(completions, **kwargs):

@@ -53,13 +53,26 @@ def recomputed_forwards(module: torch.nn.Module, enabled: bool) -> Iterator[None
             del module.forward
 
 
-def check_recomputed_forwards(enabled: bool, fsdp: bool, zero_stage: int | None, option: str) -> None:
-    """Refuse ``option`` (the config field that turns recomputed forwards on) under FSDP and DeepSpeed ZeRO-3, which
-    gather the sharded weights in hooks around the wrapped module's forward: the recomputation calls the module's
-    own forward, outside them. (DDP and ZeRO-1/2 keep whole weights and reduce gradients once per parameter per
-    backward, as without recomputation.)"""
-    if enabled and (fsdp or zero_stage == 3):
+def check_recomputed_forwards(enabled: bool, fsdp: bool, zero_stage: int | None, option: str,
+                              model: torch.nn.Module) -> None:
+    """Refuse ``option`` (the config field that turns recomputed forwards on) where the recomputation would read
+    weights that are not there: under FSDP, whose root unit gathers the weights outside the wrapped blocks
+    (embeddings, head, final norm) in hooks around the root module's forward, which the recomputation (that forward,
+    called again in the backward pass) runs without; and under DeepSpeed ZeRO-3 for a model with weights of its own
+    on the root module, for the same reason. ZeRO-3 gathers every other module's weights in that module's own
+    hooks, which the recomputed forward runs again (as with layer checkpointing): checked against DDP on two CPU
+    processes (tests/test_deepspeed.py). DDP and ZeRO-1/2 keep whole weights and reduce gradients once per
+    parameter per backward, as without recomputation."""
+    if not enabled:
+        return
+    if fsdp:
         raise ValueError(
-            f"{option}=True is not supported with {'FSDP' if fsdp else 'DeepSpeed ZeRO-3'}: the forward recomputed in "
-            "the backward pass would run outside the hooks that gather the sharded weights. Use "
-            "gradient_checkpointing there (with a smaller scoring_token_budget or per_device_train_batch_size).")
+            f"{option}=True is not supported with FSDP: the forward recomputed in the backward pass would run outside "
+            "the hooks that gather the root unit's sharded weights. Use gradient_checkpointing there (with a smaller "
+            "scoring_token_budget or per_device_train_batch_size), or DeepSpeed ZeRO-3.")
+    own = [name for name, _ in model.named_parameters(recurse=False)]
+    if zero_stage == 3 and own:
+        raise ValueError(
+            f"{option}=True is not supported with DeepSpeed ZeRO-3 for {type(model).__name__}, which holds weights on "
+            f"its root module ({', '.join(own)}): the forward recomputed in the backward pass would run outside the "
+            "hooks that gather them. Use gradient_checkpointing there.")

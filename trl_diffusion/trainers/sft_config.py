@@ -76,7 +76,7 @@ class DiffusionSFTConfig(SFTConfig):
             With `scoring_token_budget`: instead of a backward per forward, one backward per micro-batch (as TRL),
             each forward checkpointed as a whole and run again in it, one at a time: the same gradient and
             activation memory, one more forward each, and usable where a backward must run once per micro-batch
-            (DeepSpeed ZeRO-1/2, LOMO, layer-wise optimizers). Not with FSDP or DeepSpeed ZeRO-3.
+            (DeepSpeed ZeRO-1/2/3, LOMO, layer-wise optimizers). Not with FSDP.
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
@@ -160,8 +160,8 @@ class DiffusionSFTConfig(SFTConfig):
         default=False,
         metadata={"help": "With scoring_token_budget: one backward per micro-batch (TRL's) instead of one per "
                   "forward, each forward checkpointed as a whole and run again in it (same gradient and memory, one "
-                  "more forward each); usable with DeepSpeed ZeRO-1/2, LOMO and layer-wise optimizers. Not with "
-                  "FSDP or DeepSpeed ZeRO-3."},
+                  "more forward each); usable with DeepSpeed ZeRO-1/2/3, LOMO and layer-wise optimizers. Not with "
+                  "FSDP."},
     )
     pad_to_length_with_eos: bool = field(
         default=False,

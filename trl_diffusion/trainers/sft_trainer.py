@@ -368,7 +368,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         _check_token_budget(self.args, self.is_deepspeed_enabled)
         check_recomputed_forwards(self.args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
-                                  "recompute_scoring_forwards")
+                                  "recompute_scoring_forwards", self.model)
         self.objective = resolve_objective(self.args.diffusion_objective, self.spec)
         self.attention_backend = resolve_model_attention_backend(self.args.attention_backend, self.model,
                                                                  self.args.device, training=False)
@@ -659,7 +659,7 @@ def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
     if deepspeed:
         raise ValueError("scoring_token_budget is not supported with DeepSpeed (accelerate's backward also steps the "
                          "DeepSpeed engine, once per forward here); add recompute_scoring_forwards=True (one "
-                         "backward, ZeRO-1/2), use DDP or FSDP, or lower per_device_train_batch_size instead.")
+                         "backward; ZeRO-1/2/3), use DDP or FSDP, or lower per_device_train_batch_size instead.")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim in ("lomo", "adalomo") or "layerwise" in optim:
         raise ValueError(f"scoring_token_budget is not supported with optim={optim!r} (it updates the weights inside "

@@ -178,7 +178,7 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": "Checkpoint each scoring forward as a whole: the backward pass runs it again, so it holds "
                   "one forward's activations (at most `scoring_token_budget` tokens) instead of the whole "
                   "micro-batch's. Gradients are unchanged; costs one more forward per scoring forward. Also for the "
-                  "value model. Not with FSDP or DeepSpeed ZeRO-3."},
+                  "value model. Not with FSDP."},
     )
     scoring_temperature: float | None = field(
         default=None,

@@ -175,7 +175,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._rollout_graphs = _rollout_cuda_graphs(args, self.is_fsdp_enabled, zero_stage)
         _check_optimizer_reset(args, self.is_deepspeed_enabled)
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
-                                  "recompute_scoring_forwards")
+                                  "recompute_scoring_forwards", self.model)
         if own_reference:
             reference.requires_grad_(False)
             if args.disable_dropout:

@@ -36,7 +36,7 @@ class DiffusionValueConfig(_BaseConfig):
         recompute_scoring_forwards (`bool`, *optional*, defaults to `False`):
             Checkpoint each forward as a whole, as `TraceRLConfig.recompute_scoring_forwards`: the backward pass
             holds one forward's activations, not the micro-batch's; gradients unchanged, one more forward each. Not
-            with FSDP or DeepSpeed ZeRO-3.
+            with FSDP.
         truncate_at_eos (`bool`, *optional*, defaults to `True`):
             Train only on tokens up to and including the first end-of-sequence token of each completion, as
             TraceRL's completion mask does.
@@ -75,7 +75,7 @@ class DiffusionValueConfig(_BaseConfig):
     recompute_scoring_forwards: bool = field(
         default=False, metadata={"help": "Checkpoint each forward as a whole (run again in the backward pass): "
                                  "activation memory of one forward instead of the micro-batch's, same gradients, "
-                                 "one more forward each. Not with FSDP or DeepSpeed ZeRO-3."}
+                                 "one more forward each. Not with FSDP."}
     )
     truncate_at_eos: bool = field(
         default=True,

@@ -113,7 +113,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         apply_fused_kernels(args.fused_kernels, self.model)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
-                                  "recompute_scoring_forwards")
+                                  "recompute_scoring_forwards", self.model)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """transformers' micro-batches of one optimizer step, with ``num_items_in_batch`` the trained tokens of all
