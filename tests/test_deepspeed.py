@@ -8,8 +8,9 @@ ZeRO-3 gathers each module's weights again in that module's own hooks), processe
 steps (both run as many forwards: with gathered weights too, DeepSpeed's start-of-forward hook, which TRL's
 ``remove_hooks`` leaves in place, is a collective until its trace is recorded again after every rollout; a run
 without ``synced_gpus`` hung here), the value model beside it with packed scoring split into one row per forward
-(processes agree on the number of forwards), and the 16-bit weights gathered on rank 0 (``zero3_save_16bit_model``).
-The runs live in ``tests/distributed/train.py``.
+(processes agree on the number of forwards), a mixture-of-experts policy (SDAR-MoE, whose experts run in every
+training forward), and the 16-bit weights gathered on rank 0 (``zero3_save_16bit_model``). The runs live in
+``tests/distributed/train.py``.
 
 Checked with DeepSpeed 0.19.8 under accelerate 1.15 and 1.16 (the shipped configs as they are: the runs' own
 ``use_cpu=True`` puts them on the CPU, and DeepSpeed's CPU accelerator talks over gloo).
@@ -37,7 +38,7 @@ from test_distributed import (
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (the deepspeed and dev extras)")
 
-JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts"]
+JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe"]
 OVERRIDES = {"eos_scale": EOS_SCALE, "tracerl.max_completion_length": 16, "tracerl.num_generations": 2,
              "tracerl.kl_reference": "reference_model", "sft.scoring_token_budget": 24,
              "sft.recompute_scoring_forwards": True}
@@ -61,7 +62,8 @@ def deepspeed_launcher(config: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory) -> Path:
-    return launch(tmp_path_factory.mktemp("ddp"), TWO_CPU_PROCESSES, ["sft", "tracerl", "tracerl_value"])
+    """The DDP runs the DeepSpeed ones are compared with (``reference_job``)."""
+    return launch(tmp_path_factory.mktemp("ddp"), TWO_CPU_PROCESSES, sorted({reference_job(job) for job in JOBS}))
 
 
 def assert_same_parameters(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -94,9 +96,10 @@ def test_zero3_trains_as_ddp(tmp_path, ddp):
         rank0, rank1 = parameters(runs / job), parameters(runs / job, 1)
         assert rank1.keys() == {name for name in rank0 if name.startswith("value.")}, job
         assert all(torch.equal(rank1[name], rank0[name]) for name in rank1), job
-    for job in ("tracerl", "tracerl_value", "tracerl_sharded_rollouts"):
+    for job in ("tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe"):
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["ref_wrapper"] == "DeepSpeedEngine", job
+        assert setup["model"] == ("SDARMoeForCausalLM" if job == "tracerl_moe" else "SDARForCausalLM"), job
         assert setup["rollout_graphs"] == "off", job  # their forwards are collectives: decoded eagerly
     # the premise: the processes decoded different numbers of forwards in some rollout, which would leave one waiting
     # in a collective the other never enters, had generate() not run as many forwards on both (synced_gpus)

@@ -24,7 +24,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
-from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model
+from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
+from trl_diffusion.testing import EOS_ID, build_tokenizer, seeded_fill_, tiny_model, tiny_sdar_moe_config
 from trl_diffusion.value import DiffusionValueModel
 
 PAIRS = [("What is 1+2?", "3"), ("Say hi", "hi"), ("What is 7-3?", "4"), ("abc", "def"),
@@ -76,9 +77,10 @@ def value_model_for(policy) -> DiffusionValueModel:
     return value
 
 
-def tiny_policy(eos_scale: float = 0.0) -> torch.nn.Module:
-    """The tiny SDAR in train mode; ``eos_scale`` > 0 makes EOS likely (6 gives completions of mixed lengths)."""
-    model = tiny_model("sdar").train()
+def tiny_policy(eos_scale: float = 0.0, moe: bool = False) -> torch.nn.Module:
+    """The tiny SDAR (``moe``: SDAR-MoE) in train mode; ``eos_scale`` > 0 makes EOS likely (6 gives completions of
+    mixed lengths)."""
+    model = (seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0) if moe else tiny_model("sdar")).train()
     if eos_scale:
         with torch.no_grad():
             head = model.lm_head.weight
@@ -88,7 +90,7 @@ def tiny_policy(eos_scale: float = 0.0) -> torch.nn.Module:
 
 def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int, seed: int = 0,
                  stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0,
-                 reward: str = "distinct_chars", **overrides: Any):
+                 reward: str = "distinct_chars", moe: bool = False, **overrides: Any):
     """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` and ``reward`` (a
     name in ``REWARDS``) apply to TraceRL only; ``overrides`` go to the config, those named ``"<trainer>.<field>"``
     (e.g. ``"tracerl.num_generations"``) to that trainer's only."""
@@ -96,7 +98,7 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
                  if "." not in name or name.startswith(f"{trainer}.")}
     config = common_args(out, per_device_batch, max_steps, seed)
     callbacks = [StopAfter(stop_after)] if stop_after else None
-    model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0)
+    model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0, moe)
     if trainer == "sft":
         config.update(learning_rate=0.5, max_length=32)
         config.update(overrides)
@@ -129,14 +131,16 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 
 
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True),
-        "tracerl_masks": ("tracerl", False), "tracerl_sharded_rollouts": ("tracerl", False)}
+        "tracerl_masks": ("tracerl", False), "tracerl_sharded_rollouts": ("tracerl", False),
+        "tracerl_moe": ("tracerl", False)}
 JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True},
               "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2},
-              "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}}
+              "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}, "tracerl_moe": {"moe": True}}
 """Config fields of a job (before ``overrides``): TraceRL with a value model also covers recomputed scoring
 forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model);
 ``tracerl_masks`` dLLM-RL's random-masking baseline, whose masks must not depend on the process layout;
-``tracerl_sharded_rollouts`` decodes from ZeRO-3's sharded weights (plain TraceRL elsewhere)."""
+``tracerl_sharded_rollouts`` decodes from ZeRO-3's sharded weights (plain TraceRL elsewhere); ``tracerl_moe`` trains
+the tiny SDAR-MoE."""
 
 
 def record_value_live_responses(trainer) -> list[int]:
