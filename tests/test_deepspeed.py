@@ -38,7 +38,7 @@ from test_distributed import (
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (the deepspeed and dev extras)")
 
-JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe"]
+JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe", "tracerl_resume"]
 OVERRIDES = {"eos_scale": EOS_SCALE, "tracerl.max_completion_length": 16, "tracerl.num_generations": 2,
              "tracerl.kl_reference": "reference_model", "sft.scoring_token_budget": 24,
              "sft.recompute_scoring_forwards": True}
@@ -82,8 +82,13 @@ def reference_job(job: str) -> str:
     return "tracerl" if job == "tracerl_sharded_rollouts" else job
 
 
-def test_zero3_trains_as_ddp(tmp_path, ddp):
-    runs = launch(tmp_path, deepspeed_launcher("deepspeed_zero3"), JOBS)
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory) -> Path:
+    return launch(tmp_path_factory.mktemp("zero3"), deepspeed_launcher("deepspeed_zero3"), JOBS)
+
+
+def test_zero3_trains_as_ddp(zero3, ddp):
+    runs = zero3
     for job in JOBS:
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["zero_stage"] == 3 and setup["sharded"] and setup["wrapper"] == "DeepSpeedEngine", job
@@ -96,7 +101,7 @@ def test_zero3_trains_as_ddp(tmp_path, ddp):
         rank0, rank1 = parameters(runs / job), parameters(runs / job, 1)
         assert rank1.keys() == {name for name in rank0 if name.startswith("value.")}, job
         assert all(torch.equal(rank1[name], rank0[name]) for name in rank1), job
-    for job in ("tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe"):
+    for job in ("tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe", "tracerl_resume"):
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["ref_wrapper"] == "DeepSpeedEngine", job
         assert setup["model"] == ("SDARMoeForCausalLM" if job == "tracerl_moe" else "SDARForCausalLM"), job
@@ -109,6 +114,20 @@ def test_zero3_trains_as_ddp(tmp_path, ddp):
     busiest = [entry["rollout/forward_passes"] for entry in history(runs / "tracerl_sharded_rollouts")
                if "rollout/forward_passes" in entry]
     assert busiest == [max(pair) for pair in zip(*forwards)]
+
+
+def test_zero3_resumes_exactly(zero3, tmp_path):
+    """Resumed from its step-1 checkpoint (inside a generation cycle: ``num_iterations=2``; the value model; the
+    reference model as ``sync_ref_model`` mixed it, sharded), the run ends where the uninterrupted one ended."""
+    checkpoint = zero3 / "tracerl_resume" / "checkpoint-1"
+    assert (checkpoint / "ref_model_state.pt").is_file() and (checkpoint / "value_state.pt").is_file()
+    accelerate_launch(deepspeed_launcher("deepspeed_zero3"), HELPERS / "train.py", "--out", str(tmp_path),
+                      "--per_device_batch", "2", "--max_steps", "2", "--jobs", "tracerl_resume", "--overrides",
+                      json.dumps(OVERRIDES), "--resume", str(checkpoint))
+    resumed, uninterrupted = tmp_path / "tracerl_resume", zero3 / "tracerl_resume"
+    assert [e["step"] for e in history(resumed) if "loss" in e] == [1, 2]  # step 1's from the checkpoint
+    assert_same_metrics(history(resumed), history(uninterrupted), rel=1e-6, skip=frozenset({"train_loss"}))
+    assert_same_parameters(parameters(resumed), parameters(uninterrupted))
 
 
 def test_zero2_trains_as_ddp(tmp_path, ddp):

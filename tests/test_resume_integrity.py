@@ -248,16 +248,17 @@ def logged_steps(out: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_two_processes_resume_refuse_and_opt_out_together(tmp_path):
-    """A complete two-process checkpoint resumes; with only rank 1's buffer missing both processes stop with the
-    refusal (none waits for the other), and with the opt-out both generate the cycle again (rank 0 dropping its
-    buffer too, or it would skip the collectives of rank 1's generation) and finish."""
+    """With only rank 1's buffer missing both processes stop with the refusal (none waits for the other), and with
+    the opt-out both generate the cycle again (rank 0 dropping its buffer too, or it would skip the collectives of
+    rank 1's generation) and finish. (A complete two-process checkpoint resuming exactly: tests/test_deepspeed.py,
+    under ZeRO-3.)"""
     def succeeded(done: subprocess.CompletedProcess) -> bool:
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         return True
 
     assert succeeded(launch_two(tmp_path, 1))
     checkpoint = tmp_path / "tracerl" / "checkpoint-1"
-    assert succeeded(launch_two(tmp_path, 2, resume=checkpoint)) and logged_steps(tmp_path) == [1, 2]
+    assert (checkpoint / "rollout_buffer_0.pt").is_file()
     (checkpoint / "rollout_buffer_1.pt").unlink()
     refused = launch_two(tmp_path, 2, resume=checkpoint)
     output = refused.stdout + refused.stderr

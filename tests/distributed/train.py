@@ -90,10 +90,11 @@ def tiny_policy(eos_scale: float = 0.0, moe: bool = False) -> torch.nn.Module:
 
 def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int, seed: int = 0,
                  stop_after: int | None = None, value: bool = False, eos_scale: float = 0.0,
-                 reward: str = "distinct_chars", moe: bool = False, **overrides: Any):
-    """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``); ``eos_scale`` and ``reward`` (a
-    name in ``REWARDS``) apply to TraceRL only; ``overrides`` go to the config, those named ``"<trainer>.<field>"``
-    (e.g. ``"tracerl.num_generations"``) to that trainer's only."""
+                 reward: str = "distinct_chars", moe: bool = False, value_path: bool = False, **overrides: Any):
+    """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``, passed as the path of its saved
+    copy if ``value_path``); ``eos_scale`` and ``reward`` (a name in ``REWARDS``) apply to TraceRL only;
+    ``overrides`` go to the config, those named ``"<trainer>.<field>"`` (e.g. ``"tracerl.num_generations"``) to that
+    trainer's only."""
     overrides = {name.split(".", 1)[-1]: value for name, value in overrides.items()
                  if "." not in name or name.startswith(f"{trainer}.")}
     config = common_args(out, per_device_batch, max_steps, seed)
@@ -110,9 +111,16 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
                   dynamic_group_filtering="none")  # distinct_chars rewards lie beyond [0, 1]
     config.update(overrides)
     data = Dataset.from_dict({"prompt": PROMPTS})
-    return TraceRLTrainer(model, REWARDS[reward], args=TraceRLConfig(**config), train_dataset=data,
-                          processing_class=build_tokenizer(), callbacks=callbacks,
-                          value_model=value_model_for(model) if value else None)
+    args = TraceRLConfig(**config)
+    value_model = value_model_for(model) if value else None
+    if value_model is not None and value_path:  # saved by the main process (save_pretrained writes nothing elsewhere)
+        folder = out / "value_init"
+        value_model.save_pretrained(folder)
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+        value_model = str(folder)
+    return TraceRLTrainer(model, REWARDS[reward], args=args, train_dataset=data, processing_class=build_tokenizer(),
+                          callbacks=callbacks, value_model=value_model)
 
 
 def full_state_dict(trainer) -> dict[str, torch.Tensor]:
@@ -132,15 +140,21 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True),
         "tracerl_masks": ("tracerl", False), "tracerl_sharded_rollouts": ("tracerl", False),
-        "tracerl_moe": ("tracerl", False)}
+        "tracerl_moe": ("tracerl", False), "tracerl_resume": ("tracerl", True)}
 JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True},
               "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2},
-              "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}, "tracerl_moe": {"moe": True}}
+              "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}, "tracerl_moe": {"moe": True},
+              "tracerl_resume": {"save_strategy": "steps", "save_steps": 1, "num_iterations": 2, "beta": 0.5,
+                                 "kl_reference": "reference_model", "sync_ref_model": True, "ref_model_sync_steps": 1,
+                                 "ref_model_mixup_alpha": 0.5, "learning_rate": 0.01, "value_learning_rate": 0.01,
+                                 "value_path": True}}
 """Config fields of a job (before ``overrides``): TraceRL with a value model also covers recomputed scoring
 forwards under DDP (one row per forward, each run again in the backward pass, for the policy and the value model);
 ``tracerl_masks`` dLLM-RL's random-masking baseline, whose masks must not depend on the process layout;
 ``tracerl_sharded_rollouts`` decodes from ZeRO-3's sharded weights (plain TraceRL elsewhere); ``tracerl_moe`` trains
-the tiny SDAR-MoE."""
+the tiny SDAR-MoE; ``tracerl_resume`` saves every step what a resume needs (rollout buffer inside a generation cycle,
+value model, the reference model as ``sync_ref_model`` mixes it; a small learning rate, as its KL weight is large),
+its value model given as a path."""
 
 
 def record_value_live_responses(trainer) -> list[int]:

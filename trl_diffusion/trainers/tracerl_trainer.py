@@ -772,7 +772,7 @@ class TraceRLTrainer(GRPOTrainer):
             self._step, self._buffered_inputs = saved["step"], send_to_device(saved["buffer"], self.accelerator.device)
         value_dir, value_state = os.path.join(checkpoint, "value_model"), os.path.join(checkpoint, "value_state.pt")
         if self.value_model is not None and os.path.isdir(value_dir) and os.path.exists(value_state):
-            state = DiffusionValueModel.from_pretrained(value_dir).state_dict()
+            state = DiffusionValueModel.load(value_dir).state_dict()  # whole weights, also under ZeRO-3
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
             extra = torch.load(value_state, map_location="cpu", weights_only=False)
             self.value_optimizer.load_state_dict(extra["optimizer"])

@@ -134,7 +134,7 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if rollout_eos is not None:
             config.eos_token_id = rollout_eos
         value = cls(config).to(device=policy.device, dtype=policy.dtype)
-        state = {k: v for k, v in policy.model.state_dict().items() if k != "transformer.ff_out.weight"}
+        state = {k: v for k, v in whole_state_dict(policy.model).items() if k != "transformer.ff_out.weight"}
         value.model.load_state_dict(state, strict=True)
         return value
 
@@ -145,9 +145,14 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if find_adapter_config_file(name_or_path, **{k: v for k, v in hub.items() if k != "trust_remote_code"}):
             raise ValueError(f"{name_or_path} holds a PEFT adapter, not a model: {_MERGE_ADAPTERS}")
         config = AutoConfig.from_pretrained(name_or_path, **hub)
-        if cls.__name__ in (getattr(config, "architectures", None) or []):
-            return cls.from_pretrained(name_or_path, config=config, **kwargs)
-        return cls.from_policy(name_or_path, **kwargs)
+        if cls.__name__ not in (getattr(config, "architectures", None) or []):
+            return cls.from_policy(name_or_path, **kwargs)
+        loaded = cls.from_pretrained(name_or_path, config=config, **kwargs)
+        if not _partitioned(loaded):
+            return loaded
+        value = cls(loaded.config).to(dtype=loaded.dtype)  # a whole copy (see whole_state_dict)
+        value.load_state_dict(whole_state_dict(loaded))
+        return value
 
 
 def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) -> None:
@@ -158,6 +163,24 @@ def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) 
         logger.warning(f"the value model's weights are {model.dtype} and its AdamW keeps no float32 copy: an update "
                        f"smaller than their rounding is lost (at {option}={learning_rate:g} most weights of a "
                        "pretrained backbone never move). Pass a float32 value model, or its path (loaded in float32).")
+
+
+def _partitioned(model: nn.Module) -> bool:
+    """Whether ``model``'s parameters hold only this process's partition of each: transformers loads a model that way
+    (DeepSpeed's ``zero.Init``) while a DeepSpeed ZeRO-3 configuration is active."""
+    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
+
+
+def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with whole tensors, also for a model loaded partitioned under DeepSpeed ZeRO-3, whose
+    weights are then gathered for the copy (a collective: every process calls it). The value model is kept whole on
+    every process under DeepSpeed (TraceRL averages its gradients itself), so it is built from such copies."""
+    if not _partitioned(model):
+        return model.state_dict()
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters())):
+        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def _family(config: PretrainedConfig) -> str:
