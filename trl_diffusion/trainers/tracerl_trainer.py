@@ -65,7 +65,7 @@ from ..value import (
     token_values,
     value_statistics,
 )
-from ..value.value_model import warn_if_half_precision
+from ..value.value_model import warn_if_half_precision, whole_state_dict
 from .eval_padding import padded_eval_batch
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
@@ -520,6 +520,7 @@ class TraceRLTrainer(GRPOTrainer):
             value_model = DiffusionValueModel.load(str(value_model), dtype=_path_dtype(args.model_init_kwargs))
         if not isinstance(value_model, DiffusionValueModel):
             raise TypeError(f"value_model must be a DiffusionValueModel, got {type(value_model).__name__}.")
+        value_model = value_model.whole()  # kept whole on every process, also one loaded partitioned under ZeRO-3
         if value_model.mask_token_id != policy.mask_token_id:
             raise ValueError(f"the value model's mask_token_id ({value_model.mask_token_id}) differs from the "
                              f"policy's ({policy.mask_token_id}): it must share the policy's tokenizer.")
@@ -772,7 +773,7 @@ class TraceRLTrainer(GRPOTrainer):
             self._step, self._buffered_inputs = saved["step"], send_to_device(saved["buffer"], self.accelerator.device)
         value_dir, value_state = os.path.join(checkpoint, "value_model"), os.path.join(checkpoint, "value_state.pt")
         if self.value_model is not None and os.path.isdir(value_dir) and os.path.exists(value_state):
-            state = DiffusionValueModel.load(value_dir).state_dict()  # whole weights, also under ZeRO-3
+            state = whole_state_dict(DiffusionValueModel.from_pretrained(value_dir))  # also under ZeRO-3
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
             extra = torch.load(value_state, map_location="cpu", weights_only=False)
             self.value_optimizer.load_state_dict(extra["optimizer"])

@@ -145,14 +145,18 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if find_adapter_config_file(name_or_path, **{k: v for k, v in hub.items() if k != "trust_remote_code"}):
             raise ValueError(f"{name_or_path} holds a PEFT adapter, not a model: {_MERGE_ADAPTERS}")
         config = AutoConfig.from_pretrained(name_or_path, **hub)
-        if cls.__name__ not in (getattr(config, "architectures", None) or []):
-            return cls.from_policy(name_or_path, **kwargs)
-        loaded = cls.from_pretrained(name_or_path, config=config, **kwargs)
-        if not _partitioned(loaded):
-            return loaded
-        value = cls(loaded.config).to(dtype=loaded.dtype)  # a whole copy (see whole_state_dict)
-        value.load_state_dict(whole_state_dict(loaded))
-        return value
+        if cls.__name__ in (getattr(config, "architectures", None) or []):
+            return cls.from_pretrained(name_or_path, config=config, **kwargs)
+        return cls.from_policy(name_or_path, **kwargs)
+
+    def whole(self) -> DiffusionValueModel:
+        """This model, or a whole copy of it where transformers loaded it partitioned (DeepSpeed ZeRO-3's
+        ``zero.Init``; see ``whole_state_dict``): TraceRL keeps its value model whole on every process."""
+        if not _partitioned(self):
+            return self
+        whole = type(self)(self.config).to(dtype=self.dtype)
+        whole.load_state_dict(whole_state_dict(self))
+        return whole
 
 
 def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) -> None:
@@ -173,8 +177,9 @@ def _partitioned(model: nn.Module) -> bool:
 
 def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with whole tensors, also for a model loaded partitioned under DeepSpeed ZeRO-3, whose
-    weights are then gathered for the copy (a collective: every process calls it). The value model is kept whole on
-    every process under DeepSpeed (TraceRL averages its gradients itself), so it is built from such copies."""
+    weights are then gathered for the copy (a collective: every process calls it). ``from_policy`` copies a policy
+    so, and TraceRL, which keeps its value model whole on every process under DeepSpeed (it averages the value
+    model's gradients itself), loads one so."""
     if not _partitioned(model):
         return model.state_dict()
     import deepspeed
