@@ -8,7 +8,8 @@ ZeRO-3 gathers each module's weights again in that module's own hooks), processe
 steps (both run as many forwards: with gathered weights too, DeepSpeed's start-of-forward hook, which TRL's
 ``remove_hooks`` leaves in place, is a collective until its trace is recorded again after every rollout; a run
 without ``synced_gpus`` hung here), the value model beside it with packed scoring split into one row per forward
-(processes agree on the number of forwards), a mixture-of-experts policy (SDAR-MoE, whose experts run in every
+(processes agree on the number of forwards), ``DiffusionValueTrainer`` (its value model loaded partitioned and trained
+by DeepSpeed's engine), a mixture-of-experts policy (SDAR-MoE, whose experts run in every
 training forward), and the 16-bit weights gathered on rank 0 (``zero3_save_16bit_model``). The runs live in
 ``tests/distributed/train.py``.
 
@@ -38,7 +39,7 @@ from test_distributed import (
 pytestmark = pytest.mark.slow
 pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (the deepspeed and dev extras)")
 
-JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe", "tracerl_resume"]
+JOBS = ["sft", "tracerl", "tracerl_value", "tracerl_sharded_rollouts", "tracerl_moe", "tracerl_resume", "value"]
 OVERRIDES = {"eos_scale": EOS_SCALE, "tracerl.max_completion_length": 16, "tracerl.num_generations": 2,
              "tracerl.kl_reference": "reference_model", "sft.scoring_token_budget": 24,
              "sft.recompute_scoring_forwards": True}
@@ -92,7 +93,7 @@ def test_zero3_trains_as_ddp(zero3, ddp):
     for job in JOBS:
         setup = json.loads((runs / job / "setup.json").read_text())
         assert setup["zero_stage"] == 3 and setup["sharded"] and setup["wrapper"] == "DeepSpeedEngine", job
-        assert setup["recompute_scoring_forwards"] == (job in ("sft", "tracerl_value")), job
+        assert setup["recompute_scoring_forwards"] == (job in ("sft", "tracerl_value", "value")), job
         expected = ddp / reference_job(job)
         assert_same_metrics(history(runs / job), history(expected), rel=1e-4, skip=frozenset({"train_loss"}),
                             value_rel=VALUE_REL)

@@ -26,7 +26,7 @@ from transformers import TrainerCallback
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
 from trl_diffusion.testing import EOS_ID, build_tokenizer, seeded_fill_, tiny_model, tiny_sdar_moe_config
-from trl_diffusion.value import DiffusionValueModel
+from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
 PAIRS = [("What is 1+2?", "3"), ("Say hi", "hi"), ("What is 7-3?", "4"), ("abc", "def"),
          ("What is 2*5?", "10"), ("Name a colour", "red"), ("What is 9-9?", "0"), ("xyz", "uvw")]
@@ -113,14 +113,36 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
     data = Dataset.from_dict({"prompt": PROMPTS})
     args = TraceRLConfig(**config)
     value_model = value_model_for(model) if value else None
-    if value_model is not None and value_path:  # saved by the main process (save_pretrained writes nothing elsewhere)
-        folder = out / "value_init"
-        value_model.save_pretrained(folder)
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()
-        value_model = str(folder)
+    if value_model is not None and value_path:
+        value_model = saved(value_model, out / "value_init")
     return TraceRLTrainer(model, REWARDS[reward], args=args, train_dataset=data, processing_class=build_tokenizer(),
                           callbacks=callbacks, value_model=value_model)
+
+
+def saved(model, folder: Path) -> str:
+    """``model`` saved to ``folder`` by the main process (``save_pretrained`` writes nothing elsewhere), once every
+    process may read it."""
+    model.save_pretrained(folder)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+    return str(folder)
+
+
+def value_trainer(out: Path, per_device_batch: int, max_steps: int, seed: int = 0, **overrides: Any):
+    """``DiffusionValueTrainer`` of a value model copied from the tiny SDAR and given as a path (loaded as
+    transformers loads it: partitioned under ZeRO-3), on 8 seeded trajectories, one row per scoring forward with
+    the forwards recomputed in the backward pass."""
+    generator = torch.Generator().manual_seed(0)
+    rows = {"prompt": ["good: add", "bad: sub"] * 4, "reward": [1.0, -1.0] * 4,
+            "completion_ids": [torch.randint(10, 100, (8,), generator=generator).tolist() for _ in range(8)],
+            "unmask_step": [torch.randperm(8, generator=generator).div(2, rounding_mode="floor").tolist()
+                            for _ in range(8)]}
+    config = common_args(out, per_device_batch, max_steps, seed)
+    config.update(learning_rate=0.01, scoring_token_budget=1, recompute_scoring_forwards=True, **overrides)
+    args = DiffusionValueConfig(**config)
+    path = saved(value_model_for(tiny_policy()), out / "value_init")
+    return DiffusionValueTrainer(path, args=args, train_dataset=Dataset.from_dict(rows),
+                                 processing_class=build_tokenizer())
 
 
 def full_state_dict(trainer) -> dict[str, torch.Tensor]:
@@ -140,7 +162,7 @@ def full_state_dict(trainer) -> dict[str, torch.Tensor]:
 
 JOBS = {"sft": ("sft", False), "tracerl": ("tracerl", False), "tracerl_value": ("tracerl", True),
         "tracerl_masks": ("tracerl", False), "tracerl_sharded_rollouts": ("tracerl", False),
-        "tracerl_moe": ("tracerl", False), "tracerl_resume": ("tracerl", True)}
+        "tracerl_moe": ("tracerl", False), "tracerl_resume": ("tracerl", True), "value": ("value", False)}
 JOB_CONFIG = {"tracerl_value": {"scoring_token_budget": 1, "recompute_scoring_forwards": True},
               "tracerl_masks": {"likelihood_estimator": "random_masking", "masks_per_response": 2},
               "tracerl_sharded_rollouts": {"ds3_gather_for_generation": False}, "tracerl_moe": {"moe": True},
@@ -154,7 +176,7 @@ forwards under DDP (one row per forward, each run again in the backward pass, fo
 ``tracerl_sharded_rollouts`` decodes from ZeRO-3's sharded weights (plain TraceRL elsewhere); ``tracerl_moe`` trains
 the tiny SDAR-MoE; ``tracerl_resume`` saves every step what a resume needs (rollout buffer inside a generation cycle,
 value model, the reference model as ``sync_ref_model`` mixes it; a small learning rate, as its KL weight is large),
-its value model given as a path."""
+its value model given as a path; ``value`` trains a value model alone (``value_trainer``)."""
 
 
 def record_value_live_responses(trainer) -> list[int]:
@@ -187,8 +209,12 @@ def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str 
     ``out/job``."""
     trainer, value = JOBS[job]
     folder = Path(out) / job
-    built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value,
-                         **{**JOB_CONFIG.get(job, {}), **overrides})
+    if trainer == "value":  # only the overrides named "value.<field>"
+        built = value_trainer(folder, per_device_batch, max_steps, **{
+            name.split(".", 1)[1]: setting for name, setting in overrides.items() if name.startswith("value.")})
+    else:
+        built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value,
+                             **{**JOB_CONFIG.get(job, {}), **overrides})
     live_responses = record_value_live_responses(built) if value else []
     rollout_forwards = record_rollout_forwards(built) if trainer == "tracerl" else []
     built.train(resume_from_checkpoint=resume)
