@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 
+from ..zero3 import is_partitioned
 from .common import CACHE_FIELD, SwiGLUMLP
 
 __all__ = ["MoeLMMixin", "Routing", "SparseMoeBlock", "SwiGLUMLP", "load_balancing_loss", "router_token_mask"]
@@ -162,9 +163,9 @@ class SparseMoeBlock(nn.Module):
     def _run_every_expert(self) -> bool:
         """Whether experts without tokens run too (on no tokens: nothing changes). While gradients are recorded
         every expert then takes part in the backward pass (a zero gradient), which DDP needs; under DeepSpeed ZeRO-3
-        (partitioned weights, ``ds_id``) every process gathers every expert's weights in the same order, whichever
+        (partitioned weights) every process gathers every expert's weights in the same order, whichever
         tokens it routed, as the gathers are collectives."""
-        return torch.is_grad_enabled() or hasattr(self.gate.weight, "ds_id")
+        return torch.is_grad_enabled() or is_partitioned(self.gate.weight)
 
 
 class MoeLMMixin:

@@ -65,7 +65,8 @@ from ..value import (
     token_values,
     value_statistics,
 )
-from ..value.value_model import warn_if_half_precision, whole_state_dict
+from ..value.value_model import warn_if_half_precision
+from ..zero3 import gathered, whole_state_dict
 from .eval_padding import padded_eval_batch
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
@@ -798,14 +799,14 @@ class TraceRLTrainer(GRPOTrainer):
         DeepSpeed ZeRO-3 as the callback gathers them (a collective: every process calls this). ``copy=False``: only
         join the gathering, return None."""
         reference = self._synced_reference()
-        with _gathered(list(reference.parameters()), modifier_rank=None):
+        with gathered(list(reference.parameters()), modifier_rank=None):
             if not copy:
                 return None
             return {name: p.detach().to("cpu", copy=True) for name, p in reference.named_parameters()}
 
     def _load_reference_parameters(self, state: dict[str, torch.Tensor]) -> None:
         reference = self._synced_reference()
-        with _gathered(list(reference.parameters()), modifier_rank=0), torch.no_grad():
+        with gathered(list(reference.parameters()), modifier_rank=0), torch.no_grad():
             for name, parameter in reference.named_parameters():
                 if name not in state or state[name].shape != parameter.shape:
                     raise ValueError(f"the checkpoint's {REFERENCE_STATE_NAME} does not match this run's reference "
@@ -991,18 +992,6 @@ def _mean_router_loss(router_losses: list[torch.Tensor], device: torch.device) -
     if not router_losses:
         return torch.zeros((), device=device)
     return torch.stack([loss.to(device) for loss in router_losses]).mean()
-
-
-def _gathered(parameters: list, modifier_rank: int | None):
-    """DeepSpeed ZeRO-3's ``GatheredParameters`` (whole parameters inside), a no-op otherwise."""
-    from accelerate.state import AcceleratorState
-
-    plugin = AcceleratorState().deepspeed_plugin if AcceleratorState._shared_state else None
-    if plugin is not None and plugin.zero_stage == 3:
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(parameters, modifier_rank=modifier_rank)
-    return contextlib.nullcontext()
 
 
 def _path_dtype(model_init_kwargs: dict | None):

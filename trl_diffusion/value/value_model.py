@@ -32,6 +32,7 @@ from ..models.sdar.modeling_sdar import SDARModel
 from ..models.sdar_moe.modeling_sdar_moe import SDARMoeModel
 from ..states import resolve_model_attention_backend, trajectory_groups
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
+from ..zero3 import has_partitioned_parameters, whole_state_dict
 
 logger = logging.get_logger(__name__)
 
@@ -151,8 +152,8 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
 
     def whole(self) -> DiffusionValueModel:
         """This model, or a whole copy of it where transformers loaded it partitioned (DeepSpeed ZeRO-3's
-        ``zero.Init``; see ``whole_state_dict``): TraceRL keeps its value model whole on every process."""
-        if not _partitioned(self):
+        ``zero.Init``; see ``zero3``): TraceRL keeps its value model whole on every process."""
+        if not has_partitioned_parameters(self):
             return self
         whole = type(self)(self.config).to(dtype=self.dtype)
         whole.load_state_dict(whole_state_dict(self))
@@ -167,25 +168,6 @@ def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) 
         logger.warning(f"the value model's weights are {model.dtype} and its AdamW keeps no float32 copy: an update "
                        f"smaller than their rounding is lost (at {option}={learning_rate:g} most weights of a "
                        "pretrained backbone never move). Pass a float32 value model, or its path (loaded in float32).")
-
-
-def _partitioned(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters hold only this process's partition of each: transformers loads a model that way
-    (DeepSpeed's ``zero.Init``) while a DeepSpeed ZeRO-3 configuration is active."""
-    return any(hasattr(parameter, "ds_id") for parameter in model.parameters())
-
-
-def whole_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` with whole tensors, also for a model loaded partitioned under DeepSpeed ZeRO-3, whose
-    weights are then gathered for the copy (a collective: every process calls it). ``from_policy`` copies a policy
-    so, and TraceRL, which keeps its value model whole on every process under DeepSpeed (it averages the value
-    model's gradients itself), loads one so."""
-    if not _partitioned(model):
-        return model.state_dict()
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(list(model.parameters())):
-        return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
 
 
 def _family(config: PretrainedConfig) -> str:
