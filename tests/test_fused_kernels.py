@@ -9,15 +9,7 @@ from datasets import Dataset
 
 from trl_diffusion import set_fused_kernels
 from trl_diffusion.models import kernels
-from trl_diffusion.models.llada_moe import LLaDAMoEModelLM
-from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
-from trl_diffusion.testing import (
-    build_tokenizer,
-    seeded_fill_,
-    tiny_llada_moe_config,
-    tiny_model,
-    tiny_sdar_moe_config,
-)
+from trl_diffusion.testing import build_tokenizer, tiny_model, tiny_moe_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
@@ -25,13 +17,10 @@ CPU = dict(report_to=[], use_cpu=True, bf16=False, disable_tqdm=True, save_strat
 
 
 def build(family: str) -> torch.nn.Module:
-    if family == "sdar_moe":
-        return seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0).eval()
     if family == "llada_moe":  # a dense and a sparse layer, a shared expert, clip_qkv, q/k norms
-        config = tiny_llada_moe_config(num_hidden_layers=2, moe_layer_freq=[0, 1], shared_expert_intermediate_size=24,
-                                       clip_qkv=1.5, qk_layernorm=True)
-        return seeded_fill_(LLaDAMoEModelLM(config), 0).eval()
-    return tiny_model(family)
+        return tiny_moe_model(family, num_hidden_layers=2, moe_layer_freq=[0, 1], shared_expert_intermediate_size=24,
+                              clip_qkv=1.5, qk_layernorm=True)
+    return tiny_moe_model(family) if family == "sdar_moe" else tiny_model(family)
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:

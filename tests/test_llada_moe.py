@@ -29,7 +29,14 @@ from trl_diffusion.models import LLaDAMoEModel
 from trl_diffusion.models.llada_moe import LLADA_MOE_MASK_TOKEN_ID
 from trl_diffusion.models.moe import SparseMoeBlock, SwiGLUMLP
 from trl_diffusion.states import state_before_step
-from trl_diffusion.testing import build_tokenizer, left_pad, seeded_fill_, tiny_llada_config, tiny_llada_moe_config
+from trl_diffusion.testing import (
+    build_tokenizer,
+    left_pad,
+    seeded_fill_,
+    tiny_llada_config,
+    tiny_llada_moe_config,
+    tiny_moe_model,
+)
 
 PROMPTS = [[20, 21, 22, 23, 24, 25, 26], [30, 31, 32], [40, 41, 42, 43, 44]]
 EXPERT_KEYS = ["down_proj.weight", "gate_proj.weight", "up_proj.weight"]
@@ -49,15 +56,6 @@ DLLM_AUTO_MAP = {  # what dllm's README tells users to write, with model_type "l
 # every option at once: a dense layer, a shared expert, expert biases, clip_qkv, grouped-query attention
 FULL_LAYOUT = dict(num_hidden_layers=3, moe_layer_freq=[1, 0, 1], shared_expert_intermediate_size=24,
                    moe_router_enable_expert_bias=True, clip_qkv=1.5)
-
-
-def moe_model(seed=0, **overrides):
-    model = seeded_fill_(LLaDAMoEModelLM(tiny_llada_moe_config(**overrides)), seed).eval()
-    with torch.no_grad():  # seeded_fill_ gives buffers N(0, 0.2) too; a bias that moves the choice of some tokens
-        for module in model.modules():
-            if isinstance(module, SparseMoeBlock) and module.expert_bias is not None:
-                module.expert_bias.copy_(torch.tensor([0.15, -0.1, 0.0, 0.05][: module.num_experts]))
-    return model
 
 
 @contextlib.contextmanager
@@ -163,7 +161,7 @@ def reference_logits(model, ids, key_mask=None):
 
 @pytest.mark.parametrize("layout", [dict(), FULL_LAYOUT, dict(qk_layernorm=False, num_key_value_heads=4)])
 def test_logits_equal_the_slow_reference(layout):
-    model = moe_model(**layout).double()
+    model = tiny_moe_model("llada_moe", **layout).double()
     ids, mask = left_pad([[5, 17, 33, 90, 100, 7, 64, 12, 3], [40, 41, 42, 43, 44]])
     with torch.no_grad(), routing_margins() as margins:
         ours = model(ids).logits
@@ -178,7 +176,7 @@ def test_logits_equal_the_slow_reference(layout):
 def test_the_expert_bias_ranks_and_weights():
     """With the expert bias the reference's choices change for some tokens, and the biased scores are the weights:
     the model equals the reference with the bias, not without it."""
-    model = moe_model(moe_router_enable_expert_bias=True).double()
+    model = tiny_moe_model("llada_moe", moe_router_enable_expert_bias=True).double()
     ids = torch.randint(5, 120, (2, 9), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         ours = model(ids).logits
@@ -192,7 +190,7 @@ def test_the_expert_bias_ranks_and_weights():
 def test_logits_equal_transformers_qwen3_moe_with_a_full_mask(tmp_path):
     """Without expert bias, shared expert or clip_qkv, LLaDA-MoE is transformers' Qwen3-MoE (per-head q/k norms,
     grouped-query attention, a dense layer) with norm_topk_prob=False and a full 4-D mask instead of the causal one."""
-    model = moe_model(num_hidden_layers=3, moe_layer_freq=[1, 0, 1])
+    model = tiny_moe_model("llada_moe", num_hidden_layers=3, moe_layer_freq=[1, 0, 1])
     reference = qwen3_moe_from(model, tmp_path)
     ids = torch.randint(5, 120, (2, 13))
     full = torch.ones(2, 1, 13, 13, dtype=torch.bool)
@@ -209,7 +207,7 @@ def test_logits_equal_transformers_qwen3_moe_with_a_full_mask(tmp_path):
 def test_logits_equal_transformers_olmoe_with_one_head(tmp_path):
     """With one attention head OLMoE's q/k norms (over the whole projection) are per-head norms: transformers'
     OlmoeForCausalLM with a full mask is LLaDA-MoE, clip_qkv included (every layer sparse, as OLMoE's)."""
-    model = moe_model(num_attention_heads=1, num_key_value_heads=1, clip_qkv=0.5)
+    model = tiny_moe_model("llada_moe", num_attention_heads=1, num_key_value_heads=1, clip_qkv=0.5)
     model.save_pretrained(tmp_path)
     c = model.config
     config = OlmoeConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
@@ -229,7 +227,7 @@ def test_logits_equal_transformers_olmoe_with_one_head(tmp_path):
     with torch.no_grad():
         theirs = reference.eval()(ids, attention_mask=torch.ones(2, 1, 11, 11, dtype=torch.bool)).logits
         model.config.clip_qkv = None
-        unclipped = moe_model(num_attention_heads=1, num_key_value_heads=1)(ids).logits
+        unclipped = tiny_moe_model("llada_moe", num_attention_heads=1, num_key_value_heads=1)(ids).logits
     assert_close_fp32(ours, theirs)
     assert (ours - unclipped).abs().max() > 1e-2  # the clamp is active at 0.5
 
@@ -287,7 +285,7 @@ def test_a_model_needs_every_size():
 
 
 def test_state_dict_keys_are_the_released_names():
-    keys = set(moe_model(**FULL_LAYOUT).state_dict())
+    keys = set(tiny_moe_model("llada_moe", **FULL_LAYOUT).state_dict())
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(3):
         prefix = f"model.layers.{i}."
@@ -301,7 +299,7 @@ def test_state_dict_keys_are_the_released_names():
         expected |= {f"model.layers.{i}.shared_expert.{k}" for k in EXPERT_KEYS}
     expected |= {f"model.layers.1.mlp.{k}" for k in EXPERT_KEYS}  # the dense layer
     assert keys == expected
-    plain = set(moe_model(qk_layernorm=False).state_dict())
+    plain = set(tiny_moe_model("llada_moe", qk_layernorm=False).state_dict())
     assert not any("_norm.weight" in k and "self_attn" in k for k in plain)
 
 
@@ -324,7 +322,7 @@ def write_released_checkpoint(model, directory, model_type="llada", auto_map=Non
 
 @pytest.mark.parametrize("model_type,auto_map", [("llada", RELEASED_AUTO_MAP), ("lladamoe", DLLM_AUTO_MAP)])
 def test_released_checkpoint_loads_without_remote_code(tmp_path, model_type, auto_map):
-    model = moe_model(**FULL_LAYOUT)
+    model = tiny_moe_model("llada_moe", **FULL_LAYOUT)
     write_released_checkpoint(model, tmp_path, model_type, auto_map)
     config = AutoConfig.from_pretrained(tmp_path)
     assert type(config) is LLaDAMoEConfig and config.model_type == "llada"
@@ -351,13 +349,13 @@ def test_released_checkpoint_loads_without_remote_code(tmp_path, model_type, aut
     ("model.layers.1.self_attn.q_norm.weight", "model.layers.1.self_attn.query_norm.weight"),
 ])
 def test_a_renamed_key_is_an_error(tmp_path, rename):
-    write_released_checkpoint(moe_model(**FULL_LAYOUT), tmp_path, rename=rename)
+    write_released_checkpoint(tiny_moe_model("llada_moe", **FULL_LAYOUT), tmp_path, rename=rename)
     with pytest.raises(ValueError, match="does not match LLaDAMoEModelLM"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = moe_model(**FULL_LAYOUT)
+    model = tiny_moe_model("llada_moe", **FULL_LAYOUT)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "llada" and saved["architectures"] == ["LLaDAMoEModelLM"]
@@ -393,7 +391,7 @@ def gen(model, ids, mask=None, **kw):
 def test_greedy_generation_without_cache():
     """Greedy decoding runs, fills the canvas, keeps the prompt, and every token it commits is the argmax (mask token
     excluded) of the model's unshifted logits at its own position on the state before its step."""
-    model = moe_model(**FULL_LAYOUT)
+    model = tiny_moe_model("llada_moe", **FULL_LAYOUT)
     ids, mask = left_pad(PROMPTS)
     out = gen(model, ids, mask)
     completion = out.sequences[:, ids.shape[1]:]
@@ -422,7 +420,7 @@ def test_prefix_and_dual_caches_equal_no_cache_when_nothing_can_go_stale(mode):
     decode equals the uncached one; with two layers they go stale and it differs (the cache is used)."""
     ids, mask = left_pad(PROMPTS)
     for n_layers in (1, 2):
-        model = moe_model(num_hidden_layers=n_layers, moe_layer_freq=[1] * n_layers)
+        model = tiny_moe_model("llada_moe", num_hidden_layers=n_layers, moe_layer_freq=[1] * n_layers)
         with DecisionMargins() as margins, routing_margins() as routes:
             plain = gen(model, ids, mask, denoising_steps=4)
             cached = gen(model, ids, mask, denoising_steps=4, use_cache=mode)
@@ -442,7 +440,7 @@ def test_prefix_and_dual_caches_equal_no_cache_when_nothing_can_go_stale(mode):
 def test_replay_reproduces_the_sampler_logprobs(settings):
     """TraceRL's scoring: the trajectory replayed one state per step, and TraceRL's packed estimator (several steps'
     states per row under a 4-D mask, in chunks of a token budget), give the sampler's own log-probs."""
-    model = moe_model(**FULL_LAYOUT)
+    model = tiny_moe_model("llada_moe", **FULL_LAYOUT)
     ids, mask = left_pad(PROMPTS)
     width = ids.shape[1]
     with torch.no_grad(), routing_margins() as routes:
@@ -459,7 +457,7 @@ def test_replay_reproduces_the_sampler_logprobs(settings):
 
 
 def test_backward_reaches_the_router_and_the_experts_that_got_tokens():
-    model = moe_model(num_experts_per_tok=1, shared_expert_intermediate_size=8).train()
+    model = tiny_moe_model("llada_moe", num_experts_per_tok=1, shared_expert_intermediate_size=8).train()
     ids = torch.randint(5, 120, (1, 3))  # 3 tokens, 1 expert each: at least one of the 4 experts is idle
     block = model.model.layers[0].mlp
     seen = []
@@ -483,7 +481,7 @@ def test_backward_reaches_the_router_and_the_experts_that_got_tokens():
 def test_lora_defaults_adapt_attention_and_experts_never_the_router(tmp_path):
     from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 
-    model = moe_model(**FULL_LAYOUT).train()
+    model = tiny_moe_model("llada_moe", **FULL_LAYOUT).train()
     data = Dataset.from_list([{"prompt": "What is 1+2?", "completion": "3"}, {"prompt": "Hi", "completion": "yo"}])
     args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, gradient_checkpointing=False,
                               save_strategy="no", logging_steps=1, use_cpu=True, max_length=32, disable_tqdm=True,
@@ -500,7 +498,7 @@ def test_lora_defaults_adapt_attention_and_experts_never_the_router(tmp_path):
 
 
 def test_value_model_from_an_moe_policy(tmp_path):
-    policy = moe_model(**FULL_LAYOUT)
+    policy = tiny_moe_model("llada_moe", **FULL_LAYOUT)
     value = DiffusionValueModel.from_policy(policy)
     assert value.block_size is None and type(value.model) is LLaDAMoEModel
     ids = torch.randint(5, 120, (2, 8))
@@ -537,9 +535,10 @@ def test_cuda_graphs_auto_decodes_eagerly_and_on_is_refused(monkeypatch):
         dense.generate(ids, cuda_graphs="auto", **kw)
     assert built == [cuda_graphs.WindowCacheGraphRunner]
     built.clear()
-    model = moe_model()
+    model = tiny_moe_model("llada_moe")
     assert torch.equal(model.generate(ids, cuda_graphs="auto", **kw), model.generate(ids, cuda_graphs="off", **kw))
     assert not built  # the eager loop
     with pytest.raises(ValueError, match="cannot be captured as a CUDA graph"):
         model.generate(ids, cuda_graphs="on", **kw)
-    assert not cuda_graphs.cuda_graph_capturable(peft.get_peft_model(moe_model(), peft.LoraConfig(r=2)))
+    adapted = peft.get_peft_model(tiny_moe_model("llada_moe"), peft.LoraConfig(r=2))
+    assert not cuda_graphs.cuda_graph_capturable(adapted)

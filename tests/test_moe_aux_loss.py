@@ -18,19 +18,16 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss
 from trl_diffusion import (
     DiffusionSFTConfig,
     DiffusionSFTTrainer,
-    SDARMoeForCausalLM,
     TraceRLConfig,
     TraceRLTrainer,
 )
 from trl_diffusion.generation import cuda_graphs, sampler
-from trl_diffusion.models import LLaDAMoEModelLM, moe
+from trl_diffusion.models import moe
 from trl_diffusion.models.moe import SparseMoeBlock, load_balancing_loss
 from trl_diffusion.testing import (
     build_tokenizer,
-    seeded_fill_,
-    tiny_llada_moe_config,
     tiny_model,
-    tiny_sdar_moe_config,
+    tiny_moe_model,
 )
 
 CPU = dict(report_to=[], use_cpu=True, bf16=False, disable_tqdm=True, save_strategy="no")
@@ -40,19 +37,6 @@ LAYOUTS = {  # three layers, the middle one dense: router logits come from the s
                       moe_router_enable_expert_bias=True),
 }
 SFT_DATA = [{"prompt": "What is 1+2?", "completion": "3 and more"}, {"prompt": "Hi", "completion": "yo"}]
-
-
-def moe_model(family: str, seed: int = 0, **overrides):
-    """A tiny SDAR-MoE or LLaDA-MoE (as tests/test_sdar_moe.py and tests/test_llada_moe.py build them), with a
-    non-zero LLaDA-MoE expert bias (it moves the routing, and must not enter the loss)."""
-    if family == "sdar_moe":
-        return seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config(**overrides)), seed).eval()
-    model = seeded_fill_(LLaDAMoEModelLM(tiny_llada_moe_config(**overrides)), seed).eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, SparseMoeBlock) and module.expert_bias is not None:
-                module.expert_bias.copy_(torch.tensor([0.15, -0.1, 0.0, 0.05]))
-    return model
 
 
 def reference_aux_loss(router_logits, num_experts: int, top_k: int, mask=None) -> torch.Tensor:
@@ -93,7 +77,7 @@ def test_aux_loss_equals_transformers_load_balancing_loss(family, padded):
     """The function and the model's ``aux_loss`` (2-D mask: its real tokens; none: every token) equal transformers'
     ``load_balancing_loss_func`` (Qwen3-MoE's and OLMoE's, the one LLaDA-MoE's release copies) on the same router
     logits, and a float64 reference."""
-    model = moe_model(family, **LAYOUTS[family])
+    model = tiny_moe_model(family, **LAYOUTS[family])
     ids = torch.randint(5, 120, (3, 10), generator=torch.Generator().manual_seed(3))
     mask = padded_mask(3, 10) if padded else None
     with torch.no_grad():
@@ -115,7 +99,7 @@ def test_aux_loss_equals_transformers_load_balancing_loss(family, padded):
 def test_sdar_moe_aux_loss_equals_transformers_qwen3_moe(tmp_path, padded):
     """At ``block_size=1`` SDAR-MoE is transformers' Qwen3-MoE: its ``aux_loss`` is Qwen3MoeForCausalLM's, with a
     right-padded 2-D attention mask and without one."""
-    model = moe_model("sdar_moe", block_size=1, **LAYOUTS["sdar_moe"])
+    model = tiny_moe_model("sdar_moe", block_size=1, **LAYOUTS["sdar_moe"])
     reference = qwen3_moe_from(model, tmp_path)
     ids = torch.randint(5, 120, (3, 11), generator=torch.Generator().manual_seed(4))
     mask = padded_mask(3, 11) if padded else None
@@ -131,7 +115,7 @@ def test_router_logits_leave_the_logits_alone(family):
     """Asked for (by the call, or by the config when the call does not say), the output carries one float32
     ``[tokens, num_experts]`` tensor per sparse layer (the gate's output upcast, also in bfloat16) and ``aux_loss``;
     the logits are identical. Not asked for, neither is there."""
-    model = moe_model(family, **LAYOUTS[family])
+    model = tiny_moe_model(family, **LAYOUTS[family])
     ids = torch.randint(5, 120, (2, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         plain = model(ids)
@@ -161,7 +145,7 @@ def test_router_logits_leave_the_logits_alone(family):
 def test_a_loss_from_labels_gets_the_weighted_aux_loss(family):
     """As transformers' Qwen3-MoE / OLMoE: with labels and router logits, ``loss`` is the LM loss plus
     ``router_aux_loss_coef * aux_loss``."""
-    model = moe_model(family, router_aux_loss_coef=0.25)
+    model = tiny_moe_model(family, router_aux_loss_coef=0.25)
     ids = torch.randint(5, 120, (2, 8), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         plain = model(ids, labels=ids)
@@ -172,7 +156,7 @@ def test_a_loss_from_labels_gets_the_weighted_aux_loss(family):
 def test_router_loss_mask_picks_the_counted_tokens():
     """``router_loss_mask`` says which tokens the loss counts (over a 2-D attention mask); a 4-D mask says who sees
     whom, so without one every token counts."""
-    model = moe_model("llada_moe")
+    model = tiny_moe_model("llada_moe")
     ids = torch.randint(5, 120, (2, 8), generator=torch.Generator().manual_seed(7))
     counted = torch.rand(2, 8, generator=torch.Generator().manual_seed(8)) < 0.6
     with torch.no_grad():
@@ -188,7 +172,7 @@ def test_router_loss_mask_picks_the_counted_tokens():
 @pytest.mark.parametrize("family", ["sdar_moe", "llada_moe"])
 def test_output_router_logits_is_a_config_field(tmp_path, family):
     """Saved (``false``, the released value), loaded, and settable when loading, as transformers' MoE configs."""
-    model = moe_model(family)
+    model = tiny_moe_model(family)
     assert model.config.output_router_logits is False
     model.save_pretrained(tmp_path)
     assert AutoModelForCausalLM.from_pretrained(tmp_path).config.output_router_logits is False
@@ -223,7 +207,7 @@ def test_generate_never_asks_for_router_logits(monkeypatch, family, cache, graph
     same."""
     if graphs:
         force_graph_runners(monkeypatch)
-    model = moe_model(family)
+    model = tiny_moe_model(family)
     ids = torch.tensor([[5, 6, 7], [8, 9, 10]])
     kw = dict(max_new_tokens=8, block_length=4, temperature=0.0, use_cache=cache, stop_token_ids=[],
               cuda_graphs="auto")
@@ -252,7 +236,7 @@ def sft_losses(tmp_path, coefs: list, accumulation: int = 1, backward: bool = Fa
     """For each ``router_aux_loss_coef``, a trainer on its own copy of one LLaDA-MoE (full attention, the
     ``random_masking`` objective, a padded batch), its ``compute_loss`` on the same batch (in training, with
     ``num_items_in_batch`` and ``accumulation`` steps as ``Trainer`` passes them) and the forwards it ran."""
-    base = moe_model("llada_moe", **LAYOUTS["llada_moe"]).train()
+    base = tiny_moe_model("llada_moe", **LAYOUTS["llada_moe"]).train()
     results = []
     for coef in coefs:
         model = copy.deepcopy(base)
@@ -302,7 +286,7 @@ def test_sft_aux_loss_gradient_reaches_the_routers_only_when_enabled(tmp_path):
     """The aux term's gradient: with the coefficient, the routers' gradients are the diffusion loss's plus
     ``coef * d aux``; with 0 the diffusion loss's alone; the LM head's are the same either way."""
     (_, off, _, _, _), (_, on, _, calls, _) = sft_losses(tmp_path, [0.0, 0.3], backward=True)
-    replay = moe_model("llada_moe", **LAYOUTS["llada_moe"]).train()  # the same weights, outside any trainer
+    replay = tiny_moe_model("llada_moe", **LAYOUTS["llada_moe"]).train()  # the same weights, outside any trainer
     aux = independent_aux_loss(replay, calls[0], calls[0]["router_loss_mask"])
     (0.3 * aux).backward()
     for i, layer in enumerate(on.model.layers):
@@ -316,7 +300,7 @@ def test_sft_aux_loss_gradient_reaches_the_routers_only_when_enabled(tmp_path):
 
 def test_a_training_step_logs_aux_loss(tmp_path):
     """A whole SFT step on SDAR-MoE (the block objective, gradient checkpointing): ``aux_loss`` in the logs."""
-    model = moe_model("sdar_moe").train()
+    model = tiny_moe_model("sdar_moe").train()
     trainer = sft_trainer(model, tmp_path, gradient_checkpointing=True)
     trainer.train()
     assert model.model.layers[0].gradient_checkpointing
@@ -393,7 +377,7 @@ def test_tracerl_adds_the_mean_aux_loss_of_its_scoring_forwards(tmp_path, family
     """By default (the config's coefficient) GRPO's term: the mean over the loss's scoring forwards of each one's
     load-balancing loss over the real tokens of its packed rows, weighted, over the accumulation steps, logged as
     ``aux_loss``. Rollouts and the other scoring forwards ask for no router logits."""
-    model = moe_model(family).train()
+    model = tiny_moe_model(family).train()
     # two prompts a batch and a token budget: several packed chunks (forwards), some with padded rows
     trainer = tracerl_trainer(model, tmp_path, num_generations=2, scoring_token_budget=80)
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == model.config.router_aux_loss_coef
@@ -422,7 +406,7 @@ def test_tracerl_adds_the_mean_aux_loss_of_its_scoring_forwards(tmp_path, family
 def test_tracerl_coefficient_zero_asks_for_no_router_logits(tmp_path, monkeypatch):
     """``router_aux_loss_coef=0``: no forward asks for router logits, not even when the config says
     ``output_router_logits`` (as a checkpoint saved by SFT with the loss on does): the trainer decides."""
-    model = moe_model("sdar_moe").train()
+    model = tiny_moe_model("sdar_moe").train()
     model.config.output_router_logits = True
     trainer = tracerl_trainer(model, tmp_path, router_aux_loss_coef=0.0)
     assert not trainer.aux_loss_enabled
@@ -438,10 +422,10 @@ def test_tracerl_coefficient_zero_asks_for_no_router_logits(tmp_path, monkeypatc
 def test_tracerl_refuses_the_aux_loss_where_group_filtering_rescales_the_loss(tmp_path):
     """Row-mean losses rescale the whole loss for filtered groups, which would rescale the router term too."""
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.001"):
-        tracerl_trainer(moe_model("sdar_moe"), tmp_path, loss_type="grpo", dynamic_group_filtering="all_equal")
-    tracerl_trainer(moe_model("sdar_moe"), tmp_path, loss_type="grpo", dynamic_group_filtering="all_equal",
+        tracerl_trainer(tiny_moe_model("sdar_moe"), tmp_path, loss_type="grpo", dynamic_group_filtering="all_equal")
+    tracerl_trainer(tiny_moe_model("sdar_moe"), tmp_path, loss_type="grpo", dynamic_group_filtering="all_equal",
                     router_aux_loss_coef=0.0)
-    tracerl_trainer(moe_model("sdar_moe"), tmp_path, loss_type="dapo", dynamic_group_filtering="all_equal")
+    tracerl_trainer(tiny_moe_model("sdar_moe"), tmp_path, loss_type="dapo", dynamic_group_filtering="all_equal")
 
 
 def test_tracerl_logs_every_processes_aux_loss(tmp_path):
@@ -449,7 +433,7 @@ def test_tracerl_logs_every_processes_aux_loss(tmp_path):
     ``remainder`` values: on two processes (5 prompts, 2 per process) process 0's alone (2.0351 logged where the
     processes had 2.0351 and 2.0257). The trainer logs the mean over every process with ``gather``: shown here by
     a ``gather_for_metrics`` that would keep nothing."""
-    model = moe_model("sdar_moe").train()
+    model = tiny_moe_model("sdar_moe").train()
     trainer = tracerl_trainer(model, tmp_path, num_generations=2)
     trainer.accelerator.gather_for_metrics = lambda data, **kwargs: data.reshape(-1)[:0]  # its mean would be NaN
     calls = record_phases(trainer, model)

@@ -6,21 +6,13 @@ outputs are the same either way; asking would only compute unused router logits.
 import pytest
 import torch
 
-from trl_diffusion import SDARMoeForCausalLM
 from trl_diffusion.estimators.trajectory import replay_logprobs
-from trl_diffusion.models import LLaDAMoEModelLM
 from trl_diffusion.models.moe import SparseMoeBlock
 from trl_diffusion.synced_forwards import synced_forwards, zero_forward_term
-from trl_diffusion.testing import seeded_fill_, tiny_llada_moe_config, tiny_sdar_moe_config
+from trl_diffusion.testing import tiny_moe_model
 from trl_diffusion.value import DiffusionValueModel
 
 FAMILIES = ["sdar_moe", "llada_moe"]
-
-
-def moe_model(family: str) -> torch.nn.Module:
-    config = tiny_sdar_moe_config() if family == "sdar_moe" else tiny_llada_moe_config()
-    model_class = SDARMoeForCausalLM if family == "sdar_moe" else LLaDAMoEModelLM
-    return seeded_fill_(model_class(config), 0).eval()
 
 
 def sparse_block_requests(model: torch.nn.Module) -> list[bool]:
@@ -40,7 +32,7 @@ def config_says_router_logits(*models) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_value_model_asks_for_no_router_logits(family):
-    value_model = DiffusionValueModel.from_policy(moe_model(family))
+    value_model = DiffusionValueModel.from_policy(tiny_moe_model(family))
     with torch.no_grad():
         value_model.value_head.weight.normal_(generator=torch.Generator().manual_seed(1))
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
@@ -55,7 +47,7 @@ def test_value_model_asks_for_no_router_logits(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_trajectory_replay_asks_for_no_router_logits(family):
-    model = moe_model(family)
+    model = tiny_moe_model(family)
     prompt = torch.tensor([[5, 6, 7], [8, 9, 10]])
     out = model.generate(prompt, max_new_tokens=8, block_length=4, temperature=1.0, stop_token_ids=[],
                          generator=torch.Generator().manual_seed(0), return_dict_in_generate=True)
@@ -71,7 +63,7 @@ def test_trajectory_replay_asks_for_no_router_logits(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_zero_forward_term_asks_for_no_router_logits(family):
-    model = moe_model(family)
+    model = tiny_moe_model(family)
     config_says_router_logits(model)
     requests = sparse_block_requests(model)
     term = zero_forward_term(model, torch.tensor([[5, 6]]))
@@ -90,7 +82,7 @@ def test_synced_placeholder_forwards_ask_for_no_router_logits(monkeypatch):
         tensor.fill_(next(busy_reports))
 
     monkeypatch.setattr(synced.dist, "all_reduce", all_reduce)
-    model = moe_model("sdar_moe")
+    model = tiny_moe_model("sdar_moe")
     config_says_router_logits(model)
     requests = sparse_block_requests(model)
     with synced_forwards(model, True, torch.tensor([[5]])):

@@ -11,10 +11,8 @@ from numerics import assert_close_fp32
 
 import trl_diffusion.recomputed_forwards as recomputed
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs
-from trl_diffusion.models.llada_moe import LLaDAMoEModelLM
-from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
 from trl_diffusion.recomputed_forwards import check_recomputed_forwards, recomputed_forwards
-from trl_diffusion.testing import build_tokenizer, tiny_llada_moe_config, tiny_model, tiny_sdar_moe_config
+from trl_diffusion.testing import build_tokenizer, tiny_model, tiny_moe_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
@@ -119,10 +117,10 @@ def test_refused_without_a_budget(tmp_path):
 def test_refused_where_the_weights_are_gathered_in_forward_hooks(family):
     """FSDP always; DeepSpeed ZeRO-3 only for a model with weights on its root module, which none of the families
     has (ZeRO-3 runs with recomputation in tests/test_deepspeed.py)."""
-    models = {"sdar_moe": lambda: SDARMoeForCausalLM(tiny_sdar_moe_config()),
-              "llada_moe": lambda: LLaDAMoEModelLM(tiny_llada_moe_config()),
-              "value": lambda: DiffusionValueModel.from_policy(tiny_model("sdar"))}
-    model = models.get(family, lambda: tiny_model(family))()
+    if family == "value":
+        model = DiffusionValueModel.from_policy(tiny_model("sdar"))
+    else:
+        model = tiny_moe_model(family) if family.endswith("_moe") else tiny_model(family)
     check_recomputed_forwards(True, fsdp=False, zero_stage=2, option="x", model=model)
     check_recomputed_forwards(True, fsdp=False, zero_stage=3, option="x", model=model)
     check_recomputed_forwards(False, fsdp=True, zero_stage=3, option="x", model=model)

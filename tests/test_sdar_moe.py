@@ -27,6 +27,7 @@ from trl_diffusion.testing import (
     build_tokenizer,
     left_pad,
     seeded_fill_,
+    tiny_moe_model,
     tiny_sdar_config,
     tiny_sdar_moe_config,
 )
@@ -37,10 +38,6 @@ ROUTING_MARGIN = 1e-5
 """Smallest gap between the k-th and (k+1)-th router probability that a test comparing two float32 paths accepts:
 the paths' probabilities differ by ~1e-7, so a gap of 100 times that cannot switch a token's experts (a smaller
 bound than ``MIN_MARGIN``, as a rollout routes thousands of tokens, some within 1e-4 of a tie)."""
-
-
-def moe_model(seed=0, **overrides):
-    return seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config(**overrides)), seed).eval()
 
 
 @contextlib.contextmanager
@@ -125,7 +122,7 @@ def test_config_errors(bad, match):
 
 
 def test_state_dict_keys_are_the_released_names():
-    keys = set(moe_model(mlp_only_layers=[1]).state_dict())
+    keys = set(tiny_moe_model("sdar_moe", mlp_only_layers=[1]).state_dict())
     expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
     for i in range(2):
         prefix = f"model.layers.{i}."
@@ -146,7 +143,8 @@ def test_state_dict_keys_are_the_released_names():
 def test_logits_equal_transformers_qwen3_moe_with_blocks_of_one(tmp_path, norm_topk_prob):
     """Block-causal attention with blocks of 1 is causal attention: with the same weights, our model is
     transformers' Qwen3-MoE (sparse and dense layers mixed)."""
-    model = moe_model(block_size=1, num_hidden_layers=3, mlp_only_layers=[1], norm_topk_prob=norm_topk_prob)
+    model = tiny_moe_model("sdar_moe", block_size=1, num_hidden_layers=3, mlp_only_layers=[1],
+                           norm_topk_prob=norm_topk_prob)
     reference = qwen3_moe_from(model, tmp_path)
     ids = torch.randint(5, 120, (2, 13))
     with torch.no_grad(), routing_margins() as margins:
@@ -162,7 +160,7 @@ def test_logits_equal_transformers_qwen3_moe_with_blocks_of_one(tmp_path, norm_t
 def test_sparse_block_is_bitwise_transformers_qwen3_moe_block(tmp_path, dtype):
     """The dispatch does the reference's arithmetic in the reference's order (each token's expert outputs summed in
     ascending expert order; with 3 per token the order shows in bfloat16): the results are identical."""
-    model = moe_model(num_hidden_layers=1, num_experts_per_tok=3)
+    model = tiny_moe_model("sdar_moe", num_hidden_layers=1, num_experts_per_tok=3)
     ours = model.model.layers[0].mlp.to(dtype)
     theirs = qwen3_moe_from(model, tmp_path).model.layers[0].mlp.to(dtype)
     assert isinstance(theirs, Qwen3MoeSparseMoeBlock)
@@ -174,7 +172,8 @@ def test_sparse_block_is_bitwise_transformers_qwen3_moe_block(tmp_path, dtype):
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 def test_sparse_block_equals_a_per_token_reference(norm_topk_prob, top_k):
-    block = moe_model(num_hidden_layers=1, norm_topk_prob=norm_topk_prob, num_experts_per_tok=top_k).model
+    block = tiny_moe_model("sdar_moe", num_hidden_layers=1, norm_topk_prob=norm_topk_prob,
+                           num_experts_per_tok=top_k).model
     block = block.layers[0].mlp.double()
     x = torch.randn(2, 9, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     with torch.no_grad(), routing_margins() as margins:
@@ -188,7 +187,7 @@ def test_sparse_block_equals_a_per_token_reference(norm_topk_prob, top_k):
 def test_model_with_dense_layers_equals_the_per_token_reference(layout, monkeypatch):
     """The whole model, with the sparse blocks replaced by the per-token reference, gives the same logits; the
     dense layers are the dense SwiGLU of width intermediate_size."""
-    model = moe_model(num_hidden_layers=4, **layout).double()
+    model = tiny_moe_model("sdar_moe", num_hidden_layers=4, **layout).double()
     kinds = [type(layer.mlp) for layer in model.model.layers]
     assert SDARMoeSparseMoeBlock in kinds and QwenStyleMLP in kinds
     ids = torch.randint(5, 120, (2, 10))
@@ -202,7 +201,7 @@ def test_model_with_dense_layers_equals_the_per_token_reference(layout, monkeypa
 def test_one_expert_top1_is_dense_sdar():
     """One expert with top-1 routing (weight 1) is a dense MLP: with the dense SDAR's MLP weights in the expert, the
     model is dense SDAR, block-causal mask (block size 4), KV cache and sampler included."""
-    moe = moe_model(num_experts=1, num_experts_per_tok=1, intermediate_size=32, mlp_only_layers=[1])
+    moe = tiny_moe_model("sdar_moe", num_experts=1, num_experts_per_tok=1, intermediate_size=32, mlp_only_layers=[1])
     dense = SDARForCausalLM(tiny_sdar_config(intermediate_size=32)).eval()
     state = {k.replace("mlp.experts.0.", "mlp."): v for k, v in moe.state_dict().items() if "mlp.gate." not in k}
     dense.load_state_dict(state, strict=True)
@@ -246,7 +245,7 @@ def write_released_checkpoint(model, directory, drop=(), rename=None):
 
 
 def test_released_checkpoint_loads_without_remote_code(tmp_path):
-    model = moe_model(mlp_only_layers=[1])
+    model = tiny_moe_model("sdar_moe", mlp_only_layers=[1])
     write_released_checkpoint(model, tmp_path)
     assert type(AutoConfig.from_pretrained(tmp_path)) is SDARMoeConfig
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
@@ -268,13 +267,13 @@ def test_released_checkpoint_loads_without_remote_code(tmp_path):
     dict(rename=("model.layers.1.mlp.experts.0.gate_proj.weight", "model.layers.1.mlp.experts.gate_up_proj")),
 ])
 def test_a_missing_or_renamed_expert_key_is_an_error(tmp_path, broken):
-    write_released_checkpoint(moe_model(), tmp_path, **broken)
+    write_released_checkpoint(tiny_moe_model("sdar_moe"), tmp_path, **broken)
     with pytest.raises(ValueError, match="does not match SDARMoeForCausalLM"):
         AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = moe_model(decoder_sparse_step=2, norm_topk_prob=False)
+    model = tiny_moe_model("sdar_moe", decoder_sparse_step=2, norm_topk_prob=False)
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == "sdar_moe" and saved["architectures"] == ["SDARMoeForCausalLM"]
@@ -301,7 +300,7 @@ def generate(model, **kw):
 def test_exact_cache_equals_no_cache(temperature):
     """On the first sampling seed whose run has no decision near a tie (which float path wins a tie depends on the
     machine and the torch version: torch 2.6 met a routing gap of 1.4e-6 with seed 3)."""
-    model = moe_model()
+    model = tiny_moe_model("sdar_moe")
     for seed in range(3, 11):
         with DecisionMargins() as margins, routing_margins() as routes:
             outs = [generate(model, use_cache=cache, temperature=temperature,
@@ -320,7 +319,7 @@ def test_exact_cache_equals_no_cache(temperature):
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=20, top_p=0.9)])
 def test_replay_reproduces_the_sampler_logprobs(settings):
     """TraceRL's scoring: the trajectory replayed one state per step gives the sampler's own log-probs."""
-    model = moe_model()
+    model = tiny_moe_model("sdar_moe")
     with torch.no_grad(), routing_margins() as routes:
         out, mask = generate(model, use_cache=True, generator=torch.Generator().manual_seed(0), **settings)
         replay = replay_logprobs(model, out.sequences, mask, out.unmask_step, block_length=4, **settings)
@@ -331,7 +330,7 @@ def test_replay_reproduces_the_sampler_logprobs(settings):
 
 
 def test_backward_reaches_the_router_and_the_experts_that_got_tokens():
-    model = moe_model(num_experts_per_tok=1).train()
+    model = tiny_moe_model("sdar_moe", num_experts_per_tok=1).train()
     ids = torch.randint(5, 120, (1, 3))  # 3 tokens, 1 expert each: at least one of the 4 experts is idle
     block = model.model.layers[0].mlp
     seen = []  # the block's input, to read which experts its tokens went to
@@ -354,7 +353,7 @@ def test_backward_reaches_the_router_and_the_experts_that_got_tokens():
 def test_tracerl_step_scores_the_rollout_with_the_sampler_logprobs(tmp_path):
     from trl_diffusion import TraceRLConfig, TraceRLTrainer
 
-    model = moe_model().train()
+    model = tiny_moe_model("sdar_moe").train()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     args = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
                          max_completion_length=8, max_steps=1, logging_steps=1, report_to="none", learning_rate=1e-2,
@@ -377,7 +376,7 @@ def test_tracerl_step_scores_the_rollout_with_the_sampler_logprobs(tmp_path):
 def test_sft_step_and_lora_defaults(tmp_path):
     from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 
-    model = moe_model().train()
+    model = tiny_moe_model("sdar_moe").train()
     data = Dataset.from_list([{"prompt": "What is 1+2?", "completion": "3"}, {"prompt": "Hi", "completion": "yo"}])
     args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, gradient_checkpointing=False,
                               save_strategy="no", logging_steps=1, use_cpu=True, max_length=32, disable_tqdm=True,
@@ -393,7 +392,7 @@ def test_sft_step_and_lora_defaults(tmp_path):
 
 
 def test_value_model_from_an_moe_policy():
-    policy = moe_model()
+    policy = tiny_moe_model("sdar_moe")
     value = DiffusionValueModel.from_policy(policy)
     assert value.block_size == 4 and type(value.model) is SDARMoeModel
     ids = torch.randint(5, 120, (2, 8))
@@ -411,7 +410,8 @@ def test_a_router_loss_coefficient_is_refused_by_the_trainers(tmp_path):
     data = Dataset.from_list([{"prompt": "What is 1+2?", "completion": "3"}])
     args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], use_cpu=True, max_length=32,
                               router_aux_loss_coef=0.01)
-    trainer = DiffusionSFTTrainer(moe_model(), args=args, train_dataset=data, processing_class=build_tokenizer())
+    trainer = DiffusionSFTTrainer(tiny_moe_model("sdar_moe"), args=args, train_dataset=data,
+                                  processing_class=build_tokenizer())
     assert trainer.aux_loss_enabled and trainer.router_aux_loss_coef == 0.01
 
 
@@ -442,9 +442,9 @@ def test_cuda_graphs_auto_decodes_an_moe_eagerly_and_on_is_refused(monkeypatch):
         dense.generate(ids, cuda_graphs="auto", **kw)
     assert built == [cuda_graphs.ExactCacheGraphRunner]
     built.clear()
-    model = moe_model()
+    model = tiny_moe_model("sdar_moe")
     assert torch.equal(model.generate(ids, cuda_graphs="auto", **kw), model.generate(ids, cuda_graphs="off", **kw))
     assert not built  # the eager loop
     with pytest.raises(ValueError, match="cannot be captured as a CUDA graph"):
         model.generate(ids, cuda_graphs="on", **kw)
-    assert not cuda_graphs.cuda_graph_capturable(peft.get_peft_model(moe_model(), peft.LoraConfig(r=2)))
+    assert not cuda_graphs.cuda_graph_capturable(peft.get_peft_model(tiny_moe_model("sdar_moe"), peft.LoraConfig(r=2)))

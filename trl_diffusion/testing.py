@@ -19,9 +19,11 @@ from .models import (
     LLaDAConfig,
     LLaDAModelLM,
     LLaDAMoEConfig,
+    LLaDAMoEModelLM,
     SDARConfig,
     SDARForCausalLM,
     SDARMoeConfig,
+    SDARMoeForCausalLM,
 )
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
@@ -127,6 +129,25 @@ def tiny_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Modul
     """A tiny model of ``family`` (``sdar``, ``llada`` or ``dream``) with seeded weights, in eval mode."""
     config = TINY_CONFIGS[family](**config_overrides)
     return seeded_fill_(MODEL_CLASSES[family](config), seed).eval()
+
+
+TINY_MOE_MODELS = {"sdar_moe": (tiny_sdar_moe_config, SDARMoeForCausalLM),
+                   "llada_moe": (tiny_llada_moe_config, LLaDAMoEModelLM)}
+TINY_EXPERT_BIAS = (0.15, -0.1, 0.0, 0.05)
+"""The expert bias of a tiny LLaDA-MoE that has one (``moe_router_enable_expert_bias``): large enough to move the
+choice of some tokens' experts, unlike the N(0, 0.2) ``seeded_fill_`` would give it, and fixed."""
+
+
+def tiny_moe_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.Module:
+    """A tiny SDAR-MoE or LLaDA-MoE (``sdar_moe`` / ``llada_moe``) with seeded weights, in eval mode; an expert bias,
+    where the config asks for one, is ``TINY_EXPERT_BIAS``."""
+    make_config, model_class = TINY_MOE_MODELS[family]
+    model = seeded_fill_(model_class(make_config(**config_overrides)), seed).eval()
+    with torch.no_grad():
+        for name, bias in model.named_buffers():
+            if name.endswith("expert_bias"):
+                bias.copy_(torch.tensor(TINY_EXPERT_BIAS[: bias.numel()]))
+    return model
 
 
 def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,8 +24,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
-from trl_diffusion.models.sdar_moe import SDARMoeForCausalLM
-from trl_diffusion.testing import EOS_ID, build_tokenizer, seeded_fill_, tiny_model, tiny_sdar_moe_config
+from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model, tiny_moe_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
 PAIRS = [("What is 1+2?", "3"), ("Say hi", "hi"), ("What is 7-3?", "4"), ("abc", "def"),
@@ -80,7 +79,7 @@ def value_model_for(policy) -> DiffusionValueModel:
 def tiny_policy(eos_scale: float = 0.0, moe: bool = False) -> torch.nn.Module:
     """The tiny SDAR (``moe``: SDAR-MoE) in train mode; ``eos_scale`` > 0 makes EOS likely (6 gives completions of
     mixed lengths)."""
-    model = (seeded_fill_(SDARMoeForCausalLM(tiny_sdar_moe_config()), 0) if moe else tiny_model("sdar")).train()
+    model = (tiny_moe_model("sdar_moe") if moe else tiny_model("sdar")).train()
     if eos_scale:
         with torch.no_grad():
             head = model.lm_head.weight
