@@ -6,7 +6,7 @@ import torch
 from test_sft_value_combos import SMALL, TOKENIZER, conversational, sft_config, trajectories
 
 from trl_diffusion.states import AttentionLayout
-from trl_diffusion.testing import MASK_ID, tiny_model
+from trl_diffusion.testing import MASK_ID, tiny_model, tiny_moe_model
 from trl_diffusion.trainers import DiffusionSFTTrainer
 from trl_diffusion.trainers.diffusion_losses import (
     ScoringBatch,
@@ -128,9 +128,7 @@ def test_the_logged_router_loss_is_the_mean_of_the_forwards(tmp_path):
     """A mixture-of-experts model's load-balancing loss is not a sum over rows: with a budget each forward adds
     its own, weighted by 1 / (number of forwards), and the logged ``aux_loss`` is their mean (GRPO's rule for a
     batch scored in several forwards)."""
-    from test_moe_aux_loss import moe_model
-
-    model = moe_model("llada_moe").train()
+    model = tiny_moe_model("llada_moe").train()
     args = sft_config(tmp_path, per_device_train_batch_size=2, router_aux_loss_coef=0.5, scoring_token_budget=20,
                       learning_rate=0.0)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=conversational().select(range(2)),
