@@ -98,7 +98,9 @@ def compiled_kernels(backend: str) -> Kernels:
     reference, value model; rollouts, scoring and backward) reaches more kinds than dynamo's default of 8
     compilations per function, after which ``fullgraph`` would fail, so dynamo's ``recompile_limit`` is raised to
     at least ``RECOMPILE_LIMIT`` (a process-wide setting)."""
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # its name in torch < 2.7
+    setattr(config, limit, max(getattr(config, limit), RECOMPILE_LIMIT))
     return Kernels(*(torch.compile(fn, backend=backend, dynamic=True, fullgraph=True) for fn in EAGER))
 
 
