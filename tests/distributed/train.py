@@ -92,10 +92,7 @@ def make_trainer(trainer: str, out: Path, per_device_batch: int, max_steps: int,
                  reward: str = "distinct_chars", moe: bool = False, value_path: bool = False, **overrides: Any):
     """A tiny SDAR trainer (``sft`` or ``tracerl``, with a value model if ``value``, passed as the path of its saved
     copy if ``value_path``); ``eos_scale`` and ``reward`` (a name in ``REWARDS``) apply to TraceRL only;
-    ``overrides`` go to the config, those named ``"<trainer>.<field>"`` (e.g. ``"tracerl.num_generations"``) to that
-    trainer's only."""
-    overrides = {name.split(".", 1)[-1]: value for name, value in overrides.items()
-                 if "." not in name or name.startswith(f"{trainer}.")}
+    ``overrides`` go to the config."""
     config = common_args(out, per_device_batch, max_steps, seed)
     callbacks = [StopAfter(stop_after)] if stop_after else None
     model = tiny_policy(eos_scale if trainer == "tracerl" else 0.0, moe)
@@ -203,17 +200,25 @@ def record_rollout_forwards(trainer) -> list[int]:
     return counts
 
 
+def overrides_for(trainer: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The ``overrides`` of a run that apply to ``trainer``: those named ``"<trainer>.<field>"`` (e.g.
+    ``"tracerl.num_generations"``, the prefix dropped) and, for the policy trainers (``sft``, ``tracerl``), the
+    unprefixed ones."""
+    shared = trainer != "value"
+    return {name.split(".", 1)[-1]: setting for name, setting in overrides.items()
+            if name.startswith(f"{trainer}.") or (shared and "." not in name)}
+
+
 def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None, **overrides: Any):
     """Train one of ``JOBS`` and write this process's parameters (and, on rank 0, the log history) under
     ``out/job``."""
     trainer, value = JOBS[job]
     folder = Path(out) / job
-    if trainer == "value":  # only the overrides named "value.<field>"
-        built = value_trainer(folder, per_device_batch, max_steps, **{
-            name.split(".", 1)[1]: setting for name, setting in overrides.items() if name.startswith("value.")})
+    if trainer == "value":
+        built = value_trainer(folder, per_device_batch, max_steps, **overrides_for(trainer, overrides))
     else:
         built = make_trainer(trainer, folder, per_device_batch, max_steps, value=value,
-                             **{**JOB_CONFIG.get(job, {}), **overrides})
+                             **{**JOB_CONFIG.get(job, {}), **overrides_for(trainer, overrides)})
     live_responses = record_value_live_responses(built) if value else []
     rollout_forwards = record_rollout_forwards(built) if trainer == "tracerl" else []
     built.train(resume_from_checkpoint=resume)
@@ -284,7 +289,7 @@ def main() -> None:
     parser.add_argument("--per_device_batch", type=int, default=2)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--overrides", type=json.loads, default={},
-                        help="config fields (\"tracerl.<field>\": TraceRL's only) and eos_scale, as JSON")
+                        help="config fields and eos_scale, as JSON (see overrides_for)")
     parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
