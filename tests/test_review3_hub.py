@@ -88,6 +88,7 @@ import json, sys, torch
 from accelerate import PartialState
 from transformers import TrainerControl, TrainerState
 from trl_diffusion.callbacks import TimeBudgetCallback
+from trl_diffusion.cli import pause_for_gloo_workers
 world = PartialState(cpu=True)
 offset = 3.0 * world.process_index  # the processes' clocks disagree by 3 s
 clock = [0.0]
@@ -102,6 +103,7 @@ for now in (10.0, 60.0, 98.0, 99.0, 101.0):
     seen.append([optimizer.param_groups[0]["lr"], control.should_training_stop])
 open(sys.argv[1] + f"/rank{world.process_index}.json", "w").write(json.dumps(seen))
 world.wait_for_everyone()
+pause_for_gloo_workers()  # torch 2.6 could hang in the next line otherwise
 world.destroy_process_group()  # leave gloo together: exiting with its threads up can abort the process
 '''
 

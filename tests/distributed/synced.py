@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trl_diffusion.cli import pause_for_gloo_workers
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs, likelihood
 from trl_diffusion.testing import tiny_model
 from trl_diffusion.value import DiffusionValueModel, value_model
@@ -59,6 +60,7 @@ def main(out: Path) -> None:
         result[f"values_{synced}"] = values.tolist()
         result[f"grad_{synced}"] = model.lm_head.weight.grad.abs().sum().item()
     (out / f"rank{rank}.json").write_text(json.dumps(result))
+    pause_for_gloo_workers()
     dist.destroy_process_group()
 
 

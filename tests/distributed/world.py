@@ -8,6 +8,8 @@ from pathlib import Path
 
 from accelerate import PartialState
 
+from trl_diffusion.cli import pause_for_gloo_workers
+
 if __name__ == "__main__":
     state = PartialState(cpu=True)
     out = Path(sys.argv[1])
@@ -16,4 +18,5 @@ if __name__ == "__main__":
              "backend": state.backend}
     (out / f"rank{state.process_index}.json").write_text(json.dumps(facts))
     state.wait_for_everyone()
+    pause_for_gloo_workers()
     state.destroy_process_group()  # leave gloo together: exiting with its threads up can abort the process
