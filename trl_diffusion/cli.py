@@ -455,7 +455,8 @@ def pause_for_gloo_workers() -> None:
     go of their last collective's tensors. torch 2.6 joins those threads while holding the GIL, and a thread that
     still holds the last reference to a tensor made in Python needs the GIL to free it: the process never exits.
     Measured with two processes on two busy CPU cores (broadcasts, a barrier, then ``destroy_process_group``): with
-    torch 2.6, 4 of 20 runs hung, none of 20 with this pause; with torch 2.13, none of 16 without it."""
+    torch 2.6, 4 and 2 of 20 runs hung (two measurements), none of 20 (twice) with this pause; with torch 2.13, none
+    of 16 without it (``scripts/gloo_exit_check.py``)."""
     time.sleep(GLOO_EXIT_PAUSE_SECONDS)
 
 
