@@ -24,6 +24,7 @@ from test_cli import load_example
 from test_distributed import TWO_CPU_PROCESSES, accelerate_launch
 from test_resume_integrity import tracerl
 
+from trl_diffusion import cli
 from trl_diffusion.cli import parse_script_args
 from trl_diffusion.value import DiffusionValueModel
 
@@ -41,21 +42,37 @@ TINY = {
 @pytest.mark.parametrize("name", sorted(TINY))
 def test_examples_end_training_last(monkeypatch, tmp_path, name):
     """Each example calls ``Accelerator.end_training`` (which leaves the process group) once, after it saved the model
-    and its curves. In one process (here) there is no group, so the call changes nothing for later tests."""
+    and its curves, and right after ``pause_for_gloo_workers``. In one process (here) there is no group, so the call
+    changes nothing for later tests."""
     example = load_example(name)
-    seen = []
+    seen, calls = [], []
     end_training = Accelerator.end_training
 
     def recorded(accelerator):
         seen.append(sorted(p.name for p in tmp_path.iterdir()))
+        calls.append("end_training")
         end_training(accelerator)
 
     monkeypatch.setattr(Accelerator, "end_training", recorded)
+    monkeypatch.setattr(cli, "pause_for_gloo_workers", lambda: calls.append("pause"))
     parsed = parse_script_args(example.make_parser(), ["--output_dir", str(tmp_path), "--use_cpu", "true",
                                                         *TINY[name]])
     example.main(*parsed)
     assert len(seen) == 1
     assert {"model.safetensors", "training_curves.png"} <= set(seen[0])
+    assert calls == ["pause", "end_training"]
+
+
+@pytest.mark.slow
+def test_gloo_exit_check_runs(tmp_path):
+    """``scripts/gloo_exit_check.py`` (the measurement behind ``pause_for_gloo_workers``) launches its two-process
+    runs and reports them; with the pause none hangs."""
+    command = [sys.executable, str(ROOT / "scripts" / "gloo_exit_check.py"), "--runs", "1", "--busy", "0", "--pause"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    assert record == {"torch": torch.__version__, "pause": True, "busy": 0, "runs": 1, "hung": 0}
 
 
 @pytest.mark.slow
