@@ -27,7 +27,7 @@ def test_recomputed_scoring_forwards_set_up(on_the_cpu):
     test_gpu.test_recomputed_scoring_forwards_on_cuda()
 
 
-@pytest.mark.parametrize("family", sorted(test_gpu.MOE_MODELS))
+@pytest.mark.parametrize("family", sorted(test_gpu.MOE_CACHES))
 def test_moe_on_cuda_set_up(on_the_cpu, family):
     test_gpu.test_moe_on_cuda(family)
 
