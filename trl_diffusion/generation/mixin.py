@@ -101,7 +101,8 @@ class DiffusionGenerationMixin:
         block = self.block_size or 32
         return {"max_new_tokens": 128, "block_length": block,
                 "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9,
-                "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0}
+                "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0,
+                "cuda_graphs": "auto"}
 
     def _resolve_settings(self, kwargs: dict, prompt_width: int = 0) -> tuple[SamplingSettings, bool]:
         """Each argument from the call, else ``generation_config``, else the family default. ``prompt_width``: the
@@ -184,6 +185,8 @@ class DiffusionGenerationMixin:
         do_sample = kwargs.get("do_sample")
         if do_sample is None and kwargs.get("temperature") is None:
             do_sample = from_config("do_sample")
+        if do_sample is not None:  # read by truth value, as transformers does (0, numpy and tensor booleans)
+            do_sample = bool(do_sample)
         if do_sample is True and temperature is not None and float(temperature) == 0.0:
             raise ValueError("do_sample=True with temperature 0 (the call's or a generation config's) would decode "
                              "greedily: pass a temperature > 0, or do_sample=False.")
@@ -215,14 +218,15 @@ class DiffusionGenerationMixin:
         alg_temp = kwargs.get("alg_temp")
         if alg_temp is None:
             alg_temp = from_config("alg_temp") if alg is not None else defaults["alg_temp"]
+        top_k = None if pick("top_k") is None else _integer("top_k", pick("top_k"))
         settings = SamplingSettings(
             max_new_tokens=max_new_tokens, block_length=block_length, denoising_steps=steps,
             remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
-            temperature=float(temperature or 0.0), top_k=pick("top_k"), top_p=pick("top_p"), cache_mode=cache_mode,
+            temperature=float(temperature or 0.0), top_k=top_k, top_p=pick("top_p"), cache_mode=cache_mode,
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", pad_token_id=_integer("pad_token_id", pad),
-            cuda_graphs=pick("cuda_graphs") or "auto",
+            cuda_graphs=pick("cuda_graphs"),
         )
         return settings, bool(pick("return_dict_in_generate"))
 
@@ -300,6 +304,10 @@ class DiffusionGenerationMixin:
         synced_gpus = kwargs.pop("synced_gpus", None)
         if synced_gpus is not None and not isinstance(synced_gpus, bool):
             raise ValueError(f"synced_gpus must be True, False or None (automatic), got {synced_gpus!r}.")
+        passed = kwargs.get("generation_config")
+        if passed is not None and not isinstance(passed, GenerationConfig):
+            raise TypeError(f"generation_config must be a transformers GenerationConfig, got {type(passed).__name__}: "
+                            "pass GenerationConfig(**settings), or the settings as keyword arguments.")
         copies = self._num_return_sequences(kwargs)
         if copies > 1 and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2:
             # as transformers: each prompt's sequences are consecutive rows (a generator list has one per row)

@@ -23,6 +23,16 @@ CACHE_MODES = ("none", "exact", "prefix", "dual")
 CUDA_GRAPH_MODES = ("auto", "off")
 
 
+def check_cuda_graphs(name: str, value) -> None:
+    """Raise a ValueError naming ``name`` unless ``value`` is one of ``CUDA_GRAPH_MODES``. A bool gets its own hint:
+    ``False`` reads as "off" but is not taken as it (YAML turns an unquoted ``off`` into False)."""
+    if value in CUDA_GRAPH_MODES and isinstance(value, str):
+        return
+    hint = (" (the strings; an unquoted off in a YAML file is read as False: quote it)"
+            if isinstance(value, bool) else "")
+    raise ValueError(f"{name} must be one of {CUDA_GRAPH_MODES}{hint}, got {value!r}.")
+
+
 @dataclass
 class DiffusionGenerationOutput(ModelOutput):
     """``sequences``: left-padded prompt + completion (right-padded with the pad token).
@@ -122,8 +132,7 @@ class SamplingSettings:
             raise ValueError(f"eps must lie in [0, 1), got {self.eps}.")
         if not 0 <= self.cfg_scale < math.inf:
             raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}.")
-        if self.cuda_graphs not in CUDA_GRAPH_MODES:
-            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}.")
+        check_cuda_graphs("cuda_graphs", self.cuda_graphs)
         if self.cfg_scale and self.cache_mode != "none":
             raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache.")
 
@@ -211,6 +220,7 @@ def diffusion_generate(
                          "cuda_graphs='off', or 'auto', which decodes it eagerly.")
     settings.validate()
     attention_mask = check_generation_inputs(model, input_ids, attention_mask, settings, generator)
+    input_ids = input_ids.long()  # int32 / uint8 prompts, as transformers takes them; the canvas is int64
     device = input_ids.device
     mask_id = model.mask_token_id
     if bool((input_ids.eq(mask_id) & attention_mask).any()):

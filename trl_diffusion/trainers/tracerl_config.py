@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
+from ..generation.sampler import check_cuda_graphs
 from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES
 from ..models.kernels import FUSED_KERNELS_HELP
 from ..states import (
@@ -294,8 +295,7 @@ class TraceRLConfig(GRPOConfig):
         self._check_checkpointing_kwargs()
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         self._check_objective()
-        if self.rollout_cuda_graphs not in ("auto", "off"):
-            raise ValueError(f"rollout_cuda_graphs must be 'auto' or 'off', got {self.rollout_cuda_graphs!r}.")
+        check_cuda_graphs("rollout_cuda_graphs", self.rollout_cuda_graphs)
         if self.remasking_strategy not in ROLLOUT_STRATEGIES:
             raise ValueError(f"remasking_strategy {self.remasking_strategy!r} is not a rollout strategy; choose "
                              f"one of {ROLLOUT_STRATEGIES} (Dream's 'origin' runs over its own linspace schedule, "

@@ -1,0 +1,90 @@
+"""generate() arguments of the types transformers users pass: integer prompts other than int64, falsy ``do_sample``
+values, a 0-d tensor ``top_k``, a ``cuda_graphs`` that is not one of the names, and a ``generation_config`` that is
+not a ``GenerationConfig`` (each was silently wrong or failed inside torch)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from trl_diffusion import TraceRLConfig
+from trl_diffusion.generation import sampler
+from trl_diffusion.testing import left_pad, tiny_model
+
+GREEDY = dict(max_new_tokens=6, block_length=4, temperature=0.0, stop_token_ids=[])
+
+
+@pytest.mark.parametrize("family,cache", [("sdar", True), ("llada", "dual"), ("dream", False)])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_integer_prompts_of_any_width_decode_as_int64(family, cache, dtype):
+    # int32 prompts passed the input check, then failed in the canvas copy ("Index put requires the source and
+    # destination dtypes match"); transformers takes them and returns int64
+    model = tiny_model(family)
+    ids, mask = left_pad([[20, 21, 22, 23, 24], [30, 31]])
+    expected = model.generate(ids, mask, use_cache=cache, **GREEDY)
+    got = model.generate(ids.to(dtype), mask, use_cache=cache, **GREEDY)
+    assert got.dtype == torch.int64
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("falsy", [0, np.False_, torch.tensor(False)])
+def test_a_falsy_do_sample_is_greedy_as_false_is(falsy):
+    # only `do_sample is False` forced greedy: 0 or a numpy / tensor False sampled at the config's temperature
+    # (SDAR's and TraDo's released generation configs: do_sample true, temperature 0.7)
+    model = tiny_model("sdar")
+    model.generation_config = GenerationConfig(do_sample=True, temperature=0.7, max_new_tokens=8, block_length=4,
+                                               stop_token_ids=[])
+    settings, _ = model._resolve_settings({"do_sample": falsy})
+    assert settings.temperature == 0.0
+    ids = torch.tensor([[20, 21, 22]])
+    generator = torch.Generator().manual_seed(0)
+    assert torch.equal(model.generate(ids, do_sample=falsy, generator=generator), model.generate(ids, do_sample=False))
+    settings, _ = model._resolve_settings({"do_sample": np.True_, "temperature": 0.5})
+    assert settings.temperature == 0.5
+
+
+def test_top_k_takes_a_0_d_tensor_as_the_other_integer_arguments_do():
+    model = tiny_model("sdar")
+    ids = torch.tensor([[20, 21, 22]])
+    kw = dict(max_new_tokens=8, temperature=1.0, stop_token_ids=[])
+    tensor_k = model.generate(ids, top_k=torch.tensor(5), generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(tensor_k, model.generate(ids, top_k=5, generator=torch.Generator().manual_seed(0), **kw))
+    for bad in (2.5, True, torch.tensor(5.0)):
+        with pytest.raises(ValueError, match="top_k must be an integer"):
+            model.generate(ids, top_k=bad, **kw)
+    with pytest.raises(ValueError, match="top_k must be an integer >= 0"):
+        model.generate(ids, top_k=-1, **kw)
+
+
+@pytest.mark.parametrize("value", [False, True, 0, "", "on", None])
+def test_cuda_graphs_is_one_of_its_names(monkeypatch, value):
+    # `pick("cuda_graphs") or "auto"` turned False, 0 and "" into "auto": graphs on, where False reads as off
+    model = tiny_model("sdar")
+    seen = []
+    monkeypatch.setattr(sampler, "runner_class",
+                        lambda settings, *args: seen.append(settings.cuda_graphs) or sampler.ModelRunner)
+    ids = torch.tensor([[20, 21, 22]])
+    if value is None:  # unset: the default
+        model.generate(ids, cuda_graphs=value, use_cache=True, **GREEDY)
+        assert seen == ["auto"]
+        return
+    hint = "quote it" if isinstance(value, bool) else ""
+    with pytest.raises(ValueError, match=f"cuda_graphs must be one of .*{hint}"):
+        model.generate(ids, cuda_graphs=value, use_cache=True, **GREEDY)
+    assert not seen
+
+
+def test_rollout_cuda_graphs_false_names_the_yaml_reading(tmp_path):
+    # an unquoted `rollout_cuda_graphs: off` in a YAML config arrives as False
+    with pytest.raises(ValueError, match="rollout_cuda_graphs must be one of .*quote it.*got False"):
+        TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, rollout_cuda_graphs=False)
+
+
+@pytest.mark.parametrize("config", [{"max_new_tokens": 4}, "greedy"])
+def test_a_generation_config_that_is_not_a_generation_config_is_refused(config):
+    # a dict was read field by field with getattr, so every setting in it was dropped (128 new tokens for 4 asked)
+    model = tiny_model("llada")
+    with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig"):
+        model.generate(torch.tensor([[20, 21, 22]]), generation_config=config)
