@@ -55,6 +55,14 @@ ATTACKS = {
     "zero for a small gold": ("0.0", "10^{-8}"),
     "ten times a small gold": ("0.0000001", "10^{-8}"),
     "wrong physical constant": (r"5 \times 10^{-19}", r"1.6 \times 10^{-19}"),
+    # Found by a second red-team (the new readings below must not open a way in).
+    "gamma function": (r"\Gamma(6)", "120"),
+    "arithmetic in a set of numbers": ("99^2, 1", "9801, 1"),
+    "arithmetic in a set of assignments": ("x = 99^2, x = 1", "9801, 1"),
+    "factorial in a set of assignments": ("x = 3!, x = 1", "6, 1"),
+    "two assignments for one value": ("x = 3, x = 4", "3"),
+    "digit groups read as a product": (r"1\,234", "235"),
+    "digit groups read as zero": (r"1\,000", "0"),
 }
 
 
@@ -94,6 +102,12 @@ EQUIVALENT = [
     # Work shown before the final value: only the value after the last "=" is the answer.
     (r"3! \times 5! = 720", "720"), (r"\binom{4}{2} = 6", "6"), (r"\log_2 64 = 6", "6"), (r"x = 2 \cdot 9 = 18", "18"),
     (r"\tan A = \frac{BC}{AB} = 2", "2"),
+    # math-verify alone read these wrong (1\,000 as 1 * 000), or the rules refused them (\text{18} is a symbol named
+    # 18 to math-verify, x in x = -2, x = 1 an unknown)
+    (r"1\,000", "1000"), (r"14\,000", "14000"), (r"12\;345\;678", "12345678"), ("1~000", "1000"), ("1000", r"1\,000"),
+    (r"1\,234.5", "1234.5"), (r"18~\text{cm}", "18"), ("145°", "145^\\circ"), (r"\text{18}", "18"),
+    (r"\textbf{18}", "18"), (r"\mathbf{-3}", "-3"), ("x = -2, x = 1", "-2,1"), (r"x = -2 \text{ or } x = 1", "-2, 1"),
+    ("x=3, x=5, x=7", "3, 5, 7"), ("x = 15, y = -29", "(15,-29)"),
 ]
 
 

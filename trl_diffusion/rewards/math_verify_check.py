@@ -6,6 +6,10 @@ from another thread sends each check to a child process (this file run as a scri
 anyway. Imports only the standard library, math-verify and sympy, so the child starts without loading
 ``trl_diffusion``.
 
+Both sides are read as a reader reads them (:func:`plain_spacing`: ``1\\,000`` is 1000, which math-verify alone reads
+as ``1 \\cdot 000``), and the rules see a number math-verify took as text (``\\text{18}``) as that number and a set
+of assignments (``x = -2, x = 1``) as their right sides, as math-verify's comparison does.
+
 On top of math-verify's ``verify``, a prediction must be an answer, not something math-verify can reduce to one
 (each rule closes a way to score without solving the problem; see :func:`verify_source`):
 
@@ -14,8 +18,9 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
 * no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
   floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det``, ``|.|``, ``\\max`` /
   ``\\min`` (copying ``\\dbinom{31}{28}`` or ``\\log_2 64`` from the question is not an answer);
-* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``) needs a number, not arithmetic left to do
-  (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a percentage, scientific notation;
+* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set or tuple of them) needs numbers,
+  not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a percentage,
+  scientific notation;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``).
@@ -45,8 +50,23 @@ def parse_boxed(source: str, parsing_timeout: int | None) -> list:
 
 
 def as_boxed(answer: str) -> str:
-    r"""Wrap a bare answer as ``$\boxed{...}$`` so math-verify parses all of it as a single LaTeX answer."""
-    return "$\\boxed{" + answer + "}$"
+    r"""Wrap a bare answer as ``$\boxed{...}$`` so math-verify parses all of it as a single LaTeX answer, after
+    :func:`plain_spacing`."""
+    return "$\\boxed{" + plain_spacing(answer) + "}$"
+
+
+# A number whose groups of three digits are set apart by a LaTeX space (``1\,234``, ``12\;345\;678``, ``1~000``).
+_SPACED_DIGITS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;: ]|\\thinspace(?![a-zA-Z])|~)\d{3})+(?!\d)")
+_DIGIT_SPACE = re.compile(r"\\[,;: ]|\\thinspace|~")
+
+
+def plain_spacing(answer: str) -> str:
+    r"""An answer as math-verify reads it right: LaTeX spaces between groups of three digits removed (math-verify
+    reads ``1\,000`` as ``1 \cdot 000 = 0`` and ``1\,234`` as ``1 \cdot 234``), other ``~`` (LaTeX's non-breaking
+    space, ``18~\text{cm}``) made a space, and a degree sign ``°`` written ``^\circ``. None of these changes the value
+    a reader sees."""
+    answer = _SPACED_DIGITS.sub(lambda match: _DIGIT_SPACE.sub("", match.group()), answer)
+    return answer.replace("~", " ").replace("°", "^\\circ")
 
 
 def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None,
@@ -87,7 +107,7 @@ def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, v
 # them while parsing, e.g. \binom and \gcd) and as sympy functions (the text of an unboxed answer is not known).
 _OPERATION_LATEX = {
     "binomial": r"\\[dt]?binom(?![a-zA-Z])|\\choose(?![a-zA-Z])",
-    "factorial": r"(?<!\\)!(?!=)",
+    "factorial": r"(?<!\\)!(?!=)|\\Gamma(?![a-zA-Z])",
     "sum": r"\\(?:sum|prod)(?![a-zA-Z])",
     "integral": r"\\i+nt(?![a-zA-Z])|\\oint(?![a-zA-Z])",
     "limit": r"\\lim(?![a-zA-Z])|\\lim(?:sup|inf)(?![a-zA-Z])",
@@ -110,7 +130,7 @@ def _operations(text: str, parsed: list) -> set[str]:
 
     found = {name for name, pattern in _OPERATION_RE.items() if pattern.search(text)}
     classes = {
-        "binomial": (sympy.binomial,), "factorial": (sympy.factorial, sympy.factorial2),
+        "binomial": (sympy.binomial,), "factorial": (sympy.factorial, sympy.factorial2, sympy.gamma),
         "sum": (sympy.Sum, sympy.Product), "integral": (sympy.Integral,), "limit": (sympy.Limit,),
         "derivative": (sympy.Derivative,), "rounding": (sympy.floor, sympy.ceiling),
         "logarithm": (sympy.log,), "modulo": (sympy.Mod,), "absolute value": (sympy.Abs,),
@@ -148,22 +168,54 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     """Whether the sympy prediction ``pred`` (LaTeX ``text``) is an admissible answer for one gold value."""
     from math_verify.grader import is_assignment_relation, is_equation, is_relation, take_last_relation
 
-    gold_value, value, answer = gold_expr, pred, text
-    if is_equation(pred) and not is_equation(gold_expr):
-        value, answer = take_last_relation(pred).rhs, _EQUATION_SPLIT.split(text)[-1]
+    gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
+    solutions = _assigned_values(value)
+    if solutions is not None and _assigned_values(gold_value) is None:
+        value = solutions  # x = -2, x = 1 for -2, 1 (math-verify compares the right sides); every side is read
+    elif is_equation(pred) and not is_equation(gold_expr):
+        value, answer = take_last_relation(value).rhs, _EQUATION_SPLIT.split(text)[-1]
     elif is_assignment_relation(gold_expr) and not is_equation(pred):
-        gold_value = take_last_relation(gold_expr).rhs
-    if not is_relation(pred) and _EQUATION_SPLIT.search(text):
+        gold_value = take_last_relation(gold_value).rhs
+    if solutions is None and not is_relation(pred) and _EQUATION_SPLIT.search(text):
         answer = _EQUATION_SPLIT.split(text)[-1]  # math-verify read the part after the last "="
     if _operations(answer, [value]) - _operations(gold, [gold_value]):
         return False  # an operation left to sympy: \binom{31}{28} for 4495
     if not _free_symbols(gold_value) and _free_symbols(value):
         return False  # an unknown in the answer to a question whose answer has none: \frac{18x}{x}
-    if _plain_number(gold_value) and not _written_number(value):
-        return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901
+    if _plain_numbers(gold_value) and not _written_number(value):
+        return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901 (or 99^2, 1)
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
+
+
+def _numerals_read(expr):
+    """``expr`` with each symbol that math-verify made of a number in text (``\\text{18}``, ``\\mathbf{-3}``: a
+    symbol named ``18``) read as that number, which math-verify's comparison already does."""
+    import sympy
+
+    try:
+        named = {symbol: sympy.Number(symbol.name) for symbol in expr.free_symbols
+                 if _NUMERAL.fullmatch(symbol.name)}
+        return expr.xreplace(named) if named else expr
+    except Exception:
+        return expr
+
+
+_NUMERAL = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _assigned_values(expr):
+    """The right sides of a set or tuple of assignments (``x = -2, x = 1``; ``x = 15, y = -29``), in the same kind
+    of container, else ``None``."""
+    import sympy
+    from math_verify.grader import is_assignment_relation
+
+    if not isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) or not expr.args:
+        return None
+    if not all(is_assignment_relation(element) for element in expr.args):
+        return None
+    return type(expr)(*(element.rhs for element in expr.args))
 
 
 # "=" as math-verify splits equation chains (not <=, >=, !=), and "\equiv", which it reads as "=".
@@ -197,6 +249,15 @@ def _plain_number(expr) -> bool:
 
     percent = _percent_value(expr)
     return isinstance(percent if percent is not None else expr, sympy.Number)
+
+
+def _plain_numbers(expr) -> bool:
+    """A gold answer that is a number (:func:`_plain_number`), or a set or tuple of numbers (``3, 5, 7``)."""
+    import sympy
+
+    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)):
+        return bool(expr.args) and all(_plain_number(element) for element in expr.args)
+    return _plain_number(expr)
 
 
 def _written_number(expr) -> bool:
