@@ -527,3 +527,32 @@ def test_parent_check_caps_program_chosen_sizes_and_decodes_strictly():
     for bad in (["x", 1], ["i", 5], ["b", 1], ["d", [["l", [["i", "1"]]]]], ["l"], "s", ["S", [["l", []]]]):
         with pytest.raises((ValueError, TypeError)):
             decode(bad)
+
+
+SHORT_REPORT = """
+def f(x):
+    return x * x
+
+import json, os, sys
+frame = sys._getframe()
+while frame is not None:
+    config = frame.f_locals.get("config")
+    if isinstance(config, dict) and "report_fd" in config:
+        print("writing a report without the names", flush=True)
+        entry = {"has": HAS, "values": [["v", ["f", (4.0).hex()]]] * VALUES}
+        os.write(config["report_fd"], json.dumps({"results": [entry]}).encode())
+        os._exit(0)
+    frame = frame.f_back
+"""
+
+
+@pytest.mark.parametrize("has,values", [([], 1), ([True], 2), (["yes"], 1)])
+def test_a_report_cannot_drop_the_names_a_test_needs(has, values):
+    # `math` is never imported, so natively the test is a NameError; a report whose "has" list was empty (or not
+    # one True per name) skipped that check, and one with an extra value was judged on the first
+    program = SHORT_REPORT.replace("HAS", json.dumps(has)).replace("VALUES", str(values))
+    tests = ["assert math.isclose(f(2), 4.0)"]
+    result = run_tests(program, tests, LIMITS)
+    assert "writing a report without the names" in result.output, result.output
+    assert result.outcomes == [False] and _reward(program, tests) == 0.0
+    assert _reward("import math\n\ndef f(x):\n    return x * x\n", tests) == 1.0  # control: with the import

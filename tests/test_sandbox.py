@@ -43,10 +43,12 @@ def sandbox_pids():
 
 
 def assert_no_leftovers(timeout=30.0):
+    """No sandbox process alive at some moment within ``timeout``: one empty look, not two in a row (the suite's
+    other worker starts sandboxes of its own, which a second look could catch starting)."""
     deadline = time.monotonic() + timeout
-    while sandbox_pids() and time.monotonic() < deadline:
+    while (left := sandbox_pids()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert sandbox_pids() == []
+    assert left == []
 
 
 @pytest.fixture

@@ -322,3 +322,45 @@ def test_official_code_rows_time_limit_is_checked_before_a_run(time_limit):
 
     with pytest.raises(ValueError, match="test_time_limit must be a finite number of seconds > 0"):
         run_official("print(1)", ["assert True"], stdio=False, time_limit=time_limit)
+
+
+CPU_GROUPS = """
+import ctypes, os
+def cpu_group():  # the line of /proc/self/cgroup that decides this process's CPU share
+    with open("/proc/self/cgroup") as f:
+        lines = [line.strip() for line in f]
+    return next((l for l in lines if "cpu" in l.split(":")[1].split(",")), lines[-1])
+r, w = os.pipe()
+for _ in range(3):
+    if os.fork() == 0:
+        if os.fork() == 0:  # a grandchild too
+            os.write(w, (cpu_group() + "\\n").encode())
+            os._exit(0)
+        os.wait()
+        os.write(w, (cpu_group() + "\\n").encode())
+        os._exit(0)
+for _ in range(3):
+    os.wait()
+os.close(w)
+groups = set(os.read(r, 65536).decode().split()) | {cpu_group()}
+try:
+    os.setsid()
+    session = "new session"
+except PermissionError:
+    session = "refused"
+libc = ctypes.CDLL(None, use_errno=True)
+raw_session = "refused" if libc.setsid() == -1 else "new session"
+print(sorted(groups), session, raw_session)
+"""
+
+
+def test_a_run_shares_one_cpu_group_and_cannot_start_new_sessions(isolation):
+    """A red-team program forked 29 busy processes, each in a new session (a scheduler autogroup of its own), then
+    answered correctly just before its deadline: three correct programs scored beside it timed out (0.0). Every
+    process of a run is now in the run's CPU group (one share per run: with the kernel's autogroups switched off the
+    same attack without setsid also starved them before, and no longer does), and setsid is refused."""
+    _needs(isolation, "cpu_cgroup", "seccomp")
+    result = run_tests(CPU_GROUPS, ["assert len(groups) == 1 and session == raw_session == 'refused'"],
+                       SandboxLimits(timeout=8.0, max_processes=16))
+    assert (result.status, result.outcomes) == ("ok", [True]), (result.errors, result.output)
+    assert "trl_sandbox_" in result.output, result.output

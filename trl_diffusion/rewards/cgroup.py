@@ -1,4 +1,5 @@
-"""A memory cgroup per sandbox run, where the host lets this process create one (parent side only).
+"""A memory cgroup, and a CPU cgroup, per sandbox run, where the host lets this process create them (parent side
+only).
 
 ``RLIMIT_AS`` bounds each process; only a cgroup bounds the sandbox as a whole: every process it forks, the files
 it writes to its tmpfs, memfd and other shared memory, and the kernel memory charged to it. The sandbox child
@@ -10,6 +11,12 @@ Supported: cgroup v1 with a writable ``memory`` hierarchy (``memory.limit_in_byt
 the ``memory`` controller to a child (``memory.max``, ``memory.swap.max = 0``). Typically that means root outside a
 container, or a container given a writable cgroup; elsewhere :func:`memory_cgroup_root` is ``None`` and the
 sandbox falls back to the per-process limits (``docs/rewards.md`` states the resulting bound).
+
+The CPU cgroup shares the CPU per run rather than per process: with the default equal weights, runs in parallel get
+equal shares whatever number of processes each one starts, so a program that forks busy processes (each in a new
+session, which would give each its own scheduler autogroup) cannot slow the programs scored beside it into their
+time limits. cgroup v1: a group in the ``cpu`` hierarchy (:func:`cpu_cgroup_root`); v2: the run's memory cgroup
+itself, once this process's cgroup hands the ``cpu`` controller to its children too (best effort).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["CgroupRoot", "memory_cgroup_root"]
+__all__ = ["CgroupRoot", "cpu_cgroup_root", "memory_cgroup_root"]
 
 _COUNTER = itertools.count()
 _LOCK = threading.Lock()
@@ -31,15 +38,20 @@ _CACHE: dict[str, CgroupRoot | None] = {}
 
 @dataclass(frozen=True)
 class CgroupRoot:
-    """The directory under which per-run cgroups are created, and the hierarchy's version (1 or 2)."""
+    """The directory under which per-run cgroups are created, the hierarchy's version (1 or 2), and the controller
+    they are made for (``"memory"``, or ``"cpu"``: a v1 ``cpu`` hierarchy)."""
 
     path: str
     version: int
+    controller: str = "memory"
 
-    def create(self, memory_bytes: int) -> str:
-        """Make a fresh cgroup limited to ``memory_bytes`` (swap included) and return its directory."""
-        path = os.path.join(self.path, f"trl_sandbox_{os.getpid()}_{next(_COUNTER)}")
+    def create(self, memory_bytes: int = 0) -> str:
+        """Make a fresh cgroup and return its directory: limited to ``memory_bytes`` (swap included) for memory, with
+        the default CPU weight for cpu."""
+        path = os.path.join(self.path, f"trl_sandbox_{self.controller}_{os.getpid()}_{next(_COUNTER)}")
         os.mkdir(path)
+        if self.controller == "cpu":
+            return path
         try:
             if self.version == 1:
                 _write(path, "memory.limit_in_bytes", memory_bytes)
@@ -87,12 +99,21 @@ def memory_cgroup_root() -> CgroupRoot | None:
     """Where this process may create memory-limited child cgroups (probed once), or ``None``."""
     with _LOCK:
         if "root" not in _CACHE:
-            _CACHE["root"] = _probe()
+            _CACHE["root"] = _probe("memory")
         return _CACHE["root"]
 
 
-def _probe() -> CgroupRoot | None:
-    for root in _candidates():
+def cpu_cgroup_root() -> CgroupRoot | None:
+    """Where this process may create per-run groups in a cgroup v1 ``cpu`` hierarchy (probed once), or ``None``
+    (under v2 the memory cgroup carries the CPU share: see the module docstring)."""
+    with _LOCK:
+        if "cpu" not in _CACHE:
+            _CACHE["cpu"] = _probe("cpu")
+        return _CACHE["cpu"]
+
+
+def _probe(controller: str) -> CgroupRoot | None:
+    for root in _candidates(controller):
         try:
             path = root.create(64 * 1024 * 1024)
         except OSError:
@@ -102,8 +123,9 @@ def _probe() -> CgroupRoot | None:
     return None
 
 
-def _candidates() -> Iterator[CgroupRoot]:
-    """This process's memory cgroup directory in each mounted hierarchy (v1 first: hybrid hosts put memory there)."""
+def _candidates(controller: str) -> Iterator[CgroupRoot]:
+    """This process's cgroup directory for ``controller`` in each mounted hierarchy (v1 first: hybrid hosts put the
+    controllers there); for ``"cpu"``, v1 only."""
     try:
         with open("/proc/self/cgroup", encoding="utf-8") as f:
             own = [line.rstrip("\n").split(":", 2) for line in f if line.count(":") >= 2]
@@ -111,22 +133,22 @@ def _candidates() -> Iterator[CgroupRoot]:
             mounts = [line.split() for line in f]
     except OSError:
         return
-    for version in (1, 2):
+    for version in (1, 2) if controller == "memory" else (1,):
         for hierarchy, controllers, rel in own:
-            if (version == 1 and "memory" in controllers.split(",")) or (version == 2 and hierarchy == "0"):
+            if (version == 1 and controller in controllers.split(",")) or (version == 2 and hierarchy == "0"):
                 for fields in mounts:
-                    directory = _directory(fields, version, rel)
+                    directory = _directory(fields, version, rel, controller)
                     if directory is not None and (version == 1 or _v2_delegates_memory(directory)):
-                        yield CgroupRoot(directory, version)
+                        yield CgroupRoot(directory, version, controller)
 
 
-def _directory(fields: list[str], version: int, rel: str) -> str | None:
+def _directory(fields: list[str], version: int, rel: str, controller: str = "memory") -> str | None:
     """The host directory of cgroup ``rel`` if this mountinfo line is the matching hierarchy's mount."""
     if "-" not in fields:
         return None
     sep = fields.index("-")
     fstype, superopts, root, mountpoint = fields[sep + 1], fields[sep + 3], fields[3], fields[4]
-    if (version == 1 and (fstype != "cgroup" or "memory" not in superopts.split(","))) or (
+    if (version == 1 and (fstype != "cgroup" or controller not in superopts.split(","))) or (
         version == 2 and fstype != "cgroup2"
     ):
         return None
@@ -138,11 +160,21 @@ def _directory(fields: list[str], version: int, rel: str) -> str | None:
 
 
 def _v2_delegates_memory(directory: str) -> bool:
-    """Whether children of ``directory`` can get the memory controller (enabling it if this process may)."""
+    """Whether children of ``directory`` can get the memory controller (enabling it if this process may); the cpu
+    controller is handed down too where it can be (best effort: a CPU share per run, see the module docstring)."""
     try:
         with open(os.path.join(directory, "cgroup.subtree_control"), encoding="ascii") as f:
-            if "memory" in f.read().split():
-                return True
+            enabled = f.read().split()
+    except OSError:
+        return False
+    if "cpu" not in enabled:
+        try:
+            _write(directory, "cgroup.subtree_control", "+cpu")
+        except OSError:
+            pass
+    if "memory" in enabled:
+        return True
+    try:
         _write(directory, "cgroup.subtree_control", "+memory")  # EBUSY where this cgroup holds processes
         return True
     except OSError:

@@ -16,7 +16,8 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
 
 * creates a fresh temporary directory and, where the host allows it, a memory cgroup for the run
   (:mod:`trl_diffusion.rewards.cgroup`) that bounds everything the sandbox holds: all its processes, its files and
-  any shared memory;
+  any shared memory, and a CPU cgroup (cgroup v1's ``cpu`` hierarchy, or the memory cgroup under v2) that gives
+  the run one CPU share, however many processes it starts;
 * starts ``python -I -c <this file>`` with an EMPTY environment except ``PATH=/usr/bin:/bin``, all other file
   descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
   ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
@@ -27,7 +28,7 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
 
 The child (``_child_main`` below, executed from this same file's source, importing only the standard library):
 
-* joins the run's cgroup first;
+* joins the run's cgroups first (memory; CPU: one share per run, whatever it forks);
 * in a private mount namespace: builds a new root holding only the system directories (``/usr``, ``/bin``, ``/lib*``,
   ``/sbin``, ``/etc``) and the interpreter's own directories, read-only, plus ``/dev/{null,zero,full,random,urandom}``,
   its own ``/proc``, and a size-limited tmpfs as its working directory inside an otherwise empty ``/tmp``; then
@@ -39,7 +40,9 @@ The child (``_child_main`` below, executed from this same file's source, importi
   per-process limit counts), ``ptrace``, ``process_vm_readv``/``writev`` and ``pidfd_getfd``, and limits,
   scheduling, priority and I/O priority of any process but the caller (``prlimit64``, ``sched_set*``,
   ``setpriority``, ``ioprio_set``) and ``kill`` of a negative pid (without a PID namespace the trainer is visible:
-  ``prlimit(<trainer>, RLIMIT_CPU, (1, 1))`` would kill it), applies Landlock (file writes only beneath its
+  ``prlimit(<trainer>, RLIMIT_CPU, (1, 1))`` would kill it), and ``setsid`` (a process in a session of its own
+  leaves the run's process group and gets a scheduler autogroup of its own: 29 busy ones pushed correct programs
+  scored beside them past their time limits), applies Landlock (file writes only beneath its
   directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock version has them), sets
   ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and
   arms a watchdog that kills its process group;
@@ -241,8 +244,10 @@ def _run_plans(
         results = _report_results(run, len(verified))
         for i, entry in zip(verified, results or []):
             values, reason = _probe_values(entry, decode, ProbeError)
+            if reason is None and (len(entry["has"]) != len(plans[i].has) or len(values) != len(plans[i].probes)):
+                reason = "malformed report: not one entry per name and per probe"  # only a forger writes one
             if reason is None:
-                missing = [name for name, bound in zip(plans[i].has, entry["has"]) if not bound]
+                missing = [name for name, bound in zip(plans[i].has, entry["has"]) if bound is not True]
                 reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
             outcomes[i], reasons[i] = reason is None, reason
     if unverified:
@@ -367,14 +372,15 @@ def _run_once(
     chosen: tuple[list[str], bool], python: str, job: dict[str, Any], limits: SandboxLimits, run_as_uid: int | None
 ) -> _Run:
     """One sandbox process running ``job`` (program, mode, specs) with a given launcher prefix and cgroup choice."""
-    from .cgroup import memory_cgroup_root
+    from .cgroup import cpu_cgroup_root, memory_cgroup_root
 
     launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
     workdir = tempfile.mkdtemp(prefix="trl_diffusion_sandbox_")
     cgroup_root = memory_cgroup_root() if use_cgroup else None
-    cgroup = None
+    cpu_root = cpu_cgroup_root() if use_cgroup else None
+    cgroup = cpu_cgroup = None
     proc: subprocess.Popen | None = None
     read_fd = write_fd = init_fd = -1
     try:
@@ -384,11 +390,14 @@ def _run_once(
             os.chown(workdir, drop, drop)
         if cgroup_root is not None:
             cgroup = cgroup_root.create(limits.memory_mb * 1024 * 1024)
+        if cpu_root is not None:
+            cpu_cgroup = cpu_root.create()
         config = {
             **job,
             "report_fd": write_fd,
             "workdir": workdir,
             "cgroup": cgroup,
+            "cpu_cgroup": cpu_cgroup,
             "drop_uid": drop,
             "fresh_uid": drop is not None and run_as_uid is None,
             "mount_ns": "--mount-proc" in launcher,
@@ -428,6 +437,9 @@ def _run_once(
             isolation["memory_peak_bytes"] = cgroup_root.peak(cgroup)
             _destroy_cgroup(cgroup_root, cgroup)
             cgroup = None
+        if cpu_cgroup is not None:
+            _destroy_cgroup(cpu_root, cpu_cgroup)
+            cpu_cgroup = None
         if config["fresh_uid"] and not config["mount_ns"]:
             _remove_files_of(drop)  # it could write to world-writable directories (/tmp, /dev/shm)
         returncode = _reap(proc)
@@ -439,6 +451,8 @@ def _run_once(
             _reap(proc)
         if cgroup is not None:
             _destroy_cgroup(cgroup_root, cgroup)
+        if cpu_cgroup is not None:
+            _destroy_cgroup(cpu_root, cpu_cgroup)
         for fd in (read_fd, write_fd, init_fd):
             if fd >= 0:
                 os.close(fd)
@@ -684,10 +698,12 @@ _DEVICES = ("null", "zero", "full", "random", "urandom")
 _SYSCALLS = {
     "x86_64": (155, 0xC000003E, True, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
                                        "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "ptrace": 101,
-                                       "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438}),
+                                       "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
+                                       "setsid": 112}),
     "aarch64": (41, 0xC00000B7, False, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190,
                                         "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "ptrace": 117,
-                                        "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438}),
+                                        "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
+                                        "setsid": 157}),
 }  # fmt: skip
 # Calls that act on another process named by their arguments, allowed only on the caller itself: without a PID
 # namespace the trainer and the other runs are visible, and as the same (non-root) user a program could otherwise
@@ -732,6 +748,7 @@ def _child_main() -> None:
     isolation: dict[str, Any] = {}
     try:
         isolation["memory_cgroup"] = config["cgroup"] is not None and _join_cgroup(config["cgroup"])
+        isolation["cpu_cgroup"] = _join_cpu_share(config["cgroup"], config["cpu_cgroup"])
         parent_ns = config["parent_ns"]
         for kind in ("net", "ipc", "pid", "mnt", "user"):
             isolation[f"{kind}ns"] = parent_ns.get(kind) is not None and _ns_inode(kind) != parent_ns[kind]
@@ -765,8 +782,22 @@ def _join_cgroup(path: str) -> bool:
     name = "/" + os.path.basename(path)
     with open("/proc/self/cgroup", encoding="utf-8") as f:
         if not any(line.rstrip("\n").endswith(name) for line in f):
-            raise RuntimeError("could not join the run's memory cgroup")
+            raise RuntimeError(f"could not join the run's cgroup {name}")
     return True
+
+
+def _join_cpu_share(memory_cgroup: str | None, cpu_cgroup: str | None) -> bool:
+    """Join the run's v1 CPU cgroup, if it has one; whether the run now has a CPU share of its own (a v1 group, or
+    a v2 memory cgroup with the cpu controller). Best effort: a run without one keeps the per-process scheduling."""
+    try:
+        if cpu_cgroup is not None:
+            return _join_cgroup(cpu_cgroup)
+        if memory_cgroup is not None and os.path.exists(os.path.join(memory_cgroup, "cgroup.controllers")):
+            with open(os.path.join(memory_cgroup, "cgroup.controllers"), encoding="ascii") as f:
+                return "cpu" in f.read().split()
+    except (OSError, RuntimeError):
+        pass
+    return False
 
 
 def _start_watchdog(seconds: float) -> None:
@@ -1105,8 +1136,12 @@ def _install_guards(workdir: str) -> None:
 
         setattr(module, name, guarded)
 
+    def refused_setsid() -> None:  # a new session leaves the process group (and the run's scheduler autogroup)
+        raise PermissionError("sandbox: starting a new session (setsid) is not allowed")
+
     for module in (os, posix):
         module.kill, module.killpg = guarded_kill, guarded_killpg
+        module.setsid = refused_setsid
         if hasattr(module, "pidfd_open"):
             real_pidfd_open = module.pidfd_open
 
