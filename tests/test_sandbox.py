@@ -275,3 +275,31 @@ def test_program_cannot_forge_the_report():
     assert run_tests(skip_tests, ["assert False"]).passed == 0
     fake_dumps = "import json\njson.dumps = lambda *a, **k: '{\"passed\": 1}'"
     assert run_tests(fake_dumps, ["assert False"]).passed == 0
+
+
+def test_a_folder_a_pth_file_adds_to_the_import_path_stays_outside(isolation, tmp_path):
+    """An editable install of the user's own project (hatchling, poetry, pdm, uv, setuptools' src layout) writes a
+    ``.pth`` file naming the project's folder; every import-path entry used to be bound into the private root, so a
+    program could read the project's data (the expected values of verified tests) and its ``.env``."""
+    if not isolation.get("private_root"):
+        pytest.skip("no private root here: the program sees the user's readable files anyway (docs/rewards.md)")
+    import venv
+
+    project = tmp_path / "project"
+    (project / "data").mkdir(parents=True)
+    (project / ".env").write_text("HF_TOKEN=hf_secret\n")
+    (project / "mine.py").write_text("VALUE = 1\n")
+    for path in (tmp_path, project, project / "data"):
+        path.chmod(0o755)  # readable by the sandbox's uid, so only the private root keeps it out
+    (project / ".env").chmod(0o644)
+    env = tmp_path / "venv"
+    venv.create(env, with_pip=False, symlinks=True)
+    python = str(env / "bin" / "python")
+    site = next((env / "lib").glob("python3*/site-packages"))
+    (site / "_project.pth").write_text(f"{project}\n")
+    spy = (f"import os, sys\non_path = {str(project)!r} in sys.path\nseen = os.path.exists({str(project)!r})\n"
+           "try:\n    import mine\n    imported = True\nexcept ImportError:\n    imported = False\n")
+    result = run_tests(spy, ["assert on_path and not seen and not imported"], SandboxLimits(timeout=10.0),
+                       python=python)
+    assert (result.status, result.outcomes) == ("ok", [True]), (result.errors, result.output)
+    assert run_tests("import json", ["pass"], python=python).status == "ok"  # its standard library is there

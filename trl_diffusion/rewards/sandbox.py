@@ -30,8 +30,9 @@ The child (``_child_main`` below, executed from this same file's source, importi
 
 * joins the run's cgroups first (memory; CPU: one share per run, whatever it forks);
 * in a private mount namespace: builds a new root holding only the system directories (``/usr``, ``/bin``, ``/lib*``,
-  ``/sbin``, ``/etc``) and the interpreter's own directories, read-only, plus ``/dev/{null,zero,full,random,urandom}``,
-  its own ``/proc``, and a size-limited tmpfs as its working directory inside an otherwise empty ``/tmp``; then
+  ``/sbin``, ``/etc``) and the interpreter's own directories (not the folders ``.pth`` files add), read-only, plus
+  ``/dev/{null,zero,full,random,urandom}``, its own ``/proc``, and a size-limited tmpfs as its working directory
+  inside an otherwise empty ``/tmp``; then
   ``pivot_root``\\ s into it, so no other host file or socket exists for it;
 * when started as root: drops to a fresh, otherwise unused uid/gid for this run (``RLIMIT_NPROC`` does not apply to
   root, and a uid of its own makes the limit per sandbox); if it cannot, it refuses to run the program (fail closed);
@@ -895,8 +896,14 @@ def _setup_root(workdir: str, drop_uid: int | None, disk_bytes: int) -> str:
 
 
 def _interpreter_paths() -> list[str]:
-    """Directories the interpreter needs: its prefixes, its import path and the directory of its executable."""
-    paths = [sys.prefix, sys.base_prefix, *sys.path, os.path.dirname(sys.executable)]
+    """Directories the interpreter needs: its prefixes (a virtualenv's and its base's), its install locations
+    (standard library, site-packages) and the directory of its executable. Not the other entries of its import
+    path: a ``.pth`` file in site-packages (what an editable install of the user's own project writes) adds the
+    project's folder, with its data (the tests' expected values) and secrets (``.env``)."""
+    import sysconfig
+
+    prefixes = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix]
+    paths = [*prefixes, *sysconfig.get_paths().values(), os.path.dirname(sys.executable)]
     paths.append(os.path.dirname(os.path.realpath(sys.executable)))
     return [os.path.abspath(p) for p in paths if p and os.path.isdir(p)]
 
