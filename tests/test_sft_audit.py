@@ -134,3 +134,75 @@ def test_the_trainer_passes_dreams_logits_shift_to_row_masked(monkeypatch):
     sums = (weights * scored).sum(-1)
     has = scored.any(-1)
     torch.testing.assert_close(sums[has], torch.ones_like(sums[has]))
+
+
+# Found by probing the trainer with TRL's dataset formats (a second audit).
+
+
+def _steps_rows(extra=0):
+    """Prompt-completion rows with a recorded ``unmask_step`` (``extra`` entries too many)."""
+    return Dataset.from_list([{"prompt": p, "completion": c, "unmask_step": list(range(len(encode(c)) + 1 + extra))}
+                              for p, c in PAIRS])
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_an_unmask_step_column_is_ignored_by_the_objectives_that_do_not_read_it(family):
+    # rollouts saved as SFT data keep their `unmask_step`; `block` / `random_masking` failed at the first batch
+    # ("a row of 25 tokens has 11 'unmask_step' entries ... skip_prepare_dataset") instead of ignoring it, as TRL
+    # ignores any column it does not use
+    losses = []
+    for data in (_steps_rows(), _steps_rows().remove_columns("unmask_step")):
+        trainer = DiffusionSFTTrainer(tiny_model(family), args=config("unused"), train_dataset=data,
+                                      processing_class=TOKENIZER)
+        batch = next(iter(trainer.get_train_dataloader()))
+        assert "unmask_step" not in batch
+        losses.append(trainer.train().training_loss)
+    assert losses[0] == losses[1]
+
+
+def test_a_users_sample_index_column_does_not_mark_a_dataset_as_prepared():
+    # "input_ids" + "sample_index" was taken as "prepared by this trainer": TRL's preparation was skipped whole, so
+    # completion_mask was ignored (the prompt scored), max_length did not truncate and every row had seed 0
+    rows = []
+    for p, c in PAIRS + [("A long question " * 8, "a long answer " * 4)]:
+        prompt, completion = encode(p), encode(c)
+        rows.append({"input_ids": prompt + completion, "completion_mask": [0] * len(prompt) + [1] * len(completion)})
+    args = config("unused", completion_only_loss=True, max_length=20)
+    plain = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(rows),
+                                processing_class=TOKENIZER).train_dataset
+    with_column = Dataset.from_list([{**row, "sample_index": 0} for row in rows])
+    prepared = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=with_column,
+                                   processing_class=TOKENIZER).train_dataset
+    for column in ("input_ids", "labels", "sample_index"):
+        assert prepared[column] == plain[column]
+    assert len(prepared) == len(plain) and max(len(ids) for ids in prepared["input_ids"]) <= 20
+    assert prepared["sample_index"] == list(range(len(prepared)))  # the trainer's seeds, not the column's zeros
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+def test_too_many_steps_are_an_error_also_for_a_row_of_exactly_max_length(truncation_mode):
+    # a row whose length happened to equal max_length was taken as truncated: its extra `unmask_step` entries were
+    # dropped silently (the first ones kept, or the last ones with keep_end) instead of refused as at any other length
+    row_length = len(encode(PAIRS[0][0])) + len(encode(PAIRS[0][1])) + 1
+    data = Dataset.from_list([{"prompt": PAIRS[0][0], "completion": PAIRS[0][1],
+                               "unmask_step": list(range(len(encode(PAIRS[0][1])) + 4))}])
+    for max_length in (64, row_length):
+        with pytest.raises(ValueError, match="'unmask_step' has"):
+            DiffusionSFTTrainer(tiny_model("sdar"), train_dataset=data, processing_class=TOKENIZER,
+                                args=config("unused", diffusion_objective="trajectory", max_length=max_length,
+                                            truncation_mode=truncation_mode))
+
+
+@pytest.mark.parametrize("truncation_mode", ["keep_start", "keep_end"])
+def test_truncated_trajectory_rows_keep_the_steps_of_the_tokens_kept(truncation_mode):
+    completion = "a long answer " * 4
+    steps = list(range(len(encode(completion)) + 1))
+    prompt_length = len(encode(PAIRS[0][0]))
+    data = Dataset.from_list([{"prompt": PAIRS[0][0], "completion": completion, "unmask_step": steps}])
+    max_length = prompt_length + 5
+    row = DiffusionSFTTrainer(tiny_model("sdar"), train_dataset=data, processing_class=TOKENIZER,
+                              args=config("unused", diffusion_objective="trajectory", max_length=max_length,
+                                          truncation_mode=truncation_mode)).train_dataset[0]
+    assert len(row["input_ids"]) == len(row["unmask_step"]) == max_length
+    kept = [step for step, label in zip(row["unmask_step"], row["labels"]) if label != IGNORE_INDEX]
+    assert kept == (steps[:5] if truncation_mode == "keep_start" else steps[-max_length:])

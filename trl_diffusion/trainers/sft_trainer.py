@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -122,7 +123,7 @@ class DiffusionDataCollator:
 
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None,
                  max_length: int | None = None, padding_free: bool = False,
-                 restore_document_starts: bool = True) -> None:
+                 restore_document_starts: bool = True, reads_unmask_step: bool = True) -> None:
         self.base = base
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id
@@ -130,12 +131,15 @@ class DiffusionDataCollator:
         self.max_length = max_length
         self.padding_free = padding_free
         self.restore_document_starts = restore_document_starts
+        self.reads_unmask_step = reads_unmask_step
 
     def __call__(self, examples: list[dict[str, Any]]) -> dict[str, Any]:
         examples = [dict(example) for example in examples]
         indices = [example.pop("sample_index", None) for example in examples]
         offsets = [example.pop("sample_offset", None) for example in examples]
         steps = [example.pop("unmask_step", None) for example in examples]
+        if not self.reads_unmask_step:  # an objective other than "trajectory": a rollout's record goes unread
+            steps = [None] * len(examples)
         for example, step in zip(examples, steps):
             length = len(example["input_ids"])
             if self.max_length is not None and length > self.max_length:
@@ -386,6 +390,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         self.data_collator = DiffusionDataCollator(
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
+            reads_unmask_step=self.args.diffusion_objective == "trajectory",
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -455,7 +460,9 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def _set_signature_columns_if_needed(self):
         super()._set_signature_columns_if_needed()
-        for column in ("sample_index", "sample_offset", "unmask_step"):
+        reads_steps = self.args.diffusion_objective == "trajectory"  # the other objectives ignore a rollout's record
+        for column in ("sample_index", "sample_offset", "unmask_step") if reads_steps else ("sample_index",
+                                                                                           "sample_offset"):
             if column not in self._signature_columns:
                 self._signature_columns.append(column)
 
@@ -463,27 +470,33 @@ class DiffusionSFTTrainer(SFTTrainer):
         """TRL's preparation, then the noise seed of every sample. Packing comes last, done here rather than by TRL
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
-        self._check_columns(dataset, args, formatting_func, dataset_name)
-        if isinstance(dataset, Dataset | IterableDataset) and {"input_ids", "sample_index"} <= set(
-                _column_names(dataset)):
-            # Already prepared by this trainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): TRL's preparation is
-            # idempotent, and so is ours. Preparing again would re-spread `unmask_step` (an error) or pack packed
-            # rows again as single documents (documents attending to each other, new noise seeds).
+        if isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED:
+            # Already prepared by a DiffusionSFTTrainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): TRL's
+            # preparation is idempotent, and so is ours. Preparing again would re-spread `unmask_step` (an error) or
+            # pack packed rows again as single documents (documents attending to each other, new noise seeds). Known
+            # by identity: a user's own `sample_index` column is no sign of it.
             return dataset
+        self._check_columns(dataset, args, formatting_func, dataset_name)
         max_length = args.max_length
-        if args.overlong_policy == "error" or packing:
-            args.max_length = None  # tokenize without truncating: refuse what is too long, or leave it to packing
+        steps = args.diffusion_objective == "trajectory"
+        if args.overlong_policy == "error" or packing or steps:
+            # tokenize without truncating: refuse what is too long, leave it to packing, or truncate the recorded
+            # steps with the tokens (below: whether a row was cut is then known)
+            args.max_length = None
         try:
             dataset = super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
         finally:
             args.max_length = max_length
         if args.overlong_policy == "error" and max_length is not None:
             dataset = dataset.map(_refuse_overlong, fn_kwargs={"max_length": max_length})
-        if args.diffusion_objective == "trajectory":
-            dataset = dataset.map(_align_unmask_step, fn_kwargs={"args": args})
+        if steps:
+            dataset = dataset.map(_align_unmask_step)
+            if max_length is not None and args.overlong_policy != "error" and not packing:
+                dataset = _truncate_with_steps(dataset, max_length, args.truncation_mode)
         dataset = dataset.map(_add_sample_index, with_indices=True)
         if packing:
             dataset = _pack(dataset, args, dataset_name)
+        _PREPARED.add(dataset)
         return dataset
 
     # ---------------------------------------------------------------------------------------------------- loss
@@ -694,15 +707,12 @@ def _refuse_overlong(example: dict, max_length: int) -> dict:
     return {}
 
 
-def _align_unmask_step(example: dict, args: DiffusionSFTConfig) -> dict:
-    """Spread the ``unmask_step`` column (one entry per completion token, in order) over the full sequence (-1
-    on prompt and padding). Truncated rows keep the entries of the tokens that survived."""
+def _align_unmask_step(example: dict) -> dict:
+    """Spread the ``unmask_step`` column (one entry per completion token, in order) over the full, untruncated
+    sequence (-1 on the prompt)."""
     labels = example.get("labels") or example["input_ids"]
     positions = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
     steps = list(example["unmask_step"])
-    truncated = args.max_length is not None and len(example["input_ids"]) == args.max_length
-    if len(steps) > len(positions) and truncated:
-        steps = steps[: len(positions)] if args.truncation_mode == "keep_start" else steps[-len(positions):]
     if len(steps) != len(positions):
         raise ValueError(
             f"'unmask_step' has {len(example['unmask_step'])} entries but the row has {len(positions)} completion "
@@ -714,6 +724,24 @@ def _align_unmask_step(example: dict, args: DiffusionSFTConfig) -> dict:
     for position, step in zip(positions, steps):
         full[position] = int(step)
     return {"unmask_step": full}
+
+
+def _truncate_with_steps(dataset, max_length: int, truncation_mode: str):
+    """TRL's truncation (``SFTTrainer._prepare_dataset``: ``input_ids`` and ``labels`` cut to ``max_length`` at the
+    end or the start, then rows left with no label dropped), cutting the spread ``unmask_step`` with them."""
+    if truncation_mode not in ("keep_start", "keep_end"):
+        raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
+    cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
+
+    def truncate(example: dict) -> dict:
+        return {key: example[key][cut] for key in ("input_ids", "labels", "unmask_step")}
+
+    dataset = dataset.map(truncate)
+    return dataset.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
+
+
+_PREPARED: weakref.WeakSet = weakref.WeakSet()
+"""The datasets a ``DiffusionSFTTrainer`` prepared (so that preparing one again returns it as it is)."""
 
 
 def _add_sample_index(example: dict, index: int) -> dict:
