@@ -512,7 +512,10 @@ class QwenStyleLM(DiffusionModelMixin):
 
     backbone_class: type
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, **kwargs) -> None:
+        if kwargs:  # from_pretrained hands the model the keyword arguments its config did not take
+            note = " rope_scaling is not supported (the released checkpoints use none)." * ("rope_scaling" in kwargs)
+            raise ValueError(f"{type(self).__name__} got arguments its config does not have: {sorted(kwargs)}.{note}")
         super().__init__(config)
         # transformers derives "ForCausalLM" from the class name, and Trainer then counts num_items_in_batch over
         # labels[..., 1:] (a next-token loss); ours scores every label at its own position.

@@ -44,13 +44,28 @@ class SDARConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if not isinstance(self.block_size, int) or self.block_size <= 0:
-            raise ValueError(f"SDARConfig.block_size must be a positive integer, got {self.block_size!r}.")
         if kwargs.get("rope_scaling") is not None:
             raise ValueError("SDARConfig: rope_scaling is not supported (the released checkpoints use none).")
         kwargs.pop("rope_scaling", None)
-        if self.attention_bias:
-            raise ValueError("SDARConfig: attention_bias=True is not supported (released SDAR has no biases).")
+        self.check_buildable()
         super().__post_init__(**kwargs)
         if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
             self.auto_map = {}
+
+    def check_buildable(self) -> None:
+        """Raise unless a model can be built from this config. Run by the config and again by the model:
+        ``from_pretrained``'s keyword arguments are set after the config's own checks."""
+        block_size_of(self)
+        if self.attention_bias:
+            raise ValueError(f"{type(self).__name__}: attention_bias=True is not supported (released SDAR has no "
+                             "biases).")
+
+
+def block_size_of(config: SDARConfig) -> int:
+    """``config.block_size``, checked where it is read (the config can be edited after it was built): ``None`` would
+    read as full attention, a different model, silently."""
+    size = config.block_size
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise ValueError(f"{type(config).__name__}.block_size must be a positive integer (the attention block of a "
+                         f"block-causal model), got {size!r}.")
+    return size

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ...generation.mixin import DiffusionGenerationMixin
 from ..common import DiffusionPreTrainedModel, QwenStyleBackbone, QwenStyleLM
-from .configuration_sdar import SDARConfig
+from .configuration_sdar import SDARConfig, block_size_of
 
 
 class SDARPreTrainedModel(DiffusionPreTrainedModel):
@@ -20,9 +20,13 @@ class SDARPreTrainedModel(DiffusionPreTrainedModel):
 class SDARModel(SDARPreTrainedModel, QwenStyleBackbone):
     qk_norm = True
 
+    def __init__(self, config: SDARConfig) -> None:
+        config.check_buildable()  # from_pretrained's keyword arguments are set after the config's own checks
+        super().__init__(config)
+
     @property
     def diffusion_block_size(self) -> int:
-        return self.config.block_size
+        return block_size_of(self.config)
 
 
 class SDARForCausalLM(QwenStyleLM, SDARPreTrainedModel, DiffusionGenerationMixin):
@@ -31,4 +35,4 @@ class SDARForCausalLM(QwenStyleLM, SDARPreTrainedModel, DiffusionGenerationMixin
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return block_size_of(self.config)

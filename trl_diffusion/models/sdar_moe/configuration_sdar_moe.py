@@ -47,8 +47,11 @@ class SDARMoeConfig(SDARConfig):
         if self.head_dim is None:
             self.head_dim = self.hidden_size // self.num_attention_heads
         self.mlp_only_layers = [] if self.mlp_only_layers is None else list(self.mlp_only_layers)
+        super().__post_init__(**kwargs)  # SDARConfig's checks, and check_buildable's MoE ones
+
+    def check_buildable(self) -> None:
+        super().check_buildable()
         self._check_moe_fields()
-        super().__post_init__(**kwargs)
 
     def _check_moe_fields(self) -> None:
         def integer(value) -> bool:

@@ -20,6 +20,7 @@ from torch import nn
 from ...generation.mixin import DiffusionGenerationMixin
 from ..common import DiffusionPreTrainedModel, QwenStyleBackbone, QwenStyleLM
 from ..moe import MoeLMMixin, SparseMoeBlock, SwiGLUMLP
+from ..sdar.configuration_sdar import block_size_of
 from .configuration_sdar_moe import SDARMoeConfig
 
 SDARMoeMLP = SwiGLUMLP
@@ -47,9 +48,13 @@ class SDARMoeModel(SDARMoePreTrainedModel, QwenStyleBackbone):
 
     qk_norm = True
 
+    def __init__(self, config: SDARMoeConfig) -> None:
+        config.check_buildable()  # from_pretrained's keyword arguments are set after the config's own checks
+        super().__init__(config)
+
     @property
     def diffusion_block_size(self) -> int:
-        return self.config.block_size
+        return block_size_of(self.config)
 
     def _layer_mlp(self, config: SDARMoeConfig, layer_idx: int) -> nn.Module | None:
         return SDARMoeSparseMoeBlock(config) if config.layer_is_sparse(layer_idx) else None
@@ -66,4 +71,4 @@ class SDARMoeForCausalLM(MoeLMMixin, QwenStyleLM, SDARMoePreTrainedModel, Diffus
 
     @property
     def block_size(self) -> int:
-        return self.config.block_size
+        return block_size_of(self.config)
