@@ -114,7 +114,7 @@ def test_hub_names_map_to_their_sources(monkeypatch):
     tag, problems = load_eval_problems("gsm8k", max_problems=2)
     assert tag == "gsm8k" and len(problems) == 2 and problems[0].answer == "18"
     load_eval_problems("someone/their_set", split="eval")
-    assert calls == [("openai/gsm8k", "main", "test"), ("someone/their_set", None, "eval")]
+    assert calls == [("hf://datasets/openai/gsm8k", "main", "test"), ("hf://datasets/someone/their_set", None, "eval")]
 
 
 def test_scoring_reference_solutions():

@@ -62,8 +62,11 @@ def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch)
     (tmp_path / "gsm8k").mkdir()
     (tmp_path / "mydata").mkdir()
     rows = [json.loads(line) for line in GSM8K.read_text().splitlines()]
-    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: datasets.Dataset.from_list(rows))
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset",
+                        lambda path, *args, **kwargs: asked.append(path) or datasets.Dataset.from_list(rows))
     assert load_eval_problems("gsm8k", max_problems=1)[0] == "gsm8k"
+    assert asked == ["hf://datasets/openai/gsm8k"]  # the Hub only: load_dataset("openai/gsm8k") reads a folder first
     with pytest.raises(ValueError, match="'mydata' is a folder here: give a file in it"):
         load_eval_problems("mydata")
 
@@ -92,3 +95,56 @@ def test_the_same_model_and_dataset_from_another_folder_replace_their_results(mo
     evaluate(dataset_name="someone/set", dataset_test_split="validation", **hub)
     with pytest.raises(ValueError, match="holds the results of model"):  # another split: other results
         evaluate(dataset_name="someone/set", dataset_test_split="test", **hub)
+
+
+def test_a_folder_with_a_hub_ids_path_is_not_read_instead_of_the_hub_dataset(tmp_path, monkeypatch):
+    # `load_dataset("HuggingFaceH4/MATH-500")` reads ./HuggingFaceH4/MATH-500 when that folder exists: `math500`
+    # evaluated the folder's rows, and the report still named the benchmark
+    import datasets
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "HuggingFaceH4" / "MATH-500").mkdir(parents=True)
+    shutil.copy(GSM8K, tmp_path / "HuggingFaceH4" / "MATH-500" / "test.jsonl")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # no network here: the Hub is unreachable
+    for name in ("math500", "HuggingFaceH4/MATH-500"):
+        with pytest.raises(ValueError, match="could not load Hub dataset .*a local folder of that name is not read"):
+            load_eval_problems(name)
+
+
+def test_a_json_lines_file_with_a_line_that_is_not_an_object_is_named(tmp_path):
+    # a list on line 2 crashed with "AttributeError: 'list' object has no attribute 'items'"; a broken line was
+    # reported as "line 1" (each line is parsed alone)
+    first = '{"problem": "What is 1+1?", "answer": "2"}'
+    cases = {'["a list"]': "line 2 is a list", '"a string"': "line 2 is a str",
+             '{"problem": "What is 2+2?", "answer": "4"': "line 2: Expecting"}
+    for line, message in cases.items():
+        path = tmp_path / "mixed.jsonl"
+        path.write_text(f"{first}\n{line}\n{first}\n")
+        with pytest.raises(ValueError, match=message):
+            load_eval_problems(str(path))
+
+
+def test_eval_config_names_a_missing_dataset_and_an_output_dir_that_is_a_file(tmp_path):
+    from trl_diffusion.eval.evaluate import EvalConfig
+
+    for name in (None, "  "):
+        with pytest.raises(ValueError, match="dataset_name must name a dataset"):
+            EvalConfig(dataset_name=name)
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="output_dir .* is a file, not a folder"):
+        EvalConfig(output_dir=str(tmp_path / "afile"))
+
+
+def test_metrics_over_no_scored_sample_are_none_not_zero():
+    # an accuracy of 0.0 over zero scored samples read as "all wrong"
+    from trl_diffusion.eval.datasets import EvalProblem
+    from trl_diffusion.eval.evaluate import _metrics
+
+    problems = [EvalProblem("0", "What is 1+1?", "math", answer="$$")]
+    rows = [{"index": 0, "reward": None, "correct": False, "length": 3, "clipped": False, "prediction": None}] * 2
+    metrics = _metrics(rows, problems, 2, [1, 2])
+    assert metrics["accuracy"] is None and metrics["pass@1"] is None and metrics["num_unscored"] == 2
+    rows = [dict(rows[0], reward=1.0, correct=True), rows[1]]  # one of two scored: no complete problem
+    metrics = _metrics(rows, problems, 2, [1])
+    assert metrics["accuracy"] == 1.0 and metrics["pass@1"] is None
+

@@ -4,6 +4,7 @@ one :class:`EvalProblem` list. The format of a file or Hub dataset is detected f
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -234,16 +235,31 @@ def _read_local(path: Path) -> list[dict]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        try:
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path} is neither JSON nor JSON lines: {exc}") from None
+        data = _json_lines(path, text)
     if isinstance(data, dict):  # {"rows": [...]}, or a single problem (a one-line JSON lines file)
         lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
         data = lists[0] if len(lists) == 1 and not _is_problem(data) else [data]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"{path} must hold a list of JSON objects (one per problem).")
     return data
+
+
+def _json_lines(path: Path, text: str) -> list[dict]:
+    """The objects of a JSON lines file, one per non-blank line; an error names the file's line."""
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} is neither JSON nor JSON lines: line {number}: {exc.msg} (column {exc.colno})"
+                             ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path} must hold JSON objects (one per problem); line {number} is a "
+                             f"{type(row).__name__}.")
+        rows.append(row)
+    return rows
 
 
 def _is_problem(row: dict) -> bool:
@@ -258,10 +274,12 @@ def _is_problem(row: dict) -> bool:
 def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:
     from datasets import load_dataset
 
-    try:
-        data = load_dataset(repo, config, split=split)
+    try:  # "hf://datasets/": from the Hub only (`load_dataset(repo)` reads a local folder of that path instead)
+        data = load_dataset(f"hf://datasets/{repo}", config, split=split)
     except Exception as exc:
-        raise ValueError(f"could not load Hub dataset {repo!r} (config={config!r}, split={split!r}): {exc}") from exc
+        local = " (a local folder of that name is not read: give a file in it)" if os.path.isdir(repo) else ""
+        raise ValueError(f"could not load Hub dataset {repo!r} (config={config!r}, split={split!r}): {exc}"
+                         f"{local}") from exc
     return data.to_list()
 
 

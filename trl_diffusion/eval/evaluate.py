@@ -140,6 +140,12 @@ class EvalConfig:
         """Field types (bool / int / float fields, see ``states.check_field_types``) and the ranges of the load and
         code-sandbox settings, checked before any model or dataset is loaded."""
         check_field_types(self)
+        if not isinstance(self.dataset_name, str) or not self.dataset_name.strip():
+            raise ValueError(f"dataset_name must name a dataset (a short name, a local file or a Hub id), got "
+                             f"{self.dataset_name!r}.")
+        if self.output_dir and os.path.exists(self.output_dir) and not os.path.isdir(self.output_dir):
+            raise ValueError(f"output_dir {self.output_dir!r} is a file, not a folder: pass a folder for the results "
+                             "(or '' to write none).")
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {list(DTYPES)}, got {self.dtype!r}.")
@@ -684,13 +690,16 @@ def _metrics(rows: list[dict], problems: list[EvalProblem], n: int, ks: list[int
     if unscored:
         logger.warning("%d of %d samples could not be scored (gold answer not parseable); they are left out.",
                        unscored, len(rows))
-    metrics: dict[str, Any] = {"accuracy": _mean(scored), "num_scored": len(scored), "num_unscored": unscored}
+    # None, not 0.0, when nothing could be scored: an accuracy over no sample would read as "all wrong"
+    metrics: dict[str, Any] = {"accuracy": _mean(scored) if scored else None, "num_scored": len(scored),
+                               "num_unscored": unscored}
     per_problem: dict[int, list[dict]] = {}
     for r in rows:
         per_problem.setdefault(r["index"], []).append(r)
     complete = [rs for rs in per_problem.values() if all(r["reward"] is not None for r in rs)]
     for k in ks:
-        metrics[f"pass@{k}"] = _mean([pass_at_k(n, sum(bool(r["correct"]) for r in rs), k) for rs in complete])
+        metrics[f"pass@{k}"] = _mean([pass_at_k(n, sum(bool(r["correct"]) for r in rs), k) for rs in complete]
+                                     ) if complete else None
     metrics["avg_length"] = _mean([r["length"] for r in rows])
     metrics["clipped_ratio"] = _mean([float(r["clipped"]) for r in rows])  # TRL's completions/clipped_ratio
     if problems[0].task == "math":
