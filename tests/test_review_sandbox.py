@@ -27,8 +27,9 @@ def _pids_named(name: str) -> list[int]:
 
 def test_namespace_init_that_left_the_group_does_not_outlive_the_run(monkeypatch):
     """Without a memory cgroup, killing ``unshare``'s process group was the only cleanup with a PID namespace: a
-    program that cleared its parent-death signal, called ``setsid()`` and blocked holding the GIL (so the in-sandbox
-    watchdog thread never ran) survived the run, re-parented to the host's init."""
+    program that cleared its parent-death signal, left the process group and blocked holding the GIL (so the
+    in-sandbox watchdog thread never ran) survived the run, re-parented to the host's init. (It called ``setsid()``,
+    now refused; ``setpgid(0, 0)`` leaves the group as well.)"""
     launcher, _ = sandbox._get_launcher(sys.executable, None) or ([], False)
     if "--pid" not in launcher:
         pytest.skip("no PID namespace on this machine")
@@ -39,7 +40,7 @@ import ctypes, os
 libc = ctypes.CDLL(None)
 libc.prctl(15, ctypes.c_char_p(b"{marker}"), 0, 0, 0)  # PR_SET_NAME: so the test can find it
 libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG = 0
-os.setsid()
+os.setpgid(0, 0)  # a process group of its own: killing the run's group does not reach it
 ctypes.PyDLL(None).sleep(120)  # holds the GIL: the watchdog thread never runs; no CPU time is used
 """
     try:
