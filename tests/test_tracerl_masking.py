@@ -266,6 +266,15 @@ def test_official_batch_layout_follows_the_rows_per_response(name, estimator, pr
     assert (args.generation_batch_size // processes) % accumulation == 0  # each rollout is whole optimizer steps
 
 
+@pytest.mark.parametrize(("name", "steps"), [("trado", 32), ("dream", 16), ("llada", 16)])
+def test_official_preset_takes_a_steps_per_generation_override(name, steps):
+    # the preset's generation_batch_size stayed beside it: TRL's "can not be both configured" for one field given
+    args = TraceRLConfig.from_official(name, num_processes=1, steps_per_generation=steps, output_dir="x",
+                                       use_cpu=True)
+    assert (args.steps_per_generation, args.generation_batch_size) == (steps, steps)
+    assert steps % args.gradient_accumulation_steps == 0  # each rollout is whole optimizer steps
+
+
 def test_official_preset_refuses_diffucoders_coupled_layout():
     with pytest.raises(ValueError, match="coupled_pairs"):
         TraceRLConfig.from_official("dream", likelihood_estimator="coupled", output_dir="x", use_cpu=True)

@@ -405,10 +405,13 @@ class TraceRLConfig(GRPOConfig):
         The optimizer batch holds as many responses as dLLM-RL's holds training rows (``OFFICIAL_ROWS``), one
         response per device per micro-step: gradient accumulation is that number over ``num_processes`` (default:
         ``WORLD_SIZE``, as set by ``accelerate launch``), rounded to the nearest layout that splits the rollout into
-        whole optimizer steps when it does not divide exactly."""
+        whole optimizer steps when it does not divide exactly. A ``steps_per_generation`` override replaces the
+        preset's ``generation_batch_size`` (TRL takes one of the two)."""
         if name not in OFFICIAL_SETTINGS:
             raise ValueError(f"unknown official setting {name!r}; choose one of {sorted(OFFICIAL_SETTINGS)}.")
         settings = {**OFFICIAL_SETTINGS[name], **overrides}
+        if overrides.get("steps_per_generation") is not None and "generation_batch_size" not in overrides:
+            del settings["generation_batch_size"]  # the caller's rollout layout replaces the preset's (TRL takes one)
         world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
         if "gradient_accumulation_steps" not in overrides and "per_device_train_batch_size" not in overrides:
             settings.update(per_device_train_batch_size=1,
@@ -532,7 +535,9 @@ def _official_accumulation(name: str, settings: dict, world: int) -> int:
         raise ValueError(f"dLLM-RL has no likelihood_estimator={estimator!r} ('coupled' is DiffuCoder's; dLLM-RL's "
                          "coupled method is 'coupled_pairs'): choose 'trajectory', 'random_masking' or "
                          "'coupled_pairs', or pass per_device_train_batch_size and gradient_accumulation_steps.")
-    batch = settings["generation_batch_size"]
+    batch = settings.get("generation_batch_size")
+    if batch is None and settings.get("steps_per_generation") is not None:
+        batch = settings["steps_per_generation"] * world  # one response per device per micro-step
     if batch is None or batch % world:
         raise ValueError(f"{name}: a rollout of {batch} responses does not split over {world} processes; pass "
                          "per_device_train_batch_size and gradient_accumulation_steps.")
