@@ -135,6 +135,9 @@ def _candidates(controller: str) -> Iterator[CgroupRoot]:
         return
     for version in (1, 2) if controller == "memory" else (1,):
         for hierarchy, controllers, rel in own:
+            if controller == "cpu" and "memory" in controllers.split(","):
+                continue  # cpu mounted with memory: the run's memory cgroup is its CPU group (a second one would
+                # move the sandbox out of the first)
             if (version == 1 and controller in controllers.split(",")) or (version == 2 and hierarchy == "0"):
                 for fields in mounts:
                     directory = _directory(fields, version, rel, controller)

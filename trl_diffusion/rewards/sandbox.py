@@ -392,7 +392,10 @@ def _run_once(
         if cgroup_root is not None:
             cgroup = cgroup_root.create(limits.memory_mb * 1024 * 1024)
         if cpu_root is not None:
-            cpu_cgroup = cpu_root.create()
+            try:
+                cpu_cgroup = cpu_root.create()
+            except OSError:  # best effort: the run then keeps the per-process (or per-session) scheduling
+                cpu_cgroup = None
         config = {
             **job,
             "report_fd": write_fd,
