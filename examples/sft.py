@@ -38,6 +38,7 @@ from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
 from trl_diffusion.cli import (
+    checkpointing_off,
     evaluation_split,
     leave_process_group,
     load_pretrained,
@@ -110,7 +111,7 @@ def make_parser() -> TrlParser:
     parser = TrlParser((SFTScriptArguments, DiffusionSFTConfig, ModelConfig))
     parser.set_defaults(output_dir="outputs/sft", max_steps=200, per_device_train_batch_size=32, learning_rate=5e-4,
                         max_grad_norm=1.0, lr_scheduler_type="constant", logging_steps=20, save_strategy="no",
-                        report_to="none", bf16=False, max_length=64, seed=0)
+                        report_to="none", bf16=False, max_length=64, seed=0, **checkpointing_off())
     return parser
 
 

@@ -161,3 +161,24 @@ def test_eval_cuda_graphs_flag_reaches_generate():
     assert "cuda_graphs" not in config.generate_kwargs()  # the model's generation_config, then "auto"
     with pytest.raises(SystemExit):
         parser.parse_args_and_config(["--cuda_graphs", "on"])
+
+
+def test_a_mistyped_value_model_or_report_to_stops_the_script_before_it_loads(tmp_path):
+    # both were only found after the policy had loaded: --value_model as a traceback (a Hub-id OSError), --report_to
+    # in Trainer.__init__
+    from trl_diffusion.cli import check_report_to, check_script_args
+
+    class Args:
+        model_name_or_path = None
+        value_model = str(tmp_path / "my-value")
+        report_to = "none"
+
+    with pytest.raises(ValueError, match="no such local directory"):  # one line, exit 2 in a script
+        check_script_args([Args()])
+    Args.value_model = None
+    check_script_args([Args()])
+    for bad in ("wandbb", ["tensorboard", "wandbb"]):
+        with pytest.raises(UsageError, match="report_to: 'wandbb' is not one of"):
+            check_report_to(bad)
+    for good in ("none", "all", ["tensorboard", "wandb"], None, []):
+        check_report_to(good)

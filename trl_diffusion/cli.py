@@ -176,14 +176,18 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
     :data:`EVAL_ONLY_NAMES`, ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no
     flag of ``UNUSED_MODEL_FLAGS``, a ``save_steps`` that would save nothing (:func:`check_save_steps_apply`;
     ``command_line`` names the options given on the command line, :func:`command_line_options`), and every
-    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes). A single module name in
-    ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
+    ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes), a ``value_model`` as a
+    ``model_name_or_path`` and a ``report_to`` that transformers knows (:func:`check_report_to`). A single module
+    name in ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
     from .assets import check_hub_model_cached, resolve_model_path
     from .data.loading import LOCAL_SUFFIXES
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
             check_hub_model_cached(resolve_model_path(args.model_name_or_path), getattr(args, "model_revision", None))
+        if getattr(args, "value_model", None):  # examples/math.py: a saved value model or a policy checkpoint
+            check_hub_model_cached(resolve_model_path(args.value_model))
+        check_report_to(getattr(args, "report_to", None))
         dataset = getattr(args, "dataset_name", None)
         if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
@@ -213,6 +217,18 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
+
+
+def check_report_to(report_to: Any) -> None:
+    """Refuse a ``report_to`` that transformers does not know (its ``Trainer`` refuses it only once the model is
+    loaded)."""
+    from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+    names = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    unknown = [name for name in names if name not in ("all", "none") and name not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        raise UsageError(f"report_to: {', '.join(map(repr, unknown))} is not one of {sorted(INTEGRATION_TO_CALLBACK)} "
+                         "(or 'all', 'none').")
 
 
 def check_save_steps_apply(args: Any, strategy_given: bool = False) -> None:

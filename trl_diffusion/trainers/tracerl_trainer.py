@@ -835,7 +835,8 @@ class TraceRLTrainer(GRPOTrainer):
             problems += [f"{name} is missing" for name, exists in zip(("value_model/", "value_state.pt"), has_value)
                          if not exists]
         elif any(has_value):
-            problems.append("it holds a value model (value_model/) but this trainer has none; pass value_model=")
+            problems.append("it holds a value model (value_model/) but this trainer has none; pass value_model= "
+                            "(--value_model in the examples)")
         reference_state = self._reference_state_path(checkpoint)
         if self._synced_reference() is not None and not os.path.exists(reference_state):
             problems.append(f"{os.path.basename(reference_state)} (the reference model as sync_ref_model left it) is "
