@@ -54,11 +54,19 @@ def test_examples_load_an_adapter_as_its_merged_model(adapter, tmp_path):
 
 
 def test_sft_example_trains_and_saves_from_an_adapter(adapter, tmp_path):
+    # the merged model came back frozen (peft loads adapters for inference): with activation checkpointing on the run
+    # "trained" without changing a weight; without it the backward pass failed
+    model, _ = load_pretrained(ModelConfig(model_name_or_path=str(adapter)))
+    assert all(parameter.requires_grad for parameter in model.parameters())
     example = load_example("sft")
     run_script(example.main, example.make_parser(), [
         "--model_name_or_path", str(adapter), "--max_steps", "1", "--num_eval", "4", "--max_train_samples", "32",
         "--output_dir", str(tmp_path / "out"), "--use_cpu", "true", "--report_to", "none"])
     assert (tmp_path / "out" / "config.json").is_file() and (tmp_path / "out" / "model.safetensors").is_file()
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    changed = [name for name, weight in trained.state_dict().items()
+               if not torch.equal(weight, model.state_dict()[name])]
+    assert changed  # one step moved the weights
 
 
 def test_the_check_refuses_exactly_what_transformers_cannot_save(adapter, tmp_path):

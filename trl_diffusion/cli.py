@@ -138,7 +138,10 @@ def load_pretrained(model_args: Any) -> tuple[Any, Any]:
     adapter = PeftConfig.from_pretrained(path, revision=revision)
     base = AutoModelForCausalLM.from_pretrained(adapter.base_model_name_or_path, revision=adapter.revision,
                                                 dtype=model_args.dtype)
-    return PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload(), tokenizer
+    merged = PeftModel.from_pretrained(base, path, revision=revision).merge_and_unload()
+    # peft loads an adapter for inference, freezing every weight, and merging keeps them frozen: the run would train
+    # nothing (with activation checkpointing the backward pass even ran, on no parameter)
+    return merged.requires_grad_(True), tokenizer
 
 
 def evaluation_split(script_args: Any, args: Any, held_out: Any = None,
