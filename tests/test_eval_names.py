@@ -55,6 +55,20 @@ def test_results_of_another_model_or_dataset_are_not_replaced(model_dir, tmp_pat
     assert Path(first["metrics_file"]).read_text() == written  # refused before anything was written
 
 
+def test_rows_given_directly_do_not_replace_the_results_of_other_rows(model_dir, tmp_path):
+    # every set of rows was the dataset "custom": evaluating other rows with the same model silently replaced the
+    # first set's results
+    rows = [json.loads(line) for line in GSM8K.read_text().splitlines()]
+    run = dict(model_name_or_path=str(model_dir), output_dir=str(tmp_path), max_new_tokens=4, **FAST)
+    first = evaluate(dataset=rows[:2], **run)
+    assert first["sources"]["dataset"].startswith("custom:") and first["dataset_name"] == "custom"
+    evaluate(dataset=[dict(row) for row in rows[:2]], **run)  # the same rows again: replaced, as documented
+    written = Path(first["metrics_file"]).read_text()
+    with pytest.raises(ValueError, match="holds the results of model .* on dataset 'custom:"):
+        evaluate(dataset=rows[2:4], **run)
+    assert Path(first["metrics_file"]).read_text() == written
+
+
 def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch):
     import datasets
 

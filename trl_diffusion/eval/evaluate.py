@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -426,7 +427,7 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
-    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else "custom"}
+    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else _rows_source(problems)}
     samples_path = _output_path(config.output_dir, model_name, tag)
     _check_output_free(samples_path, sources)
     rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
@@ -614,6 +615,13 @@ def _dataset_source(config: EvalConfig) -> str:
     if Path(name).expanduser().is_file():
         return _source(name)
     return ":".join(str(part) for part in (name.lower(), config.dataset_config, config.dataset_test_split))
+
+
+def _rows_source(problems: list[EvalProblem]) -> str:
+    """Rows or problems given directly, identified by their content: ``custom:`` and a digest of every field of every
+    problem, so another set of rows is another dataset (its results do not silently replace these)."""
+    text = json.dumps([dataclasses.asdict(p) for p in problems], sort_keys=True, ensure_ascii=False)
+    return "custom:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 @torch.no_grad()
