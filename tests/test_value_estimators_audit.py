@@ -154,3 +154,21 @@ def test_gradient_accumulation_trains_as_the_whole_batch(tmp_path):
     for name in whole:  # the two updates agree to float32 summation-order noise, relative to the update's size
         torch.testing.assert_close(accumulated[name] - initial[name], whole[name] - initial[name], rtol=1e-3,
                                    atol=1e-4 * largest)
+
+
+def test_values_under_a_larger_training_block_do_not_depend_on_never_committed_columns():
+    # training block 8 over rollout blocks of 4: the columns after a row's last committed token (after its stop, or
+    # the batch's padding) were shown as masks, so a row's values changed with its batch; the policy's trajectory
+    # estimator leaves them out (row_canvas), and the value model must read the same states
+    policy = tiny_model("sdar", seed=1)
+    value = DiffusionValueModel.from_policy(policy).eval()
+    with torch.no_grad():
+        value.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
+    prompt = torch.arange(5, 13)[None]
+    canvas, steps = torch.tensor([[20, 21, 22, EOS_ID]]), torch.tensor([[0, 1, 1, 0]])
+    wider = torch.cat([canvas, torch.full((1, 4), EOS_ID)], 1), torch.cat([steps, torch.full((1, 4), -1)], 1)
+    with torch.no_grad():
+        alone, _ = token_values(value, prompt, torch.ones_like(prompt), canvas, steps, 1, 8)
+        in_batch, _ = token_values(value, prompt, torch.ones_like(prompt), *wider, 1, 8)
+    assert torch.allclose(alone, in_batch[:, :4], rtol=1e-5, atol=1e-5 * float(alone.abs().max()))
+    assert (in_batch[:, 4:] == 0).all()

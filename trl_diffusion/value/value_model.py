@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers import initialization as init
 from transformers.utils import ModelOutput, find_adapter_config_file, logging
 
+from ..estimators.likelihood import row_canvas
 from ..estimators.packing import build_scoring_chunks
 from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
 from ..models.dream.modeling_dream import DreamBaseModel
@@ -205,11 +206,18 @@ def token_values(
     canvas. ``block_size`` is the training block size of a block-causal model (default: the model's).
     ``attention_backend``: how the packed masks are built (``states.ATTENTION_BACKENDS``). ``completion_mask``
     ``[B, C]`` marks each row's own canvas when rows of different canvas lengths are right-padded to one width
-    (default: every column is part of every row's canvas); the padding is never shown to the model. Differentiable.
+    (default: every column is part of every row's canvas); the padding is never shown to the model. A block model's
+    states show each row up to its last committed token, as the trajectory estimator shows the policy
+    (``estimators.likelihood.row_canvas``): a training block larger than the rollouts' would otherwise show the
+    never-committed columns after an early stop as masks, and a row's values would depend on its batch.
+    Differentiable.
     """
     interface = interface if interface is not None else model
     block = (block_size or interface.block_size) if interface.block_size is not None else None
     groups = trajectory_groups(unmask_step, prompt_mask, shrinkage, block)
+    shown = row_canvas(unmask_step >= 0, block)
+    if shown is not None:
+        completion_mask = shown if completion_mask is None else shown & completion_mask.bool()
     chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, interface.mask_token_id, block,
                                   token_budget, pad_token_id=0, completion_mask=completion_mask)
     values = torch.zeros(completion_ids.shape, dtype=torch.float32, device=completion_ids.device)
