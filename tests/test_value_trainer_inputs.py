@@ -40,3 +40,31 @@ def test_a_completion_ends_where_the_policys_rollouts_end(tmp_path):
 def test_ids_and_steps_that_are_not_what_a_sampler_writes_are_refused(tmp_path, column, values, message):
     with pytest.raises(ValueError, match="row 0: " + message):
         value_trainer(tmp_path, DiffusionValueModel.from_policy(tiny_model("sdar")), [{**ROW, column: values}])
+
+
+def test_rows_passed_to_evaluate_are_checked_as_the_trainers_own(tmp_path):
+    # a dataset with a `prompt_ids` column (an input column) skipped every check in evaluate(): a NaN reward gave
+    # eval_loss NaN, an out-of-vocabulary id or a -1 gap ran
+    trainer = value_trainer(tmp_path, DiffusionValueModel.from_policy(tiny_model("sdar")), [ROW])
+    with pytest.raises(ValueError, match="row 0: 'reward' must be a finite number"):
+        trainer.evaluate(Dataset.from_list([{**ROW, "reward": float("nan")}]))
+    with pytest.raises(ValueError, match=r"row 0: 'completion_ids'\[1\] must be an integer \[0, 128\)"):
+        trainer.evaluate(Dataset.from_list([{**ROW, "completion_ids": [30, 5000, 32, 33, 34, 35, 36, 37]}]))
+    assert "eval_loss" in trainer.evaluate(Dataset.from_list([ROW]))
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("learning_rate", float("inf"), "learning_rate must be a finite number >= 0, got inf"),
+    ("learning_rate", float("nan"), "learning_rate must be a finite number >= 0, got nan"),
+    ("learning_rate", -0.01, "learning_rate must be a finite number >= 0, got -0.01"),
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size must be >= 1, got 0"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be >= 1, got 0"),
+])
+def test_optimization_numbers_are_checked_when_a_config_is_built(field, value, message):
+    # learning_rate=inf trained: every weight NaN after the first step, the logged losses still finite
+    from trl_diffusion import DiffusionSFTConfig, TraceRLConfig
+
+    for config in (DiffusionValueConfig, DiffusionSFTConfig, TraceRLConfig):
+        with pytest.raises(ValueError, match=message):
+            config("unused", use_cpu=True, bf16=False, report_to="none", **{field: value})
+    assert DiffusionValueConfig("unused", use_cpu=True, bf16=False, report_to="none", learning_rate=0.0)

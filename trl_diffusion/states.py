@@ -19,6 +19,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import numbers
 import re
 import types
@@ -410,6 +411,18 @@ def check_max_steps(max_steps: int) -> None:
     if max_steps == 0:
         raise ValueError("max_steps=0 would still run one optimizer step (transformers' Trainer stops only after a "
                          "step); pass max_steps >= 1, or -1 to train for num_train_epochs.")
+
+
+def check_optimization_numbers(args) -> None:
+    """Refuse, when a config is built, the optimisation numbers transformers takes unchecked: a ``learning_rate``
+    that is infinite made every weight NaN after the first step while the logged loss looked fine (NaN and negative
+    ones failed only inside ``train()``); batch sizes and accumulation steps below 1 failed later, or in ways that
+    did not name the field."""
+    if not (math.isfinite(args.learning_rate) and args.learning_rate >= 0):
+        raise ValueError(f"learning_rate must be a finite number >= 0, got {args.learning_rate}.")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}.")
 
 
 FLEX_MIN_TORCH = (2, 5)

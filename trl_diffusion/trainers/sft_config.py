@@ -13,6 +13,7 @@ from ..states import (
     check_field_types,
     check_max_steps,
     check_no_liger_kernel,
+    check_optimization_numbers,
 )
 from .diffusion_losses import (
     LOSS_NORMALIZATIONS,
@@ -217,6 +218,7 @@ class DiffusionSFTConfig(SFTConfig):
                              "completion tokens and their steps.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
+        check_optimization_numbers(self)
         packed = [name for name in ("packing", "eval_packing", "padding_free") if getattr(self, name)]
         if packed and self.diffusion_objective not in (None, *PACKED_OBJECTIVES):
             raise ValueError(

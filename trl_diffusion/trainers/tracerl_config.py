@@ -20,6 +20,7 @@ from ..states import (
     check_field_types,
     check_max_steps,
     check_no_liger_kernel,
+    check_optimization_numbers,
 )
 from .tracerl_objective import STEP_NORMALIZATIONS
 
@@ -339,6 +340,7 @@ class TraceRLConfig(GRPOConfig):
                              "noisy policy; leave it None (NEFTune is an SFT technique).")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
+        check_optimization_numbers(self)
         if self.label_smoothing_factor != 0.0:
             raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
                              "labels); leave it at 0.0.")

@@ -14,6 +14,7 @@ from ..states import (
     check_field_types,
     check_max_steps,
     check_no_liger_kernel,
+    check_optimization_numbers,
 )
 
 
@@ -113,6 +114,7 @@ class DiffusionValueConfig(_BaseConfig):
                              "micro-batch there is only one forward to hold.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
+        check_optimization_numbers(self)
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the value model: its loss is a squared error "
                              "to the returns, not a cross-entropy over labels.")

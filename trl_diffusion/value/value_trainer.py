@@ -10,6 +10,7 @@ TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^
 from __future__ import annotations
 
 import math
+import weakref
 from functools import partial
 from typing import Any
 
@@ -151,8 +152,10 @@ class DiffusionValueTrainer(_BaseTrainer):
             self._signature_columns = list(TRAJECTORY_COLUMNS)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        if isinstance(eval_dataset, Dataset) and "prompt_ids" not in eval_dataset.column_names:
-            eval_dataset = self._prepare_trajectories(eval_dataset)  # a raw dataset passed to evaluate()
+        if isinstance(eval_dataset, Dataset) and eval_dataset not in _PREPARED:
+            # a dataset passed to evaluate(): checked as the trainer's own are (a `prompt_ids` column is an input
+            # column, no sign that the rows were checked)
+            eval_dataset = self._prepare_trajectories(eval_dataset)
         return super().get_eval_dataloader(eval_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -264,4 +267,11 @@ def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | N
             ids = tokenizer(text=prompt)["input_ids"]
         return {"prompt_ids": list(ids)}
 
-    return dataset.map(process, with_indices=True)
+    prepared = dataset.map(process, with_indices=True)
+    _PREPARED.add(prepared)
+    return prepared
+
+
+_PREPARED: weakref.WeakSet = weakref.WeakSet()
+"""The datasets ``_prepare_dataset`` returned (checked): ``evaluate(trainer.eval_dataset)`` does not check them
+again."""
