@@ -259,3 +259,21 @@ def test_gradient_only_through_committed_completion_tokens(family, name):
 def test_unknown_estimator_is_an_error():
     with pytest.raises(ValueError, match="unknown likelihood_estimator"):
         EstimatorSettings(name="nope").validate()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("shrinkage", 1.5, "shrinkage must be an integer >= 1"),
+    ("token_budget", 0, "token_budget must be None or an integer >= 1"),
+    ("block_size", 0, "block_size must be None or an integer >= 1"),  # was read as "the model's"
+    ("temperature", -1.0, "temperature must be a finite number >= 0"),  # all-NaN log-probs
+    ("temperature", float("nan"), "temperature must be a finite number >= 0"),
+    ("top_k", -3, "top_k must be None or an integer >= 0"),
+    ("top_p", 0.0, r"top_p must be None or in \(0, 1\]"),  # every log-prob -inf
+    ("top_p", 1.5, r"top_p must be None or in \(0, 1\]"),
+    ("prompt_mask_prob", 1.5, r"prompt_mask_prob must lie in \[0, 1\]"),
+    ("attention_backend", "bogus", "attention_backend must be one of"),
+])
+def test_estimator_settings_refuse_values_no_estimator_can_use(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        EstimatorSettings(**{field: value})
+    EstimatorSettings(temperature=0.0, top_k=0, top_p=1.0, prompt_mask_prob=0.0, token_budget=1, block_size=4)

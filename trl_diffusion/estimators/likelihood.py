@@ -34,12 +34,19 @@ that exist only because another response of the batch is longer.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
 
 from ..generation.sampling import target_scores
-from ..states import NOT_COMMITTED, completion_blocks, resolve_model_attention_backend, trajectory_groups
+from ..states import (
+    NOT_COMMITTED,
+    check_attention_backend,
+    completion_blocks,
+    resolve_model_attention_backend,
+    trajectory_groups,
+)
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from .packing import build_scoring_chunks
 
@@ -89,8 +96,23 @@ class EstimatorSettings:
     def validate(self) -> None:
         if self.name not in ESTIMATORS:
             raise ValueError(f"unknown likelihood_estimator {self.name!r}; choose one of {ESTIMATORS}.")
-        if self.shrinkage < 1:
-            raise ValueError(f"shrinkage must be >= 1, got {self.shrinkage}.")
+        for name in ("shrinkage", "block_size", "token_budget"):  # counts: None for the last two means "unset"
+            value = getattr(self, name)
+            if (value is not None or name == "shrinkage") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                unset = "" if name == "shrinkage" else "None or "
+                raise ValueError(f"{name} must be {unset}an integer >= 1, got {value!r}.")
+        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+                and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0: scored at 1), got {self.temperature!r}.")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
+                                       or self.top_k < 0):
+            raise ValueError(f"top_k must be None or an integer >= 0 (0: no top-k), got {self.top_k!r}.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}.")
+        check_attention_backend(self.attention_backend)
+        if not 0 <= self.prompt_mask_prob <= 1:
+            raise ValueError(f"prompt_mask_prob must lie in [0, 1], got {self.prompt_mask_prob!r}.")
         if not 0 < self.mask_low <= self.mask_high < 1 or not 0 < self.coupled_low <= self.coupled_high < 1:
             raise ValueError("masking ratios must satisfy 0 < low <= high < 1.")
         check_mask_options(self.random_mask_sampling, self.masks_per_response)
