@@ -56,3 +56,21 @@ def test_push_to_hub_writes_card_and_loadable_checkpoint(tmp_path, monkeypatch):
         "assert out.shape[1] >= ids.shape[1] + 8 and type(m).__name__ == 'SDARForCausalLM'\n"
     )
     subprocess.run([sys.executable, "-c", code, str(repo)], check=True)
+
+
+def test_a_card_does_not_publish_a_local_dataset_path(tmp_path):
+    # the examples push with dataset_name=<their --dataset_name>: a local file went into the card's metadata and a
+    # huggingface.co/datasets/<absolute path> link
+    from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
+    from trl_diffusion.model_card import card_dataset_name
+
+    local = tmp_path / "train.jsonl"
+    local.write_text('{"prompt": "1+2=", "completion": "3"}\n')
+    args = DiffusionSFTConfig(str(tmp_path / "out"), report_to="none", use_cpu=True, bf16=False, save_strategy="no")
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, processing_class=build_tokenizer(),
+                                  train_dataset=Dataset.from_dict({"prompt": ["1+2="], "completion": ["3"]}))
+    trainer.create_model_card(dataset_name=str(local))
+    assert "datasets" not in (tmp_path / "out" / "README.md").read_text()
+    trainer.create_model_card(dataset_name="openai/gsm8k")
+    assert "openai/gsm8k" in (tmp_path / "out" / "README.md").read_text()
+    assert card_dataset_name("/data/train.jsonl") is None and card_dataset_name("~/train.jsonl") is None

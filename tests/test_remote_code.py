@@ -222,3 +222,26 @@ def test_hub_source_with_the_code_in_its_cached_snapshot_is_copied(tmp_path, mon
     assert not list((tmp_path / "saved-incomplete").glob("*.py"))
     assert all(ref.startswith("JetLM/SDAR-1.7B-Chat--") for ref in
                json.loads((tmp_path / "saved-incomplete" / "config.json").read_text())["auto_map"].values())
+
+
+def test_a_process_that_does_not_save_copies_no_tokenizer_code(tmp_path, monkeypatch):
+    # transformers calls _save on every process under FSDP and DeepSpeed and writes only where should_save: the SFT
+    # trainer's tokenizer-code copy ran on every process (files written into the same folder as rank 0's)
+    from trl_diffusion.testing import build_tokenizer, tiny_model
+
+    release, out = tmp_path / "release", tmp_path / "out"
+    tokenizer = build_tokenizer()
+    tokenizer.save_pretrained(release)
+    (release / "tokenization_tiny.py").write_text("# released tokenizer code\n")
+    config = json.loads((release / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "tokenization_tiny.TinyTokenizerFast"]}
+    (release / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer.name_or_path = str(release)
+    args = DiffusionSFTConfig(str(out), report_to="none", use_cpu=True, bf16=False, save_strategy="no")
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, processing_class=tokenizer,
+                                  train_dataset=Dataset.from_dict({"prompt": ["1+2="], "completion": ["3"]}))
+    out.mkdir(exist_ok=True)
+    shutil.copy(release / "tokenizer_config.json", out)  # as the writing process has just saved it
+    monkeypatch.setattr(DiffusionSFTConfig, "should_save", property(lambda self: False))
+    trainer._save(str(out))
+    assert sorted(path.name for path in out.iterdir()) == ["tokenizer_config.json"]

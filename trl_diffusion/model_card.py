@@ -17,6 +17,15 @@ FRAMEWORK_VERSIONS = "### Framework versions\n\n"
 REGISTER = "import trl_diffusion  # registers the SDAR / LLaDA / Dream model classes with transformers\n"
 
 
+def card_dataset_name(dataset_name: str | None) -> str | None:
+    """The dataset a card may name: a Hub id as given, and None for a local file or folder (a card names it in its
+    metadata and links it as ``huggingface.co/datasets/<name>``: a pushed card published the absolute local path)."""
+    if dataset_name is None:
+        return None
+    path = os.path.expanduser(str(dataset_name))
+    return None if os.path.isabs(path) or os.path.exists(path) else dataset_name
+
+
 def policy_quick_start(model_id: str | None, generate_kwargs: dict, in_generation_config: bool = False) -> str:
     """Chat with the trained policy through ``pipeline``; ``generate_kwargs``: sampler arguments for ``generate()``
     (e.g. the rollout settings a TraceRL policy was trained with). ``in_generation_config``: the saved

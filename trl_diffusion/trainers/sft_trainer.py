@@ -36,7 +36,7 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..full_save import save_model_whole
-from ..model_card import finish_model_card, policy_quick_start
+from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -304,7 +304,7 @@ class DiffusionSFTTrainer(SFTTrainer):
     _name = "Diffusion SFT"
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         model_id = self.hub_model_id or self.args.output_dir
         finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}))
 
@@ -317,7 +317,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         """transformers' save (``save_model``, checkpoints, ``push_to_hub``), then the tokenizer's released remote
         code is carried along (``models/remote_code.py``; the model's comes with its ``config.json``)."""
         super()._save(output_dir, state_dict=state_dict)
-        carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+        if self.args.should_save:  # transformers calls _save on every process under FSDP and DeepSpeed
+            carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """transformers' mid-training Hub push, with the released remote code in what it uploads."""

@@ -43,7 +43,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
-from ..model_card import finish_model_card, policy_quick_start
+from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -659,7 +659,7 @@ class TraceRLTrainer(GRPOTrainer):
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         """TRL's card; its quick start samples with the rollout settings the policy was trained with (named in a
         comment when the saved ``generation_config.json`` holds them, passed to the pipeline when it does not)."""
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id",
                                                                                   "num_return_sequences")}
         if self.args.remasking_strategy != "low_confidence_dynamic":

@@ -22,7 +22,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..full_save import save_model_whole
-from ..model_card import finish_model_card, value_quick_start
+from ..model_card import card_dataset_name, finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -128,7 +128,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         return batch_samples, count
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
-        super().create_model_card(model_name=model_name, dataset_name=dataset_name, tags=tags)
+        super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         finish_model_card(self, value_quick_start(self.hub_model_id or self.args.output_dir))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
