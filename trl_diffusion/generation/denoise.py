@@ -21,6 +21,7 @@ from ..states import attention_mask_from_positions
 from .sampling import (
     Generators,
     confidence_scores,
+    raw_token_logprobs,
     sample_tokens,
     select_commits,
     token_noise_shape,
@@ -148,7 +149,9 @@ def denoise_step(block: Block, logits: torch.Tensor, settings, mask_id: int, gen
         draw = uniform(masked.shape, generator, masked.device) if noise.confidence is None else noise.confidence
         commit = masked & (draw < fraction)
     else:
-        confidence = confidence_scores(strategy, token_lp, log_dist, generator, noise.confidence)
+        # LLaDA ranks by the raw softmax (settings.raw_confidence), the other families by the sampling distribution
+        ranked = raw_token_logprobs(logits, tokens) if settings.raw_confidence else token_lp
+        confidence = confidence_scores(strategy, ranked, log_dist, generator, noise.confidence)
         if fraction is not None:
             quota, strategy = (masked.sum(-1).float() * fraction).long(), "low_confidence_static"
         commit = select_commits(strategy, confidence, masked, quota, settings.confidence_threshold,

@@ -225,7 +225,8 @@ class DiffusionGenerationMixin:
             temperature=float(temperature or 0.0), top_k=top_k, top_p=pick("top_p"), cache_mode=cache_mode,
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
-            gumbel_float64=self.config.model_type == "llada", pad_token_id=_integer("pad_token_id", pad),
+            gumbel_float64=self.config.model_type == "llada", raw_confidence=self.config.model_type == "llada",
+            pad_token_id=_integer("pad_token_id", pad),
             cuda_graphs=pick("cuda_graphs"),
         )
         return settings, bool(pick("return_dict_in_generate"))

@@ -68,6 +68,7 @@ class SamplingSettings:
     alg_temp: float | None = None
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
+    raw_confidence: bool = False
     pad_token_id: int = 0
     cuda_graphs: str = "auto"
 

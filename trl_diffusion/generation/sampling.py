@@ -169,6 +169,14 @@ def token_noise_shape(
     return tuple(logits_shape[:-1]), torch.float32
 
 
+def raw_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``[B, L]`` log-probabilities of ``tokens`` under the softmax of the raw ``logits`` (temperature 1, no top-k /
+    top-p, the mask token in the normalisation), in float32: what LLaDA's samplers rank commits by
+    (ML-GSAI's ``generate.py`` and dLLM-RL's LLaDA rollouts take ``softmax(logits)[x0]`` whatever the temperature)."""
+    logits = logits.float()
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - logits.logsumexp(-1)
+
+
 def confidence_scores(
     strategy: str, logprobs: torch.Tensor, log_dist: torch.Tensor, generator: Generators = None,
     noise: torch.Tensor | None = None,
