@@ -68,12 +68,12 @@ class DecisionMargins:
         return False
 
     def _sample_tokens(self, logits, temperature, top_k, top_p, generator=None, gumbel_float64=False,
-                       mask_token_id=None, noise=None):
+                       mask_token_id=None, noise=None, top_p_first=False):
         states = _generator_states(generator) if noise is None else ("noise", noise)
         tokens, logprobs, log_dist = self._originals[0](logits, temperature, top_k, top_p, generator,
-                                                        gumbel_float64, mask_token_id, noise)
+                                                        gumbel_float64, mask_token_id, noise, top_p_first)
         margins = _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64,
-                                mask_token_id)
+                                mask_token_id, top_p_first)
         self._last = (tokens, margins, temperature)
         return tokens, logprobs, log_dist
 
@@ -113,7 +113,8 @@ def _restore(states):
     return torch.Generator().set_state(states)
 
 
-def _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id):
+def _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id,
+                  top_p_first=False):
     """Per position: how far the decision was from picking another token (see ``DecisionMargins``)."""
     from trl_diffusion.generation.sampling import sampling_logits
 
@@ -127,10 +128,11 @@ def _draw_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, g
     else:
         top_k_gap = torch.full(tokens.shape, float("inf"), dtype=torch.float64)
     return torch.minimum(top_k_gap, _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states,
-                                                     gumbel_float64, mask_token_id))
+                                                     gumbel_float64, mask_token_id, top_p_first))
 
 
-def _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id):
+def _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states, gumbel_float64, mask_token_id,
+                     top_p_first=False):
     from trl_diffusion.generation.sampling import sampling_logits, uniform
 
     if states is None:  # an unseeded draw: nothing to compare across paths
@@ -138,7 +140,7 @@ def _sampled_margins(logits, tokens, log_dist, temperature, top_k, top_p, states
     generator = _restore(states)
     noise = generator[1] if isinstance(generator, tuple) else None
     if gumbel_float64:
-        raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
+        raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id, top_p_first).double() * temperature
         u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise.double()
         score = raw - temperature * torch.log(-torch.log(u))  # log of LLaDA's exp(l) / (-log u)^T
         return _race_margin(score, tokens)

@@ -180,3 +180,41 @@ def test_llada_ranks_commits_by_the_raw_softmax_when_sampling():
             unmask_step[row, chosen] = step
     assert out.sequences[:, :prompt_len + length].tolist() == x.tolist()
     assert out.unmask_step[:, prompt_len:prompt_len + length].tolist() == unmask_step.tolist()
+
+
+def test_dream_filters_top_p_before_top_k_in_sampling_and_scoring():
+    """Dream's ``sample_tokens`` (and dLLM-RL's Dream rollouts) apply top-p, then top-k; SDAR's applies top-k first.
+    With both set the orders keep different tokens (the official Dream TraceRL preset sets top_p 0.9, top_k 50):
+    the sampler drew from, and the estimators scored, SDAR's order for every family."""
+    from trl_diffusion.estimators import replay_logprobs
+    from trl_diffusion.generation.sampling import sampling_logits
+    from trl_diffusion.testing import tiny_model
+
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    top_k_first = sampling_logits(probs.log(), 1.0, 2, 0.5).softmax(-1)
+    top_p_first = sampling_logits(probs.log(), 1.0, 2, 0.5, top_p_first=True).softmax(-1)
+    assert torch.allclose(top_k_first, torch.tensor([[1.0, 0, 0, 0]]))
+    assert torch.allclose(top_p_first, torch.tensor([[4 / 7, 3 / 7, 0, 0]]))
+
+    model = tiny_model("dream").eval()
+    assert model.top_p_first and not tiny_model("sdar").top_p_first and not tiny_model("llada").top_p_first
+    prompt = torch.randint(5, 100, (4, 6), generator=torch.Generator().manual_seed(0))
+    kw = dict(temperature=0.8, top_k=5, top_p=0.6)
+    out = model.generate(prompt, max_new_tokens=8, block_length=8, denoising_steps=4, stop_token_ids=[],
+                         generator=[torch.Generator().manual_seed(i) for i in range(4)],
+                         return_dict_in_generate=True, **kw)
+    committed = out.unmask_step[:, 6:] >= 0
+    # the tokens of the first step, scored by hand in Dream's order from the first canvas
+    with torch.no_grad():
+        first = model.align_logits(model(torch.cat([prompt, torch.full((4, 8), model.mask_token_id)], 1)).logits)
+    filtered = first[:, 6:].float().masked_fill(
+        torch.arange(first.shape[-1]) == model.mask_token_id, float("-inf")) / 0.8
+    kept = filtered.softmax(-1).sort(-1, descending=True)
+    outside_p = (kept.values.cumsum(-1) - kept.values) > 0.6  # Dream's top-p: drop once the mass before is > p
+    filtered = filtered.scatter(-1, kept.indices, filtered.gather(-1, kept.indices).masked_fill(outside_p, -torch.inf))
+    filtered = filtered.masked_fill(filtered < filtered.topk(5, -1).values[..., -1:], float("-inf"))
+    expected = filtered.log_softmax(-1).gather(-1, out.sequences[:, 6:, None]).squeeze(-1)
+    at_first = out.unmask_step[:, 6:] == 0
+    assert_close_fp32(out.token_logprobs[:, 6:], expected, where=at_first)
+    replay = replay_logprobs(model, out.sequences, torch.ones_like(prompt), out.unmask_step, **kw)
+    assert_close_fp32(replay[:, 6:], out.token_logprobs[:, 6:], where=committed)

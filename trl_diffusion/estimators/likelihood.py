@@ -157,7 +157,7 @@ def score_chunks(model, chunks, completion_ids, settings: EstimatorSettings, com
         targets = completion_ids[chunk.source_row, chunk.source_col]
         values, ent, _ = target_scores(selected, targets, settings.temperature, settings.top_k, settings.top_p,
                                        model.mask_token_id if settings.exclude_mask_token else None,
-                                       entropy=compute_entropy)
+                                       entropy=compute_entropy, top_p_first=model.top_p_first)
         logps = logps.index_put((chunk.source_row, chunk.source_col), values)
         if compute_entropy:
             entropies = entropies.index_put((chunk.source_row, chunk.source_col), ent)

@@ -54,8 +54,8 @@ def replay_logprobs(
         logits = _aligned_logits(model, model(input_ids=state, attention_mask=mask, position_ids=positions,
                                                    output_router_logits=False).logits,
                                  valid)
-        log_dist = sampling_logits(logits, temperature, top_k, top_p,
-                                   model.mask_token_id if exclude_mask_token else None).log_softmax(-1)
+        excluded = model.mask_token_id if exclude_mask_token else None
+        log_dist = sampling_logits(logits, temperature, top_k, top_p, excluded, model.top_p_first).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)

@@ -143,7 +143,8 @@ def denoise_step(block: Block, logits: torch.Tensor, settings, mask_id: int, gen
     tensor values. ``quota`` (uniform schedule) or ``fraction`` (linspace schedule) is this step's setting."""
     masked = masks_left(block, mask_id)
     tokens, token_lp, log_dist = sample_tokens(logits, settings.temperature, settings.top_k, settings.top_p,
-                                               generator, settings.gumbel_float64, mask_id, noise.tokens)
+                                               generator, settings.gumbel_float64, mask_id, noise.tokens,
+                                               settings.top_p_first)
     strategy = settings.remasking_strategy
     if fraction is not None and strategy == "origin":
         draw = uniform(masked.shape, generator, masked.device) if noise.confidence is None else noise.confidence

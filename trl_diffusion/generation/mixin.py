@@ -226,6 +226,7 @@ class DiffusionGenerationMixin:
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", raw_confidence=self.config.model_type == "llada",
+            top_p_first=self.top_p_first,
             pad_token_id=_integer("pad_token_id", pad),
             cuda_graphs=pick("cuda_graphs"),
         )

@@ -69,6 +69,7 @@ class SamplingSettings:
     cfg_scale: float = 0.0
     gumbel_float64: bool = False
     raw_confidence: bool = False
+    top_p_first: bool = False
     pad_token_id: int = 0
     cuda_graphs: str = "auto"
 

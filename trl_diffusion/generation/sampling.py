@@ -28,28 +28,43 @@ def sampling_logits(
     top_k: int | None = None,
     top_p: float | None = None,
     mask_token_id: int | None = None,
+    top_p_first: bool = False,
 ) -> torch.Tensor:
     """Logits of the sampling distribution: the mask token removed (a committed token is never a mask),
     divided by the temperature (0 means greedy and is scored at temperature 1), then top-k and top-p filtered
-    (filtered entries become -inf). Computed in fp32."""
+    (filtered entries become -inf), in that order as SDAR's sampler filters, or top-p first with ``top_p_first``
+    as Dream's does (the model's ``top_p_first``): with both set the two orders keep different tokens. Computed in
+    fp32."""
     logits = logits.float()
     if mask_token_id is not None:
         logits = logits.clone()
         logits[..., mask_token_id] = float("-inf")
     if temperature and temperature != 1.0:
         logits = logits / temperature
-    if top_k is not None and 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop_sorted = cumulative > top_p
-        drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
-        drop_sorted[..., 0] = False
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    if top_p_first:
+        return _top_k_filtered(_top_p_filtered(logits, top_p), top_k)
+    return _top_p_filtered(_top_k_filtered(logits, top_k), top_p)
+
+
+def _top_k_filtered(logits: torch.Tensor, top_k: int | None) -> torch.Tensor:
+    """``logits`` with all but the ``top_k`` largest of each row at -inf (ties with the k-th kept)."""
+    if top_k is None or not 0 < top_k < logits.shape[-1]:
+        return logits
+    kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def _top_p_filtered(logits: torch.Tensor, top_p: float | None) -> torch.Tensor:
+    """``logits`` with the tokens outside the smallest most-likely set of probability > ``top_p`` at -inf."""
+    if top_p is None or top_p >= 1.0:
+        return logits
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    drop_sorted = cumulative > top_p
+    drop_sorted[..., 1:] = drop_sorted[..., :-1].clone()
+    drop_sorted[..., 0] = False
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
 
 
 SCORING_PIECE_ELEMENTS = 2**25
@@ -66,6 +81,7 @@ def target_scores(
     entropy: bool = False,
     entropy_grad: bool = True,
     top1: bool = False,
+    top_p_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """What the trainers score at ``N`` positions: the log-prob of each target ``[N]`` under the sampling
     distribution of ``logits`` ``[N, V]`` (``sampling_logits``, float32), and optionally its entropy (differentiable
@@ -76,7 +92,7 @@ def target_scores(
     ``[N, V]`` tensor exists whole: at 2,048 targets and a 152k vocabulary one is 1.2 GB, and the log-softmax, its
     input copy and its gradient would each be one. Values and gradients equal the one-piece computation (every
     operation is per position)."""
-    settings = (temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1)
+    settings = (temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1, top_p_first)
     rows = max(1, SCORING_PIECE_ELEMENTS // logits.shape[-1])
     if logits.shape[0] <= rows:
         return _piece_scores(logits, targets, *settings)
@@ -87,8 +103,9 @@ def target_scores(
     return tuple(torch.cat(parts) if parts[0] is not None else None for parts in zip(*pieces))
 
 
-def _piece_scores(logits, targets, temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1):
-    log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).log_softmax(-1)
+def _piece_scores(logits, targets, temperature, top_k, top_p, mask_token_id, entropy, entropy_grad, top1,
+                  top_p_first):
+    log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id, top_p_first).log_softmax(-1)
     picked = log_dist.gather(-1, targets[:, None]).squeeze(-1)
     ent = is_top1 = None
     if entropy:
@@ -129,6 +146,7 @@ def sample_tokens(
     gumbel_float64: bool = False,
     mask_token_id: int | None = None,
     noise: torch.Tensor | None = None,
+    top_p_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Draw one token per position. Returns ``(tokens, logprobs, log_distribution)``.
 
@@ -136,13 +154,15 @@ def sample_tokens(
     the behaviour policy). Temperature 0 takes the argmax (no division by zero). ``gumbel_float64`` draws with
     LLaDA's float64 Gumbel-max ``argmax(exp(l) / (-log u)^T)``, an exact sample of the same distribution.
     ``noise``: the uniforms a per-row generator list would draw here (``token_noise_shape``), drawn beforehand.
+    ``top_p_first``: the filter order (``sampling_logits``).
     """
-    log_dist = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).log_softmax(-1)
+    filtered = sampling_logits(logits, temperature, top_k, top_p, mask_token_id, top_p_first)
+    log_dist = filtered.log_softmax(-1)
     if not temperature:
         tokens = log_dist.argmax(-1)
     elif gumbel_float64:
         # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
-        raw = sampling_logits(logits, temperature, top_k, top_p, mask_token_id).double() * temperature
+        raw = filtered.double() * temperature
         u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
     elif isinstance(generator, (list, tuple)) or noise is not None:  # inverse CDF with per-row uniforms

@@ -28,10 +28,13 @@ class DiffusionModelMixin:
     * ``mask_token_id``: the id of the mask token,
     * ``block_size``: block-causal block size, or ``None`` for full bidirectional attention,
     * ``logits_shift``: True when token i is predicted from position i-1 (Dream),
+    * ``top_p_first``: True when the family's sampler applies top-p before top-k (Dream; SDAR's applies top-k
+      first, and LLaDA's neither), read by the sampler and by every scorer of its log-probs,
     * ``attention_kind``: ``"block_causal"`` or ``"full"``.
     """
 
     logits_shift: bool = False
+    top_p_first: bool = False
 
     @property
     def block_size(self) -> int | None:

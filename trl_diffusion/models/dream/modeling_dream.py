@@ -29,3 +29,4 @@ class DreamModel(QwenStyleLM, DreamPreTrainedModel, DiffusionGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     backbone_class = DreamBaseModel
     logits_shift = True
+    top_p_first = True  # Dream's sample_tokens: top-p, then top-k
