@@ -265,6 +265,23 @@ def test_dream_logits_are_shifted_and_aligned():
     assert model.align_logits(logits)[0, 1].tolist() == [0.0, 1.0]
 
 
+def test_dream_loss_scores_no_label_at_the_first_column():
+    # nothing predicts column 0 of a shifted model: its label was scored against logits[0] (the prediction of
+    # column 1), and transformers' Trainer counted it in num_items_in_batch
+    import torch.nn.functional as F
+
+    model = tiny_model("dream")
+    ids = torch.randint(5, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    out = model(ids, labels=ids)
+    logits = out.logits.float()
+    next_token = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    assert_close_fp32(out.loss, next_token)
+    only_first = torch.full_like(ids, -100)
+    only_first[:, 0] = ids[:, 0]
+    assert torch.isnan(model(ids, labels=only_first).loss)  # no labelled token left, as an all -100 batch
+    assert model.loss_type == "ForCausalLM" and tiny_model("sdar").loss_type is None  # Trainer counts labels[:, 1:]
+
+
 def test_lora_default_targets_and_training_step(family):
     model = tiny_model(family).train()
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8))

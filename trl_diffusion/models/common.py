@@ -521,8 +521,9 @@ class QwenStyleLM(DiffusionModelMixin):
             raise ValueError(f"{type(self).__name__} got arguments its config does not have: {sorted(kwargs)}.{note}")
         super().__init__(config)
         # transformers derives "ForCausalLM" from the class name, and Trainer then counts num_items_in_batch over
-        # labels[..., 1:] (a next-token loss); ours scores every label at its own position.
-        self.loss_type = None
+        # labels[..., 1:] (a next-token loss); ours scores every label at its own position, but for a shifted model
+        # (Dream) the first column's, which nothing predicts (``causal_lm_output``): there that count is right.
+        self.loss_type = "ForCausalLM" if self.logits_shift else None
         self.model = self.backbone_class(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
@@ -664,6 +665,8 @@ def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels,
                      num_items_in_batch: int | torch.Tensor | None = None) -> CausalLMOutputWithPast:
     loss = None
     if labels is not None:
+        if model.logits_shift:  # nothing predicts the first column (align_logits repeats the next column's logits)
+            labels = torch.cat([torch.full_like(labels[:, :1], -100), labels[:, 1:]], dim=1)
         loss = diffusion_lm_loss(model.align_logits(lm_logits), labels, num_items_in_batch)
     return CausalLMOutputWithPast(
         loss=loss,
