@@ -282,6 +282,22 @@ def test_dream_loss_scores_no_label_at_the_first_column():
     assert model.loss_type == "ForCausalLM" and tiny_model("sdar").loss_type is None  # Trainer counts labels[:, 1:]
 
 
+def test_a_new_models_padding_row_starts_at_zero_and_a_loaded_one_is_kept(tmp_path):
+    # Dream's release zeroes its embedding's padding_idx row at init (the row never gets a gradient); ours drew it
+    # at random. A checkpoint's row is loaded as it is.
+    from trl_diffusion.testing import MODEL_CLASSES, tiny_dream_config
+
+    model = MODEL_CLASSES["dream"](tiny_dream_config())  # as built from a config (tiny_model fills every weight)
+    embedding = model.get_input_embeddings()
+    assert embedding.padding_idx is not None and not embedding.weight[embedding.padding_idx].any()
+    assert embedding.weight.abs().sum() > 0
+    with torch.no_grad():
+        embedding.weight[embedding.padding_idx] = 0.5
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).get_input_embeddings()
+    assert (loaded.weight[loaded.padding_idx] == 0.5).all()
+
+
 def test_lora_default_targets_and_training_step(family):
     model = tiny_model(family).train()
     lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8))

@@ -505,6 +505,11 @@ class DiffusionPreTrainedModel(PreTrainedModel):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
+            # the pad row starts at zero, as the releases initialise it (Dream's `padding_idx` row never gets a
+            # gradient, so it would stay random); a loaded weight is flagged initialised and left as loaded (the
+            # row slice below would lose that flag, hence the explicit check, as in transformers' own models)
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, RMSNorm):
             init.ones_(module.weight)
 
