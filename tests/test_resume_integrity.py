@@ -218,6 +218,52 @@ def test_sft_resume_without_token_count_warns(tmp_path, caplog):
     assert "token_count.json is missing" in caplog.text
 
 
+def test_sft_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
+    """transformers resumed it silently with a fresh optimizer and a restarted learning-rate schedule (the warmup
+    again): refused before any step, as TraceRL refuses it."""
+    config = dict(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=32, save_strategy="steps",
+                  save_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                  gradient_checkpointing=False, save_only_model=True)
+    data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
+
+    def sft(max_steps):
+        return DiffusionSFTTrainer(tiny_model("sdar").train(), args=DiffusionSFTConfig(**config, max_steps=max_steps),
+                                   train_dataset=data, processing_class=build_tokenizer())
+
+    sft(1).train()
+    assert not (tmp_path / "checkpoint-1" / "optimizer.pt").exists()
+    trainer = sft(2)
+    with pytest.raises(ValueError, match="saved with save_only_model=True.*not resumable"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert trainer.state.global_step == 1
+
+
+def test_sft_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
+    """transformers skips an IterableDataset's trained batches within its first pass only: a checkpoint saved in a
+    later pass resumed at the start of a pass (batches repeated, noise of another pass) without a word."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 5
+
+    config = DiffusionSFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=32, max_steps=6,
+                                save_strategy="steps", save_steps=1, report_to="none", use_cpu=True, bf16=False,
+                                disable_tqdm=True, gradient_checkpointing=False)
+    data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS * 2]).to_iterable_dataset()
+
+    def sft(callbacks=None):
+        return DiffusionSFTTrainer(tiny_model("sdar").train(), args=config, train_dataset=data,
+                                   processing_class=build_tokenizer(), callbacks=callbacks)
+
+    sft([StopAfter()]).train()  # 4 batches a pass: checkpoint-5 is in the second pass, checkpoint-3 in the first
+    for step, warned in ((3, False), (5, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=sft_trainer.__name__):
+            sft().train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
+        assert ("within its first pass only" in caplog.text) is warned
+
+
 # ------------------------------------------------------------------------------------------- two processes
 
 TRAIN = Path(__file__).resolve().parent / "distributed" / "train.py"

@@ -325,28 +325,48 @@ class DiffusionSFTTrainer(SFTTrainer):
         push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
 
     def _save_checkpoint(self, model, trial):
-        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting.
-        Written before transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint
-        complete."""
+        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting, and
+        whether the checkpoint holds the weights only (``save_only_model``: not resumable). Written before
+        transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint complete."""
         if self.args.should_save:
             step_dir = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
             folder = os.path.join(self._get_output_dir(trial=trial), step_dir)
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "token_count.json"), "w") as handle:
-                json.dump({"total_train_tokens": self._total_train_tokens}, handle)
+                json.dump({"total_train_tokens": self._total_train_tokens,
+                           "save_only_model": self.args.save_only_model}, handle)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
+        path = os.path.join(checkpoint, "token_count.json") if checkpoint is not None else None
+        saved = None
+        if path is not None and os.path.exists(path):
+            with open(path) as handle:
+                saved = json.load(handle)
+        if saved is not None and saved.get("save_only_model", False):
+            # transformers finds no optimizer / scheduler / RNG files and resumes silently with fresh ones (the
+            # learning-rate warmup starts again): the run would differ from an uninterrupted one
+            raise ValueError(f"checkpoint {checkpoint} was saved with save_only_model=True: it holds model weights "
+                             "only (no optimizer, scheduler or RNG state), and transformers documents such "
+                             "checkpoints as not resumable. Start a new run from its weights (model_name_or_path="
+                             f"{checkpoint}), or train with save_only_model=False to be able to resume.")
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        path = os.path.join(checkpoint, "token_count.json")
-        if not os.path.exists(path):  # a metric only: training itself resumes exactly
+        if (isinstance(self.train_dataset, IterableDataset) and (self.state.epoch or 0) >= 1
+                and not self.args.ignore_data_skip):
+            # transformers skips the trained batches within the first pass only: a stream whose first pass ended
+            # before the checkpoint resumes at the start of a later pass, not where it stopped
+            logger.warning(f"checkpoint {checkpoint} was saved after the training stream's first pass (epoch "
+                           f"{self.state.epoch:.2f}): transformers skips the trained batches of an IterableDataset "
+                           "within its first pass only, so the resumed run starts a pass from its beginning and "
+                           "differs from an uninterrupted one (batches repeated, noise from another pass). A "
+                           "map-style Dataset resumes exactly.")
+        if saved is None:  # a metric only: training itself resumes exactly
             logger.warning(f"{path} is missing (not saved by DiffusionSFTTrainer?): the num_tokens metric restarts "
                            "from 0.")
             return
-        with open(path) as handle:
-            self._total_train_tokens = json.load(handle)["total_train_tokens"]
+        self._total_train_tokens = saved["total_train_tokens"]
 
     def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):
