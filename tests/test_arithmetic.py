@@ -37,6 +37,13 @@ def test_problem_space_and_argument_errors():
         make_problems(1, 1, ops=("*",))
     with pytest.raises(ValueError, match="digits"):
         make_problems(1, 1, digits=0)
+    # "" passed the substring check ("What is 5138?" with the gold 51-38=13); negative counts sliced silently
+    with pytest.raises(ValueError, match="ops must be"):
+        make_problems(1, 1, ops=("+", ""))
+    with pytest.raises(ValueError, match="num_test must be an integer >= 0, got -1"):
+        make_problems(10, -1)
+    with pytest.raises(ValueError, match="num_train must be an integer >= 0, got -5"):
+        make_problems(-5, 10)
 
 
 def test_datasets_come_in_trl_formats():

@@ -46,6 +46,8 @@ def test_time_budget_errors():
         TimeBudgetCallback(10.0, decay_fraction=1.5)
     with pytest.raises(ValueError, match="seconds"):
         TimeBudgetCallback(0.0)
+    with pytest.raises(ValueError, match="seconds"):  # NaN passed `seconds <= 0` and never stopped training
+        TimeBudgetCallback(float("nan"))
 
 
 def test_training_curves_png_holds_the_logged_numbers(tmp_path):

@@ -182,6 +182,23 @@ def test_evaluate_code_dynamic_decoding_and_rows(model_and_tokenizer):
     assert report["metrics"]["accuracy"] == 0.0 and report["metrics"]["pass@1"] == 0.0
 
 
+def test_rows_in_a_container_that_is_not_rows_are_a_clear_error(model_and_tokenizer):
+    # a DatasetDict (load_dataset without split=) or a dict of columns iterated as its keys: AttributeError 'str'
+    # object has no attribute 'items'; a None question: TypeError from str.replace
+    from datasets import Dataset, DatasetDict
+
+    model, tokenizer = model_and_tokenizer
+    rows = [{"problem": "What is 1+2?", "answer": "3"}]
+    for container in (DatasetDict(test=Dataset.from_list(rows)), {"problem": ["What is 1+2?"], "answer": ["3"]}):
+        with pytest.raises(TypeError, match=r"dataset must be rows .*pass one split \(dataset\['test'\]\)"):
+            evaluate(model=model, tokenizer=tokenizer, dataset=container, output_dir=None, **FAST)
+    with pytest.raises(ValueError, match="each row must be a mapping"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=["What is 1+2?"], output_dir=None, **FAST)
+    with pytest.raises(ValueError, match=r"row 1 \(format 'problem_answer'\): the question must be text, got None"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=[*rows, {"problem": None, "answer": "2"}],
+                 output_dir=None, **FAST)
+
+
 def test_errors_are_clear(tmp_path, model_and_tokenizer):
     with pytest.raises(FileNotFoundError, match="not found"):
         load_eval_problems(str(tmp_path / "missing.jsonl"))

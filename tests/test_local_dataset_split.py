@@ -49,3 +49,31 @@ def test_the_examples_refuse_a_config_with_a_local_file_before_loading_anything(
         parse_script_args(parser, ["--dataset_name", local_file, "--dataset_config", "main"])
     assert exit_info.value.code == 2
     assert "dataset_config='main' was given with the local file" in capsys.readouterr().err
+
+
+def test_upper_case_names_and_wrapped_rows_load_as_local_files(tmp_path):
+    # `UP.JSONL` was taken for a Hub id (a network error after the model loaded), and `{"rows": [...]}`, which eval
+    # reads as its rows, loaded as one row whose only column was the list
+    rows = [{"question": f"What is {i}+1?", "answer": str(i + 1)} for i in range(3)]
+    upper = tmp_path / "UP.JSONL"
+    upper.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    assert load_training_dataset(str(upper))["answer"] == ["1", "2", "3"]
+    wrapped = tmp_path / "wrapped.json"
+    wrapped.write_text(json.dumps({"rows": rows}))
+    assert load_training_dataset(str(wrapped)).column_names == ["question", "answer"]
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps(rows))
+    assert len(load_training_dataset(str(plain))) == 3
+
+
+@pytest.mark.parametrize("example", ["math", "sft"])
+def test_another_kind_of_file_is_refused_before_anything_loads(capsys, tmp_path, example):
+    csv = tmp_path / "data.csv"
+    csv.write_text("question,answer\n1+1,2\n")
+    with pytest.raises(ValueError, match=r"dataset file .*data.csv' is not one of \('.json', '.jsonl', '.parquet'\)"):
+        load_training_dataset(str(csv))
+    parser = load_example(example).make_parser()
+    with pytest.raises(SystemExit) as exit_info:
+        parse_script_args(parser, ["--dataset_name", str(csv)])
+    assert exit_info.value.code == 2
+    assert "is not one of" in capsys.readouterr().err

@@ -68,7 +68,7 @@ class TimeBudgetCallback(TrainerCallback):
     0's, so every process anneals and stops at the same step."""
 
     def __init__(self, seconds: float, decay_fraction: float = 0.0, clock=time.perf_counter) -> None:
-        if seconds <= 0 or not 0.0 <= decay_fraction <= 1.0:
+        if not seconds > 0 or not 0.0 <= decay_fraction <= 1.0:  # NaN fails both comparisons: never stopped
             raise ValueError(f"need seconds > 0 and 0 <= decay_fraction <= 1, got {seconds} and {decay_fraction}.")
         self.seconds, self.decay_fraction, self.clock = seconds, decay_fraction, clock
         self.start = clock()

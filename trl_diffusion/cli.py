@@ -150,7 +150,7 @@ def evaluation_split(script_args: Any, args: Any, held_out: Any = None,
     ``held_out`` (the synthetic task's held-out problems, without ``dataset_name``) or ``load(dataset_test_split)``
     (default: ``load_training_dataset`` of ``dataset_name`` / ``dataset_config``, as the training split is loaded).
     A local file is one split, ``train``: another split name is a :class:`UsageError` saying how to slice it."""
-    from .data.loading import LOCAL_SUFFIXES, load_training_dataset
+    from .data.loading import is_local_file_name, load_training_dataset
 
     if load is None:
         def load(split: str) -> Any:
@@ -164,7 +164,7 @@ def evaluation_split(script_args: Any, args: Any, held_out: Any = None,
     try:
         return load(split)
     except ValueError as exc:
-        if not script_args.dataset_name.endswith(LOCAL_SUFFIXES) or "Unknown split" not in str(exc):
+        if not is_local_file_name(script_args.dataset_name) or "Unknown split" not in str(exc):
             raise
         raise UsageError(f"dataset_test_split={split!r}: the local file {script_args.dataset_name!r} is one split, "
                          "train; with --eval_strategy give each run its slice, e.g. --dataset_train_split "
@@ -183,7 +183,7 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
     ``model_name_or_path`` and a ``report_to`` that transformers knows (:func:`check_report_to`). A single module
     name in ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
     from .assets import check_hub_model_cached, resolve_model_path
-    from .data.loading import LOCAL_SUFFIXES
+    from .data.loading import check_local_file_type, is_local_file_name
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
@@ -192,9 +192,14 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
             check_hub_model_cached(resolve_model_path(args.value_model))
         check_report_to(getattr(args, "report_to", None))
         dataset = getattr(args, "dataset_name", None)
-        if dataset and dataset.endswith(LOCAL_SUFFIXES) and not os.path.isfile(os.path.expanduser(dataset)):
+        if dataset and is_local_file_name(dataset) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
-        if dataset and dataset.endswith(LOCAL_SUFFIXES) and getattr(args, "dataset_config", None) is not None:
+        if dataset:
+            try:
+                check_local_file_type(dataset)
+            except ValueError as exc:
+                raise UsageError(f"dataset_name: {exc}") from None
+        if dataset and is_local_file_name(dataset) and getattr(args, "dataset_config", None) is not None:
             raise UsageError(f"dataset_config={args.dataset_config!r} was given with the local file {dataset!r}, "
                              "which has no configs: leave --dataset_config unset.")
         if dataset in EVAL_ONLY_NAMES:

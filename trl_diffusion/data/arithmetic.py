@@ -62,7 +62,10 @@ def make_problems(
     """
     if digits < 1:
         raise ValueError(f"digits must be >= 1, got {digits}.")
-    if not ops or any(op not in "+-" for op in ops):
+    for name, count in (("num_train", num_train), ("num_test", num_test)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"{name} must be an integer >= 0, got {count!r}.")
+    if not ops or any(op not in ("+", "-") for op in ops):
         raise ValueError(f"ops must be a non-empty subset of ('+', '-'), got {ops}.")
     n = 10**digits
     space = n * n * ("+" in ops) + (n * n if allow_negative else n * (n + 1) // 2) * ("-" in ops)

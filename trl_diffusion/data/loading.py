@@ -2,23 +2,64 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from datasets import Dataset, load_dataset
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
-"""File names read as a local dataset file rather than a Hub name."""
+"""File names read as a local dataset file rather than a Hub name (compared in lower case)."""
+
+
+def is_local_file_name(name: str) -> bool:
+    """Whether ``name`` ends like a local dataset file (``.json`` / ``.jsonl`` / ``.parquet``, in any case)."""
+    return name.lower().endswith(LOCAL_SUFFIXES)
+
+
+def check_local_file_type(name: str) -> None:
+    """Refuse an existing file that is not a dataset file we read: ``load_dataset`` took ``data.csv`` or
+    ``train.txt`` for a Hub id and failed on the network (``Couldn't reach ... on the Hub``)."""
+    path = os.path.expanduser(name)
+    if os.path.isfile(path) and not is_local_file_name(name):
+        raise ValueError(f"dataset file {name!r} is not one of {LOCAL_SUFFIXES}: convert it (e.g. "
+                         "datasets.load_dataset('csv', data_files=...)['train'].to_json('data.jsonl')).")
+
+
+def wrapped_rows_key(data: object) -> str | None:
+    """The key of ``{"<key>": [{...}, ...]}``: a JSON object whose one non-empty list of objects holds the rows (None
+    for anything else). ``trl-diffusion eval`` reads such files as their rows, and so does training."""
+    if not isinstance(data, dict):
+        return None
+    keys = [k for k, v in data.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+    return keys[0] if len(keys) == 1 else None
+
+
+def _rows_field(path: str) -> str | None:
+    """For a ``.json`` file that wraps its rows in one object, the key holding them (``load_dataset``'s ``field``):
+    without it the file loaded as one row whose only column was that list."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            data = json.load(handle)
+    except (json.JSONDecodeError, UnicodeDecodeError):  # JSON lines under a .json name: datasets reads them
+        return None
+    key = wrapped_rows_key(data)
+    return key if key is not None and len(data) == 1 else None
 
 
 def load_training_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
     """``name`` is a local ``.json`` / ``.jsonl`` / ``.parquet`` file or a Hub dataset. A local file is one split,
     ``train``: ``split`` may slice it (``"train[:1000]"``), another split name is ``datasets``' error, and a
-    ``config`` is refused (a local file has none). A local path may start with ``~``."""
-    if name.endswith(LOCAL_SUFFIXES):
+    ``config`` is refused (a local file has none). A local path may start with ``~``; a ``.json`` file may hold a
+    list of rows, JSON lines, or one object wrapping the rows (``{"rows": [...]}``). Another existing file is
+    refused (``check_local_file_type``)."""
+    if is_local_file_name(name):
         if config is not None:
             raise ValueError(f"dataset_config={config!r} was given with the local file {name!r}, which has no "
                              "configs: leave dataset_config unset (or put that subset in a file of its own).")
-        name = os.path.expanduser(name)
-        kind = "parquet" if name.endswith(".parquet") else "json"
-        return load_dataset(kind, data_files=name, split=split)
+        path = os.path.expanduser(name)
+        if name.lower().endswith(".parquet"):
+            return load_dataset("parquet", data_files=path, split=split)
+        field = _rows_field(path) if name.lower().endswith(".json") and os.path.isfile(path) else None
+        return load_dataset("json", data_files=path, split=split, **({"field": field} if field else {}))
+    check_local_file_type(name)
     return load_dataset(name, config, split=split)

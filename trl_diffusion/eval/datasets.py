@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.loading import LOCAL_SUFFIXES
+from ..data.loading import LOCAL_SUFFIXES, wrapped_rows_key
 from ..rewards import build_tests, extract_gold_answer
 from ..rewards.dllm_rl_code import as_string_list, stdio_test
 
@@ -153,6 +153,9 @@ def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | Non
     """Detect the format of ``rows`` and convert every row; raises if a row has no gold answer or no tests."""
     if not rows:
         raise ValueError("the dataset has no rows.")
+    if not all(isinstance(row, Mapping) for row in rows):
+        raise ValueError(f"each row must be a mapping of column names to values, got a {type(rows[0]).__name__}"
+                         f"{'' if isinstance(rows[0], Mapping) else f' ({rows[0]!r:.60})'}.")
     rows = [{str(k).lower(): v for k, v in row.items()} for row in rows]
     fmt = detect_format(rows[0])
     problems = []
@@ -162,6 +165,8 @@ def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | Non
         except KeyError as exc:  # the format was detected from the first row; a later row may lack a column
             raise ValueError(f"row {index} has no {exc.args[0]!r} column, which format {fmt!r} (detected from the "
                              f"first row's columns) needs; its columns are {sorted(row)}.") from None
+        except NotText as exc:  # None or a number where the text goes (a missing value in a table)
+            raise ValueError(f"row {index} (format {fmt!r}): {exc}") from None
     bad = [p.id for p in problems if (p.answer is None if p.task == "math" else not p.tests)]
     if bad:
         what = "gold answer" if problems[0].task == "math" else "tests"
@@ -237,8 +242,8 @@ def _read_local(path: Path) -> list[dict]:
     except json.JSONDecodeError:
         data = _json_lines(path, text)
     if isinstance(data, dict):  # {"rows": [...]}, or a single problem (a one-line JSON lines file)
-        lists = [v for v in data.values() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
-        data = lists[0] if len(lists) == 1 and not _is_problem(data) else [data]
+        key = wrapped_rows_key(data)
+        data = data[key] if key is not None and not _is_problem(data) else [data]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"{path} must hold a list of JSON objects (one per problem).")
     return data
@@ -364,7 +369,13 @@ def _fill(template: str, question: str) -> str:
     template = PROMPT_PRESETS.get(template, template)
     if "{question}" not in template:
         raise ValueError(f"prompt_template must contain '{{question}}', got {template!r}.")
+    if not isinstance(question, str):
+        raise NotText(f"the question must be text, got {question!r}.")
     return template.replace("{question}", question)
+
+
+class NotText(ValueError):
+    """A row's question (or prompt) is not a string: ``problems_from_rows`` names the row."""
 
 
 def _arithmetic_problems(template: str | None, chat_template: bool) -> list[EvalProblem]:

@@ -12,6 +12,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -538,6 +539,10 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem]]
     if dataset is None or isinstance(dataset, (str, Path)):
         return load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
                                   config.max_problems, config.prompt_template, config.apply_chat_template)
+    if isinstance(dataset, Mapping):  # iterating one would give its keys: split or column names
+        raise TypeError(f"dataset must be rows (a datasets.Dataset, or a list of dicts or EvalProblems), got a "
+                        f"{type(dataset).__name__} with keys {sorted(map(str, dataset))[:8]}: pass one split "
+                        "(dataset['test']) of a DatasetDict, or datasets.Dataset.from_dict(columns) for columns.")
     rows = list(dataset)
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
     if not problems:
