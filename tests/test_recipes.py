@@ -45,6 +45,9 @@ def test_recipe_parses_and_states_what_it_mirrors(recipe):
     # every key of the file reached a config field (a misspelt key would be silently ignored otherwise)
     fields = {**vars(script_args), **vars(training_args), **vars(model_args)}
     assert set(yaml.safe_load(recipe.read_text())) <= set(fields)
+    # the released checkpoints are bf16 and dLLM-RL loads them so (torch_dtype "auto" / bf16); the SFT recipe
+    # loaded float32 (TRL's default), unlike the docs' "the recipes set bfloat16"
+    assert model_args.dtype == "bfloat16"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])

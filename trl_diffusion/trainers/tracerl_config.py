@@ -291,6 +291,9 @@ class TraceRLConfig(GRPOConfig):
                           f"name; use rollout_cache={old!r}. use_cache stays transformers' model.config.use_cache "
                           "(False).", FutureWarning, stacklevel=3)
             self.rollout_cache, self.use_cache = old, False
+        if self.num_generations is None:  # typed `int | None` by TRL, whose __post_init__ then fails on `% None`
+            raise ValueError("num_generations must be an integer >= 2 (the responses per prompt that GRPO's "
+                             "advantages compare), got None.")
         super().__post_init__()
         check_field_types(self, GRPOConfig)
         self._check_checkpointing_kwargs()
