@@ -32,12 +32,12 @@ LOW, HIGH = 0.1, 0.9
 OFFICIAL = dict(mask_ratio_range=[LOW, HIGH], mask_ratio_sampling="per_token", loss_weighting="none")
 
 
-def fast_row_loss(model, objective, ids, labels, valid, normalization, per_token, **kw):
+def fast_row_loss(model, objective, ids, labels, valid, normalization, per_token, length=None, **kw):
     """The objective with dLLM-RL's noise, normalised per row as the trainer does."""
     batch = build_objective(objective, ids, labels, valid, gens(len(ids)), mask_token_id=MASK_ID,
                             block_size=model.block_size, eps=LOW, high=HIGH, per_token=per_token, weighting="none",
                             **kw)
-    batch.weights = per_row_weights(batch, normalization, labels.ne(IGNORE_INDEX).sum(-1))
+    batch.weights = per_row_weights(batch, normalization, labels.ne(IGNORE_INDEX).sum(-1), length=length)
     return diffusion_loss(model, batch, rows_averaged(batch, normalization), model.logits_shift, MASK_ID)[0]
 
 
@@ -47,9 +47,31 @@ def per_token_mask(generator, n, completion):
     return completion[:n] & (torch.rand(n, generator=generator) < probability)
 
 
+def test_block_per_token_noise_and_row_length_normalisation():
+    """SDAR's SFT in dLLM-RL (``sft_trado.py``): every completion token masked with its own probability
+    u ~ U(0.1, 0.9), no 1/t weight, each row's loss divided by one length for the whole dataset (its padded
+    response length L1, ``loss = -(logp * p_mask).sum(1) / L1``), averaged over the rows with a masked token (it
+    drops the others, ``keep = p_mask.any(dim=1)``). Dividing by each sample's own length weighted a short answer's
+    tokens L1 / n times more."""
+    model = tiny_model("sdar")
+    ids, labels, valid = make_batch()
+    length = 40
+    with torch.no_grad():
+        loss = fast_row_loss(model, "block", ids, labels, valid, "row_length", per_token=True, length=length)
+        rows = []
+        for row, generator in enumerate(gens(len(ids))):
+            n = int(valid[row].sum())
+            masked = per_token_mask(generator, n, labels[row] != IGNORE_INDEX)
+            if masked.any():
+                noisy = ids[row, :n].masked_fill(masked, MASK_ID)
+                rows.append(-torch.as_tensor(logp_block_causal(model, noisy, ids[row, :n], masked),
+                                             dtype=torch.float32) / length)
+    assert_close_fp32(loss, torch.stack(rows).mean())
+
+
 def test_block_per_token_noise_and_row_tokens_normalisation():
-    """SDAR's SFT in dLLM-RL: every completion token masked with its own probability u ~ U(0.1, 0.9), no 1/t
-    weight, each row's loss over its completion length, averaged over rows."""
+    """``row_tokens`` (LLaDA's SFT normalisation) with dLLM-RL's per-token noise: each row's loss over its
+    completion length, averaged over rows."""
     model = tiny_model("sdar")
     ids, labels, valid = make_batch()
     with torch.no_grad():
@@ -183,6 +205,12 @@ def test_row_means_under_gradient_accumulation():
     (dict(loss_normalization="row_tokens", diffusion_objective="semi_ar"), "applies to"),
     (dict(loss_normalization="row_masked", packing=True), "packed row holds several samples"),
     (dict(mask_ratio_range=[0.1, 0.9], diffusion_objective="trajectory"), "recorded"),
+    (dict(loss_normalization="row_length"), "set it"),
+    (dict(loss_normalization_length=2000), "applies to loss_normalization='row_length' only"),
+    (dict(loss_normalization="row_length", loss_normalization_length=0), "must be >= 1"),
+    # mask_eps was accepted and read by nothing
+    (dict(mask_ratio_range=[0.2, 0.8], mask_eps=0.3), "mask_eps=0.3 would be ignored: mask_ratio_range"),
+    (dict(diffusion_objective="trajectory", mask_eps=0.2), "mask_eps=0.2 would be ignored: 'trajectory'"),
 ])
 def test_settings_that_do_not_fit_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
@@ -198,5 +226,6 @@ def test_the_long_cot_sft_recipe_is_dllm_rls_objective():
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "sdar_4b_long_cot_sft.yaml"
     args = load_example("sft").make_parser().parse_args_and_config(["--config", str(recipe), *CPU])[1]
-    assert (args.mask_ratio_range, args.mask_ratio_sampling, args.loss_normalization, args.loss_weighting,
-            args.exclude_mask_token_from_softmax) == ([LOW, HIGH], "per_token", "row_tokens", "none", False)
+    assert (args.mask_ratio_range, args.mask_ratio_sampling, args.loss_normalization, args.loss_normalization_length,
+            args.loss_weighting, args.exclude_mask_token_from_softmax) == (
+        [LOW, HIGH], "per_token", "row_length", 2000, "none", False)

@@ -48,9 +48,10 @@ PACKED_OBJECTIVES = ("block", "random_masking", "complementary")
 PER_TOKEN_OBJECTIVES = ("block", "random_masking", "semi_ar")
 """Objectives that can draw one mask ratio per token (dLLM-RL's SFT) instead of one per sample."""
 MASK_RATIO_SAMPLING = ("per_sample", "per_token")
-LOSS_NORMALIZATIONS = ("tokens", "row_masked", "row_tokens")
-"""``tokens``: TRL's, the summed loss over the accumulated batch's loss tokens; ``row_masked`` / ``row_tokens``
-(dLLM-RL's): each training row's summed loss over its masked tokens / its sample's loss tokens, averaged over rows."""
+LOSS_NORMALIZATIONS = ("tokens", "row_masked", "row_tokens", "row_length")
+"""``tokens``: TRL's, the summed loss over the accumulated batch's loss tokens; ``row_masked`` / ``row_tokens`` /
+``row_length``: each training row's summed loss over its masked tokens (dLLM-RL's full-attention SFT) / its sample's
+loss tokens (LLaDA's SFT) / a fixed length (dLLM-RL's block SFT: its padded response length), averaged over rows."""
 LOSS_WEIGHTINGS = ("elbo", "none")
 IGNORE_INDEX = -100
 
@@ -514,27 +515,31 @@ def diffusion_loss(
 
 
 def per_row_weights(batch: ScoringBatch, normalization: str, sample_tokens: torch.Tensor | None = None,
-                    logits_shift: bool = False) -> torch.Tensor:
-    """``batch.weights`` divided, row by row, by the row's masked (scored) token count (``row_masked``) or by
-    ``sample_tokens`` ``[rows]``, the loss-token count of the sample each row comes from (``row_tokens``); a row
-    with nothing to divide by keeps weight 0. Summed and divided by the number of rows, the loss is dLLM-RL's
-    per-row mean."""
+                    logits_shift: bool = False, length: int | None = None) -> torch.Tensor:
+    """``batch.weights`` divided, row by row, by the row's masked (scored) token count (``row_masked``), by
+    ``sample_tokens`` ``[rows]``, the loss-token count of the sample each row comes from (``row_tokens``), or by
+    ``length`` for every row (``row_length``); a row with nothing to divide by keeps weight 0. Summed and divided
+    by ``rows_averaged``, the loss is the official per-row mean."""
     if normalization == "row_masked":  # a masked token nothing predicts (``logits_shift``) is not counted
         counts = scorable(batch, logits_shift).sum(-1)
     elif normalization == "row_tokens":
         if sample_tokens is None or len(sample_tokens) != batch.targets.shape[0]:
             raise ValueError("row_tokens needs the loss-token count of each row's sample (one row per sample).")
         counts = sample_tokens
+    elif normalization == "row_length":
+        if length is None or length < 1:
+            raise ValueError(f"row_length needs a length >= 1, got {length!r}.")
+        counts = torch.full((batch.targets.shape[0],), length)
     else:
-        raise ValueError(f"unknown per-row normalization {normalization!r}; choose 'row_masked' or 'row_tokens'.")
+        raise ValueError(f"unknown per-row normalization {normalization!r}; choose one of {LOSS_NORMALIZATIONS[1:]}.")
     return batch.weights / counts.clamp(min=1).to(batch.weights)[:, None]
 
 
 def rows_averaged(batch: ScoringBatch, normalization: str, logits_shift: bool = False) -> int:
-    """How many rows the per-row mean of ``per_row_weights`` divides by. ``row_masked``: the rows with a scored
-    token (a row with none has no loss to average; dLLM-RL's full-attention SFT drops such rows when it builds
-    them). ``row_tokens``: every row (dLLM-RL's block SFT keeps them all)."""
-    if normalization == "row_masked":
+    """How many rows the per-row mean of ``per_row_weights`` divides by. ``row_masked`` and ``row_length``: the rows
+    with a scored token (a row with none has no loss to average; dLLM-RL's SFT drops such rows when it builds them,
+    ``keep = p_mask.any(dim=1)``). ``row_tokens``: every row (LLaDA's SFT averages over its whole batch)."""
+    if normalization in ("row_masked", "row_length"):
         return int(scorable(batch, logits_shift).any(-1).sum())
     return batch.targets.shape[0]
 

@@ -29,6 +29,10 @@ NONE_STRINGS = ("None", "none")
 """``diffusion_objective`` strings that mean None (the command line passes ``--diffusion_objective None`` as text)."""
 
 
+MASK_EPS_DEFAULT = 1e-3
+"""``mask_eps``'s default (another value with ``mask_ratio_range`` or ``trajectory`` would be ignored)."""
+
+
 @dataclass
 class DiffusionSFTConfig(SFTConfig):
     """Configuration for [`DiffusionSFTTrainer`]. Only the diffusion-specific fields are listed; every
@@ -44,7 +48,8 @@ class DiffusionSFTConfig(SFTConfig):
         loss_weighting (`str`, *optional*, defaults to `"elbo"`):
             `"elbo"` weights each masked token by 1/t (t = its mask ratio); `"none"` weights all by 1.
         mask_eps (`float`, *optional*, defaults to `1e-3`):
-            Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1). Must lie in (0, 0.5).
+            Smallest mask ratio: t = eps + (1 - eps) u with u ~ U(0, 1). Must lie in (0, 0.5); another value with
+            `mask_ratio_range` or the `"trajectory"` objective (which do not read it) is an error.
         mask_ratio_range (`list[float]` or `None`, *optional*):
             `[low, high]` with 0 < low <= high <= 1 (`complementary`: high < 1): draw mask ratios from U(low, high)
             instead of U(mask_eps, 1) (`complementary`: U(mask_eps, 1 - mask_eps)). dLLM-RL's SFT uses `[0.1, 0.9]`.
@@ -53,10 +58,14 @@ class DiffusionSFTConfig(SFTConfig):
             masked with its own probability (dLLM-RL's SFT of block models and its `semi_ar`); needs
             `loss_weighting="none"`.
         loss_normalization (`str`, *optional*, defaults to `"tokens"`):
-            `"tokens"`: TRL's (summed loss / the accumulated batch's loss tokens); `"row_masked"` / `"row_tokens"`:
-            dLLM-RL's, each training row's summed loss divided by its masked tokens (its full-attention SFT) or by its
-            sample's loss tokens (its block SFT), averaged over rows (for `"row_masked"`, those with a scored token)
-            and accumulation steps.
+            `"tokens"`: TRL's (summed loss / the accumulated batch's loss tokens); per-row means: each training
+            row's summed loss divided by its masked tokens (`"row_masked"`, dLLM-RL's full-attention SFT), by its
+            sample's loss tokens (`"row_tokens"`, LLaDA's SFT) or by `loss_normalization_length` (`"row_length"`,
+            dLLM-RL's block SFT), averaged over rows (`"row_masked"` / `"row_length"`: those with a scored token) and
+            accumulation steps.
+        loss_normalization_length (`int` or `None`, *optional*):
+            `"row_length"`'s divisor (>= 1): dLLM-RL's block SFT divides every row by its dataset's padded response
+            length, the longest response capped at `max_gen_length` (2000 in its long-CoT config).
         exclude_mask_token_from_softmax (`bool`, *optional*, defaults to `True`):
             Leave the mask token out of the loss's softmax; `False` scores over the whole vocabulary, as the
             released SFT code does.
@@ -108,7 +117,7 @@ class DiffusionSFTConfig(SFTConfig):
                   "choices": list(LOSS_WEIGHTINGS)},
     )
     mask_eps: float = field(
-        default=1e-3,
+        default=MASK_EPS_DEFAULT,
         metadata={"help": "Smallest mask ratio, in (0, 0.5): t = eps + (1 - eps) * u, u ~ U(0, 1)."},
     )
     exclude_mask_token_from_softmax: bool = field(
@@ -130,10 +139,18 @@ class DiffusionSFTConfig(SFTConfig):
     )
     loss_normalization: str = field(
         default="tokens",
-        metadata={"help": "'tokens' (TRL: summed loss / the accumulated batch's loss tokens), or dLLM-RL's per-row "
-                  "means: 'row_masked' (each row's loss / its masked tokens) or 'row_tokens' (/ its sample's loss "
-                  "tokens), averaged over rows (for 'row_masked', those with a scored token) and accumulation steps.",
+        metadata={"help": "'tokens' (TRL: summed loss / the accumulated batch's loss tokens), or per-row means: "
+                  "'row_masked' (each row's loss / its masked tokens; dLLM-RL's full-attention SFT), 'row_tokens' "
+                  "(/ its sample's loss tokens; LLaDA's SFT) or 'row_length' (/ loss_normalization_length; "
+                  "dLLM-RL's block SFT), averaged over rows ('row_masked' / 'row_length': those with a scored token) "
+                  "and accumulation steps.",
                   "choices": list(LOSS_NORMALIZATIONS)},
+    )
+    loss_normalization_length: int | None = field(
+        default=None,
+        metadata={"help": "'row_length''s divisor (>= 1), for every row: dLLM-RL's block SFT divides by its dataset's "
+                  "padded response length (the longest response, capped at max_gen_length: 2000 in its long-CoT "
+                  "config). Only with loss_normalization='row_length'."},
     )
     block_size: int | None = field(
         default=None,
@@ -207,6 +224,11 @@ class DiffusionSFTConfig(SFTConfig):
             raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {self.overlong_policy!r}.")
         if self.pad_to_length_with_eos and self.max_length is None:
             raise ValueError("pad_to_length_with_eos=True pads to max_length; set max_length.")
+        if self.mask_eps != MASK_EPS_DEFAULT and (self.mask_ratio_range is not None
+                                                  or self.diffusion_objective == "trajectory"):
+            why = ("mask_ratio_range sets the mask ratios" if self.mask_ratio_range is not None
+                   else "'trajectory' replays recorded states")
+            raise ValueError(f"mask_eps={self.mask_eps} would be ignored: {why}. Leave it at {MASK_EPS_DEFAULT}.")
         for name, default, objective in (("semi_ar_block_length", 32, "semi_ar"),
                                          ("trajectory_shrinkage", 1, "trajectory")):
             if getattr(self, name) != default and self.diffusion_objective != objective:
@@ -256,6 +278,15 @@ class DiffusionSFTConfig(SFTConfig):
         if self.loss_normalization not in LOSS_NORMALIZATIONS:
             raise ValueError(f"loss_normalization must be one of {LOSS_NORMALIZATIONS}, got "
                              f"{self.loss_normalization!r}.")
+        length = self.loss_normalization_length
+        if self.loss_normalization == "row_length" and length is None:
+            raise ValueError("loss_normalization='row_length' divides every row by loss_normalization_length: set it "
+                             "(dLLM-RL's block SFT: its padded response length, e.g. 2000).")
+        if self.loss_normalization != "row_length" and length is not None:
+            raise ValueError(f"loss_normalization_length={length} applies to loss_normalization='row_length' only, "
+                             f"not to {self.loss_normalization!r}; it would be ignored.")
+        if length is not None and length < 1:
+            raise ValueError(f"loss_normalization_length must be >= 1, got {length}.")
         if self.loss_normalization != "tokens":
             allowed = ("block", "random_masking") + (("semi_ar",) if self.loss_normalization == "row_masked" else ())
             if objective not in (None, *allowed):

@@ -560,7 +560,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         else:  # dLLM-RL's: the mean over rows of each row's normalised loss, then over accumulation steps
             labels_counted = labels[..., 1:] if self.spec.logits_shift else labels
             batch.weights = per_row_weights(batch, args.loss_normalization, labels_counted.ne(IGNORE_INDEX).sum(-1),
-                                            logits_shift=self.spec.logits_shift)
+                                            logits_shift=self.spec.logits_shift,
+                                            length=args.loss_normalization_length)
             steps = getattr(self, "current_gradient_accumulation_steps", 1) if mode == "train" else 1
             # Trainer leaves the division by accumulation steps to us
             normaliser = rows_averaged(batch, args.loss_normalization, self.spec.logits_shift) * steps
