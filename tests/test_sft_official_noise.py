@@ -148,9 +148,12 @@ def dllm_rl_trainer(family, **settings):
                                processing_class=TOKENIZER), model
 
 
-def test_the_trainer_draws_dllm_rls_noise():
+@pytest.mark.parametrize("normalization", ["row_tokens", "row_length"])
+def test_the_trainer_draws_dllm_rls_noise(normalization):
     """Configured on the trainer, the loss is the pure function's with the same per-sample generators."""
-    trainer, model = dllm_rl_trainer("sdar", loss_normalization="row_tokens", **OFFICIAL)
+    length = 50 if normalization == "row_length" else None
+    trainer, model = dllm_rl_trainer("sdar", loss_normalization=normalization, loss_normalization_length=length,
+                                     **OFFICIAL)
     batch = next(iter(trainer.get_train_dataloader()))
     model.eval()
     with torch.no_grad():
@@ -159,8 +162,9 @@ def test_the_trainer_draws_dllm_rls_noise():
                                     sample_generators(batch["sample_index"].tolist(), trainer.args.seed, 0),
                                     mask_token_id=MASK_ID, block_size=4, eps=LOW, high=HIGH, per_token=True,
                                     weighting="none")
-        objective.weights = per_row_weights(objective, "row_tokens", batch["labels"].ne(IGNORE_INDEX).sum(-1))
-        expected = diffusion_loss(model, objective, len(batch["input_ids"]), False, MASK_ID)[0]
+        objective.weights = per_row_weights(objective, normalization, batch["labels"].ne(IGNORE_INDEX).sum(-1),
+                                            length=length)
+        expected = diffusion_loss(model, objective, rows_averaged(objective, normalization), False, MASK_ID)[0]
     assert_close_fp32(loss, expected)
 
 
