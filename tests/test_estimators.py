@@ -265,8 +265,9 @@ def test_unknown_estimator_is_an_error():
     ("shrinkage", 1.5, "shrinkage must be an integer >= 1"),
     ("token_budget", 0, "token_budget must be None or an integer >= 1"),
     ("block_size", 0, "block_size must be None or an integer >= 1"),  # was read as "the model's"
-    ("temperature", -1.0, "temperature must be a finite number >= 0"),  # all-NaN log-probs
-    ("temperature", float("nan"), "temperature must be a finite number >= 0"),
+    ("temperature", -1.0, "temperature must be 0 .scored at 1. or a finite number >= 1e-05"),  # all-NaN log-probs
+    ("temperature", float("nan"), "temperature must be 0 .scored at 1. or a finite number >= 1e-05"),
+    ("temperature", 1e-40, "temperature must be 0 .scored at 1. or a finite number >= 1e-05"),  # NaN log-probs
     ("top_k", -3, "top_k must be None or an integer >= 0"),
     ("top_p", 0.0, r"top_p must be None or in \(0, 1\]"),  # every log-prob -inf
     ("top_p", 1.5, r"top_p must be None or in \(0, 1\]"),

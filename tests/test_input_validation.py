@@ -28,7 +28,9 @@ PROMPTS = ["What is 1+2?", "Say hi"]
     ("max_completion_length", 0), ("temperature", math.inf), ("temperature", math.nan), ("top_k", -1),
     ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
     ("min_p", 0.1), ("repetition_penalty", 1.2), ("generation_kwargs", {"num_beams": 2}),
-    ("num_generations", None),  # TRL types it `int | None`, then fails on `% None` (a YAML `null` got a traceback)
+    # TRL types num_generations `int | None`, then fails on `% None` (a YAML `null` got a traceback); a temperature
+    # below MIN_TEMPERATURE gave NaN log-probs
+    ("num_generations", None), ("scoring_temperature", 1e-40),
 ])
 def test_tracerl_config_rejects_out_of_range_fields(field, value):
     with pytest.raises(ValueError, match=field):

@@ -59,8 +59,12 @@ def test_upper_case_names_and_wrapped_rows_load_as_local_files(tmp_path):
     upper.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     assert load_training_dataset(str(upper))["answer"] == ["1", "2", "3"]
     wrapped = tmp_path / "wrapped.json"
-    wrapped.write_text(json.dumps({"rows": rows}))
-    assert load_training_dataset(str(wrapped)).column_names == ["question", "answer"]
+    for text in (json.dumps({"rows": rows}), json.dumps({"version": 1, "rows": rows}, indent=1)):
+        wrapped.write_text(text)
+        assert load_training_dataset(str(wrapped)).column_names == ["question", "answer"]
+    chat = tmp_path / "chat.json"  # one conversational row is not a wrapper of its messages
+    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}, indent=1))
+    assert load_training_dataset(str(chat)).column_names == ["messages"]
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(rows))
     assert len(load_training_dataset(str(plain))) == 3

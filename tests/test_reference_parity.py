@@ -146,18 +146,20 @@ def test_dream_sampler_matches_reference(case):
     _check_generation(out, data, prompt.shape[1])
 
 
-def test_llada_ranks_commits_by_the_raw_softmax_when_sampling():
+@pytest.mark.parametrize("strategy", ["low_confidence_static", "topk_margin", "entropy"])
+def test_llada_ranks_commits_by_the_raw_softmax_when_sampling(strategy):
     """ML-GSAI's ``generate.py`` and dLLM-RL's LLaDA rollouts draw x0 with the float64 Gumbel race at the
-    temperature, but rank commits by ``softmax(logits)[x0]`` at temperature 1 (the mask token in the softmax). The
-    tempered probability ranked them before: other positions committed (the official LLaDA preset samples at 0.8).
-    A slow reference of that loop, fed the uniforms our per-row generators draw (per row, ``[block, vocab]`` float64
-    per step), commits the same positions and tokens."""
+    temperature, but rank commits by ``p = softmax(logits)`` at temperature 1 (the mask token in the softmax):
+    ``p[x0]``, the top-2 margin, the entropy (negative here: dLLM-RL's ``neg_entropy`` computes +H, documented).
+    The tempered distribution ranked them before: other positions committed (the official LLaDA preset samples at
+    0.8). A slow reference of that loop, fed the uniforms our per-row generators draw (per row, ``[block, vocab]``
+    float64 per step), commits the same positions and tokens."""
     model = reference_model("llada")
     rows, prompt_len, length, steps, temperature, quota = 16, 6, 8, 4, 0.8, 2
     prompt = torch.randint(5, 100, (rows, prompt_len), generator=torch.Generator().manual_seed(0))
     with DecisionMargins() as margins, torch.no_grad():
         out = model.generate(prompt, max_new_tokens=length, block_length=length, denoising_steps=steps,
-                             temperature=temperature, remasking_strategy="low_confidence_static", stop_token_ids=[],
+                             temperature=temperature, remasking_strategy=strategy, stop_token_ids=[],
                              generator=[torch.Generator().manual_seed(i) for i in range(rows)],
                              return_dict_in_generate=True)
     assert margins.smallest > 1e-6
@@ -171,7 +173,14 @@ def test_llada_ranks_commits_by_the_raw_softmax_when_sampling():
         sampled[..., 127] = float("-inf")  # our sampler never draws the mask token (documented)
         u = torch.stack([torch.rand(logits.shape[1:], generator=g, dtype=torch.float64) for g in generators])
         x0 = (sampled.exp() / (-torch.log(u)) ** temperature).argmax(-1)
-        confidence = logits.softmax(-1).gather(-1, x0[..., None]).squeeze(-1)
+        p = logits.softmax(-1)
+        if strategy == "low_confidence_static":
+            confidence = p.gather(-1, x0[..., None]).squeeze(-1)
+        elif strategy == "topk_margin":
+            top2 = p.topk(2, dim=-1).values
+            confidence = top2[..., 0] - top2[..., 1]
+        else:
+            confidence = (p * torch.log(p + 1e-10)).sum(-1)
         masked = x[:, prompt_len:] == 127
         confidence = confidence.masked_fill(~masked, float("-inf"))
         for row in range(rows):

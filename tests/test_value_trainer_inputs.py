@@ -57,8 +57,10 @@ def test_rows_passed_to_evaluate_are_checked_as_the_trainers_own(tmp_path):
     ("learning_rate", float("inf"), "learning_rate must be a finite number >= 0, got inf"),
     ("learning_rate", float("nan"), "learning_rate must be a finite number >= 0, got nan"),
     ("learning_rate", -0.01, "learning_rate must be a finite number >= 0, got -0.01"),
-    ("per_device_train_batch_size", 0, "per_device_train_batch_size must be >= 1, got 0"),
-    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be >= 1, got 0"),
+    ("learning_rate", "1e-5", "learning_rate must be a finite number >= 0, got '1e-5'"),  # PyYAML's 1e-5
+    ("per_device_train_batch_size", "2", "per_device_train_batch_size must be an integer >= 1, got '2'"),
+    ("per_device_train_batch_size", 0, "per_device_train_batch_size must be an integer >= 1, got 0"),
+    ("gradient_accumulation_steps", 0, "gradient_accumulation_steps must be an integer >= 1, got 0"),
 ])
 def test_optimization_numbers_are_checked_when_a_config_is_built(field, value, message):
     # learning_rate=inf trained: every weight NaN after the first step, the logged losses still finite

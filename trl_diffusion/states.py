@@ -418,11 +418,13 @@ def check_optimization_numbers(args) -> None:
     that is infinite made every weight NaN after the first step while the logged loss looked fine (NaN and negative
     ones failed only inside ``train()``); batch sizes and accumulation steps below 1 failed later, or in ways that
     did not name the field."""
-    if not (math.isfinite(args.learning_rate) and args.learning_rate >= 0):
-        raise ValueError(f"learning_rate must be a finite number >= 0, got {args.learning_rate}.")
+    rate = args.learning_rate
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not (math.isfinite(rate) and rate >= 0):
+        raise ValueError(f"learning_rate must be a finite number >= 0, got {rate!r}.")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"{name} must be >= 1, got {getattr(args, name)}.")
+        value = getattr(args, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
 
 
 FLEX_MIN_TORCH = (2, 5)

@@ -36,14 +36,29 @@ def wrapped_rows_key(data: object) -> str | None:
 
 def _rows_field(path: str) -> str | None:
     """For a ``.json`` file that wraps its rows in one object, the key holding them (``load_dataset``'s ``field``):
-    without it the file loaded as one row whose only column was that list."""
-    try:
-        with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
-    except (json.JSONDecodeError, UnicodeDecodeError):  # JSON lines under a .json name: datasets reads them
+    without it the file loaded as one row whose only column was that list. Only a file that opens with an object
+    which is not complete on its first line (not JSON lines) is parsed whole to find out; a list or JSON lines are
+    left to ``datasets`` (and its cache) unread. A key whose list holds chat messages (``role`` / ``content``) is a
+    single conversational row, not rows."""
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        lines = (line for line in handle if line.strip())
+        first, second = next(lines, ""), next(lines, None)
+    if not first.lstrip().startswith("{"):
         return None
+    try:
+        data = json.loads(first)
+        if second is not None:
+            return None  # whole objects line by line: JSON lines
+    except json.JSONDecodeError:  # an object over several lines
+        try:
+            with open(path, encoding="utf-8") as handle:
+                data = json.load(handle)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None  # not one JSON document: datasets' error
     key = wrapped_rows_key(data)
-    return key if key is not None and len(data) == 1 else None
+    if key is None or all({"role", "content"} <= set(row) for row in data[key]):
+        return None
+    return key
 
 
 def load_training_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..generation.sampling import target_scores
+from ..generation.sampling import MIN_TEMPERATURE, target_scores
 from ..states import (
     NOT_COMMITTED,
     check_attention_backend,
@@ -103,8 +103,10 @@ class EstimatorSettings:
                 unset = "" if name == "shrinkage" else "None or "
                 raise ValueError(f"{name} must be {unset}an integer >= 1, got {value!r}.")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0: scored at 1), got {self.temperature!r}.")
+                and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
+            # below MIN_TEMPERATURE the tempered logits overflow float32 (NaN log-probs), as generate() refuses
+            raise ValueError(f"temperature must be 0 (scored at 1) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                             f"{self.temperature!r}.")
         if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
                                        or self.top_k < 0):
             raise ValueError(f"top_k must be None or an integer >= 0 (0: no top-k), got {self.top_k!r}.")

@@ -406,7 +406,7 @@ def evaluate(
         raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
     chat_by_default = config.apply_chat_template is None
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
-    tag, problems = _problems(config, dataset)
+    tag, problems, rows_source = _problems(config, dataset)
     # the built-in task's own settings: not for a file or rows that happen to be tagged "arithmetic"
     by_name = dataset is None or isinstance(dataset, (str, Path))  # else rows or problems given directly
     builtin = tag if by_name and config.dataset_name.strip().lower() == "arithmetic" else None
@@ -428,7 +428,7 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
-    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else _rows_source(problems)}
+    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
     _check_output_free(samples_path, sources)
     rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
@@ -535,10 +535,11 @@ def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
     return bool(chat)
 
 
-def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem]]:
+def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem], str | None]:
+    """``(tag, problems, source)``: ``source`` identifies rows given directly (``_rows_source``), None by name."""
     if dataset is None or isinstance(dataset, (str, Path)):
-        return load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
-                                  config.max_problems, config.prompt_template, config.apply_chat_template)
+        return (*load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
+                                    config.max_problems, config.prompt_template, config.apply_chat_template), None)
     if isinstance(dataset, Mapping):  # iterating one would give its keys: split or column names
         raise TypeError(f"dataset must be rows (a datasets.Dataset, or a list of dicts or EvalProblems), got a "
                         f"{type(dataset).__name__} with keys {sorted(map(str, dataset))[:8]}: pass one split "
@@ -547,7 +548,7 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem]]
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
     if not problems:
         raise ValueError("the dataset has no problems.")
-    return "custom", problems[: config.max_problems]
+    return "custom", problems[: config.max_problems], _rows_source(rows)
 
 
 def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:
@@ -622,10 +623,12 @@ def _dataset_source(config: EvalConfig) -> str:
     return ":".join(str(part) for part in (name.lower(), config.dataset_config, config.dataset_test_split))
 
 
-def _rows_source(problems: list[EvalProblem]) -> str:
+def _rows_source(rows: list) -> str:
     """Rows or problems given directly, identified by their content: ``custom:`` and a digest of every field of every
-    problem, so another set of rows is another dataset (its results do not silently replace these)."""
-    text = json.dumps([dataclasses.asdict(p) for p in problems], sort_keys=True, ensure_ascii=False)
+    row as given (before ``max_problems`` and ``prompt_template`` apply, which do not make another dataset, as for a
+    file), so another set of rows is another dataset (its results do not silently replace these)."""
+    fields = [dataclasses.asdict(row) if isinstance(row, EvalProblem) else dict(row) for row in rows]
+    text = json.dumps(fields, sort_keys=True, ensure_ascii=False, default=str)
     return "custom:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -21,7 +21,7 @@ from ..states import attention_mask_from_positions
 from .sampling import (
     Generators,
     confidence_scores,
-    raw_token_logprobs,
+    ranking_inputs,
     sample_tokens,
     select_commits,
     token_noise_shape,
@@ -151,8 +151,8 @@ def denoise_step(block: Block, logits: torch.Tensor, settings, mask_id: int, gen
         commit = masked & (draw < fraction)
     else:
         # LLaDA ranks by the raw softmax (settings.raw_confidence), the other families by the sampling distribution
-        ranked = raw_token_logprobs(logits, tokens) if settings.raw_confidence else token_lp
-        confidence = confidence_scores(strategy, ranked, log_dist, generator, noise.confidence)
+        ranked_lp, ranked_dist = ranking_inputs(strategy, logits, tokens, token_lp, log_dist, settings.raw_confidence)
+        confidence = confidence_scores(strategy, ranked_lp, ranked_dist, generator, noise.confidence)
         if fraction is not None:
             quota, strategy = (masked.sum(-1).float() * fraction).long(), "low_confidence_static"
         commit = select_commits(strategy, confidence, masked, quota, settings.confidence_threshold,

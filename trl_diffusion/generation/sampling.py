@@ -158,11 +158,13 @@ def sample_tokens(
     """
     filtered = sampling_logits(logits, temperature, top_k, top_p, mask_token_id, top_p_first)
     log_dist = filtered.log_softmax(-1)
+    # raw logits (filtered entries -inf, as the tempered distribution filters them), for LLaDA's Gumbel form; the
+    # float32 copy goes before the draw (a full [B, L, V] tensor)
+    raw = filtered.double() * temperature if temperature and gumbel_float64 else None
+    del filtered
     if not temperature:
         tokens = log_dist.argmax(-1)
     elif gumbel_float64:
-        # raw logits (filtered entries -inf, as the tempered distribution filters them), in LLaDA's form
-        raw = filtered.double() * temperature
         u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise
         tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
     elif isinstance(generator, (list, tuple)) or noise is not None:  # inverse CDF with per-row uniforms
@@ -189,12 +191,20 @@ def token_noise_shape(
     return tuple(logits_shape[:-1]), torch.float32
 
 
-def raw_token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """``[B, L]`` log-probabilities of ``tokens`` under the softmax of the raw ``logits`` (temperature 1, no top-k /
-    top-p, the mask token in the normalisation), in float32: what LLaDA's samplers rank commits by
-    (ML-GSAI's ``generate.py`` and dLLM-RL's LLaDA rollouts take ``softmax(logits)[x0]`` whatever the temperature)."""
+def ranking_inputs(strategy: str, logits: torch.Tensor, tokens: torch.Tensor, token_logprobs: torch.Tensor,
+                   log_dist: torch.Tensor, raw: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(token log-probs, log-distribution)`` ``confidence_scores`` ranks commits by: the sampling
+    distribution's, or with ``raw`` the softmax of the raw ``logits`` (temperature 1, no top-k / top-p, the mask
+    token in the normalisation; float32), as LLaDA's samplers rank whatever the temperature (ML-GSAI's
+    ``generate.py`` and dLLM-RL's LLaDA rollouts take ``softmax(logits)`` for the confidence, the top-2 margin and
+    the entropy). The raw distribution is formed whole only for the strategies that read it."""
+    if not raw:
+        return token_logprobs, log_dist
     logits = logits.float()
-    return logits.gather(-1, tokens[..., None]).squeeze(-1) - logits.logsumexp(-1)
+    if strategy in ("topk_margin", "entropy"):
+        raw_dist = logits.log_softmax(-1)
+        return raw_dist.gather(-1, tokens[..., None]).squeeze(-1), raw_dist
+    return logits.gather(-1, tokens[..., None]).squeeze(-1) - logits.logsumexp(-1), log_dist
 
 
 def confidence_scores(

@@ -202,6 +202,7 @@ class DiffusionSFTConfig(SFTConfig):
     def __post_init__(self):
         if self.diffusion_objective in NONE_STRINGS:
             self.diffusion_objective = None
+        check_optimization_numbers(self)  # before transformers', which fails on some without naming them
         super().__post_init__()
         check_field_types(self, SFTConfig)
         check_attention_backend(self.attention_backend)
@@ -240,7 +241,6 @@ class DiffusionSFTConfig(SFTConfig):
                              "completion tokens and their steps.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
-        check_optimization_numbers(self)
         packed = [name for name in ("packing", "eval_packing", "padding_free") if getattr(self, name)]
         if packed and self.diffusion_objective not in (None, *PACKED_OBJECTIVES):
             raise ValueError(

@@ -294,6 +294,7 @@ class TraceRLConfig(GRPOConfig):
         if self.num_generations is None:  # typed `int | None` by TRL, whose __post_init__ then fails on `% None`
             raise ValueError("num_generations must be an integer >= 2 (the responses per prompt that GRPO's "
                              "advantages compare), got None.")
+        check_optimization_numbers(self)  # before transformers', which fails on some without naming them
         super().__post_init__()
         check_field_types(self, GRPOConfig)
         self._check_checkpointing_kwargs()
@@ -343,7 +344,6 @@ class TraceRLConfig(GRPOConfig):
                              "noisy policy; leave it None (NEFTune is an SFT technique).")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
-        check_optimization_numbers(self)
         if self.label_smoothing_factor != 0.0:
             raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
                              "labels); leave it at 0.0.")
@@ -369,9 +369,9 @@ class TraceRLConfig(GRPOConfig):
         if not math.isfinite(self.temperature):
             raise ValueError(f"temperature must be finite, got {self.temperature}.")
         if self.scoring_temperature is not None and not (math.isfinite(self.scoring_temperature)
-                                                         and self.scoring_temperature > 0):
-            raise ValueError("scoring_temperature must be a finite number > 0 (or None: the rollout temperature), "
-                             f"got {self.scoring_temperature}.")
+                                                         and self.scoring_temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"scoring_temperature must be a finite number >= {MIN_TEMPERATURE:g} (or None: the "
+                             f"rollout temperature), got {self.scoring_temperature}.")
         check_mask_options(self.random_mask_sampling, self.masks_per_response)
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = no top-k filtering), got {self.top_k}.")

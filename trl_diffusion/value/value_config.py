@@ -97,6 +97,7 @@ class DiffusionValueConfig(_BaseConfig):
     fused_kernels: bool = field(default=False, metadata={"help": FUSED_KERNELS_HELP})
 
     def __post_init__(self):
+        check_optimization_numbers(self)  # before transformers', which fails on some without naming them
         super().__post_init__()
         check_field_types(self, _BaseConfig)
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
@@ -114,7 +115,6 @@ class DiffusionValueConfig(_BaseConfig):
                              "micro-batch there is only one forward to hold.")
         check_no_liger_kernel(self.use_liger_kernel)
         check_max_steps(self.max_steps)
-        check_optimization_numbers(self)
         if self.label_smoothing_factor:
             raise ValueError("label_smoothing_factor does not apply to the value model: its loss is a squared error "
                              "to the returns, not a cross-entropy over labels.")
