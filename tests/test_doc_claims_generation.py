@@ -53,25 +53,35 @@ def test_random_commits_the_quota_at_uniformly_chosen_positions():
     assert bool((first_step >= 8).all()) and bool((first_step <= 40).all()), first_step.tolist()
 
 
-def filtered_log_probs(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filtered_log_probs(logits: torch.Tensor, top_k: int, top_p: float, top_p_first: bool = False) -> torch.Tensor:
     """The untempered distribution after top-k and top-p filtering, written out: the mask token never, the
     ``top_k`` largest logits, then the most likely tokens up to the first whose cumulative probability reaches
-    ``top_p``."""
+    ``top_p`` (Dream, ``top_p_first``: the top-p set first, then its ``top_k`` largest)."""
     logits = logits.double().clone()
     logits[..., MASK_ID] = float("-inf")
-    kth = logits.sort(-1, descending=True).values[..., top_k - 1 : top_k]
-    logits[logits < kth] = float("-inf")
-    probs, order = logits.softmax(-1).sort(-1, descending=True)
-    mass_before = probs.cumsum(-1) - probs
-    keep = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
-    return logits.masked_fill(~keep, float("-inf")).log_softmax(-1)
+
+    def top_k_filter(values):
+        kth = values.sort(-1, descending=True).values[..., top_k - 1 : top_k]
+        return values.masked_fill(values < kth, float("-inf"))
+
+    def top_p_filter(values):
+        probs, order = values.softmax(-1).sort(-1, descending=True)
+        mass_before = probs.cumsum(-1) - probs
+        keep = torch.zeros_like(values, dtype=torch.bool).scatter(-1, order, mass_before < top_p)
+        return values.masked_fill(~keep, float("-inf"))
+
+    filtered = top_k_filter(top_p_filter(logits)) if top_p_first else top_p_filter(top_k_filter(logits))
+    return filtered.log_softmax(-1)
 
 
 def test_greedy_takes_the_argmax_scored_under_the_filtered_untempered_distribution(family):
     """Greedy (temperature 0) takes the argmax; its confidence (which positions the static rule commits first)
-    and its log-prob are those of the temperature-1 distribution after top-k / top-p filtering."""
+    and its log-prob are those of the temperature-1 distribution after top-k / top-p filtering (Dream: top-p
+    first). LLaDA's confidence is the raw softmax's (no filter, the mask token in it), as its reference samplers'."""
     model = tiny_model(family)
-    top_k, top_p = 4, 0.6
+    # top-p first (Dream) acts on the whole vocabulary: 0.27 keeps 3 to 5 of the first step's tokens (cumulative
+    # mass at least 0.007 from 0.27), so that top-k cuts some positions and top-p leaves fewer than 4 at others
+    top_k, top_p = 4, (0.27 if model.top_p_first else 0.6)
     with DecisionMargins() as margins:
         out = generate(model, top_k=top_k, top_p=top_p, remasking_strategy="low_confidence_static")
     assert margins.smallest > MIN_MARGIN
@@ -80,12 +90,14 @@ def test_greedy_takes_the_argmax_scored_under_the_filtered_untempered_distributi
     state = state_before_step(out.sequences, out.unmask_step, generated, 0, MASK_ID)
     with torch.no_grad():
         logits = model.align_logits(model(state).logits)[0, 4:8]  # the first block's 4 masks
-    log_probs = filtered_log_probs(logits, top_k, top_p)
+    log_probs = filtered_log_probs(logits, top_k, top_p, model.top_p_first)
     kept = log_probs.isfinite().sum(-1)
     assert bool((kept <= top_k).all()) and bool((kept < top_k).any())  # both filters act
     first = (out.unmask_step[0, 4:8] == 0).nonzero().flatten()
     assert len(first) == 2  # the quota: 4 masks in 2 steps
     confidence = log_probs.max(-1).values
+    if family == "llada":
+        confidence = logits.double().softmax(-1).gather(-1, log_probs.argmax(-1)[:, None]).squeeze(-1)
     assert set(first.tolist()) == set(confidence.topk(2).indices.tolist())
     tokens = out.sequences[0, 4 + first]
     assert torch.equal(tokens, log_probs[first].argmax(-1))

@@ -266,6 +266,19 @@ def test_official_batch_layout_follows_the_rows_per_response(name, estimator, pr
     assert (args.generation_batch_size // processes) % accumulation == 0  # each rollout is whole optimizer steps
 
 
+def test_official_layout_with_only_a_per_device_batch_keeps_the_rows_per_step():
+    # one of the two layout fields silently abandoned the official layout: per_device 4 left TRL's accumulation 1
+    # (4 responses a step instead of 64), an accumulation alone TRL's per-device 8 (128)
+    official = TraceRLConfig.from_official("trado", num_processes=8, output_dir="x", use_cpu=True)
+    wider = TraceRLConfig.from_official("trado", num_processes=8, per_device_train_batch_size=4, output_dir="x",
+                                        use_cpu=True)
+    assert (wider.per_device_train_batch_size, wider.gradient_accumulation_steps) == (4, 2)
+    assert wider.per_device_train_batch_size * wider.gradient_accumulation_steps == \
+        official.per_device_train_batch_size * official.gradient_accumulation_steps
+    with pytest.raises(ValueError, match="gradient_accumulation_steps without per_device_train_batch_size"):
+        TraceRLConfig.from_official("trado", gradient_accumulation_steps=16, output_dir="x", use_cpu=True)
+
+
 @pytest.mark.parametrize(("name", "steps"), [("trado", 32), ("dream", 16), ("llada", 16)])
 def test_official_preset_takes_a_steps_per_generation_override(name, steps):
     # the preset's generation_batch_size stayed beside it: TRL's "can not be both configured" for one field given

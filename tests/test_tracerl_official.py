@@ -544,3 +544,20 @@ def test_a_frozen_reference_of_an_in_memory_policy_can_be_synced(tmp_path):
     trainer.train()
     for ours, reference in zip(trainer.model.parameters(), trainer.ref_model.parameters()):
         torch.testing.assert_close(reference, ours)  # alpha 1: the reference is the policy after every step
+
+
+def test_token_metrics_are_means_under_max_length_weights(tmp_path):
+    """``step_normalization="max_length"`` weighs every token 1/L_max; TRL's token metrics divide by
+    max(sum of the weights, 1), so a micro-batch with fewer trained tokens than L_max logged its mean entropy times
+    tokens / L_max (the TraDo preset, one response per micro-batch: about a sixth of the mean). The same rollouts
+    weighted 1 per token (``sequence``) log the plain means; at the first step, before any update, the two must log
+    the same entropy."""
+    logged = []
+    for normalization in ("max_length", "sequence"):
+        args = official_config(tmp_path / normalization, "trado", per_device_train_batch_size=1,
+                               gradient_accumulation_steps=16, step_normalization=normalization,
+                               loss_type="dapo" if normalization == "sequence" else "tracerl")  # tracerl needs rows
+        trainer = make_trainer(args)
+        trainer.train()
+        logged.append(trainer.state.log_history[0]["entropy"])
+    assert logged[0] == pytest.approx(logged[1], rel=1e-5)

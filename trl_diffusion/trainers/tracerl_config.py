@@ -418,9 +418,16 @@ class TraceRLConfig(GRPOConfig):
         if overrides.get("steps_per_generation") is not None and "generation_batch_size" not in overrides:
             del settings["generation_batch_size"]  # the caller's rollout layout replaces the preset's (TRL takes one)
         world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
-        if "gradient_accumulation_steps" not in overrides and "per_device_train_batch_size" not in overrides:
-            settings.update(per_device_train_batch_size=1,
-                            gradient_accumulation_steps=_official_accumulation(name, settings, world))
+        if "gradient_accumulation_steps" in overrides and "per_device_train_batch_size" not in overrides:
+            # TRL's default per-device batch (8) would silently change the official rows per optimizer step
+            raise ValueError(f"from_official({name!r}) got gradient_accumulation_steps without "
+                             "per_device_train_batch_size: pass both, or only per_device_train_batch_size (the "
+                             "accumulation is then derived to keep dLLM-RL's rows per optimizer step), or neither.")
+        if "gradient_accumulation_steps" not in overrides:
+            per_device = settings.get("per_device_train_batch_size", 1) if "per_device_train_batch_size" in overrides \
+                else 1
+            settings.update(per_device_train_batch_size=per_device,
+                            gradient_accumulation_steps=_official_accumulation(name, settings, world, per_device))
         return cls(**settings)
 
     def _check_objective(self) -> None:
@@ -527,9 +534,10 @@ OFFICIAL_ROWS: dict[str, dict[str, int]] = {
 """dLLM-RL's training rows per optimizer step, and the TraceRL rows of a typical response, per family."""
 
 
-def _official_accumulation(name: str, settings: dict, world: int) -> int:
-    """Gradient accumulation (one response per device per micro-step) that gives about as many training rows per
-    optimizer step as dLLM-RL's: a divisor of the micro-steps per rollout, so that each rollout is whole steps."""
+def _official_accumulation(name: str, settings: dict, world: int, per_device: int = 1) -> int:
+    """Gradient accumulation (``per_device`` responses per device per micro-step) that gives about as many training
+    rows per optimizer step as dLLM-RL's: a divisor of the micro-steps per rollout, so that each rollout is whole
+    steps."""
     estimator = settings["likelihood_estimator"]
     rows = OFFICIAL_ROWS[name]
     if estimator == "trajectory":
@@ -543,10 +551,11 @@ def _official_accumulation(name: str, settings: dict, world: int) -> int:
     batch = settings.get("generation_batch_size")
     if batch is None and settings.get("steps_per_generation") is not None:
         batch = settings["steps_per_generation"] * world  # one response per device per micro-step
-    if batch is None or batch % world:
-        raise ValueError(f"{name}: a rollout of {batch} responses does not split over {world} processes; pass "
-                         "per_device_train_batch_size and gradient_accumulation_steps.")
-    micro_steps, wanted = batch // world, rows["rows_per_optimizer_step"] / per_response / world
+    if batch is None or batch % (world * per_device):
+        raise ValueError(f"{name}: a rollout of {batch} responses does not split over {world} processes x "
+                         f"{per_device} per device; pass per_device_train_batch_size and gradient_accumulation_steps.")
+    micro_steps = batch // (world * per_device)
+    wanted = rows["rows_per_optimizer_step"] / per_response / world / per_device
     divisors = [d for d in range(1, micro_steps + 1) if micro_steps % d == 0]
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
 

@@ -873,22 +873,39 @@ class TraceRLTrainer(GRPOTrainer):
         summed_kl = beta != 0.0 and self.args.kl_weighting == "row_sum"
         if summed_kl:
             self.beta = 0.0  # TRL's KL would carry the policy weights: added below with its own
+        mode = "train" if self.model.training else "eval"
+        token_metrics = self._token_metric_names()
+        logged_before = {name: len(self._metrics[mode].get(name, ())) for name in token_metrics}  # creates none
+        weight_total = self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
         try:
             loss = super()._compute_loss(model, inputs)
             if summed_kl:
                 loss = loss + beta * self._summed_kl(inputs)
         finally:
             self._loss_inputs, self.beta = None, beta
+        if 0 < weight_total < 1:
+            # TRL's token metrics are sum(w x) / max(sum(w), 1): with weights that sum below 1 (1/L_max over fewer
+            # than L_max tokens) that is not a mean, and its scale followed the micro-batch's token count
+            for name in token_metrics:
+                values = self._metrics[mode].get(name, [])
+                values[logged_before[name]:] = [value / float(weight_total) for value in values[logged_before[name]:]]
         if "router_loss" in inputs:
             # GRPO logs it with gather_for_metrics, which at a training epoch's last batch keeps only the first
             # ``remainder`` values (counted in prompts): process 0's alone on two processes. Every process's counts.
-            mode = "train" if self.model.training else "eval"
             logged = self.accelerator.gather(inputs["router_loss"][None]).mean().item()
             self._metrics[mode]["aux_loss"][-1] = logged
         if self.args.loss_type in _ROW_MEAN_LOSSES:
             # TRL averages over every row; filtered rows (zero loss) must not count (see kept_row_scale)
             loss = loss * inputs["kept_row_scale"]
         return loss
+
+    def _token_metric_names(self) -> list[str]:
+        """The metrics TRL's ``_compute_loss`` logs as a mean over the loss's token weights (``global_masked_mean``
+        of per-token values; the clip ratios are per sequence with ``importance_sampling_level="sequence"``)."""
+        names = ["kl", "entropy"]
+        if self.importance_sampling_level == "token":
+            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"]
+        return names
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's ``top_entropy_quantile`` mask over the trained tokens. The completion mask TRL passes carries the
@@ -911,6 +928,7 @@ class TraceRLTrainer(GRPOTrainer):
             normalizer = normalizer * self.current_gradient_accumulation_steps / self.args.steps_per_generation
         mask = inputs["completion_mask"]
         totals = self.accelerator.reduce(torch.stack([(kl * mask).sum(), mask.sum()]).detach(), reduction="sum")
+        # as TRL's, divided by max(weights, 1): _compute_loss makes it the weighted mean where they sum below 1
         self._metrics[mode]["kl"].append((totals[0] / totals[1].clamp(min=1.0)).item())
         return (kl * inputs["kl_weights"]).sum() / normalizer
 
