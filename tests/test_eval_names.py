@@ -64,6 +64,7 @@ def test_rows_given_directly_do_not_replace_the_results_of_other_rows(model_dir,
     assert first["sources"]["dataset"].startswith("custom:") and first["dataset_name"] == "custom"
     evaluate(dataset=[dict(row) for row in rows[:2]], **run)  # the same rows again: replaced, as documented
     evaluate(dataset=rows[:2], **{**run, "max_problems": 1})  # a slice of them, as of a file: replaced too
+    evaluate(dataset=[{**row, 0: "extra"} for row in rows[:2]], **{**run, "output_dir": str(tmp_path / "other")})
     first = evaluate(dataset=rows[:2], **run)
     written = Path(first["metrics_file"]).read_text()
     with pytest.raises(ValueError, match="holds the results of model .* on dataset 'custom:"):

@@ -59,12 +59,19 @@ def test_upper_case_names_and_wrapped_rows_load_as_local_files(tmp_path):
     upper.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
     assert load_training_dataset(str(upper))["answer"] == ["1", "2", "3"]
     wrapped = tmp_path / "wrapped.json"
-    for text in (json.dumps({"rows": rows}), json.dumps({"version": 1, "rows": rows}, indent=1)):
+    for text in (json.dumps({"rows": rows}), json.dumps({"rows": rows}, indent=1)):
         wrapped.write_text(text)
         assert load_training_dataset(str(wrapped)).column_names == ["question", "answer"]
-    chat = tmp_path / "chat.json"  # one conversational row is not a wrapper of its messages
-    chat.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}, indent=1))
-    assert load_training_dataset(str(chat)).column_names == ["messages"]
+    # one row whose column holds objects is a row, not a wrapper of them (its prompt and completion were lost)
+    single = tmp_path / "single.json"
+    for row in ({"messages": [{"role": "user", "content": "hi"}]},
+                {"prompt": "2+2?", "completion": "4", "tools": [{"name": "calc", "description": "adds"}]}):
+        for indent in (None, 1):
+            single.write_text(json.dumps(row, indent=indent))
+            assert load_training_dataset(str(single)).column_names == list(row)
+    wrapped.write_bytes(b"\xef\xbb\xbf" + json.dumps({"rows": rows}, indent=1).encode())
+    with pytest.raises(ValueError, match="byte-order mark"):  # loaded as one row with a `rows` column
+        load_training_dataset(str(wrapped))
     plain = tmp_path / "plain.json"
     plain.write_text(json.dumps(rows))
     assert len(load_training_dataset(str(plain))) == 3

@@ -277,6 +277,13 @@ def test_official_layout_with_only_a_per_device_batch_keeps_the_rows_per_step():
         official.per_device_train_batch_size * official.gradient_accumulation_steps
     with pytest.raises(ValueError, match="gradient_accumulation_steps without per_device_train_batch_size"):
         TraceRLConfig.from_official("trado", gradient_accumulation_steps=16, output_dir="x", use_cpu=True)
+    with pytest.raises(ValueError, match="per_device_train_batch_size must be an integer >= 1, got 0"):
+        TraceRLConfig.from_official("trado", per_device_train_batch_size=0, output_dir="x", use_cpu=True)
+    # with steps_per_generation the rollout is steps x processes x per-device batch (16 here): accumulation 8 holds
+    # all of it, the nearest to the official 64 responses
+    layout = TraceRLConfig.from_official("trado", num_processes=1, per_device_train_batch_size=2,
+                                         steps_per_generation=8, output_dir="x", use_cpu=True)
+    assert (layout.gradient_accumulation_steps, layout.generation_batch_size) == (8, 16)
 
 
 @pytest.mark.parametrize(("name", "steps"), [("trado", 32), ("dream", 16), ("llada", 16)])

@@ -70,3 +70,10 @@ def test_optimization_numbers_are_checked_when_a_config_is_built(field, value, m
         with pytest.raises(ValueError, match=message):
             config("unused", use_cpu=True, bf16=False, report_to="none", **{field: value})
     assert DiffusionValueConfig("unused", use_cpu=True, bf16=False, report_to="none", learning_rate=0.0)
+    # numpy scalars are taken as Python numbers (they did not serialise with the arguments and the trainer state)
+    import numpy
+
+    config = DiffusionSFTConfig("unused", use_cpu=True, bf16=False, report_to="none",
+                                per_device_train_batch_size=numpy.int64(2), learning_rate=numpy.float32(1e-4))
+    assert type(config.per_device_train_batch_size) is int and type(config.learning_rate) is float
+    config.to_json_string()

@@ -421,10 +421,12 @@ def check_optimization_numbers(args) -> None:
     rate = args.learning_rate
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not (math.isfinite(rate) and rate >= 0):
         raise ValueError(f"learning_rate must be a finite number >= 0, got {rate!r}.")
+    args.learning_rate = float(rate)  # a numpy scalar would not serialise with the arguments and trainer state
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}.")
+        setattr(args, name, int(value))
 
 
 FLEX_MIN_TORCH = (2, 5)

@@ -35,12 +35,12 @@ def wrapped_rows_key(data: object) -> str | None:
 
 
 def _rows_field(path: str) -> str | None:
-    """For a ``.json`` file that wraps its rows in one object, the key holding them (``load_dataset``'s ``field``):
-    without it the file loaded as one row whose only column was that list. Only a file that opens with an object
-    which is not complete on its first line (not JSON lines) is parsed whole to find out; a list or JSON lines are
-    left to ``datasets`` (and its cache) unread. A key whose list holds chat messages (``role`` / ``content``) is a
-    single conversational row, not rows."""
-    with open(path, encoding="utf-8", errors="replace") as handle:
+    """For a ``.json`` file that wraps its rows in one object, ``{"<key>": [{...}, ...]}`` and nothing else, the key
+    (``load_dataset``'s ``field``): without it the file loaded as one row whose only column was that list. Only a
+    file that opens with an object which is not complete on its first line (not JSON lines) is parsed whole to find
+    out; a list or JSON lines are left to ``datasets`` (and its cache) unread. An object with other keys is one row
+    (a ``tools`` or ``messages`` column holds objects too), and so is one whose list holds chat messages."""
+    with open(path, encoding="utf-8-sig", errors="replace") as handle:  # -sig: a byte-order mark is not text
         lines = (line for line in handle if line.strip())
         first, second = next(lines, ""), next(lines, None)
     if not first.lstrip().startswith("{"):
@@ -51,13 +51,18 @@ def _rows_field(path: str) -> str | None:
             return None  # whole objects line by line: JSON lines
     except json.JSONDecodeError:  # an object over several lines
         try:
-            with open(path, encoding="utf-8") as handle:
+            with open(path, encoding="utf-8-sig") as handle:
                 data = json.load(handle)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None  # not one JSON document: datasets' error
     key = wrapped_rows_key(data)
-    if key is None or all({"role", "content"} <= set(row) for row in data[key]):
-        return None
+    if key is None or len(data) != 1 or all({"role", "content"} <= set(row) for row in data[key]):
+        return None  # a row with a list-of-objects column (tools, messages) is a row, not a wrapper
+    with open(path, "rb") as handle:
+        if handle.read(3) == b"\xef\xbb\xbf":  # datasets' reader of a wrapped file fails on a byte-order mark
+            raise ValueError(f"{path} wraps its rows in {{{key!r}: [...]}} and starts with a UTF-8 byte-order mark, "
+                             "which datasets' JSON reader does not take there: save it without the mark (or as a "
+                             "list of rows, or JSON lines).")
     return key
 
 

@@ -627,8 +627,10 @@ def _rows_source(rows: list) -> str:
     """Rows or problems given directly, identified by their content: ``custom:`` and a digest of every field of every
     row as given (before ``max_problems`` and ``prompt_template`` apply, which do not make another dataset, as for a
     file), so another set of rows is another dataset (its results do not silently replace these)."""
-    fields = [dataclasses.asdict(row) if isinstance(row, EvalProblem) else dict(row) for row in rows]
-    text = json.dumps(fields, sort_keys=True, ensure_ascii=False, default=str)
+    fields = [dataclasses.asdict(row) if isinstance(row, EvalProblem) else {str(k): v for k, v in row.items()}
+              for row in rows]
+    text = json.dumps(fields, sort_keys=True, ensure_ascii=False,
+                      default=lambda value: value.tolist() if hasattr(value, "tolist") else repr(value))
     return "custom:" + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -426,6 +426,8 @@ class TraceRLConfig(GRPOConfig):
         if "gradient_accumulation_steps" not in overrides:
             per_device = settings.get("per_device_train_batch_size", 1) if "per_device_train_batch_size" in overrides \
                 else 1
+            if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
+                raise ValueError(f"per_device_train_batch_size must be an integer >= 1, got {per_device!r}.")
             settings.update(per_device_train_batch_size=per_device,
                             gradient_accumulation_steps=_official_accumulation(name, settings, world, per_device))
         return cls(**settings)
@@ -550,7 +552,7 @@ def _official_accumulation(name: str, settings: dict, world: int, per_device: in
                          "'coupled_pairs', or pass per_device_train_batch_size and gradient_accumulation_steps.")
     batch = settings.get("generation_batch_size")
     if batch is None and settings.get("steps_per_generation") is not None:
-        batch = settings["steps_per_generation"] * world  # one response per device per micro-step
+        batch = settings["steps_per_generation"] * world * per_device  # TRL's rollout: per_device per micro-step
     if batch is None or batch % (world * per_device):
         raise ValueError(f"{name}: a rollout of {batch} responses does not split over {world} processes x "
                          f"{per_device} per device; pass per_device_train_batch_size and gradient_accumulation_steps.")
