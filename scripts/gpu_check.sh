@@ -38,9 +38,9 @@
 # short still brings back what it measured, and the device tool returns at most 8 files (use it there:
 # GPU_CHECK_LOGS=/tmp/gpu_logs bash scripts/gpu_check.sh). The step lines and the measured tables also go to stdout.
 # GPU_CHECK_TINY=1 runs the same steps on the CPU with the tiny presets (a dry run of this script, e.g. with
-# GPU_CHECK_BUDGET=300, and GPU_CHECK_LIMIT_SCALE=4 (or 1.5) to multiply every step's limit on a slow or busy CPU; the gpu
-# tests skip there). The pytest steps continue past a test module that fails to import (a package the GPU image
-# lacks), so the gpu tests still run. GPU_CHECK_PRINT=1 runs nothing: it prints each selected step's command as bash
+# GPU_CHECK_BUDGET=300, and GPU_CHECK_LIMIT_SCALE=4 (or 1.5) to multiply every step's limit on a slow or busy CPU;
+# the gpu tests skip there). The pytest steps continue past a test module that fails to import (a package the GPU
+# image lacks), so the gpu tests still run. GPU_CHECK_PRINT=1 runs nothing: it prints each selected step's command as bash
 # expands it ("NAME: ARG ARG ...", each argument shell-quoted), which the test suite runs in its own process.
 set -u
 cd "$(dirname "$0")/.."
