@@ -606,6 +606,17 @@ def test_truncation_and_defaults(tmp_path):
     batch = next(iter(eos.get_train_dataloader()))
     assert batch["input_ids"].shape[1] == 48 and batch["attention_mask"].all()
     assert (batch["labels"][:, -1] == EOS_ID).all()
+    # LLaDA's SFT pads its mini-batch with EOS to the batch's longest sequence, not to a fixed length
+    longest = DiffusionSFTTrainer(fresh("llada"), args=config(tmp_path, pad_to_length_with_eos=True, max_length=None,
+                                                              eos_padding_length="longest"),
+                                  train_dataset=conversational(), processing_class=TOKENIZER)
+    rows = [longest.train_dataset[i]["input_ids"] for i in range(len(longest.train_dataset))]
+    batch = longest.data_collator([longest.train_dataset[i] for i in range(2)])
+    assert batch["input_ids"].shape[1] == max(len(ids) for ids in rows[:2]) and batch["attention_mask"].all()
+    short = min(range(2), key=lambda i: len(rows[i]))
+    assert len(rows[0]) != len(rows[1]) and (batch["labels"][short, len(rows[short]):] == EOS_ID).all()
+    with pytest.raises(ValueError, match="eos_padding_length='longest' applies to pad_to_length_with_eos=True"):
+        config(tmp_path, eos_padding_length="longest")
     wide = fresh("sdar")
     DiffusionSFTTrainer(wide, args=config(tmp_path, block_size=8), train_dataset=conversational(),
                         processing_class=TOKENIZER)

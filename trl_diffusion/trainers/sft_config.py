@@ -29,6 +29,8 @@ NONE_STRINGS = ("None", "none")
 """``diffusion_objective`` strings that mean None (the command line passes ``--diffusion_objective None`` as text)."""
 
 
+EOS_PADDING_LENGTHS = ("max_length", "longest")
+"""How far ``pad_to_length_with_eos`` pads: to ``max_length``, or to the micro-batch's longest sequence."""
 MASK_EPS_DEFAULT = 1e-3
 """``mask_eps``'s default (another value with ``mask_ratio_range`` or ``trajectory`` would be ignored)."""
 
@@ -90,6 +92,9 @@ class DiffusionSFTConfig(SFTConfig):
         pad_to_length_with_eos (`bool`, *optional*, defaults to `False`):
             Pad every sequence with EOS up to `max_length` and train on the padding (LLaDA SFT), so the model
             learns to end answers on a fixed-length canvas.
+        eos_padding_length (`str`, *optional*, defaults to `"max_length"`):
+            With `pad_to_length_with_eos`: pad to `max_length`, or to the longest sequence of the micro-batch
+            (`"longest"`, as LLaDA's SFT pads its mini-batch).
         overlong_policy (`str`, *optional*, defaults to `"truncate"`):
             What to do with a sequence longer than `max_length`: `"truncate"` (as `truncation_mode` says) or
             `"error"`.
@@ -185,6 +190,11 @@ class DiffusionSFTConfig(SFTConfig):
         default=False,
         metadata={"help": "Pad every sequence with EOS up to max_length and train on the padding (LLaDA SFT)."},
     )
+    eos_padding_length: str = field(
+        default="max_length",
+        metadata={"help": "With pad_to_length_with_eos: pad to max_length, or to the micro-batch's longest sequence "
+                  "('longest', as LLaDA's SFT pads its mini-batch).", "choices": list(EOS_PADDING_LENGTHS)},
+    )
     overlong_policy: str = field(
         default="truncate",
         metadata={"help": "Sequences longer than max_length: 'truncate' (per truncation_mode) or 'error'.",
@@ -223,8 +233,15 @@ class DiffusionSFTConfig(SFTConfig):
                              "micro-batch there is only one forward to hold.")
         if self.overlong_policy not in OVERLONG_POLICIES:
             raise ValueError(f"overlong_policy must be one of {OVERLONG_POLICIES}, got {self.overlong_policy!r}.")
-        if self.pad_to_length_with_eos and self.max_length is None:
-            raise ValueError("pad_to_length_with_eos=True pads to max_length; set max_length.")
+        if self.eos_padding_length not in EOS_PADDING_LENGTHS:
+            raise ValueError(f"eos_padding_length must be one of {EOS_PADDING_LENGTHS}, got "
+                             f"{self.eos_padding_length!r}.")
+        if self.eos_padding_length != "max_length" and not self.pad_to_length_with_eos:
+            raise ValueError(f"eos_padding_length={self.eos_padding_length!r} applies to pad_to_length_with_eos=True "
+                             "only; it would be ignored.")
+        if self.pad_to_length_with_eos and self.max_length is None and self.eos_padding_length == "max_length":
+            raise ValueError("pad_to_length_with_eos=True pads to max_length; set max_length (or "
+                             "eos_padding_length='longest').")
         if self.mask_eps != MASK_EPS_DEFAULT and (self.mask_ratio_range is not None
                                                   or self.diffusion_objective == "trajectory"):
             why = ("mask_ratio_range sets the mask ratios" if self.mask_ratio_range is not None

@@ -108,7 +108,7 @@ def resolve_objective(objective: str | None, spec: DiffusionModelSpec) -> str:
 
 
 class DiffusionDataCollator:
-    """Wraps the SFT collator: pads with trained-on EOS to a fixed length (optional), carries
+    """Wraps the SFT collator: pads with trained-on EOS to a fixed length or the batch's longest (optional), carries
     ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token.
     ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be.
 
@@ -121,7 +121,7 @@ class DiffusionDataCollator:
     document's first token, which TRL's padding-free collator drops (an autoregressive model cannot predict it; a
     diffusion model without shifted logits scores it as any other masked token)."""
 
-    def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | None,
+    def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | str | None,
                  max_length: int | None = None, padding_free: bool = False,
                  restore_document_starts: bool = True, reads_unmask_step: bool = True) -> None:
         self.base = base
@@ -161,9 +161,12 @@ class DiffusionDataCollator:
             offsets = [offset[0] if isinstance(index, list) else 0 for index, offset in zip(indices, offsets)]
             indices = [index[0] if isinstance(index, list) else index for index in indices]
         if self.pad_to_length is not None:
+            target = self.pad_to_length
+            if target == "longest":  # LLaDA's SFT: EOS up to the longest sequence of the mini-batch
+                target = max(len(example["input_ids"]) for example in examples)
             for example in examples:
                 labels = list(example.get("labels", example["input_ids"]))
-                extra = max(self.pad_to_length - len(example["input_ids"]), 0)
+                extra = max(target - len(example["input_ids"]), 0)
                 example["input_ids"] = list(example["input_ids"]) + [self.eos_token_id] * extra
                 example["labels"] = labels + [self.eos_token_id] * extra
         batch = self.base(examples)
@@ -406,7 +409,9 @@ class DiffusionSFTTrainer(SFTTrainer):
         # drop position 0 of each row for a "...ForCausalLM" class name) or over labels[1:] for shifted logits.
         self.model_accepts_loss_kwargs = True
         self._loss_shifts_labels = self.spec.logits_shift
-        pad_to = self.args.max_length if self.args.pad_to_length_with_eos else None
+        pad_to = None
+        if self.args.pad_to_length_with_eos:
+            pad_to = self.args.max_length if self.args.eos_padding_length == "max_length" else "longest"
         limit = self.args.max_length if self.args.overlong_policy == "error" or pad_to else None
         self.data_collator = DiffusionDataCollator(
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
