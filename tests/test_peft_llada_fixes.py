@@ -86,12 +86,32 @@ def test_per_row_peft_argument_errors():
     wrapped = two_adapters(tiny_model("sdar"))
     ids, mask = left_pad(PROMPTS)
     settings = dict(max_new_tokens=8, block_length=4, denoising_steps=4, temperature=0.0)
-    with pytest.raises(ValueError, match="adapter_names has 3 names for 4 prompts"):
+    with pytest.raises(ValueError, match="adapter_names has 3 names for 4 rows; give one per returned row"):
         wrapped.generate(ids, mask, adapter_names=NAMES[:3], **settings)
     alora = peft.get_peft_model(tiny_model("llada"), peft.LoraConfig(r=4, task_type="CAUSAL_LM",
                                                                      alora_invocation_tokens=[7, 8])).eval()
     with pytest.raises(ValueError, match="aLoRA"):
         alora.generate(torch.tensor([[11, 12, 7, 8, 13]]), **settings)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_a_refused_mixed_adapter_call_leaves_the_model_as_it_was(family):
+    """peft removes its per-row ``adapter_names`` hooks only when generate returns: after a refused call every later
+    forward and generate() ran the refused call's adapters row by row (or failed on another batch size)."""
+    wrapped = two_adapters(tiny_model(family))
+    wrapped.set_adapter("one")
+    ids, mask = left_pad(PROMPTS)
+    settings = dict(max_new_tokens=8, block_length=4, denoising_steps=4, temperature=0.0)
+    before = wrapped.generate(ids, mask, **settings)
+    with torch.no_grad():
+        logits = wrapped(input_ids=ids, attention_mask=mask).logits
+    with pytest.raises(ValueError, match="block_length must be positive"):
+        wrapped.generate(ids, mask, adapter_names=NAMES, **{**settings, "block_length": 0})
+    assert torch.equal(wrapped.generate(ids, mask, **settings), before)
+    with torch.no_grad():
+        assert torch.equal(wrapped(input_ids=ids, attention_mask=mask).logits, logits)
+    fewer = wrapped.generate(ids[:3], mask[:3], **settings)  # another batch size (a narrower canvas for SDAR)
+    assert torch.equal(fewer, before[:3, :fewer.shape[1]]) and not before[:3, fewer.shape[1]:].any()
 
 
 def test_mixed_adapters_decode_eagerly_under_cuda_graphs(monkeypatch):

@@ -11,6 +11,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.utils import GENERATION_CONFIG_NAME, cached_file, logging
 
+from .peft_rows import drop_adapter_name_hooks
 from .sampler import DiffusionGenerationOutput, SamplingSettings, diffusion_generate, steps_for_dream
 
 logger = logging.get_logger(__name__)
@@ -302,6 +303,16 @@ class DiffusionGenerationMixin:
         Prompts are left-padded (``attention_mask`` 0 on padding); every row is decoded exactly as it would be
         alone. Returns ``sequences`` (prompt + completion) or the output object.
         """
+        try:
+            return self._generate(input_ids, attention_mask, **kwargs)
+        except BaseException:
+            # peft's mixed-adapter call (`adapter_names`) removes its per-row hooks only when generate returns: a
+            # refused call left every later forward and generate() on that call's adapters
+            drop_adapter_name_hooks(self)
+            raise
+
+    def _generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, **kwargs):
+        """``generate``'s body (see there)."""
         generator = kwargs.pop("generator", None)
         synced_gpus = kwargs.pop("synced_gpus", None)
         if synced_gpus is not None and not isinstance(synced_gpus, bool):

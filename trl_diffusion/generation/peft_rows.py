@@ -32,7 +32,8 @@ class WorkingRows:
         if names is None:
             return None
         if len(names) != self.batch:
-            raise ValueError(f"adapter_names has {len(names)} names for {self.batch} prompts; give one per prompt.")
+            raise ValueError(f"adapter_names has {len(names)} names for {self.batch} rows; give one per returned row "
+                             "(with num_return_sequences, each prompt's name once per sequence).")
         if self.cuda_graphs:  # per_row_adapter_names missed peft's hooks (a peft version that sets them otherwise)
             raise ValueError("adapter_names (mixed-adapter batches) cannot be replayed as CUDA graphs; pass "
                              "cuda_graphs='off'.")
@@ -60,8 +61,22 @@ def per_row_adapter_names(model: torch.nn.Module) -> bool:
     """Whether this call runs a mixed-adapter batch: ``PeftModel.generate(adapter_names=...)`` has hooked the names
     into ``model``'s peft layers. A captured step would keep the first batch's names, so such a call decodes
     eagerly."""
-    return any(isinstance(hook, functools.partial) and "adapter_names" in hook.keywords
+    return any(_is_adapter_names_hook(hook)
                for layer in _peft_layers(model) for hook in layer._forward_pre_hooks.values())
+
+
+def drop_adapter_name_hooks(model: torch.nn.Module) -> None:
+    """Remove the per-row ``adapter_names`` hooks peft put on ``model``'s layers for a ``generate`` call. peft
+    (0.21) removes them after its ``yield`` without ``try`` / ``finally``, so a call that raised left them on and
+    every later forward ran that call's adapters row by row (or failed on another batch size)."""
+    for layer in _peft_layers(model):
+        for key in [key for key, hook in layer._forward_pre_hooks.items() if _is_adapter_names_hook(hook)]:
+            del layer._forward_pre_hooks[key]
+            layer._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def _is_adapter_names_hook(hook) -> bool:
+    return isinstance(hook, functools.partial) and "adapter_names" in hook.keywords
 
 
 def _peft_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
