@@ -424,8 +424,7 @@ class TraceRLConfig(GRPOConfig):
                              "per_device_train_batch_size: pass both, or only per_device_train_batch_size (the "
                              "accumulation is then derived to keep dLLM-RL's rows per optimizer step), or neither.")
         if "gradient_accumulation_steps" not in overrides:
-            per_device = settings.get("per_device_train_batch_size", 1) if "per_device_train_batch_size" in overrides \
-                else 1
+            per_device = overrides.get("per_device_train_batch_size", 1)
             if isinstance(per_device, bool) or not isinstance(per_device, int) or per_device < 1:
                 raise ValueError(f"per_device_train_batch_size must be an integer >= 1, got {per_device!r}.")
             settings.update(per_device_train_batch_size=per_device,

@@ -876,7 +876,12 @@ class TraceRLTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         token_metrics = self._token_metric_names()
         logged_before = {name: len(self._metrics[mode].get(name, ())) for name in token_metrics}  # creates none
-        weight_total = self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
+        # only weights below 1 per token (1/L_max; a token's share of several masks) can sum below 1: the other
+        # settings skip this all-reduce
+        fractional = (self.args.step_normalization == "max_length"
+                      or self.estimator_settings.masks_per_response > 1)
+        weight_total = (self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
+                        if fractional else 1.0)
         try:
             loss = super()._compute_loss(model, inputs)
             if summed_kl:
