@@ -29,7 +29,7 @@ from ..rewards import (
     last_boxed_content,
     run_tests,
 )
-from ..rewards.dllm_rl_code import extract_code_official, run_official, stdio_program
+from ..rewards.dllm_rl_code import extract_code_official, official_stdio_program, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import check_chat_template_kwargs, check_field_types
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
@@ -133,6 +133,9 @@ class EvalConfig:
                                "sandbox (code_grader sandbox).")
     code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB, >= 1 (whole sandbox with a memory cgroup, "
                                 "always each process's address space).")
+    code_max_output_bytes: int = _arg(1_000_000, "Bytes a code sandbox run may print (stdout+stderr), >= 1; a stdio "
+                                      "case's output (JSON-escaped) may take twice that; more fails the completion "
+                                      "(dLLM-RL has no cap).")
     code_workers: int = _arg(4, "Code sandboxes run concurrently (>= 1).")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
@@ -155,7 +158,7 @@ class EvalConfig:
             _check_device(self.device)
         if not (math.isfinite(self.code_timeout) and self.code_timeout > 0):
             raise ValueError(f"code_timeout must be a finite number of seconds > 0, got {self.code_timeout}.")
-        for name in ("code_memory_mb", "code_workers"):
+        for name in ("code_memory_mb", "code_max_output_bytes", "code_workers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}.")
         negative = [i for i in self.stop_token_ids or [] if i < 0]
@@ -260,7 +263,7 @@ def _score_code(problem: EvalProblem, completion: str, limits: SandboxLimits, gr
     if code is None:
         return {"reward": 0.0, "status": "no_code", "tests_passed": 0, "tests_total": len(problem.tests), "errors": []}
     if problem.stdio:
-        program = stdio_program(code)
+        program = official_stdio_program(code) if grader == "official" else stdio_program(code)
     else:
         code = _after_header(problem.header, code)
         program = f"{problem.prefix}\n{code}" if problem.prefix else code
@@ -651,7 +654,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
-    limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb)
+    limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
+                           max_output_bytes=config.code_max_output_bytes)
     generator = torch.Generator(device=device).manual_seed(config.seed)
     math_reward = config.math_reward()
     rows: list[dict[str, Any]] = []

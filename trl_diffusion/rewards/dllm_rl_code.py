@@ -11,9 +11,13 @@ What it does with them, rule for rule:
 * **function** (``reward/rl_execute.py``, ``evaluate_function_dataset``): the code runs, then each assert in its
   namespace; one process per completion, ``test_time_limit + 2`` s (default limit 1) for all of it; a timeout or
   an exception in the code fails every test.
-* **stdio** (``evaluate_stdio_dataset``): one process per test case with ``test_time_limit`` s, the input on stdin
-  (``input()`` and ``sys.stdin``), ``__name__ == "__main__"``; passes if its output equals the expected one up to
-  whitespace (``" ".join(x.split())``); an exception fails the case.
+* **function**: the code is run through ``textwrap.dedent`` (which also blanks whitespace-only lines inside string
+  literals), and the asserts run in order in one namespace (a test sees the names earlier tests bound).
+* **stdio** (``evaluate_stdio_dataset``, ``worker_stdio``): one process per test case with ``test_time_limit`` s,
+  ``__name__ == "__main__"``; ``input`` is a global that ignores its prompt and returns the next of the input's
+  ``splitlines()``, ``sys.stdin`` a separate ``StringIO`` of the input, ``sys.stdout`` a ``StringIO``
+  (:func:`official_stdio_program`); passes if its output equals the expected one up to whitespace
+  (``" ".join(x.split())``); an exception fails the case.
 * **Reward** (``reward/rl_code_reward.py``): the number of tests passed, z-scored in the group by the trainer (no
   length rule for code). The eval metric (``reward/reward.py``) counts a sample correct when every test passes.
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import math
 import re
+import textwrap
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -42,6 +47,7 @@ __all__ = [
     "make_official_code_reward",
     "official_code_outcomes",
     "official_code_reward",
+    "official_stdio_program",
     "run_official",
     "stdio_program",
     "stdio_test",
@@ -76,10 +82,49 @@ def _stdio_run(stdin_text):
 '''
 
 
+_OFFICIAL_STDIO_HARNESS = '''import io as _io
+import sys as _sys
+
+_SOLUTION = compile({source!r}, "<solution>", "exec")
+
+
+def _stdio_run(stdin_text):
+    lines = iter(stdin_text.splitlines())
+
+    def fake_input(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError("No more input")
+
+    real_in, real_out = _sys.stdin, _sys.stdout
+    out = _io.StringIO()
+    _sys.stdin, _sys.stdout = _io.StringIO(stdin_text), out
+    try:
+        exec(_SOLUTION, {{"__name__": "__main__", "input": fake_input, "__builtins__": __builtins__}})
+    except SystemExit:
+        pass
+    except Exception as exc:
+        return f"error: {{exc}}"
+    finally:
+        _sys.stdin, _sys.stdout = real_in, real_out
+    return out.getvalue()
+'''
+
+
 def stdio_program(code: str) -> str:
     """The sandbox program for a stdin/stdout solution: ``_stdio_run(input)`` runs ``code`` once with that input
-    (``__name__ == "__main__"``; ``SystemExit`` ends the run normally) and returns what it printed."""
+    on a real text stdin/stdout (``input()`` prints its prompt, ``sys.stdin.buffer`` exists; ``__name__ ==
+    "__main__"``; ``SystemExit`` ends the run normally) and returns what it printed."""
     return _STDIO_HARNESS.format(source=code)
+
+
+def official_stdio_program(code: str) -> str:
+    """dLLM-RL's ``worker_stdio`` as a sandbox program (same ``_stdio_run`` as :func:`stdio_program`): ``input`` is
+    a global that ignores its prompt and returns the next of ``stdin_text.splitlines()``, ``sys.stdin`` is a separate
+    ``StringIO`` of the same text (no ``.buffer``: reading bytes fails, as there), ``sys.stdout`` a ``StringIO``, and
+    an exception makes the output ``"error: <message>"``."""
+    return _OFFICIAL_STDIO_HARNESS.format(source=code)
 
 
 def stdio_test(test_input: str, test_output: str) -> str:
@@ -124,8 +169,8 @@ def run_official(
     if not (math.isfinite(limit) and limit > 0):
         raise ValueError(f"test_time_limit must be a finite number of seconds > 0, got {time_limit!r}.")
     base = limits or SandboxLimits()
-    if not stdio:
-        result = run_tests(program, tests, replace(base, timeout=limit + function_slack), python)
+    if not stdio:  # dLLM-RL runs `exec(textwrap.dedent(snippet))`
+        result = run_tests(textwrap.dedent(program), tests, replace(base, timeout=limit + function_slack), python)
         result.outcomes = result.outcomes or [False] * len(tests)  # a sandbox error reports no outcomes
         return result
     case_limits = replace(base, timeout=limit + stdio_slack)
@@ -162,7 +207,7 @@ def official_code_outcomes(
     method, tests = _official_tests(test_method, test_list, test_input, test_output)
     if code is None or not tests:
         return [False] * len(tests)
-    program = stdio_program(code) if method == "stdio" else code
+    program = official_stdio_program(code) if method == "stdio" else code
     return run_official(program, tests, method == "stdio", time_limit, limits, python, function_slack,
                         stdio_slack).outcomes
 
@@ -196,8 +241,9 @@ class OfficialCodeReward:
         python: str | None = None,
         name: str = "official_code_reward",
         allow_unverified: bool = True,
+        max_output_bytes: int = 1_000_000,
     ) -> None:
-        self.limits = SandboxLimits(memory_mb=memory_mb)
+        self.limits = SandboxLimits(memory_mb=memory_mb, max_output_bytes=max_output_bytes)
         self.max_workers = max(1, max_workers)
         self.function_slack, self.stdio_slack = function_slack, stdio_slack
         self.python = python
@@ -249,6 +295,7 @@ def make_official_code_reward(
     python: str | None = None,
     name: str = "official_code_reward",
     allow_unverified: bool = True,
+    max_output_bytes: int = 1_000_000,
 ) -> OfficialCodeReward:
     """Build dLLM-RL's code reward (see :class:`OfficialCodeReward`).
 
@@ -264,8 +311,11 @@ def make_official_code_reward(
             functions) inside it, where a program can forge their result (default, as dLLM-RL does); ``False`` gives
             such rows ``None`` instead, so no reward can be forged (as in
             :func:`~trl_diffusion.rewards.make_code_reward`).
+        max_output_bytes: bytes a sandbox run may print; a stdio case's output (JSON-escaped) may take twice that;
+            more fails the test (dLLM-RL has no cap: raise it for tests with very large outputs).
     """
-    return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name, allow_unverified)
+    return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name, allow_unverified,
+                              max_output_bytes)
 
 
 official_code_reward = OfficialCodeReward()

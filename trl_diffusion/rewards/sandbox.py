@@ -22,9 +22,9 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
   ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
-  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
-  namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
-  process of the run's own uid.
+  report pipe (twice that cap per test), and on timeout, overflow or exit SIGKILLs the whole process group, the
+  cgroup, the PID namespace's first process (through a pidfd taken before the program starts), and (without a PID
+  namespace) every process of the run's own uid.
 
 The child (``_child_main`` below, executed from this same file's source, importing only the standard library):
 
@@ -51,7 +51,8 @@ The child (``_child_main`` below, executed from this same file's source, importi
   directory, no reading other processes' ``/proc`` entries, no signals, limits, scheduling or priority changes of
   processes outside the program's own process group. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
-* runs the program, then the probes (or, for unverified tests, the test snippets), converts each probe's value to
+* runs the program, then each test in order (a verified test's probes, an unverified test's snippet), converts each
+  probe's value to
   tagged plain data with functions bound before the program ran, and writes the report to its pipe.
 
 ``docs/rewards.md`` lists exactly what is and is not guaranteed in each environment.
@@ -99,8 +100,8 @@ class SandboxLimits:
         memory_mb: memory of the whole sandbox in MiB where a memory cgroup is available (all processes, files in
             its directory, shared memory); always also ``RLIMIT_AS`` (address space) of each process.
         max_processes: ``RLIMIT_NPROC``: processes+threads of the sandbox uid (see the module docstring).
-        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed; also the cap on
-            the report (the probes' values).
+        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed; the report (the
+            probes' values, which carry a stdio test's captured output) may take twice that per test.
         max_file_bytes: ``RLIMIT_FSIZE``: largest file the program may write.
         max_disk_bytes: size of the sandbox directory (a tmpfs; only where a mount namespace is available).
         max_open_files: ``RLIMIT_NOFILE``.
@@ -195,8 +196,8 @@ def run_tests(
 
     A test passes if it would run without raising in the program's namespace; how that is decided (outside the
     sandbox where possible) is described in the module docstring. Never raises and never outlives
-    ``limits.timeout`` by more than the kill/cleanup time (twice that when some tests are verified and some are
-    not: they run separately): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
+    ``limits.timeout`` by more than the kill/cleanup time (one run: the program, then every test in order, in the
+    program's namespace): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
     defaults to the current interpreter. When this process is root the program runs as ``run_as_uid`` (uid and
     gid); the default, ``None``, picks a fresh unused uid per run so that the process limit of one sandbox is not
     shared with any other process on the machine.
@@ -231,51 +232,42 @@ def _run_plans(
     limits: SandboxLimits,
     run_as_uid: int | None,
 ) -> SandboxResult:
-    """Run the verified tests' probes and the unverified snippets (separately), then decide every test here."""
+    """Run the program once, then every test in order (a verified test's probes, an unverified test's snippet, in
+    one namespace: a test sees the names earlier tests bound, as in a plain ``exec``); decide every test here."""
     from .verdict import ProbeError, decode, judge
 
-    verified = [i for i, p in enumerate(plans) if p.kind == "verified"]
-    unverified = [i for i, p in enumerate(plans) if p.kind == "unverified"]
+    ran = [i for i, p in enumerate(plans) if p.kind != "failed"]
     outcomes, reasons = [False] * len(plans), {i: p.reason for i, p in enumerate(plans) if p.kind == "failed"}
-    runs = []
-    if verified or not unverified:
-        specs = [plans[i].sandbox_spec() for i in verified]
-        run = _run_once(chosen, python, {"program": program, "mode": "probe", "specs": specs}, limits, run_as_uid)
-        runs.append(run)
-        results = _report_results(run, len(verified))
-        for i, entry in zip(verified, results or []):
-            values, reason = _probe_values(entry, decode, ProbeError)
-            if reason is None and (len(entry["has"]) != len(plans[i].has) or len(values) != len(plans[i].probes)):
-                reason = "malformed report: not one entry per name and per probe"  # only a forger writes one
-            if reason is None:
-                missing = [name for name, bound in zip(plans[i].has, entry["has"]) if bound is not True]
-                reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
-            outcomes[i], reasons[i] = reason is None, reason
-    if unverified:
-        snippets = [plans[i].source for i in unverified]
-        run = _run_once(chosen, python, {"program": program, "mode": "exec", "specs": snippets}, limits, run_as_uid)
-        runs.append(run)
-        for i, entry in zip(unverified, _report_results(run, len(unverified)) or []):
-            outcomes[i], reasons[i] = entry["passed"] is True, entry.get("error")
-    status = next((r.status for r in runs if r.status != "ok"), "ok")
-    if status != "ok":
+    specs = [plans[i].sandbox_spec() if plans[i].kind == "verified" else {"exec": plans[i].source} for i in ran]
+    run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
+    for i, entry in zip(ran, _report_results(run, len(ran)) or []):
+        if plans[i].kind == "unverified":
+            outcomes[i], reasons[i] = entry.get("passed") is True, entry.get("error")
+            continue
+        values, reason = _probe_values(entry, decode, ProbeError)
+        if reason is None and (len(entry["has"]) != len(plans[i].has) or len(values) != len(plans[i].probes)):
+            reason = "malformed report: not one entry per name and per probe"  # only a forger writes one
+        if reason is None:
+            missing = [name for name, bound in zip(plans[i].has, entry["has"]) if bound is not True]
+            reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
+        outcomes[i], reasons[i] = reason is None, reason
+    if run.status != "ok":
         outcomes = [False] * len(plans)
-    program_errors = [r.report["program_error"] for r in runs if r.report and r.report.get("program_error")]
-    errors = [f"program: {program_errors[0]}"] if program_errors else []
+    program_error = run.report.get("program_error") if run.report else None
+    errors = [f"program: {program_error}"] if program_error else []
     errors += [f"test {i}: {reasons[i]}" for i in range(len(plans)) if not outcomes[i] and reasons.get(i)]
-    for run in runs:
-        if run.report and "sandbox_error" in run.report:
-            errors.insert(0, str(run.report["sandbox_error"]))
+    if run.report and "sandbox_error" in run.report:
+        errors.insert(0, str(run.report["sandbox_error"]))
     return SandboxResult(
-        status,
+        run.status,
         passed=sum(outcomes),
         total=len(plans),
-        returncode=runs[-1].returncode,
-        output="".join(r.output for r in runs),
-        duration=sum(r.duration for r in runs),
+        returncode=run.returncode,
+        output=run.output,
+        duration=run.duration,
         errors=errors[:20],
-        isolation=runs[0].isolation,
-        verified=len(verified),
+        isolation=run.isolation,
+        verified=sum(p.kind == "verified" for p in plans),
         outcomes=outcomes,
     )
 
@@ -340,7 +332,7 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
     errors = []
     for use_cgroup in [True, False] if memory_cgroup_root() is not None else [False]:
         for launcher in candidates:
-            config = {"program": "pass", "mode": "probe", "specs": [{"probes": [], "has": []}]}
+            config = {"program": "pass", "specs": [{"probes": [], "has": []}]}
             run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
             if _report_results(run, 1) is not None:
                 return launcher, use_cgroup
@@ -372,7 +364,9 @@ def _ns_inode(kind: str) -> int | None:
 def _run_once(
     chosen: tuple[list[str], bool], python: str, job: dict[str, Any], limits: SandboxLimits, run_as_uid: int | None
 ) -> _Run:
-    """One sandbox process running ``job`` (program, mode, specs) with a given launcher prefix and cgroup choice."""
+    """One sandbox process running ``job`` (program, specs) with a given launcher prefix and cgroup choice. Its
+    output is capped at ``limits.max_output_bytes``; its report at twice that per spec (a stdio test's captured
+    output travels there, JSON-escaped: the cap is per test, not shared by all of a program's tests)."""
     from .cgroup import cpu_cgroup_root, memory_cgroup_root
 
     launcher, use_cgroup = chosen
@@ -431,7 +425,8 @@ def _run_once(
             init_fd = _namespace_init(proc, start + limits.timeout)
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc.stdin, json.dumps(config).encode()), daemon=True).start()
-        output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes)
+        report_cap = 2 * limits.max_output_bytes * max(1, len(job["specs"]))
+        output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes, report_cap)
         _kill_pidfd(init_fd)
         _kill_group(proc)
         if config["fresh_uid"] and "--pid" not in launcher:
@@ -484,8 +479,11 @@ def _feed(pipe: Any, data: bytes) -> None:
         pass
 
 
-def _collect(proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes: int) -> tuple[bytes, bytes, str]:
-    """Read the child's output and report until both end, the deadline, or ``max_bytes`` in either.
+def _collect(
+    proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes: int, max_report_bytes: int
+) -> tuple[bytes, bytes, str]:
+    """Read the child's output and report until both end, the deadline, ``max_bytes`` of output or
+    ``max_report_bytes`` of report.
 
     Returns (output, report, status so far).
     """
@@ -513,7 +511,7 @@ def _collect(proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes:
                     sel.unregister(key.fd)
                     continue
                 buffers[key.fd] += chunk
-                if len(buffers[key.fd]) > max_bytes:
+                if len(buffers[key.fd]) > (max_report_bytes if key.fd == report_fd else max_bytes):
                     status = "output_limit"
             if status == "output_limit":
                 break
@@ -1423,13 +1421,18 @@ def _make_encoder() -> tuple[Any, type]:
 
 
 def _run_job(config: dict[str, Any], encode: Any, unrepresentable: type) -> dict[str, Any]:
-    """Execute the program, then either the probes of each verified test (``mode == "probe"``) or each test
-    snippet (``"exec"``, the unverified tests); return the report's results."""
+    """Execute the program (as the module ``solution``), then each spec in order in its namespace: an unverified
+    test's snippet (``{"exec": source}``) or a verified test's probes; return the report's results."""
     import builtins
+    import sys
     import traceback
+    import types
 
-    run, build, evaluate = exec, compile, eval  # bound before the program runs
+    run, evaluate, compile_ = exec, eval, compile  # bound before the program runs
     builtin_names = builtins.__dict__
+
+    def build(source: str, name: str, mode: str) -> Any:  # not this file's `from __future__ import annotations`
+        return compile_(source, name, mode, dont_inherit=True)
 
     def describe(exc: BaseException) -> str:
         try:
@@ -1437,22 +1440,24 @@ def _run_job(config: dict[str, Any], encode: Any, unrepresentable: type) -> dict
         except BaseException:
             return "an exception that cannot be described"
 
-    namespace: dict[str, Any] = {"__name__": "solution", "__builtins__": builtins}
+    module = types.ModuleType("solution")  # registered, as an imported module is: dataclasses, typing and pickle
+    sys.modules["solution"] = module  # look classes' modules up there
+    namespace: dict[str, Any] = module.__dict__
+    namespace["__builtins__"] = builtins
     try:
         run(build(config["program"], "<solution>", "exec"), namespace)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the program failed to load
         traceback.print_exc(limit=5)
         return {"program_error": describe(exc)}
     results: list[dict[str, Any]] = []
-    if config["mode"] == "exec":
-        for index, snippet in enumerate(config["specs"]):
+    for position, spec in enumerate(config["specs"]):
+        if "exec" in spec:
             try:
-                run(build(snippet, f"<test {index}>", "exec"), namespace)
+                run(build(spec["exec"], f"<test {position}>", "exec"), namespace)
                 results.append({"passed": True})
             except BaseException as exc:
                 results.append({"passed": False, "error": describe(exc)})
-        return {"results": results}
-    for spec in config["specs"]:
+            continue
         local: dict[str, Any] = {}
         try:  # the test's own imports (at module level, then inside check()) and HumanEval's candidate
             for source in spec.get("global_imports", []):

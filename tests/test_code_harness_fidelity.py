@@ -1,0 +1,112 @@
+"""The code harnesses against Gen-Verse/dLLM-RL (10b4fd1) ``reward/rl_execute.py``, and programs any grader must run.
+
+The expected rewards come from running dLLM-RL's own ``_check_snippet_many`` / ``worker_stdio`` on the same
+completions (only the numbers are kept here).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from trl_diffusion.eval.evaluate import EvalConfig
+from trl_diffusion.rewards import make_code_reward, make_official_code_reward, run_tests
+from trl_diffusion.rewards.dllm_rl_code import official_stdio_program, stdio_program, stdio_test
+from trl_diffusion.rewards.sandbox import SandboxLimits
+
+SUM2 = {"test_method": "stdio", "test_input": ["1 2\n", "3 4\n"], "test_output": ["3\n", "7\n"]}
+LINES = {"test_method": "stdio", "test_input": ["2\n1 2\n3 4\n"], "test_output": ["3\n7\n"]}
+
+
+def _fence(code: str) -> str:
+    return f"```python\n{code}\n```"
+
+
+def _official(row: dict, code: str, **kwargs) -> float | None:
+    reward = make_official_code_reward(max_workers=1, **kwargs)
+    return reward([_fence(code)], **{k: [v] for k, v in row.items()})[0]
+
+
+DATACLASS = "from dataclasses import dataclass\n@dataclass\nclass R:\n    w: int\n    h: int\ndef area(w, h):\n" \
+            "    r = R(w, h)\n    return r.w * r.h"
+
+
+@pytest.mark.parametrize("future", ["", "from __future__ import annotations\n"])
+def test_a_program_with_a_dataclass_passes(future):
+    """Before, the sandbox compiled programs with its own ``from __future__ import annotations`` and ran them in a
+    module missing from ``sys.modules``: ``@dataclass`` raised AttributeError and a correct program scored 0."""
+    program = future + DATACLASS
+    result = run_tests(program, ["assert area(2, 3) == 6"])
+    assert result.passed == 1, result.errors
+    reward = make_code_reward(max_workers=1)
+    assert reward([_fence(program)], tests=[["assert area(2, 3) == 6"]])[0] == 1.0
+    row = {"test_method": "function", "prefix": "", "test_list": ["assert area(2, 3) == 6"]}
+    assert _official(row, program) == 1.0
+    stdio = future + DATACLASS + "\nw, h = map(int, input().split())\nprint(area(w, h))"
+    assert run_tests(stdio_program(stdio), [stdio_test("2 3\n", "6\n")]).passed == 1
+
+
+def test_tests_see_names_bound_by_earlier_tests():
+    """dLLM-RL runs a row's tests in order in one namespace. Before, tests that cannot be decided outside the
+    sandbox (an assignment, a helper) ran in a separate process, so the asserts after them failed with NameError."""
+    program = "def add(a, b):\n    return a + b"
+    tests = ["x = add(1, 2)", "assert x == 3", "def helper(v):\n    return add(v, v)", "assert helper(2) == 4",
+             "assert add(2, 2) == 5"]
+    result = run_tests(program, tests)
+    assert result.outcomes == [True, True, True, True, False] and result.verified == 3
+    row = {"test_method": "function", "prefix": "", "test_list": tests}
+    assert _official(row, program) == 4.0  # dLLM-RL: 4
+
+
+def test_official_function_rows_are_dedented():
+    """dLLM-RL execs ``textwrap.dedent(code)``, which blanks a whitespace-only line inside a string literal."""
+    row = {"test_method": "function", "prefix": "", "test_list": ["assert f() == 'a\\n\\nb'"]}
+    assert _official(row, 'def f():\n    return """a\n    \nb"""') == 1.0  # dLLM-RL: 1
+    assert run_tests('def f():\n    return """a\n    \nb"""', ["assert f() == 'a\\n\\nb'"]).passed == 0  # natively
+
+
+@pytest.mark.parametrize("row, code, official", [
+    (SUM2, "a, b = map(int, input('Enter two numbers: ').split())\nprint(a + b)", 2.0),
+    (SUM2, "import sys\na, b = map(int, sys.stdin.buffer.read().split())\nprint(a + b)", 0.0),
+    (SUM2, "import sys\na, b = map(int, input().split())\nsys.stdout.buffer.write(str(a + b).encode())", 0.0),
+    (LINES, "import sys\nn = int(input())\nfor _ in range(n):\n    a, b = map(int, sys.stdin.readline().split())\n"
+            "    print(a + b)", 0.0),
+    (LINES, "import sys\ninput = sys.stdin.readline\nn = int(input())\nfor _ in range(n):\n"
+            "    a, b = map(int, input().split())\n    print(a + b)", 1.0),
+    ({"test_method": "stdio", "test_input": ["a\x0cb\n"], "test_output": ["a\x0cb\n"]}, "print(input())", 0.0),
+    (SUM2, "a, b = map(int, input().split())\nprint(a + b)\nexit()", 2.0),
+])
+def test_official_stdio_harness_is_dllm_rls_worker_stdio(row, code, official):
+    """dLLM-RL's ``worker_stdio``: a global ``input`` that ignores its prompt and reads the input's ``splitlines()``,
+    a separate ``StringIO`` stdin, a ``StringIO`` stdout (no ``.buffer``). Before, the official grader used the real
+    text streams: ``input('prompt')`` printed the prompt and scored 0 where dLLM-RL gives full reward."""
+    assert _official(row, code) == official
+
+
+def test_default_stdio_harness_keeps_real_streams():
+    """The default harness is a real text stdin/stdout: bytes I/O works, and a prompt is printed (as on a judge)."""
+    tests = [stdio_test("1 2\n", "3\n")]
+    assert run_tests(stdio_program("import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))"),
+                     tests).passed == 1
+    assert run_tests(official_stdio_program("import sys\nprint(sum(map(int, sys.stdin.buffer.read().split())))"),
+                     tests).passed == 0
+    assert run_tests(stdio_program("print(sum(map(int, input('? ').split())))"), tests).passed == 0
+
+
+def test_the_output_cap_is_per_stdio_case():
+    """Before, every case's captured output shared one 1 MB report, so 8 cases of ~150 kB each failed a correct
+    program. A case's output may take twice ``max_output_bytes`` (JSON-escaped in the report); a larger one needs
+    the cap raised (dLLM-RL has none)."""
+    code = "n = int(input())\nprint('x' * n)"
+    tests = [stdio_test(f"{150_000 + i}\n", "x" * (150_000 + i)) for i in range(8)]
+    assert run_tests(stdio_program(code), tests).passed == 8
+    big = {"test_method": "stdio", "test_input": ["2500000\n"], "test_output": ["x" * 2_500_000]}
+    assert _official(big, code) == 0.0
+    assert _official(big, code, max_output_bytes=1_300_000) == 1.0
+    limits = SandboxLimits(max_output_bytes=1000)
+    assert run_tests("print('y' * 5000)", ["pass"], limits).status == "output_limit"
+
+
+def test_eval_config_checks_code_max_output_bytes():
+    assert EvalConfig(dataset_name="gsm8k", code_max_output_bytes=5).code_max_output_bytes == 5
+    with pytest.raises(ValueError, match="code_max_output_bytes must be >= 1"):
+        EvalConfig(dataset_name="gsm8k", code_max_output_bytes=0)
