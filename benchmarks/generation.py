@@ -145,15 +145,16 @@ def cpu_grid(args, device: torch.device) -> None:
                     records.append(run(family, cache, strategy, length, 1, args.hidden, device))
                     print(json.dumps(records[-1]), flush=True)
     ratios = {}
+    primary = "low_confidence_static" if "low_confidence_static" in args.strategies else args.strategies[0]
     for family in args.families:
-        def find(cache, length, strategy="low_confidence_static", family=family):
+        def find(cache, length, strategy=primary, family=family):
             for r in records:
                 if (r["family"], r["cache"], r["new_tokens"], r["batch"], r["strategy"]) == (
                         family, str(cache), length, 1, strategy):
                     return r
         longest = max(args.lengths)
         cached, plain = find(CACHE_MODES[family][1], longest), find(False, longest)
-        entry = {f"cache_speedup_at_{longest}": round(plain["seconds"] / cached["seconds"], 2)}
+        entry = {"strategy": primary, f"cache_speedup_at_{longest}": round(plain["seconds"] / cached["seconds"], 2)}
         if family == "sdar":
             entry["cached_ms_per_token_by_length"] = {n: find(True, n)["ms_per_token"] for n in args.lengths}
             small, big = args.batch_sizes

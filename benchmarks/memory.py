@@ -241,12 +241,19 @@ def main() -> None:
     for length in args.lengths:
         for variant in args.variants:
             command = [sys.executable, __file__, "--one", variant, str(length), *shape]
-            done = subprocess.run(command, capture_output=True, text=True, check=True, env=environment)
-            records.append(json.loads(done.stdout.strip().splitlines()[-1]))
+            done = subprocess.run(command, capture_output=True, text=True, env=environment)
+            lines = done.stdout.strip().splitlines()
+            if done.returncode == 0 and lines:
+                records.append(json.loads(lines[-1]))
+            else:  # recorded, and the other configurations still run (one OOM must not lose the rest)
+                records.append({"variant": variant, "response_length": length, "error": f"exit {done.returncode}: "
+                                f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else 'no output'}"})
             print(json.dumps(records[-1]), flush=True)
+            if args.output:  # after every configuration: a run stopped by its time limit keeps what it measured
+                args.output.write_text(json.dumps({"records": records}, indent=1))
     table = {f"L={r['response_length']}": {} for r in records}
     for r in records:
-        table[f"L={r['response_length']}"][r["variant"]] = r["peak_mb"]
+        table[f"L={r['response_length']}"][r["variant"]] = r.get("peak_mb", r.get("error"))
     print(json.dumps({"peak_mb": table}, indent=1))
     if args.output:
         args.output.write_text(json.dumps({"records": records, "peak_mb": table}, indent=1))

@@ -132,7 +132,7 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
         model.train()
         trainer.create_optimizer()
         trainer.training_step(model, batches[0], num_items_in_batch=_labels(batches[0]))  # warm-up
-        if device == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
@@ -140,7 +140,7 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
             trainer.training_step(model, batch, num_items_in_batch=_labels(batch))
             trainer.optimizer.step()
             trainer.optimizer.zero_grad()
-        if device == "cuda":
+        if torch.device(device).type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
     real = sum(_real_tokens(batch) for batch in batches)
@@ -148,7 +148,7 @@ def measure(family: str, mode: str, shape: dict, device: str) -> dict:
     record = {"family": family, "mode": mode, "steps": len(batches), "samples_per_batch": per_batch,
               "seconds": round(seconds, 3), "real_tokens": real, "real_tokens_per_s": round(real / seconds, 1),
               "padding_share": round(1 - real / processed, 3)}
-    if device == "cuda":
+    if torch.device(device).type == "cuda":
         record["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return record
 
@@ -157,7 +157,8 @@ def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int =
                        steps_per_block: int = 4) -> list[dict]:
     """The ``trajectory`` objective on SDAR rollouts (block 4, ``steps_per_block`` steps a block: with 4, one token
     per step, TraceRL's worst case, so ``answer`` states a sample): one forward + backward in TraceRL's packed
-    layout (what the objective builds) and in one whole row per state (``trajectory_state_rows``), on one batch."""
+    layout (what the objective builds) and in one whole row per state (``trajectory_state_rows``), on one batch;
+    each timed after an untimed warm-up call."""
     from trl_diffusion.states import block_index, step_groups
     from trl_diffusion.trainers.diffusion_losses import (
         IGNORE_INDEX,
@@ -187,12 +188,17 @@ def measure_trajectory(shape: dict, device: str, samples: int = 4, prompt: int =
                                                    shape["vocab"] - 1, BLOCK),
     }
     records = []
+    on_cuda = torch.device(device).type == "cuda"
     for name, batch in layouts.items():
-        start = time.perf_counter()
-        loss, _ = diffusion_loss(model, batch, int(completion.sum()), False, shape["vocab"] - 1, "nll", "auto")
-        loss.backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
+        for _ in range(2):  # a warm-up call, then the timed one (flex attention on CUDA compiles in the first)
+            model.zero_grad(set_to_none=True)
+            if on_cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            loss, _ = diffusion_loss(model, batch, int(completion.sum()), False, shape["vocab"] - 1, "nll", "auto")
+            loss.backward()
+            if on_cuda:
+                torch.cuda.synchronize()
         records.append({"family": "sdar", "mode": f"trajectory, {name}", "rows": batch.input_ids.shape[0],
                         "processed_tokens": batch.input_ids.numel(), "seconds": round(time.perf_counter() - start, 3),
                         "loss": round(loss.item(), 4)})
