@@ -8,7 +8,7 @@ prints held-out greedy accuracy before and after training:
 
     accelerate launch examples/math.py
 
-The published TraDo-4B-Instruct run (dLLM-RL's MATH training set; see recipes/ for complete configs):
+dLLM-RL's TraDo config on TraDo-4B-Instruct (its MATH training set; see recipes/ for complete configs):
 
     accelerate launch --config_file examples/accelerate_configs/deepspeed_zero3.yaml examples/math.py \
         --config recipes/trado_4b_tracerl_math.yaml

@@ -220,3 +220,50 @@ def test_a_reward_model_scores_prompt_and_completion_text(tmp_path):
     assert len(texts) == 4 and expected.std() > 0
     assert logs[f"rewards/{name}/mean"] == pytest.approx(expected.mean().item(), rel=1e-4, abs=1e-5)
     assert logs[f"rewards/{name}/std"] == pytest.approx(expected.std().item(), rel=1e-3, abs=1e-5)
+
+
+@pytest.mark.parametrize("reward_std, scale_rewards", [("population", "group"), ("sample", "none")])
+def test_leave_one_out_advantages_are_diffucoders(tmp_path, reward_std, scale_rewards):
+    """``advantage_baseline='leave_one_out'`` (DiffuCoder's coupled-GRPO, ``coupled_grpo.py``): each reward minus the
+    mean of its group's other rewards, then scaled as ``scale_rewards`` / ``reward_std`` say."""
+    outputs = {}
+    for baseline in ("group_mean", "leave_one_out"):
+        trainer = make_trainer(tmp_path, reward_std=reward_std, scale_rewards=scale_rewards,
+                               advantage_baseline=baseline)
+        outputs[baseline] = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    rewards = trainer._rewards().double().cpu()
+    expected = rewards - (rewards.sum() - rewards) / 3
+    if scale_rewards == "group":
+        expected = expected / (rewards - rewards.mean()).pow(2).mean().sqrt()
+    assert expected.abs().max() > 0
+    torch.testing.assert_close(outputs["leave_one_out"]["advantages"].double(), expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outputs["leave_one_out"]["advantages"], outputs["group_mean"]["advantages"] * 4 / 3)
+
+
+def test_leave_one_out_is_refused_with_a_value_model(tmp_path):
+    with pytest.raises(ValueError, match="advantage_baseline='leave_one_out' sets the reward baseline"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars,
+                       args=make_config(tmp_path, advantage_baseline="leave_one_out"),
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), processing_class=build_tokenizer(),
+                       value_model=tiny_model("sdar"))
+    with pytest.raises(ValueError, match="advantage_baseline must be"):
+        make_config(tmp_path, advantage_baseline="loo")
+
+
+def test_a_block_model_trained_at_another_block_size_is_warned_about(tmp_path, caplog):
+    """TraceRLConfig's block_length defaults to TraDo's 4, whatever the model: an SDAR checkpoint of block size 8
+    (the released b8 / b16 / b32 variants) was rolled out and trained at 4 without a word."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            make_trainer(tmp_path, model=tiny_model("sdar", block_size=8))
+        assert "block_size=8, but TraceRL rolls out at block_length=4" in caplog.text
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            make_trainer(tmp_path, model=tiny_model("sdar", block_size=8), block_length=8, denoising_steps=4)
+            make_trainer(tmp_path)  # block size 4, rolled out at 4
+        assert "TraceRL rolls out at block_length" not in caplog.text
+    finally:
+        hf_logging.disable_propagation()

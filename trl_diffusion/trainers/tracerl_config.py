@@ -171,6 +171,13 @@ class TraceRLConfig(GRPOConfig):
                   "'population' (dLLM-RL) = (r - mean) / population std, 0 when the std is 0; 'sample' = TRL's "
                   "(r - mean) / (unbiased std + 1e-4).", "choices": ["population", "sample"]},
     )
+    advantage_baseline: str = field(
+        default="group_mean",
+        metadata={"help": "What is subtracted from a reward: 'group_mean' (TRL, dLLM-RL) or 'leave_one_out' "
+                  "(DiffuCoder's coupled-GRPO: the mean of the group's k - 1 other rewards, i.e. the group-mean "
+                  "advantage times k / (k - 1)), then scaled as scale_rewards and reward_std say. Without a value "
+                  "model only.", "choices": ["group_mean", "leave_one_out"]},
+    )
     scoring_token_budget: int | None = field(
         default=16384,
         metadata={"help": "Maximum padded tokens per scoring forward (packed rows are chunked to stay under it)."},
@@ -468,6 +475,9 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"log_ratio_clip must be > 0 or None, got {self.log_ratio_clip}.")
         if self.reward_std not in ("population", "sample"):
             raise ValueError(f"reward_std must be 'population' or 'sample', got {self.reward_std!r}.")
+        if self.advantage_baseline not in ("group_mean", "leave_one_out"):
+            raise ValueError(f"advantage_baseline must be 'group_mean' or 'leave_one_out', got "
+                             f"{self.advantage_baseline!r}.")
         # TRL reads these only at the first rollout (an unknown scale_rewards raises there; num_iterations=0 gives an
         # empty dataloader and a run that trains nothing): say so now
         if self.scale_rewards not in ("group", "batch", "none"):

@@ -170,6 +170,7 @@ class TraceRLTrainer(GRPOTrainer):
                              "which would rescale the router loss too); use loss_type 'tracerl' or 'dapo', "
                              "dynamic_group_filtering='none', or router_aux_loss_coef=0.")
         check_block_size_applies("training_block_size", args.training_block_size, base.block_size)
+        _warn_other_block_size(base.block_size, args)
         self._rollout_cache = _rollout_cache(args.rollout_cache, base)
         _check_completion_fits(base, args)
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
@@ -217,6 +218,10 @@ class TraceRLTrainer(GRPOTrainer):
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
         if value_model is not None:
+            if args.advantage_baseline != "group_mean":
+                raise ValueError(f"advantage_baseline={args.advantage_baseline!r} sets the reward baseline of group "
+                                 "advantages; with a value model the advantages are GAE's (the value is the "
+                                 "baseline). Use advantage_baseline='group_mean' or no value model.")
             self._setup_value_model(value_model, base)
 
     # ------------------------------------------------------------------------------------------------ rollouts
@@ -371,6 +376,10 @@ class TraceRLTrainer(GRPOTrainer):
         keep = self._local(kept_responses, rows)
         if self.args.reward_std == "population":
             output["advantages"] = self._population_advantages(rows, mode)
+        if self.args.advantage_baseline == "leave_one_out":  # r - mean of the k - 1 others = (r - mean) k / (k - 1)
+            group = self.num_generations if mode == "train" else self.num_generations_eval
+            if group > 1:  # a group of one has no other response (its advantage is 0 either way)
+                output["advantages"] = output["advantages"] * (group / (group - 1))
         trainable = completion_mask.bool() & _fit_width(scoring["unmask_step"] >= 0, width) & keep[:, None]
         weights, training_rows_, trained = self._loss_weights(output["prompt_mask"], scoring, trainable)
         # with m masks per response every per-token tensor of the loss is [B, m * C], mask k in columns k * C ...
@@ -1111,6 +1120,22 @@ def _check_prompt_column(dataset, split: str) -> None:
         raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
                          "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
                          "column, e.g. dataset.rename_column('question', 'prompt').")
+
+
+def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) -> None:
+    """Warn when a block model (SDAR / TraDo) is rolled out or trained at another block size than its config's:
+    allowed, but rarely meant, since TraceRLConfig's default (4, TraDo's) does not follow the model, while
+    ``generate()`` does; the rollout settings are also written into the saved ``generation_config``."""
+    if model_block_size is None:
+        return
+    training = args.training_block_size or args.block_length
+    if args.block_length != model_block_size or training != model_block_size:
+        logger.warning(
+            f"the model's config has block_size={model_block_size}, but TraceRL rolls out at block_length="
+            f"{args.block_length} and trains at block size {training} (TraceRLConfig's default is TraDo's 4; "
+            f"generate() on this model defaults to {model_block_size}). Pass block_length={model_block_size} (and "
+            "denoising_steps) to keep the block size the model was trained at."
+        )
 
 
 def _check_completion_fits(model, args: TraceRLConfig) -> None:
