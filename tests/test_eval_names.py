@@ -72,6 +72,31 @@ def test_rows_given_directly_do_not_replace_the_results_of_other_rows(model_dir,
     assert Path(first["metrics_file"]).read_text() == written
 
 
+def test_a_model_given_as_an_object_is_identified_by_its_weights(model_dir, tmp_path):
+    """A fine-tuned model keeps its base model's ``name_or_path``: evaluated as an object into the same output_dir,
+    it silently replaced the base model's results (and carried its name); two models built in memory, named
+    "model" both, replaced each other's."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    run = dict(dataset_name=str(GSM8K), output_dir=str(tmp_path), max_new_tokens=4, **FAST)
+    first = evaluate(model_name_or_path=str(model_dir), **run)
+    written = Path(first["metrics_file"]).read_text()
+    tuned = AutoModelForCausalLM.from_pretrained(model_dir)
+    tokenizer = build_tokenizer()
+    again = evaluate(model=tuned, tokenizer=tokenizer, **{**run, "output_dir": str(tmp_path / "objects")})
+    assert again["sources"]["model"].startswith("in-memory:SDARForCausalLM:")
+    assert evaluate(model=tuned, tokenizer=tokenizer, **{**run, "output_dir": str(tmp_path / "objects")})[
+        "sources"] == again["sources"]  # the same weights again: the same model, replaced as documented
+    with torch.no_grad():
+        next(tuned.parameters()).add_(0.01)
+    with pytest.raises(ValueError, match="holds the results of model"):
+        evaluate(model=tuned, tokenizer=tokenizer, **run)  # the path-loaded base model's results
+    with pytest.raises(ValueError, match="holds the results of model 'in-memory:SDARForCausalLM:"):
+        evaluate(model=tuned, tokenizer=tokenizer, **{**run, "output_dir": str(tmp_path / "objects")})
+    assert Path(first["metrics_file"]).read_text() == written
+
+
 def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch):
     import datasets
 

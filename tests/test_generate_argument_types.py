@@ -88,3 +88,14 @@ def test_a_generation_config_that_is_not_a_generation_config_is_refused(config):
     model = tiny_model("llada")
     with pytest.raises(TypeError, match="generation_config must be a transformers GenerationConfig"):
         model.generate(torch.tensor([[20, 21, 22]]), generation_config=config)
+
+
+@pytest.mark.parametrize("stops", [dict(stop_token_ids=[151645, 151643]), dict(eos_token_id=10**6),
+                                   dict(stop_token_ids=[-1])])
+def test_stop_ids_the_model_cannot_produce_are_refused(stops):
+    """TraDo's ``stop_token_ids 151645 151643`` given to a model with a smaller vocabulary (LLaDA-8B's 126,464; here
+    the tiny model's) was accepted: no row could ever stop, so every completion ran to full length, silently."""
+    model = tiny_model("sdar")
+    with pytest.raises(ValueError, match=r"stop token ids .* are not token ids of this model"):
+        settings = {k: v for k, v in GREEDY.items() if k != "stop_token_ids"}  # which beat eos_token_id
+        model.generate(torch.tensor([[20, 21]]), **{**settings, **stops})

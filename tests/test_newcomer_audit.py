@@ -82,3 +82,19 @@ def test_a_local_dataset_path_may_start_with_a_tilde(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "data.jsonl").write_text(json.dumps({"prompt": "What is 1+1?\n", "completion": "2"}) + "\n")
     assert load_training_dataset("~/data.jsonl")[0] == {"prompt": "What is 1+1?\n", "completion": "2"}
+
+
+@pytest.mark.parametrize(("reward", "message"), [
+    ("MathAccuracyReward", "no reward function 'MathAccuracyReward' in trl_diffusion.rewards (a class or factory"),
+    ("make_code_reward", "no reward function 'make_code_reward' in trl_diffusion.rewards (a class or factory"),
+    ("math_reward", "give one of math_accuracy_reward, official_math_reward"),
+    ("trl_diffusion.rewards.MathAccuracyReward", "is a class, not a reward function 'MathAccuracyReward'"),
+])
+def test_a_reward_class_or_factory_is_refused_before_loading(capsys, tmp_path, reward, message):
+    """``--reward_funcs MathAccuracyReward`` (or a ``make_*`` factory) passed the check, loaded the model, then failed
+    at the first rollout with a TypeError traceback; ``math_reward`` (a submodule) got "did you mean math_reward?"."""
+    data = tmp_path / "math.jsonl"
+    data.write_text('{"problem": "1+1?", "answer": "2"}\n')
+    parser = load_example("math").make_parser()
+    line = error_line(capsys, parser, ["--dataset_name", str(data), "--reward_funcs", reward])
+    assert message in line and "did you mean math_reward?" not in line

@@ -89,24 +89,35 @@ def checkpointing_off() -> dict[str, Any]:
 
 
 def find_reward(name: str) -> Callable[..., Any]:
-    """The reward function ``name``: a function of :mod:`trl_diffusion.rewards`, or ``module.function`` (a dotted
-    path, imported). Raises :class:`UsageError` naming it when there is no such function."""
+    """The reward function ``name``: one of :data:`trl_diffusion.rewards.REWARD_FUNCTIONS`, or ``module.function``
+    (a dotted path, imported; not a class, which TRL would call with the completions to build one). Raises
+    :class:`UsageError` naming it when there is no such function."""
     import importlib
 
     from . import rewards
 
     module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        if attribute not in rewards.REWARD_FUNCTIONS:
+            close = difflib.get_close_matches(attribute, rewards.REWARD_FUNCTIONS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            factory = " (a class or factory: build the reward in Python)" if callable(
+                getattr(rewards, attribute, None)) else ""
+            raise UsageError(f"reward_funcs: no reward function {attribute!r} in trl_diffusion.rewards{factory}"
+                             f"{hint}; give one of {', '.join(rewards.REWARD_FUNCTIONS)} or a dotted path "
+                             "module.function.")
+        return getattr(rewards, attribute)
     try:
-        module = importlib.import_module(module_name) if module_name else rewards
+        module = importlib.import_module(module_name)
     except ImportError as exc:
         raise UsageError(f"reward_funcs: cannot import {module_name!r} for the reward {name!r}: {exc}") from None
     func = getattr(module, attribute, None)
-    if not callable(func):
+    if not callable(func) or isinstance(func, type):
         close = difflib.get_close_matches(attribute, [n for n in dir(module) if not n.startswith("_")], n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        where = module_name or "trl_diffusion.rewards"
-        raise UsageError(f"reward_funcs: no reward function {attribute!r} in {where}{hint}; give a name in "
-                         "trl_diffusion.rewards or a dotted path module.function.")
+        hint = f" (did you mean {close[0]}?)" if close and close[0] != attribute else ""
+        what = "is a class, not a reward function" if isinstance(func, type) else "has no reward function"
+        raise UsageError(f"reward_funcs: {module_name} {what} {attribute!r}{hint}; give a function "
+                         "(completions, **columns) -> rewards, or an instance of a reward class.")
     return func
 
 

@@ -417,7 +417,8 @@ def evaluate(
         config = dataclasses.replace(config, batch_size=_DATASET_BATCH_SIZE.get(builtin, _BATCH_SIZE))
     if config.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
-    if model is None or isinstance(model, (str, Path)):
+    in_memory = not (model is None or isinstance(model, (str, Path)))
+    if not in_memory:
         model, loaded_tokenizer = load_model_and_tokenizer(config)
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
@@ -431,7 +432,8 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
-    sources = {"model": _source(model_name), "dataset": _dataset_source(config) if by_name else rows_source}
+    model_source = _in_memory_source(model, model_name) if in_memory else _source(model_name)
+    sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
     _check_output_free(samples_path, sources)
     rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
@@ -613,6 +615,23 @@ def _source(name: str) -> str:
     directory is the same), anything else as given."""
     path = Path(name).expanduser()
     return str(path.resolve()) if path.exists() else name
+
+
+def _in_memory_source(model: Any, name: str) -> str:
+    """A model given as an object, as eval identifies it: its class, name and a digest of its weights (each
+    parameter's name, shape, dtype, float64 sum and up to 1,024 evenly spaced values), since a fine-tuned model keeps
+    its base model's ``name_or_path``: its results must not replace the base model's, nor another model's."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for parameter_name, parameter in model.named_parameters():
+            digest.update(f"{parameter_name}{tuple(parameter.shape)}{parameter.dtype}".encode())
+            if parameter.device.type == "meta" or parameter.numel() == 0:  # offloaded: no values here
+                continue
+            flat = parameter.detach().reshape(-1)
+            total = torch.sum(flat, dtype=torch.float64).item()
+            sample = flat[:: max(1, flat.numel() // 1024)].double().cpu()
+            digest.update(repr(total).encode() + sample.numpy().tobytes())
+    return f"in-memory:{type(model).__name__}:{name}:{digest.hexdigest()[:16]}"
 
 
 def _dataset_source(config: EvalConfig) -> str:

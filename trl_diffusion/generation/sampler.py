@@ -335,6 +335,10 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
                          f"{bad[:5].tolist()}.")
     if not 0 <= settings.pad_token_id < vocab:
         raise ValueError(f"pad_token_id must be a token id in [0, {vocab}), got {settings.pad_token_id}.")
+    unreachable = [i for i in settings.stop_token_ids if not 0 <= i < vocab]
+    if unreachable:  # the model can never produce them: no row would ever stop on them
+        raise ValueError(f"stop token ids {unreachable} (stop_token_ids / eos_token_id, from the call or the "
+                         f"generation_config) are not token ids of this model, [0, {vocab}): another model's ids?")
     if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
         raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} prompts; "
                          "give one per prompt (or a single generator).")

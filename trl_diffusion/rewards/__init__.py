@@ -31,7 +31,19 @@ from .math_reward import (
 )
 from .sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
 
+REWARD_FUNCTIONS = (
+    "math_accuracy_reward",
+    "official_math_reward",
+    "code_execution_reward",
+    "official_code_reward",
+    "boxed_format_reward",
+    "think_format_reward",
+)
+"""The ready reward functions (TRL's ``reward_func(completions, **columns)``), which ``--reward_funcs`` accepts by
+name; the classes and ``make_*`` factories build configured ones from Python."""
+
 __all__ = [
+    "REWARD_FUNCTIONS",
     "CodeExecutionReward",
     "MathAccuracyReward",
     "OfficialCodeReward",

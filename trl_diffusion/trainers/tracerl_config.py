@@ -239,8 +239,8 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": "Which prompt groups leave the loss (and the value model's training) before training: "
                   "'accuracy_band' (dLLM-RL) = groups whose mean reward (the accuracy of a 0/1 reward) lies outside "
                   "[group_accuracy_low, group_accuracy_high]; needs rewards in [0, 1]. 'all_equal' = groups whose "
-                  "rewards are all equal. 'none' (also False) = keep all. Dropped groups leave every loss "
-                  "normaliser too; the fraction dropped is logged as `filtered_groups`.",
+                  "rewards are all equal. 'none' = keep all (from Python also False; True = 'all_equal'). Dropped "
+                  "groups leave every loss normaliser too; the fraction dropped is logged as `filtered_groups`.",
                   "choices": ["accuracy_band", "all_equal", "none"]},
     )
     group_accuracy_low: float = field(
