@@ -158,8 +158,8 @@ def cpu_grid(args, device: torch.device) -> None:
         if family == "sdar":
             entry["cached_ms_per_token_by_length"] = {n: find(True, n)["ms_per_token"] for n in args.lengths}
             small, big = args.batch_sizes
-            one = run(family, True, "low_confidence_static", 128, small, args.hidden, device)
-            many = run(family, True, "low_confidence_static", 128, big, args.hidden, device)
+            one = run(family, True, primary, 128, small, args.hidden, device)
+            many = run(family, True, primary, 128, big, args.hidden, device)
             entry[f"batch_{big}_vs_{small}_tokens_per_s"] = round(many["tokens_per_s"] / one["tokens_per_s"], 2)
         ratios[family] = entry
     print(json.dumps({"ratios": ratios}, indent=1))

@@ -52,9 +52,36 @@ def test_tests_see_names_bound_by_earlier_tests():
     tests = ["x = add(1, 2)", "assert x == 3", "def helper(v):\n    return add(v, v)", "assert helper(2) == 4",
              "assert add(2, 2) == 5"]
     result = run_tests(program, tests)
-    assert result.outcomes == [True, True, True, True, False] and result.verified == 3
+    # the two asserts that read x / helper run after those snippets, unverified; the last one stays verified
+    assert result.outcomes == [True, True, True, True, False] and result.verified == 1
     row = {"test_method": "function", "prefix": "", "test_list": tests}
     assert _official(row, program) == 4.0  # dLLM-RL: 4
+
+
+CHEAT = r"""
+import re, sys
+_table = {}
+frame = sys._getframe()
+while frame is not None:  # the runner's config: every snippet of the run
+    config = frame.f_locals.get("config")
+    if isinstance(config, dict) and "specs" in config:
+        for spec in config["specs"]:
+            if isinstance(spec, dict) and "exec" in spec:
+                _table.update((int(a), int(b)) for a, b in re.findall(r"\((\d+),\s*(\d+)\)", spec["exec"]))
+    frame = frame.f_back
+def square(x):
+    return _table.get(x, -1)
+"""
+
+
+def test_verified_probes_never_share_a_run_with_unverified_snippets():
+    """Unverified snippets may hold expected values: a program that read them from its own run answered the
+    verified probes with them (a review of this change found it; 2 of 2 verified tests passed without squaring)."""
+    tests = ["assert square(3) == 9", "assert square(12) == 144",
+             "for x, y in [(3, 9), (12, 144)]:\n    assert square(x) == y"]
+    result = run_tests(CHEAT, tests)
+    assert result.verified == 2 and result.outcomes[:2] == [False, False]
+    assert run_tests("def square(x):\n    return x * x", tests).outcomes == [True, True, True]
 
 
 def test_official_function_rows_are_dedented():
@@ -110,3 +137,36 @@ def test_eval_config_checks_code_max_output_bytes():
     assert EvalConfig(dataset_name="gsm8k", code_max_output_bytes=5).code_max_output_bytes == 5
     with pytest.raises(ValueError, match="code_max_output_bytes must be >= 1"):
         EvalConfig(dataset_name="gsm8k", code_max_output_bytes=0)
+
+
+def test_builtins_are_seen_as_dllm_rl_and_python_show_them():
+    """dLLM-RL's ``exec`` gives programs the builtins' dict (``__builtins__['len']`` works); a script run as
+    ``__main__`` sees the module. The official harness and function rows follow dLLM-RL, the default stdio harness
+    a script."""
+    tests = [stdio_test("\n", "2\n")]
+    as_dict, as_module = "print(__builtins__['len']([1, 2]))", "print(__builtins__.len([1, 2]))"
+    assert run_tests(official_stdio_program(as_dict), tests).passed == 1
+    assert run_tests(official_stdio_program(as_module), tests).passed == 0
+    assert run_tests(stdio_program(as_module), tests).passed == 1
+    row = {"test_method": "function", "prefix": "", "test_list": ["assert f() == 2"]}
+    assert _official(row, "def f():\n    return __builtins__['len']([1, 2])") == 1.0
+
+
+def test_a_report_of_many_containers_is_refused_before_parsing():
+    """The per-test report cap let a program write ~40 MB of ``[],`` to its report pipe, which the parent parsed
+    into ~1 GiB of lists (found by a review of this change); such a report is now refused unparsed."""
+    program = r"""
+import os, sys
+frame = sys._getframe()
+while frame is not None and not isinstance(frame.f_locals.get("config"), dict):
+    frame = frame.f_back
+fd = frame.f_locals["config"]["report_fd"]
+head = b'{"results": [' + b",".join([b'{"has": [], "values": []}'] * 4) + b'], "x": ['
+os.write(fd, head)
+for _ in range(4):
+    os.write(fd, b"[]," * 100_000)
+os.write(fd, b'[]]}')
+os._exit(0)
+"""
+    result = run_tests(program, [f"assert f({i}) == {i}" for i in range(4)])
+    assert result.status == "output_limit" and result.passed == 0

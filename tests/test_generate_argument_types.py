@@ -99,3 +99,27 @@ def test_stop_ids_the_model_cannot_produce_are_refused(stops):
     with pytest.raises(ValueError, match=r"stop token ids .* are not token ids of this model"):
         settings = {k: v for k, v in GREEDY.items() if k != "stop_token_ids"}  # which beat eos_token_id
         model.generate(torch.tensor([[20, 21]]), **{**settings, **stops})
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_replay_scores_a_rollout_whose_padding_holds_any_id(family):
+    """Padding may hold any id (generate() never reads it and copies it through), but ``replay_logprobs`` looked the
+    returned sequences up whole: IndexError for padding of -100."""
+    from trl_diffusion.estimators import replay_logprobs
+
+    model = tiny_model(family).double()
+    ids, mask = left_pad([[11], [20, 21, 22, 23, 24]], pad=-100)
+    generators = [torch.Generator().manual_seed(i) for i in range(2)]
+    out = model.generate(ids, mask, max_new_tokens=6, block_length=4, temperature=1.0, stop_token_ids=[],
+                         generator=generators, return_dict_in_generate=True)
+    replayed = replay_logprobs(model, out.sequences, mask, out.unmask_step, block_length=4)
+    committed = out.unmask_step >= 0
+    torch.testing.assert_close(replayed[committed].double(), out.token_logprobs[committed].double(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_a_generator_list_is_counted_against_the_returned_rows():
+    model = tiny_model("sdar")
+    with pytest.raises(ValueError, match="2 generators for 6 returned rows"):
+        model.generate(torch.tensor([[20, 21], [22, 23]]), num_return_sequences=3,
+                       generator=[torch.Generator(), torch.Generator()], **{**GREEDY, "temperature": 1.0})

@@ -259,11 +259,26 @@ def test_a_block_model_trained_at_another_block_size_is_warned_about(tmp_path, c
     try:
         with caplog.at_level("WARNING"):
             make_trainer(tmp_path, model=tiny_model("sdar", block_size=8))
-        assert "block_size=8, but TraceRL rolls out at block_length=4" in caplog.text
+        assert "block_size=8, but TraceRL rolls out and trains at block_length=4" in caplog.text
         caplog.clear()
         with caplog.at_level("WARNING"):
             make_trainer(tmp_path, model=tiny_model("sdar", block_size=8), block_length=8, denoising_steps=4)
             make_trainer(tmp_path)  # block size 4, rolled out at 4
+            make_trainer(tmp_path, training_block_size=8)  # an explicit training block size (dLLM-RL's 4 -> 8)
         assert "TraceRL rolls out at block_length" not in caplog.text
     finally:
         hf_logging.disable_propagation()
+
+
+def test_leave_one_out_leaves_unscorable_responses_out():
+    """A response no reward function scores (None: NaN) is left out of the group statistics; its group's other
+    responses compare with the k' - 1 other scored ones (the factor was k / (k - 1) with k = num_generations)."""
+    from trl_diffusion.trainers.tracerl_objective import leave_one_out_scale, population_advantages
+
+    rewards = torch.tensor([float("nan"), 1.0, 2.0, 3.0, 0.0, 1.0, 0.0, 1.0], dtype=torch.float64)
+    loo = population_advantages(rewards, 4, "none") * leave_one_out_scale(rewards, 4)
+    expected = torch.tensor([0.0, 1 - 2.5, 2 - 2.0, 3 - 1.5, 0 - 2 / 3, 1 - 1 / 3, 0 - 2 / 3, 1 - 1 / 3],
+                            dtype=torch.float64)
+    torch.testing.assert_close(loo, expected)
+    one_scored = torch.tensor([float("nan"), float("nan"), 5.0, float("nan")])
+    assert torch.equal(leave_one_out_scale(one_scored, 4), torch.ones(4))

@@ -45,6 +45,8 @@ def replay_logprobs(
     if groups is not None:
         unmask_step = groups
     valid, generated = trajectory_layout(prompt_mask, sequences.shape[1] - prompt_mask.shape[1])
+    # prompt padding may hold any id (generate() copies it through): the forward must not look it up
+    sequences = sequences.masked_fill(~valid, model.mask_token_id)
     positions = positions_from_padding(valid)
     block = (block_length or model.block_size) if model.block_size is not None else None
     mask = attention_mask_from_positions(positions, positions, valid, block)

@@ -340,8 +340,8 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
         raise ValueError(f"stop token ids {unreachable} (stop_token_ids / eos_token_id, from the call or the "
                          f"generation_config) are not token ids of this model, [0, {vocab}): another model's ids?")
     if isinstance(generator, (list, tuple)) and len(generator) != input_ids.shape[0]:
-        raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} prompts; "
-                         "give one per prompt (or a single generator).")
+        raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} returned rows "
+                         "(prompts x num_return_sequences); give one per returned row (or a single generator).")
     return attention_mask
 
 

@@ -59,7 +59,8 @@ DEFAULT_TIME_LIMIT = 1.0
 FUNCTION_SLACK = 2.0
 """Seconds dLLM-RL adds to a ``function`` row's limit (``spawn_slack``); its ``stdio`` cases get none."""
 
-_STDIO_HARNESS = '''import io as _io
+_STDIO_HARNESS = '''import builtins as _builtins
+import io as _io
 import sys as _sys
 
 _SOLUTION = compile({source!r}, "<solution>", "exec")
@@ -72,7 +73,7 @@ def _stdio_run(stdin_text):
     _sys.stdout = out
     try:
         try:
-            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": __builtins__}})
+            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": _builtins}})  # a script's: the module
         except SystemExit:
             pass
         out.flush()
@@ -101,7 +102,7 @@ def _stdio_run(stdin_text):
     out = _io.StringIO()
     _sys.stdin, _sys.stdout = _io.StringIO(stdin_text), out
     try:
-        exec(_SOLUTION, {{"__name__": "__main__", "input": fake_input, "__builtins__": __builtins__}})
+        exec(_SOLUTION, {{"__name__": "__main__", "input": fake_input}})  # exec adds the builtins' dict
     except SystemExit:
         pass
     except Exception as exc:

@@ -51,7 +51,7 @@ The child (``_child_main`` below, executed from this same file's source, importi
   directory, no reading other processes' ``/proc`` entries, no signals, limits, scheduling or priority changes of
   processes outside the program's own process group. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
-* runs the program, then each test in order (a verified test's probes, an unverified test's snippet), converts each
+* runs the program, then the probes (or, in a separate run, the unverified tests' snippets, in order), converts each
   probe's value to
   tagged plain data with functions bound before the program ran, and writes the report to its pipe.
 
@@ -88,6 +88,10 @@ _COUNT_LIMITS = ("memory_mb", "max_processes", "max_output_bytes", "max_file_byt
                  "max_open_files")
 """``SandboxLimits`` fields that are whole numbers >= 1."""
 _MAX_NODES = 1_000_000  # values in one probe's result
+_MAX_REPORT_CONTAINERS = 350_000
+"""JSON lists and objects a report may hold before it is parsed (about what a 1 MB report can hold): parsing
+turns each 3 bytes of ``[],`` into a Python list of ~60 bytes, so a report as large as the per-test cap allows
+would otherwise cost the parent far more memory and time than its size."""
 
 
 @dataclass(frozen=True)
@@ -196,13 +200,13 @@ def run_tests(
 
     A test passes if it would run without raising in the program's namespace; how that is decided (outside the
     sandbox where possible) is described in the module docstring. Never raises and never outlives
-    ``limits.timeout`` by more than the kill/cleanup time (one run: the program, then every test in order, in the
-    program's namespace): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
+    ``limits.timeout`` by more than the kill/cleanup time (twice that when some tests are verified and some are
+    not: they run separately): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
     defaults to the current interpreter. When this process is root the program runs as ``run_as_uid`` (uid and
     gid); the default, ``None``, picks a fresh unused uid per run so that the process limit of one sandbox is not
     shared with any other process on the machine.
     """
-    from .verdict import plan_test, program_bindings
+    from .verdict import plan_tests, program_bindings
 
     limits = limits or SandboxLimits()
     python = python or sys.executable
@@ -212,7 +216,7 @@ def run_tests(
         if chosen is None:
             return SandboxResult("sandbox_error", total=len(tests), errors=["no working sandbox launcher (see logs)"])
         shadowed = program_bindings(program) if isinstance(program, str) else frozenset()
-        plans = [plan_test(test, shadowed) for test in tests]
+        plans = plan_tests(tests, shadowed)
         return _run_plans(chosen, python, program, plans, limits, run_as_uid)
     except Exception as exc:  # the caller must never see an exception from here
         return SandboxResult("sandbox_error", total=len(tests), errors=[f"{type(exc).__name__}: {exc}"])
@@ -232,42 +236,51 @@ def _run_plans(
     limits: SandboxLimits,
     run_as_uid: int | None,
 ) -> SandboxResult:
-    """Run the program once, then every test in order (a verified test's probes, an unverified test's snippet, in
-    one namespace: a test sees the names earlier tests bound, as in a plain ``exec``); decide every test here."""
+    """Run the verified tests' probes and the unverified snippets (in order, in one namespace) in separate runs, so
+    the snippets' expected values never share a process with the probes; decide every test here."""
     from .verdict import ProbeError, decode, judge
 
-    ran = [i for i, p in enumerate(plans) if p.kind != "failed"]
+    verified = [i for i, p in enumerate(plans) if p.kind == "verified"]
+    unverified = [i for i, p in enumerate(plans) if p.kind == "unverified"]
     outcomes, reasons = [False] * len(plans), {i: p.reason for i, p in enumerate(plans) if p.kind == "failed"}
-    specs = [plans[i].sandbox_spec() if plans[i].kind == "verified" else {"exec": plans[i].source} for i in ran]
-    run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
-    for i, entry in zip(ran, _report_results(run, len(ran)) or []):
-        if plans[i].kind == "unverified":
+    runs = []
+    if verified or not unverified:
+        specs = [plans[i].sandbox_spec() for i in verified]
+        run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
+        runs.append(run)
+        for i, entry in zip(verified, _report_results(run, len(verified)) or []):
+            values, reason = _probe_values(entry, decode, ProbeError)
+            if reason is None and (len(entry["has"]) != len(plans[i].has) or len(values) != len(plans[i].probes)):
+                reason = "malformed report: not one entry per name and per probe"  # only a forger writes one
+            if reason is None:
+                missing = [name for name, bound in zip(plans[i].has, entry["has"]) if bound is not True]
+                reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
+            outcomes[i], reasons[i] = reason is None, reason
+    if unverified:
+        specs = [{"exec": plans[i].source} for i in unverified]
+        run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
+        runs.append(run)
+        for i, entry in zip(unverified, _report_results(run, len(unverified)) or []):
             outcomes[i], reasons[i] = entry.get("passed") is True, entry.get("error")
-            continue
-        values, reason = _probe_values(entry, decode, ProbeError)
-        if reason is None and (len(entry["has"]) != len(plans[i].has) or len(values) != len(plans[i].probes)):
-            reason = "malformed report: not one entry per name and per probe"  # only a forger writes one
-        if reason is None:
-            missing = [name for name, bound in zip(plans[i].has, entry["has"]) if bound is not True]
-            reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
-        outcomes[i], reasons[i] = reason is None, reason
-    if run.status != "ok":
+    status = next((r.status for r in runs if r.status != "ok"), "ok")
+    if status != "ok":
         outcomes = [False] * len(plans)
-    program_error = run.report.get("program_error") if run.report else None
-    errors = [f"program: {program_error}"] if program_error else []
+    program_errors = [r.report["program_error"] for r in runs if r.report and r.report.get("program_error")]
+    errors = [f"program: {program_errors[0]}"] if program_errors else []
     errors += [f"test {i}: {reasons[i]}" for i in range(len(plans)) if not outcomes[i] and reasons.get(i)]
-    if run.report and "sandbox_error" in run.report:
-        errors.insert(0, str(run.report["sandbox_error"]))
+    for run in runs:
+        if run.report and "sandbox_error" in run.report:
+            errors.insert(0, str(run.report["sandbox_error"]))
     return SandboxResult(
-        run.status,
+        status,
         passed=sum(outcomes),
         total=len(plans),
-        returncode=run.returncode,
-        output=run.output,
-        duration=run.duration,
+        returncode=runs[-1].returncode,
+        output="".join(r.output for r in runs),
+        duration=sum(r.duration for r in runs),
         errors=errors[:20],
-        isolation=run.isolation,
-        verified=sum(p.kind == "verified" for p in plans),
+        isolation=runs[0].isolation,
+        verified=len(verified),
         outcomes=outcomes,
     )
 
@@ -529,6 +542,8 @@ def _finish(
     isolation: dict[str, Any],
 ) -> _Run:
     """Interpret what a sandbox process left: only a complete JSON report on its own pipe counts as a result."""
+    if status == "exited" and report_bytes.count(b"[") + report_bytes.count(b"{") > _MAX_REPORT_CONTAINERS:
+        status = "output_limit"  # counted before parsing: see _MAX_REPORT_CONTAINERS
     try:
         report = json.loads(report_bytes) if status == "exited" and report_bytes else None
     except (ValueError, RecursionError):
@@ -1443,7 +1458,7 @@ def _run_job(config: dict[str, Any], encode: Any, unrepresentable: type) -> dict
     module = types.ModuleType("solution")  # registered, as an imported module is: dataclasses, typing and pickle
     sys.modules["solution"] = module  # look classes' modules up there
     namespace: dict[str, Any] = module.__dict__
-    namespace["__builtins__"] = builtins
+    namespace["__builtins__"] = builtin_names  # an imported module's (and dLLM-RL's exec's): the dict
     try:
         run(build(config["program"], "<solution>", "exec"), namespace)
     except BaseException as exc:  # SystemExit and KeyboardInterrupt included: the program failed to load

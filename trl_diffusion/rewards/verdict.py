@@ -72,7 +72,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["MAX_DEPTH", "Plan", "ProbeError", "decode", "judge", "plan_test", "program_bindings"]
+__all__ = ["MAX_DEPTH", "Plan", "ProbeError", "decode", "judge", "plan_test", "plan_tests", "program_bindings"]
 
 MAX_DEPTH = 100  # nesting depth of a value sent back by a probe (the sandbox's encoder uses the same bound)
 _MAX_ITEMS = 10**7  # largest sequence an arithmetic operation of a check may build
@@ -244,6 +244,39 @@ def _plan(source: str, tree: ast.Module, shadowed: frozenset[str]) -> Plan:
         return Plan(source, "failed", str(exc))
     except (Unverifiable, RecursionError) as exc:
         return Plan(source, "unverified", str(exc) or type(exc).__name__)
+
+
+def plan_tests(tests: list[Any], shadowed: frozenset[str] = frozenset()) -> list[Plan]:
+    """:func:`plan_test` for each of a row's tests, in order, where a verified test that reads a name an earlier
+    unverified test binds (``x = add(1, 2)`` then ``assert x == 3``; a helper ``def``) becomes unverified: natively it
+    sees that binding, so it runs after that snippet in its namespace, and the verified probes never share a process
+    with an unverified snippet, which may hold expected values. Depends on the tests alone, never on the program."""
+    plans, bound = [], set()
+    for test in tests:
+        plan = plan_test(test, shadowed)
+        if plan.kind == "verified" and bound & _names(plan.source, ast.Load):
+            plan = Plan(plan.source, "unverified")
+        if plan.kind == "unverified":
+            bound |= _names(plan.source, ast.Store)
+        plans.append(plan)
+    return plans
+
+
+def _names(source: str, context: type) -> set[str]:
+    """The names ``source`` reads (``context`` ``ast.Load``) or binds (``ast.Store``: assignment targets, ``def`` /
+    ``class`` names, imports)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError, TypeError, RecursionError):
+        return set()
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, context)}
+    if context is ast.Store:
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+    return names
 
 
 def program_bindings(program: str) -> frozenset[str]:

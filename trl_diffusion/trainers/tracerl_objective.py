@@ -74,6 +74,15 @@ def kept_groups(rewards: torch.Tensor, num_generations: int, mode: str, low: flo
     return keep.repeat_interleave(num_generations)
 
 
+def leave_one_out_scale(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
+    """``[N]`` factors that turn group-mean advantages into leave-one-out ones (DiffuCoder's coupled-GRPO): a reward
+    minus the mean of its group's other scored rewards is ``(r - group mean) * k / (k - 1)``, with ``k`` the group's
+    scored (not NaN) rewards, which is what the group statistics count; 1 where ``k < 2`` (nothing to compare)."""
+    scored = (~torch.isnan(rewards.view(-1, num_generations))).sum(1, keepdim=True).to(rewards.dtype)
+    scale = torch.where(scored > 1, scored / (scored - 1).clamp(min=1), torch.ones_like(scored))
+    return scale.expand(-1, num_generations).flatten()
+
+
 def population_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
     """``[N]`` advantages as dLLM-RL computes them: ``(r - group mean) / population std``, 0 where the std is 0
     (``scale_rewards='group'``; ``'batch'`` takes the std over the whole batch, ``'none'`` only centres). NaN rewards

@@ -69,7 +69,7 @@ from ..value.value_model import warn_if_half_precision
 from ..zero3 import gathered, whole_state_dict
 from .eval_padding import padded_eval_batch
 from .tracerl_config import TraceRLConfig
-from .tracerl_objective import kept_groups, population_advantages, step_weights, training_rows
+from .tracerl_objective import kept_groups, leave_one_out_scale, population_advantages, step_weights, training_rows
 
 REFERENCE_STATE_NAME = "ref_model_state.pt"
 """A checkpoint's copy of the reference model's parameters, written when ``sync_ref_model`` changes them."""
@@ -378,8 +378,8 @@ class TraceRLTrainer(GRPOTrainer):
             output["advantages"] = self._population_advantages(rows, mode)
         if self.args.advantage_baseline == "leave_one_out":  # r - mean of the k - 1 others = (r - mean) k / (k - 1)
             group = self.num_generations if mode == "train" else self.num_generations_eval
-            if group > 1:  # a group of one has no other response (its advantage is 0 either way)
-                output["advantages"] = output["advantages"] * (group / (group - 1))
+            scale = leave_one_out_scale(self._rewards(), group).to(output["advantages"].dtype)
+            output["advantages"] = output["advantages"] * self._local(scale, rows)
         trainable = completion_mask.bool() & _fit_width(scoring["unmask_step"] >= 0, width) & keep[:, None]
         weights, training_rows_, trained = self._loss_weights(output["prompt_mask"], scoring, trainable)
         # with m masks per response every per-token tensor of the loss is [B, m * C], mask k in columns k * C ...
@@ -1123,19 +1123,19 @@ def _check_prompt_column(dataset, split: str) -> None:
 
 
 def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) -> None:
-    """Warn when a block model (SDAR / TraDo) is rolled out or trained at another block size than its config's:
+    """Warn when a block model (SDAR / TraDo) is rolled out at another block length than its config's block size:
     allowed, but rarely meant, since TraceRLConfig's default (4, TraDo's) does not follow the model, while
-    ``generate()`` does; the rollout settings are also written into the saved ``generation_config``."""
-    if model_block_size is None:
+    ``generate()`` does; the rollout settings are also written into the saved ``generation_config``. (An explicit
+    ``training_block_size`` is the user's choice, e.g. dLLM-RL's training at 8 on a block-4 model.)"""
+    if model_block_size is None or args.block_length == model_block_size:
         return
-    training = args.training_block_size or args.block_length
-    if args.block_length != model_block_size or training != model_block_size:
-        logger.warning(
-            f"the model's config has block_size={model_block_size}, but TraceRL rolls out at block_length="
-            f"{args.block_length} and trains at block size {training} (TraceRLConfig's default is TraDo's 4; "
-            f"generate() on this model defaults to {model_block_size}). Pass block_length={model_block_size} (and "
-            "denoising_steps) to keep the block size the model was trained at."
-        )
+    trains = "" if args.training_block_size is not None else " and trains"
+    logger.warning(
+        f"the model's config has block_size={model_block_size}, but TraceRL rolls out{trains} at block_length="
+        f"{args.block_length} (TraceRLConfig's default is TraDo's 4; generate() on this model defaults to "
+        f"{model_block_size}). Pass block_length={model_block_size} (and denoising_steps) to keep the block size "
+        "the model was trained at."
+    )
 
 
 def _check_completion_fits(model, args: TraceRLConfig) -> None:
