@@ -32,6 +32,7 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
 import functools
 import inspect
 import json
+import math
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
@@ -105,8 +106,12 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
     def to_row(row, index):
         if not isinstance(row[question], (str, list)):
             raise ValueError(f"{name}: row {index} has no question text ({question!r} = {row[question]!r}).")
-        gold = str(row[answer])
-        gold = gold.split("####")[-1].strip() if "####" in gold else gold
+        gold = row[answer]
+        if gold is None or (isinstance(gold, float) and math.isnan(gold)):
+            gold = None  # no gold: the reward gives None and TRL leaves the row out ("None" would be an answer)
+        else:
+            gold = str(gold)
+            gold = gold.split("####")[-1].strip() if "####" in gold else gold
         if isinstance(row[question], list):  # conversational: [{"role": ..., "content": ...}, ...]
             if prompt_template is not None:
                 raise ValueError(f"{name}: the {question!r} column holds chat messages; prompt_template needs the "

@@ -41,6 +41,10 @@ def test_configs_take_a_dict_or_a_json_object_and_refuse_anything_else(make):
     for bad in ("enable_thinking=false", "[1]", 3):
         with pytest.raises(ValueError, match="chat_template_kwargs must be"):
             make(bad)
+    # arguments the callers pass themselves: a TypeError ("multiple values") inside the first rollout before
+    for clash in ({"add_generation_prompt": False}, {"tokenize": False}, {"continue_final_message": True}):
+        with pytest.raises(ValueError, match="which the trainers and eval pass to apply_chat_template"):
+            make(clash)
 
 
 def test_value_prompts_are_the_rollouts_prompts(tmp_path):

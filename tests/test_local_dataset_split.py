@@ -42,6 +42,19 @@ def test_math_dataset_names_a_row_without_question_text(tmp_path):
         load_example("math").math_dataset(str(path), None, "train")
 
 
+def test_math_dataset_keeps_a_missing_gold_answer_missing(tmp_path):
+    """A null answer became the text "None", which math_accuracy_reward then scored as a gold answer: a completion
+    writing \\boxed{None} earned 1.0. It stays None, so the reward leaves the row out."""
+    from trl_diffusion.rewards import math_accuracy_reward
+
+    path = tmp_path / "data.jsonl"
+    rows = [{"question": "What is 1+1?", "answer": None}, {"question": "What is 2+2?", "answer": "#### 4"}]
+    path.write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    dataset = load_example("math").math_dataset(str(path), None, "train")
+    assert dataset["answer"] == [None, "4"]
+    assert math_accuracy_reward(["\\boxed{None}", "\\boxed{4}"], answer=dataset["answer"]) == [None, 1.0]
+
+
 @pytest.mark.parametrize("example", ["math", "sft", "code"])
 def test_the_examples_refuse_a_config_with_a_local_file_before_loading_anything(capsys, local_file, example):
     parser = load_example(example).make_parser()

@@ -282,3 +282,16 @@ def test_leave_one_out_leaves_unscorable_responses_out():
     torch.testing.assert_close(loo, expected)
     one_scored = torch.tensor([float("nan"), float("nan"), 5.0, float("nan")])
     assert torch.equal(leave_one_out_scale(one_scored, 4), torch.ones(4))
+
+
+def test_an_images_column_and_an_empty_first_prompt(tmp_path):
+    """An ``images`` column passed construction and failed at the first rollout (as a chat-template TypeError with
+    some templates); an empty first prompt failed as "input_ids must be an integer tensor, got float32"."""
+    with pytest.raises(ValueError, match="has an 'images' column: TraceRLTrainer does not support images"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=make_config(tmp_path),
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS, "images": [None] * 4}),
+                       processing_class=build_tokenizer())
+    trainer = make_trainer(tmp_path)
+    with pytest.raises(ValueError) as caught:
+        trainer._generate_and_score_completions([{"prompt": ""}, {"prompt": "abc"}] * 2)
+    assert "a prompt is empty" in str(caught.value)

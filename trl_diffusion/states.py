@@ -385,7 +385,18 @@ def check_chat_template_kwargs(value: dict | str | None) -> dict | None:
             raise ValueError(f"chat_template_kwargs must be a JSON object, got {value!r} ({exc.msg}).") from None
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"chat_template_kwargs must be a dict (a JSON object on the command line), got {value!r}.")
+    reserved = sorted(set(value or {}) & _CHAT_TEMPLATE_CALL_ARGUMENTS)
+    if reserved:
+        raise ValueError(f"chat_template_kwargs sets {reserved}, which the trainers and eval pass to "
+                         "apply_chat_template themselves (a prompt ends with the generation prompt, as text); give "
+                         "only the template's own variables, e.g. {'enable_thinking': False}.")
     return value
+
+
+_CHAT_TEMPLATE_CALL_ARGUMENTS = frozenset({"conversation", "messages", "add_generation_prompt", "tokenize",
+                                           "return_dict", "return_tensors", "chat_template", "tools",
+                                           "continue_final_message"})
+"""``apply_chat_template`` arguments the callers set themselves (TRL too), or that change what the call returns."""
 
 
 def check_block_size_applies(name: str, value: int | None, model_block_size: int | None) -> None:

@@ -229,7 +229,7 @@ class TraceRLTrainer(GRPOTrainer):
         if images is not None and any(images):
             raise ValueError("TraceRLTrainer does not support images.")
         device = self.accelerator.device
-        tensors = [torch.tensor(ids) for ids in prompt_ids]
+        tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]  # an empty one too (not float32)
         prompt = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
         prompt_mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left").to(device)
         rows = len(prompt_ids)
@@ -1116,6 +1116,10 @@ def _check_prompt_column(dataset, split: str) -> None:
     if not isinstance(dataset, Dataset | IterableDataset):
         return
     columns = dataset.column_names or list(next(iter(dataset), {}))
+    images = [name for name in ("image", "images") if name in columns]
+    if images:  # TRL would render them into the prompts first (a chat template may fail on them first)
+        raise ValueError(f"the {split} dataset has an {images[0]!r} column: TraceRLTrainer does not support images "
+                         "(its rollouts are text diffusion trajectories). Remove the column.")
     if "prompt" not in columns:
         raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
                          "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
