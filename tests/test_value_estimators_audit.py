@@ -172,3 +172,18 @@ def test_values_under_a_larger_training_block_do_not_depend_on_never_committed_c
         in_batch, _ = token_values(value, prompt, torch.ones_like(prompt), *wider, 1, 8)
     assert torch.allclose(alone, in_batch[:, :4], rtol=1e-5, atol=1e-5 * float(alone.abs().max()))
     assert (in_batch[:, 4:] == 0).all()
+
+
+def test_a_value_row_no_rollout_could_produce_is_refused():
+    """The value trainer accepted an empty prompt and a prompt + completion longer than the model's positions, which
+    TraceRL's rollouts refuse: the value model was fit on trajectories the policy never produces."""
+    from trl_diffusion.value.value_trainer import _prepare_dataset
+
+    rows = {"prompt": ["", "abc"], "completion_ids": [[10, 11], [12, 13]], "unmask_step": [[0, 1], [0, 1]],
+            "reward": [1.0, 0.0]}
+    with pytest.raises(ValueError, match="row 0: the prompt is empty"):
+        _prepare_dataset(Dataset.from_dict(rows), build_tokenizer())
+    rows = {"prompt_ids": [[5, 6, 7]], "completion_ids": [[10, 11, 12]], "unmask_step": [[0, 1, 2]], "reward": [1.0]}
+    with pytest.raises(ValueError, match=r"row 0: prompt \(3\) \+ completion \(3\) = 6 tokens exceed the model's 5"):
+        _prepare_dataset(Dataset.from_dict(rows), build_tokenizer(), max_positions=5)
+    assert len(_prepare_dataset(Dataset.from_dict(rows), build_tokenizer(), max_positions=6)) == 1

@@ -399,6 +399,12 @@ _CHAT_TEMPLATE_CALL_ARGUMENTS = frozenset({"conversation", "messages", "add_gene
 """``apply_chat_template`` arguments the callers set themselves (TRL too), or that change what the call returns."""
 
 
+def max_positions(config) -> int | None:
+    """The positions a model can attend over (SDAR / Dream ``max_position_embeddings``, LLaDA
+    ``max_sequence_length``), None when the config names none."""
+    return getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+
+
 def check_block_size_applies(name: str, value: int | None, model_block_size: int | None) -> None:
     """Refuse a configured block size (the field ``name``) for a full-attention model (``model_block_size`` None:
     LLaDA, Dream), which trainers score and train without blocks, so that the value would be silently ignored."""

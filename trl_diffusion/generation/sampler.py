@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput, logging
 
-from ..states import NOT_COMMITTED, CanvasLayout
+from ..states import NOT_COMMITTED, CanvasLayout, max_positions
 from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
@@ -236,13 +236,13 @@ def diffusion_generate(
     if not block_causal and settings.cache_mode == "exact":
         raise ValueError("the exact KV cache needs block-causal attention; use 'prefix' or 'dual' for this model.")
     layout = CanvasLayout(lengths, settings.max_new_tokens, settings.block_length, block_causal)
-    max_positions = _max_positions(model.config)
+    model_positions = max_positions(model.config)
     longest = max(end - pad for end, pad in zip(layout.gen_end, layout.left_pad))  # a row's positions
-    if max_positions is not None and longest > max_positions:
+    if model_positions is not None and longest > model_positions:
         raise ValueError(
             f"prompt ({max(lengths)} tokens) + max_new_tokens ({settings.max_new_tokens}) "
             f"{'rounded up to whole blocks ' if block_causal else ''}needs {longest} positions; the model has "
-            f"{max_positions}."
+            f"{model_positions}."
         )
 
     full = state = _initial_canvas(input_ids, attention_mask, layout, mask_id, settings.pad_token_id, generator)
@@ -343,10 +343,6 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
         raise ValueError(f"generator is a list of {len(generator)} generators for {input_ids.shape[0]} returned rows "
                          "(prompts x num_return_sequences); give one per returned row (or a single generator).")
     return attention_mask
-
-
-def _max_positions(config) -> int | None:
-    return getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
 
 
 def _to_output(input_ids, attention_mask, layout, canvas, generated, unmask_step, logprobs, steps_taken, calls,

@@ -27,7 +27,7 @@ from ..models import check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
-from ..states import check_block_size_applies, resolve_model_attention_backend
+from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
@@ -93,7 +93,8 @@ class DiffusionValueTrainer(_BaseTrainer):
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
-                          vocab_size=model.get_input_embeddings().num_embeddings)
+                          vocab_size=model.get_input_embeddings().num_embeddings,
+                          max_positions=max_positions(model.config))
         train_dataset = prepare(train_dataset) if train_dataset is not None else None
         if isinstance(eval_dataset, dict):
             eval_dataset = {k: prepare(v) for k, v in eval_dataset.items()}
@@ -224,10 +225,11 @@ def _check_integers(index: int, name: str, values: list, low: int, high: int | N
 
 
 def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None,
-                     vocab_size: int | None = None) -> Dataset:
+                     vocab_size: int | None = None, max_positions: int | None = None) -> Dataset:
     """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
     ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths and that ids are
-    integers in ``[0, vocab_size)`` and steps integers >= -1."""
+    integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty and prompt + completion
+    fit in ``max_positions``, as for a rollout (a value model fit on trajectories no rollout can produce)."""
     columns = set(dataset.column_names)
     missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
     if missing or not columns & {"prompt", "prompt_ids"}:
@@ -258,14 +260,20 @@ def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | N
             raise ValueError(f"row {index}: 'unmask_step' is -1 at column {gap}, before committed column {last}: a "
                              "trajectory commits every column before its last committed one (-1 only after a stop).")
         if "prompt_ids" in example:
-            return {}
-        prompt = example["prompt"]
-        if is_conversational({"prompt": prompt}):
-            ids = tokenizer.apply_chat_template(conversation=[prompt], add_generation_prompt=True, tokenize=True,
-                                                return_dict=True, **(chat_template_kwargs or {}))["input_ids"][0]
+            ids = example["prompt_ids"]
+        elif is_conversational({"prompt": example["prompt"]}):
+            ids = tokenizer.apply_chat_template(conversation=[example["prompt"]], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True,
+                                                **(chat_template_kwargs or {}))["input_ids"][0]
         else:
-            ids = tokenizer(text=prompt)["input_ids"]
-        return {"prompt_ids": list(ids)}
+            ids = tokenizer(text=example["prompt"])["input_ids"]
+        if not ids:
+            raise ValueError(f"row {index}: the prompt is empty (no token): a rollout needs a prompt.")
+        total = len(ids) + len(example["completion_ids"])
+        if max_positions is not None and total > max_positions:
+            raise ValueError(f"row {index}: prompt ({len(ids)}) + completion ({len(example['completion_ids'])}) = "
+                             f"{total} tokens exceed the model's {max_positions} positions.")
+        return {} if "prompt_ids" in example else {"prompt_ids": list(ids)}
 
     prepared = dataset.map(process, with_indices=True)
     _PREPARED.add(prepared)
