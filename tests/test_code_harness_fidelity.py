@@ -45,17 +45,37 @@ def test_a_program_with_a_dataclass_passes(future):
     assert run_tests(stdio_program(stdio), [stdio_test("2 3\n", "6\n")]).passed == 1
 
 
-def test_tests_see_names_bound_by_earlier_tests():
-    """dLLM-RL runs a row's tests in order in one namespace. Before, tests that cannot be decided outside the
-    sandbox (an assignment, a helper) ran in a separate process, so the asserts after them failed with NameError."""
-    program = "def add(a, b):\n    return a + b"
-    tests = ["x = add(1, 2)", "assert x == 3", "def helper(v):\n    return add(v, v)", "assert helper(2) == 4",
-             "assert add(2, 2) == 5"]
-    result = run_tests(program, tests)
-    # the two asserts that read x / helper run after those snippets, unverified; the last one stays verified
-    assert result.outcomes == [True, True, True, True, False] and result.verified == 1
+@pytest.mark.parametrize("program, tests, outcomes, verified", [
+    ("def add(a, b):\n    return a + b",
+     ["x = add(1, 2)", "assert x == 3", "def helper(v):\n    return add(v, v)", "assert helper(2) == 4",
+      "assert add(2, 2) == 5"], [True, True, True, True, False], 0),
+    ("stack = []\ndef push(v):\n    stack.append(v)\ndef pop():\n    return stack.pop()",
+     ["push(1)", "assert pop() == 1"], [True, True], 0),
+    ("items = []\ndef add_item(v):\n    items.append(v)\n    return len(items)\ndef get_items():\n    return items",
+     ["assert add_item(7) == 1", "got = get_items()\nassert got == [7]"], [True, True], 1),
+    ("def f(x):\n    return x * x", ["import math\nassert f(2) == 4", "r = f(3)\nassert math.isclose(r, 9)"],
+     [True, True], 1),
+    ("def f(x):\n    return x", ["del f", "assert f(1) == 1"], [True, False], 0),
+])
+def test_a_rows_tests_run_in_order_in_one_state(program, tests, outcomes, verified):
+    """Natively (and in dLLM-RL) a row's tests run in order in one namespace (``ordered=True``, dLLM-RL's grader).
+    Tests that cannot be decided outside the sandbox ran in a separate process, so later asserts did not see what
+    they did (NameError, IndexError), and they did not see what earlier verified tests did (imports, side effects)."""
+    result = run_tests(program, tests, ordered=True)
+    assert result.outcomes == outcomes and result.verified == verified, result.errors
     row = {"test_method": "function", "prefix": "", "test_list": tests}
-    assert _official(row, program) == 4.0  # dLLM-RL: 4
+    assert _official(row, program) == float(sum(outcomes))
+
+
+def test_by_default_a_verified_test_stays_verified_after_an_unverified_one():
+    """``run_tests``' default keeps every verifiable test verified (decided from its own probe run), so a program
+    cannot forge it, at the cost of not seeing what an earlier unverified test did; the unverified run sees what
+    earlier verified tests did (their imports, their side effects)."""
+    program = "items = []\ndef add_item(v):\n    items.append(v)\n    return len(items)\ndef get(i):\n    return i"
+    tests = ["assert add_item(7) == 1", "got = items[:]\nassert got == [7]", "x = get(3)", "assert x == 3",
+             "assert get(2) == 2"]
+    result = run_tests(program, tests)
+    assert result.outcomes == [True, True, True, False, True] and result.verified == 3
 
 
 CHEAT = r"""
@@ -119,16 +139,16 @@ def test_default_stdio_harness_keeps_real_streams():
     assert run_tests(stdio_program("print(sum(map(int, input('? ').split())))"), tests).passed == 0
 
 
-def test_the_output_cap_is_per_stdio_case():
-    """Before, every case's captured output shared one 1 MB report, so 8 cases of ~150 kB each failed a correct
-    program. A case's output may take twice ``max_output_bytes`` (JSON-escaped in the report); a larger one needs
-    the cap raised (dLLM-RL has none)."""
+def test_the_output_cap_can_be_raised_for_large_stdio_outputs():
+    """A run's stdio cases share its report, capped at ``max_output_bytes`` (1 MB): 8 cases of ~150 kB fail a correct
+    program until the cap is raised (eval: ``--code_max_output_bytes``; dLLM-RL has no cap)."""
     code = "n = int(input())\nprint('x' * n)"
     tests = [stdio_test(f"{150_000 + i}\n", "x" * (150_000 + i)) for i in range(8)]
-    assert run_tests(stdio_program(code), tests).passed == 8
-    big = {"test_method": "stdio", "test_input": ["2500000\n"], "test_output": ["x" * 2_500_000]}
+    assert run_tests(stdio_program(code), tests).status == "output_limit"
+    assert run_tests(stdio_program(code), tests, SandboxLimits(max_output_bytes=1_400_000)).passed == 8
+    big = {"test_method": "stdio", "test_input": ["1300000\n"], "test_output": ["x" * 1_300_000]}
     assert _official(big, code) == 0.0
-    assert _official(big, code, max_output_bytes=1_300_000) == 1.0
+    assert _official(big, code, max_output_bytes=1_400_000) == 1.0
     limits = SandboxLimits(max_output_bytes=1000)
     assert run_tests("print('y' * 5000)", ["pass"], limits).status == "output_limit"
 
@@ -152,9 +172,9 @@ def test_builtins_are_seen_as_dllm_rl_and_python_show_them():
     assert _official(row, "def f():\n    return __builtins__['len']([1, 2])") == 1.0
 
 
-def test_a_report_of_many_containers_is_refused_before_parsing():
-    """The per-test report cap let a program write ~40 MB of ``[],`` to its report pipe, which the parent parsed
-    into ~1 GiB of lists (found by a review of this change); such a report is now refused unparsed."""
+def test_a_forged_report_is_capped_in_all():
+    """A program can write its own report; its size is capped at ``max_output_bytes`` in all. A per-test cap (tried
+    and reverted) let ~40 MB of ``[],`` through, which the parent parsed into ~1 GiB of lists."""
     program = r"""
 import os, sys
 frame = sys._getframe()
@@ -170,3 +190,12 @@ os._exit(0)
 """
     result = run_tests(program, [f"assert f({i}) == {i}" for i in range(4)])
     assert result.status == "output_limit" and result.passed == 0
+
+
+def test_a_stdio_program_runs_as_a_script():
+    """The default harness ran a stdio program in a plain dict: pickling its classes failed and a dataclass
+    ``ClassVar`` under postponed annotations became a field, unlike ``python program.py``."""
+    program = ("from __future__ import annotations\nimport pickle\nfrom dataclasses import dataclass, fields\n"
+               "from typing import ClassVar\n@dataclass\nclass P:\n    x: int\n    k: ClassVar[int] = 0\n"
+               "n = int(input())\nprint(pickle.loads(pickle.dumps(P(n))).x, len(fields(P)))")
+    assert run_tests(stdio_program(program), [stdio_test("5\n", "5 1\n")]).passed == 1

@@ -97,6 +97,28 @@ def test_a_model_given_as_an_object_is_identified_by_its_weights(model_dir, tmp_
     assert Path(first["metrics_file"]).read_text() == written
 
 
+def test_an_adapters_state_is_part_of_an_in_memory_models_identity():
+    """A LoRA model's base with the adapter on and off are other models (their completions differ); the digest is
+    exact (integer sums of the weights' bits), so the same weights get the same identity with any thread count."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from trl_diffusion.eval.evaluate import _in_memory_source
+
+    peft_model = get_peft_model(tiny_model("sdar"), LoraConfig(r=4, target_modules=["q_proj"],
+                                                                init_lora_weights=False))
+    base = peft_model.get_base_model()
+    with_adapter = _in_memory_source(base, "model")
+    with peft_model.disable_adapter():
+        assert _in_memory_source(base, "model") != with_adapter
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert _in_memory_source(base, "model") == with_adapter
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch):
     import datasets
 

@@ -88,7 +88,8 @@ def test_a_local_dataset_path_may_start_with_a_tilde(tmp_path, monkeypatch):
     ("MathAccuracyReward", "no reward function 'MathAccuracyReward' in trl_diffusion.rewards (a class or factory"),
     ("make_code_reward", "no reward function 'make_code_reward' in trl_diffusion.rewards (a class or factory"),
     ("math_reward", "give one of math_accuracy_reward, official_math_reward"),
-    ("trl_diffusion.rewards.MathAccuracyReward", "is a class, not a reward function 'MathAccuracyReward'"),
+    ("trl_diffusion.rewards.make_code_reward", "no reward function 'make_code_reward' in trl_diffusion.rewards"),
+    ("collections.OrderedDict", "collections.OrderedDict is a class, not a reward function"),
 ])
 def test_a_reward_class_or_factory_is_refused_before_loading(capsys, tmp_path, reward, message):
     """``--reward_funcs MathAccuracyReward`` (or a ``make_*`` factory) passed the check, loaded the model, then failed

@@ -97,7 +97,7 @@ def find_reward(name: str) -> Callable[..., Any]:
     from . import rewards
 
     module_name, _, attribute = name.rpartition(".")
-    if not module_name:
+    if not module_name or module_name.split(".")[:2] == ["trl_diffusion", "rewards"]:  # ours: the ready ones only
         if attribute not in rewards.REWARD_FUNCTIONS:
             close = difflib.get_close_matches(attribute, rewards.REWARD_FUNCTIONS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
@@ -115,9 +115,10 @@ def find_reward(name: str) -> Callable[..., Any]:
     if not callable(func) or isinstance(func, type):
         close = difflib.get_close_matches(attribute, [n for n in dir(module) if not n.startswith("_")], n=1)
         hint = f" (did you mean {close[0]}?)" if close and close[0] != attribute else ""
-        what = "is a class, not a reward function" if isinstance(func, type) else "has no reward function"
-        raise UsageError(f"reward_funcs: {module_name} {what} {attribute!r}{hint}; give a function "
-                         "(completions, **columns) -> rewards, or an instance of a reward class.")
+        what = (f"{name} is a class, not a reward function" if isinstance(func, type)
+                else f"no reward function {attribute!r} in {module_name}")
+        raise UsageError(f"reward_funcs: {what}{hint}; give a function (completions, **columns) -> rewards, or an "
+                         "instance of a reward class.")
     return func
 
 

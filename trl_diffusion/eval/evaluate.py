@@ -133,8 +133,8 @@ class EvalConfig:
                                "sandbox (code_grader sandbox).")
     code_memory_mb: int = _arg(1024, "Memory of a code sandbox run, MiB, >= 1 (whole sandbox with a memory cgroup, "
                                 "always each process's address space).")
-    code_max_output_bytes: int = _arg(1_000_000, "Bytes a code sandbox run may print (stdout+stderr), >= 1; a stdio "
-                                      "case's output (JSON-escaped) may take twice that; more fails the completion "
+    code_max_output_bytes: int = _arg(1_000_000, "Bytes a code sandbox run may print (stdout+stderr) and bytes of its "
+                                      "report (its stdio cases' outputs, JSON), >= 1; more fails the completion "
                                       "(dLLM-RL has no cap).")
     code_workers: int = _arg(4, "Code sandboxes run concurrently (>= 1).")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
@@ -617,20 +617,37 @@ def _source(name: str) -> str:
     return str(path.resolve()) if path.exists() else name
 
 
+_INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_DIGEST_CHUNK = 1 << 22
+
+
 def _in_memory_source(model: Any, name: str) -> str:
-    """A model given as an object, as eval identifies it: its class, name and a digest of its weights (each
-    parameter's name, shape, dtype, float64 sum and up to 1,024 evenly spaced values), since a fine-tuned model keeps
-    its base model's ``name_or_path``: its results must not replace the base model's, nor another model's."""
+    """A model given as an object, as eval identifies it: its class, name and a digest of its weights and adapter
+    state, since a fine-tuned model keeps its base model's ``name_or_path`` (its results must not replace the base
+    model's, nor another model's). Per parameter: name, shape, dtype, and two exact integer sums of its bits (plain
+    and position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and no full-size
+    copy); per adapter layer (peft): which adapters are active, disabled or merged."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
             digest.update(f"{parameter_name}{tuple(parameter.shape)}{parameter.dtype}".encode())
             if parameter.device.type == "meta" or parameter.numel() == 0:  # offloaded: no values here
                 continue
-            flat = parameter.detach().reshape(-1)
-            total = torch.sum(flat, dtype=torch.float64).item()
-            sample = flat[:: max(1, flat.numel() // 1024)].double().cpu()
-            digest.update(repr(total).encode() + sample.numpy().tobytes())
+            bits = parameter.detach().contiguous().view(_INTEGER_VIEWS.get(parameter.element_size(), torch.uint8))
+            bits = bits.reshape(-1)
+            plain = weighted = 0
+            for start in range(0, bits.numel(), _DIGEST_CHUNK):
+                chunk = bits[start: start + _DIGEST_CHUNK].to(torch.int64)
+                weights = torch.arange(start, start + chunk.numel(), device=chunk.device) % 65521 + 1
+                plain += int(chunk.sum())
+                weighted += int((chunk * weights).sum())
+            digest.update(f"{plain}:{weighted}".encode())
+        for module_name, module in model.named_modules():
+            adapters = getattr(module, "active_adapters", None)  # peft's tuner layers: a list (a model: a method)
+            if adapters is not None and not callable(adapters):
+                state = (module_name, adapters, getattr(module, "disable_adapters", None),
+                         getattr(module, "merged_adapters", None))
+                digest.update(repr(state).encode())
     return f"in-memory:{type(model).__name__}:{name}:{digest.hexdigest()[:16]}"
 
 

@@ -62,23 +62,28 @@ FUNCTION_SLACK = 2.0
 _STDIO_HARNESS = '''import builtins as _builtins
 import io as _io
 import sys as _sys
+import types as _types
 
 _SOLUTION = compile({source!r}, "<solution>", "exec")
 
 
 def _stdio_run(stdin_text):
-    real_in, real_out = _sys.stdin, _sys.stdout
+    real_in, real_out, real_main = _sys.stdin, _sys.stdout, _sys.modules.get("__main__")
+    main = _types.ModuleType("__main__")  # a script's module: pickle, dataclasses and typing look classes up there
+    main.__builtins__ = _builtins
     out = _io.TextIOWrapper(_io.BytesIO(), encoding="utf-8")
     _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
     _sys.stdout = out
+    _sys.modules["__main__"] = main
     try:
         try:
-            exec(_SOLUTION, {{"__name__": "__main__", "__builtins__": _builtins}})  # a script's: the module
+            exec(_SOLUTION, main.__dict__)
         except SystemExit:
             pass
         out.flush()
     finally:
         _sys.stdin, _sys.stdout = real_in, real_out
+        _sys.modules["__main__"] = real_main
     return out.buffer.getvalue().decode("utf-8", "replace")
 '''
 
@@ -171,7 +176,8 @@ def run_official(
         raise ValueError(f"test_time_limit must be a finite number of seconds > 0, got {time_limit!r}.")
     base = limits or SandboxLimits()
     if not stdio:  # dLLM-RL runs `exec(textwrap.dedent(snippet))`
-        result = run_tests(textwrap.dedent(program), tests, replace(base, timeout=limit + function_slack), python)
+        result = run_tests(textwrap.dedent(program), tests, replace(base, timeout=limit + function_slack), python,
+                           ordered=True)  # its asserts run in order in one namespace
         result.outcomes = result.outcomes or [False] * len(tests)  # a sandbox error reports no outcomes
         return result
     case_limits = replace(base, timeout=limit + stdio_slack)
@@ -312,7 +318,7 @@ def make_official_code_reward(
             functions) inside it, where a program can forge their result (default, as dLLM-RL does); ``False`` gives
             such rows ``None`` instead, so no reward can be forged (as in
             :func:`~trl_diffusion.rewards.make_code_reward`).
-        max_output_bytes: bytes a sandbox run may print; a stdio case's output (JSON-escaped) may take twice that;
+        max_output_bytes: bytes a sandbox run may print, and bytes of its report (a stdio case's output, JSON);
             more fails the test (dLLM-RL has no cap: raise it for tests with very large outputs).
     """
     return OfficialCodeReward(memory_mb, max_workers, function_slack, stdio_slack, python, name, allow_unverified,

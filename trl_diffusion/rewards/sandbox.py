@@ -22,7 +22,7 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
   ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
-  report pipe (twice that cap per test), and on timeout, overflow or exit SIGKILLs the whole process group, the
+  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the
   cgroup, the PID namespace's first process (through a pidfd taken before the program starts), and (without a PID
   namespace) every process of the run's own uid.
 
@@ -88,10 +88,6 @@ _COUNT_LIMITS = ("memory_mb", "max_processes", "max_output_bytes", "max_file_byt
                  "max_open_files")
 """``SandboxLimits`` fields that are whole numbers >= 1."""
 _MAX_NODES = 1_000_000  # values in one probe's result
-_MAX_REPORT_CONTAINERS = 350_000
-"""JSON lists and objects a report may hold before it is parsed (about what a 1 MB report can hold): parsing
-turns each 3 bytes of ``[],`` into a Python list of ~60 bytes, so a report as large as the per-test cap allows
-would otherwise cost the parent far more memory and time than its size."""
 
 
 @dataclass(frozen=True)
@@ -104,8 +100,8 @@ class SandboxLimits:
         memory_mb: memory of the whole sandbox in MiB where a memory cgroup is available (all processes, files in
             its directory, shared memory); always also ``RLIMIT_AS`` (address space) of each process.
         max_processes: ``RLIMIT_NPROC``: processes+threads of the sandbox uid (see the module docstring).
-        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed; the report (the
-            probes' values, which carry a stdio test's captured output) may take twice that per test.
+        max_output_bytes: stdout+stderr bytes read before the run is killed and scored as failed; also the cap on
+            the report (the probes' values, JSON: all the captured outputs of the stdio tests of one run).
         max_file_bytes: ``RLIMIT_FSIZE``: largest file the program may write.
         max_disk_bytes: size of the sandbox directory (a tmpfs; only where a mount namespace is available).
         max_open_files: ``RLIMIT_NOFILE``.
@@ -195,8 +191,15 @@ def run_tests(
     limits: SandboxLimits | None = None,
     python: str | None = None,
     run_as_uid: int | None = None,
+    ordered: bool = False,
 ) -> SandboxResult:
     """Run ``program`` in a fresh sandbox and decide each test snippet (typically one ``assert``).
+
+    Verified tests are decided from a run of their probes alone, unverified ones in another run, in order after the
+    earlier verified tests' probes (their imports and side effects; no expected values). A verified test therefore
+    does not see what an earlier unverified test did (``x = add(1, 2)`` then ``assert x == 3`` fails); with
+    ``ordered=True`` every test after the row's first unverified one runs after it, unverified, as natively and as
+    dLLM-RL's grader (``run_official``) runs them, at the cost of verdicts a program can forge.
 
     A test passes if it would run without raising in the program's namespace; how that is decided (outside the
     sandbox where possible) is described in the module docstring. Never raises and never outlives
@@ -206,7 +209,7 @@ def run_tests(
     gid); the default, ``None``, picks a fresh unused uid per run so that the process limit of one sandbox is not
     shared with any other process on the machine.
     """
-    from .verdict import plan_tests, program_bindings
+    from .verdict import plan_test, plan_tests, program_bindings
 
     limits = limits or SandboxLimits()
     python = python or sys.executable
@@ -216,7 +219,7 @@ def run_tests(
         if chosen is None:
             return SandboxResult("sandbox_error", total=len(tests), errors=["no working sandbox launcher (see logs)"])
         shadowed = program_bindings(program) if isinstance(program, str) else frozenset()
-        plans = plan_tests(tests, shadowed)
+        plans = plan_tests(tests, shadowed) if ordered else [plan_test(test, shadowed) for test in tests]
         return _run_plans(chosen, python, program, plans, limits, run_as_uid)
     except Exception as exc:  # the caller must never see an exception from here
         return SandboxResult("sandbox_error", total=len(tests), errors=[f"{type(exc).__name__}: {exc}"])
@@ -236,8 +239,9 @@ def _run_plans(
     limits: SandboxLimits,
     run_as_uid: int | None,
 ) -> SandboxResult:
-    """Run the verified tests' probes and the unverified snippets (in order, in one namespace) in separate runs, so
-    the snippets' expected values never share a process with the probes; decide every test here."""
+    """Run the verified tests' probes and the unverified snippets (after the verified tests' probes again, in order,
+    in one namespace) in separate runs, so the snippets' expected values never share a process with the probes
+    that decide verified tests; decide every test here."""
     from .verdict import ProbeError, decode, judge
 
     verified = [i for i, p in enumerate(plans) if p.kind == "verified"]
@@ -257,11 +261,15 @@ def _run_plans(
                 reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
             outcomes[i], reasons[i] = reason is None, reason
     if unverified:
-        specs = [{"exec": plans[i].source} for i in unverified]
+        # in row order up to the last unverified test: the verified tests' imports, candidates and probes (no
+        # expected values; their results here are not used), so each snippet sees what the tests before it did
+        ran = [i for i in range(unverified[-1] + 1) if plans[i].kind != "failed"]
+        specs = [plans[i].sandbox_spec() if plans[i].kind == "verified" else {"exec": plans[i].source} for i in ran]
         run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
         runs.append(run)
-        for i, entry in zip(unverified, _report_results(run, len(unverified)) or []):
-            outcomes[i], reasons[i] = entry.get("passed") is True, entry.get("error")
+        for i, entry in zip(ran, _report_results(run, len(specs)) or []):
+            if plans[i].kind == "unverified":
+                outcomes[i], reasons[i] = entry.get("passed") is True, entry.get("error")
     status = next((r.status for r in runs if r.status != "ok"), "ok")
     if status != "ok":
         outcomes = [False] * len(plans)
@@ -377,9 +385,8 @@ def _ns_inode(kind: str) -> int | None:
 def _run_once(
     chosen: tuple[list[str], bool], python: str, job: dict[str, Any], limits: SandboxLimits, run_as_uid: int | None
 ) -> _Run:
-    """One sandbox process running ``job`` (program, specs) with a given launcher prefix and cgroup choice. Its
-    output is capped at ``limits.max_output_bytes``; its report at twice that per spec (a stdio test's captured
-    output travels there, JSON-escaped: the cap is per test, not shared by all of a program's tests)."""
+    """One sandbox process running ``job`` (program, specs) with a given launcher prefix and cgroup choice; its
+    output and its report are each capped at ``limits.max_output_bytes``."""
     from .cgroup import cpu_cgroup_root, memory_cgroup_root
 
     launcher, use_cgroup = chosen
@@ -438,8 +445,7 @@ def _run_once(
             init_fd = _namespace_init(proc, start + limits.timeout)
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc.stdin, json.dumps(config).encode()), daemon=True).start()
-        report_cap = 2 * limits.max_output_bytes * max(1, len(job["specs"]))
-        output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes, report_cap)
+        output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes)
         _kill_pidfd(init_fd)
         _kill_group(proc)
         if config["fresh_uid"] and "--pid" not in launcher:
@@ -492,11 +498,8 @@ def _feed(pipe: Any, data: bytes) -> None:
         pass
 
 
-def _collect(
-    proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes: int, max_report_bytes: int
-) -> tuple[bytes, bytes, str]:
-    """Read the child's output and report until both end, the deadline, ``max_bytes`` of output or
-    ``max_report_bytes`` of report.
+def _collect(proc: subprocess.Popen, report_fd: int, deadline: float, max_bytes: int) -> tuple[bytes, bytes, str]:
+    """Read the child's output and report until both end, the deadline, or ``max_bytes`` in either.
 
     Returns (output, report, status so far).
     """
@@ -524,7 +527,7 @@ def _collect(
                     sel.unregister(key.fd)
                     continue
                 buffers[key.fd] += chunk
-                if len(buffers[key.fd]) > (max_report_bytes if key.fd == report_fd else max_bytes):
+                if len(buffers[key.fd]) > max_bytes:
                     status = "output_limit"
             if status == "output_limit":
                 break
@@ -542,8 +545,6 @@ def _finish(
     isolation: dict[str, Any],
 ) -> _Run:
     """Interpret what a sandbox process left: only a complete JSON report on its own pipe counts as a result."""
-    if status == "exited" and report_bytes.count(b"[") + report_bytes.count(b"{") > _MAX_REPORT_CONTAINERS:
-        status = "output_limit"  # counted before parsing: see _MAX_REPORT_CONTAINERS
     try:
         report = json.loads(report_bytes) if status == "exited" and report_bytes else None
     except (ValueError, RecursionError):

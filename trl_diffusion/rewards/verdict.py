@@ -247,36 +247,14 @@ def _plan(source: str, tree: ast.Module, shadowed: frozenset[str]) -> Plan:
 
 
 def plan_tests(tests: list[Any], shadowed: frozenset[str] = frozenset()) -> list[Plan]:
-    """:func:`plan_test` for each of a row's tests, in order, where a verified test that reads a name an earlier
-    unverified test binds (``x = add(1, 2)`` then ``assert x == 3``; a helper ``def``) becomes unverified: natively it
-    sees that binding, so it runs after that snippet in its namespace, and the verified probes never share a process
-    with an unverified snippet, which may hold expected values. Depends on the tests alone, never on the program."""
-    plans, bound = [], set()
-    for test in tests:
-        plan = plan_test(test, shadowed)
-        if plan.kind == "verified" and bound & _names(plan.source, ast.Load):
-            plan = Plan(plan.source, "unverified")
-        if plan.kind == "unverified":
-            bound |= _names(plan.source, ast.Store)
-        plans.append(plan)
-    return plans
-
-
-def _names(source: str, context: type) -> set[str]:
-    """The names ``source`` reads (``context`` ``ast.Load``) or binds (``ast.Store``: assignment targets, ``def`` /
-    ``class`` names, imports)."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError, TypeError, RecursionError):
-        return set()
-    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, context)}
-    if context is ast.Store:
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names.add(node.name)
-            elif isinstance(node, (ast.Import, ast.ImportFrom)):
-                names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
-    return names
+    """:func:`plan_test` for each of a row's tests, in order, where every verified test after the row's first
+    unverified one becomes unverified: natively it runs after that snippet, in the state it left (names it bound,
+    objects it changed, ``sys`` settings), so it runs after it in the unverified run; the verified probes never share
+    a process with an unverified snippet, which may hold expected values. Depends on the tests alone."""
+    plans = [plan_test(test, shadowed) for test in tests]
+    first = next((i for i, plan in enumerate(plans) if plan.kind == "unverified"), len(plans))
+    return [Plan(plan.source, "unverified") if i > first and plan.kind == "verified" else plan
+            for i, plan in enumerate(plans)]
 
 
 def program_bindings(program: str) -> frozenset[str]:
