@@ -69,13 +69,14 @@ def test_a_rows_tests_run_in_order_in_one_state(program, tests, outcomes, verifi
 
 def test_by_default_a_verified_test_stays_verified_after_an_unverified_one():
     """``run_tests``' default keeps every verifiable test verified (decided from its own probe run), so a program
-    cannot forge it, at the cost of not seeing what an earlier unverified test did; the unverified run sees what
-    earlier verified tests did (their imports, their side effects)."""
+    cannot forge it, at the cost of the two runs not seeing what the other's tests did (``ordered=True`` runs a row
+    as natively)."""
     program = "items = []\ndef add_item(v):\n    items.append(v)\n    return len(items)\ndef get(i):\n    return i"
     tests = ["assert add_item(7) == 1", "got = items[:]\nassert got == [7]", "x = get(3)", "assert x == 3",
              "assert get(2) == 2"]
     result = run_tests(program, tests)
-    assert result.outcomes == [True, True, True, False, True] and result.verified == 3
+    assert result.outcomes == [True, False, True, False, True] and result.verified == 3
+    assert run_tests(program, tests, ordered=True).outcomes == [True, True, True, True, True]
 
 
 CHEAT = r"""
@@ -199,3 +200,21 @@ def test_a_stdio_program_runs_as_a_script():
                "from typing import ClassVar\n@dataclass\nclass P:\n    x: int\n    k: ClassVar[int] = 0\n"
                "n = int(input())\nprint(pickle.loads(pickle.dumps(P(n))).x, len(fields(P)))")
     assert run_tests(stdio_program(program), [stdio_test("5\n", "5 1\n")]).passed == 1
+
+
+def test_a_stdio_program_whose_main_runs_in_a_thread():
+    """``threading.Thread(target=main).start()`` without a join (a competitive-programming idiom for a larger stack):
+    a script's interpreter waits for the thread; the harness returned before it printed (and its output could land
+    in the next case's)."""
+    program = ("import threading, time\ndef main():\n    n = int(input())\n    time.sleep(0.2)\n    print(n * 2)\n"
+               "threading.stack_size(1 << 24)\nthreading.Thread(target=main).start()")
+    tests = [stdio_test("21\n", "42\n"), stdio_test("5\n", "10\n")]
+    assert run_tests(stdio_program(program), tests).passed == 2
+
+
+def test_ordered_rows_run_a_test_the_program_shadows_after_an_unverified_one():
+    """With ``ordered=True`` a test after the first unverified one runs in the sandbox anyway, so one that uses a
+    builtin the program redefines (refused from the probe run) runs there, as natively."""
+    program = "def sorted(xs):\n    return list(__import__('builtins').sorted(xs))\ndef f(xs):\n    return sorted(xs)"
+    tests = ["x = f([3, 1])", "assert f([3, 1]) == sorted([3, 1])"]
+    assert run_tests(program, tests, ordered=True).outcomes == [True, True]

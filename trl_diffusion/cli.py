@@ -97,7 +97,7 @@ def find_reward(name: str) -> Callable[..., Any]:
     from . import rewards
 
     module_name, _, attribute = name.rpartition(".")
-    if not module_name or module_name.split(".")[:2] == ["trl_diffusion", "rewards"]:  # ours: the ready ones only
+    if module_name in ("", "trl_diffusion.rewards"):  # ours: the ready ones only
         if attribute not in rewards.REWARD_FUNCTIONS:
             close = difflib.get_close_matches(attribute, rewards.REWARD_FUNCTIONS, n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""

@@ -624,9 +624,10 @@ _DIGEST_CHUNK = 1 << 22
 def _in_memory_source(model: Any, name: str) -> str:
     """A model given as an object, as eval identifies it: its class, name and a digest of its weights and adapter
     state, since a fine-tuned model keeps its base model's ``name_or_path`` (its results must not replace the base
-    model's, nor another model's). Per parameter: name, shape, dtype, and two exact integer sums of its bits (plain
-    and position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and no full-size
-    copy); per adapter layer (peft): which adapters are active, disabled or merged."""
+    model's, nor another model's). Per parameter: name, shape, dtype, and two integer sums of its bits (plain and
+    position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and no full-size copy;
+    not collision-proof, but any training step changes them); per adapter layer (peft): which adapters are active,
+    disabled or merged."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():

@@ -62,6 +62,7 @@ FUNCTION_SLACK = 2.0
 _STDIO_HARNESS = '''import builtins as _builtins
 import io as _io
 import sys as _sys
+import threading as _threading
 import types as _types
 
 _SOLUTION = compile({source!r}, "<solution>", "exec")
@@ -75,11 +76,16 @@ def _stdio_run(stdin_text):
     _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
     _sys.stdout = out
     _sys.modules["__main__"] = main
+    running = set(_threading.enumerate())
     try:
         try:
             exec(_SOLUTION, main.__dict__)
         except SystemExit:
             pass
+        finally:  # a script's interpreter waits for its threads before it exits (`Thread(target=main).start()`)
+            for thread in _threading.enumerate():
+                if thread not in running and not thread.daemon:
+                    thread.join()
         out.flush()
     finally:
         _sys.stdin, _sys.stdout = real_in, real_out

@@ -195,11 +195,11 @@ def run_tests(
 ) -> SandboxResult:
     """Run ``program`` in a fresh sandbox and decide each test snippet (typically one ``assert``).
 
-    Verified tests are decided from a run of their probes alone, unverified ones in another run, in order after the
-    earlier verified tests' probes (their imports and side effects; no expected values). A verified test therefore
-    does not see what an earlier unverified test did (``x = add(1, 2)`` then ``assert x == 3`` fails); with
-    ``ordered=True`` every test after the row's first unverified one runs after it, unverified, as natively and as
-    dLLM-RL's grader (``run_official``) runs them, at the cost of verdicts a program can forge.
+    Verified tests are decided from a run of their probes alone, unverified ones in another run, in order. A
+    verified test therefore does not see what an earlier unverified test did (``x = add(1, 2)`` then
+    ``assert x == 3`` fails); with ``ordered=True`` every test after the row's first unverified one runs after it,
+    unverified, as natively and as dLLM-RL's grader (``run_official``) runs them, at the cost of verdicts a program
+    can forge.
 
     A test passes if it would run without raising in the program's namespace; how that is decided (outside the
     sandbox where possible) is described in the module docstring. Never raises and never outlives
@@ -220,7 +220,7 @@ def run_tests(
             return SandboxResult("sandbox_error", total=len(tests), errors=["no working sandbox launcher (see logs)"])
         shadowed = program_bindings(program) if isinstance(program, str) else frozenset()
         plans = plan_tests(tests, shadowed) if ordered else [plan_test(test, shadowed) for test in tests]
-        return _run_plans(chosen, python, program, plans, limits, run_as_uid)
+        return _run_plans(chosen, python, program, plans, limits, run_as_uid, ordered)
     except Exception as exc:  # the caller must never see an exception from here
         return SandboxResult("sandbox_error", total=len(tests), errors=[f"{type(exc).__name__}: {exc}"])
 
@@ -238,10 +238,13 @@ def _run_plans(
     plans: list[Any],
     limits: SandboxLimits,
     run_as_uid: int | None,
+    ordered: bool = False,
 ) -> SandboxResult:
-    """Run the verified tests' probes and the unverified snippets (after the verified tests' probes again, in order,
-    in one namespace) in separate runs, so the snippets' expected values never share a process with the probes
-    that decide verified tests; decide every test here."""
+    """Run the verified tests' probes and the unverified snippets (in order, in one namespace) in separate runs, so
+    the snippets' expected values never share a process with the probes that decide verified tests; decide every
+    test here. ``ordered`` (every verified test comes before the first unverified one): the snippets' run first
+    runs the verified tests' probes again (imports, side effects; no expected values, results unused), as one
+    process runs a whole row natively."""
     from .verdict import ProbeError, decode, judge
 
     verified = [i for i, p in enumerate(plans) if p.kind == "verified"]
@@ -261,15 +264,13 @@ def _run_plans(
                 reason = f"NameError: name {missing[0]!r} is not defined" if missing else judge(plans[i], values)
             outcomes[i], reasons[i] = reason is None, reason
     if unverified:
-        # in row order up to the last unverified test: the verified tests' imports, candidates and probes (no
-        # expected values; their results here are not used), so each snippet sees what the tests before it did
-        ran = [i for i in range(unverified[-1] + 1) if plans[i].kind != "failed"]
-        specs = [plans[i].sandbox_spec() if plans[i].kind == "verified" else {"exec": plans[i].source} for i in ran]
+        replayed = [plans[i].sandbox_spec() for i in verified] if ordered else []
+        specs = replayed + [{"exec": plans[i].source} for i in unverified]
         run = _run_once(chosen, python, {"program": program, "specs": specs}, limits, run_as_uid)
         runs.append(run)
-        for i, entry in zip(ran, _report_results(run, len(specs)) or []):
-            if plans[i].kind == "unverified":
-                outcomes[i], reasons[i] = entry.get("passed") is True, entry.get("error")
+        for i, entry in zip(unverified, (_report_results(run, len(specs)) or [])[len(replayed):]):
+            error = entry.get("error")
+            outcomes[i], reasons[i] = entry.get("passed") is True, None if error is None else str(error)[:300]
     status = next((r.status for r in runs if r.status != "ok"), "ok")
     if status != "ok":
         outcomes = [False] * len(plans)
@@ -309,7 +310,7 @@ def _report_results(run: _Run, expected: int) -> list[dict[str, Any]] | None:
 def _probe_values(entry: dict[str, Any], decode: Any, probe_error: type) -> tuple[list[Any], str | None]:
     """Decode one verified test's probe results; a malformed entry fails the test (only a forger produces one)."""
     if "error" in entry:
-        return [], str(entry["error"])
+        return [], str(entry["error"])[:300]
     values = []
     try:
         if not isinstance(entry.get("has"), list) or not isinstance(entry.get("values"), list):
