@@ -1,6 +1,6 @@
 """Reproduce the embedded tiny SDAR (``trl_diffusion/assets/tiny-sdar-arithmetic``): train from scratch with
 DiffusionSFTTrainer on 3-digit addition / subtraction (a harder variant of the 2-digit proof task; batch 32, constant
-lr 1e-3 after warmup, EOS-padded answers) for a fixed 8000 steps (about 15 minutes on 2 CPU cores; deterministic
+lr 1e-3 after warmup, EOS-padded answers) for a fixed 8000 steps (about 20 minutes on 2 CPU cores; deterministic
 for a given seed and thread count, the shipped model used 2 threads), measure held-out greedy accuracy, and write
 the checkpoint, tokenizer, ``results.json`` and a model card.
 

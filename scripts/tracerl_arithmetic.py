@@ -89,6 +89,8 @@ def run(script_args: ScriptArguments, args: TraceRLConfig, setting: str, estimat
     model = AutoModelForCausalLM.from_pretrained(script_args.model_name_or_path)
     train, test = make_problems(**EMBEDDED_TASK)
     updates = args.steps_per_generation // args.gradient_accumulation_steps
+    if script_args.max_rollouts < 1:
+        raise ValueError(f"max_rollouts must be >= 1, got {script_args.max_rollouts}.")
     args.likelihood_estimator = estimator
     args.max_steps = script_args.max_rollouts * updates
     args.output_dir = f"{args.output_dir.rstrip('/')}/{setting}-{estimator}"

@@ -14,7 +14,6 @@ results and what each choice is for: docs/sft.md.
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -55,9 +54,10 @@ def build_model(family: str, hidden: int, layers: int, seed: int):
     """A fresh model (standard init) of about 1M parameters for hidden=128, layers=4."""
     torch.manual_seed(seed)
     if family == "sdar":
+        # no pad id, as SDAR's released configs: every embedding row trains (a pad id would freeze EOS's, id 0)
         config = tiny_sdar_config(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4,
-                                  max_position_embeddings=128)
+                                  max_position_embeddings=128, pad_token_id=None)
         return SDARForCausalLM(config)
     config = tiny_llada_config(d_model=hidden, n_heads=4, n_kv_heads=4, n_layers=layers,
                                mlp_hidden_size=3 * hidden, max_sequence_length=128)
@@ -120,7 +120,7 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
         "eval_wall_s": round(eval_seconds, 1),
         "total_wall_s": round(time.perf_counter() - start, 1),
         "num_parameters": sum(p.numel() for p in model.parameters()),
-        "final_loss": losses[-1][1] if losses else math.nan,
+        "final_loss": losses[-1][1] if losses else None,  # JSON has no NaN
         "loss_trajectory": losses,
         "seed": args.seed,
         "learning_rate": args.learning_rate,
