@@ -22,9 +22,9 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
   ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
-  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the
-  cgroup, the PID namespace's first process (through a pidfd taken before the program starts), and (without a PID
-  namespace) every process of the run's own uid.
+  report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
+  namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
+  process of the run's own uid.
 
 The child (``_child_main`` below, executed from this same file's source, importing only the standard library):
 
@@ -52,8 +52,7 @@ The child (``_child_main`` below, executed from this same file's source, importi
   processes outside the program's own process group. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
 * runs the program, then the probes (or, in a separate run, the unverified tests' snippets, in order), converts each
-  probe's value to
-  tagged plain data with functions bound before the program ran, and writes the report to its pipe.
+  probe's value to tagged plain data with functions bound before the program ran, and writes the report to its pipe.
 
 ``docs/rewards.md`` lists exactly what is and is not guaranteed in each environment.
 """
