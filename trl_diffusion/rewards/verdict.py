@@ -247,10 +247,11 @@ def _plan(source: str, tree: ast.Module, shadowed: frozenset[str]) -> Plan:
 
 
 def plan_tests(tests: list[Any], shadowed: frozenset[str] = frozenset()) -> list[Plan]:
-    """:func:`plan_test` for each of a row's tests, in order, where every verified test after the row's first
-    unverified one becomes unverified: natively it runs after that snippet, in the state it left (names it bound,
-    objects it changed, ``sys`` settings), so it runs after it in the unverified run; the verified probes never share
-    a process with an unverified snippet, which may hold expected values. Depends on the tests alone."""
+    """:func:`plan_test` for each of a row's tests, in order, where every test after the row's first unverified one
+    becomes unverified (``run_tests(ordered=True)``): natively it runs after that snippet, in the state it left
+    (names it bound, objects it changed, ``sys`` settings), so it runs after it in the unverified run; the verified
+    probes never share a process with an unverified snippet, which may hold expected values. Depends on the tests
+    alone."""
     plans = [plan_test(test, shadowed) for test in tests]
     first = next((i for i, plan in enumerate(plans) if plan.kind == "unverified"), len(plans))
     # after it a test runs in the sandbox anyway, so one failed for a builtin the program redefines runs too

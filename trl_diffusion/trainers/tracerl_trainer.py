@@ -52,6 +52,7 @@ from ..states import (
     blocks_from_prompt_end,
     check_block_size_applies,
     completion_blocks,
+    max_positions,
     resolve_model_attention_backend,
     trajectory_groups,
 )
@@ -1145,8 +1146,7 @@ def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) ->
 def _check_completion_fits(model, args: TraceRLConfig) -> None:
     """Raise now, not at the first rollout, when ``max_completion_length`` (plus the block a block model may add)
     leaves no room for a prompt in the model's positions."""
-    config = model.config
-    positions = getattr(config, "max_position_embeddings", None) or getattr(config, "max_sequence_length", None)
+    positions = max_positions(model.config)
     extra = args.block_length if model.block_size is not None else 0
     if positions is not None and args.max_completion_length + extra >= positions:
         slack = f" + block_length ({extra})" if extra else ""
