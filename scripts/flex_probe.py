@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from trl_diffusion.states import FLEX_AUTO_DTYPES, FLEX_AUTO_HEAD_DIMS
+
 
 def layout(length: int, device: str):
     """A packed row: 8 prompt tokens, a clean completion, one 4-token noisy copy per completion block."""
@@ -64,8 +66,9 @@ def probe(head_dim: int, dtype: torch.dtype, lengths: list[int], device: str) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--head_dims", nargs="+", type=int, default=[32, 64, 128, 16])
-    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    # by default what ``auto`` enables (FLEX_AUTO_*) and head_dim 32 (the embedded model's), which it refuses
+    parser.add_argument("--head_dims", nargs="+", type=int, default=[32, *FLEX_AUTO_HEAD_DIMS])
+    parser.add_argument("--dtypes", nargs="+", default=[str(d).removeprefix("torch.") for d in FLEX_AUTO_DTYPES])
     parser.add_argument("--lengths", nargs="+", type=int, default=[200, 264])
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()

@@ -17,7 +17,8 @@ Settings (objective fields only; the toy's sizes and learning rate are shared):
   the rollout each, as dLLM-RL takes several steps per rollout against a fixed pi_old.
 
 Any ``TraceRLConfig`` flag works (``--learning_rate``, ``--num_generations``, ``--shrinkage``, ...) and wins over
-the setting.
+the setting, except two the script sets per run: the length (``--max_rollouts``, not ``--max_steps``) and the
+estimator (``--estimators``, not ``--likelihood_estimator``).
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ def make_parser() -> TrlParser:
     return parser
 
 
+SET_PER_RUN = {"max_steps": "--max_rollouts", "likelihood_estimator": "--estimators"}
+"""``TraceRLConfig`` fields each run sets, and the script's flag that chooses them."""
+
+
+def refuse_flags_set_per_run(argv: list[str]) -> None:
+    """A flag the script would overwrite is an error rather than silently ignored."""
+    for name, instead in SET_PER_RUN.items():
+        if any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv):
+            raise ValueError(f"--{name} is set by this script for each run; pass {instead} instead.")
+
+
 def config_for(setting: str, argv: list[str]) -> tuple[ScriptArguments, TraceRLConfig]:
     """The setting's fields as flags, then the command line's (which win); a rollout of 64 responses cut into
     ``UPDATES_PER_ROLLOUT[setting]`` optimizer steps."""
@@ -112,6 +124,7 @@ def run(script_args: ScriptArguments, args: TraceRLConfig, setting: str, estimat
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
+    refuse_flags_set_per_run(argv)
     script_args, _ = make_parser().parse_args_and_config(argv)
     results = [run(*config_for(setting, argv), setting, estimator)
                for setting in script_args.settings for estimator in script_args.estimators]

@@ -6,7 +6,8 @@ then measure greedy exact match on held-out problems with ``model.generate``. Pr
 
 Every ``DiffusionSFTConfig`` / ``SFTConfig`` flag works too (``--learning_rate``, ``--per_device_train_batch_size``,
 ``--diffusion_objective``, ...). Defaults: AdamW lr 1e-3 (50 warmup steps), grad-norm clipping 1.0, batch 32,
-t ~ U(eps, 1) masking with 1/t weights, answers padded with trained-on EOS, 780 s of training whose last quarter
+t ~ U(eps, 1) masking with 1/t weights, answers padded with trained-on EOS to ``--max_length`` (default: the longest
+prompt + 16 answer tokens), 780 s of training whose last quarter
 decays the learning rate linearly to 0 (``--time_budget_s``, ``--decay_fraction``), then evaluation. Measured
 results and what each choice is for: docs/sft.md.
 """
@@ -75,7 +76,7 @@ def make_parser() -> TrlParser:
         output_dir="runs/arithmetic", max_steps=20000, per_device_train_batch_size=32, learning_rate=1e-3,
         max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=50, weight_decay=0.0,
         logging_steps=200, save_strategy="no", report_to="none", bf16=False, **checkpointing_off(),
-        max_length=64, seed=0, disable_tqdm=True, dataloader_drop_last=True,
+        max_length=None, seed=0, disable_tqdm=True, dataloader_drop_last=True,
     )
     return parser
 
@@ -85,15 +86,16 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
     tokenizer = build_tokenizer()
     train, test = make_problems(script_args.num_train, script_args.num_test, digits=script_args.digits,
                                 seed=args.seed)
-    if not args.pad_to_length_with_eos:
-        # Answers padded with trained-on EOS up to a fixed canvas (LLaDA's SFT recipe; for SDAR it also fills the
-        # answer's last block): at inference the positions after the answer are masks that must become EOS, and a
-        # model never trained on them decodes digits or braces there.
+    # Answers padded with trained-on EOS up to a fixed canvas (LLaDA's SFT recipe; for SDAR it also fills the
+    # answer's last block): at inference the positions after the answer are masks that must become EOS, and a model
+    # never trained on them decodes digits or braces there. The canvas is --max_length if given, else the longest
+    # prompt + the answer's tokens.
+    if args.max_length is None:
         chat = script_args.dataset_format == "conversational"
         longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt) if chat else p.prompt + "\n",
                                                   add_special_tokens=False)) for p in train + test)
-        args.pad_to_length_with_eos = True
         args.max_length = longest_prompt + MAX_NEW_TOKENS
+    args.pad_to_length_with_eos = True
     model = build_model(script_args.family, script_args.hidden_size, script_args.num_layers, args.seed)
     budget = TimeBudgetCallback(script_args.time_budget_s, script_args.decay_fraction)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=to_dataset(train, script_args.dataset_format),

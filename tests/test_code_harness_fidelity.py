@@ -140,6 +140,49 @@ def test_default_stdio_harness_keeps_real_streams():
     assert run_tests(stdio_program("print(sum(map(int, input('? ').split())))"), tests).passed == 0
 
 
+FAST_IO = """import os, sys
+class Reader:  # the fast-I/O templates of judge solutions: raw reads and writes on the streams' descriptors
+    def __init__(self, stream):
+        self.fd = stream.fileno()
+    def read(self):
+        return os.read(self.fd, max(os.fstat(self.fd).st_size, 8192)).decode()
+data = Reader(sys.stdin).read().split()
+os.write(sys.stdout.fileno(), (str(int(data[0]) + int(data[1])) + "\\n").encode())
+"""
+DESCRIPTOR_PROGRAMS = {
+    "fast_io": FAST_IO,
+    "open_0": "a, b = map(int, open(0).read().split())\nprint(a + b)",
+    "os_write_1": "import os\na, b = map(int, input().split())\nos.write(1, f'{a + b}\\n'.encode())",
+    "dunder_stdout": "import sys\na, b = map(int, input().split())\nsys.__stdout__.write(f'{a + b}\\n')",
+    "closes_stdout": "import sys\na, b = map(int, input().split())\nprint(a + b)\nsys.stdout.close()",
+    "unflushed_wrapper": "import io, sys\nsys.stdout = io.TextIOWrapper(open(1, 'wb', closefd=False))\n"
+                         "a, b = map(int, input().split())\nprint(a + b)",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DESCRIPTOR_PROGRAMS))
+def test_default_stdio_harness_gives_programs_descriptors_0_and_1(name):
+    """On a judge a program's descriptors 0 and 1 are its input and output. Before, the default harness only swapped
+    the ``sys.stdin`` / ``sys.stdout`` objects: ``open(0).read()``, ``os.write(1, ...)``, the fast-I/O templates over
+    ``fileno()`` and closing ``sys.stdout`` failed every case of a correct program. dLLM-RL's harness swaps objects
+    only, so there (the official grader) they score 0."""
+    code = DESCRIPTOR_PROGRAMS[name]
+    tests = [stdio_test("1 2\n", "3\n"), stdio_test("30 4\n", "34\n")]
+    assert run_tests(stdio_program(code), tests).passed == 2
+    if name in ("open_0", "os_write_1", "fast_io"):
+        assert run_tests(official_stdio_program(code), tests).passed == 0
+
+
+def test_default_stdio_harness_restores_the_streams_between_cases():
+    """Each case reads only its own input and prints only its own output, whatever the previous case left open."""
+    code = ("import sys, os\nprint(sum(map(int, sys.stdin.read().split())))\nsys.stdout.flush()\n"
+            "sys.stdin.close()\nos.close(0)\nos.close(1)")
+    tests = [stdio_test("1 2\n", "3\n"), stdio_test("5\n", "5\n"), stdio_test("", "0\n")]
+    assert run_tests(stdio_program(code), tests).passed == 3
+    flood = run_tests(stdio_program("while True:\n    print('y' * 4096)"), [stdio_test("", "y")])
+    assert flood.passed == 0 and flood.status in ("ok", "output_limit")
+
+
 def test_the_output_cap_can_be_raised_for_large_stdio_outputs():
     """A run's stdio cases share its report, capped at ``max_output_bytes`` (1 MB): 8 cases of ~150 kB fail a correct
     program until the cap is raised (eval: ``--code_max_output_bytes``; dLLM-RL has no cap)."""

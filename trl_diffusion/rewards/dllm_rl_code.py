@@ -60,24 +60,48 @@ FUNCTION_SLACK = 2.0
 """Seconds dLLM-RL adds to a ``function`` row's limit (``spawn_slack``); its ``stdio`` cases get none."""
 
 _STDIO_HARNESS = '''import builtins as _builtins
-import io as _io
+import os as _os
 import sys as _sys
+import tempfile as _tempfile
 import threading as _threading
 import types as _types
 
 _SOLUTION = compile({source!r}, "<solution>", "exec")
+_HOME = _os.getcwd()  # the sandbox directory: each case starts there, as a judged process would
+
+
+def _flush(stream):  # what an exiting interpreter does with sys.stdout (a closed or odd object is left alone)
+    try:
+        if not getattr(stream, "closed", False):
+            stream.flush()
+    except Exception:
+        pass
 
 
 def _stdio_run(stdin_text):
-    real_in, real_out, real_main = _sys.stdin, _sys.stdout, _sys.modules.get("__main__")
-    main = _types.ModuleType("__main__")  # a script's module: pickle, dataclasses and typing look classes up there
-    main.__builtins__ = _builtins
-    out = _io.TextIOWrapper(_io.BytesIO(), encoding="utf-8")
-    _sys.stdin = _io.TextIOWrapper(_io.BytesIO(stdin_text.encode("utf-8")), encoding="utf-8")
-    _sys.stdout = out
-    _sys.modules["__main__"] = main
-    running = set(_threading.enumerate())
+    # Descriptors 0 and 1 become files for the run, as in a judged process: open(0), os.read(0), os.write(1),
+    # fileno(), sys.__stdout__ and closing sys.stdout all behave as they would there.
+    streams = (_sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__)
+    real_main = _sys.modules.get("__main__")
+    for stream in streams:
+        _flush(stream)
+    _os.chdir(_HOME)
+    in_fd, in_path = _tempfile.mkstemp(dir=_HOME)
+    out_fd, out_path = _tempfile.mkstemp(dir=_HOME)
+    saved = _os.dup(0), _os.dup(1)
+    opened = ()
     try:
+        _os.write(in_fd, stdin_text.encode("utf-8"))
+        _os.lseek(in_fd, 0, _os.SEEK_SET)
+        _os.dup2(in_fd, 0)
+        _os.dup2(out_fd, 1)
+        opened = (open(0, encoding="utf-8", closefd=False), open(1, "w", encoding="utf-8", closefd=False))
+        _sys.stdin = _sys.__stdin__ = opened[0]
+        _sys.stdout = _sys.__stdout__ = opened[1]
+        main = _types.ModuleType("__main__")  # a script's module: pickle, dataclasses and typing look classes up there
+        main.__builtins__ = _builtins
+        _sys.modules["__main__"] = main
+        running = set(_threading.enumerate())
         try:
             exec(_SOLUTION, main.__dict__)
         except SystemExit:
@@ -86,11 +110,24 @@ def _stdio_run(stdin_text):
             for thread in _threading.enumerate():
                 if thread not in running and not thread.daemon:
                     thread.join()
-        out.flush()
+            _flush(_sys.stdout)
+            _flush(_sys.__stdout__)
+        with open(out_path, "rb") as printed:
+            return printed.read().decode("utf-8", "replace")
     finally:
-        _sys.stdin, _sys.stdout = real_in, real_out
+        for stream in opened:  # output a real process would lose (fd 1 closed first) must not reach the real fd 1
+            try:
+                stream.close()
+            except Exception:
+                pass
+        _os.dup2(saved[0], 0)
+        _os.dup2(saved[1], 1)
+        for fd in (*saved, in_fd, out_fd):
+            _os.close(fd)
+        _sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__ = streams
         _sys.modules["__main__"] = real_main
-    return out.buffer.getvalue().decode("utf-8", "replace")
+        for path in (in_path, out_path):
+            _os.unlink(path)
 '''
 
 
@@ -126,8 +163,10 @@ def _stdio_run(stdin_text):
 
 def stdio_program(code: str) -> str:
     """The sandbox program for a stdin/stdout solution: ``_stdio_run(input)`` runs ``code`` once with that input
-    on a real text stdin/stdout (``input()`` prints its prompt, ``sys.stdin.buffer`` exists; ``__name__ ==
-    "__main__"``; ``SystemExit`` ends the run normally) and returns what it printed."""
+    as a judge would: file descriptors 0 and 1 are files holding the input and catching the output (so
+    ``input()``, ``sys.stdin.buffer``, ``open(0)``, ``os.read(0, n)``, ``os.write(1, b)`` and fast-I/O wrappers
+    over ``fileno()`` all work, and ``input()`` prints its prompt); ``__name__ == "__main__"``; ``SystemExit``
+    ends the run normally; ``sys.stdout`` is flushed as at exit. Returns what it printed."""
     return _STDIO_HARNESS.format(source=code)
 
 
