@@ -157,6 +157,12 @@ DESCRIPTOR_PROGRAMS = {
     "closes_stdout": "import sys\na, b = map(int, input().split())\nprint(a + b)\nsys.stdout.close()",
     "unflushed_wrapper": "import io, sys\nsys.stdout = io.TextIOWrapper(open(1, 'wb', closefd=False))\n"
                          "a, b = map(int, input().split())\nprint(a + b)",
+    # a file on descriptor 1 flushed only when the interpreter finalizes it
+    "unflushed_open_1": "out = open(1, 'w')\na, b = map(int, input().split())\nout.write(f'{a + b}\\n')",
+    # the previous case's `open(0)` (kept alive by the cycle a `def` makes) must not be closed during this case
+    "collected_open_0": "import gc\ngc.collect()\ninput = open(0).readline\ndef solve():\n"
+                        "    a, b = map(int, input().split())\n    print(a + b)\nsolve()",
+    "atexit_print": "import atexit\na, b = map(int, input().split())\natexit.register(lambda: print(a + b))",
 }
 
 
@@ -181,6 +187,16 @@ def test_default_stdio_harness_restores_the_streams_between_cases():
     assert run_tests(stdio_program(code), tests).passed == 3
     flood = run_tests(stdio_program("while True:\n    print('y' * 4096)"), [stdio_test("", "y")])
     assert flood.passed == 0 and flood.status in ("ok", "output_limit")
+
+
+def test_default_stdio_harness_reads_input_as_a_posix_stdin():
+    """No newline translation (``"\\r\\n"`` keeps its ``"\\r"``, as ``sys.stdin`` on Linux), and an input too large for
+    the sandbox's files fails the case with an error naming the limit, never a cut-short input."""
+    assert run_tests(stdio_program("print(len(input()))"), [stdio_test("abc\r\n", "4")]).passed == 1
+    code = "import sys\nprint(len(sys.stdin.read()))"
+    result = run_tests(stdio_program(code), [stdio_test("x" * 3_000_000, "3000000")],
+                       SandboxLimits(max_file_bytes=1_000_000))
+    assert result.passed == 0 and "does not fit the sandbox's max_file_bytes" in " ".join(result.errors)
 
 
 def test_the_output_cap_can_be_raised_for_large_stdio_outputs():

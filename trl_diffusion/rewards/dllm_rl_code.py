@@ -59,7 +59,9 @@ DEFAULT_TIME_LIMIT = 1.0
 FUNCTION_SLACK = 2.0
 """Seconds dLLM-RL adds to a ``function`` row's limit (``spawn_slack``); its ``stdio`` cases get none."""
 
-_STDIO_HARNESS = '''import builtins as _builtins
+_STDIO_HARNESS = '''import atexit as _atexit
+import builtins as _builtins
+import gc as _gc
 import os as _os
 import sys as _sys
 import tempfile as _tempfile
@@ -78,24 +80,40 @@ def _flush(stream):  # what an exiting interpreter does with sys.stdout (a close
         pass
 
 
+def _write_input(fd, text):
+    data = text.encode("utf-8")
+    view = memoryview(data)
+    try:
+        while view:  # a short write, then an error: RLIMIT_FSIZE (max_file_bytes) or a full sandbox directory
+            view = view[_os.write(fd, view):]
+    except OSError as exc:
+        raise RuntimeError(f"sandbox: the case's input ({{len(data)}} bytes) does not fit the sandbox's "
+                           f"max_file_bytes / max_disk_bytes: {{exc}}") from None
+    _os.lseek(fd, 0, _os.SEEK_SET)
+
+
 def _stdio_run(stdin_text):
-    # Descriptors 0 and 1 become files for the run, as in a judged process: open(0), os.read(0), os.write(1),
-    # fileno(), sys.__stdout__ and closing sys.stdout all behave as they would there.
+    # A judged process, case by case: descriptors 0 and 1 are files holding the input and catching the output (so
+    # open(0), os.read(0), os.write(1), fileno() and sys.__stdout__ work); at the end, as at interpreter exit, the
+    # program's threads are joined, its atexit handlers run, sys.stdout is flushed and its objects are finalized
+    # (a file it opened on descriptor 0 or 1 flushes and closes here, not in a later case).
     streams = (_sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__)
     real_main = _sys.modules.get("__main__")
     for stream in streams:
         _flush(stream)
     _os.chdir(_HOME)
+    _atexit._clear()  # the sandbox exits with os._exit: only the program's handlers are ever run
     in_fd, in_path = _tempfile.mkstemp(dir=_HOME)
     out_fd, out_path = _tempfile.mkstemp(dir=_HOME)
     saved = _os.dup(0), _os.dup(1)
     opened = ()
     try:
-        _os.write(in_fd, stdin_text.encode("utf-8"))
-        _os.lseek(in_fd, 0, _os.SEEK_SET)
+        _write_input(in_fd, stdin_text)
         _os.dup2(in_fd, 0)
         _os.dup2(out_fd, 1)
-        opened = (open(0, encoding="utf-8", closefd=False), open(1, "w", encoding="utf-8", closefd=False))
+        # a POSIX interpreter's standard streams: no newline translation ("\\r\\n" keeps its "\\r")
+        opened = (open(0, encoding="utf-8", newline="\\n", closefd=False),
+                  open(1, "w", encoding="utf-8", newline="\\n", closefd=False))
         _sys.stdin = _sys.__stdin__ = opened[0]
         _sys.stdout = _sys.__stdout__ = opened[1]
         main = _types.ModuleType("__main__")  # a script's module: pickle, dataclasses and typing look classes up there
@@ -106,20 +124,27 @@ def _stdio_run(stdin_text):
             exec(_SOLUTION, main.__dict__)
         except SystemExit:
             pass
-        finally:  # a script's interpreter waits for its threads before it exits (`Thread(target=main).start()`)
-            for thread in _threading.enumerate():
+        finally:
+            for thread in _threading.enumerate():  # `Thread(target=main).start()`
                 if thread not in running and not thread.daemon:
                     thread.join()
+            _atexit._run_exitfuncs()
+            _atexit._clear()
             _flush(_sys.stdout)
             _flush(_sys.__stdout__)
+            _sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__ = streams
+            _sys.modules["__main__"] = real_main
+            main.__dict__.clear()
+            del main
+            _gc.collect()
+            for stream in opened:  # what a real process would lose (fd 1 closed first) must not reach the real fd 1
+                try:
+                    stream.close()
+                except Exception:
+                    pass
         with open(out_path, "rb") as printed:
             return printed.read().decode("utf-8", "replace")
     finally:
-        for stream in opened:  # output a real process would lose (fd 1 closed first) must not reach the real fd 1
-            try:
-                stream.close()
-            except Exception:
-                pass
         _os.dup2(saved[0], 0)
         _os.dup2(saved[1], 1)
         for fd in (*saved, in_fd, out_fd):
