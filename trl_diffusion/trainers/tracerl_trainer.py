@@ -66,7 +66,7 @@ from ..value import (
     token_values,
     value_statistics,
 )
-from ..value.value_model import warn_if_half_precision
+from ..value.value_model import check_value_model, warn_if_half_precision
 from ..zero3 import gathered, whole_state_dict
 from .eval_padding import padded_eval_batch
 from .tracerl_config import TraceRLConfig
@@ -529,8 +529,7 @@ class TraceRLTrainer(GRPOTrainer):
         if isinstance(value_model, (str, os.PathLike)):
             # in float32 unless model_init_kwargs names a dtype, as TRL loads a policy path
             value_model = DiffusionValueModel.load(str(value_model), dtype=_path_dtype(args.model_init_kwargs))
-        if not isinstance(value_model, DiffusionValueModel):
-            raise TypeError(f"value_model must be a DiffusionValueModel, got {type(value_model).__name__}.")
+        check_value_model(value_model, "value_model")
         value_model = value_model.whole()  # kept whole on every process, also one loaded partitioned under ZeRO-3
         if value_model.mask_token_id != policy.mask_token_id:
             raise ValueError(f"the value model's mask_token_id ({value_model.mask_token_id}) differs from the "

@@ -171,6 +171,18 @@ def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) 
                        "pretrained backbone never move). Pass a float32 value model, or its path (loaded in float32).")
 
 
+def check_value_model(model: object, argument: str) -> None:
+    """Refuse anything but a ``DiffusionValueModel`` as ``argument``, naming PEFT when the model is wrapped in one:
+    the value model trains in full (only the policy takes adapters)."""
+    if isinstance(model, DiffusionValueModel):
+        return
+    if hasattr(model, "get_base_model") and isinstance(model.get_base_model(), DiffusionValueModel):
+        raise TypeError(f"{argument} is a DiffusionValueModel wrapped in PEFT adapters ({type(model).__name__}): the "
+                        "value model trains in full; pass the DiffusionValueModel itself (LoRA applies to the policy "
+                        "only).")
+    raise TypeError(f"{argument} must be a DiffusionValueModel, got {type(model).__name__}.")
+
+
 def _family(config: PretrainedConfig) -> str:
     """The ``BACKBONES`` key of ``config``: its ``model_type``, but ``"llada_moe"`` for an ``LLaDAMoEConfig`` (whose
     ``model_type`` is the released ``"llada"``, dense LLaDA's)."""

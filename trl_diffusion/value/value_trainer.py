@@ -31,7 +31,7 @@ from ..states import check_block_size_applies, max_positions, resolve_model_atte
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
-from .value_model import DiffusionValueModel, token_values, warn_if_half_precision
+from .value_model import DiffusionValueModel, check_value_model, token_values, warn_if_half_precision
 
 TRAJECTORY_COLUMNS = ("prompt_ids", "completion_ids", "unmask_step", "reward")
 
@@ -81,8 +81,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         model = model_argument(model, processing_class, type(self).__name__)
         if isinstance(model, str):
             model = DiffusionValueModel.load(model, dtype=torch.float32)  # as TRL loads a model path
-        if not isinstance(model, DiffusionValueModel):
-            raise TypeError(f"model must be a DiffusionValueModel, got {type(model).__name__}.")
+        check_value_model(model, "model")
         if args is None:
             args = DiffusionValueConfig(f"{str(model.config._name_or_path or 'model').split('/')[-1]}-Value")
         elif not isinstance(args, DiffusionValueConfig):
