@@ -163,6 +163,14 @@ DESCRIPTOR_PROGRAMS = {
     "collected_open_0": "import gc\ngc.collect()\ninput = open(0).readline\ndef solve():\n"
                         "    a, b = map(int, input().split())\n    print(a + b)\nsolve()",
     "atexit_print": "import atexit\na, b = map(int, input().split())\natexit.register(lambda: print(a + b))",
+    # an interpreter's exit stops a pool's idle workers; the next case starts a new pool
+    "thread_pool_in_a_global": "from concurrent.futures import ThreadPoolExecutor\npool = ThreadPoolExecutor(2)\n"
+                               "a, b = map(int, input().split())\nprint(pool.submit(lambda: a + b).result())",
+    # finalizers run with the globals intact, print() writing descriptor 1, in every case
+    "finalizer_prints_a_global": "class W:\n    def __del__(self):\n        print(total)\n"
+                                 "total = sum(map(int, input().split()))\nw = W()",
+    "weakref_finalize": "import weakref\nclass K:\n    pass\nkeep = K()\na, b = map(int, input().split())\n"
+                        "weakref.finalize(keep, print, a + b)",
 }
 
 

@@ -63,6 +63,12 @@ ATTACKS = {
     "two assignments for one value": ("x = 3, x = 4", "3"),
     "digit groups read as a product": (r"1\,234", "235"),
     "digit groups read as zero": (r"1\,000", "0"),
+    # math-verify drops a base subscript: 52 in base 9 or base 2 (not even a base-2 numeral) was 52 in base 8
+    "another base": ("52_9", "52_8"),
+    "an impossible base": ("52_{2}", "52_8"),
+    "a base for a decimal answer": ("42_8", "42"),
+    # thousands are only joined where the gold is one number: the pair (2, 125) is not 2125's neighbour (2, 126)
+    "commas of a pair": ("(2,125)", "(2, 126)"),
 }
 
 
@@ -108,6 +114,12 @@ EQUIVALENT = [
     (r"1\,234.5", "1234.5"), (r"18~\text{cm}", "18"), ("145°", "145^\\circ"), (r"\text{18}", "18"),
     (r"\textbf{18}", "18"), (r"\mathbf{-3}", "-3"), ("x = -2, x = 1", "-2,1"), (r"x = -2 \text{ or } x = 1", "-2, 1"),
     ("x=3, x=5, x=7", "3, 5, 7"), ("x = 15, y = -29", "(15,-29)"),
+    # thousands separators inside a larger answer (math-verify read x = 2,125 as x = {2, 125})
+    ("x = 2,125", "2125"), (r"\textbf{2,125}", "2125"), (r"2,125\%", "2125\\%"), (r"2,125 \, \text{dollars}", "2125"),
+    (r"\mathbf{1,450,000}", "1450000"), (r"x = 10,\!080", r"10,\!080"),
+    (r"x = 11,\! 111,\! 111,\! 100", "11111111100"),
+    ("(2,125)", "(2, 125)"), ("52_8", "52_8"), ("52_{8}", "52_8"), ("52", "52_8"), (r"4210_{5}", "4210_5"),
+    (r"\text{AB}_{16}", r"\text{AB}_{16}"), ("42_{10}", "42"),
 ]
 
 

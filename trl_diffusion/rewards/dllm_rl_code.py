@@ -62,11 +62,13 @@ FUNCTION_SLACK = 2.0
 _STDIO_HARNESS = '''import atexit as _atexit
 import builtins as _builtins
 import gc as _gc
+import io as _io
 import os as _os
 import sys as _sys
 import tempfile as _tempfile
 import threading as _threading
 import types as _types
+import weakref as _weakref
 
 _SOLUTION = compile({source!r}, "<solution>", "exec")
 _HOME = _os.getcwd()  # the sandbox directory: each case starts there, as a judged process would
@@ -92,11 +94,45 @@ def _write_input(fd, text):
     _os.lseek(fd, 0, _os.SEEK_SET)
 
 
+def _flush_global_files(namespace):
+    # a file the program keeps in a global (`out = open(1, "w")`) is flushed as its interpreter would; left to the
+    # cycle collector (a `def` makes the globals a cycle), its raw file may be closed before its buffer is written
+    for value in list(namespace.values()):
+        if isinstance(value, _io.IOBase):
+            _flush(value)
+
+
+def _exit_as_an_interpreter(module, opened, running):
+    # CPython's shutdown order: threading's exit hooks (concurrent.futures stops idle pool workers there), the
+    # program's threads joined, its atexit handlers, sys.stdout flushed; then its objects are finalized with their
+    # globals intact and print() writing descriptor 1, and what survives has its globals cleared.
+    for hook in reversed(getattr(_threading, "_threading_atexits", [])):
+        hook()
+    futures = _sys.modules.get("concurrent.futures.thread")
+    if futures is not None:  # the hook shut pools down for good: the next case may start new ones
+        futures._shutdown = False
+        futures._threads_queues.clear()
+    for thread in _threading.enumerate():  # `Thread(target=main).start()`
+        if thread not in running and not thread.daemon:
+            thread.join()
+    _atexit._run_exitfuncs()
+    _atexit._clear()
+    _weakref.finalize._shutdown = False  # its atexit hook turned every later finalizer off
+    _weakref.finalize._registered_with_atexit = False
+    _flush(_sys.stdout)
+    _flush(_sys.__stdout__)
+    _sys.stdin = _sys.__stdin__ = opened[0]
+    _sys.stdout = _sys.__stdout__ = opened[1]
+    _gc.collect()  # ``module``: a weak reference, the caller holds none
+    if module() is not None:  # kept alive by the program (a daemon thread, a reference it stored away)
+        module().__dict__.clear()
+        _gc.collect()
+
+
 def _stdio_run(stdin_text):
     # A judged process, case by case: descriptors 0 and 1 are files holding the input and catching the output (so
-    # open(0), os.read(0), os.write(1), fileno() and sys.__stdout__ work); at the end, as at interpreter exit, the
-    # program's threads are joined, its atexit handlers run, sys.stdout is flushed and its objects are finalized
-    # (a file it opened on descriptor 0 or 1 flushes and closes here, not in a later case).
+    # open(0), os.read(0), os.write(1), fileno() and sys.__stdout__ work), and the case ends as the interpreter
+    # exits (a file the program opened on descriptor 0 or 1 is flushed and closed in its own case).
     streams = (_sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__)
     real_main = _sys.modules.get("__main__")
     for stream in streams:
@@ -120,28 +156,26 @@ def _stdio_run(stdin_text):
         main.__builtins__ = _builtins
         _sys.modules["__main__"] = main
         running = set(_threading.enumerate())
+        failure = None
         try:
             exec(_SOLUTION, main.__dict__)
         except SystemExit:
             pass
-        finally:
-            for thread in _threading.enumerate():  # `Thread(target=main).start()`
-                if thread not in running and not thread.daemon:
-                    thread.join()
-            _atexit._run_exitfuncs()
-            _atexit._clear()
-            _flush(_sys.stdout)
-            _flush(_sys.__stdout__)
-            _sys.stdin, _sys.stdout, _sys.__stdin__, _sys.__stdout__ = streams
-            _sys.modules["__main__"] = real_main
-            main.__dict__.clear()
-            del main
-            _gc.collect()
-            for stream in opened:  # what a real process would lose (fd 1 closed first) must not reach the real fd 1
-                try:
-                    stream.close()
-                except Exception:
-                    pass
+        except BaseException as exc:  # raised after the exit steps, without the frames that hold the globals
+            failure = exc.with_traceback(None)
+            failure.__context__ = failure.__cause__ = None
+        _sys.modules["__main__"] = real_main
+        _flush_global_files(main.__dict__)
+        module = _weakref.ref(main)
+        del main
+        _exit_as_an_interpreter(module, opened, running)
+        for stream in opened:  # what a real process would lose (fd 1 closed first) must not reach the real fd 1
+            try:
+                stream.close()
+            except Exception:
+                pass
+        if failure is not None:
+            raise failure
         with open(out_path, "rb") as printed:
             return printed.read().decode("utf-8", "replace")
     finally:

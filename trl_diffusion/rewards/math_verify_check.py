@@ -69,6 +69,40 @@ def plain_spacing(answer: str) -> str:
     return answer.replace("~", " ").replace("°", "^\\circ")
 
 
+# A number whose groups of three digits are set apart by commas (``2,125``, ``10,\!080``, ``1{,}000``).
+_COMMA_DIGITS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,\\!\s*|\{,\}|,)\d{3})+(?![\d.])")
+_COMMA = re.compile(r",\\!\s*|\{,\}|,")
+
+
+def join_thousands(answer: str) -> str:
+    r"""Commas between groups of three digits removed (``x = 2,125`` -> ``x = 2125``). math-verify reads a bare
+    ``2,125`` as 2125 but, inside a larger answer (``x = 2,125``, ``\textbf{2,125}``, ``2,125\%``), as the set
+    ``{2, 125}``. Only for a gold answer that is one number, where a comma cannot separate two answers."""
+    return _COMMA_DIGITS.sub(lambda match: _COMMA.sub("", match.group()), answer)
+
+
+def _one_number(gold_parsed: list) -> bool:
+    """Whether the gold answer's parse is a single number (not a set, tuple, interval or expression)."""
+    values = [_numerals_read(g) for g in gold_parsed if not isinstance(g, str)]
+    return bool(values) and all(getattr(v, "is_number", False) and not getattr(v, "is_Relational", False)
+                                for v in values)
+
+
+# A base written as a subscript of a number (``52_8``, ``4210_{5}``, ``\text{AB}_{16}``, ``52_{\text{8}}``).
+_BASE_SUBSCRIPT = re.compile(r"(?<=[0-9A-Z}])_(?:\{\s*(?:\\(?:text|mathrm)\s*\{\s*)?(\d+)\s*\}?\s*\}|(\d))")
+
+
+def _bases(text: str) -> set[int]:
+    return {int(a or b) for a, b in _BASE_SUBSCRIPT.findall(text)}
+
+
+def _same_base(text: str, gold: str) -> bool:
+    """A base subscript in the answer must be the gold answer's (base 10 where the gold has none): math-verify reads
+    ``52_9`` and ``52_2`` as 52, so they matched a gold ``52_8``. An answer without a subscript is read as before."""
+    written = _bases(text)
+    return written <= (_bases(gold) or {10})
+
+
 def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None,
                   gold: str = "", answer_rules: bool = True) -> bool:
     """math-verify's verdict on one prediction, with the rules of the module docstring: ``source`` is an
@@ -82,6 +116,11 @@ def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, v
     try:
         if source.startswith("$\\boxed{"):
             text = source[len("$\\boxed{"):-len("}$")]
+            if _one_number(gold_parsed):
+                text = join_thousands(text)
+                source = "$\\boxed{" + text + "}$"
+            if answer_rules and not _same_base(text, gold):
+                return False
             pred_parsed = parse_boxed(source, parsing_timeout)
         else:
             pred_parsed = parse(source, parsing_timeout=parsing_timeout)
