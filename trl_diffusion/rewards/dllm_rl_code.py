@@ -107,7 +107,10 @@ def _exit_as_an_interpreter(module, opened, running):
     # program's threads joined, its atexit handlers, sys.stdout flushed; then its objects are finalized with their
     # globals intact and print() writing descriptor 1, and what survives has its globals cleared.
     for hook in reversed(getattr(_threading, "_threading_atexits", [])):
-        hook()
+        try:
+            hook()
+        except Exception:  # the interpreter reports it and goes on exiting
+            pass
     futures = _sys.modules.get("concurrent.futures.thread")
     if futures is not None:  # the hook shut pools down for good: the next case may start new ones
         futures._shutdown = False
