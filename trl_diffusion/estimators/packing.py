@@ -137,9 +137,10 @@ def build_scoring_chunks(
 
     chunks = []
     bounds = torch.cat([torch.zeros(1, dtype=torch.long, device=device), torch.cumsum(row_len, 0)]).tolist()
-    for first, last in row_chunks(row_len.tolist(), token_budget):
+    lengths = row_len.tolist()  # on the host once: no device sync per chunk
+    for first, last in row_chunks(lengths, token_budget):
         part = slice(bounds[first], bounds[last])
-        n, width = last - first, int(row_len[first:last].max())
+        n, width = last - first, max(lengths[first:last])
         where = (out_row[part] - first, col[part])
         chunk_ids = torch.full((n, width), pad_token_id, dtype=torch.long, device=device).index_put(where,
                                                                                                    slot_ids[part])
