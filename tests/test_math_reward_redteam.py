@@ -69,6 +69,16 @@ ATTACKS = {
     "a base for a decimal answer": ("42_8", "42"),
     # thousands are only joined where the gold is one number: the pair (2, 125) is not 2125's neighbour (2, 126)
     "commas of a pair": ("(2,125)", "(2, 126)"),
+    # ... never a decimal comma (math-verify reads 0,500 as 0.5), nor the whole content of brackets
+    "a decimal comma": ("0,500", "500"),
+    "a pair for one number": ("(1,125)", "1125"),
+    "a signed pair for one number": ("(-1,125)", "-1125"),
+    "a set for one number": (r"x \in \{1,125\}", "1125"),
+    # a base however it is written
+    "a base in parentheses": ("52_{(9)}", "52_8"),
+    "a base after a space": ("52 _9", "52_8"),
+    "a base with LaTeX spacing": (r"52_{\,9}", "52_8"),
+    "a base left to compute": ("52_{10-1}", "52_8"),
 }
 
 
@@ -119,7 +129,10 @@ EQUIVALENT = [
     (r"\mathbf{1,450,000}", "1450000"), (r"x = 10,\!080", r"10,\!080"),
     (r"x = 11,\! 111,\! 111,\! 100", "11111111100"),
     ("(2,125)", "(2, 125)"), ("52_8", "52_8"), ("52_{8}", "52_8"), ("52", "52_8"), (r"4210_{5}", "4210_5"),
-    (r"\text{AB}_{16}", r"\text{AB}_{16}"), ("42_{10}", "42"),
+    (r"\text{AB}_{16}", r"\text{AB}_{16}"), ("42_{10}", "42"), (r"\text{AB}_{16}", "AB_{16}"), ("0,500", "0.5"),
+    ("x = -1,125", "-1125"), (r"f(5) = 1,000", "1000"),
+    # a subscript on a name is not a base
+    ("P_1 = 3", "3"), ("S_{20} = 210", "210"), (r"P(A_1) = \frac{1}{2}", r"\frac{1}{2}"),
 ]
 
 

@@ -69,16 +69,28 @@ def plain_spacing(answer: str) -> str:
     return answer.replace("~", " ").replace("°", "^\\circ")
 
 
-# A number whose groups of three digits are set apart by commas (``2,125``, ``10,\!080``, ``1{,}000``).
-_COMMA_DIGITS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:,\\!\s*|\{,\}|,)\d{3})+(?![\d.])")
+# A number whose groups of three digits are set apart by commas (``2,125``, ``10,\!080``, ``1{,}000``); a first
+# group of 0 is a decimal comma (math-verify reads ``0,500`` as 0.5), not a thousands separator.
+_COMMA_DIGITS = re.compile(r"(?<![\d.])[1-9]\d{0,2}(?:(?:,\\!\s*|\{,\}|,)\d{3})+(?![\d.])")
 _COMMA = re.compile(r",\\!\s*|\{,\}|,")
+_OPENERS = ("(", "[", "\\{", "\\lbrace", "\\langle")
+_CLOSERS = (")", "]", "\\}", "\\rbrace", "\\rangle")
 
 
 def join_thousands(answer: str) -> str:
     r"""Commas between groups of three digits removed (``x = 2,125`` -> ``x = 2125``). math-verify reads a bare
     ``2,125`` as 2125 but, inside a larger answer (``x = 2,125``, ``\textbf{2,125}``, ``2,125\%``), as the set
-    ``{2, 125}``. Only for a gold answer that is one number, where a comma cannot separate two answers."""
-    return _COMMA_DIGITS.sub(lambda match: _COMMA.sub("", match.group()), answer)
+    ``{2, 125}``. Only for a gold answer that is one number, where a comma cannot separate two answers, and never
+    for the whole content of brackets (``(1,125)``, ``\{1,125\}``: a pair, a set, an interval)."""
+
+    def join(match: re.Match) -> str:
+        before = answer[: match.start()].rstrip().rstrip("+-").rstrip()  # (-1,125): a sign, then the pair
+        after = re.sub(r"^\\right\s*", "", answer[match.end():].lstrip())
+        if before.endswith(_OPENERS) and after.startswith(_CLOSERS):
+            return match.group()
+        return _COMMA.sub("", match.group())
+
+    return _COMMA_DIGITS.sub(join, answer)
 
 
 def _one_number(gold_parsed: list) -> bool:
@@ -88,19 +100,32 @@ def _one_number(gold_parsed: list) -> bool:
                                 for v in values)
 
 
-# A base written as a subscript of a number (``52_8``, ``4210_{5}``, ``\text{AB}_{16}``, ``52_{\text{8}}``).
-_BASE_SUBSCRIPT = re.compile(r"(?<=[0-9A-Z}])_(?:\{\s*(?:\\(?:text|mathrm)\s*\{\s*)?(\d+)\s*\}?\s*\}|(\d))")
+# The subscript of a numeral (``52_8``, ``4210_{5}``, ``1A_{16}``, ``\text{AB}_{16}``, ``52 _ {(9)}``): its base.
+# A subscript on a letter (``x_1``, ``P_1``, ``a_{n}``) is a name, not a base.
+_BASE_SUBSCRIPT = re.compile(r"(?:(?<![0-9A-Za-z\\])\d[0-9A-Fa-f]*|\\(?:text|mathrm)\s*\{\s*[0-9A-Za-z]+\s*\})"
+                             r"\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])")
+# The gold's side: any subscript counts (a gold ``AB_{16}`` names base 16 without a ``\text``).
+_ANY_SUBSCRIPT = re.compile(r"(?<=[0-9A-Za-z}])\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])")
+_SUBSCRIPT_NOISE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|boldsymbol|displaystyle|textstyle|overline|bf|rm)"
+                              r"(?![A-Za-z])|\\[,;:! ]|[\s{}()~]")
 
 
-def _bases(text: str) -> set[int]:
-    return {int(a or b) for a, b in _BASE_SUBSCRIPT.findall(text)}
+def _bases(text: str, pattern: re.Pattern = _BASE_SUBSCRIPT) -> set[int | str]:
+    """The bases written as subscripts of numerals in ``text``: a number where the subscript reads as one
+    (``{(9)}``, ``\text{8}``, ``{ 9 }``), else its text (``{10-1}``, ``b``), which only matches the same text."""
+    bases: set[int | str] = set()
+    for subscript in pattern.findall(text):
+        plain = _SUBSCRIPT_NOISE.sub("", subscript)
+        bases.add(int(plain) if plain.isdigit() else plain)
+    return bases
 
 
 def _same_base(text: str, gold: str) -> bool:
-    """A base subscript in the answer must be the gold answer's (base 10 where the gold has none): math-verify reads
-    ``52_9`` and ``52_2`` as 52, so they matched a gold ``52_8``. An answer without a subscript is read as before."""
-    written = _bases(text)
-    return written <= (_bases(gold) or {10})
+    """A base subscript in the answer (the part math-verify compares: after the last ``=``) must be the gold
+    answer's (base 10 where the gold has none): math-verify drops subscripts, so ``52_9`` and ``52_2`` matched a
+    gold ``52_8``. An answer without a subscript is read as before."""
+    written = _bases(_EQUATION_SPLIT.split(text)[-1])
+    return written <= (_bases(gold, _ANY_SUBSCRIPT) or {10})
 
 
 def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None,
