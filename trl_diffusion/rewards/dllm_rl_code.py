@@ -228,7 +228,8 @@ def stdio_program(code: str) -> str:
     as a judge would: file descriptors 0 and 1 are files holding the input and catching the output (so
     ``input()``, ``sys.stdin.buffer``, ``open(0)``, ``os.read(0, n)``, ``os.write(1, b)`` and fast-I/O wrappers
     over ``fileno()`` all work, and ``input()`` prints its prompt); ``__name__ == "__main__"``; ``SystemExit``
-    ends the run normally; ``sys.stdout`` is flushed as at exit. Returns what it printed."""
+    ends the run normally; the case ends as an interpreter exits (threads joined, ``atexit`` handlers run,
+    ``sys.stdout`` flushed, the program's objects finalized). Returns what it printed."""
     return _STDIO_HARNESS.format(source=code)
 
 
