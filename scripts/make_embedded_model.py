@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from train_arithmetic import main, make_parser  # noqa: E402
+from train_arithmetic import main, make_parser, parse_arguments  # noqa: E402
 
 from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK  # noqa: E402
 
@@ -46,7 +46,7 @@ if __name__ == "__main__":
                         dataset_format=EMBEDDED_FORMAT,
                         num_train=EMBEDDED_TASK["num_train"], num_test=EMBEDDED_TASK["num_test"],
                         digits=EMBEDDED_TASK["digits"], seed=EMBEDDED_TASK["seed"], family="sdar")
-    script_args, training_args = parser.parse_args_and_config()
+    script_args, training_args = parse_arguments(parser)
     result = main(script_args, training_args)
     out = Path(training_args.output_dir)
     (out / "training_args.bin").unlink(missing_ok=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
@@ -77,10 +77,12 @@ SET_PER_RUN = {"max_steps": "--max_rollouts", "likelihood_estimator": "--estimat
 """``TraceRLConfig`` fields each run sets, and the script's flag that chooses them."""
 
 
-def refuse_flags_set_per_run(argv: list[str]) -> None:
-    """A flag the script would overwrite is an error rather than silently ignored."""
+def refuse_fields_set_per_run(args: TraceRLConfig) -> None:
+    """A field the script would overwrite, given in any spelling (``--max-steps``, a prefix, a ``--config`` file),
+    is an error rather than silently ignored."""
+    defaults = {f.name: f.default for f in fields(TraceRLConfig)}
     for name, instead in SET_PER_RUN.items():
-        if any(arg == f"--{name}" or arg.startswith(f"--{name}=") for arg in argv):
+        if getattr(args, name) != defaults[name]:
             raise ValueError(f"--{name} is set by this script for each run; pass {instead} instead.")
 
 
@@ -124,8 +126,8 @@ def run(script_args: ScriptArguments, args: TraceRLConfig, setting: str, estimat
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    refuse_flags_set_per_run(argv)
-    script_args, _ = make_parser().parse_args_and_config(argv)
+    script_args, parsed = make_parser().parse_args_and_config(argv)
+    refuse_fields_set_per_run(parsed)
     results = [run(*config_for(setting, argv), setting, estimator)
                for setting in script_args.settings for estimator in script_args.estimators]
     print(json.dumps({"results": results}, indent=1))

@@ -6,8 +6,8 @@ then measure greedy exact match on held-out problems with ``model.generate``. Pr
 
 Every ``DiffusionSFTConfig`` / ``SFTConfig`` flag works too (``--learning_rate``, ``--per_device_train_batch_size``,
 ``--diffusion_objective``, ...). Defaults: AdamW lr 1e-3 (50 warmup steps), grad-norm clipping 1.0, batch 32,
-t ~ U(eps, 1) masking with 1/t weights, answers padded with trained-on EOS to ``--max_length`` (default: the longest
-prompt + 16 answer tokens), 780 s of training whose last quarter
+t ~ U(eps, 1) masking with 1/t weights, answers padded with trained-on EOS (``--pad_to_length_with_eos``) to
+``--max_length`` (default: the longest prompt + 16 answer tokens), 780 s of training whose last quarter
 decays the learning rate linearly to 0 (``--time_budget_s``, ``--decay_fraction``), then evaluation. Measured
 results and what each choice is for: docs/sft.md.
 """
@@ -71,14 +71,36 @@ def _chat(tokenizer, prompt: str) -> str:
 
 
 def make_parser() -> TrlParser:
+    # Answers padded with trained-on EOS up to a fixed canvas (LLaDA's SFT recipe; for SDAR it also fills the
+    # answer's last block): at inference the positions after the answer are masks that must become EOS, and a model
+    # never trained on them decodes digits or braces there. The canvas's default length comes from the task
+    # (parse_arguments); max_length=64 only lets the first pass validate.
     parser = TrlParser((ArithmeticArguments, DiffusionSFTConfig))
     parser.set_defaults(
         output_dir="runs/arithmetic", max_steps=20000, per_device_train_batch_size=32, learning_rate=1e-3,
         max_grad_norm=1.0, lr_scheduler_type="constant_with_warmup", warmup_steps=50, weight_decay=0.0,
         logging_steps=200, save_strategy="no", report_to="none", bf16=False, **checkpointing_off(),
-        max_length=None, seed=0, disable_tqdm=True, dataloader_drop_last=True,
+        pad_to_length_with_eos=True, max_length=64, seed=0, disable_tqdm=True, dataloader_drop_last=True,
     )
     return parser
+
+
+def canvas_length(script_args: ArithmeticArguments, seed: int) -> int:
+    """The task's longest prompt (as formatted for training) plus the answer's tokens."""
+    tokenizer = build_tokenizer()
+    train, test = make_problems(script_args.num_train, script_args.num_test, digits=script_args.digits, seed=seed)
+    chat = script_args.dataset_format == "conversational"
+    return MAX_NEW_TOKENS + max(len(tokenizer.encode(_chat(tokenizer, p.prompt) if chat else p.prompt + "\n",
+                                                     add_special_tokens=False)) for p in train + test)
+
+
+def parse_arguments(parser: TrlParser, argv: list[str] | None = None) -> tuple[ArithmeticArguments,
+                                                                             DiffusionSFTConfig]:
+    """Parse twice: the first pass reads the task, whose EOS canvas becomes the default ``max_length`` of the
+    second (a ``--max_length`` given on the command line wins, and every flag is validated as usual)."""
+    script_args, args = parser.parse_args_and_config(argv)
+    parser.set_defaults(max_length=canvas_length(script_args, args.seed))
+    return parser.parse_args_and_config(argv)
 
 
 def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
@@ -86,16 +108,6 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
     tokenizer = build_tokenizer()
     train, test = make_problems(script_args.num_train, script_args.num_test, digits=script_args.digits,
                                 seed=args.seed)
-    # Answers padded with trained-on EOS up to a fixed canvas (LLaDA's SFT recipe; for SDAR it also fills the
-    # answer's last block): at inference the positions after the answer are masks that must become EOS, and a model
-    # never trained on them decodes digits or braces there. The canvas is --max_length if given, else the longest
-    # prompt + the answer's tokens.
-    if args.max_length is None:
-        chat = script_args.dataset_format == "conversational"
-        longest_prompt = max(len(tokenizer.encode(_chat(tokenizer, p.prompt) if chat else p.prompt + "\n",
-                                                  add_special_tokens=False)) for p in train + test)
-        args.max_length = longest_prompt + MAX_NEW_TOKENS
-    args.pad_to_length_with_eos = True
     model = build_model(script_args.family, script_args.hidden_size, script_args.num_layers, args.seed)
     budget = TimeBudgetCallback(script_args.time_budget_s, script_args.decay_fraction)
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=to_dataset(train, script_args.dataset_format),
@@ -137,5 +149,5 @@ def main(script_args: ArithmeticArguments, args: DiffusionSFTConfig) -> dict:
 
 
 if __name__ == "__main__":
-    script_args, training_args = make_parser().parse_args_and_config()
+    script_args, training_args = parse_arguments(make_parser())
     main(script_args, training_args)

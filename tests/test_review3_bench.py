@@ -197,7 +197,8 @@ def test_gpu_check_dry_run_on_the_cpu(tmp_path):
     for log in ("gpu_graph_tests", "gpu_tests"):
         assert " skipped" in (tmp_path / f"{log}.log").read_text() and (tmp_path / f"{log}.xml").is_file()
     probe = json.loads((tmp_path / "flex_probe.json").read_text())
-    assert probe and all("length_40" in r for r in probe)
+    # on the CPU forward only (flex has no backward there), against SDPA with the dense mask
+    assert probe and all(r["length_40"]["ok"] and r["length_40"]["max_abs_out_diff"] < 1e-4 for r in probe), probe
     assert "torch" in (tmp_path / "environment.txt").read_text()
 
 

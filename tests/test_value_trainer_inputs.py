@@ -82,18 +82,24 @@ def test_optimization_numbers_are_checked_when_a_config_is_built(field, value, m
 def test_a_value_model_with_peft_adapters_is_refused_by_name(tmp_path):
     """The value model trains in full: wrapped in LoRA it was refused as ``got PeftModel``, which did not say that
     the DiffusionValueModel inside is what both trainers take."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model, inject_adapter_in_model
 
     from trl_diffusion.trainers.tracerl_config import TraceRLConfig
     from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
 
     wrapped = get_peft_model(DiffusionValueModel.from_policy(tiny_model("sdar")),
                              LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(TypeError, match="model is a DiffusionValueModel wrapped in PEFT adapters"):
+    with pytest.raises(TypeError, match="model is a DiffusionValueModel with PEFT adapters"):
         value_trainer(tmp_path, wrapped, [ROW])
+    with pytest.raises(TypeError, match="model is a DiffusionValueModel with PEFT adapters"):
+        value_trainer(tmp_path, wrapped.get_base_model(), [ROW])  # adapters injected in place
+    injected = inject_adapter_in_model(LoraConfig(r=2, target_modules=["q_proj"]),
+                                       DiffusionValueModel.from_policy(tiny_model("sdar")))
+    with pytest.raises(TypeError, match="model is a DiffusionValueModel with PEFT adapters"):
+        value_trainer(tmp_path, injected, [ROW])
     args = TraceRLConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_steps=1,
                          num_generations=2, per_device_train_batch_size=2, max_completion_length=8, block_length=4)
-    with pytest.raises(TypeError, match="value_model is a DiffusionValueModel wrapped in PEFT adapters"):
+    with pytest.raises(TypeError, match="value_model is a DiffusionValueModel with PEFT adapters"):
         TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
                        train_dataset=Dataset.from_dict({"prompt": ["a", "b"]}), processing_class=build_tokenizer(),
                        value_model=wrapped)

@@ -270,7 +270,8 @@ class AttentionLayout:
 
     def dense(self) -> torch.Tensor:
         """Boolean mask ``[B, 1, N, N]``; padding queries are opened to every key (finite, never read)."""
-        if self.document is None and bool((self.copy == CLEAN).all()) and bool((self.block == 0).all()):
+        full = self.document is None and self.block.device.type == "cpu"  # the checks would sync a GPU
+        if full and bool((self.copy == CLEAN).all()) and bool((self.block == 0).all()):
             # plain full attention (LLaDA / Dream states): the rule reduces to "the key is real", one [N, N] op
             return (self.valid[:, None, :] | ~self.valid[:, :, None])[:, None]
         same = True if self.document is None else self.document[:, :, None] == self.document[:, None, :]

@@ -174,13 +174,13 @@ def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) 
 def check_value_model(model: object, argument: str) -> None:
     """Refuse anything but a ``DiffusionValueModel`` as ``argument``, naming PEFT when the model is wrapped in one:
     the value model trains in full (only the policy takes adapters)."""
-    if isinstance(model, DiffusionValueModel):
-        return
-    if hasattr(model, "get_base_model") and isinstance(model.get_base_model(), DiffusionValueModel):
-        raise TypeError(f"{argument} is a DiffusionValueModel wrapped in PEFT adapters ({type(model).__name__}): the "
-                        "value model trains in full; pass the DiffusionValueModel itself (LoRA applies to the policy "
-                        "only).")
-    raise TypeError(f"{argument} must be a DiffusionValueModel, got {type(model).__name__}.")
+    wrapped = hasattr(model, "get_base_model") and isinstance(model.get_base_model(), DiffusionValueModel)
+    if wrapped or (isinstance(model, DiffusionValueModel) and _has_adapters(model)):
+        raise TypeError(f"{argument} is a DiffusionValueModel with PEFT adapters ({type(model).__name__}): the value "
+                        "model trains in full (with adapters only they would train, and its value head stays at "
+                        "zero); pass one without adapters (LoRA applies to the policy only).")
+    if not isinstance(model, DiffusionValueModel):
+        raise TypeError(f"{argument} must be a DiffusionValueModel, got {type(model).__name__}.")
 
 
 def _family(config: PretrainedConfig) -> str:
