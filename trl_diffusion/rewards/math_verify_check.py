@@ -111,8 +111,9 @@ _SUBSCRIPT_NOISE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|boldsymbol|displa
 
 
 def _bases(text: str, pattern: re.Pattern = _BASE_SUBSCRIPT) -> set[int | str]:
-    """The bases written as subscripts of numerals in ``text``: a number where the subscript reads as one
-    (``{(9)}``, ``\text{8}``, ``{ 9 }``), else its text (``{10-1}``, ``b``), which only matches the same text."""
+    r"""The bases written as subscripts of numerals in ``text`` (any subscript with :data:`_ANY_SUBSCRIPT`): a
+    number where the subscript reads as one (``{(9)}``, ``\text{8}``, ``{ 9 }``), else its text (``{10-1}``, ``b``),
+    which only matches the same text."""
     bases: set[int | str] = set()
     for subscript in pattern.findall(text):
         plain = _SUBSCRIPT_NOISE.sub("", subscript)

@@ -172,8 +172,9 @@ def warn_if_half_precision(model: nn.Module, learning_rate: float, option: str) 
 
 
 def check_value_model(model: object, argument: str) -> None:
-    """Refuse anything but a ``DiffusionValueModel`` as ``argument``, naming PEFT when the model is wrapped in one:
-    the value model trains in full (only the policy takes adapters)."""
+    """Refuse anything but a ``DiffusionValueModel`` without adapters as ``argument``, naming PEFT when it has them
+    (wrapped in a ``PeftModel`` or injected in place): the value model trains in full (only the policy takes
+    adapters)."""
     wrapped = hasattr(model, "get_base_model") and isinstance(model.get_base_model(), DiffusionValueModel)
     if wrapped or (isinstance(model, DiffusionValueModel) and _has_adapters(model)):
         raise TypeError(f"{argument} is a DiffusionValueModel with PEFT adapters ({type(model).__name__}): the value "
