@@ -171,6 +171,9 @@ DESCRIPTOR_PROGRAMS = {
                                  "total = sum(map(int, input().split()))\nw = W()",
     "weakref_finalize": "import weakref\nclass K:\n    pass\nkeep = K()\na, b = map(int, input().split())\n"
                         "weakref.finalize(keep, print, a + b)",
+    # each case configures logging afresh (case 1's handler wrote to its own, closed, stdout)
+    "logging_to_stdout": "import logging, sys\nlogging.basicConfig(stream=sys.stdout, format='%(message)s', "
+                         "level=logging.INFO)\na, b = map(int, input().split())\nlogging.info(a + b)",
 }
 
 

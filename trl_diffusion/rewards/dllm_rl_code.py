@@ -120,6 +120,12 @@ def _exit_as_an_interpreter(module, opened, running):
             thread.join()
     _atexit._run_exitfuncs()
     _atexit._clear()
+    logging = _sys.modules.get("logging")
+    if logging is not None:  # a fresh interpreter has no handlers: the next case's basicConfig() must take effect
+        for logger in (logging.root, *logging.Logger.manager.loggerDict.values()):
+            for handler in list(getattr(logger, "handlers", ())):
+                _flush(handler)
+                logger.removeHandler(handler)
     _weakref.finalize._shutdown = False  # its atexit hook turned every later finalizer off
     _weakref.finalize._registered_with_atexit = False
     _flush(_sys.stdout)
