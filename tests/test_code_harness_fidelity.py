@@ -171,6 +171,9 @@ DESCRIPTOR_PROGRAMS = {
                                  "total = sum(map(int, input().split()))\nw = W()",
     "weakref_finalize": "import weakref\nclass K:\n    pass\nkeep = K()\na, b = map(int, input().split())\n"
                         "weakref.finalize(keep, print, a + b)",
+    # a file kept inside an object, flushed by nobody but the exiting interpreter
+    "file_in_an_object": "class Out:\n    def __init__(self):\n        self.f = open(1, 'w')\nout = Out()\n"
+                         "a, b = map(int, input().split())\nout.f.write(f'{a + b}\\n')",
     # each case configures logging afresh (case 1's handler wrote to its own, closed, stdout)
     "logging_to_stdout": "import logging, sys\nlogging.basicConfig(stream=sys.stdout, format='%(message)s', "
                          "level=logging.INFO)\na, b = map(int, input().split())\nlogging.info(a + b)",
@@ -198,6 +201,16 @@ def test_default_stdio_harness_restores_the_streams_between_cases():
     assert run_tests(stdio_program(code), tests).passed == 3
     flood = run_tests(stdio_program("while True:\n    print('y' * 4096)"), [stdio_test("", "y")])
     assert flood.passed == 0 and flood.status in ("ok", "output_limit")
+
+
+def test_a_cases_globals_do_not_outlive_it():
+    """Globals kept alive past their case (here by a daemon thread's function) are cleared, as a fresh process per
+    case would drop them: they held earlier cases' memory (a judge-passing program hit MemoryError) and files."""
+    code = ("import gc, threading, time\n"
+            "alive = sum(1 for o in gc.get_objects() if isinstance(o, dict) and o.get('case_tag') == 'x')\n"
+            "case_tag = 'x'\ndef spin():\n    while True:\n        time.sleep(1)\n"
+            "threading.Thread(target=spin, daemon=True).start()\ninput()\nprint(alive)")
+    assert run_tests(stdio_program(code), [stdio_test(f"{i}\n", "0") for i in range(3)]).passed == 3
 
 
 def test_default_stdio_harness_reads_input_as_a_posix_stdin():

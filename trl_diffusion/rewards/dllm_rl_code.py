@@ -94,18 +94,24 @@ def _write_input(fd, text):
     _os.lseek(fd, 0, _os.SEEK_SET)
 
 
-def _flush_global_files(namespace):
-    # a file the program keeps in a global (`out = open(1, "w")`) is flushed as its interpreter would; left to the
-    # cycle collector (a `def` makes the globals a cycle), its raw file may be closed before its buffer is written
-    for value in list(namespace.values()):
-        if isinstance(value, _io.IOBase):
-            _flush(value)
+def _flush_open_files():
+    # every file still open is flushed before the program's objects are collected, as an exiting interpreter's
+    # teardown releases them one by one: the cycle collector may close a raw file before the buffer on top of it
+    # (`self.out = open(1, "w")` in an object, a list, a closure) has written its bytes
+    for obj in _gc.get_objects():
+        if isinstance(obj, _io.IOBase):
+            _flush(obj)
 
 
-def _exit_as_an_interpreter(module, opened, running):
+class _Namespace:  # a marker in the program's globals: alive after the collection means the globals are too
+    pass
+
+
+def _exit_as_an_interpreter(holder, opened, running):
     # CPython's shutdown order: threading's exit hooks (concurrent.futures stops idle pool workers there), the
     # program's threads joined, its atexit handlers, sys.stdout flushed; then its objects are finalized with their
-    # globals intact and print() writing descriptor 1, and what survives has its globals cleared.
+    # globals intact and print() writing descriptor 1, and globals that survive (held by a daemon thread, a cache
+    # of typing, a reference stored away) are cleared. ``holder``: the one reference to the program's module.
     for hook in reversed(getattr(_threading, "_threading_atexits", [])):
         try:
             hook()
@@ -130,12 +136,25 @@ def _exit_as_an_interpreter(module, opened, running):
     _weakref.finalize._registered_with_atexit = False
     _flush(_sys.stdout)
     _flush(_sys.__stdout__)
+    _flush_open_files()
     _sys.stdin = _sys.__stdin__ = opened[0]
     _sys.stdout = _sys.__stdout__ = opened[1]
-    _gc.collect()  # ``module``: a weak reference, the caller holds none
-    if module() is not None:  # kept alive by the program (a daemon thread, a reference it stored away)
-        module().__dict__.clear()
+    marker = _Namespace()
+    holder[0].__dict__["__stdio_case__"] = marker
+    namespace = _weakref.ref(marker)
+    del marker
+    holder.clear()
+    _gc.collect()
+    if namespace() is not None:
+        _clear_globals_holding(namespace)
         _gc.collect()
+
+
+def _clear_globals_holding(namespace):
+    marker = namespace()
+    for referrer in _gc.get_referrers(marker):
+        if isinstance(referrer, dict) and referrer.get("__stdio_case__") is marker:
+            referrer.clear()
 
 
 def _stdio_run(stdin_text):
@@ -174,10 +193,9 @@ def _stdio_run(stdin_text):
             failure = exc.with_traceback(None)
             failure.__context__ = failure.__cause__ = None
         _sys.modules["__main__"] = real_main
-        _flush_global_files(main.__dict__)
-        module = _weakref.ref(main)
+        holder = [main]
         del main
-        _exit_as_an_interpreter(module, opened, running)
+        _exit_as_an_interpreter(holder, opened, running)
         for stream in opened:  # what a real process would lose (fd 1 closed first) must not reach the real fd 1
             try:
                 stream.close()
