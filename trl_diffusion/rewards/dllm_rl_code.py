@@ -94,12 +94,15 @@ def _write_input(fd, text):
     _os.lseek(fd, 0, _os.SEEK_SET)
 
 
+_BUFFERED_FILES = frozenset((_io.TextIOWrapper, _io.BufferedWriter, _io.BufferedRandom, _io.BufferedRWPair))
+
+
 def _flush_open_files():
     # every file still open is flushed before the program's objects are collected, as an exiting interpreter's
     # teardown releases them one by one: the cycle collector may close a raw file before the buffer on top of it
     # (`self.out = open(1, "w")` in an object, a list, a closure) has written its bytes
     for obj in _gc.get_objects():
-        if isinstance(obj, _io.IOBase):
+        if type(obj) in _BUFFERED_FILES:  # a type test, not isinstance: this runs over every object of the program
             _flush(obj)
 
 
