@@ -102,10 +102,11 @@ def _one_number(gold_parsed: list) -> bool:
 
 # The subscript of a numeral (``52_8``, ``4210_{5}``, ``1A_{16}``, ``\text{AB}_{16}``, ``52 _ {(9)}``): its base.
 # A subscript on a letter (``x_1``, ``P_1``, ``a_{n}``) is a name, not a base.
+_SUBSCRIPT = r"\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])"  # ``_`` and a group, command or character
 _BASE_SUBSCRIPT = re.compile(r"(?:(?<![0-9A-Za-z\\])\d[0-9A-Fa-f]*|\\(?:text|mathrm)\s*\{\s*[0-9A-Za-z]+\s*\})"
-                             r"\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])")
+                             + _SUBSCRIPT)
 # The gold's side: any subscript counts (a gold ``AB_{16}`` names base 16 without a ``\text``).
-_ANY_SUBSCRIPT = re.compile(r"(?<=[0-9A-Za-z}])\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])")
+_ANY_SUBSCRIPT = re.compile(r"(?<=[0-9A-Za-z}])" + _SUBSCRIPT)
 _SUBSCRIPT_NOISE = re.compile(r"\\(?:text|textbf|mathrm|mathbf|boldsymbol|displaystyle|textstyle|overline|bf|rm)"
                               r"(?![A-Za-z])|\\[,;:! ]|[\s{}()~]")
 
