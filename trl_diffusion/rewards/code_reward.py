@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .format_reward import check_column_lengths, completion_to_text
-from .sandbox import SandboxLimits, SandboxResult, run_tests
+from .sandbox import SandboxLimits, SandboxResult, resolve_python, run_tests
 from .verdict import plan_test
 
 __all__ = ["CodeExecutionReward", "build_tests", "code_execution_reward", "extract_code", "make_code_reward"]
@@ -136,7 +136,7 @@ class CodeExecutionReward:
         )
         self.partial_credit = partial_credit
         self.max_workers = max(1, max_workers)
-        self.python = python
+        self.python = resolve_python(python)
         self.__name__ = name
         self.allow_unverified = allow_unverified
 
@@ -212,7 +212,8 @@ def make_code_reward(
         max_workers: completions run concurrently (each in its own sandbox process).
         max_processes: process/thread limit inside the sandbox (contains fork bombs).
         max_output_bytes: stdout+stderr cap; a program printing more scores 0.0.
-        python: interpreter for the sandbox (default: the current one).
+        python: interpreter for the sandbox (default: the current one): a path or a name on PATH, resolved (and
+            checked: ValueError) when the reward is built.
         name: ``__name__`` shown in TRL logs; give distinct names to several configured copies.
         allow_unverified: run tests that cannot be decided outside the sandbox (loops, assignments, helper
             functions) inside it, where a program can forge their result (default, as in HumanEval's own harness);

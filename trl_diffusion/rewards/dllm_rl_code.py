@@ -37,7 +37,7 @@ from typing import Any
 
 from .code_reward import decode_list_string
 from .format_reward import check_column_lengths, completion_to_text
-from .sandbox import SandboxLimits, SandboxResult, run_tests
+from .sandbox import SandboxLimits, SandboxResult, resolve_python, run_tests
 from .verdict import plan_test
 
 __all__ = [
@@ -388,7 +388,7 @@ class OfficialCodeReward:
         self.limits = SandboxLimits(memory_mb=memory_mb, max_output_bytes=max_output_bytes)
         self.max_workers = max(1, max_workers)
         self.function_slack, self.stdio_slack = function_slack, stdio_slack
-        self.python = python
+        self.python = resolve_python(python)
         self.__name__ = name
         self.allow_unverified = allow_unverified
 
@@ -447,7 +447,8 @@ def make_official_code_reward(
         function_slack: seconds added to a ``function`` row's ``test_time_limit`` (dLLM-RL: 2).
         stdio_slack: seconds added to each ``stdio`` case's limit (dLLM-RL: 0; its limit also covers starting a
             Python process, as ours covers starting the sandbox).
-        python: interpreter for the sandbox (default: the current one).
+        python: interpreter for the sandbox (default: the current one): a path or a name on PATH, resolved (and
+            checked: ValueError) when the reward is built.
         name: ``__name__`` shown in TRL logs.
         allow_unverified: run tests that cannot be decided outside the sandbox (loops, assignments, helper
             functions) inside it, where a program can forge their result (default, as dLLM-RL does); ``False`` gives

@@ -204,9 +204,9 @@ def run_tests(
     sandbox where possible) is described in the module docstring. Never raises and never outlives
     ``limits.timeout`` by more than the kill/cleanup time (twice that when some tests are verified and some are
     not: they run separately): every failure becomes a :class:`SandboxResult` with ``passed=0``. ``python``
-    defaults to the current interpreter. When this process is root the program runs as ``run_as_uid`` (uid and
-    gid); the default, ``None``, picks a fresh unused uid per run so that the process limit of one sandbox is not
-    shared with any other process on the machine.
+    (an absolute path: :func:`resolve_python`) defaults to the current interpreter. When this process is root the
+    program runs as ``run_as_uid`` (uid and gid); the default, ``None``, picks a fresh unused uid per run so that the
+    process limit of one sandbox is not shared with any other process on the machine.
     """
     from .verdict import plan_test, plan_tests, program_bindings
 
@@ -222,6 +222,41 @@ def run_tests(
         return _run_plans(chosen, python, program, plans, limits, run_as_uid, ordered)
     except Exception as exc:  # the caller must never see an exception from here
         return SandboxResult("sandbox_error", total=len(tests), errors=[f"{type(exc).__name__}: {exc}"])
+
+
+def resolve_python(python: str | None) -> str | None:
+    """The absolute path of the interpreter ``python`` names, found as the caller's shell finds it (a bare name on
+    ``PATH``, a path relative to the current directory, a pyenv shim with its ``PYENV_VERSION``), by starting it
+    once; ``None`` stays ``None`` (the current interpreter).
+
+    The sandbox starts the interpreter from an empty working directory with a minimal ``PATH``, where none of those
+    would resolve: every run would be a ``sandbox_error`` (reward 0.0). Raises ``ValueError`` naming ``python`` when
+    it cannot be started. Warns when it is a newer Python than this one: programs and tests are parsed here (for the
+    checks made outside the sandbox) with this interpreter's grammar, so syntax new in that version fails those
+    checks (closed: a test fails that natively could pass).
+    """
+    if python is None:
+        return None
+    query = "import sys; print(sys.executable); print(*sys.version_info[:2])"
+    try:
+        found = subprocess.run([python, "-I", "-c", query], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ValueError(f"python={python!r} cannot be started: {exc}") from None
+    lines = found.stdout.split("\n")
+    if found.returncode != 0 or len(lines) < 2 or not os.path.isabs(lines[0]):
+        detail = found.stderr.strip()[-300:] or found.stdout.strip()[-300:] or f"exit status {found.returncode}"
+        raise ValueError(f"python={python!r} did not run as a Python interpreter: {detail}")
+    version = tuple(int(part) for part in lines[1].split())
+    if version > sys.version_info[:2]:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "python=%r is Python %s, this process Python %s: programs and tests are parsed here with this Python's "
+            "grammar, so syntax new in %s fails the tests checked outside the sandbox; run the trainer on the same "
+            "Python", python, ".".join(map(str, version)), ".".join(map(str, sys.version_info[:2])),
+            ".".join(map(str, version)),
+        )  # fmt: skip
+    return lines[0]
 
 
 def isolation_report(python: str | None = None, run_as_uid: int | None = None) -> dict[str, Any]:
@@ -354,7 +389,12 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
     for use_cgroup in [True, False] if memory_cgroup_root() is not None else [False]:
         for launcher in candidates:
             config = {"program": "pass", "specs": [{"probes": [], "has": []}]}
-            run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
+            try:
+                run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT),
+                                run_as_uid)  # fmt: skip
+            except OSError as exc:  # e.g. an interpreter that cannot be started (a relative path, a bare name)
+                errors.append(f"{' '.join(launcher) or '(plain)'} (cgroup: {use_cgroup}): {type(exc).__name__}: {exc}")
+                continue
             if _report_results(run, 1) is not None:
                 return launcher, use_cgroup
             name = " ".join(launcher) or "(plain)"
@@ -1197,17 +1237,33 @@ def _install_guards(workdir: str) -> None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise PermissionError("sandbox: network access is not allowed")
 
+    # An unnamed, already connected AF_UNIX pair reaches nothing outside the process (asyncio's event loop needs
+    # one): socket.socketpair() makes it, and socket.socket may wrap each of its two descriptors once.
+    paired: set[int] = set()
+    real_socket, real_pair, raw_init = socket.socket, _socket.socketpair, _socket.socket.__init__
+
     class NoRawSocket(_socket.socket):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            raise PermissionError("sandbox: network access is not allowed")
+        def __init__(self, family: int = -1, type: int = -1, proto: int = -1, fileno: int | None = None) -> None:
+            if fileno not in paired:
+                raise PermissionError("sandbox: network access is not allowed")
+            paired.discard(fileno)
+            raw_init(self, family, type, proto, fileno)
 
     def no_network(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError("sandbox: network access is not allowed")
 
+    def local_pair(family: int = socket.AF_UNIX, type: int = socket.SOCK_STREAM, proto: int = 0) -> tuple:
+        if family != socket.AF_UNIX:
+            raise PermissionError("sandbox: network access is not allowed")
+        pair = real_pair(family, type, proto)
+        paired.update(end.fileno() for end in pair)
+        return tuple(real_socket(family, type, proto, end.detach()) for end in pair)
+
     socket.socket = socket.SocketType = NoSocket
     _socket.socket = _socket.SocketType = NoRawSocket
-    for module, name in ((socket, "socketpair"), (socket, "fromfd"), (socket, "create_connection"),
-                         (socket, "create_server"), (_socket, "socketpair")):  # fmt: skip
+    socket.socketpair = local_pair
+    for module, name in ((socket, "fromfd"), (socket, "create_connection"), (socket, "create_server"),
+                         (_socket, "socketpair")):  # fmt: skip
         if hasattr(module, name):
             setattr(module, name, no_network)
     tempfile.tempdir = root  # so tempfile works, inside the sandbox directory

@@ -260,11 +260,13 @@ def plan_tests(tests: list[Any], shadowed: frozenset[str] = frozenset()) -> list
 
 def program_bindings(program: str) -> frozenset[str]:
     """Builtin and standard-module names the program defines itself (``def``, ``class``, assignment, ``global``),
-    found statically. Imports are not counted: ``from numpy import sum`` keeps the name's meaning."""
+    found statically. Imports are not counted: ``from numpy import sum`` keeps the name's meaning. A program this
+    interpreter cannot parse (a syntax error, or syntax of a newer Python than this one) counts as defining them
+    all: the checks fail closed rather than evaluate a builtin it may redefine."""
     try:
         tree = ast.parse(program)
     except (SyntaxError, ValueError, TypeError, RecursionError):
-        return frozenset()
+        return _LIBRARY_NAMES
     names: set[str] = set()
     stack: list[ast.AST] = list(tree.body)
     while stack:
