@@ -556,6 +556,9 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
     def __init__(self, config) -> None:
+        if getattr(config, "use_sliding_window", False):  # the releases' Qwen2/3 option; every release leaves it off
+            raise ValueError(f"{type(config).__name__}: use_sliding_window=True is not supported (attention here is "
+                             "over the whole context, as in the released checkpoints, which set it to false).")
         super().__init__(config)
         self.padding_idx = self._embedding_padding_idx(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
