@@ -471,15 +471,16 @@ class AttentionFacts:
     dtype: torch.dtype | None = None
 
 
-def attention_facts(model, device=None, dtype: torch.dtype | None = None) -> AttentionFacts:
+def attention_facts(model, device=None) -> AttentionFacts:
     """The ``AttentionFacts`` of ``model`` (any of our models, or a wrapper that forwards ``config``/``dtype``):
-    head size from its config, device and dtype from its weights unless given. The weights' dtype, not an autocast
-    one: under bf16 autocast a float32 model's normalised queries stay float32 (SDPA casts them, flex does not)."""
+    head size from its config, device from its weights unless given, dtype from its weights. The weights' dtype, not
+    an autocast one: under bf16 autocast a float32 model's normalised queries stay float32 (SDPA casts them, flex
+    does not)."""
     model = getattr(model, "module", model)  # DistributedDataParallel and friends
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     device_type = torch.device(device if device is not None else next(model.parameters()).device).type
-    return AttentionFacts(device_type, int(head_dim), dtype or model.dtype)
+    return AttentionFacts(device_type, int(head_dim), model.dtype)
 
 
 def _torch_release(version: str) -> tuple[int, int]:
@@ -549,12 +550,11 @@ def resolve_attention_backend(
     return backend
 
 
-def resolve_model_attention_backend(backend: str, model, device=None, dtype: torch.dtype | None = None,
-                                    training: bool | None = None) -> str:
+def resolve_model_attention_backend(backend: str, model, device=None, training: bool | None = None) -> str:
     """``resolve_attention_backend`` for ``model`` (see ``attention_facts``). ``sdpa`` needs no facts."""
     if backend == "sdpa":
         return backend
-    facts = attention_facts(model, device, dtype)
+    facts = attention_facts(model, device)
     return resolve_attention_backend(backend, facts.device_type, facts.head_dim, facts.dtype, training=training)
 
 

@@ -235,11 +235,10 @@ def estimate_logprobs(
     mask_id = model.mask_token_id
     committed = unmask_step >= 0
     blocks = completion_blocks(prompt_mask, completion_ids.shape[1], block_size)
-    pad_id = int(prompt_ids.new_tensor(0))
 
     def run(groups, scored=None, prompt_noise=None, canvas=None):
         chunks = build_scoring_chunks(prompt_ids, prompt_mask, completion_ids, groups, mask_id, block_size,
-                                      settings.token_budget, pad_id, scored, prompt_noise, canvas)
+                                      settings.token_budget, 0, scored, prompt_noise, canvas)
         return score_chunks(model, chunks, completion_ids, settings, compute_entropy, **_collecting(router_losses))
 
     if settings.name == "trajectory":

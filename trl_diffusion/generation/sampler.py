@@ -269,8 +269,8 @@ def diffusion_generate(
         runner.prefill(layout.prefill_end)
         state = _decode_blocks(state, full, runner, layout, settings, compactable, working)
     state.write_into(full)
-    return _to_output(input_ids, attention_mask, layout, full.canvas, full.generated, full.unmask_step,
-                      full.logprobs, full.steps_taken, runner.calls, mask_id, settings.pad_token_id)
+    return _to_output(input_ids, layout, full.canvas, full.unmask_step, full.logprobs, full.steps_taken, runner.calls,
+                      settings.pad_token_id)
 
 
 def _decode_blocks(state: _Canvas, full: _Canvas, runner, layout: CanvasLayout, settings: SamplingSettings,
@@ -345,8 +345,8 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
     return attention_mask
 
 
-def _to_output(input_ids, attention_mask, layout, canvas, generated, unmask_step, logprobs, steps_taken, calls,
-               mask_id, pad_id) -> DiffusionGenerationOutput:
+def _to_output(input_ids, layout, canvas, unmask_step, logprobs, steps_taken, calls,
+               pad_id) -> DiffusionGenerationOutput:
     """Lay the canvas back out as ``[input as given | completion | right padding]``."""
     batch, prompt_width = input_ids.shape
     completion_lengths = [end - start for start, end in zip(layout.gen_start, layout.gen_end)]

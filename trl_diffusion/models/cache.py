@@ -66,13 +66,6 @@ class DiffusionCache:
             self.positions = torch.cat([self.positions, positions], dim=-1)
             self.valid = torch.cat([self.valid, valid.bool()], dim=-1)
 
-    def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep only the given batch rows."""
-        self.keys = [k[rows] for k in self.keys]
-        self.values = [v[rows] for v in self.values]
-        if self.positions is not None:
-            self.positions, self.valid = self.positions[rows], self.valid[rows]
-
     def keep_columns(self, columns: torch.Tensor) -> None:
         """Keep only the given cached key positions (column indices), e.g. to drop the block being denoised."""
         self.keys = [k[:, :, columns] for k in self.keys]

@@ -19,12 +19,9 @@ from torch import nn
 
 from ...generation.mixin import DiffusionGenerationMixin
 from ..common import DiffusionPreTrainedModel, QwenStyleBackbone, QwenStyleLM
-from ..moe import MoeLMMixin, SparseMoeBlock, SwiGLUMLP
+from ..moe import MoeLMMixin, SparseMoeBlock
 from ..sdar.configuration_sdar import block_size_of
 from .configuration_sdar_moe import SDARMoeConfig
-
-SDARMoeMLP = SwiGLUMLP
-"""One SwiGLU expert: ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (the shared ``common.SwiGLUMLP``)."""
 
 
 class SDARMoeSparseMoeBlock(SparseMoeBlock):
