@@ -1,6 +1,7 @@
 """Likelihood estimators: packed trajectory scoring equals the sampler and the naive per-step replay; shrinkage;
 deterministic masks; gradients only through committed completion tokens."""
 
+import numpy as np
 import pytest
 import torch
 from numerics import assert_close_fp32
@@ -278,3 +279,23 @@ def test_estimator_settings_refuse_values_no_estimator_can_use(field, value, mes
     with pytest.raises(ValueError, match=message):
         EstimatorSettings(**{field: value})
     EstimatorSettings(temperature=0.0, top_k=0, top_p=1.0, prompt_mask_prob=0.0, token_budget=1, block_size=4)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", np.float32(0.7)), ("temperature", 1), ("temperature", -1.0), ("temperature", True),
+    ("temperature", float("inf")), ("top_k", np.int64(5)), ("top_k", 2.5), ("top_k", True), ("top_k", -1),
+    ("top_p", np.float64(0.9)), ("top_p", 0.0), ("top_p", True),
+])
+def test_the_estimators_accept_exactly_the_sampling_values_generate_accepts(field, value):
+    # one rule (sampling.check_sampling_filters): generate() took numpy integers / floats the estimator refused
+    from trl_diffusion.generation.sampler import SamplingSettings
+
+    def accepted(make):
+        try:
+            make()
+        except ValueError:
+            return False
+        return True
+
+    sampled = accepted(lambda: SamplingSettings(8, 4, 4, **{field: value}).validate())
+    assert accepted(lambda: EstimatorSettings(**{field: value})) == sampled

@@ -99,5 +99,5 @@ def test_max_completion_length_none_is_refused(tmp_path):
 
 
 def test_a_rollout_temperature_generate_refuses_is_refused_at_construction(tmp_path):
-    with pytest.raises(ValueError, match="temperature must be at least"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 1e-05"):
         TraceRLConfig(output_dir=str(tmp_path), temperature=1e-9, report_to="none", use_cpu=True)

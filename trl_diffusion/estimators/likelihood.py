@@ -34,12 +34,11 @@ that exist only because another response of the batch is longer.
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..generation.sampling import MIN_TEMPERATURE, target_scores
+from ..generation.sampling import check_sampling_filters, target_scores
 from ..states import (
     NOT_COMMITTED,
     check_attention_backend,
@@ -102,16 +101,7 @@ class EstimatorSettings:
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 unset = "" if name == "shrinkage" else "None or "
                 raise ValueError(f"{name} must be {unset}an integer >= 1, got {value!r}.")
-        if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
-                and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE)):
-            # below MIN_TEMPERATURE the tempered logits overflow float32 (NaN log-probs), as generate() refuses
-            raise ValueError(f"temperature must be 0 (scored at 1) or a finite number >= {MIN_TEMPERATURE:g}, got "
-                             f"{self.temperature!r}.")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, int)
-                                       or self.top_k < 0):
-            raise ValueError(f"top_k must be None or an integer >= 0 (0: no top-k), got {self.top_k!r}.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be None or in (0, 1], got {self.top_p!r}.")
+        check_sampling_filters(self.temperature, self.top_k, self.top_p, zero_means="scored at 1")
         check_attention_backend(self.attention_backend)
         if not 0 <= self.prompt_mask_prob <= 1:
             raise ValueError(f"prompt_mask_prob must lie in [0, 1], got {self.prompt_mask_prob!r}.")

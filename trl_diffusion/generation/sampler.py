@@ -4,7 +4,6 @@ records the trajectory (``unmask_step``) and the sampler's per-token log-probs."
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +14,7 @@ from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows, per_row_adapter_names
-from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators
+from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators, check_sampling_filters
 
 logger = logging.get_logger(__name__)
 
@@ -110,17 +109,7 @@ class SamplingSettings:
             raise ValueError("remasking_strategy='low_confidence_dynamic' needs confidence_threshold.")
         if self.cache_mode not in CACHE_MODES:
             raise ValueError(f"unknown cache mode {self.cache_mode!r}; choose one of {CACHE_MODES}.")
-        if not 0 <= self.temperature < math.inf:  # NaN fails every comparison
-            raise ValueError(f"temperature must be finite and >= 0, got {self.temperature}.")
-        if 0 < self.temperature < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {self.temperature}: "
-                             "below that the distribution is one-hot to float32 precision and dividing the logits "
-                             "by it can overflow (NaN log-probs); pass temperature=0 for greedy decoding.")
-        if self.top_k is not None and (isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral)
-                                       or self.top_k < 0):
-            raise ValueError(f"top_k must be an integer >= 0 (0 or None = no top-k filtering), got {self.top_k!r}.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        check_sampling_filters(self.temperature, self.top_k, self.top_p, zero_means="greedy")
         if self.confidence_threshold is not None and not 0 <= self.confidence_threshold <= 1:
             raise ValueError(f"confidence_threshold must lie in [0, 1], got {self.confidence_threshold}.")
         if self.alg_temp is not None and not 0 <= self.alg_temp < math.inf:

@@ -3,6 +3,9 @@ trainers (which must score tokens under exactly the distribution the sampler dre
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 from torch.utils.checkpoint import checkpoint
 
@@ -20,6 +23,23 @@ MIN_TEMPERATURE = 1e-5
 """Smallest positive ``temperature`` (and ``alg_temp``) ``generate`` accepts; 0 is greedy. Below it the tempered
 distribution is one-hot to float32 precision anyway, and dividing the logits by it can overflow float32 (at about
 1e-38 even for logits of order 1: NaN log-probs, or a failing ``torch.multinomial``)."""
+
+
+def check_sampling_filters(temperature: float, top_k: int | None, top_p: float | None,
+                           zero_means: str | None) -> None:
+    """Refuse a ``temperature`` / ``top_k`` / ``top_p`` that no distribution can be drawn or scored under: one rule
+    for the sampler, the estimators and the trainers' configs. ``zero_means``: what ``temperature=0`` does there
+    (``None``: it is refused too)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not (
+            (temperature == 0 and zero_means is not None) or MIN_TEMPERATURE <= temperature < math.inf):  # NaN: no
+        zero = "" if zero_means is None else f"0 ({zero_means}) or "
+        raise ValueError(f"temperature must be {zero}a finite number >= {MIN_TEMPERATURE:g}, got {temperature!r}: "
+                         "below that the distribution is one-hot to float32 precision and dividing the logits by it "
+                         "can overflow (NaN log-probs).")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or top_k < 0):
+        raise ValueError(f"top_k must be None or an integer >= 0 (0 or None: no top-k filtering), got {top_k!r}.")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
+        raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
 
 
 def sampling_logits(

@@ -11,7 +11,7 @@ from trl import GRPOConfig
 
 from ..estimators import ESTIMATORS, MASK_SAMPLING, MULTI_MASK_ESTIMATORS, check_mask_options
 from ..generation.sampler import check_cuda_graphs
-from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES
+from ..generation.sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, check_sampling_filters
 from ..models.kernels import FUSED_KERNELS_HELP
 from ..states import (
     ATTENTION_BACKENDS,
@@ -338,10 +338,6 @@ class TraceRLConfig(GRPOConfig):
             raise ValueError(f"value_learning_rate must be a finite number > 0, got {self.value_learning_rate}.")
         if self.value_train_every < 1:
             raise ValueError(f"value_train_every must be >= 1, got {self.value_train_every}.")
-        if not self.temperature > 0:
-            raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
-        if self.temperature < MIN_TEMPERATURE:  # generate() refuses it (the tempered logits overflow float32)
-            raise ValueError(f"temperature must be at least {MIN_TEMPERATURE:g}, got {self.temperature}.")
         if self.use_vllm or self.use_transformers_continuous_batching:
             raise ValueError("vLLM and continuous batching are autoregressive; diffusion rollouts use the model's "
                              "own generate(). Set use_vllm=False and use_transformers_continuous_batching=False.")
@@ -373,17 +369,14 @@ class TraceRLConfig(GRPOConfig):
         if self.max_completion_length is None or self.max_completion_length <= 0:
             raise ValueError("max_completion_length must be a positive int (diffusion rollouts decode on a canvas of "
                              f"that many tokens), got {self.max_completion_length}.")
-        if not math.isfinite(self.temperature):
-            raise ValueError(f"temperature must be finite, got {self.temperature}.")
+        if self.temperature == 0:
+            raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
+        check_sampling_filters(self.temperature, self.top_k, self.top_p, zero_means=None)
         if self.scoring_temperature is not None and not (math.isfinite(self.scoring_temperature)
                                                          and self.scoring_temperature >= MIN_TEMPERATURE):
             raise ValueError(f"scoring_temperature must be a finite number >= {MIN_TEMPERATURE:g} (or None: the "
                              f"rollout temperature), got {self.scoring_temperature}.")
         check_mask_options(self.random_mask_sampling, self.masks_per_response)
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 = no top-k filtering), got {self.top_k}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must lie in (0, 1], got {self.top_p}.")
         ignored = {"min_p": self.min_p is not None, "repetition_penalty": self.repetition_penalty != 1.0,
                    "generation_kwargs": bool(self.generation_kwargs),
                    "cache_implementation": self.cache_implementation is not None}
