@@ -145,6 +145,35 @@ def test_timeout_kills_the_child_and_the_next_call_restarts_it():
     assert threading.active_count() == threads  # no thread was started
 
 
+EQUAL_SERVER = textwrap.dedent("""
+    import json, sys
+    sys.stdout.write("ready\\n"); sys.stdout.flush()
+    for line in sys.stdin:
+        a, b = json.loads(line)
+        sys.stdout.write("1\\n" if a == b else "0\\n"); sys.stdout.flush()
+""")
+
+
+def test_an_interrupted_comparison_does_not_answer_the_next_one(monkeypatch):
+    # A KeyboardInterrupt while waiting for the child left its answer in the pipe: every later comparison then
+    # read the previous one's answer ("6 dollars" vs "5" scored 1.0).
+    worker = SympyWorker(timeout=30.0, command=[sys.executable, "-c", EQUAL_SERVER])
+    assert worker.compare("a", "a") is True
+    first = worker.pid
+
+    def interrupted(timeout):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patch:
+        patch.setattr(worker, "_read_line", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            worker.compare("x", "x")  # its "1" is on its way
+    assert worker.pid is None and not _alive(first)  # the child with the unread answer was stopped
+    assert worker.compare("a", "b") is False
+    assert worker.compare("c", "c") is True
+    worker.close()
+
+
 def test_worker_runs_in_any_thread_and_pickles():
     reward = make_official_math_reward(max_tokens=100, timeout=60.0)
     results = []

@@ -364,3 +364,36 @@ def test_a_run_shares_one_cpu_group_and_cannot_start_new_sessions(isolation):
                        SandboxLimits(timeout=8.0, max_processes=16))
     assert (result.status, result.outcomes) == ("ok", [True]), (result.errors, result.output)
     assert "trl_sandbox_" in result.output, result.output
+
+
+SUBREAPER_RUNS = r"""
+import ctypes, os, sys, time
+from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
+assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: orphans come to us
+for _ in range(4):
+    result = run_tests("while True:\n    pass", ["pass"], SandboxLimits(timeout=1.0, memory_mb=256))
+    assert result.status == "timeout", result
+time.sleep(1.0)  # anything orphaned has been re-parented by now
+zombies = []
+for entry in os.listdir("/proc"):
+    try:
+        with open(f"/proc/{entry}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except (OSError, ValueError):
+        continue
+    if fields[0] == b"Z" and int(fields[1]) == os.getpid():
+        zombies.append(int(entry))
+print("ZOMBIES", len(zombies))
+"""
+
+
+def test_a_trainer_running_as_pid_1_is_left_no_zombie_per_timed_out_run(isolation):
+    # A trainer as a container's PID 1 (or a subreaper) inherits orphans and never reaps them: when unshare was
+    # killed together with the namespace's init, every timed-out run left that init to it as a zombie.
+    _needs(isolation, "pidns")
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SUBREAPER_RUNS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "ZOMBIES 0" in done.stdout, done.stdout

@@ -331,14 +331,18 @@ class SympyWorker:
     def compare(self, a: str, b: str) -> bool:
         """``latex_equal(a, b)``, or False if it takes longer than ``timeout``."""
         with self._lock:
-            process = self._started()
             try:
-                process.stdin.write(json.dumps([a, b]).encode() + b"\n")
-                process.stdin.flush()
-            except (BrokenPipeError, OSError):  # the child died (e.g. killed for memory): not equal, start afresh
+                process = self._started()
+                try:
+                    process.stdin.write(json.dumps([a, b]).encode() + b"\n")
+                    process.stdin.flush()
+                except (BrokenPipeError, OSError):  # the child died (e.g. killed for memory): not equal, start afresh
+                    self._stop()
+                    return False
+                answer = self._read_line(self.timeout)
+            except BaseException:  # interrupted (KeyboardInterrupt): its answer would be read as the next request's
                 self._stop()
-                return False
-            answer = self._read_line(self.timeout)
+                raise
             if answer is None:
                 self.timeouts += 1
                 self._stop()

@@ -169,6 +169,8 @@ class SandboxResult:
 
 _LAUNCHERS: dict[tuple[str, int, int | None], tuple[list[str], bool] | None] = {}
 _LAUNCHER_LOCK = threading.Lock()
+_INIT_EXIT_WAIT = 2.0
+"""Seconds ``_stop_run`` lets ``unshare`` reap the killed init and exit before it kills ``unshare``'s group."""
 _SOURCE: str | None = None
 
 
@@ -486,8 +488,7 @@ def _run_once(
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
         threading.Thread(target=_feed, args=(proc.stdin, json.dumps(config).encode()), daemon=True).start()
         output, report, status = _collect(proc, read_fd, start + limits.timeout, limits.max_output_bytes)
-        _kill_pidfd(init_fd)
-        _kill_group(proc)
+        _stop_run(proc, init_fd)
         if config["fresh_uid"] and "--pid" not in launcher:
             _kill_uid(drop)  # without a PID namespace, this also catches processes that left the group
         isolation: dict[str, Any] = {}
@@ -504,8 +505,7 @@ def _run_once(
         return _finish(output, report, status, returncode, time.monotonic() - start, launcher, isolation)
     finally:
         if proc is not None and proc.returncode is None:  # only reached through an unexpected exception
-            _kill_pidfd(init_fd)
-            _kill_group(proc)
+            _stop_run(proc, init_fd)
             _reap(proc)
         if cgroup is not None:
             _destroy_cgroup(cgroup_root, cgroup)
@@ -660,6 +660,24 @@ def _parent_of(pid: int) -> int | None:
             return int(f.read().rpartition(b")")[2].split()[1])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def _stop_run(proc: subprocess.Popen, init_fd: int) -> None:
+    """SIGKILL a run: the PID namespace's init first (``init_fd``; its death ends every process of the namespace),
+    then, unless ``unshare`` has meanwhile reaped it and exited, ``unshare``'s process group.
+
+    Killed in the same instant, ``unshare`` could not reap its child: the init would be re-parented, a zombie, to
+    the machine's (container's) PID 1 or a subreaper, which a trainer running as PID 1 (``docker run`` without
+    ``--init``, a Kubernetes pod) never reaps: one zombie per timed-out run, until the container's pid limit stops
+    every fork. Once ``unshare`` has exited its group is left alone: its pid may already name another process."""
+    if init_fd >= 0:
+        _kill_pidfd(init_fd)
+        try:
+            proc.wait(timeout=_INIT_EXIT_WAIT)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(proc)
 
 
 def _kill_pidfd(fd: int) -> None:
