@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 
-from ..states import attention_mask_from_positions
+from ..states import attention_mask_from_positions, positions_from_padding
 from .cache import DiffusionCache, StaticDiffusionCache
 from .kernels import EAGER, Kernels, UsesKernels
 
@@ -345,12 +345,21 @@ def is_visibility_mask(mask: torch.Tensor) -> bool:
 
 
 def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | StaticDiffusionCache | None,
-                         device) -> torch.Tensor:
-    """``past + arange(L)``, the transformers default (a static cache's slots are not positions: pass them)."""
+                         device, attention_mask=None) -> torch.Tensor:
+    """Positions when none are given. With a 2-D ``attention_mask`` over the past and new tokens (given for block
+    models), each row's real tokens count from 0 (``states.positions_from_padding``, as transformers' ``generate()``
+    derives them), so a left-padded row is placed as it would be alone: a block model's blocks come from the
+    positions, and ``arange`` would put pads and real tokens in one block (its release does). Otherwise
+    ``past + arange(L)``, the transformers default, under which rotary attention is the same for any shift (a static
+    cache's slots are not positions: pass them)."""
     if isinstance(cache, StaticDiffusionCache):
         raise ValueError("a StaticDiffusionCache needs explicit position_ids.")
     past = cache.get_seq_length() if cache is not None else 0
-    return torch.arange(past, past + input_shape[1], device=device)[None].expand(input_shape[0], -1)
+    batch, q_len = input_shape
+    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
+            and tuple(attention_mask.shape) == (batch, past + q_len)):
+        return positions_from_padding(attention_mask)[:, past:].to(device)
+    return torch.arange(past, past + q_len, device=device)[None].expand(batch, -1)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -646,7 +655,8 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
     hidden = embed(input_ids) if inputs_embeds is None else inputs_embeds
     batch, q_len = hidden.shape[:2]
     if position_ids is None:
-        position_ids = default_position_ids((batch, q_len), cache, hidden.device)
+        by_mask = attention_mask if model.diffusion_block_size is not None else None  # see default_position_ids
+        position_ids = default_position_ids((batch, q_len), cache, hidden.device, by_mask)
     elif position_ids.dim() == 1:
         position_ids = position_ids[None]
     position_ids = position_ids.expand(batch, -1)
