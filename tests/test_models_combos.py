@@ -50,3 +50,25 @@ def test_sdar_embedding_pad_row_gets_no_gradient_as_in_the_release():
     assert grad[pad].abs().max() == 0 and grad[5].abs().max() > 0
     model.config.pad_token_id = None  # the released SDAR configs: no pad id, no padding_idx
     assert type(model.model)(model.config).embed_tokens.padding_idx is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_configs_output_switches_are_read(family, tmp_path):
+    """transformers reads ``output_hidden_states`` / ``output_attentions`` from the config when the argument is None:
+    ``from_pretrained(..., output_hidden_states=True)`` gave ``hidden_states=None``, and a config asking for the
+    attention weights gave None instead of the error the argument gives."""
+    from transformers import AutoModel
+
+    tiny_model(family).save_pretrained(tmp_path)
+    ids = torch.randint(5, 100, (1, 6))
+    for loader in (AutoModelForCausalLM, AutoModel):
+        model = loader.from_pretrained(tmp_path, output_hidden_states=True)
+        hidden = model(ids).hidden_states
+        assert hidden is not None and len(hidden) == model.config.num_hidden_layers + 1
+        assert model(ids, output_hidden_states=False).hidden_states is None  # the argument wins
+        eager = loader.from_pretrained(tmp_path, attn_implementation="eager", output_attentions=True)
+        with pytest.raises(ValueError, match="output_attentions=True is not supported"):
+            eager(ids)
+    backbone = AutoModelForCausalLM.from_pretrained(tmp_path).model
+    out = backbone(ids, return_dict=False)  # was the output object (its unpacking gives the keys)
+    assert isinstance(out, tuple) and torch.equal(out[0], backbone(ids).last_hidden_state)

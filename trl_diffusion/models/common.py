@@ -72,7 +72,7 @@ class DiffusionModelMixin:
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         store_kv: bool = False,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         logits_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
         num_items_in_batch: int | torch.Tensor | None = None,
         output_router_logits: bool | None = None,
@@ -99,14 +99,13 @@ class DiffusionModelMixin:
         the tokens ``router_loss_mask`` ``[B, L]`` marks (default: a 2-D ``attention_mask``'s real tokens, else
         all; see ``moe.router_token_mask``). The logits do not change.
 
-        As in transformers, ``return_dict=False`` returns a tuple; ``output_attentions=True`` is an error (no
-        attention weights are formed)."""
+        As in transformers, ``return_dict=False`` returns a tuple, ``output_hidden_states`` (None: the config's)
+        adds the hidden states, and ``output_attentions=True`` (the argument or the config) is an error (see
+        ``output_switches``)."""
         if kwargs.get("attention_bias") is not None:
             raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
                              "attention_mask (True / 1 = attend, or an additive float mask).")
-        if kwargs.get("output_attentions"):  # was silently None, also under attn_implementation="eager"
-            raise ValueError("output_attentions=True is not supported: attention runs in SDPA / flex-attention "
-                             "kernels, which never form the attention weights (attn_implementation is not read).")
+        output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
         if isinstance(attention_mask, str):
             attention_mask = None
         routed = router_logits_requested(self.config, output_router_logits)
@@ -123,7 +122,24 @@ class DiffusionModelMixin:
                                       tuple(out.last_hidden_state.shape[:2]))
         # transformers' return_dict=False: a tuple of the fields that are set (unpacking the output object would
         # give its keys)
-        return output.to_tuple() if kwargs.get("return_dict") is False else output
+        return output.to_tuple() if as_tuple else output
+
+
+def output_switches(config, output_hidden_states: bool | None, kwargs: dict) -> tuple[bool, bool]:
+    """transformers' output arguments of a forward: ``(output_hidden_states, return a tuple)``.
+
+    ``output_hidden_states`` None takes the config's (``from_pretrained(..., output_hidden_states=True)``).
+    ``output_attentions`` (the argument, else the config's) True is an error: attention runs in SDPA /
+    flex-attention kernels, which never form the weights (it was silently None). A tuple is returned for the
+    keyword ``return_dict=False`` only: the config's ``return_dict`` is not read, because this package's own
+    trainers and sampler read the output's fields by name."""
+    attentions = kwargs.get("output_attentions")
+    if attentions if attentions is not None else getattr(config, "output_attentions", False):
+        raise ValueError("output_attentions=True is not supported: attention runs in SDPA / flex-attention "
+                         "kernels, which never form the attention weights (attn_implementation is not read).")
+    if output_hidden_states is None:
+        output_hidden_states = bool(getattr(config, "output_hidden_states", False))
+    return output_hidden_states, kwargs.get("return_dict") is False
 
 
 def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
@@ -601,13 +617,16 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
-                output_hidden_states: bool = False, output_router_logits: bool | None = None,
-                **kwargs) -> BaseModelOutputWithPast | MoeModelOutputWithPast:
-        """``output_router_logits`` (mixture-of-experts backbones; None: the config's): see ``run_backbone``."""
+                output_hidden_states: bool | None = None, output_router_logits: bool | None = None,
+                **kwargs) -> BaseModelOutputWithPast | MoeModelOutputWithPast | tuple:
+        """``output_router_logits`` (mixture-of-experts backbones; None: the config's): see ``run_backbone``; the
+        output arguments as in the LM's forward (``output_switches``)."""
+        output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
         head_dim = self.layers[0].self_attn.head_dim
-        return run_backbone(self, self.embed_tokens, self.layers, self.norm, head_dim, input_ids, inputs_embeds,
-                            attention_mask, position_ids, past_key_values, store_kv, output_hidden_states,
-                            router_logits=router_logits_requested(self.config, output_router_logits))
+        out = run_backbone(self, self.embed_tokens, self.layers, self.norm, head_dim, input_ids, inputs_embeds,
+                           attention_mask, position_ids, past_key_values, store_kv, output_hidden_states,
+                           router_logits=router_logits_requested(self.config, output_router_logits))
+        return out.to_tuple() if as_tuple else out
 
 
 def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_embeds, attention_mask,

@@ -18,7 +18,15 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from ...generation.mixin import DiffusionGenerationMixin
 from ..cache import DiffusionCache
-from ..common import DiffusionModelMixin, DiffusionPreTrainedModel, RMSNorm, apply_rotary, attend, run_backbone
+from ..common import (
+    DiffusionModelMixin,
+    DiffusionPreTrainedModel,
+    RMSNorm,
+    apply_rotary,
+    attend,
+    output_switches,
+    run_backbone,
+)
 from ..kernels import UsesKernels
 from .configuration_llada import LLaDAConfig
 
@@ -142,11 +150,13 @@ class LLaDAModel(LLaDAPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, position_ids=None,
                 past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
-                output_hidden_states: bool = False, **kwargs) -> BaseModelOutputWithPast:
+                output_hidden_states: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
+        output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
         t = self.transformer
-        return run_backbone(self, t.wte, t.blocks, t.ln_f, self.config.d_model // self.config.n_heads, input_ids,
-                            inputs_embeds, attention_mask, position_ids, past_key_values, store_kv,
-                            output_hidden_states, embed_dropout=t.emb_drop)
+        out = run_backbone(self, t.wte, t.blocks, t.ln_f, self.config.d_model // self.config.n_heads, input_ids,
+                           inputs_embeds, attention_mask, position_ids, past_key_values, store_kv,
+                           output_hidden_states, embed_dropout=t.emb_drop)
+        return out.to_tuple() if as_tuple else out
 
 
 class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGenerationMixin):
