@@ -72,3 +72,18 @@ def test_the_configs_output_switches_are_read(family, tmp_path):
     backbone = AutoModelForCausalLM.from_pretrained(tmp_path).model
     out = backbone(ids, return_dict=False)  # was the output object (its unpacking gives the keys)
     assert isinstance(out, tuple) and torch.equal(out[0], backbone(ids).last_hidden_state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_clear_errors_for_labels_with_kept_positions_and_for_transformers_caches(family):
+    """Both raised deep inside: torch's "Expected input batch_size (6) to match target batch_size (24)" and
+    "'DynamicCache' object has no attribute 'key_length'"."""
+    from transformers import DynamicCache
+
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 6))
+    for keep in (3, torch.tensor([0, 2])):
+        with pytest.raises(ValueError, match="labels need logits at every position"):
+            model(ids, labels=ids, logits_to_keep=keep)
+    with pytest.raises(ValueError, match="past_key_values must be a trl_diffusion DiffusionCache"):
+        model(ids, past_key_values=DynamicCache())

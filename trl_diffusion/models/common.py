@@ -114,8 +114,8 @@ class DiffusionModelMixin:
                          output_hidden_states=output_hidden_states,
                          **({} if routed is None else {"output_router_logits": routed}))
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
-        if labels is not None and hidden.dim() != 3:
-            raise ValueError("labels need logits at every position; do not combine them with positions to keep.")
+        if labels is not None and hidden.shape[:2] != out.last_hidden_state.shape[:2]:
+            raise ValueError("labels need logits at every position; do not combine them with logits_to_keep.")
         output = causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
         if routed is not None:  # a mixture-of-experts LM (``moe.MoeLMMixin``)
             output = self._moe_output(output, out.router_logits, attention_mask, router_loss_mask,
@@ -671,6 +671,10 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
     """Embed, default the positions, and resolve the mask: the preamble every backbone forward shares."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError("pass exactly one of input_ids and inputs_embeds.")
+    if cache is not None and not isinstance(cache, (DiffusionCache, StaticDiffusionCache)):
+        raise ValueError(f"past_key_values must be a trl_diffusion DiffusionCache (or None), got "
+                         f"{type(cache).__name__}: a diffusion forward reads a cache without writing it unless "
+                         "store_kv=True, which transformers' caches do not do.")
     hidden = embed(input_ids) if inputs_embeds is None else inputs_embeds
     batch, q_len = hidden.shape[:2]
     if position_ids is None:
