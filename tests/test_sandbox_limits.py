@@ -162,8 +162,9 @@ def test_memfd_and_shared_memory_are_bounded(isolation):
     assert (result.status, result.outcomes) == ("ok", [True] * 4), (result.errors, result.output)
     if isolation.get("seccomp"):  # refused outright
         assert "'memfd': 0, 'memfd_raw': 0, 'sysv': 0" in result.output, result.output
-    if isolation.get("private_root") or isolation.get("landlock"):  # no host /dev/shm, or no writes outside
+    if not isolation.get("private_root") and isolation.get("landlock"):  # no writes to the host's /dev/shm
         assert "'dev_shm': 0" in result.output, result.output
+    # with a private root /dev/shm is the run's own directory: bounded above, removed with it
     assert key not in _sysv_keys()
     assert not [name for name in os.listdir("/dev/shm") if name.startswith(token)]
 
@@ -273,11 +274,12 @@ def test_private_root_shows_no_host_directories(isolation):
         "interpreter = [os.path.abspath(p) + '/' for p in (sys.prefix, sys.base_prefix, *sys.path) if p]\n"
         "others = [e for e in os.listdir('/tmp') if e != os.path.basename(os.getcwd())]\n"
         "only_ours = all(any(p.startswith(f'/tmp/{e}/') for p in interpreter) for e in others)\n"
-        "home = [p for p in ('/home', '/root/.ssh', '/run', '/var', '/sys', '/dev/shm') if os.path.exists(p)]\n"
+        "home = [p for p in ('/home', '/root/.ssh', '/run', '/var', '/sys') if os.path.exists(p)]\n"
+        "shm = os.path.realpath('/dev/shm') == os.getcwd()\n"
     )
-    tests = ["assert only_ours", "assert home == []", "assert 'usr' in root and 'proc' in root"]
+    tests = ["assert only_ours", "assert home == []", "assert 'usr' in root and 'proc' in root", "assert shm"]
     result = run_tests(program, tests, SandboxLimits(timeout=5.0))
-    assert (result.status, result.outcomes) == ("ok", [True, True, True]), (result.errors, result.output)
+    assert (result.status, result.outcomes) == ("ok", [True] * 4), (result.errors, result.output)
 
 
 @pytest.mark.parametrize(
@@ -397,3 +399,37 @@ def test_a_trainer_running_as_pid_1_is_left_no_zombie_per_timed_out_run(isolatio
     done = subprocess.run([sys.executable, "-c", SUBREAPER_RUNS], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "ZOMBIES 0" in done.stdout, done.stdout
+
+
+def test_multiprocessing_locks_and_queues_work_in_the_private_root(isolation):
+    # the private root had no /dev/shm: every SemLock (Pool, Queue, even multiprocessing.pool.ThreadPool) failed
+    _needs(isolation, "private_root")
+    program = (
+        "import multiprocessing as mp\nfrom multiprocessing.pool import ThreadPool\n"
+        "def square(x):\n    return x * x\n"
+        "def with_processes():\n    with mp.Pool(2) as pool:\n        return pool.map(square, range(4))\n"
+        "def with_threads():\n    with ThreadPool(3) as pool:\n        return pool.map(square, range(4))\n"
+        "def through_a_queue():\n    q = mp.Queue()\n    q.put([0, 1, 4, 9])\n"
+        "    return q.get()\n"
+    )
+    names = ("with_processes", "with_threads", "through_a_queue")
+    tests = [f"x = {name}()\nassert x == [0, 1, 4, 9]" for name in names]
+    result = run_tests(program, tests, SandboxLimits(timeout=30.0, memory_mb=512, max_processes=16))
+    assert result.outcomes == [True] * 3, result
+
+
+def test_28_threads_alive_at_once_fit_the_address_space_limit(isolation):
+    # each thread's malloc arena reserved 64 MiB of RLIMIT_AS: about 21-27 threads exhausted 1 GiB and a
+    # ThreadPoolExecutor of that size could not start its threads (MALLOC_ARENA_MAX caps the arenas)
+    _needs(isolation, "pidns")
+    if isolation.get("process_limit_scope") != "sandbox":
+        pytest.skip("the process limit is shared with this user's other processes here")
+    program = (
+        "import threading\nfrom concurrent.futures import ThreadPoolExecutor\n"
+        "barrier = threading.Barrier(28)\n"
+        "def work(x):\n    barrier.wait()\n    return [i * x for i in range(1000)][-1]\n"
+        "def f():\n    with ThreadPoolExecutor(max_workers=28) as pool:\n"
+        "        return sum(pool.map(work, range(28)))\n"
+    )
+    result = run_tests(program, ["x = f()\nassert x == 999 * 378"], SandboxLimits(timeout=30.0, memory_mb=1024))
+    assert result.outcomes == [True], result

@@ -476,7 +476,7 @@ def _run_once(
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             cwd=workdir,
-            env={"PATH": _MIN_PATH},
+            env={"PATH": _MIN_PATH, "MALLOC_ARENA_MAX": "2"},  # a thread's malloc arena reserves 64 MiB of RLIMIT_AS
             start_new_session=True,
             close_fds=True,
             pass_fds=(write_fd,),
@@ -952,6 +952,9 @@ def _setup_root(workdir: str, drop_uid: int | None, disk_bytes: int) -> str:
     _makedirs(root_dev, root + inside)
     options = f"size={int(disk_bytes)},mode=0700" + ("" if drop_uid is None else f",uid={drop_uid},gid={drop_uid}")
     must(_mount(libc, "tmpfs", root + inside, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, options), "the tmpfs")
+    # POSIX shared memory and semaphores (multiprocessing's locks and queues) live in /dev/shm: here, the program's
+    # own directory, under its disk and memory limits
+    os.symlink(inside, f"{root}/dev/shm")
     os.mkdir(root + "/.old")
     must(libc.syscall(_SYSCALLS[machine][0], os.fsencode(root), os.fsencode(root + "/.old")) == 0, "pivot_root")
     os.chdir("/")
