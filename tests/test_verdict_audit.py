@@ -276,3 +276,38 @@ def test_probe_of_colliding_tuples_fails_instead_of_stalling_the_trainer():
     result = run_tests(COLLIDING_PROGRAM, ["assert f(200) == {1, 2}", "assert len(f(16)) == 16"], LIMITS)
     assert result.status == "ok" and result.outcomes == [False, True], result
     assert "share one hash" in result.errors[0]
+
+
+LAZY = (
+    "import numpy as np\n"
+    "def evens(xs):\n    return (x for x in xs if x % 2 == 0)\n"
+    "def doubled(xs):\n    return map(lambda x: 2 * x, xs)\n"
+    "def keys(d):\n    return d.keys()\n"
+    "class Bag:\n    def __iter__(self):\n        return iter([3, 1, 2])\n"
+    "def bag():\n    return Bag()\n"
+    "def array():\n    return np.array([2, 1])\n"
+    "class Liar:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
+    "def liars():\n    return (Liar() for _ in range(2))\n"
+)
+
+
+@pytest.mark.parametrize(("test", "passes"), [
+    ("assert set(evens([1, 2, 3, 4])) == {2, 4}", True),  # a generator, materialised by set() natively
+    ("assert list(doubled([1, 2])) == [2, 4]", True),
+    ("assert sorted(keys({'b': 1, 'a': 2})) == ['a', 'b']", True),
+    ("assert tuple(evens([4])) == (4,)", True),
+    ("assert frozenset(bag()) == frozenset({1, 2, 3})", True),  # the program's own iterable
+    ("assert sorted(bag(), reverse=True) == [3, 2, 1]", True),
+    ("assert sorted(array()) == [1, 2]", True),
+    ("assert evens([2]) == [2]", False),  # natively a generator is not a list
+    ("assert list(evens([1])) == [1]", False),
+    ("assert set(evens(5)) == set()", False),  # TypeError natively too
+    ("assert list(liars()) == [1, 2]", False),  # items must be plain data: no forged __eq__
+])
+def test_a_lazy_iterable_given_whole_to_a_consuming_builtin_is_judged_as_natively(test, passes):
+    # set(f(x)), list(...), sorted(...), tuple(...), frozenset(...) of a generator, map, dict view or the program's
+    # own iterable: natively the builtin consumes it; the probe was "not plain data" (scored 0.0)
+    plan = plan_test(test)
+    assert plan.kind == "verified", plan
+    result = run_tests(LAZY, [test], LIMITS)
+    assert result.outcomes == [passes], result.errors

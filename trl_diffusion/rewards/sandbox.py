@@ -1406,6 +1406,9 @@ def _make_encoder() -> tuple[Any, type]:
     ``Unrepresentable`` (the test fails). The encoder's output is only ever the program's own answer: the parent
     decodes it into exact builtin types and compares there.
 
+    ``shape`` ``"items"`` (a probe the check gives whole to ``list``, ``tuple``, ``set``, ``frozenset`` or ``sorted``):
+    its items, in iteration order (a generator runs, as natively), each encoded as above, as a list.
+
     ``shape`` ``"list"`` or ``"tree"`` (a probe the check gives to the LeetCode prompt's ``is_same_list`` /
     ``is_same_tree``): the value is a linked list or binary tree of the program's nodes, walked by their ``.val``,
     ``.next`` / ``.left`` / ``.right`` and truth value, and sent back in the plain form ``verdict`` describes (its
@@ -1421,7 +1424,7 @@ def _make_encoder() -> tuple[Any, type]:
     float_hex, complex_pos, str_copy, bytes_hex, bytearray_hex = (
         float.hex, complex.__pos__, str.__str__, bytes.hex, bytearray.hex,
     )  # fmt: skip
-    dict_items = dict.items
+    dict_items, iterate_any = dict.items, iter
     sequences = (
         (list, "l", list.__iter__), (tuple, "t", tuple.__iter__), (set, "S", set.__iter__),
         (frozenset, "F", frozenset.__iter__),
@@ -1504,6 +1507,8 @@ def _make_encoder() -> tuple[Any, type]:
                 name = "?"
             raise Unrepresentable(f"a {name} object")
 
+        if shape == "items":  # the argument of a builtin that consumes it whole (verdict._CONSUMERS)
+            return ["l", [enc(item, 1, True) for item in iterate_any(value)]]
         if shape == "list":
             return linked_list(value, enc)
         if shape == "tree":

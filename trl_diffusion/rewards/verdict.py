@@ -117,6 +117,10 @@ _ALL_METHODS = set().union(*_METHODS.values())
 _COMPARERS = {"is_same_list": "list_node", "is_same_tree": "tree_node"}
 _BUILDERS = {"list_node": "list", "tree_node": "tree"}
 _HELPERS = frozenset(_COMPARERS) | frozenset(_BUILDERS)
+# Builtins that consume an iterable whole, in order, whatever it is: a probe that is their only positional argument
+# is sent back as its items ("items"), so a program may return a generator, map, dict view or its own iterable there
+# (``set(f(x)) == {1, 2}``), as natively; the builtin then runs here on the list of items, with the same result.
+_CONSUMERS = (list, tuple, set, frozenset, sorted)
 _BINOPS = {
     ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
     ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow, ast.LShift: operator.lshift,
@@ -185,7 +189,7 @@ class Plan:
     has: tuple[str, ...] = ()  # names the program must bind (modules and helpers the check uses), as natively
     probes: tuple[str, ...] = ()
     # Per probe, how the sandbox sends its value back: "" (plain data), "list" or "tree" (a structure's plain form,
-    # for is_same_list / is_same_tree; see _Planner._same).
+    # for is_same_list / is_same_tree; see _Planner._same), "items" (the list of its items: see _CONSUMERS).
     shapes: tuple[str, ...] = ()
     checks: tuple[ast.expr, ...] = field(default=(), repr=False)
     names: dict[str, Any] = field(default_factory=dict, repr=False)
@@ -582,6 +586,11 @@ class _Planner:
                 return self._same(node, conditional)
             if isinstance(func, ast.Name):
                 func = self._name(func.id, self._parent_value(func.id))
+                if (any(self.names[func.id] is consumer for consumer in _CONSUMERS) and len(node.args) == 1
+                        and self._probe_root(node.args[0])):
+                    args = [self._probe(node.args[0], conditional, "items")]
+                    keywords = [ast.keyword(arg=k.arg, value=sub(k.value, conditional)) for k in node.keywords]
+                    return ast.Call(func=func, args=args, keywords=keywords)
             elif isinstance(func, ast.Attribute) and self._is_module(func.value):
                 func = self._module_member(func)
             elif isinstance(func, ast.Attribute) and func.attr in _ALL_METHODS:
