@@ -37,3 +37,26 @@ def test_explicit_arange_positions_still_give_the_releases_block_layout():
         released = model(ids, attention_mask=mask, position_ids=arange).logits[1, 5:]
         alone = model(torch.tensor([ROWS[1]])).logits[0]
     assert (released - alone).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("family", ["sdar", "sdar_moe"])
+@pytest.mark.parametrize("mask_later", [True, False])
+def test_a_cached_prefix_continues_each_row_after_its_last_real_position(family, mask_later):
+    # the cache keeps which keys are padding, so a later call may leave the mask out: its default positions must
+    # continue where the row's cached ones end (they restarted at past + 0 for every row)
+    from trl_diffusion import DiffusionCache
+
+    model = _model(family)
+    rows = [ROWS[0] + [9, 11, 13], ROWS[1]]  # 8 pads
+    block = torch.tensor([[3, 3, 3, 3], [3, 3, 3, 3]])
+    ids, mask = left_pad(rows)
+    with torch.no_grad():
+        cache = DiffusionCache()
+        model(ids, attention_mask=mask, past_key_values=cache, store_kv=True)
+        later = torch.cat([mask, torch.ones_like(block)], 1) if mask_later else None
+        batched = model(block, attention_mask=later, past_key_values=cache).logits
+        for row, tokens in enumerate(rows):
+            alone_cache = DiffusionCache()
+            model(torch.tensor([tokens]), past_key_values=alone_cache, store_kv=True)
+            alone = model(block[row : row + 1], past_key_values=alone_cache).logits[0]
+            assert_close_fp32(batched[row], alone)

@@ -123,3 +123,15 @@ def test_a_generator_list_is_counted_against_the_returned_rows():
     with pytest.raises(ValueError, match="2 generators for 6 returned rows"):
         model.generate(torch.tensor([[20, 21], [22, 23]]), num_return_sequences=3,
                        generator=[torch.Generator(), torch.Generator()], **{**GREEDY, "temperature": 1.0})
+
+
+def test_top_p_takes_a_0_d_tensor_and_tracerl_refuses_none(tmp_path):
+    # the shared sampling check refused the 0-d tensor generate() took before; TraceRLConfig(top_p=None) passed it,
+    # and the rollouts then used the checkpoint's generation_config top_p
+    model = tiny_model("sdar")
+    ids = torch.tensor([[20, 21, 22]])
+    kw = dict(max_new_tokens=8, temperature=1.0, stop_token_ids=[])
+    tensor_p = model.generate(ids, top_p=torch.tensor(0.9), generator=torch.Generator().manual_seed(0), **kw)
+    assert torch.equal(tensor_p, model.generate(ids, top_p=0.9, generator=torch.Generator().manual_seed(0), **kw))
+    with pytest.raises(ValueError, match="top_p must be a number in"):
+        TraceRLConfig(output_dir=str(tmp_path), top_p=None, report_to="none", use_cpu=True)

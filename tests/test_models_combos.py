@@ -87,3 +87,25 @@ def test_clear_errors_for_labels_with_kept_positions_and_for_transformers_caches
             model(ids, labels=ids, logits_to_keep=keep)
     with pytest.raises(ValueError, match="past_key_values must be a trl_diffusion DiffusionCache"):
         model(ids, past_key_values=DynamicCache())
+
+
+def test_labels_refuse_every_logits_to_keep_but_all_positions():
+    # a (rows, cols) pair of B positions on a model whose hidden size is L slipped through a shape check, and a
+    # reordered 1-D selection gave a misaligned loss
+    model = tiny_model("sdar")
+    ids = torch.randint(5, 100, (2, 6))
+    for keep in ((torch.tensor([0, 1]), torch.tensor([2, 3])), torch.tensor([5, 4, 3, 2, 1, 0]), 5):
+        with pytest.raises(ValueError, match="labels need logits at every position"):
+            model(ids, labels=ids, logits_to_keep=keep)
+    full = model(ids, labels=ids).loss
+    for keep in (0, None, 6, 10):
+        assert torch.equal(model(ids, labels=ids, logits_to_keep=keep).loss, full)
+
+
+def test_a_sliding_window_is_refused_only_where_a_layer_would_slide():
+    # Qwen2/3: layers from max_window_layers up slide; with max_window_layers >= the layer count none does
+    layers = tiny_model("sdar").config.num_hidden_layers
+    model = tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=layers)
+    assert model(torch.tensor([[5, 6, 7]])).logits.shape[1] == 3
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
+        tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=layers - 1)

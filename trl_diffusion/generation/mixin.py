@@ -220,10 +220,13 @@ class DiffusionGenerationMixin:
         if alg_temp is None:
             alg_temp = from_config("alg_temp") if alg is not None else defaults["alg_temp"]
         top_k = None if pick("top_k") is None else _integer("top_k", pick("top_k"))
+        top_p = pick("top_p")
+        if isinstance(top_p, torch.Tensor) and top_p.dim() == 0 and top_p.is_floating_point():
+            top_p = top_p.item()  # a 0-d tensor, as temperature and top_k take
         settings = SamplingSettings(
             max_new_tokens=max_new_tokens, block_length=block_length, denoising_steps=steps,
             remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
-            temperature=float(temperature or 0.0), top_k=top_k, top_p=pick("top_p"), cache_mode=cache_mode,
+            temperature=float(temperature or 0.0), top_k=top_k, top_p=top_p, cache_mode=cache_mode,
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
             alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
             gumbel_float64=self.config.model_type == "llada", raw_confidence=self.config.model_type == "llada",

@@ -113,9 +113,11 @@ class DiffusionModelMixin:
                          past_key_values=past_key_values, inputs_embeds=inputs_embeds, store_kv=store_kv,
                          output_hidden_states=output_hidden_states,
                          **({} if routed is None else {"output_router_logits": routed}))
+        if labels is not None and not (logits_to_keep is None or (isinstance(logits_to_keep, int) and (
+                logits_to_keep == 0 or logits_to_keep >= out.last_hidden_state.shape[1]))):
+            raise ValueError("labels need logits at every position, in order; do not combine them with "
+                             "logits_to_keep.")
         hidden = keep_positions(out.last_hidden_state, logits_to_keep)
-        if labels is not None and hidden.shape[:2] != out.last_hidden_state.shape[:2]:
-            raise ValueError("labels need logits at every position; do not combine them with logits_to_keep.")
         output = causal_lm_output(self, out, self.lm_logits(hidden), labels, num_items_in_batch)
         if routed is not None:  # a mixture-of-experts LM (``moe.MoeLMMixin``)
             output = self._moe_output(output, out.router_logits, attention_mask, router_loss_mask,
@@ -361,21 +363,30 @@ def is_visibility_mask(mask: torch.Tensor) -> bool:
 
 
 def default_position_ids(input_shape: tuple[int, int], cache: DiffusionCache | StaticDiffusionCache | None,
-                         device, attention_mask=None) -> torch.Tensor:
-    """Positions when none are given. With a 2-D ``attention_mask`` over the past and new tokens (given for block
-    models), each row's real tokens count from 0 (``states.positions_from_padding``, as transformers' ``generate()``
-    derives them), so a left-padded row is placed as it would be alone: a block model's blocks come from the
-    positions, and ``arange`` would put pads and real tokens in one block (its release does). Otherwise
-    ``past + arange(L)``, the transformers default, under which rotary attention is the same for any shift (a static
-    cache's slots are not positions: pass them)."""
+                         device, attention_mask=None, by_padding: bool = False) -> torch.Tensor:
+    """Positions when none are given: ``past + arange(L)``, the transformers default, under which rotary attention
+    is the same for any shift (a static cache's slots are not positions: pass them).
+
+    ``by_padding`` (block models, whose blocks come from the positions: ``arange`` would put a left-padded row's
+    pads and real tokens in one block, as their releases do): each row's real tokens count from 0
+    (``states.positions_from_padding`` of a 2-D ``attention_mask`` over the past and new tokens, else of all-real
+    new tokens), continuing after the last real position a ``DiffusionCache`` holds for the row, so a padded row is
+    placed as it would be alone, with or without a mask on the later calls."""
     if isinstance(cache, StaticDiffusionCache):
         raise ValueError("a StaticDiffusionCache needs explicit position_ids.")
     past = cache.get_seq_length() if cache is not None else 0
     batch, q_len = input_shape
-    if (isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2
-            and tuple(attention_mask.shape) == (batch, past + q_len)):
-        return positions_from_padding(attention_mask)[:, past:].to(device)
-    return torch.arange(past, past + q_len, device=device)[None].expand(batch, -1)
+    if not by_padding:
+        return torch.arange(past, past + q_len, device=device)[None].expand(batch, -1)
+    if isinstance(attention_mask, torch.Tensor) and tuple(attention_mask.shape) == (batch, past + q_len):
+        new = attention_mask[:, past:].to(device)
+    else:
+        new = torch.ones(batch, q_len, dtype=torch.long, device=device)
+    positions = positions_from_padding(new)
+    if past and cache.positions is not None:  # after the row's last real cached position
+        last = cache.positions.masked_fill(~cache.valid, -1).max(-1, keepdim=True).values
+        positions = positions + (last + 1).to(device)
+    return positions
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -571,6 +582,13 @@ class QwenStyleLM(DiffusionModelMixin):
         self.lm_head = value
 
 
+def sliding_layers(config) -> bool:
+    """Whether a Qwen2/3-style config asks for sliding-window attention in any layer: ``use_sliding_window`` with a
+    ``sliding_window``, for the layers from ``max_window_layers`` up (none when that is the layer count)."""
+    return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None) is not None
+                and getattr(config, "max_window_layers", 0) < config.num_hidden_layers)
+
+
 class QwenStyleBackbone(DiffusionPreTrainedModel):
     """``embed_tokens`` / ``layers`` / ``norm``: the backbone of SDAR and Dream."""
 
@@ -581,9 +599,10 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\.weight$"]
 
     def __init__(self, config) -> None:
-        if getattr(config, "use_sliding_window", False):  # the releases' Qwen2/3 option; every release leaves it off
-            raise ValueError(f"{type(config).__name__}: use_sliding_window=True is not supported (attention here is "
-                             "over the whole context, as in the released checkpoints, which set it to false).")
+        if sliding_layers(config):  # the releases' Qwen2/3 option; every release leaves it off
+            raise ValueError(f"{type(config).__name__}: use_sliding_window=True is not supported for layers from "
+                             f"max_window_layers={config.max_window_layers} up (attention here is over the whole "
+                             "context, as in the released checkpoints, which set use_sliding_window to false).")
         super().__init__(config)
         self.padding_idx = self._embedding_padding_idx(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
@@ -678,8 +697,8 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
     hidden = embed(input_ids) if inputs_embeds is None else inputs_embeds
     batch, q_len = hidden.shape[:2]
     if position_ids is None:
-        by_mask = attention_mask if model.diffusion_block_size is not None else None  # see default_position_ids
-        position_ids = default_position_ids((batch, q_len), cache, hidden.device, by_mask)
+        position_ids = default_position_ids((batch, q_len), cache, hidden.device, attention_mask,
+                                            by_padding=model.diffusion_block_size is not None)
     elif position_ids.dim() == 1:
         position_ids = position_ids[None]
     position_ids = position_ids.expand(batch, -1)

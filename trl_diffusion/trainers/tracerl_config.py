@@ -371,6 +371,8 @@ class TraceRLConfig(GRPOConfig):
                              f"that many tokens), got {self.max_completion_length}.")
         if self.temperature == 0:
             raise ValueError("TraceRL needs stochastic rollouts: temperature must be > 0.")
+        if self.top_p is None:  # generate() would take the checkpoint's generation_config top_p for the rollouts
+            raise ValueError("top_p must be a number in (0, 1] (1.0: no top-p filtering), got None.")
         check_sampling_filters(self.temperature, self.top_k, self.top_p, zero_means=None)
         if self.scoring_temperature is not None and not (math.isfinite(self.scoring_temperature)
                                                          and self.scoring_temperature >= MIN_TEMPERATURE):
