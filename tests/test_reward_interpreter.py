@@ -87,6 +87,8 @@ def test_asyncio_runs_and_other_sockets_stay_refused():
     tests = [
         "assert f(21) == 42",
         "assert refused(lambda: socket.socketpair(socket.AF_INET))",
+        "assert refused(lambda: socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM))",  # could sendto() any path
+        "a, b = socket.socketpair(None)\nb.sendall(b'x')\nassert a.recv(1) == b'x'",
         "assert refused(lambda: socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))",
         "assert refused(wrap_any_descriptor)",
         "a, b = socket.socketpair()\nassert refused(lambda: socket.socket(fileno=a.fileno()))",
@@ -103,3 +105,42 @@ def test_a_program_the_checker_cannot_parse_counts_as_redefining_every_builtin()
     result = run_tests("def sorted(xs):\n    return xs\ndef f(xs):\n    return [1, 3]\nx = (\n",
                        ["assert f([3, 1]) == sorted([3, 1])"], LIMITS)  # fmt: skip
     assert result.outcomes == [False]
+
+
+def test_a_process_that_fills_its_output_pipe_exits_while_it_is_drained():
+    # after an output-limited run the pipe is full and unshare's last message blocked it: the 2 s wait ran out
+    import subprocess
+
+    from trl_diffusion.rewards.sandbox import _exits_draining
+
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdout.write('x' * 1_000_000)"],
+                            stdout=subprocess.PIPE)
+    try:
+        assert _exits_draining(proc, 120.0) and proc.returncode == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def test_a_transient_error_while_probing_is_not_cached_as_a_weaker_launcher(monkeypatch):
+    # an OSError (EAGAIN from a momentary fork limit) moved the probe on to a weaker launcher, cached for the run
+    import errno
+
+    from trl_diffusion.rewards import sandbox
+
+    monkeypatch.setattr(sandbox, "_LAUNCHERS", {})
+    real, failures = sandbox._run_once, [1]
+
+    def flaky(*args, **kwargs):
+        if failures:
+            failures.pop()
+            raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "_run_once", flaky)
+    program, tests = "def f():\n    return 1", ["assert f() == 1"]
+    assert run_tests(program, tests, LIMITS).status == "sandbox_error"  # that call only
+    assert not sandbox._LAUNCHERS
+    monkeypatch.setattr(sandbox, "_run_once", real)
+    assert run_tests(program, tests, LIMITS).outcomes == [True]  # probed afresh

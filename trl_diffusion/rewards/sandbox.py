@@ -379,6 +379,15 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
     and keep the first that runs a trivial program end to end; ``[]`` means "no unshare", ``None`` nothing works."""
     from .cgroup import memory_cgroup_root
 
+    if not _startable(python):  # every launcher would fail alike: say so once, and score nothing
+        import logging
+
+        logging.getLogger(__name__).error(
+            "Code sandbox unusable; every code reward will be 0.0: the interpreter %r cannot be started from the "
+            "sandbox (an absolute path to an executable, or a name on %s; see sandbox.resolve_python).",
+            python, _MIN_PATH,
+        )  # fmt: skip
+        return None
     candidates: list[list[str]] = []
     unshare = shutil.which("unshare", path=os.environ.get("PATH", _MIN_PATH) + ":/usr/sbin:/sbin")
     if unshare and sys.platform.startswith("linux"):
@@ -391,12 +400,7 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
     for use_cgroup in [True, False] if memory_cgroup_root() is not None else [False]:
         for launcher in candidates:
             config = {"program": "pass", "specs": [{"probes": [], "has": []}]}
-            try:
-                run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT),
-                                run_as_uid)  # fmt: skip
-            except OSError as exc:  # e.g. an interpreter that cannot be started (a relative path, a bare name)
-                errors.append(f"{' '.join(launcher) or '(plain)'} (cgroup: {use_cgroup}): {type(exc).__name__}: {exc}")
-                continue
+            run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
             if _report_results(run, 1) is not None:
                 return launcher, use_cgroup
             name = " ".join(launcher) or "(plain)"
@@ -405,6 +409,14 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
 
     logging.getLogger(__name__).error("Code sandbox unusable; every code reward will be 0.0.\n%s", "\n".join(errors))
     return None
+
+
+def _startable(python: str) -> bool:
+    """Whether the sandbox can start ``python``: it runs from an empty directory with ``PATH`` = ``_MIN_PATH``, so a
+    path must be absolute (and executable) and a bare name must be found there."""
+    if os.sep in python:
+        return os.path.isabs(python) and os.access(python, os.X_OK)
+    return shutil.which(python, path=_MIN_PATH) is not None
 
 
 def _runner_source() -> str:
@@ -672,12 +684,32 @@ def _stop_run(proc: subprocess.Popen, init_fd: int) -> None:
     every fork. Once ``unshare`` has exited its group is left alone: its pid may already name another process."""
     if init_fd >= 0:
         _kill_pidfd(init_fd)
-        try:
-            proc.wait(timeout=_INIT_EXIT_WAIT)
+        if _exits_draining(proc, _INIT_EXIT_WAIT):
             return
-        except subprocess.TimeoutExpired:
-            pass
     _kill_group(proc)
+
+
+def _exits_draining(proc: subprocess.Popen, timeout: float) -> bool:
+    """Wait up to ``timeout`` for ``proc`` to exit (and reap it) while discarding what it still writes to its output
+    pipe: after an output-limited run the pipe is full, and ``unshare`` reports its child's death there (util-linux
+    2.38: "sigprocmask unblock failed"), so it would block on that write instead of exiting."""
+    import selectors
+
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
+        while proc.poll() is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            for key, _ in sel.select(min(remaining, 0.05)):
+                try:
+                    chunk = os.read(key.fd, 65536)
+                except OSError:
+                    chunk = b""
+                if not chunk:  # its end closed: nothing more can block it
+                    sel.unregister(key.fd)
+    return True
 
 
 def _kill_pidfd(fd: int) -> None:
@@ -1258,8 +1290,8 @@ def _install_guards(workdir: str) -> None:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             raise PermissionError("sandbox: network access is not allowed")
 
-    # An unnamed, already connected AF_UNIX pair reaches nothing outside the process (asyncio's event loop needs
-    # one): socket.socketpair() makes it, and socket.socket may wrap each of its two descriptors once.
+    # An unnamed, already connected AF_UNIX stream pair reaches nothing outside the process (asyncio's event loop
+    # needs one): socket.socketpair() makes it, and socket.socket may wrap each of its two descriptors once.
     paired: set[int] = set()
     real_socket, real_pair, raw_init = socket.socket, _socket.socketpair, _socket.socket.__init__
 
@@ -1273,8 +1305,10 @@ def _install_guards(workdir: str) -> None:
     def no_network(*args: Any, **kwargs: Any) -> Any:
         raise PermissionError("sandbox: network access is not allowed")
 
-    def local_pair(family: int = socket.AF_UNIX, type: int = socket.SOCK_STREAM, proto: int = 0) -> tuple:
-        if family != socket.AF_UNIX:
+    def local_pair(family: int | None = None, type: int = socket.SOCK_STREAM, proto: int = 0) -> tuple:
+        family = socket.AF_UNIX if family is None else family
+        # a datagram pair could sendto() any socket path: only a connected stream pair stays between its two ends
+        if family != socket.AF_UNIX or type & ~(socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC) != socket.SOCK_STREAM:
             raise PermissionError("sandbox: network access is not allowed")
         pair = real_pair(family, type, proto)
         paired.update(end.fileno() for end in pair)
@@ -1508,7 +1542,12 @@ def _make_encoder() -> tuple[Any, type]:
             raise Unrepresentable(f"a {name} object")
 
         if shape == "items":  # the argument of a builtin that consumes it whole (verdict._CONSUMERS)
-            return ["l", [enc(item, 1, True) for item in iterate_any(value)]]
+            items = []
+            for item in iterate_any(value):
+                if get_name(tp(item)) == "ndarray":  # a row of an array: natively not a size-1 array's .item()
+                    raise Unrepresentable("an array inside the iterable")
+                items.append(enc(item, 1, True))
+            return ["l", items]
         if shape == "list":
             return linked_list(value, enc)
         if shape == "tree":

@@ -589,7 +589,10 @@ class _Planner:
                 if (any(self.names[func.id] is consumer for consumer in _CONSUMERS) and len(node.args) == 1
                         and self._probe_root(node.args[0])):
                     args = [self._probe(node.args[0], conditional, "items")]
+                    probes = len(self.probes)
                     keywords = [ast.keyword(arg=k.arg, value=sub(k.value, conditional)) for k in node.keywords]
+                    if len(self.probes) != probes:  # natively they run before the items are taken: not here
+                        raise Unverifiable(f"a program call in a keyword of {func.id}: {ast.unparse(node)[:80]}")
                     return ast.Call(func=func, args=args, keywords=keywords)
             elif isinstance(func, ast.Attribute) and self._is_module(func.value):
                 func = self._module_member(func)
