@@ -133,5 +133,7 @@ def test_top_p_takes_a_0_d_tensor_and_tracerl_refuses_none(tmp_path):
     kw = dict(max_new_tokens=8, temperature=1.0, stop_token_ids=[])
     tensor_p = model.generate(ids, top_p=torch.tensor(0.9), generator=torch.Generator().manual_seed(0), **kw)
     assert torch.equal(tensor_p, model.generate(ids, top_p=0.9, generator=torch.Generator().manual_seed(0), **kw))
+    assert torch.equal(model.generate(ids, top_p=torch.tensor(1), generator=torch.Generator().manual_seed(0), **kw),
+                       model.generate(ids, top_p=1.0, generator=torch.Generator().manual_seed(0), **kw))
     with pytest.raises(ValueError, match="top_p must be a number in"):
         TraceRLConfig(output_dir=str(tmp_path), top_p=None, report_to="none", use_cpu=True)

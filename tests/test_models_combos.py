@@ -107,5 +107,15 @@ def test_a_sliding_window_is_refused_only_where_a_layer_would_slide():
     layers = tiny_model("sdar").config.num_hidden_layers
     model = tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=layers)
     assert model(torch.tensor([[5, 6, 7]])).logits.shape[1] == 3
-    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):
+    with pytest.raises(ValueError, match="use_sliding_window=True .*is not supported"):
         tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=layers - 1)
+
+
+def test_a_sliding_window_on_a_config_without_max_window_layers_is_a_clear_error():
+    # LLaDA-MoE's config has no max_window_layers: the refusal's message raised AttributeError
+    from trl_diffusion.testing import tiny_moe_model
+
+    with pytest.raises(ValueError, match="use_sliding_window=True with sliding_window=8 is not supported"):
+        tiny_moe_model("llada_moe", use_sliding_window=True, sliding_window=8)
+    with pytest.raises(ValueError, match="use_sliding_window=True"):
+        tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=None)

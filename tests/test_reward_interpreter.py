@@ -144,3 +144,28 @@ def test_a_transient_error_while_probing_is_not_cached_as_a_weaker_launcher(monk
     assert not sandbox._LAUNCHERS
     monkeypatch.setattr(sandbox, "_run_once", real)
     assert run_tests(program, tests, LIMITS).outcomes == [True]  # probed afresh
+
+
+def test_run_tests_takes_the_interpreter_as_a_path_or_bytes():
+    from pathlib import Path
+
+    for python in (Path(sys.executable), os.fsencode(sys.executable)):
+        assert run_tests("def f():\n    return 1", ["assert f() == 1"], LIMITS, python=python).outcomes == [True]
+
+
+def test_draining_a_process_whose_output_pipe_is_closed_just_waits():
+    import subprocess
+
+    from trl_diffusion.rewards.sandbox import _exits_draining
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"], stdout=subprocess.PIPE)
+    proc.stdout.close()
+    assert _exits_draining(proc, 120.0) and proc.returncode == 0
+
+
+def test_the_sandbox_source_fits_one_command_line_argument():
+    # the child gets sandbox.py as its `-c` argument: Linux refuses one over MAX_ARG_STRLEN (128 KiB), and every
+    # launch would fail. Move the source to stdin or a file before this is near.
+    from trl_diffusion.rewards.sandbox import _runner_source
+
+    assert len(_runner_source().encode()) < 120_000

@@ -289,6 +289,7 @@ LAZY = (
     "class Liar:\n    def __eq__(self, other):\n        return True\n    __hash__ = object.__hash__\n"
     "def liars():\n    return (Liar() for _ in range(2))\n"
     "def rows():\n    return np.array([[1], [2]])\n"
+    "def matrix_rows():\n    return np.matrix([[1], [2]])\n"
 )
 
 
@@ -305,6 +306,7 @@ LAZY = (
     ("assert set(evens(5)) == set()", False),  # TypeError natively too
     ("assert list(liars()) == [1, 2]", False),  # items must be plain data: no forged __eq__
     ("assert set(rows()) == {1, 2}", False),  # natively TypeError: a row of an array is unhashable
+    ("assert set(matrix_rows()) == {1, 2}", False),  # so is a row of an ndarray subclass
 ])
 def test_a_lazy_iterable_given_whole_to_a_consuming_builtin_is_judged_as_natively(test, passes):
     # set(f(x)), list(...), sorted(...), tuple(...), frozenset(...) of a generator, map, dict view or the program's

@@ -221,7 +221,7 @@ class DiffusionGenerationMixin:
             alg_temp = from_config("alg_temp") if alg is not None else defaults["alg_temp"]
         top_k = None if pick("top_k") is None else _integer("top_k", pick("top_k"))
         top_p = pick("top_p")
-        if isinstance(top_p, torch.Tensor) and top_p.dim() == 0 and top_p.is_floating_point():
+        if isinstance(top_p, torch.Tensor) and top_p.dim() == 0:
             top_p = top_p.item()  # a 0-d tensor, as temperature and top_k take
         settings = SamplingSettings(
             max_new_tokens=max_new_tokens, block_length=block_length, denoising_steps=steps,

@@ -585,8 +585,9 @@ class QwenStyleLM(DiffusionModelMixin):
 def sliding_layers(config) -> bool:
     """Whether a Qwen2/3-style config asks for sliding-window attention in any layer: ``use_sliding_window`` with a
     ``sliding_window``, for the layers from ``max_window_layers`` up (none when that is the layer count)."""
+    windowed_from = getattr(config, "max_window_layers", None)
     return bool(getattr(config, "use_sliding_window", False) and getattr(config, "sliding_window", None) is not None
-                and getattr(config, "max_window_layers", 0) < config.num_hidden_layers)
+                and (windowed_from is None or windowed_from < config.num_hidden_layers))
 
 
 class QwenStyleBackbone(DiffusionPreTrainedModel):
@@ -600,8 +601,9 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
 
     def __init__(self, config) -> None:
         if sliding_layers(config):  # the releases' Qwen2/3 option; every release leaves it off
-            raise ValueError(f"{type(config).__name__}: use_sliding_window=True is not supported for layers from "
-                             f"max_window_layers={config.max_window_layers} up (attention here is over the whole "
+            raise ValueError(f"{type(config).__name__}: use_sliding_window=True with sliding_window="
+                             f"{config.sliding_window} is not supported for layers from max_window_layers="
+                             f"{getattr(config, 'max_window_layers', None)} up (attention here is over the whole "
                              "context, as in the released checkpoints, which set use_sliding_window to false).")
         super().__init__(config)
         self.padding_idx = self._embedding_padding_idx(config)

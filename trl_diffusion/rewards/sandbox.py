@@ -213,7 +213,7 @@ def run_tests(
     from .verdict import plan_test, plan_tests, program_bindings
 
     limits = limits or SandboxLimits()
-    python = python or sys.executable
+    python = os.fsdecode(python) if python else sys.executable  # a str, bytes or Path
     tests = list(tests)
     try:
         chosen = _get_launcher(python, run_as_uid)
@@ -695,6 +695,12 @@ def _exits_draining(proc: subprocess.Popen, timeout: float) -> bool:
     2.38: "sigprocmask unblock failed"), so it would block on that write instead of exiting."""
     import selectors
 
+    if proc.stdout is None or proc.stdout.closed:  # nothing left to drain
+        try:
+            proc.wait(timeout=timeout)
+            return True
+        except subprocess.TimeoutExpired:
+            return False
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as sel:
         sel.register(proc.stdout.fileno(), selectors.EVENT_READ)
@@ -1458,7 +1464,17 @@ def _make_encoder() -> tuple[Any, type]:
     float_hex, complex_pos, str_copy, bytes_hex, bytearray_hex = (
         float.hex, complex.__pos__, str.__str__, bytes.hex, bytearray.hex,
     )  # fmt: skip
-    dict_items, iterate_any = dict.items, iter
+    dict_items, iterate_any, get_mro = dict.items, iter, type.__dict__["__mro__"].__get__
+
+    def is_array(cls: type) -> bool:
+        """numpy's ndarray or a subclass (``matrix``), by the classes' names and modules: numpy is not imported."""
+        for base in get_mro(cls):
+            try:
+                if get_name(base) == "ndarray" and getattr_(base, "__module__", None) == "numpy":
+                    return True
+            except Exception:
+                return True  # a class that cannot say what it is: not plain data
+        return False
     sequences = (
         (list, "l", list.__iter__), (tuple, "t", tuple.__iter__), (set, "S", set.__iter__),
         (frozenset, "F", frozenset.__iter__),
@@ -1544,7 +1560,7 @@ def _make_encoder() -> tuple[Any, type]:
         if shape == "items":  # the argument of a builtin that consumes it whole (verdict._CONSUMERS)
             items = []
             for item in iterate_any(value):
-                if get_name(tp(item)) == "ndarray":  # a row of an array: natively not a size-1 array's .item()
+                if is_array(tp(item)):  # a row of an array: natively not its .item() (set() of rows raises)
                     raise Unrepresentable("an array inside the iterable")
                 items.append(enc(item, 1, True))
             return ["l", items]
