@@ -245,10 +245,10 @@ def resolve_python(python: str | None) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise ValueError(f"python={python!r} cannot be started: {exc}") from None
     lines = found.stdout.split("\n")
-    if found.returncode != 0 or len(lines) < 2 or not os.path.isabs(lines[0]):
+    version = tuple(int(part) for part in lines[1].split() if part.isdigit()) if len(lines) > 1 else ()
+    if found.returncode != 0 or len(version) != 2 or not os.path.isabs(lines[0]):
         detail = found.stderr.strip()[-300:] or found.stdout.strip()[-300:] or f"exit status {found.returncode}"
         raise ValueError(f"python={python!r} did not run as a Python interpreter: {detail}")
-    version = tuple(int(part) for part in lines[1].split())
     if version > sys.version_info[:2]:
         import logging
 
