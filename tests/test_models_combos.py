@@ -119,3 +119,20 @@ def test_a_sliding_window_on_a_config_without_max_window_layers_is_a_clear_error
         tiny_moe_model("llada_moe", use_sliding_window=True, sliding_window=8)
     with pytest.raises(ValueError, match="use_sliding_window=True"):
         tiny_model("sdar", use_sliding_window=True, sliding_window=8, max_window_layers=None)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_writing_a_cache_under_gradient_checkpointing_is_a_clear_error(family):
+    # the recompute in backward appended the keys again: "size of tensor a (16) must match ... (8)" or a
+    # CheckpointError, raised from backward
+    from trl_diffusion import DiffusionCache
+
+    model = tiny_model(family).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(5, 100, (1, 8))
+    with pytest.raises(ValueError, match="store_kv=True under gradient checkpointing"):
+        model(ids, past_key_values=DiffusionCache(), store_kv=True)
+    with torch.no_grad():  # writing without gradients is fine, and reading under checkpointing too
+        cache = DiffusionCache()
+        model(ids, past_key_values=cache, store_kv=True)
+    model(torch.randint(5, 100, (1, 4)), past_key_values=cache).logits.sum().backward()
