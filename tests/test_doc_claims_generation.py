@@ -157,7 +157,7 @@ def test_sequences_after_a_stop_are_the_pad_token_and_never_committed(family):
     call's ``pad_token_id``, else the model's); ``unmask_step`` is -1 on prompt, padding and the positions left
     after a stop, whose ``token_logprobs`` are 0."""
     model = tiny_model(family, pad_token_id=7)
-    ids, mask = left_pad([[20, 21, 22, 23], [30, 31]], pad=9)
+    ids, mask = left_pad([[20, 21, 22, 23], [30, 31]], pad_id=9)
     free = generate(model, ids, mask, max_new_tokens=12)
     stop = int(free.sequences[0, 4])  # the first completion token of row 0
     for pad, kwargs in ((7, {}), (UNK_ID, dict(pad_token_id=UNK_ID))):

@@ -108,7 +108,7 @@ def test_replay_scores_a_rollout_whose_padding_holds_any_id(family):
     from trl_diffusion.estimators import replay_logprobs
 
     model = tiny_model(family).double()
-    ids, mask = left_pad([[11], [20, 21, 22, 23, 24]], pad=-100)
+    ids, mask = left_pad([[11], [20, 21, 22, 23, 24]], pad_id=-100)
     generators = [torch.Generator().manual_seed(i) for i in range(2)]
     out = model.generate(ids, mask, max_new_tokens=6, block_length=4, temperature=1.0, stop_token_ids=[],
                          generator=generators, return_dict_in_generate=True)

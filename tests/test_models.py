@@ -263,6 +263,13 @@ def test_dream_logits_are_shifted_and_aligned():
     assert model.logits_shift and not tiny_model("sdar").logits_shift and not tiny_model("llada").logits_shift
     logits = torch.arange(6.0).view(1, 3, 2)
     assert model.align_logits(logits)[0, 1].tolist() == [0.0, 1.0]
+    # a column after padding inside the row reads the last real column before it, not the padding's logits
+    logits = torch.arange(10.0).view(1, 5, 2)
+    valid = torch.tensor([[True, True, False, False, True]])
+    assert model.align_logits(logits, valid)[0].tolist() == [[0.0, 1.0], [0.0, 1.0], [2.0, 3.0], [2.0, 3.0],
+                                                             [2.0, 3.0]]
+    assert torch.equal(model.align_logits(logits, torch.ones(1, 5, dtype=torch.bool)), model.align_logits(logits))
+    assert torch.equal(tiny_model("llada").align_logits(logits, valid), logits)
 
 
 def test_dream_loss_scores_no_label_at_the_first_column():

@@ -74,6 +74,23 @@ def positions_from_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def left_pad(rows: list[list[int]], pad_id: int = 0,
+             device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` for token-id rows of different lengths, left-padded with ``pad_id``: the
+    layout ``generate`` takes (every row's last token in the last column)."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(row)) + list(row) for row in rows], dtype=torch.long, device=device)
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows], dtype=torch.long, device=device)
+    return ids, mask
+
+
+def through_first_stop(ids: torch.Tensor, valid: torch.Tensor, stop_ids: torch.Tensor) -> torch.Tensor:
+    """``valid`` ``[B, L]`` less every column after the first valid stop token of its row (``stop_ids``: a 1-D
+    tensor of ids); the stop token itself stays. How a completion is cut where its answer ends."""
+    is_stop = torch.isin(ids, stop_ids) & valid
+    return valid & ((is_stop.long().cumsum(-1) - is_stop.long()) == 0)
+
+
 def state_before_step(
     sequences: torch.Tensor,
     unmask_step: torch.Tensor,

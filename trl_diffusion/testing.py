@@ -25,6 +25,7 @@ from .models import (
     SDARMoeConfig,
     SDARMoeForCausalLM,
 )
+from .states import left_pad as left_pad  # the padded prompts the tests generate from
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>", "<|unk|>"]
 EOS_ID, IM_START_ID, IM_END_ID, MASK_ID, UNK_ID = range(len(SPECIAL_TOKENS))
@@ -150,9 +151,3 @@ def tiny_moe_model(family: str, seed: int = 0, **config_overrides) -> torch.nn.M
     return model
 
 
-def left_pad(prompts: list[list[int]], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(input_ids, attention_mask)`` for token-id prompts of different lengths, left-padded with ``pad``."""
-    width = max(map(len, prompts))
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask

@@ -53,24 +53,11 @@ def replay_logprobs(
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
-        logits = _aligned_logits(model, model(input_ids=state, attention_mask=mask, position_ids=positions,
-                                                   output_router_logits=False).logits,
-                                 valid)
+        logits = model.align_logits(model(input_ids=state, attention_mask=mask, position_ids=positions,
+                                          output_router_logits=False).logits, valid)
         excluded = model.mask_token_id if exclude_mask_token else None
         log_dist = sampling_logits(logits, temperature, top_k, top_p, excluded, model.top_p_first).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)
     return out
-
-
-def _aligned_logits(model, logits: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Logits indexed by the position of the token they predict. A shifted model (Dream) predicts a token from the
-    previous real token, which for right-padded prompts is not the previous column: read each column's logits from
-    the last valid column before it (the column before, for left-padded rows, as ``model.align_logits``)."""
-    if not model.logits_shift:
-        return logits
-    columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-    last_valid = torch.where(valid, columns, 0).cummax(dim=1).values
-    source = torch.cat([last_valid[:, :1], last_valid[:, :-1]], dim=1)
-    return logits.gather(1, source[..., None].expand_as(logits))

@@ -31,7 +31,7 @@ from ..rewards import (
 )
 from ..rewards.dllm_rl_code import extract_code_official, official_stdio_program, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
-from ..states import check_chat_template_kwargs, check_field_types
+from ..states import check_chat_template_kwargs, check_field_types, left_pad
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
@@ -346,16 +346,6 @@ def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> s
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
                                              **(config.chat_template_kwargs or {}))
     return text + "<think>" if config.start_with_think else text
-
-
-def _left_pad(rows: list[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids.to(device), mask.to(device)
 
 
 def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[str, int, bool]:
@@ -703,7 +693,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     try:
         for start in range(0, len(work), config.batch_size):
             batch = work[start: start + config.batch_size]
-            ids, mask = _left_pad([prompt_ids[i] for i, _ in batch], pad_id, device)
+            ids, mask = left_pad([prompt_ids[i] for i, _ in batch], pad_id, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             began = time.perf_counter()

@@ -54,11 +54,19 @@ class DiffusionModelMixin:
             )
         return int(mask_id)
 
-    def align_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits indexed by the position of the token they predict (undoes Dream's one-position shift)."""
+    def align_logits(self, logits: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits indexed by the position of the token they predict (undoes Dream's one-position shift: a column
+        reads the logits of the column before it). A shifted model predicts a token from the previous *real* token:
+        with ``valid`` ``[B, L]`` (the real columns; padding inside a row, e.g. after a right-padded prompt) a column
+        reads the logits of the last valid column before it. The first column repeats its own logits."""
         if not self.logits_shift:
             return logits
-        return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        if valid is None:
+            return torch.cat([logits[:, :1], logits[:, :-1]], dim=1)
+        columns = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+        last_valid = torch.where(valid.bool(), columns, 0).cummax(dim=1).values
+        source = torch.cat([last_valid[:, :1], last_valid[:, :-1]], dim=1)
+        return logits.gather(1, source[..., None].expand_as(logits))
 
     def lm_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -54,6 +54,7 @@ from ..states import (
     completion_blocks,
     max_positions,
     resolve_model_attention_backend,
+    through_first_stop,
     trajectory_groups,
 )
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards
@@ -274,16 +275,14 @@ class TraceRLTrainer(GRPOTrainer):
         self._rollout_stats = [out.tokens_per_step.float().sum().item(), out.denoising_steps.float().sum().item(),
                                float(rows), float(blocks_generated(steps, blocks).sum()),
                                float(out.num_forward_passes)]
-        completion_ids, completion_logps = [], []
-        stop = torch.tensor(list(self.eos_token_ids), device=device)
-        for row in range(rows):
-            committed = (steps[row] >= 0).nonzero().squeeze(-1)
-            length = min(int(committed.max()) + 1 if committed.numel() else 0, self.max_completion_length)
-            is_stop = torch.isin(canvas[row, :length], stop).nonzero()
-            if is_stop.numel():
-                length = int(is_stop[0]) + 1
-            completion_ids.append(canvas[row, :length].tolist())
-            completion_logps.append(logps[row, :length].tolist())
+        # each completion: through its last committed token (at most max_completion_length), cut after a stop token
+        columns = torch.arange(steps.shape[1], device=device)
+        last_committed = torch.where(steps >= 0, columns, -1).max(-1, keepdim=True).values
+        kept = (columns <= last_committed) & (columns < self.max_completion_length)
+        kept = through_first_stop(canvas, kept, torch.tensor(list(self.eos_token_ids), device=device))
+        lengths = kept.sum(-1).tolist()
+        completion_ids = [row[:length] for row, length in zip(canvas.tolist(), lengths)]
+        completion_logps = [row[:length] for row, length in zip(logps.tolist(), lengths)]
         return completion_ids, completion_logps
 
     def _rollout_sampler(self) -> dict:

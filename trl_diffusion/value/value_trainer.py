@@ -27,7 +27,7 @@ from ..models import check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
-from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
+from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend, through_first_stop
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
@@ -52,9 +52,7 @@ class TrajectoryCollator:
         unmask_step = pad(steps, padding_value=-1, padding_side="right")
         trained = unmask_step >= 0
         if self.stop_token_ids:
-            is_stop = torch.isin(completion_ids, torch.tensor(self.stop_token_ids)) & trained
-            after_stop = (is_stop.cumsum(1) - is_stop.long()) > 0
-            trained = trained & ~after_stop
+            trained = through_first_stop(completion_ids, trained, torch.tensor(self.stop_token_ids))
         return {
             "prompt_ids": pad(prompts, padding_value=self.pad_token_id, padding_side="left"),
             "prompt_mask": pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left"),
