@@ -208,3 +208,34 @@ def test_answer_rules_off_is_math_verify_s_own_comparison():
         plain.close()
     assert EvalConfig(math_grader="math_verify_plain").math_reward().answer_rules is False
     assert EvalConfig().math_reward().answer_rules is True
+
+
+def test_a_call_off_the_main_thread_keeps_the_users_math_verify_log_levels(monkeypatch, caplog):
+    # the call used to set math-verify's loggers to ERROR for the rest of the process (a user debugging its parses
+    # lost every record); only the "timeout is disabled" warning, which the thread path causes on purpose, is dropped
+    import logging
+
+    import math_verify.grader
+    import math_verify.parser
+
+    monkeypatch.setattr(math_verify.parser, "TIMEOUT_WARNING_SHOWN", False)
+    monkeypatch.setattr(math_verify.grader, "TIMEOUT_WARNING_SHOWN", False)
+    loggers = [logging.getLogger("math_verify.parser"), logging.getLogger("math_verify.grader")]
+    levels = [logger.level for logger in loggers]
+    reward, results = MathAccuracyReward(), []
+    try:
+        for logger in loggers:
+            logger.setLevel(logging.DEBUG)
+        with caplog.at_level(logging.DEBUG):
+            worker = threading.Thread(target=lambda: results.append(reward([r"\boxed{4}"], answer=["4"])))
+            worker.start()
+            worker.join()
+        assert [logger.level for logger in loggers] == [logging.DEBUG, logging.DEBUG]
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        reward.close()
+    assert results == [[1.0]]
+    assert not [r for r in caplog.records if r.getMessage().startswith("Timeout is disabled")]
+    loggers[0].warning("Timeout during parsing: x")  # any other record still gets through
+    assert caplog.records[-1].getMessage() == "Timeout during parsing: x"

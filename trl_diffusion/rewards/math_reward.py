@@ -118,8 +118,7 @@ class MathAccuracyReward:
             raise ValueError(f"math_accuracy_reward: got {n} completions but {len(answers)}/{len(solutions)} golds")
         in_main = threading.current_thread() is threading.main_thread()
         if not in_main:
-            for name in ("math_verify.parser", "math_verify.grader"):
-                logging.getLogger(name).setLevel(logging.ERROR)
+            _quiet_disabled_timeout_warning()
         rewards, golds, preds = [], [], []
         parsed_golds: dict[str | None, list | None] = {}  # GRPO scores several completions per gold answer
         for completion, ans, sol in zip(completions, answers, solutions):
@@ -188,6 +187,23 @@ class MathAccuracyReward:
     def _timeout(self, in_main: bool) -> int | None:
         """math-verify's signal-based timeout only works in the main thread; elsewhere it must be off."""
         return self.parsing_timeout if in_main else None
+
+
+class _DisabledTimeoutFilter(logging.Filter):
+    """Drops math-verify's warning that its timeout is off: off the main thread the gold answer is parsed without
+    one on purpose (signals only work in the main thread; predictions go to the worker process, which has one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+def _quiet_disabled_timeout_warning() -> None:
+    """Add ``_DisabledTimeoutFilter`` to math-verify's loggers once; every other record and the loggers' levels stay
+    as the user set them (the levels used to be raised to ERROR for the rest of the process)."""
+    for name in ("math_verify.parser", "math_verify.grader"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DisabledTimeoutFilter) for f in logger.filters):
+            logger.addFilter(_DisabledTimeoutFilter())
 
 
 _TRL_REWARD_KWARGS = {"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
