@@ -156,6 +156,24 @@ def test_evaluate_report_and_jsonl(model_and_tokenizer, tmp_path):
     assert json.loads(Path(report["metrics_file"]).read_text())["metrics"] == metrics
 
 
+def test_a_sampled_completion_does_not_depend_on_the_batch_size_or_the_problems_evaluated(model_and_tokenizer,
+                                                                                           tmp_path):
+    # one generator shared by every batch made each sample depend on batch_size and on the problems before it
+    model, tokenizer = model_and_tokenizer
+
+    def samples(name, **kwargs):
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), num_samples=2, temperature=1.0,
+                          output_dir=str(tmp_path / name), **FAST, **kwargs)
+        rows = [json.loads(line) for line in Path(report["samples_file"]).read_text().splitlines()]
+        return {(r["index"], r["sample"]): r["completion"] for r in rows}
+
+    everything = samples("all", batch_size=10)
+    assert samples("small_batches", batch_size=3) == everything
+    assert samples("subset", batch_size=10, max_problems=2) == {k: v for k, v in everything.items() if k[0] < 2}
+    assert len(set(everything.values())) > 1  # sampled, not greedy
+    assert samples("other_seed", batch_size=10, seed=1) != everything
+
+
 def test_pass_at_k_aggregation_over_samples(model_and_tokenizer, monkeypatch):
     """Pass@k of the report is the unbiased estimator averaged over problems, from each problem's n samples."""
     ev = importlib.import_module("trl_diffusion.eval.evaluate")  # the module (the package attribute is the function)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from ..generation.sampling import stable_seed
 from ..models.kernels import set_fused_kernels
 from ..rewards import (
     MathAccuracyReward,
@@ -79,7 +80,8 @@ class EvalConfig:
     num_samples: int = _arg(1, "Completions per problem (n); accuracy is the mean over all of them.")
     pass_k: list[int] | None = _arg(None, "k values for pass@k (each <= num_samples; default: 1 and num_samples).")
     batch_size: int | None = _arg(None, "Sequences per generate() call (default: 16; 100 for arithmetic).")
-    seed: int = _arg(0, "Seed of the sampling generator.")
+    seed: int = _arg(0, "Seed of the sampling generators: each sample has its own, keyed by (seed, problem index, "
+                                 "sample index).")
     prompt_template: str | None = _arg(None, "User turn with a {question} placeholder (default: per task), or a "
                                        "dLLM-RL prompt by name, used without the chat template: dllm_rl_sdar (SDAR "
                                        "/ TraDo), dllm_rl_sdar_think, dllm_rl_llada, dllm_rl_dream.")
@@ -112,9 +114,8 @@ class EvalConfig:
     alg_temp: float | None = _arg(None, "Dream: confidence temperature.")
     eps: float | None = _arg(None, "Dream: final mask ratio of the linspace schedule.")
     cfg_scale: float | None = _arg(None, "LLaDA classifier-free guidance scale.")
-    cuda_graphs: str | None = _arg(None, "auto: on CUDA, replay the cached denoising steps as CUDA graphs (greedy "
-                                   "decoding only here: sampling shares one generator, which needs the eager "
-                                   "loop; the default, after the model's generation config); off: eager.",
+    cuda_graphs: str | None = _arg(None, "auto: on CUDA, replay the cached denoising steps as CUDA graphs (the "
+                                   "default, after the model's generation config); off: eager.",
                                    choices=["auto", "off"])
     fused_kernels: bool = _arg(False, "Compile the layers' elementwise chains into fused kernels "
                                "(trl_diffusion.set_fused_kernels): fewer GPU kernels per step; bf16 values differ "
@@ -683,7 +684,6 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
                            max_output_bytes=config.code_max_output_bytes)
-    generator = torch.Generator(device=device).manual_seed(config.seed)
     math_reward = config.math_reward()
     rows: list[dict[str, Any]] = []
     seconds, forward_passes = 0.0, 0
@@ -697,6 +697,9 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             began = time.perf_counter()
+            # one generator per sample, keyed by (seed, problem, sample): a sample does not depend on the batch size,
+            # on the other problems evaluated or on their order (and sampled decoding can use CUDA graphs)
+            generator = [torch.Generator().manual_seed(stable_seed(config.seed, i, s)) for i, s in batch]
             out = model.generate(ids, attention_mask=mask, generator=generator, return_dict_in_generate=True,
                                  num_return_sequences=1, **kwargs)  # samples are rows of `work`, whatever the
             # checkpoint's generation_config.json says

@@ -3,6 +3,7 @@ trainers (which must score tokens under exactly the distribution the sampler dre
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
 
@@ -138,6 +139,13 @@ def _piece_scores(logits, targets, temperature, top_k, top_p, mask_token_id, ent
 
 
 Generators = torch.Generator | list[torch.Generator] | None
+
+
+def stable_seed(*parts: int | str) -> int:
+    """A 63-bit seed that depends only on ``parts`` (e.g. the run's seed, a step, a row's index): what keys a per-row
+    generator, so that a row's randomness does not depend on its batch, its process or the run's order."""
+    digest = hashlib.sha256(":".join(str(part) for part in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def uniform(shape: tuple[int, ...], generator: Generators, device, dtype=torch.float32,

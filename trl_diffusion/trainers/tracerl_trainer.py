@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -43,6 +42,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
+from ..generation.sampling import stable_seed
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
@@ -85,8 +85,7 @@ logger = logging.get_logger(__name__)
 def mask_seed(seed: int, rollout_step: int | str, sample_index: int) -> int:
     """A stable 63-bit seed for one row's random masks: the same for old, new and reference log-probs and for a
     resumed run, different across rows and rollouts (``rollout_step``: ``TraceRLTrainer._rollout_key``)."""
-    digest = hashlib.sha256(f"{seed}:{rollout_step}:{sample_index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+    return stable_seed(seed, rollout_step, sample_index)
 
 
 class TraceRLTrainer(GRPOTrainer):
