@@ -561,3 +561,46 @@ def test_token_metrics_are_means_under_max_length_weights(tmp_path):
         trainer.train()
         logged.append(trainer.state.log_history[0]["entropy"])
     assert logged[0] == pytest.approx(logged[1], rel=1e-5)
+
+
+@pytest.mark.parametrize("normalization", ["step", "max_length"])
+def test_dapo_divides_by_the_token_weights_as_bnpo_does(tmp_path, normalization):
+    """TRL's ``dapo`` and ``bnpo`` are the same loss over one micro-batch on one process: sum(w l) / sum(w). With
+    TraceRL's token weights dapo divided by the token count instead (x 40/64 with 'step' weights here, x 1/L_max
+    with 'max_length')."""
+    losses = {}
+    for loss_type in ("dapo", "bnpo"):
+        args = TraceRLConfig(**base_config(tmp_path / loss_type, loss_type=loss_type, step_normalization=normalization,
+                                           dynamic_group_filtering="none", beta=0.0))
+        trainer = make_trainer(args)
+        batch = fixed_rollout(trainer)
+        if loss_type == "dapo":
+            assert batch["num_items_in_batch"].item() == pytest.approx(batch["completion_mask"].sum().item())
+            assert batch["num_items_in_batch"] < (batch["completion_mask"] > 0).sum()  # weights, not tokens
+        losses[loss_type] = trainer._compute_loss(trainer.model, batch).item()
+    assert abs(losses["dapo"]) > 1e-3
+    assert losses["dapo"] == pytest.approx(losses["bnpo"], rel=1e-5)
+
+
+def test_token_metrics_of_a_micro_batch_without_trained_tokens_are_left_out_of_the_log(tmp_path):
+    """Group filtering can leave a micro-batch with no trained token; TRL's masked mean then logs 0, which its log
+    averaged in (the logged entropy about the true one times the kept fraction). Such entries are NaN, which TRL's
+    log skips."""
+    args = TraceRLConfig(**base_config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=16,
+                                       dynamic_group_filtering="accuracy_band"))
+    trainer = make_trainer(args)
+    seen, compute_loss = [], trainer._compute_loss
+
+    def recording(model, inputs):
+        loss = compute_loss(model, inputs)
+        seen.append((trainer._metrics["train"]["entropy"][-1], trainer._metrics["train"]["kl"][-1],
+                     int(inputs["kept_rows"].sum())))
+        return loss
+
+    trainer._compute_loss = recording
+    trainer.train()
+    empty = [(entropy, kl) for entropy, kl, kept in seen if kept == 0]
+    trained = [entropy for entropy, _, kept in seen if kept > 0]
+    assert len(seen) == 16 and len(empty) == 8  # two of the four groups are outside the accuracy band
+    assert all(math.isnan(entropy) and math.isnan(kl) for entropy, kl in empty)
+    assert trainer.state.log_history[0]["entropy"] == pytest.approx(sum(trained) / len(trained), rel=1e-6)

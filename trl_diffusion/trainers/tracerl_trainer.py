@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import os
 import types
 from collections.abc import Mapping, Sequence
@@ -386,8 +387,10 @@ class TraceRLTrainer(GRPOTrainer):
         output["completion_mask"] = completion_mask.float().repeat(1, masks) * weights
         if self.args.kl_weighting == "row_sum":
             output["kl_weights"] = trained  # every trained token's KL counts once: a row's KL is its sum
-        # TRL's normaliser (dapo: tokens; tracerl: training rows) counts only what is trained
-        count = training_rows_.sum() if self.args.loss_type == "tracerl" else (completion_mask * keep[:, None]).sum()
+        # TRL's normaliser counts only what is trained: tracerl, the training rows; dapo / cispo / vespo, the token
+        # weights (their loss is sum(w * l) / sum(w), as bnpo's over one micro-batch; a token count divided the
+        # weighted sum by the tokens per step, or by L_max, instead)
+        count = training_rows_.sum() if self.args.loss_type == "tracerl" else output["completion_mask"].sum()
         output["num_items_in_batch"] = self.accelerator.gather(count.float()).sum()
         output["kept_rows"] = keep.float()
         if self.args.loss_type in _ROW_MEAN_LOSSES:
@@ -883,24 +886,23 @@ class TraceRLTrainer(GRPOTrainer):
         mode = "train" if self.model.training else "eval"
         token_metrics = self._token_metric_names()
         logged_before = {name: len(self._metrics[mode].get(name, ())) for name in token_metrics}  # creates none
-        # only weights below 1 per token (1/L_max; a token's share of several masks) can sum below 1: the other
-        # settings skip this all-reduce
-        fractional = (self.args.step_normalization == "max_length"
-                      or self.estimator_settings.masks_per_response > 1)
-        weight_total = (self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
-                        if fractional else 1.0)
+        weight_total = self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
+        weight_total = float(weight_total)
         try:
             loss = super()._compute_loss(model, inputs)
             if summed_kl:
                 loss = loss + beta * self._summed_kl(inputs)
         finally:
             self._loss_inputs, self.beta = None, beta
-        if 0 < weight_total < 1:
+        if weight_total < 1:
             # TRL's token metrics are sum(w x) / max(sum(w), 1): with weights that sum below 1 (1/L_max over fewer
-            # than L_max tokens) that is not a mean, and its scale followed the micro-batch's token count
+            # than L_max tokens) that is not a mean, and its scale followed the micro-batch's token count; with no
+            # trained token at all (every row filtered) it is a 0 that TRL's log would average in (the logged entropy
+            # fell with the fraction of filtered micro-batches): NaN, which the log leaves out
             for name in token_metrics:
                 values = self._metrics[mode].get(name, [])
-                values[logged_before[name]:] = [value / float(weight_total) for value in values[logged_before[name]:]]
+                values[logged_before[name]:] = [value / weight_total if weight_total > 0 else math.nan
+                                                for value in values[logged_before[name]:]]
         if "router_loss" in inputs:
             # GRPO logs it with gather_for_metrics, which at a training epoch's last batch keeps only the first
             # ``remainder`` values (counted in prompts): process 0's alone on two processes. Every process's counts.
