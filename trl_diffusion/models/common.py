@@ -219,6 +219,92 @@ class RotaryTables:
         return self._tables[dtype]
 
 
+class UnscaledRopeConfig:
+    """Config mixin (listed before ``PreTrainedConfig``) for the families' RoPE settings: unscaled rotary embeddings of
+    base ``rope_theta``, a top-level field as in the released ``config.json`` files (which the released modeling code
+    reads, and which the config keeps saving: ``rope_parameters`` is never written).
+
+    transformers 5 configs carry the base in ``rope_parameters`` (``{"rope_type": "default", "rope_theta": ...}``, no
+    top-level ``rope_theta``: ``Qwen3Config(...).to_dict()``, a ``config.json`` saved by transformers 5) and read
+    ``rope_scaling`` as its old name. Both keys are read here (``take_rope_keys``, called first by ``__post_init__``;
+    assigning either after construction, as ``from_pretrained(..., rope_scaling=...)`` does, goes through the same
+    check): a ``rope_theta`` in them is the base when the top-level one is unset (different values are an error
+    naming both), rope type ``"default"`` (``rope_type`` or ``type``) is no scaling, as null is, and any other rope
+    type, or a key that would change the rotation, is refused: the models have no scaled RoPE, which would otherwise
+    be ignored silently. ``config.rope_parameters`` reads ``{"rope_type": "default", "rope_theta": rope_theta}`` and
+    ``config.rope_scaling`` None (the released value)."""
+
+    def take_rope_keys(self, kwargs: dict, default_theta: float | None) -> None:
+        """Pop ``rope_parameters`` and ``rope_scaling`` from a ``__post_init__``'s ``kwargs``, check them and set
+        ``rope_theta`` (``default_theta``, the release's default, when none of them gives one)."""
+        given = {"rope_theta": self.rope_theta} if self.rope_theta is not None else {}
+        for key in ("rope_parameters", "rope_scaling"):
+            theta = self._unscaled_rope_theta(key, kwargs.pop(key, None))
+            if theta is not None:
+                given[f"{key}['rope_theta']"] = theta
+        if len({float(value) for value in given.values()}) > 1:
+            raise ValueError(f"{type(self).__name__}: {' and '.join(f'{k}={v!r}' for k, v in given.items())} differ; "
+                             "give the RoPE base once (transformers 5 writes rope_parameters, the released "
+                             "config.json files rope_theta).")
+        self.rope_theta = next(iter(given.values()), default_theta)
+
+    def _unscaled_rope_theta(self, key: str, value) -> float | None:
+        """The ``rope_theta`` of an unscaled ``rope_parameters`` / ``rope_scaling`` value (None when it has none, or is
+        null or empty); a ValueError naming ``key`` for anything else."""
+        if value is None:
+            return None
+        name = type(self).__name__
+        refused = f"{name}: rope_scaling is not supported (the released checkpoints use none): {key}={value!r}"
+        if not isinstance(value, dict):
+            raise ValueError(f"{refused} is not a dict of RoPE parameters.")
+        scaled = [value[k] for k in ("rope_type", "type") if value.get(k) not in (None, "default")]
+        if scaled:
+            raise ValueError(f"{refused} asks for rope type {scaled[0]!r}; only unscaled RoPE is supported "
+                             "(rope_type 'default', or null), with its base in rope_theta.")
+        neutral = {"rope_type": None, "type": None, "rope_theta": None, "partial_rotary_factor": (None, 1),
+                   "factor": (None, 1)}
+        extra = sorted(k for k, v in value.items() if k not in neutral or (neutral[k] and v not in neutral[k]))
+        if extra:
+            raise ValueError(f"{refused} sets {extra}, which unscaled RoPE (rope_type 'default') does not take; "
+                             "only rope_type and rope_theta are supported.")
+        theta = value.get("rope_theta")
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0):
+            raise ValueError(f"{name}: {key}['rope_theta'] must be a positive number, got {theta!r}.")
+        return theta
+
+    @property
+    def rope_parameters(self) -> dict:
+        """transformers 5's form of the settings, ``{"rope_type": "default", "rope_theta": rope_theta}`` (a new dict
+        each time: assign to change them). Not saved; ``config.json`` carries ``rope_theta``, as released."""
+        return {"rope_type": "default", "rope_theta": getattr(self, "rope_theta", None)}
+
+    @rope_parameters.setter
+    def rope_parameters(self, value) -> None:
+        theta = self._unscaled_rope_theta("rope_parameters", value)
+        if theta is not None:
+            self.rope_theta = theta
+
+    @property
+    def rope_scaling(self) -> None:
+        """None: the models have no RoPE scaling (the released ``config.json`` files say ``rope_scaling: null``).
+        Assigning null or an unscaled value is accepted (its ``rope_theta``, if any, sets ``rope_theta``)."""
+        return None
+
+    @rope_scaling.setter
+    def rope_scaling(self, value) -> None:
+        theta = self._unscaled_rope_theta("rope_scaling", value)
+        if theta is not None:
+            self.rope_theta = theta
+
+    def convert_rope_params_to_dict(self, **kwargs):
+        """``PreTrainedConfig.__post_init__``'s conversion of ``rope_theta`` / ``rope_scaling`` into a stored
+        ``rope_parameters``: ``take_rope_keys`` did the reading; ``rope_theta`` stays the top-level field."""
+        for key in ("rope_parameters", "rope_scaling"):  # only when a __post_init__ left them (it takes them first)
+            if key in kwargs:
+                setattr(self, key, kwargs.pop(key))
+        return kwargs
+
+
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, rope: RotaryTables, full_precision: bool, kernels: Kernels = EAGER
 ) -> tuple[torch.Tensor, torch.Tensor]:

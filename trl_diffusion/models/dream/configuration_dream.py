@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ..common import UnscaledRopeConfig
 from ..remote_code import CarryRemoteCodeConfig
 
 
-class DreamConfig(CarryRemoteCodeConfig, PreTrainedConfig):
+class DreamConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults follow the released ``configuration_dream.py``. ``model_type`` is ``"Dream"``
-    (capital D) as in the released ``config.json``."""
+    (capital D) as in the released ``config.json``. ``rope_theta`` (default 10000.0) may come from a transformers-5
+    ``rope_parameters`` instead; RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "Dream"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -26,7 +28,7 @@ class DreamConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     use_cache: bool = False
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None  # unset: rope_parameters' or 10000.0 (take_rope_keys)
     use_sliding_window: bool = False
     sliding_window: int | None = 4096
     max_window_layers: int = 28
@@ -41,9 +43,7 @@ class DreamConfig(CarryRemoteCodeConfig, PreTrainedConfig):
             self.num_key_value_heads = self.num_attention_heads
         if not self.use_sliding_window:
             self.sliding_window = None
-        if kwargs.get("rope_scaling") is not None:
-            raise ValueError("DreamConfig: rope_scaling is not supported (the released checkpoints use none).")
-        kwargs.pop("rope_scaling", None)
+        self.take_rope_keys(kwargs, default_theta=10000.0)
         super().__post_init__(**kwargs)
         if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
             self.auto_map = {}

@@ -10,15 +10,18 @@ from typing import Any, ClassVar
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
+from ..common import UnscaledRopeConfig
 from ..remote_code import CarryRemoteCodeConfig
 
 logger = logging.get_logger(__name__)
 
 
-class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
+class LLaDAConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults are those of the released ``configuration_llada.py`` (its ``ModelConfig``
     dataclass; note they are *not* the 8B values, which every ``config.json`` sets). ``num_attention_heads``,
-    ``num_hidden_layers`` and ``hidden_size`` read ``n_heads``, ``n_layers`` and ``d_model``."""
+    ``num_hidden_layers`` and ``hidden_size`` read ``n_heads``, ``n_layers`` and ``d_model``. The released
+    ``config.json`` has no ``rope_scaling``; ``rope_theta`` (default 10000.0) may come from a transformers-5
+    ``rope_parameters`` instead, and RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "llada"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -53,7 +56,7 @@ class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     rms_norm_eps: float = 1e-05
     attention_layer_norm_with_affine: bool = True
     max_sequence_length: int = 1024
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None  # unset: rope_parameters' or 10000.0 (take_rope_keys)
     include_qkv_bias: bool | None = False
     include_bias: bool = False
     bias_for_layer_norm: bool | None = None
@@ -83,6 +86,7 @@ class LLaDAConfig(CarryRemoteCodeConfig, PreTrainedConfig):
         return super().from_dict(config_dict, **kwargs)
 
     def __post_init__(self, **kwargs: Any):
+        self.take_rope_keys(kwargs, default_theta=10000.0)
         if self.architectures is None:
             self.architectures = ["LLaDAModelLM"]
         super().__post_init__(**kwargs)

@@ -13,6 +13,7 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.utils import logging
 
+from ..common import UnscaledRopeConfig
 from ..remote_code import CarryRemoteCodeConfig
 
 logger = logging.get_logger(__name__)
@@ -40,7 +41,7 @@ def is_llada_moe_config(config_dict: dict) -> bool:
     return bool(config_dict.get("num_experts")) or any("MoE" in str(a) for a in architectures)
 
 
-class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
+class LLaDAMoEConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names follow the released ``configuration_lladamoe.py`` (dllm's copy: ``LLaDAMoEConfig``; inclusionAI's
     dInfer copy: ``LLaDAConfig``). Its defaults are OLMoE's where they are values and ``-1`` where every
     ``config.json`` must set the field; those are ``None`` here (unset), and building a model needs them
@@ -54,8 +55,10 @@ class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
 
     The released router ignores ``norm_topk_prob``, ``moe_router_score_function``, ``routed_scaling_factor``,
     ``router_num_group`` and ``router_topk_group`` (softmax, top-k, no renormalisation, no scaling, no groups); they
-    are kept, ignored as well, with a warning when they ask for something else. ``rope_scaling`` other than null,
-    ``attention_bias=True`` and a ``hidden_act`` other than ``"silu"`` are refused.
+    are kept, ignored as well, with a warning when they ask for something else. RoPE scaling (``rope_scaling`` or a
+    ``rope_parameters`` of another rope type than ``"default"``), ``attention_bias=True`` and a ``hidden_act`` other
+    than ``"silu"`` are refused; ``rope_theta`` may come from a transformers-5 ``rope_parameters``
+    (``UnscaledRopeConfig``).
 
     ``output_router_logits`` (default ``False``, the released value): whether a forward that does not say returns the
     sparse layers' router logits and the auxiliary load-balancing loss ``aux_loss`` (the release's function,
@@ -106,9 +109,7 @@ class LLaDAMoEConfig(CarryRemoteCodeConfig, PreTrainedConfig):
 
     def __post_init__(self, **kwargs: Any):
         kwargs.pop("model_type", None)  # "llada" (released) or "lladamoe" (dllm): the class attribute says "llada"
-        if kwargs.get("rope_scaling") is not None:
-            raise ValueError("LLaDAMoEConfig: rope_scaling is not supported (the released checkpoints use none).")
-        kwargs.pop("rope_scaling", None)
+        self.take_rope_keys(kwargs, default_theta=None)  # rope_theta, or rope_parameters' (no default: required)
         head_dim = kwargs.pop("head_dim", None)  # not a field of the release (it uses hidden_size // heads)
         for field in _REQUIRED + ("dense_intermediate_size", "expert_intermediate_size"):
             if getattr(self, field) == -1:  # the released class's "unset"

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from transformers import PreTrainedConfig
 
+from ..common import UnscaledRopeConfig
 from ..remote_code import CarryRemoteCodeConfig
 
 
-class SDARConfig(CarryRemoteCodeConfig, PreTrainedConfig):
+class SDARConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults follow the released ``configuration_sdar.py`` (the Qwen3 config of transformers
     4.52); ``block_size`` and ``mask_token_id`` come from the released ``config.json``. Other released extras
     (``fuse_cross_entropy``, ``debug``, ``ep_size``, ``micro_forward``, ``skip_checkpoint``, ``use_deepep``) are
-    accepted and kept as attributes."""
+    accepted and kept as attributes. ``rope_theta`` (default 10000.0) may come from a transformers-5
+    ``rope_parameters`` instead; RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "sdar"
     keys_to_ignore_at_inference = ["past_key_values"]
@@ -29,7 +31,7 @@ class SDARConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     rms_norm_eps: float = 1e-6
     use_cache: bool = True
     tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
+    rope_theta: float | None = None  # unset: rope_parameters' or 10000.0 (take_rope_keys)
     attention_bias: bool = False
     use_sliding_window: bool = False
     sliding_window: int | None = 4096
@@ -44,9 +46,7 @@ class SDARConfig(CarryRemoteCodeConfig, PreTrainedConfig):
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
-        if kwargs.get("rope_scaling") is not None:
-            raise ValueError("SDARConfig: rope_scaling is not supported (the released checkpoints use none).")
-        kwargs.pop("rope_scaling", None)
+        self.take_rope_keys(kwargs, default_theta=10000.0)
         self.check_buildable()
         super().__post_init__(**kwargs)
         if not hasattr(self, "auto_map"):  # TRL's create_model_from_path reads config.auto_map
