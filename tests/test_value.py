@@ -336,6 +336,27 @@ def test_logged_value_statistics_and_advantages_equal_a_hand_computation(tmp_pat
     assert metrics["value/mean"][-1] == pytest.approx(v.mean().item(), rel=1e-4)
 
 
+@pytest.mark.parametrize("family", ["sdar", "llada"])
+def test_value_optimizer_groups_weight_decay_as_the_policy_optimizer(tmp_path, family):
+    # one AdamW group at weight_decay pulled the value model's norm weights and biases towards 0; the policy's
+    # optimizer (transformers' Trainer) leaves them out of weight decay
+    trainer = make_trainer(tmp_path, family, weight_decay=0.1)
+    trainer.create_optimizer()
+    names = {id(p): n for n, p in trainer.value_model.named_parameters()}
+
+    def decay_of(optimizer, model):
+        lookup = {id(p): n for n, p in model.named_parameters()}
+        return {lookup[id(p)]: group["weight_decay"] for group in optimizer.param_groups for p in group["params"]}
+
+    value_decay = decay_of(trainer.value_optimizer, trainer.value_model)
+    policy_decay = {name: decay for name, decay in decay_of(trainer.optimizer, trainer.model).items()
+                    if not name.startswith(("lm_head", "model.transformer.ff_out"))}  # the value model has a head
+    assert len(value_decay) == len(names)
+    assert {name: decay for name, decay in value_decay.items() if not name.startswith("value_head")} == policy_decay
+    assert value_decay["value_head.weight"] == 0.1
+    assert {decay for name, decay in value_decay.items() if "norm" in name} == {0.0}
+
+
 def test_value_model_must_match_the_policy(tmp_path):
     policy = tiny_model("sdar").train()
     with pytest.raises(ValueError, match="mask_token_id"):

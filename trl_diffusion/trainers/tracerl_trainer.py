@@ -552,10 +552,14 @@ class TraceRLTrainer(GRPOTrainer):
             disable_dropout_in_model(value_model)
         apply_fused_kernels(args.fused_kernels, value_model)
         self.value_model = self.accelerator.prepare_model(value_model)
-        params = [p for p in self.value_model.parameters() if p.requires_grad]
-        self.value_optimizer = torch.optim.AdamW(params, lr=args.value_learning_rate,
-                                                 betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
-                                                 weight_decay=args.weight_decay)
+        # the policy optimizer's parameter groups (transformers' Trainer): no weight decay on norms and biases
+        decayed = set(self.get_decay_parameter_names(self.value_model))
+        named = [(name, p) for name, p in self.value_model.named_parameters() if p.requires_grad]
+        groups = [{"params": [p for name, p in named if name in decayed], "weight_decay": args.weight_decay},
+                  {"params": [p for name, p in named if name not in decayed], "weight_decay": 0.0}]
+        self.value_optimizer = torch.optim.AdamW([group for group in groups if group["params"]],
+                                                 lr=args.value_learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                                 eps=args.adam_epsilon)
 
     def _token_values(self, prompt_ids, prompt_mask, canvas_ids, unmask_step) -> tuple[torch.Tensor, torch.Tensor]:
         settings, unwrapped = self.estimator_settings, self.accelerator.unwrap_model(self.value_model)
