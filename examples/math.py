@@ -51,6 +51,7 @@ from trl_diffusion.cli import (
     setting_errors,
 )
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
+from trl_diffusion.rewards import gold_text
 
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
@@ -110,7 +111,7 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
         if gold is None or (isinstance(gold, float) and math.isnan(gold)):
             gold = None  # no gold: the reward gives None and TRL leaves the row out ("None" would be an answer)
         else:
-            gold = str(gold)
+            gold = gold_text(gold)  # 1e-05 as 0.00001: math-verify reads the e of "1e-05" as Euler's number
             gold = gold.split("####")[-1].strip() if "####" in gold else gold
         if isinstance(row[question], list):  # conversational: [{"role": ..., "content": ...}, ...]
             if prompt_template is not None:
@@ -120,7 +121,11 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
             last_user = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=None)
             if last_user is None:
                 raise ValueError(f"{name}: a {question!r} conversation without a user message: {messages}")
-            messages[last_user]["content"] += INSTRUCTION
+            content = messages[last_user]["content"]
+            if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
+                messages[last_user]["content"] = [*content, {"type": "text", "text": INSTRUCTION}]
+            else:
+                messages[last_user]["content"] = content + INSTRUCTION
             return {"prompt": messages, "answer": gold}
         if prompt_template is not None:
             return {"prompt": prompt_template.replace("{question}", row[question]), "answer": gold}

@@ -99,3 +99,27 @@ def test_a_reward_class_or_factory_is_refused_before_loading(capsys, tmp_path, r
     parser = load_example("math").make_parser()
     line = error_line(capsys, parser, ["--dataset_name", str(data), "--reward_funcs", reward])
     assert message in line and "did you mean math_reward?" not in line
+
+
+def test_math_dataset_float_answers_are_scored_as_the_numbers_they_are(tmp_path):
+    """A float answer column (parquet / JSON numbers): str() wrote 1e-05, which math-verify reads with e = Euler's
+    number, so the right answer 0.00001 scored 0 (and 'e - 5' scored 1)."""
+    from trl_diffusion.rewards import math_accuracy_reward
+
+    path = tmp_path / "floats.jsonl"
+    path.write_text("\n".join(json.dumps({"question": q, "answer": a})
+                              for q, a in [("tiny?", 1e-05), ("huge?", 1e16), ("plain?", 18.0)]))
+    golds = list(load_example("math").math_dataset(str(path), None, "train")["answer"])  # datasets keeps floats
+    right = [r"\boxed{0.00001}", r"\boxed{10000000000000000}", r"\boxed{18}"]
+    assert math_accuracy_reward(right, answer=golds) == [1.0, 1.0, 1.0]
+    assert math_accuracy_reward([r"\boxed{e - 5}"], answer=[1e-05]) == [0.0]
+
+
+def test_math_dataset_appends_the_instruction_to_content_parts(tmp_path):
+    """A user message whose content is a list of parts ({"type": "text", ...}): `content += INSTRUCTION` failed."""
+    path = tmp_path / "parts.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": [{"type": "text", "text": "What is 1+1?"}]}],
+                                "answer": "2"}))
+    math = load_example("math")
+    content = math.math_dataset(str(path), None, "train")[0]["prompt"][0]["content"]
+    assert content == [{"type": "text", "text": "What is 1+1?"}, {"type": "text", "text": math.INSTRUCTION}]

@@ -22,7 +22,10 @@ answer such as ``\\boxed{9^{9^{9^9}}}`` would otherwise hang the caller for good
 
 from __future__ import annotations
 
+import decimal
 import logging
+import math
+import numbers
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -36,12 +39,23 @@ __all__ = [
     "MathAccuracyReward",
     "OfficialMathReward",
     "extract_gold_answer",
+    "gold_text",
     "make_official_math_reward",
     "math_accuracy_reward",
     "official_math_reward",
 ]
 
 _GSM8K_MARK = "####"
+
+
+def gold_text(value: Any) -> str:
+    """A gold answer field as text: ``str(value)``, except that a finite non-integer number (a float column of a
+    parquet / JSON file, a numpy float) is written positionally: Python writes ``1e-05`` and ``1e+16``, which
+    math-verify reads with ``e`` as Euler's number (so ``0.00001`` scored 0 against the gold ``1e-05``)."""
+    if (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
+            and math.isfinite(value) and "e" in str(value).lower()):
+        return format(decimal.Decimal(str(value)), "f")
+    return str(value)
 
 
 def extract_gold_answer(answer: Any = None, solution: Any = None) -> str | None:
@@ -54,7 +68,7 @@ def extract_gold_answer(answer: Any = None, solution: Any = None) -> str | None:
     """
     for field in (answer, solution):
         missing = field is None or (isinstance(field, float) and field != field)  # NaN: a missing value, not "nan"
-        text = "" if missing else str(field).strip()
+        text = "" if missing else gold_text(field).strip()
         if not text:
             continue
         boxed = last_boxed_content(text)
