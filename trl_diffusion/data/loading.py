@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from datasets import Dataset, load_dataset
+from datasets import Dataset, IterableDataset, load_dataset
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 """File names read as a local dataset file rather than a Hub name (compared in lower case)."""
@@ -25,21 +25,45 @@ def check_local_file_type(name: str) -> None:
                          "datasets.load_dataset('csv', data_files=...)['train'].to_json('data.jsonl')).")
 
 
+ROW_COLUMNS = frozenset({
+    "text", "prompt", "completion", "messages", "conversations", "chosen", "rejected",  # TRL's formats
+    "input_ids", "prompt_ids", "completion_ids", "unmask_step", "reward",  # tokenized rows, value trajectories
+    "question", "problem", "answer", "ground_truth_answer",  # eval's formats
+    "test", "test_list", "test_method", "entry_point",
+})
+"""Columns that make a JSON object a row of its own (compared in lower case), never a wrapper of rows:
+``{"prompt": ..., "tools": [{...}]}`` is one row, ``{"version": 1, "data": [{...}, ...]}`` wraps two."""
+
+
 def wrapped_rows_key(data: object) -> str | None:
     """The key of ``{"<key>": [{...}, ...]}``: a JSON object whose one non-empty list of objects holds the rows (None
-    for anything else). ``trl-diffusion eval`` reads such files as their rows, and so does training."""
+    for anything else). :func:`rows_wrapper_key` decides whether such an object wraps a file's rows."""
     if not isinstance(data, dict):
         return None
     keys = [k for k, v in data.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
     return keys[0] if len(keys) == 1 else None
 
 
+def rows_wrapper_key(data: object) -> str | None:
+    """The key of the rows when the JSON object ``data`` (a whole ``.json`` file, or the one line of a ``.jsonl``
+    file) wraps a file's rows: ``{"rows": [{...}, ...]}``, also beside metadata (``{"version": 1, "data": [...]}``).
+    None for an object that is itself a row: one with no single list of objects (:func:`wrapped_rows_key`), one
+    whose list holds chat messages (a ``messages`` column), or one with a column of a row (:data:`ROW_COLUMNS`: a
+    ``tools`` column holds objects too). ``trl-diffusion eval`` and training read a file with this one rule."""
+    key = wrapped_rows_key(data)
+    if key is None or all({"role", "content"} <= set(row) for row in data[key]):
+        return None
+    if any(str(other).lower() in ROW_COLUMNS for other in data if other != key):
+        return None
+    return key
+
+
 def _rows_field(path: str) -> str | None:
-    """For a ``.json`` file that wraps its rows in one object, ``{"<key>": [{...}, ...]}`` and nothing else, the key
-    (``load_dataset``'s ``field``): without it the file loaded as one row whose only column was that list. Only a
-    file that opens with an object which is not complete on its first line (not JSON lines) is parsed whole to find
-    out; a list or JSON lines are left to ``datasets`` (and its cache) unread. An object with other keys is one row
-    (a ``tools`` or ``messages`` column holds objects too), and so is one whose list holds chat messages."""
+    """For a ``.json`` / ``.jsonl`` file that is one object wrapping its rows (:func:`rows_wrapper_key`), the key
+    (``load_dataset``'s ``field``): without it the file loaded as one row whose columns were that list and the
+    metadata beside it. Only a file that opens with an object which is not complete on its first line, or a file of
+    one line, is parsed whole to find out; a list or JSON lines of several rows are left to ``datasets`` (and its
+    cache) unread."""
     with open(path, encoding="utf-8-sig", errors="replace") as handle:  # -sig: a byte-order mark is not text
         lines = (line for line in handle if line.strip())
         first, second = next(lines, ""), next(lines, None)
@@ -55,9 +79,9 @@ def _rows_field(path: str) -> str | None:
                 data = json.load(handle)
         except (json.JSONDecodeError, UnicodeDecodeError):
             return None  # not one JSON document: datasets' error
-    key = wrapped_rows_key(data)
-    if key is None or len(data) != 1 or all({"role", "content"} <= set(row) for row in data[key]):
-        return None  # a row with a list-of-objects column (tools, messages) is a row, not a wrapper
+    key = rows_wrapper_key(data)
+    if key is None:
+        return None
     with open(path, "rb") as handle:
         if handle.read(3) == b"\xef\xbb\xbf":  # datasets' reader of a wrapped file fails on a byte-order mark
             raise ValueError(f"{path} wraps its rows in {{{key!r}: [...]}} and starts with a UTF-8 byte-order mark, "
@@ -70,8 +94,9 @@ def load_training_dataset(name: str, config: str | None = None, split: str = "tr
     """``name`` is a local ``.json`` / ``.jsonl`` / ``.parquet`` file or a Hub dataset. A local file is one split,
     ``train``: ``split`` may slice it (``"train[:1000]"``), another split name is ``datasets``' error, and a
     ``config`` is refused (a local file has none). A local path may start with ``~``; a ``.json`` file may hold a
-    list of rows, JSON lines, or one object wrapping the rows (``{"rows": [...]}``). Another existing file is
-    refused (``check_local_file_type``)."""
+    list of rows, JSON lines, or one object wrapping the rows (``{"rows": [...]}``, also beside metadata:
+    ``{"version": 1, "data": [...]}``; a ``.jsonl`` file of that one object too), read as ``trl-diffusion eval``
+    reads them (:func:`rows_wrapper_key`). Another existing file is refused (``check_local_file_type``)."""
     if is_local_file_name(name):
         if config is not None:
             raise ValueError(f"dataset_config={config!r} was given with the local file {name!r}, which has no "
@@ -79,7 +104,15 @@ def load_training_dataset(name: str, config: str | None = None, split: str = "tr
         path = os.path.expanduser(name)
         if name.lower().endswith(".parquet"):
             return load_dataset("parquet", data_files=path, split=split)
-        field = _rows_field(path) if name.lower().endswith(".json") and os.path.isfile(path) else None
+        field = _rows_field(path) if os.path.isfile(path) else None
         return load_dataset("json", data_files=path, split=split, **({"field": field} if field else {}))
     check_local_file_type(name)
     return load_dataset(name, config, split=split)
+
+
+def column_names(dataset: Dataset | IterableDataset) -> list[str]:
+    """A dataset's columns; a stream that does not declare them (``IterableDataset.from_generator``) shows its first
+    example's keys (none when it is empty)."""
+    if dataset.column_names is not None:
+        return list(dataset.column_names)
+    return list(next(iter(dataset), None) or ())

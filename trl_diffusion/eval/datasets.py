@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..data.loading import LOCAL_SUFFIXES, wrapped_rows_key
+from ..data.loading import LOCAL_SUFFIXES, rows_wrapper_key
 from ..rewards import build_tests, extract_gold_answer
 from ..rewards.dllm_rl_code import as_string_list, stdio_test
 
@@ -236,14 +236,14 @@ def _read_local(path: Path) -> list[dict]:
         import pyarrow.parquet as pq
 
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    text = path.read_text(encoding="utf-8-sig")  # -sig: a byte-order mark is not text (as training reads files)
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
         data = _json_lines(path, text)
-    if isinstance(data, dict):  # {"rows": [...]}, or a single problem (a one-line JSON lines file)
-        key = wrapped_rows_key(data)
-        data = data[key] if key is not None and not _is_problem(data) else [data]
+    if isinstance(data, dict):  # {"rows": [...]} (with metadata or not), or a single problem (one JSON line)
+        key = rows_wrapper_key(data)  # the rule training reads files with (data/loading.py)
+        data = data[key] if key is not None else [data]
     if not isinstance(data, list) or not all(isinstance(r, dict) for r in data):
         raise ValueError(f"{path} must hold a list of JSON objects (one per problem).")
     return data
@@ -265,15 +265,6 @@ def _json_lines(path: Path, text: str) -> list[dict]:
                              f"{type(row).__name__}.")
         rows.append(row)
     return rows
-
-
-def _is_problem(row: dict) -> bool:
-    """Whether one JSON object is itself a problem in a known format (it may hold a list of objects, e.g. hints)."""
-    try:
-        detect_format(row)
-    except ValueError:
-        return False
-    return True
 
 
 def _read_hub(repo: str, config: str | None, split: str) -> list[dict]:

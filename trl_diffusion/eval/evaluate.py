@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -383,11 +384,11 @@ def evaluate(
 
     ``config`` fields can be overridden by keyword (``evaluate(dataset="gsm8k", num_samples=4)``). ``model`` is a
     loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
-    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset`` / list of dicts) in a
-    known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics``
-    (``accuracy``, ``pass@k``..., ``avg_length``, ``clipped_ratio``, ``tokens_per_step``, ``throughput_tokens_per_s``,
-    ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the
-    resolved sampler settings), ``samples_file``, ``metrics_file``.
+    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset``, ``pandas.DataFrame``
+    or a list of dicts) in a known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``,
+    ``num_samples``, ``metrics`` (``accuracy``, ``pass@k``..., ``avg_length``, ``clipped_ratio``, ``tokens_per_step``,
+    ``throughput_tokens_per_s``, ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for
+    math), ``generation`` (the resolved sampler settings), ``samples_file``, ``metrics_file``.
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     _check_single_process()
@@ -537,10 +538,15 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
         return (*load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
                                     config.max_problems, config.prompt_template, config.apply_chat_template), None)
     if isinstance(dataset, Mapping):  # iterating one would give its keys: split or column names
-        raise TypeError(f"dataset must be rows (a datasets.Dataset, or a list of dicts or EvalProblems), got a "
-                        f"{type(dataset).__name__} with keys {sorted(map(str, dataset))[:8]}: pass one split "
-                        "(dataset['test']) of a DatasetDict, or datasets.Dataset.from_dict(columns) for columns.")
-    rows = list(dataset)
+        raise TypeError(f"dataset must be rows (a datasets.Dataset or pandas.DataFrame, or a list of dicts or "
+                        f"EvalProblems), got a {type(dataset).__name__} with keys {sorted(map(str, dataset))[:8]}: "
+                        "pass one split (dataset['test']) of a DatasetDict, or datasets.Dataset.from_dict(columns) "
+                        "for columns.")
+    pandas = sys.modules.get("pandas")  # a DataFrame exists only once pandas is imported
+    if pandas is not None and isinstance(dataset, pandas.DataFrame):
+        rows = dataset.to_dict("records")  # its rows (iterating one gives its column names)
+    else:
+        rows = list(dataset)
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
     if not problems:
         raise ValueError("the dataset has no problems.")

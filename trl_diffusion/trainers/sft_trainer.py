@@ -35,6 +35,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
+from ..data.loading import column_names
 from ..full_save import save_model_whole
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
@@ -252,11 +253,6 @@ class DiffusionDataCollator:
         return batch
 
 
-def _column_names(dataset: Dataset | IterableDataset) -> list[str]:
-    """A dataset's columns; a streamed dataset that does not declare them shows its first example's keys."""
-    return dataset.column_names or list(next(iter(dataset)).keys())
-
-
 def _starts(lengths: list[int]) -> list[int]:
     """Where each of consecutive parts of these ``lengths`` starts."""
     return [sum(lengths[:i]) for i in range(len(lengths))]
@@ -443,7 +439,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             return
         if not isinstance(dataset, Dataset | IterableDataset):
             return
-        columns = set(_column_names(dataset))
+        columns = set(column_names(dataset))
         usable = (
             "input_ids" in columns
             or {"prompt", "completion"} <= columns
@@ -503,6 +499,14 @@ class DiffusionSFTTrainer(SFTTrainer):
             # by identity: a user's own `sample_index` column is no sign of it.
             return dataset
         self._check_columns(dataset, args, formatting_func, dataset_name)
+        if isinstance(dataset, Dataset | IterableDataset):
+            columns = column_names(dataset)
+            if "seq_lengths" in columns and "input_ids" not in columns:
+                # `seq_lengths` marks packed rows (TRL's packing writes it; the collator keeps each document apart):
+                # on rows not tokenized yet it is a column of the user's, not lengths of these rows' documents. TRL's
+                # collator reads it only with padding_free (and packing drops it); here it would make every row a
+                # packed one, so it is dropped, as a column SFT does not read.
+                dataset = dataset.remove_columns("seq_lengths")
         max_length = args.max_length
         steps = args.diffusion_objective == "trajectory"
         if args.overlong_policy == "error" or packing or steps:

@@ -15,12 +15,13 @@ from functools import partial
 from typing import Any
 
 import torch
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from transformers import AutoTokenizer
 from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
+from ..data.loading import column_names
 from ..full_save import save_model_whole
 from ..model_card import card_dataset_name, finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
@@ -73,9 +74,10 @@ class DiffusionValueTrainer(_BaseTrainer):
     # not divide it by the accumulation steps again (batch 1 x accumulation 2 trains as batch 2)
     loss_is_scaled_for_ga = True
 
-    def __init__(self, model, args: DiffusionValueConfig | None = None, train_dataset: Dataset | None = None,
-                 eval_dataset: Dataset | dict[str, Dataset] | None = None, processing_class=None, callbacks=None,
-                 optimizers=(None, None)):
+    def __init__(self, model, args: DiffusionValueConfig | None = None,
+                 train_dataset: Dataset | IterableDataset | None = None,
+                 eval_dataset: Dataset | IterableDataset | dict[str, Dataset | IterableDataset] | None = None,
+                 processing_class=None, callbacks=None, optimizers=(None, None)):
         model = model_argument(model, processing_class, type(self).__name__)
         if isinstance(model, str):
             model = DiffusionValueModel.load(model, dtype=torch.float32)  # as TRL loads a model path
@@ -92,11 +94,11 @@ class DiffusionValueTrainer(_BaseTrainer):
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
                           vocab_size=model.get_input_embeddings().num_embeddings,
                           max_positions=max_positions(model.config))
-        train_dataset = prepare(train_dataset) if train_dataset is not None else None
-        if isinstance(eval_dataset, dict):
-            eval_dataset = {k: prepare(v) for k, v in eval_dataset.items()}
+        train_dataset = prepare(train_dataset, name="train_dataset") if train_dataset is not None else None
+        if isinstance(eval_dataset, dict):  # named eval sets (a DatasetDict too), as in transformers
+            eval_dataset = {k: prepare(v, name=f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
         elif eval_dataset is not None:
-            eval_dataset = prepare(eval_dataset)
+            eval_dataset = prepare(eval_dataset, name="eval_dataset")
         self._prepare_trajectories = prepare
         stop = _stop_token_ids(processing_class, model) if args.truncate_at_eos else None
         collator = TrajectoryCollator(processing_class.pad_token_id or 0, stop)
@@ -150,10 +152,10 @@ class DiffusionValueTrainer(_BaseTrainer):
             self._signature_columns = list(TRAJECTORY_COLUMNS)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        if isinstance(eval_dataset, Dataset) and eval_dataset not in _PREPARED:
-            # a dataset passed to evaluate(): checked as the trainer's own are (a `prompt_ids` column is an input
-            # column, no sign that the rows were checked)
-            eval_dataset = self._prepare_trajectories(eval_dataset)
+        if eval_dataset is not None and not isinstance(eval_dataset, str) and not _is_prepared(eval_dataset):
+            # a dataset passed to evaluate(), streamed or not: tokenized and checked as the trainer's own are (a
+            # `prompt_ids` column is an input column, no sign that the rows were checked); another type is refused
+            eval_dataset = self._prepare_trajectories(eval_dataset, name="eval_dataset")
         return super().get_eval_dataloader(eval_dataset)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -221,13 +223,24 @@ def _check_integers(index: int, name: str, values: list, low: int, high: int | N
             raise ValueError(f"row {index}: {name!r}[{column}] must be an integer {bound}, got {value!r}.")
 
 
-def _prepare_dataset(dataset: Dataset, tokenizer, chat_template_kwargs: dict | None = None,
-                     vocab_size: int | None = None, max_positions: int | None = None) -> Dataset:
-    """Check the columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
+def _is_prepared(dataset: Any) -> bool:
+    """Whether ``_prepare_dataset`` returned ``dataset`` (a list or DataFrame is not weak-referenceable: never)."""
+    return isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED
+
+
+def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_template_kwargs: dict | None = None,
+                     vocab_size: int | None = None, max_positions: int | None = None,
+                     name: str = "train_dataset") -> Dataset | IterableDataset:
+    """Check the type and columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
     ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths and that ids are
     integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty and prompt + completion
-    fit in ``max_positions``, as for a rollout (a value model fit on trajectories no rollout can produce)."""
-    columns = set(dataset.column_names)
+    fit in ``max_positions``, as for a rollout (a value model fit on trajectories no rollout can produce). A stream
+    (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error."""
+    if not isinstance(dataset, Dataset | IterableDataset):  # TRL's error (a DatasetDict: pick a split)
+        hint = ("pick one split, e.g. dataset['train']" if isinstance(dataset, dict) else
+                "convert rows with datasets.Dataset.from_list(rows) or a DataFrame with Dataset.from_pandas(frame)")
+        raise TypeError(f"`{name}` must be a `Dataset` or `IterableDataset`, got `{type(dataset).__name__}`: {hint}.")
+    columns = set(column_names(dataset))
     missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
     if missing or not columns & {"prompt", "prompt_ids"}:
         raise ValueError(f"a value dataset needs 'prompt' or 'prompt_ids', 'completion_ids', 'unmask_step' and "
