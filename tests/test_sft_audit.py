@@ -206,3 +206,26 @@ def test_truncated_trajectory_rows_keep_the_steps_of_the_tokens_kept(truncation_
     assert len(row["input_ids"]) == len(row["unmask_step"]) == max_length
     kept = [step for step, label in zip(row["unmask_step"], row["labels"]) if label != IGNORE_INDEX]
     assert kept == (steps[:5] if truncation_mode == "keep_start" else steps[-max_length:])
+
+
+def test_a_micro_batch_that_scores_no_token_logs_no_entropy_or_accuracy(tmp_path, monkeypatch):
+    """Low mask ratios on one-letter answers: some micro-batches mask nothing. Their entropy and accuracy were
+    logged as 0.0 and averaged in (logged entropy 1.47 for 3.93 over the micro-batches that scored a token)."""
+    seen = []
+    log_metrics = DiffusionSFTTrainer._log_metrics
+
+    def recording(self, mode, inputs, scores, counted=True):
+        seen.append((mode, int(scores.scored.sum()), float(scores.entropy.sum()), int(scores.is_top1.sum())))
+        return log_metrics(self, mode, inputs, scores, counted)
+
+    monkeypatch.setattr(DiffusionSFTTrainer, "_log_metrics", recording)
+    pairs = [(a, b) for a, b in zip("acegikmo", "bdfhjlnp")]
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), processing_class=TOKENIZER, train_dataset=conversational(pairs),
+                                  args=config(tmp_path, per_device_train_batch_size=1, gradient_accumulation_steps=8,
+                                              mask_ratio_range=[0.05, 0.3], learning_rate=0.0))
+    trainer.train()
+    scored = [(count, entropy, correct) for mode, count, entropy, correct in seen if mode == "train" and count > 0]
+    assert 0 < len(scored) < len(seen)  # some micro-batches masked nothing
+    logged = trainer.state.log_history[0]
+    assert logged["entropy"] == pytest.approx(sum(e / n for n, e, _ in scored) / len(scored), rel=1e-5)
+    assert logged["mean_token_accuracy"] == pytest.approx(sum(c / n for n, _, c in scored) / len(scored), abs=1e-6)

@@ -674,13 +674,15 @@ class DiffusionSFTTrainer(SFTTrainer):
         entropy = gather(scores.entropy.detach().sum() * keep).sum()
         correct = gather(scores.is_top1.sum() * keep).sum()
         metrics = self._metrics[mode]
-        metrics["entropy"].append((entropy / num_scored).item() if num_scored > 0 else 0.0)
-        metrics["mean_token_accuracy"].append((correct / num_scored).item() if num_scored > 0 else 0.0)
+        if num_scored > 0:  # a mask draw can mask nothing: no mean to log (a 0 would be averaged in by `log`)
+            metrics["entropy"].append((entropy / num_scored).item())
+            metrics["mean_token_accuracy"].append((correct / num_scored).item())
         metrics["scored_tokens"].append(num_scored.item())
         if scores.aux_loss is not None:  # SFTTrainer's `aux_loss`: the mean of the processes' load-balancing losses
             pooled = gather(torch.stack([scores.aux_loss.detach().float(), torch.ones_like(scores.aux_loss)]) * keep)
             pooled = pooled.view(-1, 2).sum(0)
-            metrics["aux_loss"].append((pooled[0] / pooled[1]).item() if pooled[1] > 0 else 0.0)
+            if pooled[1] > 0:
+                metrics["aux_loss"].append((pooled[0] / pooled[1]).item())
         if mode == "train":
             if "attention_mask" in inputs:
                 tokens = inputs["attention_mask"].sum()
