@@ -193,16 +193,40 @@ class DiffusionValueTrainer(_BaseTrainer):
             loss = self.compute_loss(model, inputs)
         return loss.detach(), None, None
 
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Trainer's loop; the value statistics of the evaluated rows join its metrics under ``metric_key_prefix``
+        (``eval_value/explained_variance``; ``eval_<name>_value/...`` for a named eval set), so ``evaluate()`` returns
+        them and ``metric_for_best_model`` can name them."""
+        self._value_stats["eval"] = None
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        stats, self._value_stats["eval"] = self._value_stats["eval"], None
+        if stats is not None:
+            output.metrics.update({f"{metric_key_prefix}_value/{name}": number
+                                   for name, number in summarize_value_statistics(stats).items()})
+        return output
+
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        mode = "train" if self.model.training else "eval"
         metrics = {}
-        if self._value_stats[mode] is not None:
+        if self.model.training and self._value_stats["train"] is not None:  # evaluation_loop reports eval's
             metrics = {f"value/{name}": number
-                       for name, number in summarize_value_statistics(self._value_stats[mode]).items()}
-        if mode == "eval":
-            metrics = {f"eval_{k}": v for k, v in metrics.items()}
+                       for name, number in summarize_value_statistics(self._value_stats["train"]).items()}
+            self._value_stats["train"] = None
         super().log({**logs, **metrics}, start_time)
-        self._value_stats[mode] = None
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """``include_num_input_tokens_seen``: a batch's tokens are its prompts' and canvases' (Trainer looks for
+        ``input_ids``, which a trajectory batch does not have, and counted 0); ``non_padding`` leaves out the
+        padding of both."""
+        setting = self.args.include_num_input_tokens_seen
+        if setting == "no":
+            return
+        if setting == "non_padding":
+            tokens = inputs["prompt_mask"].sum() + inputs["completion_mask"].sum()
+        else:
+            tokens = torch.tensor(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel())
+        tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
+        self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
 
 
 def _stop_token_ids(tokenizer, model) -> list[int]:
