@@ -31,7 +31,7 @@ def count_calls(trainer: TraceRLTrainer) -> list:
 
 def test_value_optimizer_keeps_a_constant_rate_and_trls_adamw_settings(tmp_path):
     """value.md: the value model's AdamW uses `value_learning_rate`, constant (`lr_scheduler_type` and warm-up apply
-    to the policy only), with TRL's betas / eps / weight decay."""
+    to the policy only), with TRL's betas / eps / weight decay (the policy optimizer's groups)."""
     trainer = make_trainer(tmp_path, lr_scheduler_type="linear", warmup_steps=1, max_steps=3, adam_beta1=0.8,
                            adam_beta2=0.95, adam_epsilon=1e-6, weight_decay=0.05, value_learning_rate=3e-3)
     steps = count_calls(trainer)
@@ -39,10 +39,12 @@ def test_value_optimizer_keeps_a_constant_rate_and_trls_adamw_settings(tmp_path)
     assert len(steps) == 3  # one value step per generation batch here, so three value updates were taken
     policy_lrs = [log["learning_rate"] for log in trainer.state.log_history if "learning_rate" in log]
     assert len(set(policy_lrs)) > 1  # the policy's schedule did move
-    (group,) = trainer.value_optimizer.param_groups
-    assert group["lr"] == 3e-3
-    assert group["betas"] == (0.8, 0.95)
-    assert group["eps"] == 1e-6 and group["weight_decay"] == 0.05
+    decayed, not_decayed = trainer.value_optimizer.param_groups  # as the policy's: no decay on norms and biases
+    for group in (decayed, not_decayed):
+        assert group["lr"] == 3e-3
+        assert group["betas"] == (0.8, 0.95)
+        assert group["eps"] == 1e-6
+    assert decayed["weight_decay"] == 0.05 and not_decayed["weight_decay"] == 0.0
 
 
 @pytest.mark.parametrize(("value_batch_size", "expected"), [(None, 2), (256, 1)])

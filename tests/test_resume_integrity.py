@@ -313,3 +313,15 @@ def test_two_processes_resume_refuse_and_opt_out_together(tmp_path):
     assert "another process's rollout state is incomplete" in output, output[-3000:]
     assert succeeded(launch_two(tmp_path, 2, resume=checkpoint, resume_without_rollout_state=True))
     assert logged_steps(tmp_path) == [1, 2]
+
+
+def test_a_value_optimizer_saved_with_one_parameter_group_is_refused_clearly(checkpoints, tmp_path):
+    """Checkpoints from before the value optimizer took the policy's weight-decay groups hold one group: PyTorch's
+    bare 'different number of parameter groups' aborted the resume; the error names the file and the cause."""
+    checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)
+    state = torch.load(checkpoint / "value_state.pt", weights_only=False)
+    groups = state["optimizer"]["param_groups"]
+    state["optimizer"]["param_groups"] = [{**groups[0], "params": [p for g in groups for p in g["params"]]}]
+    torch.save(state, checkpoint / "value_state.pt")
+    with pytest.raises(ValueError, match=r"value_state.pt holds a value optimizer with 1 parameter group\(s\)"):
+        tracerl(tmp_path / "value", 2, value=True).train(resume_from_checkpoint=str(checkpoint))

@@ -604,3 +604,27 @@ def test_token_metrics_of_a_micro_batch_without_trained_tokens_are_left_out_of_t
     assert len(seen) == 16 and len(empty) == 8  # two of the four groups are outside the accuracy band
     assert all(math.isnan(entropy) and math.isnan(kl) for entropy, kl in empty)
     assert trainer.state.log_history[0]["entropy"] == pytest.approx(sum(trained) / len(trained), rel=1e-6)
+
+
+def test_sequence_level_clip_ratios_are_means_over_the_kept_rows(tmp_path):
+    """importance_sampling_level="sequence": TRL's clip ratios are means over every row of the micro-batch, and a
+    filtered row (ratio 1, never clipped) only added to the count: a micro-batch with one of its two rows kept logged
+    0.5 for a clipped kept row, one with none kept logged 0. Now 1.0 and NaN."""
+    args = TraceRLConfig(**base_config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=8,
+                                       steps_per_generation=8, dynamic_group_filtering="accuracy_band",
+                                       importance_sampling_level="sequence", loss_type="grpo", num_iterations=2,
+                                       max_steps=2, epsilon=0.001, learning_rate=0.5))
+    trainer = make_trainer(args)
+    seen, compute_loss = [], trainer._compute_loss
+
+    def recording(model, inputs):
+        loss = compute_loss(model, inputs)
+        seen.append((trainer._metrics["train"]["clip_ratio/region_mean"][-1], int(inputs["kept_rows"].sum())))
+        return loss
+
+    trainer._compute_loss = recording
+    trainer.train()
+    second = seen[8:]  # the second iteration over the rollout: ratios differ from 1
+    assert all(math.isnan(value) for value, kept in second if kept == 0)
+    partial = [value for value, kept in second if kept == 1]
+    assert partial and set(partial) <= {0.0, 1.0} and 1.0 in partial

@@ -129,7 +129,9 @@ class TraceRLConfig(GRPOConfig):
                   "its optimizer steps. Masking estimators count dLLM-RL's rows: one per mask ('random_masking'), "
                   "two per pair ('coupled_pairs'), one per response ('coupled', 'mean_field'). Any TRL loss type "
                   "('dapo', 'grpo', 'dr_grpo', 'bnpo', ...) aggregates as in GRPOTrainer, over the token weights "
-                  "of step_normalization: exactly GRPOTrainer's loss needs step_normalization='sequence'.",
+                  "of step_normalization (the trajectory estimator; the masking estimators weigh each mask's tokens "
+                  "1/masks_per_response whatever step_normalization says): exactly GRPOTrainer's loss needs "
+                  "step_normalization='sequence'.",
                   "choices": list(LOSS_TYPES)},
     )
     beta: float = field(

@@ -77,6 +77,9 @@ from .tracerl_objective import kept_groups, leave_one_out_scale, population_adva
 REFERENCE_STATE_NAME = "ref_model_state.pt"
 """A checkpoint's copy of the reference model's parameters, written when ``sync_ref_model`` changes them."""
 
+_CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+"""TRL's clip-ratio means: over the trained tokens, or over the rows with ``importance_sampling_level="sequence"``."""
+
 # TRL loss types that average over the rows of a micro-batch: filtered rows must leave that count too
 _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
 
@@ -791,6 +794,12 @@ class TraceRLTrainer(GRPOTrainer):
             state = whole_state_dict(DiffusionValueModel.from_pretrained(value_dir))  # also under ZeRO-3
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
             extra = torch.load(value_state, map_location="cpu", weights_only=False)
+            saved_groups = len(extra["optimizer"]["param_groups"])
+            if saved_groups != len(self.value_optimizer.param_groups):
+                raise ValueError(f"{value_state} holds a value optimizer with {saved_groups} parameter group(s), this "
+                                 f"trainer's has {len(self.value_optimizer.param_groups)} (weight decay and none, as "
+                                 "the policy's: checkpoints saved before that change had one); resume from a newer "
+                                 "checkpoint, or start from its value_model folder as a new value model.")
             self.value_optimizer.load_state_dict(extra["optimizer"])
             self._value_batches = extra["value_batches"]
         reference_state = self._reference_state_path(checkpoint)
@@ -889,9 +898,13 @@ class TraceRLTrainer(GRPOTrainer):
             self.beta = 0.0  # TRL's KL would carry the policy weights: added below with its own
         mode = "train" if self.model.training else "eval"
         token_metrics = self._token_metric_names()
-        logged_before = {name: len(self._metrics[mode].get(name, ())) for name in token_metrics}  # creates none
-        weight_total = self.accelerator.reduce(inputs["completion_mask"].sum().detach().float(), reduction="sum")
-        weight_total = float(weight_total)
+        row_metrics = [] if self.importance_sampling_level == "token" else list(_CLIP_RATIOS)
+        logged_before = {name: len(self._metrics[mode].get(name, ()))
+                         for name in token_metrics + row_metrics}  # creates none
+        rows = torch.tensor(float(inputs["kept_rows"].numel()), device=inputs["kept_rows"].device)
+        totals = self.accelerator.reduce(torch.stack([inputs["completion_mask"].sum().detach().float(),
+                                                      inputs["kept_rows"].sum(), rows]), reduction="sum")
+        weight_total, kept_rows, all_rows = totals.tolist()
         try:
             loss = super()._compute_loss(model, inputs)
             if summed_kl:
@@ -906,6 +919,14 @@ class TraceRLTrainer(GRPOTrainer):
             for name in token_metrics:
                 values = self._metrics[mode].get(name, [])
                 values[logged_before[name]:] = [value / weight_total if weight_total > 0 else math.nan
+                                                for value in values[logged_before[name]:]]
+        if row_metrics and kept_rows < all_rows:
+            # per sequence (importance_sampling_level="sequence"), TRL's clip ratios are means over every row; a
+            # filtered row has ratio 1 and is never clipped, so it only added to the count: the mean over the kept
+            # rows, NaN (left out of the log) when none is kept
+            for name in row_metrics:
+                values = self._metrics[mode].get(name, [])
+                values[logged_before[name]:] = [value * all_rows / kept_rows if kept_rows > 0 else math.nan
                                                 for value in values[logged_before[name]:]]
         if "router_loss" in inputs:
             # GRPO logs it with gather_for_metrics, which at a training epoch's last batch keeps only the first
@@ -922,7 +943,7 @@ class TraceRLTrainer(GRPOTrainer):
         of per-token values; the clip ratios are per sequence with ``importance_sampling_level="sequence"``)."""
         names = ["kl", "entropy"]
         if self.importance_sampling_level == "token":
-            names += ["clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "cispo_clip_ratio"]
+            names += [*_CLIP_RATIOS, "cispo_clip_ratio"]
         return names
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
