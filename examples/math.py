@@ -122,10 +122,13 @@ def math_dataset(name: str, config: str | None, split: str, prompt_template: str
             if last_user is None:
                 raise ValueError(f"{name}: a {question!r} conversation without a user message: {messages}")
             content = messages[last_user]["content"]
-            if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...]
-                messages[last_user]["content"] = [*content, {"type": "text", "text": INSTRUCTION}]
-            else:
-                messages[last_user]["content"] = content + INSTRUCTION
+            if isinstance(content, list):  # content parts: [{"type": "text", "text": ...}, ...], joined: the Qwen
+                # templates of SDAR / TraDo render list content as "" (an empty prompt) and Dream's fails on it
+                if not all(isinstance(part, dict) and part.get("type") == "text" for part in content):
+                    raise ValueError(f"{name}: row {index}'s user message has content parts other than text: "
+                                     f"{content}")
+                content = "".join(part["text"] for part in content)
+            messages[last_user]["content"] = content + INSTRUCTION
             return {"prompt": messages, "answer": gold}
         if prompt_template is not None:
             return {"prompt": prompt_template.replace("{question}", row[question]), "answer": gold}

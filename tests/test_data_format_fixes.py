@@ -153,3 +153,11 @@ def test_evaluate_takes_the_rows_of_a_dataframe():
     report = evaluate(dataset=pd.DataFrame(QA), **settings)
     assert report["num_problems"] == 2 and report["dataset"] == "custom"
     assert report["sources"]["dataset"] == evaluate(dataset=QA, **settings)["sources"]["dataset"]
+    # a frame read from parquet (or Dataset.to_pandas()) holds list cells as numpy arrays: MBPP's test_imports
+    mbpp = [{"task_id": 1, "text": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3"], "test_setup_code": "",
+             "test_imports": ["import math", "import re"]}]
+    frame = Dataset.from_list(mbpp).to_pandas()
+    assert type(frame.iloc[0]["test_imports"]).__name__ == "ndarray"
+    report = evaluate(dataset=frame, code_workers=1, **settings)
+    assert report["num_problems"] == 1
+    assert report["sources"]["dataset"] == evaluate(dataset=mbpp, code_workers=1, **settings)["sources"]["dataset"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy
 import pytest
 from test_cli import load_example
 
@@ -113,13 +114,17 @@ def test_math_dataset_float_answers_are_scored_as_the_numbers_they_are(tmp_path)
     right = [r"\boxed{0.00001}", r"\boxed{10000000000000000}", r"\boxed{18}"]
     assert math_accuracy_reward(right, answer=golds) == [1.0, 1.0, 1.0]
     assert math_accuracy_reward([r"\boxed{e - 5}"], answer=[1e-05]) == [0.0]
+    # a float32 parquet column's 1e-05 and 0.3 come back as 9.999999747378752e-06 and 0.30000001192092896
+    single = [float(numpy.float32(1e-05)), float(numpy.float32(0.3))]
+    assert math_accuracy_reward([r"\boxed{0.00001}", r"\boxed{0.3}"], answer=single) == [1.0, 1.0]
 
 
 def test_math_dataset_appends_the_instruction_to_content_parts(tmp_path):
-    """A user message whose content is a list of parts ({"type": "text", ...}): `content += INSTRUCTION` failed."""
+    """A user message whose content is a list of parts ({"type": "text", ...}): `content += INSTRUCTION` failed, and
+    the parts given to the chat template as a list rendered as an empty prompt on the Qwen templates: joined."""
     path = tmp_path / "parts.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": [{"type": "text", "text": "What is 1+1?"}]}],
                                 "answer": "2"}))
     math = load_example("math")
     content = math.math_dataset(str(path), None, "train")[0]["prompt"][0]["content"]
-    assert content == [{"type": "text", "text": "What is 1+1?"}, {"type": "text", "text": math.INSTRUCTION}]
+    assert content == "What is 1+1?" + math.INSTRUCTION

@@ -44,18 +44,25 @@ def wrapped_rows_key(data: object) -> str | None:
     return keys[0] if len(keys) == 1 else None
 
 
+WRAPPER_KEYS = frozenset({"data", "rows", "records", "instances", "items", "problems"})
+"""Keys that wrap a file's rows beside metadata (``{"version": 1, "data": [...]}``); an object of one key wraps its
+rows whatever the key (``{"rows": [...]}``)."""
+
+
 def rows_wrapper_key(data: object) -> str | None:
     """The key of the rows when the JSON object ``data`` (a whole ``.json`` file, or the one line of a ``.jsonl``
-    file) wraps a file's rows: ``{"rows": [{...}, ...]}``, also beside metadata (``{"version": 1, "data": [...]}``).
-    None for an object that is itself a row: one with no single list of objects (:func:`wrapped_rows_key`), one
-    whose list holds chat messages (a ``messages`` column), or one with a column of a row (:data:`ROW_COLUMNS`: a
-    ``tools`` column holds objects too). ``trl-diffusion eval`` and training read a file with this one rule."""
+    file) wraps a file's rows: ``{"<key>": [{...}, ...]}`` alone, or beside metadata under a :data:`WRAPPER_KEYS`
+    name (``{"version": 1, "data": [...]}``, ``{"text": "a GSM8K subset", "problems": [...]}``). None for an object
+    that is itself a row: one with no single list of objects (:func:`wrapped_rows_key`), one whose list is a row
+    column (:data:`ROW_COLUMNS`: ``messages``, ``conversations``) or holds chat messages (``role`` / ShareGPT's
+    ``from``), or one with other keys and its list under another name (``{"query": ..., "tools": [...]}``).
+    ``trl-diffusion eval`` and training read a file with this one rule."""
     key = wrapped_rows_key(data)
-    if key is None or all({"role", "content"} <= set(row) for row in data[key]):
+    if key is None or str(key).lower() in ROW_COLUMNS:
         return None
-    if any(str(other).lower() in ROW_COLUMNS for other in data if other != key):
+    if all("role" in row or "from" in row for row in data[key]):
         return None
-    return key
+    return key if len(data) == 1 or str(key).lower() in WRAPPER_KEYS else None
 
 
 def _rows_field(path: str) -> str | None:

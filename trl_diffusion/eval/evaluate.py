@@ -544,7 +544,10 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
                         "for columns.")
     pandas = sys.modules.get("pandas")  # a DataFrame exists only once pandas is imported
     if pandas is not None and isinstance(dataset, pandas.DataFrame):
-        rows = dataset.to_dict("records")  # its rows (iterating one gives its column names)
+        # its rows (iterating one gives its column names), with list cells as lists: a frame read from parquet holds
+        # them as numpy arrays, which the format readers test for truth (`row.get("test_imports") or []`)
+        rows = [{key: value.tolist() if hasattr(value, "ndim") and value.ndim > 0 else value
+                 for key, value in row.items()} for row in dataset.to_dict("records")]
     else:
         rows = list(dataset)
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
@@ -703,9 +706,9 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             began = time.perf_counter()
-            # one generator per sample, keyed by (seed, problem, sample): a sample does not depend on the batch size,
-            # on the other problems evaluated or on their order (and sampled decoding can use CUDA graphs)
-            generator = [torch.Generator().manual_seed(stable_seed(config.seed, i, s)) for i, s in batch]
+            # one generator per sample on the model's device, keyed by (seed, problem index, sample): a sample does
+            # not depend on the batch size or on max_problems (and sampled decoding can use CUDA graphs)
+            generator = [torch.Generator(device).manual_seed(stable_seed(config.seed, i, s)) for i, s in batch]
             out = model.generate(ids, attention_mask=mask, generator=generator, return_dict_in_generate=True,
                                  num_return_sequences=1, **kwargs)  # samples are rows of `work`, whatever the
             # checkpoint's generation_config.json says

@@ -152,16 +152,18 @@ def uniform(shape: tuple[int, ...], generator: Generators, device, dtype=torch.f
             rows: list[bool] | None = None) -> torch.Tensor:
     """U(0, 1) draws of ``shape``; with one generator per row (a list), row ``i`` comes from ``generator[i]`` only,
     so a row's randomness does not depend on which other rows share its batch (or its process). ``rows`` (for a
-    list) says which rows draw; the others get zeros and leave their generator untouched. Per-row draws are made
-    on the host and, on CUDA, copied from pinned memory without blocking (no host synchronisation)."""
+    list) says which rows draw; the others get zeros and leave their generator untouched. Each row draws on its
+    generator's device: host generators' draws are, on CUDA, copied from pinned memory without blocking (no host
+    synchronisation); generators on the target device draw there (no copy: evaluation's, whose LLaDA float64 Gumbel
+    noise over the vocabulary is too large to copy every step)."""
     if isinstance(generator, (list, tuple)):
         if len(generator) != shape[0]:
             raise ValueError(f"got {len(generator)} generators for {shape[0]} rows.")
-        draws = torch.stack([torch.rand(shape[1:], generator=g, dtype=dtype) if rows is None or rows[i]
-                             else torch.zeros(shape[1:], dtype=dtype) for i, g in enumerate(generator)])
-        if torch.device(device).type == "cuda":
-            return draws.pin_memory().to(device, non_blocking=True)
-        return draws.to(device)
+        draws = [torch.rand(shape[1:], generator=g, dtype=dtype, device=g.device) if rows is None or rows[i]
+                 else torch.zeros(shape[1:], dtype=dtype, device=g.device) for i, g in enumerate(generator)]
+        if torch.device(device).type == "cuda" and all(draw.device.type == "cpu" for draw in draws):
+            return torch.stack(draws).pin_memory().to(device, non_blocking=True)
+        return torch.stack([draw.to(device) for draw in draws])
     return torch.rand(shape, generator=generator, dtype=dtype, device=device)
 
 

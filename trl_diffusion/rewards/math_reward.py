@@ -30,6 +30,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy
+
 from .dllm_rl_math import SympyWorker, extract_boxed_answer, is_equiv, repeatness
 from .format_reward import completion_to_text, has_box, last_boxed_content
 from .math_verify_check import as_boxed as _as_boxed
@@ -49,13 +51,20 @@ _GSM8K_MARK = "####"
 
 
 def gold_text(value: Any) -> str:
-    """A gold answer field as text: ``str(value)``, except that a finite non-integer number (a float column of a
-    parquet / JSON file, a numpy float) is written positionally: Python writes ``1e-05`` and ``1e+16``, which
-    math-verify reads with ``e`` as Euler's number (so ``0.00001`` scored 0 against the gold ``1e-05``)."""
-    if (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral)
-            and math.isfinite(value) and "e" in str(value).lower()):
-        return format(decimal.Decimal(str(value)), "f")
-    return str(value)
+    """A gold answer field as text: ``str(value)``, except for a finite non-integer number (a float column of a
+    parquet / JSON file, a numpy float), written positionally with the digits it was stored with: Python writes
+    ``1e-05``, which math-verify reads with ``e`` as Euler's number (so ``0.00001`` scored 0 against it), and a float32
+    column's 1e-05 comes back from ``datasets`` as ``9.999999747378752e-06``: a value that needs 15 or more
+    significant digits in float64 but is exactly a float32 is written with float32's shortest digits (``0.00001``)."""
+    if not (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isfinite(value)):
+        return str(value)
+    number = numpy.float64(value)
+    if len(decimal.Decimal(repr(float(value))).as_tuple().digits) >= 15 and numpy.float32(value) == number:
+        number = numpy.float32(value)
+    text = str(value)
+    if "e" in text.lower() or number.dtype == numpy.float32:
+        text = numpy.format_float_positional(number, trim="-")
+    return text
 
 
 def extract_gold_answer(answer: Any = None, solution: Any = None) -> str | None:
