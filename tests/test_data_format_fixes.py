@@ -9,6 +9,7 @@ import pytest
 from datasets import Dataset, DatasetDict, IterableDataset
 
 from trl_diffusion.data import load_training_dataset
+from trl_diffusion.data.loading import rows_wrapper_key
 from trl_diffusion.eval import evaluate
 from trl_diffusion.eval.datasets import load_eval_problems
 from trl_diffusion.testing import build_tokenizer, tiny_model
@@ -161,3 +162,21 @@ def test_evaluate_takes_the_rows_of_a_dataframe():
     report = evaluate(dataset=frame, code_workers=1, **settings)
     assert report["num_problems"] == 1
     assert report["sources"]["dataset"] == evaluate(dataset=mbpp, code_workers=1, **settings)["sources"]["dataset"]
+    # a missing value is NaN in a frame (None in a list of rows): MBPP's prefix failed on `*nan`
+    rows = [mbpp[0], {"task_id": 2, "text": "Write sub(a, b).", "test_list": ["assert sub(3, 2) == 1"]}]
+    assert evaluate(dataset=pd.DataFrame(rows), code_workers=1, **settings)["num_problems"] == 2
+
+
+@pytest.mark.parametrize(("data", "key"), [
+    ({"question": "Which city is largest?", "answer": "B", "data": [{"city": "A"}, {"city": "B"}]}, None),
+    ({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}, None),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": []}]}, None),
+    ({"query": "weather?", "tools": [{"type": "function"}]}, None),
+    ({"version": 1, "data": [{"prompt": "Translate", "from": "en"}, {"prompt": "T2", "from": "fr"}]}, "data"),
+    ({"records": [{"prompt": "p", "role": "tutor"}]}, "records"),
+    ({"version": 1, "info": {"a": 1}, "problems": [{"question": "q", "answer": "1"}]}, "problems"),
+])
+def test_the_wrapper_rule_on_single_rows_and_wrappers(data, key):
+    # the first version of the shared rule split single rows with a list column into rows of that list
+    assert rows_wrapper_key(data) == key
+

@@ -105,7 +105,9 @@ def test_a_reward_class_or_factory_is_refused_before_loading(capsys, tmp_path, r
 def test_math_dataset_float_answers_are_scored_as_the_numbers_they_are(tmp_path):
     """A float answer column (parquet / JSON numbers): str() wrote 1e-05, which math-verify reads with e = Euler's
     number, so the right answer 0.00001 scored 0 (and 'e - 5' scored 1)."""
-    from trl_diffusion.rewards import math_accuracy_reward
+    from fractions import Fraction
+
+    from trl_diffusion.rewards import gold_text, math_accuracy_reward
 
     path = tmp_path / "floats.jsonl"
     path.write_text("\n".join(json.dumps({"question": q, "answer": a})
@@ -117,6 +119,10 @@ def test_math_dataset_float_answers_are_scored_as_the_numbers_they_are(tmp_path)
     # a float32 parquet column's 1e-05 and 0.3 come back as 9.999999747378752e-06 and 0.30000001192092896
     single = [float(numpy.float32(1e-05)), float(numpy.float32(0.3))]
     assert math_accuracy_reward([r"\boxed{0.00001}", r"\boxed{0.3}"], answer=single) == [1.0, 1.0]
+    # whole numbers keep every digit (an int column with a missing value is float64), fractions their form
+    assert math_accuracy_reward([r"\boxed{17592186044416}", r"\boxed{17592186000000}"],
+                                answer=[17592186044416.0] * 2) == [1.0, 0.0]
+    assert gold_text(Fraction(1, 2**24)) == "1/16777216" and gold_text(2.0**53) == "9007199254740992.0"
 
 
 def test_math_dataset_appends_the_instruction_to_content_parts(tmp_path):

@@ -619,12 +619,19 @@ def test_sequence_level_clip_ratios_are_means_over_the_kept_rows(tmp_path):
 
     def recording(model, inputs):
         loss = compute_loss(model, inputs)
-        seen.append((trainer._metrics["train"]["clip_ratio/region_mean"][-1], int(inputs["kept_rows"].sum())))
+        metrics = trainer._metrics["train"]
+        seen.append((metrics["clip_ratio/region_mean"][-1], int(inputs["kept_rows"].sum()),
+                     metrics["clip_ratio/low_mean"][-1], metrics["clip_ratio/low_min"][-1],
+                     metrics["clip_ratio/high_mean"][-1], metrics["clip_ratio/high_max"][-1]))
         return loss
 
     trainer._compute_loss = recording
     trainer.train()
     second = seen[8:]  # the second iteration over the rollout: ratios differ from 1
-    assert all(math.isnan(value) for value, kept in second if kept == 0)
-    partial = [value for value, kept in second if kept == 1]
-    assert partial and set(partial) <= {0.0, 1.0} and 1.0 in partial
+    assert all(math.isnan(value) and math.isnan(low_min) and math.isnan(high_max)
+               for value, kept, _, low_min, _, high_max in second if kept == 0)
+    partial = [entry for entry in second if entry[1] == 1]
+    assert partial and {entry[0] for entry in partial} <= {0.0, 1.0} and 1.0 in {entry[0] for entry in partial}
+    # one kept row of two: the least / greatest clip indicator is that row's (a filtered row's 0 was the minimum)
+    assert all(entry[3] == entry[2] and entry[5] == entry[4] for entry in partial)  # low_min, high_max
+    assert 1.0 in {entry[3] for entry in partial}

@@ -52,17 +52,24 @@ rows whatever the key (``{"rows": [...]}``)."""
 def rows_wrapper_key(data: object) -> str | None:
     """The key of the rows when the JSON object ``data`` (a whole ``.json`` file, or the one line of a ``.jsonl``
     file) wraps a file's rows: ``{"<key>": [{...}, ...]}`` alone, or beside metadata under a :data:`WRAPPER_KEYS`
-    name (``{"version": 1, "data": [...]}``, ``{"text": "a GSM8K subset", "problems": [...]}``). None for an object
-    that is itself a row: one with no single list of objects (:func:`wrapped_rows_key`), one whose list is a row
-    column (:data:`ROW_COLUMNS`: ``messages``, ``conversations``) or holds chat messages (``role`` / ShareGPT's
-    ``from``), or one with other keys and its list under another name (``{"query": ..., "tools": [...]}``).
-    ``trl-diffusion eval`` and training read a file with this one rule."""
+    name (``{"version": 1, "data": [...]}``). None for an object that is itself a row: one with no single list of
+    objects (:func:`wrapped_rows_key`), one whose list is a row column (:data:`ROW_COLUMNS`: ``messages``,
+    ``conversations``) or holds chat messages (``role`` with ``content`` or ``tool_calls``, ShareGPT's ``from`` with
+    ``value``), one with another key that is a row column (``{"question": ..., "data": [...]}``), or one with other
+    keys and its list under another name (``{"query": ..., "tools": [...]}``). ``trl-diffusion eval`` and training
+    read a file with this one rule."""
     key = wrapped_rows_key(data)
-    if key is None or str(key).lower() in ROW_COLUMNS:
+    if key is None or str(key).lower() in ROW_COLUMNS or all(map(_is_chat_message, data[key])):
         return None
-    if all("role" in row or "from" in row for row in data[key]):
+    if len(data) == 1:
+        return key
+    if any(str(other).lower() in ROW_COLUMNS for other in data if other != key):
         return None
-    return key if len(data) == 1 or str(key).lower() in WRAPPER_KEYS else None
+    return key if str(key).lower() in WRAPPER_KEYS else None
+
+
+def _is_chat_message(row: dict) -> bool:
+    return ("role" in row and ("content" in row or "tool_calls" in row)) or {"from", "value"} <= set(row)
 
 
 def _rows_field(path: str) -> str | None:

@@ -546,14 +546,24 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
     if pandas is not None and isinstance(dataset, pandas.DataFrame):
         # its rows (iterating one gives its column names), with list cells as lists: a frame read from parquet holds
         # them as numpy arrays, which the format readers test for truth (`row.get("test_imports") or []`)
-        rows = [{key: value.tolist() if hasattr(value, "ndim") and value.ndim > 0 else value
-                 for key, value in row.items()} for row in dataset.to_dict("records")]
+        # (a missing value is NaN in a frame, None in a list of rows)
+        rows = [{key: _frame_cell(value) for key, value in row.items()} for row in dataset.to_dict("records")]
     else:
         rows = list(dataset)
     problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
     if not problems:
         raise ValueError("the dataset has no problems.")
     return "custom", problems[: config.max_problems], _rows_source(rows)
+
+
+def _frame_cell(value: Any) -> Any:
+    """A DataFrame cell as a list of rows holds it: arrays as lists, a missing value (NaN, None, NaT) as None."""
+    if hasattr(value, "ndim") and value.ndim > 0:
+        return value.tolist()
+    try:
+        return None if value is None or value != value else value  # NaN and NaT differ from themselves
+    except (TypeError, ValueError):  # a value with no boolean comparison is kept as it is
+        return value
 
 
 def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:

@@ -19,10 +19,10 @@ linspace schedule) is written to a device buffer before the replay.
   so one capture serves every block; the prefix window (the block and every column after it) shrinks from block
   to block, so each block captures its own.
 
-Randomness: greedy decoding and per-row generator lists (their uniforms are drawn on the host and copied into
-buffers before each replay) give the eager results; with ``generator=None`` the default CUDA generator draws inside
-the graph (the same distribution, another stream). If a capture fails the runner warns and decodes eagerly, and so
-do later calls in the process.
+Randomness: greedy decoding and per-row generator lists (their uniforms are drawn on each generator's device, host or
+model's, and copied into buffers before each replay) give the eager results; with ``generator=None`` the default CUDA
+generator draws inside the graph (the same distribution, another stream). If a capture fails the runner warns and
+decodes eagerly, and so do later calls in the process.
 """
 
 from __future__ import annotations
@@ -168,7 +168,7 @@ class GraphRunner(ModelRunner):
 
     def _replay(self, graph, step: int, row_steps: list[int], quotas: list[int] | None,
                 fractions: list[float] | None) -> None:
-        """Write step ``step``'s quota or fraction and the per-row uniforms (drawn on the host, as eagerly) into
+        """Write step ``step``'s quota or fraction and the per-row uniforms (drawn as eagerly) into
         their buffers, then replay."""
         if quotas is not None:
             self._quota.fill_(quotas[step])

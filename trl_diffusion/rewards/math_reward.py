@@ -25,7 +25,6 @@ from __future__ import annotations
 import decimal
 import logging
 import math
-import numbers
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -51,19 +50,20 @@ _GSM8K_MARK = "####"
 
 
 def gold_text(value: Any) -> str:
-    """A gold answer field as text: ``str(value)``, except for a finite non-integer number (a float column of a
-    parquet / JSON file, a numpy float), written positionally with the digits it was stored with: Python writes
-    ``1e-05``, which math-verify reads with ``e`` as Euler's number (so ``0.00001`` scored 0 against it), and a float32
-    column's 1e-05 comes back from ``datasets`` as ``9.999999747378752e-06``: a value that needs 15 or more
-    significant digits in float64 but is exactly a float32 is written with float32's shortest digits (``0.00001``)."""
-    if not (isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral) and math.isfinite(value)):
-        return str(value)
-    number = numpy.float64(value)
-    if len(decimal.Decimal(repr(float(value))).as_tuple().digits) >= 15 and numpy.float32(value) == number:
-        number = numpy.float32(value)
+    """A gold answer field as text: ``str(value)``, except for a finite float (a float column of a parquet / JSON
+    file, a numpy float): one Python writes with an exponent (``1e-05``, which math-verify reads with ``e`` as Euler's
+    number, so ``0.00001`` scored 0 against it) is written positionally, and a non-integer float64 that needs 15 or
+    more significant digits but is exactly a float32 (a float32 column's 1e-05 comes back from ``datasets`` as
+    ``9.999999747378752e-06``) with float32's shortest digits (``0.00001``)."""
     text = str(value)
-    if "e" in text.lower() or number.dtype == numpy.float32:
-        text = numpy.format_float_positional(number, trim="-")
+    if not (isinstance(value, float | numpy.floating) and math.isfinite(value)):
+        return text  # integers, fractions, decimals and text as they are
+    number = value if isinstance(value, numpy.floating) else numpy.float64(value)
+    if (number.dtype == numpy.float64 and not float(value).is_integer() and numpy.float32(value) == number
+            and len(decimal.Decimal(repr(float(value))).normalize().as_tuple().digits) >= 15):
+        return numpy.format_float_positional(numpy.float32(value), trim="-")
+    if "e" in text.lower():
+        return numpy.format_float_positional(number, trim="-")
     return text
 
 

@@ -79,6 +79,8 @@ REFERENCE_STATE_NAME = "ref_model_state.pt"
 
 _CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 """TRL's clip-ratio means: over the trained tokens, or over the rows with ``importance_sampling_level="sequence"``."""
+_CLIP_EXTREMES = ("clip_ratio/low_min", "clip_ratio/high_max")
+"""TRL's least and greatest per-row clip ratios (per row: 0 or 1 with ``importance_sampling_level="sequence"``)."""
 
 # TRL loss types that average over the rows of a micro-batch: filtered rows must leave that count too
 _ROW_MEAN_LOSSES = ("grpo", "sapo", "dr_grpo", "luspo")
@@ -898,7 +900,7 @@ class TraceRLTrainer(GRPOTrainer):
             self.beta = 0.0  # TRL's KL would carry the policy weights: added below with its own
         mode = "train" if self.model.training else "eval"
         token_metrics = self._token_metric_names()
-        row_metrics = [] if self.importance_sampling_level == "token" else list(_CLIP_RATIOS)
+        row_metrics = [] if self.importance_sampling_level == "token" else [*_CLIP_RATIOS, *_CLIP_EXTREMES]
         logged_before = {name: len(self._metrics[mode].get(name, ()))
                          for name in token_metrics + row_metrics}  # creates none
         rows = torch.tensor(float(inputs["kept_rows"].numel()), device=inputs["kept_rows"].device)
@@ -924,10 +926,18 @@ class TraceRLTrainer(GRPOTrainer):
             # per sequence (importance_sampling_level="sequence"), TRL's clip ratios are means over every row; a
             # filtered row has ratio 1 and is never clipped, so it only added to the count: the mean over the kept
             # rows, NaN (left out of the log) when none is kept
-            for name in row_metrics:
+            for name in _CLIP_RATIOS:
                 values = self._metrics[mode].get(name, [])
                 values[logged_before[name]:] = [value * all_rows / kept_rows if kept_rows > 0 else math.nan
                                                 for value in values[logged_before[name]:]]
+            # the least low / greatest high clip indicator over the rows: a filtered row's 0 made the minimum 0;
+            # over the kept rows, the indicator being 0 or 1, it is 1 exactly when the kept rows' mean is
+            for extreme, mean, hit in (("clip_ratio/low_min", "clip_ratio/low_mean", lambda m: m == 1.0),
+                                       ("clip_ratio/high_max", "clip_ratio/high_mean", lambda m: m > 0.0)):
+                means = self._metrics[mode].get(mean, [])[logged_before[mean]:]
+                values = self._metrics[mode].get(extreme, [])
+                if len(means) == len(values) - logged_before[extreme]:
+                    values[logged_before[extreme]:] = [m if math.isnan(m) else float(hit(m)) for m in means]
         if "router_loss" in inputs:
             # GRPO logs it with gather_for_metrics, which at a training epoch's last batch keeps only the first
             # ``remainder`` values (counted in prompts): process 0's alone on two processes. Every process's counts.
