@@ -900,7 +900,7 @@ class TraceRLTrainer(GRPOTrainer):
             self.beta = 0.0  # TRL's KL would carry the policy weights: added below with its own
         mode = "train" if self.model.training else "eval"
         token_metrics = self._token_metric_names()
-        row_metrics = [] if self.importance_sampling_level == "token" else [*_CLIP_RATIOS, *_CLIP_EXTREMES]
+        row_metrics = [*_CLIP_RATIOS, *_CLIP_EXTREMES] if self._clip_ratios_per_row() else []
         logged_before = {name: len(self._metrics[mode].get(name, ()))
                          for name in token_metrics + row_metrics}  # creates none
         rows = torch.tensor(float(inputs["kept_rows"].numel()), device=inputs["kept_rows"].device)
@@ -926,12 +926,14 @@ class TraceRLTrainer(GRPOTrainer):
             # per sequence (importance_sampling_level="sequence"), TRL's clip ratios are means over every row; a
             # filtered row has ratio 1 and is never clipped, so it only added to the count: the mean over the kept
             # rows, NaN (left out of the log) when none is kept
+            # each row's indicator is 0 or 1, so the mean times the rows is the count of clipped rows (rounded: TRL
+            # sums in float32)
             for name in _CLIP_RATIOS:
                 values = self._metrics[mode].get(name, [])
-                values[logged_before[name]:] = [value * all_rows / kept_rows if kept_rows > 0 else math.nan
+                values[logged_before[name]:] = [round(value * all_rows) / kept_rows if kept_rows > 0 else math.nan
                                                 for value in values[logged_before[name]:]]
             # the least low / greatest high clip indicator over the rows: a filtered row's 0 made the minimum 0;
-            # over the kept rows, the indicator being 0 or 1, it is 1 exactly when the kept rows' mean is
+            # over the kept rows it is 1 when every kept row (low) / any kept row (high) is clipped
             for extreme, mean, hit in (("clip_ratio/low_min", "clip_ratio/low_mean", lambda m: m == 1.0),
                                        ("clip_ratio/high_max", "clip_ratio/high_mean", lambda m: m > 0.0)):
                 means = self._metrics[mode].get(mean, [])[logged_before[mean]:]
@@ -952,9 +954,14 @@ class TraceRLTrainer(GRPOTrainer):
         """The metrics TRL's ``_compute_loss`` logs as a mean over the loss's token weights (``global_masked_mean``
         of per-token values; the clip ratios are per sequence with ``importance_sampling_level="sequence"``)."""
         names = ["kl", "entropy"]
-        if self.importance_sampling_level == "token":
+        if not self._clip_ratios_per_row():
             names += [*_CLIP_RATIOS, "cispo_clip_ratio"]
         return names
+
+    def _clip_ratios_per_row(self) -> bool:
+        """Whether TRL's clip ratios are per row (0 or 1 each): with ``importance_sampling_level="sequence"`` and
+        advantages per row; a value model's per-token advantages make them token means again."""
+        return self.importance_sampling_level == "sequence" and self.value_model is None
 
     def get_high_entropy_mask(self, entropies: torch.Tensor, mask: torch.Tensor, threshold: float) -> torch.Tensor:
         """TRL's ``top_entropy_quantile`` mask over the trained tokens. The completion mask TRL passes carries the
