@@ -130,3 +130,13 @@ def test_an_empty_gold_answer_is_no_gold(gold):
     assert math_accuracy_reward(completions, answer=[gold] * 3) == [None, None, None]
     with pytest.raises(ValueError, match="no usable gold answer"):
         problems_from_rows([{"question": "q", "answer": gold}])
+
+
+def test_code_rewards_without_their_test_columns_are_an_error():
+    """Passed none of their test columns (MBPP names them ``test_list``), the code rewards scored every row None: a
+    TraceRL run logged reward None and trained nothing. The math rewards already raise for a missing gold column."""
+    with pytest.raises(ValueError, match=r"code_execution_reward reads the tests .*\['test_list'\]"):
+        code_execution_reward([ADD], test_list=[ADD_TESTS])
+    with pytest.raises(ValueError, match=r"official_code_reward reads the test kind .*\['tests'\]"):
+        official_code_reward([ADD], tests=[ADD_TESTS])
+    assert code_execution_reward([ADD], tests=[None]) == [None]  # a row without tests scores None, as before

@@ -198,6 +198,8 @@ BAD_OUTPUTS = {
     "object": (lambda c: [0.0, 1.0, object(), 0.0], "for completion 2"),
     "dict": (lambda c: {i: 1.0 for i in range(len(c))}, "returned dict"),
     "too short": (lambda c: [1.0] * (len(c) - 1), "returned 3 rewards for 4 completions"),
+    "short generator": (lambda c: (1.0 for _ in c[1:]), "returned 3 rewards for 4 completions"),
+    "set": (lambda c: {1.0}, "returned set"),
 }
 
 
@@ -218,6 +220,10 @@ def test_valid_reward_outputs_keep_trl_semantics(tmp_path, asynchronous):
     rewards = rewards_of(tmp_path, returning(lambda c: torch.arange(len(c)) / 2, asynchronous))
     assert rewards[:, 0].tolist() == [0.0, 0.5, 1.0, 1.5]
     assert rewards_of(tmp_path, returning(lambda c: (0.5,) * len(c)))[:, 0].tolist() == [0.5] * 4
+    # TRL reads a generator or map object as the list it yields
+    rewards = rewards_of(tmp_path, returning(lambda c: (float(i) for i in range(len(c))), asynchronous))
+    assert rewards[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    assert rewards_of(tmp_path, returning(lambda c: map(float, range(len(c)))))[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_bad_reward_output_stops_training(tmp_path):

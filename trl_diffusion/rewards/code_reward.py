@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .format_reward import check_column_lengths, completion_to_text
+from .format_reward import check_column_lengths, completion_to_text, missing_column_error
 from .sandbox import SandboxLimits, SandboxResult, resolve_python, run_tests
 from .verdict import plan_test
 
@@ -150,6 +150,9 @@ class CodeExecutionReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
+        if tests is None and test is None:
+            raise missing_column_error(self.__name__, "tests", "'tests' (a list of asserts) or 'test' (a check "
+                                       "function)", kwargs, "dataset.rename_column('test_list', 'tests')")
         check_column_lengths(self.__name__, n, {"tests": tests, "test": test, "entry_point": entry_point})
         rows = zip(
             tests if tests is not None else [None] * n,

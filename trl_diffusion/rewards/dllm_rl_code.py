@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from .code_reward import decode_list_string
-from .format_reward import check_column_lengths, completion_to_text
+from .format_reward import check_column_lengths, completion_to_text, missing_column_error
 from .sandbox import SandboxLimits, SandboxResult, resolve_python, run_tests
 from .verdict import plan_test
 
@@ -405,6 +405,10 @@ class OfficialCodeReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
+        if test_method is None:
+            raise missing_column_error(self.__name__, "test kind", "'test_method' ('function' or 'stdio', beside "
+                                       "'test_list' or 'test_input'/'test_output')", kwargs,
+                                       "dataset.map(lambda row: {'test_method': 'function'})")
         columns = {"test_method": test_method, "test_list": test_list, "test_input": test_input,
                    "test_output": test_output, "prefix": prefix, "test_time_limit": test_time_limit}
         check_column_lengths(self.__name__, n, columns)

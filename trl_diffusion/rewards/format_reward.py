@@ -142,3 +142,16 @@ def check_column_lengths(reward_name: str, completions: int, columns: dict[str, 
         if values is not None and len(values) != completions:
             raise ValueError(f"{reward_name}: got {completions} completions but {len(values)} values in the "
                              f"`{column}` column; pass one row per completion.")
+
+
+_TRL_REWARD_KWARGS = {"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
+"""Keyword arguments TRL passes to a reward function that are not dataset columns."""
+
+
+def missing_column_error(reward_name: str, what: str, columns: str, kwargs: dict, rename: str) -> ValueError:
+    """The error for a call that got none of the dataset columns a reward reads ``what`` from: every row would score
+    None and the run would train nothing (a row whose column holds None scores None instead). ``kwargs``: the other
+    keywords the reward got, less TRL's own; ``rename``: an example fix."""
+    given = sorted(set(kwargs) - _TRL_REWARD_KWARGS)
+    return ValueError(f"{reward_name} reads the {what} from a {columns} dataset column; none was passed (the other "
+                      f"columns: {given}). Rename the column, e.g. {rename}.")

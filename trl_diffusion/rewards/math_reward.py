@@ -32,7 +32,7 @@ from typing import Any
 import numpy
 
 from .dllm_rl_math import SympyWorker, extract_boxed_answer, is_equiv, repeatness
-from .format_reward import completion_to_text, has_box, last_boxed_content
+from .format_reward import completion_to_text, has_box, last_boxed_content, missing_column_error
 from .math_verify_check import as_boxed as _as_boxed
 from .math_verify_check import boot_command, parse_boxed, verify_source
 
@@ -134,7 +134,8 @@ class MathAccuracyReward:
     ) -> list[float | None]:
         n = len(completions)
         if answer is None and solution is None:
-            raise _no_gold_column(self.__name__, "'answer' or 'solution'", kwargs)
+            raise missing_column_error(self.__name__, "gold answer", "'answer' or 'solution'", kwargs,
+                                           "dataset.rename_column('ground_truth', 'answer')")
         answers = list(answer) if answer is not None else [None] * n
         solutions = list(solution) if solution is not None else [None] * n
         if len(answers) != n or len(solutions) != n:
@@ -229,18 +230,6 @@ def _quiet_disabled_timeout_warning() -> None:
             logger.addFilter(_DisabledTimeoutFilter())
 
 
-_TRL_REWARD_KWARGS = {"prompts", "completion_ids", "trainer_state", "log_metric", "log_extra"}
-"""Keyword arguments TRL passes to a reward function that are not dataset columns."""
-
-
-def _no_gold_column(name: str, columns: str, kwargs: dict) -> ValueError:
-    """The error for a call without any gold-answer column (a row without a gold answer scores None instead)."""
-    given = sorted(set(kwargs) - _TRL_REWARD_KWARGS)
-    return ValueError(f"{name} reads the gold answer from a {columns} dataset column; none was passed (the other "
-                      f"columns: {given}). Rename the gold answer's column, e.g. "
-                      "dataset.rename_column('ground_truth', 'answer').")
-
-
 def _without_final_period(answer: str) -> str:
     r"""A boxed answer without the sentence's full stop written inside the box (``\boxed{104.}``, as in some AIME
     solutions): math-verify reads ``104.`` and ``\frac{1}{2}.`` as no answer; a trailing period changes no value."""
@@ -305,7 +294,8 @@ class OfficialMathReward:
                              f"({self.length_margin}), got {max_tokens}.")
         answers = ground_truth_answer if ground_truth_answer is not None else answer
         if answers is None and solution is None:
-            raise _no_gold_column(self.__name__, "'ground_truth_answer', 'answer' or 'solution'", kwargs)
+            raise missing_column_error(self.__name__, "gold answer", "'ground_truth_answer', 'answer' or 'solution'",
+                                           kwargs, "dataset.rename_column('ground_truth', 'answer')")
         answers = list(answers) if answers is not None else [None] * n
         solutions = list(solution) if solution is not None else [None] * n
         if len(answers) != n or len(solutions) != n:

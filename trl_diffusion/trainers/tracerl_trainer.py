@@ -27,7 +27,7 @@ import copy
 import math
 import os
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
@@ -1124,7 +1124,10 @@ def _name_errors(func, name):
 def _check_reward_output(output, expected: int, name: str):
     """``output`` if it is a list (or tuple, or 1-D tensor / array) of ``expected`` rewards, each a number or None
     (TRL's "not applicable", like NaN); otherwise a ValueError naming the function. Infinite rewards are refused
-    after gathering, in ``TraceRLTrainer._calculate_rewards``."""
+    after gathering, in ``TraceRLTrainer._calculate_rewards``. A generator or other iterator (``map``) is read into a
+    list first, as TRL takes it; a set (no order) is refused."""
+    if isinstance(output, Iterator):
+        output = list(output)
     one_dimensional = getattr(output, "ndim", None) == 1
     if isinstance(output, (str, bytes, Mapping)) or not (isinstance(output, Sequence) or one_dimensional):
         raise ValueError(f"reward function {name!r} returned {type(output).__name__} {output!r:.80}; it must return a "
