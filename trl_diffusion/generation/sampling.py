@@ -191,12 +191,15 @@ def sample_tokens(
     # raw logits (filtered entries -inf, as the tempered distribution filters them), for LLaDA's Gumbel form; the
     # float32 copy goes before the draw (a full [B, L, V] tensor)
     raw = filtered.double() * temperature if temperature and gumbel_float64 else None
+    # greedy: the argmax of the logits, as transformers and LLaDA take it (log_softmax of a row holding +inf, an fp16
+    # overflow, is NaN everywhere, whose argmax would be token 0)
+    greedy = filtered.argmax(-1) if not temperature else None
     del filtered
-    if not temperature:
-        tokens = log_dist.argmax(-1)
+    if greedy is not None:
+        tokens = greedy
     elif gumbel_float64:
         u = uniform(raw.shape, generator, raw.device, torch.float64) if noise is None else noise
-        tokens = (raw.exp() / (-torch.log(u)) ** temperature).argmax(-1)
+        tokens = _gumbel_max(raw, u, temperature)
     elif isinstance(generator, (list, tuple)) or noise is not None:  # inverse CDF with per-row uniforms
         u = uniform(log_dist.shape[:-1], generator, log_dist.device) if noise is None else noise
         cdf = log_dist.exp().cumsum(-1)
@@ -208,6 +211,22 @@ def sample_tokens(
         tokens = torch.multinomial(flat, 1, generator=generator).view(log_dist.shape[:-1])
     logprobs = log_dist.gather(-1, tokens[..., None]).squeeze(-1)
     return tokens, logprobs, log_dist
+
+
+def _gumbel_max(raw: torch.Tensor, u: torch.Tensor, temperature: float) -> torch.Tensor:
+    """LLaDA's float64 Gumbel-max draw ``argmax(exp(l) / (-log u)^T)`` from ``raw`` logits ``l`` (filtered entries
+    -inf) and uniforms ``u``. Where that form breaks down -- a large T underflows ``(-log u)^T`` to 0, so a filtered
+    entry (the mask token) reads 0/0 = NaN and wins the argmax, and ties at inf favour low ids; very negative logits
+    underflow every ``exp(l)`` to 0 -- the same draw is taken in log space, ``argmax(l - T log(-log u))``, which never
+    picks a filtered entry. Elsewhere the result is LLaDA's, bit for bit."""
+    scores = raw.exp().div_((-torch.log(u)).pow_(temperature)).masked_fill_(raw == -torch.inf, -torch.inf)
+    tokens = scores.argmax(-1)
+    best = scores.gather(-1, tokens[..., None]).squeeze(-1)
+    broken = ~torch.isfinite(best) | (best <= 0)  # argmax picks a NaN wherever there is one
+    if bool(broken.any()):
+        log_scores = raw[broken] - temperature * torch.log(-torch.log(u[broken]))
+        tokens[broken] = log_scores.argmax(-1)
+    return tokens
 
 
 def token_noise_shape(

@@ -44,6 +44,10 @@ def training_rows(groups: torch.Tensor, trained: torch.Tensor, blocks: torch.Ten
     return per_block.view(batch, n_blocks).max(dim=1).values
 
 
+BAND_ROUNDING = 1e-5
+"""How far outside [0, 1] ``accuracy_band`` lets a reward lie: float32 rounding of a weighted sum, not a scale."""
+
+
 def kept_groups(rewards: torch.Tensor, num_generations: int, mode: str, low: float, high: float) -> torch.Tensor:
     """``[N]`` True for responses whose group survives the filter. ``rewards`` ``[N]`` (NaN = unscorable, left out).
 
@@ -58,10 +62,11 @@ def kept_groups(rewards: torch.Tensor, num_generations: int, mode: str, low: flo
     scored = ~torch.isnan(groups)
     if mode == "accuracy_band":
         values = groups[scored]
-        if values.numel() and (values.min() < 0 or values.max() > 1):
+        # a float32 sum of weighted rewards may overshoot 1 by rounding (0.4 + 0.3 + 0.1 + 0.2 = 1.0000001)
+        if values.numel() and (values.min() < -BAND_ROUNDING or values.max() > 1 + BAND_ROUNDING):
             raise ValueError("dynamic_group_filtering='accuracy_band' reads each response's (weighted, summed) reward "
                              "as its correctness and needs rewards in [0, 1]; got rewards in "
-                             f"[{values.min().item():g}, {values.max().item():g}]. Use a 0/1 reward, or set "
+                             f"[{values.min().item():.9g}, {values.max().item():.9g}]. Use a 0/1 reward, or set "
                              "dynamic_group_filtering='all_equal' or 'none'.")
         accuracy = torch.nanmean(groups, dim=1)
         keep = (accuracy >= low) & (accuracy <= high)
@@ -87,16 +92,16 @@ def population_advantages(rewards: torch.Tensor, num_generations: int, scale_rew
     """``[N]`` advantages as dLLM-RL computes them: ``(r - group mean) / population std``, 0 where the std is 0
     (``scale_rewards='group'``; ``'batch'`` takes the std over the whole batch, ``'none'`` only centres). NaN rewards
     (unscorable responses) are left out of the statistics and get 0."""
-    groups = rewards.view(-1, num_generations)
+    groups = rewards.view(-1, num_generations).double()  # float32 squares overflow from rewards of about 1e19
     mean = torch.nanmean(groups, dim=1, keepdim=True)
     centred = groups - mean
     if scale_rewards == "group":
         std = torch.nanmean(centred**2, dim=1, keepdim=True).sqrt()
     elif scale_rewards == "batch":
-        std = torch.nanmean((rewards - torch.nanmean(rewards)) ** 2).sqrt().expand_as(mean)
+        std = torch.nanmean((groups - torch.nanmean(groups)) ** 2).sqrt().expand_as(mean)
     elif scale_rewards == "none":
         std = torch.ones_like(mean)
     else:
         raise ValueError(f"unknown scale_rewards {scale_rewards!r}.")
     advantages = torch.where(std > 0, centred / torch.where(std > 0, std, torch.ones_like(std)), 0.0)
-    return torch.nan_to_num(advantages, nan=0.0).flatten()
+    return torch.nan_to_num(advantages, nan=0.0).flatten().to(rewards.dtype)

@@ -123,22 +123,29 @@ def clipped_value_loss(
     return 0.5 * torch.maximum((values - returns) ** 2, (clipped - returns) ** 2)
 
 
+VARIANCE_ROUNDING = 1e-9
+"""Below this fraction of E[R^2], a one-pass float64 variance of returns is rounding (n * 2^-53 for n tokens): no
+variance to explain."""
+
+
 def value_statistics(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Sums over ``mask``: ``[n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2]``. Add them across processes,
-    then read them with ``summarize_value_statistics``."""
+    """Float64 sums over ``mask``: ``[n, sum V, sum R, sum R^2, sum (R - V), sum (R - V)^2]``. Add them across
+    processes, then read them with ``summarize_value_statistics``. (Float32 sums made the variance of constant returns
+    rounding noise that passed for a variance: an explained variance of -1e6.)"""
     mask = mask.bool()
-    v, r = values.float()[mask], returns.float()[mask]
+    v, r = values.double()[mask], returns.double()[mask]
     residual = r - v
     count = torch.tensor(float(v.numel()), device=values.device)
     return torch.stack([count, v.sum(), r.sum(), (r * r).sum(), residual.sum(), (residual * residual).sum()])
 
 
 def summarize_value_statistics(stats: torch.Tensor) -> dict[str, float]:
-    """``mean`` value and ``explained_variance`` = 1 - Var(R - V) / Var(R) (NaN when R does not vary)."""
+    """``mean`` value and ``explained_variance`` = 1 - Var(R - V) / Var(R): NaN when R does not vary, i.e. when its
+    variance is within the float64 rounding of ``E[R^2] - E[R]^2`` (a relative ``VARIANCE_ROUNDING`` of E[R^2])."""
     n, sum_v, sum_r, sum_r2, sum_res, sum_res2 = stats.double().tolist()
     if n < 1:
         return {"mean": float("nan"), "explained_variance": float("nan")}
     var_r = sum_r2 / n - (sum_r / n) ** 2
     var_res = sum_res2 / n - (sum_res / n) ** 2
-    explained = 1.0 - var_res / var_r if var_r > 1e-12 else float("nan")
+    explained = 1.0 - var_res / var_r if var_r > VARIANCE_ROUNDING * (sum_r2 / n) else float("nan")
     return {"mean": sum_v / n, "explained_variance": explained}

@@ -1,0 +1,93 @@
+"""Numerical edge cases: float32 rounding of weighted rewards, huge rewards, constant returns, +inf logits and
+LLaDA's Gumbel draw at high temperature. Each case gave a crash or a silently wrong number before."""
+
+import math
+
+import pytest
+import torch
+
+from trl_diffusion.generation.sampling import sample_tokens
+from trl_diffusion.trainers.tracerl_objective import kept_groups, population_advantages
+from trl_diffusion.value.advantages import summarize_value_statistics, value_statistics
+
+
+def test_accuracy_band_takes_weighted_rewards_that_round_past_one():
+    """Four 0/1 rewards weighted 0.4/0.3/0.1/0.2 sum to 1.0000001 in float32 (TRL keeps reward_weights in float32):
+    the default filter raised mid-run, printing the range as [0.8, 1]."""
+    weights = torch.tensor([0.4, 0.3, 0.1, 0.2])
+    rewards = torch.stack([weights.sum(), weights.sum(), weights[:2].sum(), torch.tensor(0.0)])
+    assert rewards.max() > 1  # the rounding this test is about
+    assert kept_groups(rewards, 2, "accuracy_band", 0.0, 0.99).tolist() == [False, False, True, True]
+    with pytest.raises(ValueError, match=r"got rewards in \[0, 1.00999999\]"):
+        kept_groups(torch.tensor([0.0, 1.01]), 2, "accuracy_band", 0.0, 1.0)
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_huge_rewards_keep_their_advantages(scale):
+    """float32 squares of rewards from about 1e19 overflowed: the std was inf and every advantage 0."""
+    advantages = population_advantages(torch.tensor([1e20, 0.0, 0.0, 0.0]), 4, scale)
+    assert advantages.dtype == torch.float32
+    torch.testing.assert_close(advantages, torch.tensor([math.sqrt(3), -1 / math.sqrt(3), -1 / math.sqrt(3),
+                                                         -1 / math.sqrt(3)]))
+
+
+def _explained_variance(values: torch.Tensor, returns: torch.Tensor) -> float:
+    stats = value_statistics(values[None], returns[None], torch.ones(1, values.numel(), dtype=torch.bool))
+    return summarize_value_statistics(stats)["explained_variance"]
+
+
+@pytest.mark.parametrize("constant", [0.3, 1 / 3, 0.7, 123.456])
+def test_constant_returns_have_no_explained_variance(constant):
+    """The float32 one-pass variance of constant returns of 0.3 was rounding noise above the fixed 1e-12 cutoff: an
+    explained variance of -1.3e6 (it broke best-model selection by it)."""
+    generator = torch.Generator().manual_seed(0)
+    values = constant + 0.1 * torch.randn(65536, generator=generator)
+    assert math.isnan(_explained_variance(values, torch.full((65536,), constant)))
+
+
+def test_explained_variance_of_tiny_returns_is_computed():
+    """Returns of 0 or 1e-6 vary (the fixed 1e-12 cutoff called them constant): the float64 two-pass answer."""
+    generator = torch.Generator().manual_seed(0)
+    returns = (torch.rand(4096, generator=generator) < 0.5).float() * 1e-6
+    values = returns + 1e-7 * torch.randn(4096, generator=generator)
+    r, v = returns.double(), values.double()
+    expected = 1 - (r - v).var(unbiased=False) / r.var(unbiased=False)
+    assert _explained_variance(values, returns) == pytest.approx(expected.item(), rel=1e-6)
+
+
+def test_greedy_takes_the_argmax_of_logits_holding_inf():
+    """log_softmax of a row holding +inf (an fp16 overflow) is NaN everywhere, whose argmax was token 0."""
+    logits = torch.randn(1, 3, 64)
+    logits[0, 1, 50] = torch.inf
+    tokens, _, _ = sample_tokens(logits, 0.0, None, None)
+    assert tokens[0, 1] == 50
+    assert tokens[0, [0, 2]].tolist() == logits[0, [0, 2]].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("temperature", [100.0, 1000.0, 1e4])
+def test_llada_gumbel_draw_at_high_temperature_never_draws_a_filtered_token(temperature):
+    """(-log u)^T underflowed to 0 at high T: a filtered entry (the mask token, or outside top-k) read 0/0 = NaN and
+    won the argmax (1503 mask tokens of 4096 at T=1000)."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 4096, 128, generator=generator)
+    mask_id = 3
+    tokens, logprobs, _ = sample_tokens(logits, temperature, None, None, torch.Generator().manual_seed(1),
+                                        gumbel_float64=True, mask_token_id=mask_id)
+    assert not (tokens == mask_id).any() and torch.isfinite(logprobs).all()
+    assert tokens.unique().numel() > 100  # still a draw over the whole vocabulary, not ties at low ids
+    tokens, logprobs, _ = sample_tokens(logits, temperature, 5, None, torch.Generator().manual_seed(1),
+                                        gumbel_float64=True, mask_token_id=mask_id)
+    top5 = logits.masked_fill(torch.arange(128) == mask_id, -torch.inf).topk(5, -1).indices
+    assert (tokens[..., None] == top5).any(-1).all() and torch.isfinite(logprobs).all()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_llada_gumbel_draw_is_the_official_form_at_usual_temperatures(temperature):
+    """Where LLaDA's ``argmax(exp(l) / (-log u)^T)`` is well defined, the draw is that, bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(2, 64, 256, generator=generator)
+    tokens, _, _ = sample_tokens(logits, temperature, None, None, torch.Generator().manual_seed(5),
+                                 gumbel_float64=True)
+    u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    official = (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
+    assert torch.equal(tokens, official)
