@@ -123,3 +123,17 @@ def test_mask_truncated_completions_leaves_out_rows_without_a_stop_token(tmp_pat
     stopped = torch.tensor([ids[ids != pad][-1].item() in trainer.eos_token_ids for ids in output["completion_ids"]])
     assert stopped.any() and not stopped.all()
     assert torch.equal(output["completion_mask"].sum(1) > 0, stopped)
+
+
+def test_entropy_bonus_with_group_filtering_is_refused_where_filtered_micro_batches_dilute_it(tmp_path):
+    """TRL's entropy bonus is each micro-batch's mean entropy / gradient_accumulation_steps: a micro-batch whose rows
+    were all filtered adds 0 yet counts, so under accumulation the bonus shrank with the kept fraction (0.55 of
+    entropy_coef at batch 1 x accumulation 8, half the groups filtered). Row-mean losses are refused whatever the
+    accumulation (their row rescaling would rescale the bonus); one process without accumulation trains."""
+    filtering = {"entropy_coef": 0.01, "dynamic_group_filtering": "all_equal"}
+    with pytest.raises(ValueError, match="entropy bonus with group filtering.*gradient_accumulation_steps=2"):
+        make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, **filtering)
+    with pytest.raises(ValueError, match="entropy bonus with loss_type='grpo'"):
+        make_trainer(tmp_path, loss_type="grpo", **filtering)
+    make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, entropy_coef=0.01)
+    make_trainer(tmp_path, use_adaptive_entropy=True, **filtering).train()

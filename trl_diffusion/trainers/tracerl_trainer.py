@@ -170,6 +170,16 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
                              "supported (filtered rows are taken out of the row count by rescaling the loss); use "
                              "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
+        if self._entropy_bonus_enabled and args.dynamic_group_filtering != "none" and (
+                args.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
+            raise ValueError("the entropy bonus with group filtering is supported on one process without gradient "
+                             "accumulation only: TRL's bonus is each micro-batch's mean entropy divided by "
+                             "gradient_accumulation_steps (and averaged over processes), and a micro-batch whose "
+                             "rows were all filtered adds 0 yet counts, so the bonus would shrink with the fraction "
+                             "of micro-batches that kept a group (0.55 of entropy_coef at batch 1 x accumulation 8 "
+                             "with half the groups filtered). Set dynamic_group_filtering='none' or entropy_coef=0 "
+                             f"(got gradient_accumulation_steps={args.gradient_accumulation_steps} on "
+                             f"{self.accelerator.num_processes} process(es)).")
         if self.aux_loss_enabled and args.dynamic_group_filtering != "none" and args.loss_type in _ROW_MEAN_LOSSES:
             raise ValueError(f"the mixture-of-experts load-balancing loss (router_aux_loss_coef="
                              f"{self.router_aux_loss_coef}) with loss_type={args.loss_type!r} and group filtering is "
