@@ -484,6 +484,10 @@ def test_unverifiable_tests_run_inside_or_give_none():
     metrics = {}
     make_code_reward(timeout=5.0)([good], tests=[[loop, "assert f(2) == 4"]], log_metric=metrics.__setitem__)
     assert metrics["code_execution/verified_frac"] == 0.5
+    # a copy with its own name logs under it (two copies' metrics were averaged under one key)
+    metrics = {}
+    make_code_reward(timeout=5.0, name="strict")([good], tests=[[loop]], log_metric=metrics.__setitem__)
+    assert sorted(metrics) == ["strict/sandbox_error_frac", "strict/timeout_frac", "strict/verified_frac"]
 
 
 # ---------------------------------------------------------------------------------------------- planner (no sandbox)

@@ -163,13 +163,13 @@ class CodeExecutionReward:
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
             results = list(pool.map(lambda job: self._run(*job), jobs))
         if log_metric is not None and n:
+            # a copy with its own name logs under it, so that two configured copies' metrics are not averaged
+            prefix = "code_execution" if self.__name__ == "code_execution_reward" else self.__name__
             for status in ("timeout", "sandbox_error"):
-                log_metric(
-                    f"code_execution/{status}_frac", sum(r is not None and r.status == status for r in results) / n
-                )
+                log_metric(f"{prefix}/{status}_frac", sum(r is not None and r.status == status for r in results) / n)
             ran = [r for r in results if r is not None and r.total]
             if ran:
-                log_metric("code_execution/verified_frac", sum(r.verified for r in ran) / sum(r.total for r in ran))
+                log_metric(f"{prefix}/verified_frac", sum(r.verified for r in ran) / sum(r.total for r in ran))
         return [self._reward(r, job[1]) for r, job in zip(results, jobs)]
 
     def _snippets(self, tests: Any, test: Any, entry_point: Any) -> list[str] | None:
