@@ -51,7 +51,7 @@ from trl_diffusion.cli import (
     setting_errors,
 )
 from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
-from trl_diffusion.rewards import make_code_reward
+from trl_diffusion.rewards import SandboxLimits, make_code_reward
 
 
 @dataclass
@@ -68,6 +68,11 @@ class CodeScriptArguments(ScriptArguments):
     def __post_init__(self):
         if self.num_eval < 1:
             raise ValueError(f"num_eval must be >= 1 (held-out tasks for --eval_strategy), got {self.num_eval}.")
+        # the sandbox's own checks (timeout finite and > 0, memory_mb >= 1) now, not after the model has loaded
+        try:
+            SandboxLimits(timeout=self.timeout, memory_mb=self.memory_mb)
+        except ValueError as exc:  # these flags have the limits' names
+            raise ValueError(str(exc).removeprefix("SandboxLimits.")) from None
 
 
 def synthetic_code_tasks(plain: bool, problems: list) -> Dataset:

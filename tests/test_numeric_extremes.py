@@ -91,3 +91,15 @@ def test_llada_gumbel_draw_is_the_official_form_at_usual_temperatures(temperatur
     u = torch.rand(logits.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     official = (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
     assert torch.equal(tokens, official)
+
+
+@pytest.mark.parametrize("field", ["max_grad_norm", "weight_decay", "adam_epsilon", "adam_beta1", "adam_beta2"])
+def test_non_finite_optimizer_numbers_are_refused_by_every_config(tmp_path, field):
+    """A NaN max_grad_norm made every weight NaN at the first step (clipping multiplies the gradients by
+    max_grad_norm / norm), while the loss was still logged; transformers takes these unchecked."""
+    from trl_diffusion import DiffusionSFTConfig, DiffusionValueConfig, TraceRLConfig
+
+    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", field: math.nan}
+    for config in (DiffusionSFTConfig, DiffusionValueConfig, TraceRLConfig):
+        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+            config(**common)

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-from ..generation.sampling import stable_seed
+from ..generation.sampler import check_cuda_graphs
+from ..generation.sampling import REMASKING_STRATEGIES, stable_seed
 from ..models.kernels import set_fused_kernels
 from ..rewards import (
     MathAccuracyReward,
@@ -166,15 +167,20 @@ class EvalConfig:
         negative = [i for i in self.stop_token_ids or [] if i < 0]
         if negative:
             raise ValueError(f"stop_token_ids must all be >= 0, got {negative} in {self.stop_token_ids}.")
+        # generation values that no model takes: refused here, not after the model has loaded
+        if self.use_cache is not None:
+            _cache_setting(self.use_cache)
+        if self.remasking_strategy is not None and self.remasking_strategy not in REMASKING_STRATEGIES:
+            raise ValueError(f"remasking_strategy must be one of {REMASKING_STRATEGIES}, got "
+                             f"{self.remasking_strategy!r}.")
+        if self.cuda_graphs is not None:
+            check_cuda_graphs("cuda_graphs", self.cuda_graphs)
 
     def generate_kwargs(self, dataset_tag: str | None = None) -> dict[str, Any]:
         """The ``model.generate`` arguments that were set (dataset defaults fill the rest for ``arithmetic``)."""
         kwargs = {name: getattr(self, name) for name in _GENERATE_FIELDS if getattr(self, name) is not None}
         if "use_cache" in kwargs:
-            value = str(kwargs["use_cache"]).lower()
-            if value not in _CACHE_VALUES:
-                raise ValueError(f"use_cache must be one of {sorted(_CACHE_VALUES)}, got {kwargs['use_cache']!r}.")
-            kwargs["use_cache"] = _CACHE_VALUES[value]
+            kwargs["use_cache"] = _cache_setting(kwargs["use_cache"])
         return {**_DATASET_GENERATION_DEFAULTS.get(dataset_tag or "", {}), **kwargs}
 
     def math_reward(self) -> MathAccuracyReward | OfficialMathReward:
@@ -199,6 +205,14 @@ class EvalConfig:
         if bad:
             raise ValueError(f"pass@k needs 1 <= k <= num_samples ({self.num_samples}); got k={bad}.")
         return ks
+
+
+def _cache_setting(value: Any) -> bool | str:
+    """``generate``'s ``use_cache`` for an ``EvalConfig.use_cache`` value (a bool, or its command-line string)."""
+    key = str(value).lower()
+    if key not in _CACHE_VALUES:
+        raise ValueError(f"use_cache must be one of {sorted(_CACHE_VALUES)}, got {value!r}.")
+    return _CACHE_VALUES[key]
 
 
 def _check_device(device: str) -> None:

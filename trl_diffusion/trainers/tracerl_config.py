@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -95,8 +96,9 @@ class TraceRLConfig(GRPOConfig):
     )
     use_cache: str = field(
         default=False,
-        metadata={"help": "transformers' model.config.use_cache during training (False). Deprecated here as the "
-                  "old name of `rollout_cache`: any other value is moved to `rollout_cache` with a warning."},
+        metadata={"help": "transformers' model.config.use_cache during training (always False). Deprecated here as "
+                  "the old name of `rollout_cache`: any other value is moved to `rollout_cache` with a warning (an "
+                  "error when `rollout_cache` is set to another value)."},
     )
     likelihood_estimator: str = field(
         default="trajectory",
@@ -293,13 +295,19 @@ class TraceRLConfig(GRPOConfig):
     )
 
     def __post_init__(self):
-        self.rollout_cache = _cache_value("rollout_cache", self.rollout_cache)
-        old = _cache_value("use_cache", self.use_cache)
-        if old is not False:  # the old name of rollout_cache; keep saved model configs' use_cache a bool
-            warnings.warn(f"TraceRLConfig(use_cache={self.use_cache!r}) sets the rollout KV cache under its old "
+        given, passed = _cache_value("rollout_cache", self.rollout_cache), self.use_cache
+        old = _cache_value("use_cache", passed)
+        # transformers' Trainer copies use_cache into model.config.use_cache, which saved configs then hold: always
+        # the bool False (a command-line "false" stayed the truthy string)
+        self.rollout_cache, self.use_cache = given, False
+        if old is not False:  # the old name of rollout_cache
+            if given != "auto" and given != old:  # "auto" is the default: rollout_cache was set too, differently
+                raise ValueError(f"rollout_cache={given!r} and use_cache={passed!r} (its deprecated old name) "
+                                 "disagree; pass only rollout_cache.")
+            warnings.warn(f"TraceRLConfig(use_cache={passed!r}) sets the rollout KV cache under its old "
                           f"name; use rollout_cache={old!r}. use_cache stays transformers' model.config.use_cache "
                           "(False).", FutureWarning, stacklevel=3)
-            self.rollout_cache, self.use_cache = old, False
+            self.rollout_cache = old
         if self.num_generations is None:  # typed `int | None` by TRL, whose __post_init__ then fails on `% None`
             raise ValueError("num_generations must be an integer >= 2 (the responses per prompt that GRPO's "
                              "advantages compare), got None.")
@@ -435,8 +443,29 @@ class TraceRLConfig(GRPOConfig):
                             gradient_accumulation_steps=_official_accumulation(name, settings, world, per_device))
         return cls(**settings)
 
+    def _check_loss_numbers(self) -> None:
+        """GRPO's loss numbers, which TRL reads unchecked: a NaN or infinite ``beta`` (or entropy coefficient) made
+        every weight NaN, a NaN clip range trained nothing, while the logged loss read 0.0. An infinite clip range
+        or threshold is no limit and stays allowed."""
+        for name in _FINITE_LOSS_NUMBERS:
+            value = getattr(self, name)
+            if not (_is_real(value) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if self.beta < 0:
+            raise ValueError(f"beta must be >= 0 (0: no KL term), got {self.beta}.")
+        for name in ("epsilon", "epsilon_high", "delta", "off_policy_mask_threshold"):
+            value = getattr(self, name)
+            if (value is not None or name == "epsilon") and not (_is_real(value) and value >= 0):  # NaN fails
+                optional = "" if name == "epsilon" else " or None"
+                raise ValueError(f"{name} must be a number >= 0 (inf: no limit){optional}, got {value!r}.")
+        for name in ("top_entropy_quantile", "ref_model_mixup_alpha"):
+            value = getattr(self, name)
+            if not (_is_real(value) and 0 <= value <= 1):
+                raise ValueError(f"{name} must lie in [0, 1], got {value!r}.")
+
     def _check_objective(self) -> None:
         """Validate (and canonicalise) the TraceRL objective's fields."""
+        self._check_loss_numbers()
         if isinstance(self.dynamic_group_filtering, bool):  # the former boolean field: True = drop all-equal groups
             self.dynamic_group_filtering = "all_equal" if self.dynamic_group_filtering else "none"
         if self.dynamic_group_filtering not in ("accuracy_band", "all_equal", "none"):
@@ -477,6 +506,8 @@ class TraceRLConfig(GRPOConfig):
                              f"{self.advantage_baseline!r}.")
         # TRL reads these only at the first rollout (an unknown scale_rewards raises there; num_iterations=0 gives an
         # empty dataloader and a run that trains nothing): say so now
+        if isinstance(self.scale_rewards, str):  # the command line's true / false: TRL's True / False
+            self.scale_rewards = {"true": "group", "false": "none"}.get(self.scale_rewards.lower(), self.scale_rewards)
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError("scale_rewards must be 'group', 'batch' or 'none' (or True / False), got "
                              f"{self.scale_rewards!r}.")
@@ -566,6 +597,17 @@ def _official_accumulation(name: str, settings: dict, world: int, per_device: in
     wanted = rows["rows_per_optimizer_step"] / per_response / world / per_device
     divisors = [d for d in range(1, micro_steps + 1) if micro_steps % d == 0]
     return min(divisors, key=lambda d: (abs(d - wanted), -d))
+
+
+_FINITE_LOSS_NUMBERS = ("beta", "entropy_coef", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta",
+                        "entropy_target", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos",
+                        "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg")
+"""GRPO fields that reach the loss as factors: NaN or an infinity there makes it NaN."""
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
 
 _CACHE_VALUES = {"auto": "auto", "true": True, "false": False, "prefix": "prefix", "dual": "dual"}
 
