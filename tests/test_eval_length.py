@@ -72,3 +72,21 @@ def test_a_chosen_length_is_not_warned_about(caplog, model_and_tokenizer, chosen
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         evaluate(model=model, tokenizer=tokenizer, **kwargs)
     assert "max_new_tokens is set neither" not in caplog.text
+
+
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_problems_too_long_for_the_model_are_named_before_any_generation(family, monkeypatch):
+    """One over-long problem among short ones stopped the run with generate()'s message, which names no problem;
+    the check runs over every problem first (SDAR's need rounded up to whole blocks)."""
+    rows = [{"question": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(1, 6)]
+    rows.insert(3, {"question": "Please compute this carefully: " * 3 + "7+7?", "answer": "14"})
+    model = tiny_model(family, max_position_embeddings=64)
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("generated before the check"))
+    with pytest.raises(ValueError, match=r"1 of 6 problems do not fit the model's 64 positions with "
+                                         r"max_new_tokens=16: '3' \(116 prompt tokens, needs 132\)"):
+        evaluate(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
+                 max_new_tokens=16, output_dir=None, batch_size=2, **QUICK)
+    short = evaluate(dataset=rows[:3], model=tiny_model(family, max_position_embeddings=64),
+                     tokenizer=build_tokenizer(), prompt_template="{question}", max_new_tokens=16, output_dir=None,
+                     **QUICK)
+    assert short["num_problems"] == 3

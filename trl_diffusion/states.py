@@ -207,6 +207,11 @@ class CanvasLayout:
     def block_end(self, start: int) -> int:
         return min(start + self.block_length, self.width)
 
+    def row_positions(self) -> list[int]:
+        """The positions each row takes (prompt + its generation, a block model's rounded up to whole blocks): what
+        the model's ``max_position_embeddings`` must hold; a row's own, whatever the other rows."""
+        return [end - pad for end, pad in zip(self.gen_end, self.left_pad)]
+
     def masks(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """``generated`` (positions the sampler fills) and ``valid`` (prompt or generated) ``[B, width]``."""
         cols = torch.arange(self.width, device=device)

@@ -34,7 +34,7 @@ from ..rewards import (
 )
 from ..rewards.dllm_rl_code import extract_code_official, official_stdio_program, run_official, stdio_program
 from ..rewards.dllm_rl_math import extract_boxed_answer
-from ..states import check_chat_template_kwargs, check_field_types, left_pad
+from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
@@ -713,6 +713,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     prompts = [format_prompt(tokenizer, p, config) for p in problems]
     add_special = not config.apply_chat_template
     prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
+    _check_prompts_fit(model, settings, problems, prompt_ids)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
@@ -762,6 +763,23 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         if handle:
             handle.close()
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
+
+
+def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:
+    """Raise before any generation, naming the problems, when a prompt + ``max_new_tokens`` does not fit the model's
+    positions (``generate`` would refuse its batch with no problem named, after the earlier batches' work)."""
+    limit = max_positions(model.config)
+    if limit is None or not prompt_ids:
+        return
+    layout = CanvasLayout([len(ids) for ids in prompt_ids], settings.max_new_tokens, settings.block_length,
+                          model.block_size is not None)
+    over = [(problem.id, len(ids), need) for problem, ids, need in zip(problems, prompt_ids, layout.row_positions())
+            if need > limit]
+    if over:
+        shown = ", ".join(f"{pid!r} ({length} prompt tokens, needs {need})" for pid, length, need in over[:5])
+        raise ValueError(f"{len(over)} of {len(problems)} problems do not fit the model's {limit} positions with "
+                         f"max_new_tokens={settings.max_new_tokens}: {shown}{', ...' if len(over) > 5 else ''}. "
+                         "Lower max_new_tokens, or leave these problems out of the dataset.")
 
 
 def _mean(values: list[float]) -> float:

@@ -226,7 +226,7 @@ def diffusion_generate(
         raise ValueError("the exact KV cache needs block-causal attention; use 'prefix' or 'dual' for this model.")
     layout = CanvasLayout(lengths, settings.max_new_tokens, settings.block_length, block_causal)
     model_positions = max_positions(model.config)
-    longest = max(end - pad for end, pad in zip(layout.gen_end, layout.left_pad))  # a row's positions
+    longest = max(layout.row_positions())
     if model_positions is not None and longest > model_positions:
         raise ValueError(
             f"prompt ({max(lengths)} tokens) + max_new_tokens ({settings.max_new_tokens}) "
