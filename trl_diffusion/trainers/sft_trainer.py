@@ -594,6 +594,18 @@ class DiffusionSFTTrainer(SFTTrainer):
         finally:
             self._inside_training_step = False
 
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Trainer's loop; the token metrics of the evaluated rows join its metrics under ``metric_key_prefix``,
+        averaged as SFTTrainer's ``log`` averages them. That ``log`` names them ``eval_*`` whatever the prefix: named
+        eval sets shared one ``eval_entropy``, and ``predict()``'s were counted in the next evaluation's."""
+        self._metrics["eval"].clear()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        for name, values in self._metrics["eval"].items():
+            output.metrics[f"{metric_key_prefix}_{name}"] = sum(values) / len(values)
+        self._metrics["eval"].clear()
+        return output
+
     def _loss_in_forwards(self, model, batch: ScoringBatch, normaliser, scale: int, mode: str,
                           num_items_in_batch) -> tuple[torch.Tensor, TokenScores]:
         """``diffusion_loss`` of ``batch`` (times ``scale``, plus the weighted router loss), in forwards of at most

@@ -801,22 +801,43 @@ class TraceRLTrainer(GRPOTrainer):
             saved = None  # on every process: one that kept its buffer would skip the others' generation collectives
         if saved is not None:
             self._step, self._buffered_inputs = saved["step"], send_to_device(saved["buffer"], self.accelerator.device)
+        self._load_value_and_reference(checkpoint, resume=True)
+
+    def _load_best_model(self) -> None:
+        """transformers loads the best checkpoint's policy only: its value model and synced reference are loaded too,
+        so that the trainer ends with the best step's models. Weights only, as transformers leaves the policy's
+        optimizer as it is (the value optimizer stays the last step's)."""
+        super()._load_best_model()
+        self._load_value_and_reference(self.state.best_model_checkpoint, resume=False)
+
+    def _load_value_and_reference(self, checkpoint: str, resume: bool) -> None:
+        """The value model and the synced reference as ``checkpoint`` saved them. ``resume``: with the value
+        optimizer and update count, from a complete value state only (``_rollout_state_problems`` refused or warned
+        about the rest); otherwise (``load_best_model_at_end``) the weights, with a warning for what the checkpoint
+        lacks (``save_only_model`` saves no reference)."""
         value_dir, value_state = os.path.join(checkpoint, "value_model"), os.path.join(checkpoint, "value_state.pt")
-        if self.value_model is not None and os.path.isdir(value_dir) and os.path.exists(value_state):
+        if self.value_model is not None and os.path.isdir(value_dir) and (os.path.exists(value_state) or not resume):
             state = whole_state_dict(DiffusionValueModel.from_pretrained(value_dir))  # also under ZeRO-3
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
-            extra = torch.load(value_state, map_location="cpu", weights_only=False)
-            saved_groups = len(extra["optimizer"]["param_groups"])
-            if saved_groups != len(self.value_optimizer.param_groups):
-                raise ValueError(f"{value_state} holds a value optimizer with {saved_groups} parameter group(s), this "
-                                 f"trainer's has {len(self.value_optimizer.param_groups)} (weight decay and none, as "
-                                 "the policy's: checkpoints saved before that change had one); resume from a newer "
-                                 "checkpoint, or start from its value_model folder as a new value model.")
-            self.value_optimizer.load_state_dict(extra["optimizer"])
-            self._value_batches = extra["value_batches"]
+            if resume:
+                extra = torch.load(value_state, map_location="cpu", weights_only=False)
+                saved_groups = len(extra["optimizer"]["param_groups"])
+                if saved_groups != len(self.value_optimizer.param_groups):
+                    raise ValueError(f"{value_state} holds a value optimizer with {saved_groups} parameter group(s), "
+                                     f"this trainer's has {len(self.value_optimizer.param_groups)} (weight decay and "
+                                     "none, as the policy's: checkpoints saved before that change had one); resume "
+                                     "from a newer checkpoint, or start from its value_model folder as a new value "
+                                     "model.")
+                self.value_optimizer.load_state_dict(extra["optimizer"])
+                self._value_batches = extra["value_batches"]
+        elif self.value_model is not None and not resume:
+            logger.warning(f"{checkpoint} holds no value_model/: the value model stays the last step's.")
         reference_state = self._reference_state_path(checkpoint)
         if self._synced_reference() is not None and os.path.exists(reference_state):
             self._load_reference_parameters(torch.load(reference_state, map_location="cpu", weights_only=True))
+        elif self._synced_reference() is not None and not resume:
+            logger.warning(f"{checkpoint} holds no {os.path.basename(reference_state)} (save_only_model=True "
+                           "writes none): the reference model stays as sync_ref_model left it at the last step.")
 
     def _synced_reference(self):
         """The reference model that ``sync_ref_model`` mixes with the policy during training (None without one)."""
@@ -896,6 +917,19 @@ class TraceRLTrainer(GRPOTrainer):
                     f"x num_generations_eval ({self.num_generations_eval}) fill whole global eval batches "
                     f"({loader.total_batch_size} rows) has none.")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
+                        metric_key_prefix: str = "eval"):
+        """Trainer's loop; GRPO's metrics of the evaluated rollouts join its metrics under ``metric_key_prefix``,
+        averaged as GRPO's ``log`` averages them. That ``log`` names them ``eval_*`` whatever the prefix: named eval
+        sets shared one ``eval_reward``, and ``predict()``'s rollouts were counted in the next evaluation's."""
+        self._metrics["eval"].clear()
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        for name, values in self._metrics["eval"].items():
+            valid = [value for value in values if not math.isnan(value)]
+            output.metrics[f"{metric_key_prefix}_{name}"] = sum(valid) / len(valid) if valid else None
+        self._metrics["eval"].clear()
+        return output
 
     def _compute_loss(self, model, inputs):
         self._scoring = {k: inputs[k] for k in ("canvas_ids", "unmask_step", "mask_seeds", "sampler_logps")}

@@ -152,11 +152,18 @@ class DiffusionValueTrainer(_BaseTrainer):
             self._signature_columns = list(TRAJECTORY_COLUMNS)
 
     def get_eval_dataloader(self, eval_dataset=None):
-        if eval_dataset is not None and not isinstance(eval_dataset, str) and not _is_prepared(eval_dataset):
-            # a dataset passed to evaluate(), streamed or not: tokenized and checked as the trainer's own are (a
-            # `prompt_ids` column is an input column, no sign that the rows were checked); another type is refused
-            eval_dataset = self._prepare_trajectories(eval_dataset, name="eval_dataset")
+        if eval_dataset is not None and not isinstance(eval_dataset, str):
+            eval_dataset = self._prepared(eval_dataset, "eval_dataset")
         return super().get_eval_dataloader(eval_dataset)
+
+    def get_test_dataloader(self, test_dataset):
+        return super().get_test_dataloader(self._prepared(test_dataset, "test_dataset"))
+
+    def _prepared(self, dataset, name: str):
+        """A dataset passed to ``evaluate()`` or ``predict()``, streamed or not: tokenized and checked as the
+        trainer's own are (a ``prompt_ids`` column is an input column, no sign that the rows were checked); another
+        type is refused."""
+        return dataset if _is_prepared(dataset) else self._prepare_trajectories(dataset, name=name)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
