@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow.compute as pc
 import torch
 from datasets import Dataset, IterableDataset, List, Value
 from transformers import TrainerCallback
@@ -42,7 +43,7 @@ from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
-from ..states import check_block_size_applies, resolve_model_attention_backend
+from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from .diffusion_losses import (
     IGNORE_INDEX,
@@ -124,8 +125,10 @@ class DiffusionDataCollator:
 
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | str | None,
                  max_length: int | None = None, padding_free: bool = False,
-                 restore_document_starts: bool = True, reads_unmask_step: bool = True) -> None:
+                 restore_document_starts: bool = True, reads_unmask_step: bool = True,
+                 max_positions: int | None = None) -> None:
         self.base = base
+        self.max_positions = max_positions
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id
         self.pad_to_length = pad_to_length
@@ -148,6 +151,14 @@ class DiffusionDataCollator:
                     f"a row of {length} tokens is longer than max_length={self.max_length} (with overlong_policy="
                     "'error' or pad_to_length_with_eos=True). Rows of skip_prepare_dataset are not truncated or "
                     "checked during preparation: shorten them yourself, or raise max_length."
+                )
+            document = max(example.get("seq_lengths") or [length])  # a packed row's positions restart per document
+            if self.max_positions is not None and document > self.max_positions:
+                raise ValueError(
+                    f"a {'packed document' if 'seq_lengths' in example else 'row'} of {document} tokens needs "
+                    f"{document} positions; the model has {self.max_positions}: it would train at positions the "
+                    f"model has none for (and generate() refuses). Set max_length <= {self.max_positions} (rows are "
+                    "truncated to it), or shorten the data."
                 )
             if step is not None and len(step) != length:
                 raise ValueError(
@@ -409,10 +420,12 @@ class DiffusionSFTTrainer(SFTTrainer):
         if self.args.pad_to_length_with_eos:
             pad_to = self.args.max_length if self.args.eos_padding_length == "max_length" else "longest"
         limit = self.args.max_length if self.args.overlong_policy == "error" or pad_to else None
+        positions = max_positions(self.model.config)
+        _check_rows_fit(positions, pad_to, {"train": self.train_dataset, **_named(self.eval_dataset)})
         self.data_collator = DiffusionDataCollator(
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
-            reads_unmask_step=self.args.diffusion_objective == "trajectory",
+            reads_unmask_step=self.args.diffusion_objective == "trajectory", max_positions=positions,
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -705,6 +718,39 @@ class DiffusionSFTTrainer(SFTTrainer):
             self._total_train_tokens += int(self.accelerator.gather_for_metrics(
                 torch.as_tensor(tokens, device=self.accelerator.device)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
+
+
+def _named(eval_dataset) -> dict:
+    """``eval_dataset`` as ``{name: dataset}`` (one unnamed set is ``eval``)."""
+    if eval_dataset is None:
+        return {}
+    return {f"eval {name}": data for name, data in eval_dataset.items()} if isinstance(eval_dataset, dict) else \
+        {"eval": eval_dataset}
+
+
+def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: dict) -> None:
+    """Refuse at construction what the collator would refuse at the first batch holding it: rows padded to a fixed
+    length beyond the model's positions, or an in-memory prepared dataset with a row (a packed row's document) longer
+    than them; SFT trained at positions the model has none for, which ``generate()`` then refuses. Read from the
+    Arrow column's list lengths (no pass over the rows in Python); streams are checked by the collator alone."""
+    if positions is None:
+        return
+    if isinstance(pad_to, int) and pad_to > positions:
+        raise ValueError(f"pad_to_length_with_eos pads every row to max_length={pad_to}, beyond the model's "
+                         f"{positions} positions; set max_length <= {positions}.")
+    for name, dataset in datasets.items():
+        if not isinstance(dataset, Dataset) or len(dataset) == 0 or dataset.data.num_rows != len(dataset):
+            continue  # a selection of the table's rows: its longest row is not the table's
+        column = "seq_lengths" if "seq_lengths" in dataset.column_names else "input_ids"
+        if column not in dataset.column_names:
+            continue
+        values = dataset.data.column(column)
+        longest = pc.max(pc.list_flatten(values) if column == "seq_lengths" else pc.list_value_length(values)).as_py()
+        if longest is not None and longest > positions:
+            unit = "packed document" if column == "seq_lengths" else "row"
+            raise ValueError(f"the {name} dataset has a {unit} of {longest} tokens, beyond the model's {positions} "
+                             "positions: it would train at positions the model has none for (and generate() refuses). "
+                             f"Set max_length <= {positions} (rows are truncated to it), or shorten the data.")
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:

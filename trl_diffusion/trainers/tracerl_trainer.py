@@ -50,6 +50,7 @@ from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import (
+    CanvasLayout,
     blocks_from_prompt_end,
     check_block_size_applies,
     completion_blocks,
@@ -1232,14 +1233,16 @@ def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) ->
 
 
 def _check_completion_fits(model, args: TraceRLConfig) -> None:
-    """Raise now, not at the first rollout, when ``max_completion_length`` (plus the block a block model may add)
-    leaves no room for a prompt in the model's positions."""
+    """Raise now, not at the first rollout, when ``max_completion_length`` leaves no room for a one-token prompt in the
+    model's positions (a block model's rollout rounded up to whole blocks, as ``generate()`` counts it)."""
     positions = max_positions(model.config)
-    extra = args.block_length if model.block_size is not None else 0
-    if positions is not None and args.max_completion_length + extra >= positions:
-        slack = f" + block_length ({extra})" if extra else ""
-        raise ValueError(f"max_completion_length ({args.max_completion_length}){slack} leaves no room for a prompt in "
-                         f"the model's {positions} positions (max_position_embeddings); lower max_completion_length.")
+    layout = CanvasLayout([1], args.max_completion_length, args.block_length, model.block_size is not None)
+    if positions is not None and layout.row_positions()[0] > positions:
+        rounded = " (rounded up to whole blocks of block_length)" if model.block_size is not None else ""
+        field = "max_position_embeddings" if getattr(model.config, "max_position_embeddings", None) else \
+            "max_sequence_length"
+        raise ValueError(f"max_completion_length ({args.max_completion_length}) leaves no room for a prompt{rounded} "
+                         f"in the model's {positions} positions ({field}); lower max_completion_length.")
 
 
 def _enable_checkpointing(model, args: TraceRLConfig) -> None:

@@ -1,0 +1,38 @@
+"""SFT refuses rows longer than the model's positions (``max_position_embeddings``; LLaDA's ``max_sequence_length``):
+it trained at positions the model has none for, which ``generate()`` then refuses, with no message (the embedded
+model has 128 positions and DiffusionSFTConfig's default max_length is 1024)."""
+
+import pytest
+from datasets import Dataset, IterableDataset
+
+from trl_diffusion.testing import build_tokenizer, tiny_model
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
+
+ROWS = [{"prompt": [{"role": "user", "content": "What is 12+7? " * 3}],
+         "completion": [{"role": "assistant", "content": "The answer is nineteen, 19."}]}] * 4  # 90 tokens
+
+
+def sft(tmp_path, family, train_dataset, **overrides):
+    limit = {"max_sequence_length": 32} if family == "llada" else {"max_position_embeddings": 32}
+    config = dict(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_length=128,
+                  per_device_train_batch_size=4, max_steps=1, save_strategy="no", disable_tqdm=True)
+    return DiffusionSFTTrainer(tiny_model(family, **limit).train(), args=DiffusionSFTConfig(**{**config, **overrides}),
+                               train_dataset=train_dataset, processing_class=build_tokenizer())
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_rows_beyond_the_models_positions_are_refused_at_construction(tmp_path, family):
+    with pytest.raises(ValueError, match="train dataset has a row of 90 tokens, beyond the model's 32 positions"):
+        sft(tmp_path, family, Dataset.from_list(ROWS))
+    with pytest.raises(ValueError, match="packed document of 90 tokens, beyond the model's 32 positions"):
+        sft(tmp_path, family, Dataset.from_list(ROWS), packing=True)
+    with pytest.raises(ValueError, match="pads every row to max_length=128, beyond the model's 32 positions"):
+        sft(tmp_path, family, Dataset.from_list(ROWS[:1]), pad_to_length_with_eos=True)
+    sft(tmp_path, family, Dataset.from_list(ROWS), max_length=32, truncation_mode="keep_end").train()  # fits: trains
+
+
+def test_a_stream_is_checked_by_the_collator(tmp_path):
+    stream = IterableDataset.from_generator(lambda: iter(ROWS))
+    trainer = sft(tmp_path, "sdar", stream)
+    with pytest.raises(ValueError, match="a row of 90 tokens needs 90 positions; the model has 32"):
+        trainer.train()
