@@ -82,11 +82,22 @@ def test_problems_too_long_for_the_model_are_named_before_any_generation(family,
     rows.insert(3, {"question": "Please compute this carefully: " * 3 + "7+7?", "answer": "14"})
     model = tiny_model(family, max_position_embeddings=64)
     monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("generated before the check"))
-    with pytest.raises(ValueError, match=r"1 of 6 problems do not fit the model's 64 positions with "
-                                         r"max_new_tokens=16: '3' \(116 prompt tokens, needs 132\)"):
+    with pytest.raises(ValueError, match=r"1 of 6 problems do not fit the model's 64 positions: '3' \(116 prompt "
+                                         r"\+ 16 new tokens, needs 132\)"):
         evaluate(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
                  max_new_tokens=16, output_dir=None, batch_size=2, **QUICK)
     short = evaluate(dataset=rows[:3], model=tiny_model(family, max_position_embeddings=64),
                      tokenizer=build_tokenizer(), prompt_template="{question}", max_new_tokens=16, output_dir=None,
                      **QUICK)
     assert short["num_problems"] == 3
+
+
+def test_a_checkpoint_max_length_counts_the_prompt_in_the_fit_check():
+    """generation_config.max_length counts the prompt (generate() gives max_length - prompt width new tokens): the
+    first version of the check added all of it to each prompt and refused problems generate() runs."""
+    rows = [{"question": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(1, 4)]
+    model = tiny_model("dream", max_position_embeddings=64)
+    model.generation_config.max_length = 48
+    report = evaluate(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
+                      output_dir=None, **QUICK)
+    assert report["num_problems"] == 3

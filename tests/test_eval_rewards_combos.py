@@ -140,3 +140,5 @@ def test_code_rewards_without_their_test_columns_are_an_error():
     with pytest.raises(ValueError, match=r"official_code_reward reads the test kind .*\['tests'\]"):
         official_code_reward([ADD], tests=[ADD_TESTS])
     assert code_execution_reward([ADD], tests=[None]) == [None]  # a row without tests scores None, as before
+    with pytest.raises(ValueError, match=r"official_code_reward reads the test kind .*\['test_list'\]"):
+        official_code_reward([ADD], test_list=[ADD_TESTS])  # its own columns count as passed (review)

@@ -18,6 +18,8 @@ def test_accuracy_band_takes_weighted_rewards_that_round_past_one():
     rewards = torch.stack([weights.sum(), weights.sum(), weights[:2].sum(), torch.tensor(0.0)])
     assert rewards.max() > 1  # the rounding this test is about
     assert kept_groups(rewards, 2, "accuracy_band", 0.0, 0.99).tolist() == [False, False, True, True]
+    # with the band's upper bound at 1, the all-correct group is kept as with exact rewards of 1 (review)
+    assert kept_groups(rewards, 2, "accuracy_band", 0.0, 1.0).tolist() == [True] * 4
     with pytest.raises(ValueError, match=r"got rewards in \[0, 1.00999999\]"):
         kept_groups(torch.tensor([0.0, 1.01]), 2, "accuracy_band", 0.0, 1.0)
 
@@ -94,12 +96,18 @@ def test_llada_gumbel_draw_is_the_official_form_at_usual_temperatures(temperatur
 
 
 @pytest.mark.parametrize("field", ["max_grad_norm", "weight_decay", "adam_epsilon", "adam_beta1", "adam_beta2"])
-def test_non_finite_optimizer_numbers_are_refused_by_every_config(tmp_path, field):
-    """A NaN max_grad_norm made every weight NaN at the first step (clipping multiplies the gradients by
-    max_grad_norm / norm), while the loss was still logged; transformers takes these unchecked."""
+def test_nan_optimizer_numbers_are_refused_by_every_config(tmp_path, field):
+    """transformers takes these unchecked: a NaN weight decay or Adam number makes the weights NaN, a NaN
+    max_grad_norm silently turns clipping off (NaN > 0 is False). An infinite max_grad_norm (transformers' own
+    "no clipping") stays allowed."""
     from trl_diffusion import DiffusionSFTConfig, DiffusionValueConfig, TraceRLConfig
 
-    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none", field: math.nan}
+    common = {"output_dir": str(tmp_path), "use_cpu": True, "report_to": "none"}
     for config in (DiffusionSFTConfig, DiffusionValueConfig, TraceRLConfig):
-        with pytest.raises(ValueError, match=f"{field} must be a finite number"):
-            config(**common)
+        with pytest.raises(ValueError, match=f"{field} must be a"):
+            config(**common, **{field: math.nan})
+        if field == "max_grad_norm":
+            assert config(**common, max_grad_norm=math.inf).max_grad_norm == math.inf
+        else:
+            with pytest.raises(ValueError, match=f"{field} must be a finite number"):
+                config(**common, **{field: math.inf})

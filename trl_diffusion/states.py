@@ -460,17 +460,21 @@ def check_optimization_numbers(args) -> None:
     """Refuse, when a config is built, the optimisation numbers transformers takes unchecked: a ``learning_rate``
     that is infinite made every weight NaN after the first step while the logged loss looked fine (NaN and negative
     ones failed only inside ``train()``); batch sizes and accumulation steps below 1 failed later, or in ways that
-    did not name the field; a NaN ``max_grad_norm``, ``weight_decay`` or Adam number made the weights NaN."""
+    did not name the field; a NaN ``weight_decay`` or Adam number made the weights NaN, a NaN ``max_grad_norm`` turned
+    clipping off."""
     rate = args.learning_rate
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not (math.isfinite(rate) and rate >= 0):
         raise ValueError(f"learning_rate must be a finite number >= 0, got {rate!r}.")
     args.learning_rate = float(rate)  # a numpy scalar would not serialise with the arguments and trainer state
-    # NaN here made every weight NaN at the first step (clipping scales by max_grad_norm / norm), the loss still logged
+    # a NaN or infinite weight decay or Adam number makes the weights NaN; a NaN max_grad_norm silently turns clipping
+    # off (NaN > 0 is False), an infinite one is transformers' own "no clipping"
     for name in ("max_grad_norm", "weight_decay", "adam_epsilon", "adam_beta1", "adam_beta2"):
         value = getattr(args, name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                                  or not math.isfinite(value)):
-            raise ValueError(f"{name} must be a finite number, got {value!r}.")
+        if value is None or (name == "max_grad_norm" and value == math.inf):
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number{' (or inf: no clipping)' * (name == 'max_grad_norm')}, "
+                             f"got {value!r}.")
     for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps"):
         value = getattr(args, name)
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -713,7 +713,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     prompts = [format_prompt(tokenizer, p, config) for p in problems]
     add_special = not config.apply_chat_template
     prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
-    _check_prompts_fit(model, settings, problems, prompt_ids)
+    _check_prompts_fit(model, kwargs, problems, prompt_ids)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
@@ -765,21 +765,28 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
 
 
-def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:
-    """Raise before any generation, naming the problems, when a prompt + ``max_new_tokens`` does not fit the model's
-    positions (``generate`` would refuse its batch with no problem named, after the earlier batches' work)."""
+def _check_prompts_fit(model: Any, kwargs: dict[str, Any], problems: list[EvalProblem],
+                       prompt_ids: list[list[int]]) -> None:
+    """Raise before any generation, naming the problems, when a prompt and its new tokens do not fit the model's
+    positions (``generate`` would refuse its batch with no problem named, after the earlier batches' work). A prompt's
+    new tokens are resolved as ``generate`` resolves them for it alone (``max_length`` counts the prompt), which
+    bounds what its batch needs."""
     limit = max_positions(model.config)
-    if limit is None or not prompt_ids:
+    if limit is None:
         return
-    layout = CanvasLayout([len(ids) for ids in prompt_ids], settings.max_new_tokens, settings.block_length,
-                          model.block_size is not None)
-    over = [(problem.id, len(ids), need) for problem, ids, need in zip(problems, prompt_ids, layout.row_positions())
-            if need > limit]
+    need = {}
+    for length in {len(ids) for ids in prompt_ids}:
+        settings, _ = model._resolve_settings(dict(kwargs), prompt_width=length)
+        layout = CanvasLayout([length], settings.max_new_tokens, settings.block_length, model.block_size is not None)
+        need[length] = (settings.max_new_tokens, layout.row_positions()[0])
+    over = [(problem.id, len(ids), *need[len(ids)]) for problem, ids in zip(problems, prompt_ids)
+            if need[len(ids)][1] > limit]
     if over:
-        shown = ", ".join(f"{pid!r} ({length} prompt tokens, needs {need})" for pid, length, need in over[:5])
-        raise ValueError(f"{len(over)} of {len(problems)} problems do not fit the model's {limit} positions with "
-                         f"max_new_tokens={settings.max_new_tokens}: {shown}{', ...' if len(over) > 5 else ''}. "
-                         "Lower max_new_tokens, or leave these problems out of the dataset.")
+        shown = ", ".join(f"{pid!r} ({length} prompt + {new} new tokens, needs {positions})"
+                          for pid, length, new, positions in over[:5])
+        raise ValueError(f"{len(over)} of {len(problems)} problems do not fit the model's {limit} positions: "
+                         f"{shown}{', ...' if len(over) > 5 else ''}. Lower max_new_tokens, or leave these problems "
+                         "out of the dataset.")
 
 
 def _mean(values: list[float]) -> float:

@@ -217,16 +217,17 @@ def _gumbel_max(raw: torch.Tensor, u: torch.Tensor, temperature: float) -> torch
     """LLaDA's float64 Gumbel-max draw ``argmax(exp(l) / (-log u)^T)`` from ``raw`` logits ``l`` (filtered entries
     -inf) and uniforms ``u``. Where that form breaks down -- a large T underflows ``(-log u)^T`` to 0, so a filtered
     entry (the mask token) reads 0/0 = NaN and wins the argmax, and ties at inf favour low ids; very negative logits
-    underflow every ``exp(l)`` to 0 -- the same draw is taken in log space, ``argmax(l - T log(-log u))``, which never
-    picks a filtered entry. Elsewhere the result is LLaDA's, bit for bit."""
+    underflow every ``exp(l)`` to 0 -- the position takes the same draw in log space, ``argmax(l - T log(-log u))``,
+    which never picks a filtered entry. Elsewhere the result is LLaDA's, bit for bit. Both are computed for every
+    position and chosen with ``torch.where``: no host synchronisation, so that CUDA graphs capture the step (the peak
+    memory is one float64 ``[B, L, V]`` temporary, as LLaDA's form alone)."""
     scores = raw.exp().div_((-torch.log(u)).pow_(temperature)).masked_fill_(raw == -torch.inf, -torch.inf)
     tokens = scores.argmax(-1)
     best = scores.gather(-1, tokens[..., None]).squeeze(-1)
+    del scores
     broken = ~torch.isfinite(best) | (best <= 0)  # argmax picks a NaN wherever there is one
-    if bool(broken.any()):
-        log_scores = raw[broken] - temperature * torch.log(-torch.log(u[broken]))
-        tokens[broken] = log_scores.argmax(-1)
-    return tokens
+    log_space = torch.log(u).neg_().log_().mul_(-temperature).add_(raw).argmax(-1)
+    return torch.where(broken, log_space, tokens)
 
 
 def token_noise_shape(

@@ -151,8 +151,9 @@ class CodeExecutionReward:
     ) -> list[float | None]:
         n = len(completions)
         if tests is None and test is None:
+            given = kwargs if entry_point is None else {**kwargs, "entry_point": entry_point}
             raise missing_column_error(self.__name__, "tests", "'tests' (a list of asserts) or 'test' (a check "
-                                       "function)", kwargs, "dataset.rename_column('test_list', 'tests')")
+                                       "function)", given, "dataset.rename_column('test_list', 'tests')")
         check_column_lengths(self.__name__, n, {"tests": tests, "test": test, "entry_point": entry_point})
         rows = zip(
             tests if tests is not None else [None] * n,

@@ -405,12 +405,13 @@ class OfficialCodeReward:
         **kwargs: Any,
     ) -> list[float | None]:
         n = len(completions)
-        if test_method is None:
-            raise missing_column_error(self.__name__, "test kind", "'test_method' ('function' or 'stdio', beside "
-                                       "'test_list' or 'test_input'/'test_output')", kwargs,
-                                       "dataset.map(lambda row: {'test_method': 'function'})")
         columns = {"test_method": test_method, "test_list": test_list, "test_input": test_input,
                    "test_output": test_output, "prefix": prefix, "test_time_limit": test_time_limit}
+        if test_method is None:
+            given = {**kwargs, **{name: value for name, value in columns.items() if value is not None}}
+            raise missing_column_error(self.__name__, "test kind", "'test_method' ('function' or 'stdio', beside "
+                                       "'test_list' or 'test_input'/'test_output')", given,
+                                       "dataset.map(lambda row: {'test_method': 'function'})")
         check_column_lengths(self.__name__, n, columns)
         rows = [{k: (v[i] if v is not None else None) for k, v in columns.items()} for i in range(n)]
         texts = [completion_to_text(c) for c in completions]

@@ -68,7 +68,7 @@ def kept_groups(rewards: torch.Tensor, num_generations: int, mode: str, low: flo
                              "as its correctness and needs rewards in [0, 1]; got rewards in "
                              f"[{values.min().item():.9g}, {values.max().item():.9g}]. Use a 0/1 reward, or set "
                              "dynamic_group_filtering='all_equal' or 'none'.")
-        accuracy = torch.nanmean(groups, dim=1)
+        accuracy = torch.nanmean(groups.clamp(0, 1), dim=1)  # an overshoot by rounding reads as the bound itself
         keep = (accuracy >= low) & (accuracy <= high)
     elif mode == "all_equal":
         high_value = torch.where(scored, groups, torch.full_like(groups, -torch.inf)).max(dim=1).values
