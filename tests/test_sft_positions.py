@@ -36,3 +36,12 @@ def test_a_stream_is_checked_by_the_collator(tmp_path):
     trainer = sft(tmp_path, "sdar", stream)
     with pytest.raises(ValueError, match="a row of 90 tokens needs 90 positions; the model has 32"):
         trainer.train()
+
+
+def test_a_selection_is_checked_by_its_rows_not_by_the_table(tmp_path):
+    """select() keeps the whole table under an index mapping: its longest row need not be the dataset's (review: a
+    select([0, 0]) of a table holding a 40-token row was refused)."""
+    table = Dataset.from_list([{"input_ids": list(range(10, 30))}, {"input_ids": list(range(10, 50))}])
+    trainer = sft(tmp_path, "sdar", table.select([0, 0]), dataset_kwargs={"skip_prepare_dataset": True},
+                  per_device_train_batch_size=2, max_length=None)
+    trainer.train()

@@ -79,14 +79,14 @@ def test_saved_model_config_keeps_a_boolean_use_cache(tmp_path):
 
 def test_completion_longer_than_the_model_fails_at_construction(tmp_path):
     """A one-token prompt must fit with the completion, a block model's rounded up to whole blocks of 4, as
-    generate() counts it: 63 + 1 = 64 fits; 61 + 1 = 62 fits too (rounded up to 64: the check added a whole block,
-    refusing 61-63); 64 + 1 does not."""
+    generate() counts it: 63 + 1 = 64 fits; 60 + 1 = 61 fits too (rounded up to 64: the check added a whole block,
+    refusing 60-63); 64 + 1 does not."""
     model = tiny_model("sdar", max_position_embeddings=64).train()
     with pytest.raises(ValueError, match=r"max_completion_length \(64\) leaves no room for a prompt \(rounded up to "
                                          r"whole blocks of block_length\) in the model's 64 positions "
                                          r"\(max_position_embeddings\)"):
         trainer(tmp_path, model=model, max_completion_length=64)
-    for fits in (61, 63):
+    for fits in (60, 63):
         trainer(tmp_path, model=model, max_completion_length=fits)
         model.generate(torch.tensor([[5]]), max_new_tokens=fits, block_length=4, denoising_steps=4)  # no error
     llada = tiny_model("llada", max_sequence_length=64).train()

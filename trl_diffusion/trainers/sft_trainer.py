@@ -739,8 +739,8 @@ def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: d
         raise ValueError(f"pad_to_length_with_eos pads every row to max_length={pad_to}, beyond the model's "
                          f"{positions} positions; set max_length <= {positions}.")
     for name, dataset in datasets.items():
-        if not isinstance(dataset, Dataset) or len(dataset) == 0 or dataset.data.num_rows != len(dataset):
-            continue  # a selection of the table's rows: its longest row is not the table's
+        if not isinstance(dataset, Dataset) or len(dataset) == 0 or getattr(dataset, "_indices", None) is not None:
+            continue  # a selection of the table's rows (select, shuffle): its longest row need not be the table's
         column = "seq_lengths" if "seq_lengths" in dataset.column_names else "input_ids"
         if column not in dataset.column_names:
             continue
