@@ -325,3 +325,40 @@ def test_a_value_optimizer_saved_with_one_parameter_group_is_refused_clearly(che
     torch.save(state, checkpoint / "value_state.pt")
     with pytest.raises(ValueError, match=r"value_state.pt holds a value optimizer with 1 parameter group\(s\)"):
         tracerl(tmp_path / "value", 2, value=True).train(resume_from_checkpoint=str(checkpoint))
+
+
+def _train_logs(trainer) -> list[dict]:
+    """The training log entries, less transformers' own running ``loss`` (its window sum is not in checkpoints) and
+    wall-clock times."""
+    return [{k: v for k, v in entry.items() if k != "loss" and "time" not in k} for entry in trainer.state.log_history
+            if "loss" in entry]
+
+
+@pytest.mark.parametrize("trainer_kind", ["tracerl", "sft"])
+def test_a_checkpoint_between_two_logs_keeps_the_window_in_progress(tmp_path, trainer_kind):
+    """logging_steps=2, save_steps=1: resuming from checkpoint-1 dropped step 1's metrics from the step-2 log
+    (TraceRL's reward 3.583 for 4.375, value/loss 6.80 for 28.48); the window in progress is saved with the
+    checkpoint."""
+    if trainer_kind == "tracerl":
+        def run(out, steps):
+            return tracerl(out, steps, logging_steps=2, num_iterations=1, lr_scheduler_type="constant")
+    else:
+        config = dict(per_device_train_batch_size=2, max_length=32, save_strategy="steps", save_steps=1,
+                      logging_steps=2, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                      gradient_checkpointing=False, seed=0, lr_scheduler_type="constant")
+        data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
+
+        def run(out, steps):
+            return DiffusionSFTTrainer(tiny_model("sdar").train(),
+                                       args=DiffusionSFTConfig(output_dir=str(out), max_steps=steps, **config),
+                                       train_dataset=data, processing_class=build_tokenizer())
+    whole = run(tmp_path / "whole", 2)
+    whole.train()
+    run(tmp_path / "cut", 1).train()
+    resumed = run(tmp_path / "cut", 2)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-1"))
+    expected, got = _train_logs(whole), _train_logs(resumed)
+    assert len(expected) == len(got) == 1
+    assert got[0].keys() == expected[0].keys()
+    for key, value in expected[0].items():
+        assert got[0][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key

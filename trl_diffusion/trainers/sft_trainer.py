@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import weakref
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
@@ -335,7 +336,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
 
     def _save_checkpoint(self, model, trial):
-        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting, and
+        """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting, the
+        metrics of the logging window in progress (every process holds the same: they are summed over processes), and
         whether the checkpoint holds the weights only (``save_only_model``: not resumable). Written before
         transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint complete."""
         if self.args.should_save:
@@ -344,7 +346,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             os.makedirs(folder, exist_ok=True)
             with open(os.path.join(folder, "token_count.json"), "w") as handle:
                 json.dump({"total_train_tokens": self._total_train_tokens,
-                           "save_only_model": self.args.save_only_model}, handle)
+                           "save_only_model": self.args.save_only_model, "metrics": self._metrics["train"]}, handle)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
@@ -377,6 +379,8 @@ class DiffusionSFTTrainer(SFTTrainer):
                            "from 0.")
             return
         self._total_train_tokens = saved["total_train_tokens"]
+        # the logging window in progress: a checkpoint between two logs would otherwise drop its first part
+        self._metrics["train"] = defaultdict(list, saved.get("metrics", {}))
 
     def __init__(self, model, args: DiffusionSFTConfig | SFTConfig | None = None, data_collator=None,
                  train_dataset=None, eval_dataset=None, processing_class=None, compute_loss_func=None, **kwargs):

@@ -286,7 +286,8 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": "Value model: training rows per value optimizer step (>= 1), over all processes. It takes "
                   "ceil(rows / value_batch_size) steps per generation batch: one epoch over the rows of the groups "
                   "that survive the filter (dLLM-RL: 8 GPUs x 32 accumulation x 1 row = 256). None: as many steps "
-                  "as the policy takes per generation batch."},
+                  "as the policy takes per generation batch (steps_per_generation // gradient_accumulation_steps, "
+                  "at least 1)."},
     )
     value_train_every: int = field(
         default=1,

@@ -27,6 +27,7 @@ import copy
 import math
 import os
 import types
+from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
 
 import torch
@@ -739,8 +740,9 @@ class TraceRLTrainer(GRPOTrainer):
         return config
 
     def _save_checkpoint(self, model, trial):
-        """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle and
-        GRPO's micro-step counter (per process), and the value model with its optimizer. With ``save_only_model``
+        """TRL's checkpoint plus what exact resume needs: the buffered rollout of the current generation cycle,
+        GRPO's micro-step counter and the metrics of the logging window in progress (per process), and the value model
+        with its optimizer. With ``save_only_model``
         the value model's weights are saved without its optimizer, as transformers saves the policy's, and the
         buffer records the setting so that a resume is refused (see ``_load_optimizer_and_scheduler``).
 
@@ -752,7 +754,7 @@ class TraceRLTrainer(GRPOTrainer):
             os.remove(os.path.join(folder, TRAINER_STATE_NAME))  # an older save's: the folder is being rewritten
         os.makedirs(folder, exist_ok=True)
         torch.save({"step": self._step, "buffer": self._buffered_inputs, "layout": self._rollout_layout(),
-                    "save_only_model": self.args.save_only_model},
+                    "save_only_model": self.args.save_only_model, "metrics": dict(self._metrics["train"])},
                    os.path.join(folder, f"rollout_buffer_{self.accelerator.process_index}.pt"))
         if self.value_model is not None and self.args.should_save:
             self.accelerator.unwrap_model(self.value_model).save_pretrained(os.path.join(folder, "value_model"))
@@ -802,6 +804,8 @@ class TraceRLTrainer(GRPOTrainer):
             saved = None  # on every process: one that kept its buffer would skip the others' generation collectives
         if saved is not None:
             self._step, self._buffered_inputs = saved["step"], send_to_device(saved["buffer"], self.accelerator.device)
+            # the logging window in progress: a checkpoint between two logs would otherwise drop its first part
+            self._metrics["train"] = defaultdict(list, saved.get("metrics", {}))
         self._load_value_and_reference(checkpoint, resume=True)
 
     def _load_best_model(self) -> None:
