@@ -101,3 +101,16 @@ def test_a_checkpoint_max_length_counts_the_prompt_in_the_fit_check():
     report = evaluate(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
                       output_dir=None, **QUICK)
     assert report["num_problems"] == 3
+
+
+def test_a_setting_that_depends_on_the_batch_is_left_to_generate():
+    """With a checkpoint max_length, Dream-style ``steps`` must divide the blocks of the batch's new tokens: resolved
+    per prompt alone, the check refused (naming no problem) a run generate() performs on the batch (review)."""
+    tokenizer = build_tokenizer()
+    rows = [{"question": "x" * 36, "answer": "1"}, {"question": "y" * 30, "answer": "2"}]
+    model = tiny_model("sdar", max_position_embeddings=2048)
+    model.generation_config.max_length = 48
+    report = evaluate(dataset=rows, model=model, tokenizer=tokenizer, prompt_template="{question}", output_dir=None,
+                      apply_chat_template=False, batch_size=2, progress=False, block_length=4, steps=24,
+                      temperature=0.0)
+    assert report["num_problems"] == 2

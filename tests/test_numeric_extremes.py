@@ -111,3 +111,51 @@ def test_nan_optimizer_numbers_are_refused_by_every_config(tmp_path, field):
         else:
             with pytest.raises(ValueError, match=f"{field} must be a finite number"):
                 config(**common, **{field: math.inf})
+
+
+def test_llada_gumbel_draw_reads_the_logits_not_their_tempered_round_trip():
+    """The float64 logits were rebuilt as float32(l / T) * T, which differs from l in most entries for T != 1: at a
+    near-tie the draw flipped against LLaDA's on the same uniforms (review). Tie: logit a with u 0.5 against logit 0
+    with the u that puts its score between a's two roundings."""
+    temperature, flips = 0.3, 0
+    for a in torch.linspace(0.5, 8, 200).tolist():
+        exact = torch.tensor(a, dtype=torch.float32)
+        rounded = (exact / temperature).double() * temperature
+        if rounded == exact.double():
+            continue
+        middle = (math.exp(float(exact)) + math.exp(float(rounded))) / 2 / (-math.log(0.5)) ** temperature
+        u = torch.tensor([[[0.5, math.exp(-(1.0 / middle) ** (1 / temperature))]]], dtype=torch.float64)
+        logits = torch.tensor([[[float(exact), 0.0]]])
+        official = (logits.double().exp() / (-torch.log(u)) ** temperature).argmax(-1)
+        tokens, _, _ = sample_tokens(logits, temperature, None, None, gumbel_float64=True, noise=u)
+        flips += int(not torch.equal(tokens, official))
+    assert flips == 0
+
+
+def test_a_negative_max_grad_norm_does_not_flip_the_value_models_gradients(tmp_path, monkeypatch):
+    """transformers reads max_grad_norm <= 0 as no clipping; the value step called clip_grad_norm_(params, -1),
+    which multiplies every gradient by a negative factor (the value model climbed its own loss) (review)."""
+    from datasets import Dataset
+
+    from trl_diffusion import TraceRLConfig, TraceRLTrainer
+    from trl_diffusion.testing import build_tokenizer, tiny_model
+    from trl_diffusion.value import DiffusionValueModel
+
+    calls = []
+    original = torch.nn.utils.clip_grad_norm_
+
+    def recording(params, max_norm, *args, **kwargs):
+        calls.append(max_norm)
+        return original(params, max_norm, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+    model = tiny_model("sdar").train()
+    config = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                           max_completion_length=8, max_steps=1, report_to="none", block_length=4, denoising_steps=2,
+                           use_cpu=True, bf16=False, disable_tqdm=True, save_strategy="no", max_grad_norm=-1.0,
+                           dynamic_group_filtering="none", value_batch_size=1)
+    trainer = TraceRLTrainer(model, lambda completions, **kw: [float(len(c)) for c in completions], args=config,
+                             train_dataset=Dataset.from_dict({"prompt": ["abc", "xyz"]}),
+                             processing_class=build_tokenizer(), value_model=DiffusionValueModel.from_policy(model))
+    trainer.train()
+    assert trainer._value_batches == 1 and not any(norm <= 0 for norm in calls)

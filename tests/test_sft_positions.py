@@ -45,3 +45,15 @@ def test_a_selection_is_checked_by_its_rows_not_by_the_table(tmp_path):
     trainer = sft(tmp_path, "sdar", table.select([0, 0]), dataset_kwargs={"skip_prepare_dataset": True},
                   per_device_train_batch_size=2, max_length=None)
     trainer.train()
+
+
+def test_a_shuffled_packed_dataset_is_checked_at_construction(tmp_path):
+    """Packing shuffles the packed rows (an index mapping): the first version of the selection rule skipped it, so a
+    long document was refused only by the collator, after checkpoints had been written (review)."""
+    rows = [{"prompt": [{"role": "user", "content": "abc"}],
+             "completion": [{"role": "assistant", "content": "ok"}]}] * 30 + ROWS[:1]
+    with pytest.raises(ValueError, match="packed document of 90 tokens, beyond the model's 32 positions"):
+        sft(tmp_path, "sdar", Dataset.from_list(rows), packing=True, shuffle_dataset=True)
+    table = Dataset.from_list([{"input_ids": list(range(10, 30))}, {"input_ids": list(range(10, 50))}])
+    with pytest.raises(ValueError, match="row of 40 tokens"):
+        sft(tmp_path, "sdar", table.shuffle(seed=0), dataset_kwargs={"skip_prepare_dataset": True}, max_length=None)

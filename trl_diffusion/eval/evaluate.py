@@ -776,11 +776,14 @@ def _check_prompts_fit(model: Any, kwargs: dict[str, Any], problems: list[EvalPr
         return
     need = {}
     for length in {len(ids) for ids in prompt_ids}:
-        settings, _ = model._resolve_settings(dict(kwargs), prompt_width=length)
+        try:
+            settings, _ = model._resolve_settings(dict(kwargs), prompt_width=length)
+        except ValueError:  # a setting that depends on the batch (max_length with Dream's steps): generate() decides
+            continue
         layout = CanvasLayout([length], settings.max_new_tokens, settings.block_length, model.block_size is not None)
         need[length] = (settings.max_new_tokens, layout.row_positions()[0])
     over = [(problem.id, len(ids), *need[len(ids)]) for problem, ids in zip(problems, prompt_ids)
-            if need[len(ids)][1] > limit]
+            if len(ids) in need and need[len(ids)][1] > limit]
     if over:
         shown = ", ".join(f"{pid!r} ({length} prompt + {new} new tokens, needs {positions})"
                           for pid, length, new, positions in over[:5])

@@ -188,9 +188,10 @@ def sample_tokens(
     """
     filtered = sampling_logits(logits, temperature, top_k, top_p, mask_token_id, top_p_first)
     log_dist = filtered.log_softmax(-1)
-    # raw logits (filtered entries -inf, as the tempered distribution filters them), for LLaDA's Gumbel form; the
-    # float32 copy goes before the draw (a full [B, L, V] tensor)
-    raw = filtered.double() * temperature if temperature and gumbel_float64 else None
+    # the model's logits in float64 (filtered entries -inf, as the tempered distribution filters them), for LLaDA's
+    # Gumbel form: taken from the logits themselves, not as (l / T) * T, whose float32 rounding could flip a near-tie
+    # against LLaDA's draw; the float32 copy goes before the draw (a full [B, L, V] tensor)
+    raw = logits.double().masked_fill_(filtered == -torch.inf, -torch.inf) if temperature and gumbel_float64 else None
     # greedy: the argmax of the logits, as transformers and LLaDA take it (log_softmax of a row holding +inf, an fp16
     # overflow, is NaN everywhere, whose argmax would be token 0)
     greedy = filtered.argmax(-1) if not temperature else None
@@ -219,9 +220,9 @@ def _gumbel_max(raw: torch.Tensor, u: torch.Tensor, temperature: float) -> torch
     entry (the mask token) reads 0/0 = NaN and wins the argmax, and ties at inf favour low ids; very negative logits
     underflow every ``exp(l)`` to 0 -- the position takes the same draw in log space, ``argmax(l - T log(-log u))``,
     which never picks a filtered entry. Elsewhere the result is LLaDA's, bit for bit. Both are computed for every
-    position and chosen with ``torch.where``: no host synchronisation, so that CUDA graphs capture the step (the peak
-    memory is one float64 ``[B, L, V]`` temporary, as LLaDA's form alone)."""
-    scores = raw.exp().div_((-torch.log(u)).pow_(temperature)).masked_fill_(raw == -torch.inf, -torch.inf)
+    position and chosen with ``torch.where``: no host synchronisation, so that CUDA graphs capture the step (with no
+    more float64 ``[B, L, V]`` temporaries at the peak than LLaDA's form alone)."""
+    scores = raw.exp().div_(torch.log(u).neg_().pow_(temperature)).masked_fill_(raw == -torch.inf, -torch.inf)
     tokens = scores.argmax(-1)
     best = scores.gather(-1, tokens[..., None]).squeeze(-1)
     del scores

@@ -743,12 +743,15 @@ def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: d
         raise ValueError(f"pad_to_length_with_eos pads every row to max_length={pad_to}, beyond the model's "
                          f"{positions} positions; set max_length <= {positions}.")
     for name, dataset in datasets.items():
-        if not isinstance(dataset, Dataset) or len(dataset) == 0 or getattr(dataset, "_indices", None) is not None:
-            continue  # a selection of the table's rows (select, shuffle): its longest row need not be the table's
+        if not isinstance(dataset, Dataset) or len(dataset) == 0:
+            continue
         column = "seq_lengths" if "seq_lengths" in dataset.column_names else "input_ids"
         if column not in dataset.column_names:
             continue
         values = dataset.data.column(column)
+        mapping = getattr(dataset, "_indices", None)  # select / shuffle (packing shuffles): the rows it holds
+        if mapping is not None:
+            values = pc.take(values, mapping.column(0))
         longest = pc.max(pc.list_flatten(values) if column == "seq_lengths" else pc.list_value_length(values)).as_py()
         if longest is not None and longest > positions:
             unit = "packed document" if column == "seq_lengths" else "row"

@@ -679,7 +679,7 @@ class TraceRLTrainer(GRPOTrainer):
                 for p in params:
                     if p.grad is not None:
                         p.grad = self.accelerator.reduce(p.grad, reduction="mean")
-            if args.max_grad_norm:
+            if args.max_grad_norm is not None and args.max_grad_norm > 0:  # transformers': <= 0 is no clipping
                 torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
             self.value_optimizer.step()
             self.value_optimizer.zero_grad(set_to_none=True)
