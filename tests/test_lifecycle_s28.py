@@ -179,3 +179,14 @@ def test_sft_predict_does_not_leak_into_the_next_evaluation(tmp_path):
     predicted = trainer.predict(trainer.eval_dataset["a"]).metrics
     assert trainer.evaluate("b")["eval_scored_tokens"] == before["eval_scored_tokens"]
     assert predicted["test_scored_tokens"] == trainer.evaluate("a")["eval_scored_tokens"]
+
+
+def test_sft_predict_prepares_raw_rows_as_evaluate_does(tmp_path):
+    """TRL's SFTTrainer prepares a dataset passed to evaluate() but not to predict(): raw rows failed there with
+    "No columns in the dataset match the model's forward method signature"."""
+    trainer = sft_trainer(tmp_path)
+    raw = sft_data(3)
+    predicted = trainer.predict(raw).metrics
+    evaluated = trainer.evaluate(raw)
+    assert predicted["test_loss"] == pytest.approx(evaluated["eval_loss"])
+    assert predicted["test_scored_tokens"] == evaluated["eval_scored_tokens"]

@@ -611,6 +611,15 @@ class DiffusionSFTTrainer(SFTTrainer):
         finally:
             self._inside_training_step = False
 
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
+        """Trainer's ``predict``, with ``test_dataset`` prepared as SFTTrainer's ``evaluate`` prepares a dataset
+        passed to it (TRL's ``predict`` took prepared rows only: raw ones failed with "No columns ... match")."""
+        if not self._skip_prepare_dataset:
+            packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
+            test_dataset = self._prepare_dataset(test_dataset, self.processing_class, self.args, packing,
+                                                 self._formatting_func, "test")
+        return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
         """Trainer's loop; the token metrics of the evaluated rows join its metrics under ``metric_key_prefix``,
