@@ -224,6 +224,8 @@ def test_valid_reward_outputs_keep_trl_semantics(tmp_path, asynchronous):
     rewards = rewards_of(tmp_path, returning(lambda c: (float(i) for i in range(len(c))), asynchronous))
     assert rewards[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
     assert rewards_of(tmp_path, returning(lambda c: map(float, range(len(c)))))[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
+    values = returning(lambda c: {i: float(i) for i in range(len(c))}.values())
+    assert rewards_of(tmp_path, values)[:, 0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
 def test_bad_reward_output_stops_training(tmp_path):

@@ -28,7 +28,8 @@ import math
 import os
 import types
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
@@ -1173,9 +1174,10 @@ def _name_errors(func, name):
 def _check_reward_output(output, expected: int, name: str):
     """``output`` if it is a list (or tuple, or 1-D tensor / array) of ``expected`` rewards, each a number or None
     (TRL's "not applicable", like NaN); otherwise a ValueError naming the function. Infinite rewards are refused
-    after gathering, in ``TraceRLTrainer._calculate_rewards``. A generator or other iterator (``map``) is read into a
-    list first, as TRL takes it; a set (no order) is refused."""
-    if isinstance(output, Iterator):
+    after gathering, in ``TraceRLTrainer._calculate_rewards``. Another ordered iterable (a generator, ``map``,
+    ``dict.values()``) is read into a list first, as TRL takes any iterable; a set (no order) is refused."""
+    if isinstance(output, Iterable) and getattr(output, "ndim", None) is None and not isinstance(
+            output, (str, bytes, Sequence, Mapping, AbstractSet)):
         output = list(output)
     one_dimensional = getattr(output, "ndim", None) == 1
     if isinstance(output, (str, bytes, Mapping)) or not (isinstance(output, Sequence) or one_dimensional):
