@@ -1,7 +1,10 @@
-"""Which rows of an evaluation batch are real: accelerate pads the last batch of a dataset whose size is not a
-multiple of the global batch with samples from its start, which metrics must leave out."""
+"""Evaluation helpers the trainers share: which rows of an evaluation batch are real (accelerate pads the last batch
+of a dataset whose size is not a multiple of the global batch with samples from its start, which metrics must leave
+out), and TRL's evaluation metrics under ``evaluate()``'s prefix."""
 
 from __future__ import annotations
+
+import math
 
 from accelerate import Accelerator
 
@@ -21,3 +24,15 @@ def real_eval_rows(accelerator: Accelerator, rows: int) -> int | None:
     remainder = accelerator.gradient_state.remainder
     real = min(rows, max(0, remainder - accelerator.process_index * rows))
     return None if real == rows else real
+
+
+def prefixed_eval_metrics(store: dict[str, list[float]], prefix: str) -> dict[str, float | None]:
+    """TRL's evaluation metrics (a trainer's ``_metrics["eval"]``) named as ``evaluate(metric_key_prefix=prefix)``
+    names its own: TRL's ``log`` names them ``eval_*`` whatever the prefix, so two named eval sets shared one name and
+    ``predict()``'s were averaged into the next evaluation's. Each is the mean of its values, NaN left out as GRPO's
+    ``log`` leaves it out (None when nothing is left)."""
+    means = {}
+    for name, values in store.items():
+        valid = [value for value in values if not math.isnan(value)]
+        means[f"{prefix}_{name}"] = sum(valid) / len(valid) if valid else None
+    return means

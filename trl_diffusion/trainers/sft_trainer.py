@@ -59,7 +59,7 @@ from .diffusion_losses import (
     sample_generators,
     split_rows,
 )
-from .eval_padding import padded_eval_batch, real_eval_rows
+from .eval_padding import padded_eval_batch, prefixed_eval_metrics, real_eval_rows
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
@@ -622,13 +622,11 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        """Trainer's loop; the token metrics of the evaluated rows join its metrics under ``metric_key_prefix``,
-        averaged as SFTTrainer's ``log`` averages them. That ``log`` names them ``eval_*`` whatever the prefix: named
-        eval sets shared one ``eval_entropy``, and ``predict()``'s were counted in the next evaluation's."""
+        """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
+        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        for name, values in self._metrics["eval"].items():
-            output.metrics[f"{metric_key_prefix}_{name}"] = sum(values) / len(values)
+        output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output
 

@@ -73,7 +73,7 @@ from ..value import (
 )
 from ..value.value_model import check_value_model, warn_if_half_precision
 from ..zero3 import gathered, whole_state_dict
-from .eval_padding import padded_eval_batch
+from .eval_padding import padded_eval_batch, prefixed_eval_metrics
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, leave_one_out_scale, population_advantages, step_weights, training_rows
 
@@ -926,14 +926,11 @@ class TraceRLTrainer(GRPOTrainer):
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
-        """Trainer's loop; GRPO's metrics of the evaluated rollouts join its metrics under ``metric_key_prefix``,
-        averaged as GRPO's ``log`` averages them. That ``log`` names them ``eval_*`` whatever the prefix: named eval
-        sets shared one ``eval_reward``, and ``predict()``'s rollouts were counted in the next evaluation's."""
+        """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
+        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
-        for name, values in self._metrics["eval"].items():
-            valid = [value for value in values if not math.isnan(value)]
-            output.metrics[f"{metric_key_prefix}_{name}"] = sum(valid) / len(valid) if valid else None
+        output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output
 
