@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from trl_diffusion.eval import evaluate
+from trl_diffusion.eval import EvalProblem, evaluate
 from trl_diffusion.testing import build_tokenizer, tiny_model
 
 GSM8K = Path(__file__).parent / "fixtures" / "rewards" / "gsm8k_sample.jsonl"
@@ -58,7 +58,7 @@ def test_a_length_nobody_chose_is_named_before_the_run(caplog, model_and_tokeniz
     assert "family default of 128 new tokens" in caplog.text
 
 
-@pytest.mark.parametrize("chosen_by", ["call", "generation_config", "max_length", "arithmetic"])
+@pytest.mark.parametrize("chosen_by", ["call", "generation_config", "arithmetic"])
 def test_a_chosen_length_is_not_warned_about(caplog, model_and_tokenizer, chosen_by):
     model, tokenizer = model_and_tokenizer
     kwargs = dict(dataset=str(GSM8K), max_problems=1, output_dir=None, **QUICK)
@@ -68,7 +68,7 @@ def test_a_chosen_length_is_not_warned_about(caplog, model_and_tokenizer, chosen
         kwargs["dataset"] = "arithmetic"
     else:
         model = copy.deepcopy(model)
-        setattr(model.generation_config, "max_new_tokens" if chosen_by == "generation_config" else "max_length", 400)
+        model.generation_config.max_new_tokens = 400
     with caplog.at_level(logging.WARNING, logger=LOGGER):
         evaluate(model=model, tokenizer=tokenizer, **kwargs)
     assert "max_new_tokens is set neither" not in caplog.text
@@ -92,25 +92,40 @@ def test_problems_too_long_for_the_model_are_named_before_any_generation(family,
     assert short["num_problems"] == 3
 
 
-def test_a_checkpoint_max_length_counts_the_prompt_in_the_fit_check():
-    """generation_config.max_length counts the prompt (generate() gives max_length - prompt width new tokens): the
-    first version of the check added all of it to each prompt and refused problems generate() runs."""
+@pytest.mark.parametrize("family", ["sdar", "dream"])
+def test_a_checkpoint_max_length_alone_is_refused_before_any_generation(family, monkeypatch):
+    """transformers' max_length counts the prompt columns, in a left-padded batch the longest prompt's: eval gave a
+    completion 30 new tokens at batch size 1 and 12 at batch size 4 (and reported max_new_tokens 32)."""
     rows = [{"question": f"What is {a}+{a}?", "answer": str(2 * a)} for a in range(1, 4)]
-    model = tiny_model("dream", max_position_embeddings=64)
+    model = tiny_model(family, max_position_embeddings=64)
     model.generation_config.max_length = 48
-    report = evaluate(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
-                      output_dir=None, **QUICK)
-    assert report["num_problems"] == 3
+    monkeypatch.setattr(model, "generate", lambda *args, **kwargs: pytest.fail("generated before the check"))
+    common = dict(dataset=rows, model=model, tokenizer=build_tokenizer(), prompt_template="{question}",
+                  output_dir=None, **QUICK)
+    with pytest.raises(ValueError, match=r"generation_config sets max_length \(48\) and no max_new_tokens.*"
+                                         r"Pass --max_new_tokens"):
+        evaluate(**common)
+    monkeypatch.undo()
+    assert evaluate(max_new_tokens=8, **common)["num_problems"] == 3  # the call's length wins, as in generate()
+    model.generation_config.max_new_tokens = 8
+    assert evaluate(**common)["generation"]["max_new_tokens"] == 8  # and the config's max_new_tokens
 
 
-def test_a_setting_that_depends_on_the_batch_is_left_to_generate():
-    """With a checkpoint max_length, Dream-style ``steps`` must divide the blocks of the batch's new tokens: resolved
-    per prompt alone, the check refused (naming no problem) a run generate() performs on the batch (review)."""
-    tokenizer = build_tokenizer()
-    rows = [{"question": "x" * 36, "answer": "1"}, {"question": "y" * 30, "answer": "2"}]
-    model = tiny_model("sdar", max_position_embeddings=2048)
-    model.generation_config.max_length = 48
-    report = evaluate(dataset=rows, model=model, tokenizer=tokenizer, prompt_template="{question}", output_dir=None,
-                      apply_chat_template=False, batch_size=2, progress=False, block_length=4, steps=24,
-                      temperature=0.0)
-    assert report["num_problems"] == 2
+def test_clipped_and_length_do_not_depend_on_the_batch(tmp_path, model_and_tokenizer):
+    """Block models round each row's completion region up to its own block end, so rows of one batch have regions
+    of different widths and generate() right-pads the narrower ones with the pad token: that padding is no stop
+    the model chose (it read as one: clipped_ratio 1.0 at batch size 1 and 0.25 at batch size 4)."""
+    model, tokenizer = model_and_tokenizer
+    problems = [EvalProblem(f"p{i}", "x" * (4 + i), "math", answer="1") for i in range(1, 5)]  # widths 5..8 mod 4
+    runs = {}
+    for batch_size in (1, 4):
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=problems, apply_chat_template=False,
+                          max_new_tokens=8, batch_size=batch_size, block_length=4, denoising_steps=4,
+                          temperature=1.0, stop_token_ids=[], progress=False,
+                          output_dir=str(tmp_path / str(batch_size)))
+        runs[batch_size] = sorted((r["index"], r["length"], r["clipped"], r["completion"]) for r in samples(report))
+        runs[batch_size, "ratio"] = report["metrics"]["clipped_ratio"]
+    assert runs[1] == runs[4]
+    assert runs[1, "ratio"] == runs[4, "ratio"]
+    clipped_lengths = {length for _, length, clipped, _ in runs[1] if clipped}
+    assert len(clipped_lengths) > 1  # the clipped rows had regions of different widths: the case this checks

@@ -212,3 +212,29 @@ def test_metrics_over_no_scored_sample_are_none_not_zero():
     metrics = _metrics(rows, problems, 2, [1])
     assert metrics["accuracy"] == 1.0 and metrics["pass@1"] is None
 
+
+
+def test_samples_the_sandbox_could_not_run_are_counted_and_named(monkeypatch, caplog):
+    """A sandbox failure (the program never ran) scores 0.0, never a pass the program could provoke; it lowered
+    accuracy with nothing in the metrics saying why."""
+    import logging
+
+    import trl_diffusion.rewards.sandbox as sandbox
+    from trl_diffusion.eval.datasets import EvalProblem
+    from trl_diffusion.eval.evaluate import _metrics, score_completions
+
+    problem = EvalProblem("add", "write add", "code", tests=["assert add(1, 2) == 3"])
+    good = "```python\ndef add(a, b):\n    return a + b\n```"
+
+    def row(score):
+        return {"index": 0, "sample": 0, "length": 1, "clipped": False, **score, "correct": score["reward"] == 1.0}
+
+    ran = _metrics([row(score_completions([problem], [good])[0])], [problem], 1, [1])
+    assert ran["accuracy"] == 1.0 and ran["num_sandbox_errors"] == 0
+    monkeypatch.setattr(sandbox, "_get_launcher", lambda *args, **kwargs: None)
+    failed = score_completions([problem], [good])[0]
+    assert failed["status"] == "sandbox_error" and failed["reward"] == 0.0
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion.eval.evaluate"):
+        metrics = _metrics([row(failed)], [problem], 1, [1])
+    assert metrics["accuracy"] == 0.0 and metrics["num_sandbox_errors"] == 1
+    assert "1 of 1 samples scored 0.0 because the sandbox could not run their program" in caplog.text

@@ -364,11 +364,16 @@ def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> s
     return text + "<think>" if config.start_with_think else text
 
 
-def _completion(tokenizer: Any, tokens: list[int], stop_ids: set[int]) -> tuple[str, int, bool]:
-    """Decode up to the first stop or special token; return (text, length in tokens, whether it ran out of room:
-    no stop token anywhere in the canvas, so the answer may be cut off)."""
-    end = next((i for i, t in enumerate(tokens) if t in stop_ids), len(tokens))
-    return tokenizer.decode(tokens[:end]), end, end == len(tokens)
+def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_ids: set[int]) -> tuple[str, int, bool]:
+    """Decode up to the first committed stop or special token; return (text, length in tokens, whether it ran out of
+    room: no stop token anywhere in the row's canvas, so the answer may be cut off). Only committed positions count:
+    generate() right-pads a row whose completion region is narrower than the batch's widest (block models round
+    each row up to its own block end) with the pad token, which is no stop the model chose."""
+    end = next((i for i, (t, c) in enumerate(zip(tokens, committed)) if c and t in stop_ids), None)
+    if end is None:  # no stop: the row filled its whole region, which is every committed position
+        end = sum(committed)
+        return tokenizer.decode(tokens[:end]), end, True
+    return tokenizer.decode(tokens[:end]), end, False
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -488,11 +493,10 @@ LENGTH_HINT = (
 
 
 def _length_unset(model: Any, generate_kwargs: dict) -> bool:
-    """Whether neither the call nor the model's ``generation_config`` sets a generation length (``max_new_tokens``
-    or transformers' ``max_length``), so ``generate`` falls back to the family default."""
+    """Whether neither the call nor the model's ``generation_config`` sets ``max_new_tokens`` (a config's
+    ``max_length`` alone is refused by :func:`_check_model`), so ``generate`` falls back to the family default."""
     config = getattr(model, "generation_config", None)
-    return all(generate_kwargs.get(name) is None and getattr(config, name, None) is None
-               for name in ("max_new_tokens", "max_length"))
+    return generate_kwargs.get("max_new_tokens") is None and getattr(config, "max_new_tokens", None) is None
 
 
 def _all_wrong(metrics: dict[str, Any]) -> bool:
@@ -594,6 +598,14 @@ def _check_model(model: Any, tokenizer: Any, generate_kwargs: dict) -> Any:
         raise ValueError(f"use_cache=true is the exact KV cache of block models (SDAR / TraDo); "
                          f"{type(model).__name__} has full attention and no exact cache. Pass --use_cache prefix "
                          "or dual (the approximate LLaDA / Dream caches), false, or leave it out.")
+    config = getattr(model, "generation_config", None)
+    if (generate_kwargs.get("max_new_tokens") is None and getattr(config, "max_new_tokens", None) is None
+            and getattr(config, "max_length", None) is not None):
+        # transformers' max_length counts the prompt columns, which in a left-padded batch are the longest prompt's:
+        # a completion's budget (so its score) would depend on --batch_size and on the prompts it is batched with
+        raise ValueError(f"the model's generation_config sets max_length ({config.max_length}) and no "
+                         "max_new_tokens: in a batch, max_length less the batch's padded prompt width would be each "
+                         "completion's budget, so results would depend on --batch_size. Pass --max_new_tokens.")
     settings, _ = model._resolve_settings(dict(generate_kwargs))
     settings.validate()
     return settings
@@ -713,7 +725,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     prompts = [format_prompt(tokenizer, p, config) for p in problems]
     add_special = not config.apply_chat_template
     prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
-    _check_prompts_fit(model, kwargs, problems, prompt_ids)
+    _check_prompts_fit(model, settings, problems, prompt_ids)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
@@ -741,7 +753,9 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                 torch.cuda.synchronize(device)
             seconds += time.perf_counter() - began
             forward_passes += int(out.num_forward_passes or 0)
-            decoded = [_completion(tokenizer, row[ids.shape[1]:].tolist(), stop_ids) for row in out.sequences]
+            width = ids.shape[1]
+            decoded = [_completion(tokenizer, row[width:].tolist(), (steps[width:] >= 0).tolist(), stop_ids)
+                       for row, steps in zip(out.sequences, out.unmask_step)]
             scores = score_completions([problems[i] for i, _ in batch], [d[0] for d in decoded], limits,
                                        config.code_workers, math_reward, config.code_grader)
             if samples_path is not None and handle is None:  # an earlier run's metrics would not describe these rows
@@ -765,28 +779,20 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
 
 
-def _check_prompts_fit(model: Any, kwargs: dict[str, Any], problems: list[EvalProblem],
-                       prompt_ids: list[list[int]]) -> None:
+def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:
     """Raise before any generation, naming the problems, when a prompt and its new tokens do not fit the model's
-    positions (``generate`` would refuse its batch with no problem named, after the earlier batches' work). A prompt's
-    new tokens are resolved as ``generate`` resolves them for it alone (``max_length`` counts the prompt), which
-    bounds what its batch needs."""
+    positions (``generate`` would refuse its batch with no problem named, after the earlier batches' work)."""
     limit = max_positions(model.config)
     if limit is None:
         return
-    need = {}
-    for length in {len(ids) for ids in prompt_ids}:
-        try:
-            settings, _ = model._resolve_settings(dict(kwargs), prompt_width=length)
-        except ValueError:  # a setting that depends on the batch (max_length with Dream's steps): generate() decides
-            continue
-        layout = CanvasLayout([length], settings.max_new_tokens, settings.block_length, model.block_size is not None)
-        need[length] = (settings.max_new_tokens, layout.row_positions()[0])
-    over = [(problem.id, len(ids), *need[len(ids)]) for problem, ids in zip(problems, prompt_ids)
-            if len(ids) in need and need[len(ids)][1] > limit]
+    new = settings.max_new_tokens
+    need = {length: CanvasLayout([length], new, settings.block_length, model.block_size is not None).row_positions()[0]
+            for length in {len(ids) for ids in prompt_ids}}
+    over = [(problem.id, len(ids), need[len(ids)]) for problem, ids in zip(problems, prompt_ids)
+            if need[len(ids)] > limit]
     if over:
         shown = ", ".join(f"{pid!r} ({length} prompt + {new} new tokens, needs {positions})"
-                          for pid, length, new, positions in over[:5])
+                          for pid, length, positions in over[:5])
         raise ValueError(f"{len(over)} of {len(problems)} problems do not fit the model's {limit} positions: "
                          f"{shown}{', ...' if len(over) > 5 else ''}. Lower max_new_tokens, or leave these problems "
                          "out of the dataset.")
@@ -817,6 +823,12 @@ def _metrics(rows: list[dict], problems: list[EvalProblem], n: int, ks: list[int
     metrics["clipped_ratio"] = _mean([float(r["clipped"]) for r in rows])  # TRL's completions/clipped_ratio
     if problems[0].task == "math":
         metrics["boxed_rate"] = _mean([float(bool(r.get("prediction"))) for r in rows])
+    else:  # a sandbox that could not run scores 0.0 (never a pass the program's code could provoke), counted here
+        metrics["num_sandbox_errors"] = sum(r.get("status") == "sandbox_error" for r in rows)
+        if metrics["num_sandbox_errors"]:
+            logger.warning("%d of %d samples scored 0.0 because the sandbox could not run their program (status "
+                           "'sandbox_error' in the samples file; see the logs above): accuracy and pass@k count "
+                           "them as wrong.", metrics["num_sandbox_errors"], len(rows))
     return metrics
 
 
