@@ -119,3 +119,45 @@ def test_trainer_with_gradient_accumulation_takes_the_token_mean_step(tmp_path):
                              save_strategy="no", disable_tqdm=True)
     Trainer(model=model, args=args, train_dataset=dataset).train()
     torch.testing.assert_close(model.lm_head.weight.detach() - before, expected_step, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_trainer_label_smoothing_scores_the_logit_that_predicts_each_label(family, tmp_path):
+    """transformers' Trainer shifts the labels of label smoothing only for models it lists as causal LMs: Dream's
+    logits[i] predicts token i + 1, and unlisted it smoothed each token's own logit (6.28 for 6.40 at epsilon 0.1)."""
+    model = tiny_model(family)
+    ids = torch.randint(5, 100, (2, 10), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    epsilon = 0.1
+    args = TrainingArguments(output_dir=str(tmp_path), label_smoothing_factor=epsilon, report_to="none", use_cpu=True)
+    with torch.no_grad():
+        loss = Trainer(model=model, args=args).compute_loss(model, {"input_ids": ids, "labels": labels.clone()})
+        logits = model.align_logits(model(ids).logits).double()  # logits[i] predicts token i, every family
+        scored = labels.clone()
+        if model.logits_shift:
+            scored[:, 0] = -100  # no logit predicts a causal model's first token
+        keep = scored.ne(-100)
+        neg_logp = -torch.log_softmax(logits, -1)
+        nll = neg_logp.gather(-1, scored.clamp(min=0)[..., None])[..., 0][keep].mean()
+        expected = (1 - epsilon) * nll + epsilon * neg_logp.mean(-1)[keep].mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_tied_llada_refuses_an_offloaded_embedding(tmp_path):
+    """Tied LLaDA reads wte's weight as its head outside wte's forward, where accelerate's offload hooks never load it:
+    the logits came from the meta placeholder (off by 4e37, no error)."""
+    model = tiny_model("llada", weight_tying=True)
+    model.save_pretrained(tmp_path / "model")
+    names = ["model.transformer.emb_drop", "model.transformer.blocks.0", "model.transformer.blocks.1",
+             "model.transformer.ln_f"]
+    device_map = {**{name: "cpu" for name in names}, "model.transformer.wte": "disk"}
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map,
+                                                     offload_folder=str(tmp_path / "offload"))
+    ids = torch.randint(5, 100, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), pytest.raises(RuntimeError, match="place 'model.transformer.wte' on an execution device"):
+        offloaded(ids)
+    device_map["model.transformer.wte"] = "cpu"  # kept in memory: the head reads the real weight
+    kept = AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map)
+    with torch.no_grad():
+        torch.testing.assert_close(kept(ids).logits, model(ids).logits)

@@ -2,6 +2,7 @@
 
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cache import DiffusionCache
 from .common import DiffusionModelMixin, check_router_aux_loss_coef, check_tokenizer, model_argument
@@ -58,6 +59,11 @@ def register_models() -> None:
             AutoConfig.register(family, config_cls, exist_ok=True)
         for auto in (AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM):
             auto.register(config_cls, model_cls, exist_ok=True)
+        if model_cls.logits_shift:
+            # transformers' Trainer shifts the labels of label smoothing only for the class names listed here: Dream's
+            # logits[i] predicts token i + 1 (the causal convention), so unlisted it smoothed each token's own logit.
+            # The key is not a transformers model type, so the Auto classes never import a module for it.
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(config_cls.model_type, model_cls.__name__)
     for model_type, config_cls in CONFIG_ALIASES.items():
         # AutoConfig.register insists on config_cls.model_type == model_type; the alias keeps the released one
         CONFIG_MAPPING.register(model_type, config_cls, exist_ok=True)

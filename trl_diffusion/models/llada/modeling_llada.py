@@ -207,7 +207,12 @@ class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGeneratio
         if "ff_out" in self.model.transformer:
             logits = self.model.transformer.ff_out(hidden)
         else:
-            logits = F.linear(hidden, self.model.transformer.wte.weight)
+            weight = self.model.transformer.wte.weight
+            if weight.is_meta:  # read outside wte's forward: accelerate's offload hooks never load it (garbage logits)
+                raise RuntimeError("LLaDA with weight_tying uses wte's weight as its LM head outside wte's forward, "
+                                   "where an offloaded wte (device_map with disk or CPU offload) is never loaded: "
+                                   "place 'model.transformer.wte' on an execution device in device_map.")
+            logits = F.linear(hidden, weight)
         if self.config.scale_logits:
             logits = logits * (1 / math.sqrt(self.config.d_model))
         return logits
