@@ -76,7 +76,8 @@ def test_evaluate_uses_the_chosen_grader(model_and_tokenizer, monkeypatch):
     ev = importlib.import_module("trl_diffusion.eval.evaluate")
     model, tokenizer = model_and_tokenizer
     # every completion reads as a boxless text whose last number is the gold answer
-    monkeypatch.setattr(ev, "_completion", lambda tokenizer, tokens, stop_ids: ("So the total is 2,125.", 5, False))
+    monkeypatch.setattr(ev, "_completion",
+                        lambda tokenizer, tokens, committed, stop_ids: ("So the total is 2,125.", 5, False))
     rows = GSM8K_ROWS[:1]
     default = evaluate(model=model, tokenizer=tokenizer, dataset=rows, temperature=0.0, **FAST)
     official = evaluate(model=model, tokenizer=tokenizer, dataset=rows, temperature=0.0, math_grader="official",

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from datasets import Dataset
 
+from ..states import left_pad
+
 DATASET_FORMATS = ("conversational", "prompt_completion", "text")
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
@@ -138,12 +140,22 @@ def _chat_prompt(tokenizer, prompt: str) -> str:
                                          add_generation_prompt=True)
 
 
+def _pad_id(model, tokenizer, settings: dict) -> int:
+    """The tokenizer's pad token, else the one ``generate`` pads with, as ``trl-diffusion eval`` does (padded
+    columns are masked out: any id serves)."""
+    if tokenizer.pad_token_id is not None:
+        return tokenizer.pad_token_id
+    kwargs = {key: value for key, value in settings.items() if key != "num_return_sequences"}
+    return model._resolve_settings(kwargs)[0].pad_token_id
+
+
 @torch.no_grad()
 def generate_completions(model, tokenizer, prompts: list[str], batch_size: int = 64, chat_template: bool = True,
                          **generate_kwargs) -> list[str]:
     """Greedy completions of ``prompts`` with ``model.generate`` (left-padded batches). With ``chat_template`` the
     prompts are chat-formatted (conversational datasets); without, they are ``prompt + "\\n"`` as in the
-    ``prompt_completion`` format.
+    ``prompt_completion`` format, with the tokenizer's special tokens (e.g. BOS), as TRL's trainers and
+    ``trl-diffusion eval`` tokenize plain prompts. A tokenizer without a pad token pads with the model's.
 
     Every setting that changes the tokens is given (``generate_kwargs`` override them), so the model's
     ``generation_config`` does not: no top-k / top-p (SDAR's and TraDo's released files hold Qwen3's top_k 20 and
@@ -157,20 +169,17 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
         settings.setdefault("remasking_strategy", "low_confidence_static")
     if generate_kwargs.get("steps") is None:  # Dream's `steps` (whole generation) replaces the per-block steps
         settings.setdefault("denoising_steps", settings["block_length"])  # one token per step
-    padding_side = tokenizer.padding_side
-    tokenizer.padding_side = "left"
     device = next(model.parameters()).device
+    pad_id = _pad_id(model, tokenizer, settings)
     texts = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            chunk = [_chat_prompt(tokenizer, p) if chat_template else p + "\n"
-                     for p in prompts[start : start + batch_size]]
-            enc = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False).to(device)
-            out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], **settings)
-            width = enc["input_ids"].shape[1]
-            texts.extend(_completion_text(tokenizer, row[width:]) for row in out)
-    finally:
-        tokenizer.padding_side = padding_side
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        formatted = [_chat_prompt(tokenizer, p) for p in chunk] if chat_template else [p + "\n" for p in chunk]
+        # the chat template writes its own special tokens
+        rows = tokenizer(formatted, add_special_tokens=not chat_template)["input_ids"]
+        ids, attention_mask = left_pad(rows, pad_id, device)
+        out = model.generate(ids, attention_mask=attention_mask, **settings)
+        texts.extend(_completion_text(tokenizer, row[ids.shape[1]:]) for row in out)
     return texts
 
 

@@ -350,18 +350,39 @@ def _check_loadable(config: EvalConfig) -> None:
                              "visible here.")
 
 
+def _messages(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> list[dict[str, str]]:
+    """The chat of a problem: the optional system message and the user turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the tokenizer has no chat template; pass --apply_chat_template false for a base model.")
+    messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
+    return [*messages, {"role": "user", "content": problem.prompt}]
+
+
 def format_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> str:
-    """The text fed to the model: the chat template with a generation prompt (or the raw prompt)."""
+    """The text fed to the model (recorded in the samples rows): the chat template with a generation prompt (or the
+    raw prompt)."""
     if not config.apply_chat_template:
         text = problem.prompt
     else:
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError("the tokenizer has no chat template; pass --apply_chat_template false for a base model.")
-        messages = [{"role": "system", "content": config.system_prompt}] if config.system_prompt else []
-        messages.append({"role": "user", "content": problem.prompt})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(config.chat_template_kwargs or {}))
+        # sanitize_control_tokens changes how the text tokenizes (tokenize_prompt), not the text; transformers refuses
+        # it without tokenize=True
+        kwargs = {k: v for k, v in (config.chat_template_kwargs or {}).items() if k != "sanitize_control_tokens"}
+        text = tokenizer.apply_chat_template(_messages(tokenizer, problem, config), tokenize=False,
+                                             add_generation_prompt=True, **kwargs)
     return text + "<think>" if config.start_with_think else text
+
+
+def tokenize_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> list[int]:
+    """The token ids of :func:`format_prompt`'s text, as TRL's GRPOTrainer tokenizes prompts: a plain prompt with
+    the tokenizer's special tokens (e.g. BOS); a chat prompt by ``apply_chat_template(tokenize=True)``, which adds
+    none and takes every ``chat_template_kwargs`` (``sanitize_control_tokens`` too)."""
+    if not config.apply_chat_template:
+        return tokenizer(format_prompt(tokenizer, problem, config))["input_ids"]
+    ids = tokenizer.apply_chat_template(_messages(tokenizer, problem, config), tokenize=True, return_dict=True,
+                                        add_generation_prompt=True, **(config.chat_template_kwargs or {}))["input_ids"]
+    # <think> is an added token of the templates that open it (Qwen3, SDAR / TraDo): tokenized apart, the same ids
+    think = tokenizer("<think>", add_special_tokens=False)["input_ids"] if config.start_with_think else []
+    return [*ids, *think]
 
 
 def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_ids: set[int]) -> tuple[str, int, bool]:
@@ -723,11 +744,11 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     stop_ids = set(settings.stop_token_ids) | set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.pad_token_id
     prompts = [format_prompt(tokenizer, p, config) for p in problems]
-    add_special = not config.apply_chat_template
-    prompt_ids = [tokenizer(t, add_special_tokens=add_special)["input_ids"] for t in prompts]
-    _check_prompts_fit(model, settings, problems, prompt_ids)
+    token_ids = [tokenize_prompt(tokenizer, p, config) for p in problems]
+    _check_no_mask_token(model.mask_token_id, tokenizer.mask_token, problems, token_ids, config.apply_chat_template)
+    _check_prompts_fit(model, settings, problems, token_ids)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
-                  key=lambda w: -len(prompt_ids[w[0]]))  # similar lengths together: less padding
+                  key=lambda w: -len(token_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
                            max_output_bytes=config.code_max_output_bytes)
     math_reward = config.math_reward()
@@ -739,7 +760,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     try:
         for start in range(0, len(work), config.batch_size):
             batch = work[start: start + config.batch_size]
-            ids, mask = left_pad([prompt_ids[i] for i, _ in batch], pad_id, device)
+            ids, mask = left_pad([token_ids[i] for i, _ in batch], pad_id, device)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             began = time.perf_counter()
@@ -777,6 +798,22 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         if handle:
             handle.close()
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
+
+
+def _check_no_mask_token(mask_id: int, mask_token: str | None, problems: list[EvalProblem],
+                         prompt_ids: list[list[int]], chat: bool) -> None:
+    """Raise before any generation, naming the problems, when a prompt holds the mask id (its text holds the mask
+    token's string): ``generate`` would refuse its batch with no problem named, after the earlier batches' work."""
+    found = [problem.id for problem, ids in zip(problems, prompt_ids) if mask_id in ids]
+    if found:
+        shown = ", ".join(map(repr, found[:5])) + (", ..." if len(found) > 5 else "")
+        string = f" {mask_token!r}" if mask_token else ""
+        fix = (", or pass chat_template_kwargs={'sanitize_control_tokens': True} (--chat_template_kwargs "
+               "'{\"sanitize_control_tokens\": true}': transformers then encodes the control tokens written in the "
+               "prompt as text)") if chat else ""
+        raise ValueError(f"{len(found)} of {len(problems)} prompts hold the mask token{string} (id {mask_id}), which "
+                         f"the model would read as a position to fill: {shown}. Remove or escape it in these "
+                         f"problems{fix}.")
 
 
 def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:

@@ -423,9 +423,14 @@ class DiffusionSFTTrainer(SFTTrainer):
         pad_to = None
         if self.args.pad_to_length_with_eos:
             pad_to = self.args.max_length if self.args.eos_padding_length == "max_length" else "longest"
+        if pad_to is not None and self._tokenizer.eos_token_id is None:  # TRL's collator would fail on a None id
+            raise ValueError("pad_to_length_with_eos pads with the EOS token, but the tokenizer has none: set "
+                             "eos_token in the config (a token of the tokenizer's vocabulary) or on the tokenizer.")
         limit = self.args.max_length if self.args.overlong_policy == "error" or pad_to else None
         positions = max_positions(self.model.config)
-        _check_rows_fit(positions, pad_to, {"train": self.train_dataset, **_named(self.eval_dataset)})
+        prepared = {"train": self.train_dataset, **_named(self.eval_dataset)}
+        _check_rows_fit(positions, pad_to, prepared)
+        _check_no_mask_token(self.spec.mask_token_id, self._tokenizer.mask_token, prepared)
         self.data_collator = DiffusionDataCollator(
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
@@ -750,21 +755,63 @@ def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: d
         raise ValueError(f"pad_to_length_with_eos pads every row to max_length={pad_to}, beyond the model's "
                          f"{positions} positions; set max_length <= {positions}.")
     for name, dataset in datasets.items():
-        if not isinstance(dataset, Dataset) or len(dataset) == 0:
+        packed = isinstance(dataset, Dataset) and "seq_lengths" in dataset.column_names
+        column = "seq_lengths" if packed else "input_ids"
+        values = _arrow_column(dataset, column)
+        if values is None:
             continue
-        column = "seq_lengths" if "seq_lengths" in dataset.column_names else "input_ids"
-        if column not in dataset.column_names:
-            continue
-        values = dataset.data.column(column)
-        mapping = getattr(dataset, "_indices", None)  # select / shuffle (packing shuffles): the rows it holds
-        if mapping is not None:
-            values = pc.take(values, mapping.column(0))
         longest = pc.max(pc.list_flatten(values) if column == "seq_lengths" else pc.list_value_length(values)).as_py()
         if longest is not None and longest > positions:
             unit = "packed document" if column == "seq_lengths" else "row"
             raise ValueError(f"the {name} dataset has a {unit} of {longest} tokens, beyond the model's {positions} "
                              "positions: it would train at positions the model has none for (and generate() refuses). "
                              f"Set max_length <= {positions} (rows are truncated to it), or shorten the data.")
+
+
+def _arrow_column(dataset, column: str):
+    """The ``column`` of an in-memory dataset's rows as an Arrow array, in the dataset's order (a ``select`` /
+    ``shuffle`` mapping applied: packing shuffles); None for a stream, an empty dataset or a missing column."""
+    if not isinstance(dataset, Dataset) or len(dataset) == 0 or column not in dataset.column_names:
+        return None
+    values = dataset.data.column(column)
+    mapping = getattr(dataset, "_indices", None)
+    return values if mapping is None else pc.take(values, mapping.column(0))
+
+
+def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict) -> None:
+    """Refuse at construction an in-memory prepared dataset holding the mask id (text with the mask token's string
+    tokenizes to it), naming its first rows and the part (prompt: no label; completion: trained on), rather than at
+    the first batch holding it, from the collator. Read from the Arrow column; streams are checked by the collator."""
+    for name, dataset in datasets.items():
+        ids = _arrow_column(dataset, "input_ids")
+        if ids is None:
+            continue
+        hits = pc.indices_nonzero(pc.equal(pc.list_flatten(ids), mask_id))
+        if len(hits) == 0:
+            continue
+        rows = pc.unique(pc.take(pc.list_parent_indices(ids), hits)).to_pylist()
+        shown = ", ".join(f"{row} ({_mask_part(dataset[row], mask_id)})" for row in rows[:5])
+        string = f" {mask_token!r}" if mask_token else ""
+        raise ValueError(
+            f"the {name} dataset holds the mask token{string} (id {mask_id}) in {len(rows)} row(s): {shown}"
+            f"{', ...' if len(rows) > 5 else ''} (indices of the prepared dataset; prompt: tokens without a label). "
+            "Diffusion training could not tell it from a masked position. Text containing the mask token's string "
+            "tokenizes to it: remove or escape it in the data, or for conversational rows add a chat_template_kwargs "
+            "column holding {'sanitize_control_tokens': True} (transformers then encodes the control tokens written "
+            "in messages as text)."
+        )
+
+
+def _mask_part(row: dict, mask_id: int) -> str:
+    """Where a row holds the mask id: its prompt (no label), its completion (labelled: trained on), or both."""
+    labels = row.get("labels")
+    if labels is None and row.get("completion_mask") is not None:  # rows of skip_prepare_dataset
+        labels = [IGNORE_INDEX if keep == 0 else 0 for keep in row["completion_mask"]]
+    if labels is None:  # every token is trained on
+        labels = row["input_ids"]
+    parts = {"prompt" if label == IGNORE_INDEX else "completion"
+             for token, label in zip(row["input_ids"], labels) if token == mask_id}
+    return " and ".join(sorted(parts, reverse=True))
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
