@@ -281,3 +281,25 @@ def test_mask_token_is_never_generated(family):
     out = gen(model, torch.tensor([PROMPTS[0]]), None, temperature=1.0)
     assert not bool((out.sequences == MASK_ID).any())
     assert int((out.unmask_step >= 0).sum()) >= 12
+
+
+def test_generate_restores_every_submodule_mode_after_success_and_error(family):
+    """generate() decodes in eval mode, then gives each module its own mode back: a submodule the caller keeps in
+    eval mode (a frozen block, dropout off) stays so, also when generation raises."""
+    model = tiny_model(family).train()
+    frozen = next(module for module in model.modules() if module is not model and list(module.children()))
+    frozen.eval()
+    modes = {name: module.training for name, module in model.named_modules()}
+    seen = []
+    gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=4)
+    assert {name: module.training for name, module in model.named_modules()} == modes
+
+    def fail(module, inputs, output):
+        seen.append(module.training)
+        raise RuntimeError("out of memory")
+
+    model.get_output_embeddings().register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=4)
+    assert seen == [False]  # decoded in eval mode
+    assert {name: module.training for name, module in model.named_modules()} == modes

@@ -42,8 +42,34 @@ def test_evaluation_batches_draw_fresh_samples(tmp_path):
     batches = len(seen)
     assert batches > 1
     assert len(set(map(tuple, seen))) == batches  # every batch sampled afresh (the prompt is the same)
-    trainer.evaluate()  # a second evaluation at the same step samples again
-    assert len(set(map(tuple, seen))) == 2 * batches
+    trainer.evaluate()  # a second evaluation at the same step samples what the first did
+    assert seen[batches:] == seen[:batches]
+
+
+def test_an_evaluation_samples_the_same_whatever_ran_before_it_at_its_step(tmp_path):
+    """The eval rollouts' seeds count the batches of each evaluation from 0: another eval set evaluated before, or an
+    evaluation that failed half-way, does not change what an evaluation at the same step samples."""
+    seen = []
+    trainer = recording_trainer(tmp_path, seen, per_device_eval_batch_size=4)
+    trainer.evaluate()
+    alone, seen[:] = list(seen), []
+    trainer.evaluate(Dataset.from_dict({"prompt": ["xyz"] * 4}))  # another eval set first
+    seen.clear()
+    trainer.evaluate()
+    assert seen == alone
+    generate, seen[:] = trainer._generate_single_turn, []
+
+    def fail_in_second_batch(*args, **kwargs):
+        if seen:
+            raise RuntimeError("reward service down")
+        return generate(*args, **kwargs)
+
+    trainer._generate_single_turn = fail_in_second_batch
+    with pytest.raises(RuntimeError, match="reward service down"):
+        trainer.evaluate()
+    trainer._generate_single_turn, seen[:] = generate, []
+    trainer.evaluate()  # the retry
+    assert seen == alone
 
 
 def off_policy_mask_calls(tmp_path, estimator: str, masks: int) -> list:

@@ -154,3 +154,41 @@ def test_multi_turn_rollouts_are_refused(tmp_path, name):
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path),
                        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=build_tokenizer(),
                        **{name: [len] if name == "tools" else (lambda *a, **k: None)})
+
+
+MASK_TEXT = "In dLLMs the <|MASK|> token is"  # the test tokenizer's mask token: its text tokenizes to the mask id
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MASK_TEXT}]
+
+
+def test_prompts_holding_the_mask_token_are_refused_at_construction_by_row(tmp_path):
+    # they built and trained, and the run died steps later in generate(), which named no row
+    with pytest.raises(ValueError, match=r"train dataset's row\(s\) 2 hold the mask token '<\|MASK\|>' \(id 3\).*"
+                                         "sanitize_control_tokens"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
+                       train_dataset=Dataset.from_dict({"prompt": ["a", "b", MASK_TEXT, "c"]}))
+    chats = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], CHAT]})
+    with pytest.raises(ValueError, match=r"eval \('hard'\) dataset's row\(s\) 1 hold"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset={"easy": chats.select([0]),
+                                                                                            "hard": chats})
+
+
+def test_sanitized_conversational_prompts_holding_the_mask_text_are_taken(tmp_path):
+    # transformers' sanitize_control_tokens encodes control tokens written in messages as text; a plain-text prompt
+    # is tokenized without the chat template, so it still holds the mask id
+    sanitize = {"sanitize_control_tokens": True}
+    chats = Dataset.from_dict({"prompt": [CHAT] * 4})
+    trainer = TraceRLTrainer(tiny_model("sdar"), zero_reward, args=config(tmp_path, chat_template_kwargs=sanitize),
+                             train_dataset=chats, processing_class=build_tokenizer())
+    assert trainer._generate_and_score_completions([{"prompt": CHAT}] * 4)["completion_ids"].shape[0] == 4
+    with pytest.raises(ValueError, match=r"row\(s\) 0, 1, 2, 3, 4, \.\.\. hold") as caught:
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path, chat_template_kwargs=sanitize),
+                       train_dataset=Dataset.from_dict({"prompt": [MASK_TEXT] * 8}),
+                       processing_class=build_tokenizer())
+    assert "sanitize_control_tokens" not in str(caught.value)  # already set
+
+
+def test_a_rolled_out_prompt_holding_the_mask_token_is_named(tmp_path):
+    # a prompt the construction check did not see (a stream, a dataset passed to evaluate()): generate() named none
+    with pytest.raises(ValueError, match=r"a prompt holds the mask token \(id 3\).*: 'In dLLMs the <\|MASK\|> token"):
+        trainer(tmp_path)._generate_and_score_completions([{"prompt": "abc"}] * 2 + [{"prompt": MASK_TEXT}] * 2)

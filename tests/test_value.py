@@ -383,3 +383,37 @@ def test_config_errors():
     with pytest.raises(ValueError, match="model_type"):
         DiffusionValueModel(BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
                                        intermediate_size=8))
+
+
+def test_value_update_after_an_interrupted_one_equals_a_fresh_trainers(tmp_path):
+    """An exception between the value model's micro-batches (OOM, Ctrl-C) leaves their gradients behind and the
+    model in train mode: the next update (a retried or resumed train() on the same trainer) starts from zero
+    gradients, as a fresh trainer's does, and the value model is back in eval mode after the failure."""
+    inputs = [{"prompt": p} for p in PROMPTS for _ in range(4)][:4]
+    settings = dict(per_device_train_batch_size=2, steps_per_generation=2, value_batch_size=10**6)  # 1 step, 2 pieces
+
+    def trainer(path):
+        policy = tiny_model("sdar").train()
+        return make_trainer(path, policy=policy, value_model=value_model_for(policy), **settings)
+
+    fresh = trainer(tmp_path / "fresh")
+    fresh._generate_and_score_completions(inputs)
+    interrupted = trainer(tmp_path / "interrupted")
+    token_values, calls = interrupted._token_values, []
+
+    def failing(*args, **kwargs):
+        if torch.is_grad_enabled():  # the value model's training forwards
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+        return token_values(*args, **kwargs)
+
+    interrupted._token_values = failing
+    with pytest.raises(KeyboardInterrupt):
+        interrupted._generate_and_score_completions(inputs)
+    assert not interrupted.value_model.training
+    interrupted._token_values = token_values
+    interrupted._generate_and_score_completions(inputs)
+    expected = dict(fresh.value_model.named_parameters())
+    for name, param in interrupted.value_model.named_parameters():
+        torch.testing.assert_close(param, expected[name], msg=name)

@@ -6,7 +6,7 @@ failed at the first step with a bare IndexError)."""
 import pytest
 from datasets import Dataset
 
-from trl_diffusion.testing import EOS_ID, IM_END_ID, build_tokenizer, tiny_model
+from trl_diffusion.testing import EOS_ID, IM_END_ID, MASK_ID, build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
 ROW = dict(prompt_ids=[20, 21, 22], completion_ids=[30, 31, IM_END_ID, 33, 34, 35, 36, 37],
@@ -51,6 +51,41 @@ def test_rows_passed_to_evaluate_are_checked_as_the_trainers_own(tmp_path):
     with pytest.raises(ValueError, match=r"row 0: 'completion_ids'\[1\] must be an integer \[0, 128\)"):
         trainer.evaluate(Dataset.from_list([{**ROW, "completion_ids": [30, 5000, 32, 33, 34, 35, 36, 37]}]))
     assert "eval_loss" in trainer.evaluate(Dataset.from_list([ROW]))
+
+
+CHAT = [{"role": "user", "content": "In dLLMs the <|MASK|> token is"}]
+
+
+@pytest.mark.parametrize("column,clean,bad,where", [
+    ("prompt", "abc", "Explain <|MASK|> tokens", "prompt"),  # the mask token's string tokenizes to the mask id
+    ("prompt", [{"role": "user", "content": "hi"}], CHAT, "prompt"),
+    ("prompt_ids", [20, 21], [20, MASK_ID], "prompt"),
+    ("completion_ids", ROW["completion_ids"], [30, 31, MASK_ID, 33, 34, 35, 36, 37], "completion_ids"),
+])
+def test_the_mask_token_in_a_prompt_or_a_committed_token_is_refused_by_row(tmp_path, column, clean, bad, where):
+    # a committed token equal to the mask id cannot be told from a masked position: the trainer fit on it silently
+    base = {k: v for k, v in ROW.items() if k != "prompt_ids"} | {"prompt_ids": [20, 21]}
+    if column == "prompt":
+        del base["prompt_ids"]
+    rows = [{**base, column: clean}, {**base, column: bad}]
+    model = DiffusionValueModel.from_policy(tiny_model("sdar"))
+    message = rf"row 1: the {where} hold.*mask token '<\|MASK\|>' \(id {MASK_ID}\)"
+    with pytest.raises(ValueError, match=message) as error:
+        value_trainer(tmp_path, model, rows)
+    assert ("sanitize_control_tokens" in str(error.value)) == (where == "prompt")
+
+
+def test_the_mask_id_is_allowed_where_nothing_was_committed_and_sanitized_chat_prompts_pass(tmp_path):
+    # a rollout's canvas holds the mask id where the sampler committed nothing (unmask_step -1)
+    model = DiffusionValueModel.from_policy(tiny_model("sdar"))
+    uncommitted = {**ROW, "completion_ids": [30, 31, 32, 33, MASK_ID, MASK_ID], "unmask_step": [0, 1, 2, 3, -1, -1]}
+    value_trainer(tmp_path, model, [uncommitted])
+    args = DiffusionValueConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_steps=1,
+                                save_strategy="no", chat_template_kwargs={"sanitize_control_tokens": True})
+    chat = {**{k: v for k, v in ROW.items() if k != "prompt_ids"}, "prompt": CHAT}
+    trainer = DiffusionValueTrainer(model, args=args, train_dataset=Dataset.from_list([chat]),
+                                    processing_class=build_tokenizer())
+    assert MASK_ID not in trainer.train_dataset[0]["prompt_ids"]
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -3,6 +3,7 @@ in what ``evaluate()`` returns (under its ``metric_key_prefix``, so ``metric_for
 ``include_num_input_tokens_seen`` counts a trajectory batch's prompt and canvas tokens."""
 
 import pytest
+import torch
 from datasets import Dataset
 from test_data_format_fixes import TOKENIZER, TRAJECTORY, value_trainer
 
@@ -43,3 +44,37 @@ def test_input_tokens_seen_count_prompts_and_canvases(tmp_path, setting):
     prompt = len(trainer.train_dataset[0]["prompt_ids"])
     expected = 2 * prompt + (2 * 4 if setting == "all" else 4 + 2)  # canvases right-padded to 4 columns
     assert trainer.state.num_input_tokens_seen == expected
+
+
+def test_a_retry_with_a_smaller_batch_logs_only_its_own_value_statistics(tmp_path):
+    # auto_find_batch_size retries the training loop after an out-of-memory error: the statistics of the failed try's
+    # micro-batches were summed into the retry's first log
+    rows = Dataset.from_list([*ROWS, dict(prompt="xy", completion_ids=[35, 36, 37], unmask_step=[0, 1, 2], reward=0.5),
+                              dict(prompt="q", completion_ids=[50, 51, 52, 53], unmask_step=[1, 0, 1, 0], reward=0.2)])
+
+    def trainer(batch_size: int, **settings) -> DiffusionValueTrainer:
+        args = DiffusionValueConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_steps=1,
+                                    save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+                                    per_device_train_batch_size=batch_size, gradient_accumulation_steps=2, **settings)
+        value = DiffusionValueModel.from_policy(tiny_model("sdar"))
+        torch.nn.init.normal_(value.value_head.weight, generator=torch.Generator().manual_seed(0))  # values not 0
+        return DiffusionValueTrainer(value, args=args, train_dataset=rows, processing_class=TOKENIZER)
+
+    fresh = trainer(1)
+    fresh.train()
+    retried = trainer(2, auto_find_batch_size=True)
+    compute_loss, calls = retried.compute_loss, []
+
+    def out_of_memory_in_the_second_micro_batch(*args, **kwargs):
+        loss = compute_loss(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 1.00 GiB")
+        return loss
+
+    retried.compute_loss = out_of_memory_in_the_second_micro_batch
+    retried.train()
+    assert retried._train_batch_size == 1
+    expected = {k: v for k, v in fresh.state.log_history[0].items() if k.startswith("value/")}
+    logged = {k: v for k, v in retried.state.log_history[0].items() if k.startswith("value/")}
+    assert expected and logged == pytest.approx(expected, rel=1e-5, abs=1e-6)

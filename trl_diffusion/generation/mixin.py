@@ -336,12 +336,15 @@ class DiffusionGenerationMixin:
             raise ValueError(f"num_return_sequences={copies} with greedy decoding would return {copies} identical "
                              "copies of each sequence (transformers refuses it too): sample (a temperature > 0, "
                              "do_sample=True) or use num_return_sequences=1.")
-        was_training = self.training
+        # every module's own mode comes back (self.train(was_training) would put a submodule the caller keeps in
+        # eval mode, e.g. a frozen block without dropout, back in train mode)
+        modes = [(module, module.training) for module in self.modules()]
         self.eval()
         try:
             output = diffusion_generate(self, input_ids, attention_mask, settings, generator, synced_gpus)
         finally:
-            self.train(was_training)
+            for module, training in modes:
+                module.training = training
         return output if return_dict else output.sequences
 
 

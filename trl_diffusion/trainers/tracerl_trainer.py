@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import os
 import types
@@ -162,8 +163,9 @@ class TraceRLTrainer(GRPOTrainer):
             run_output_layer_in_fp32(base.get_output_embeddings())
             if self.ref_model is not None:
                 run_output_layer_in_fp32(self.accelerator.unwrap_model(self.ref_model).get_output_embeddings())
-        _ = base.mask_token_id  # raises a clear error when the model has no mask token
+        self._mask_token_id = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
+        self._check_prompts_without_mask_token()
         self.beta = beta
         if args.loss_type == "tracerl":
             # TRL's `dapo` branch divides by `num_items_in_batch`; TraceRL sets it to the number of training rows
@@ -232,7 +234,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._loss_inputs: dict | None = None  # the micro-batch inside _compute_loss (old log-probs, KL target)
         self._rollout_rewards: torch.Tensor | None = None
         self._rollout_stats: list[float] = []  # this process's sampler statistics of the last rollout
-        self._eval_rollouts = [-1, 0]  # [global step, eval generation batches run at it]: see _rollout_key
+        self._eval_batches = 0  # eval generation batches of the running evaluation: see _rollout_key
         self._rollout_global_step: int | None = None  # the optimizer step during which the training rollout was made
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
@@ -244,10 +246,44 @@ class TraceRLTrainer(GRPOTrainer):
                                  "baseline). Use advantage_baseline='group_mean' or no value model.")
             self._setup_value_model(value_model, base)
 
+    def _check_prompts_without_mask_token(self) -> None:
+        """Refuse, naming their rows, the prompts of map-style train and eval datasets that tokenize to the mask id
+        (their text holds the mask token's string): ``generate()`` would refuse them only when their batch is rolled
+        out, steps into training. Only the rows whose text holds the string are tokenized, as TRL tokenizes prompts
+        (with ``chat_template_kwargs``: ``sanitize_control_tokens=True`` encodes it as text in conversations)."""
+        added = self._tokenizer.added_tokens_decoder.get(self._mask_token_id)
+        if added is None:  # not an added token: no text tokenizes to it whole
+            return
+        evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        splits = {"train": self.train_dataset,
+                  **{"eval" if name is None else f"eval ({name!r})": data for name, data in evals.items()}}
+        sanitized = bool(self.chat_template_kwargs.get("sanitize_control_tokens"))
+        for split, dataset in splits.items():
+            if not isinstance(dataset, Dataset):  # a stream is not read ahead: generate() refuses such a prompt
+                continue
+            held = (row for row, prompt in enumerate(dataset["prompt"])  # str(): every message's content too
+                    if added.content in str(prompt) and self._mask_token_id in self._tokenize_prompts([prompt])[0][0])
+            rows = list(itertools.islice(held, 6))
+            if rows:
+                shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
+                fix = "" if sanitized else (", or for conversational prompts pass chat_template_kwargs="
+                                            "{'sanitize_control_tokens': True} (transformers then encodes the control "
+                                            "tokens written in messages as text)")
+                raise ValueError(f"the prompts of the {split} dataset's row(s) {shown} hold the mask token "
+                                 f"{added.content!r} (id {self._mask_token_id}), which the model would read as a "
+                                 f"position to fill (generate() refuses such a prompt). Remove or escape it in these "
+                                 f"prompts{fix}.")
+
     # ------------------------------------------------------------------------------------------------ rollouts
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if images is not None and any(images):
             raise ValueError("TraceRLTrainer does not support images.")
+        held = next((ids for ids in prompt_ids if self._mask_token_id in ids), None)
+        if held is not None:  # a streamed or evaluate() dataset's prompt: generate() would name no prompt
+            raise ValueError(f"a prompt holds the mask token (id {self._mask_token_id}), which the model would read "
+                             f"as a position to fill: {self._tokenizer.decode(held)!r}. Remove or escape it in the "
+                             "prompt (for conversational prompts, chat_template_kwargs={'sanitize_control_tokens': "
+                             "True} encodes it as text).")
         device = self.accelerator.device
         tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]  # an empty one too (not float32)
         prompt = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)
@@ -321,15 +357,15 @@ class TraceRLTrainer(GRPOTrainer):
         """What keys this generation batch's random streams (sampling and masks), unique per generation batch: the
         optimizer step, plus the micro-step within it when a step generates several batches (steps_per_generation *
         num_iterations < gradient_accumulation_steps), plus the batch index for evaluation (every eval batch runs at
-        the same step). Without the extra parts those batches would reuse the same streams row for row."""
+        the same step). Without the extra parts those batches would reuse the same streams row for row. The batch
+        index counts from 0 in every evaluation, so an evaluation at a given step samples the same whatever ran
+        before it (another eval set, a failed or repeated evaluation)."""
         step = self.state.global_step
         if self.model.training:
             within = self._step % self.args.gradient_accumulation_steps
             return step if within == 0 else f"{step}.{within}"
-        if self._eval_rollouts[0] != step:
-            self._eval_rollouts = [step, 0]
-        self._eval_rollouts[1] += 1
-        return f"eval:{step}.{self._eval_rollouts[1] - 1}"
+        self._eval_batches += 1
+        return f"eval:{step}.{self._eval_batches - 1}"
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
@@ -646,45 +682,49 @@ class TraceRLTrainer(GRPOTrainer):
         live = units.gt(0).nonzero().squeeze(-1)
         updates = live.tensor_split(self._value_updates(rows, live.numel()))
         losses = []
+        # an update an exception ended (OOM, Ctrl-C) left its gradients: the next train() would add them to its own
+        model.zero_grad(set_to_none=True)
         model.train()
-        for chunk in updates:
-            # every rank's units: DDP averages gradients over ranks, so divide by the mean count per rank
-            # (a per-rank count would make a 2-process run differ from a 1-process run with twice the batch)
-            count = self.accelerator.reduce(units[chunk].sum().float(), reduction="sum")
-            if count.item() == 0:  # empty on every process (all agree): no step
-                continue
-            count = count / self.accelerator.num_processes
-            # a process with nothing in this step still joins the gradient averaging, with a zero loss on one row;
-            # under FSDP / ZeRO-3 every process runs as many pieces as the busiest (each forward is a collective)
-            pieces = list(chunk.split(args.per_device_train_batch_size)) if len(chunk) else []
-            pieces += [None] * (agreed_forward_count(max(len(pieces), 1), old_values.device,
-                                                     needs_synced_forwards(model)) - len(pieces))
-            step_loss = torch.zeros((), device=old_values.device)
-            for i, piece in enumerate(pieces):
-                sync_now = i == len(pieces) - 1 and not manual_sync
-                real = piece is not None
-                piece = piece if real else live.new_zeros(1)
-                with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
-                    values, _ = self._token_values(*(t[piece] for t in inputs))
-                    values = _fit_width(values, mask.shape[1])
-                    if real:
-                        per_token = clipped_value_loss(values, old_values[piece], returns[piece],
-                                                       args.cliprange_value)
-                        loss = (per_token * mask[piece]).sum() / count
-                    else:
-                        loss = values.sum() * 0.0
-                    loss.backward()
-                step_loss = step_loss + loss.detach()
-            losses.append(step_loss)
-            if manual_sync:
-                for p in params:
-                    if p.grad is not None:
-                        p.grad = self.accelerator.reduce(p.grad, reduction="mean")
-            if args.max_grad_norm is not None and args.max_grad_norm > 0:  # transformers': <= 0 is no clipping
-                torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
-            self.value_optimizer.step()
-            self.value_optimizer.zero_grad(set_to_none=True)
-        model.eval()
+        try:
+            for chunk in updates:
+                # every rank's units: DDP averages gradients over ranks, so divide by the mean count per rank
+                # (a per-rank count would make a 2-process run differ from a 1-process run with twice the batch)
+                count = self.accelerator.reduce(units[chunk].sum().float(), reduction="sum")
+                if count.item() == 0:  # empty on every process (all agree): no step
+                    continue
+                count = count / self.accelerator.num_processes
+                # a process with nothing in this step still joins the gradient averaging, with a zero loss on one row;
+                # under FSDP / ZeRO-3 every process runs as many pieces as the busiest (each forward is a collective)
+                pieces = list(chunk.split(args.per_device_train_batch_size)) if len(chunk) else []
+                pieces += [None] * (agreed_forward_count(max(len(pieces), 1), old_values.device,
+                                                         needs_synced_forwards(model)) - len(pieces))
+                step_loss = torch.zeros((), device=old_values.device)
+                for i, piece in enumerate(pieces):
+                    sync_now = i == len(pieces) - 1 and not manual_sync
+                    real = piece is not None
+                    piece = piece if real else live.new_zeros(1)
+                    with contextlib.nullcontext() if sync_now else self.accelerator.no_sync(model):
+                        values, _ = self._token_values(*(t[piece] for t in inputs))
+                        values = _fit_width(values, mask.shape[1])
+                        if real:
+                            per_token = clipped_value_loss(values, old_values[piece], returns[piece],
+                                                           args.cliprange_value)
+                            loss = (per_token * mask[piece]).sum() / count
+                        else:
+                            loss = values.sum() * 0.0
+                        loss.backward()
+                    step_loss = step_loss + loss.detach()
+                losses.append(step_loss)
+                if manual_sync:
+                    for p in params:
+                        if p.grad is not None:
+                            p.grad = self.accelerator.reduce(p.grad, reduction="mean")
+                if args.max_grad_norm is not None and args.max_grad_norm > 0:  # transformers': <= 0 is no clipping
+                    torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm)
+                self.value_optimizer.step()
+                self.value_optimizer.zero_grad(set_to_none=True)
+        finally:
+            model.eval()
         return torch.stack(losses).mean()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
@@ -929,6 +969,7 @@ class TraceRLTrainer(GRPOTrainer):
         """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
         (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
+        self._eval_batches = 0  # its rollouts' seeds: see _rollout_key
         output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()

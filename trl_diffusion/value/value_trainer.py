@@ -93,7 +93,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         check_tokenizer(processing_class, model)
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
                           vocab_size=model.get_input_embeddings().num_embeddings,
-                          max_positions=max_positions(model.config))
+                          max_positions=max_positions(model.config), mask_token_id=model.mask_token_id)
         train_dataset = prepare(train_dataset, name="train_dataset") if train_dataset is not None else None
         if isinstance(eval_dataset, dict):  # named eval sets (a DatasetDict too), as in transformers
             eval_dataset = {k: prepare(v, name=f"eval_dataset[{k!r}]") for k, v in eval_dataset.items()}
@@ -115,6 +115,13 @@ class DiffusionValueTrainer(_BaseTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
                                   "recompute_scoring_forwards", self.model)
+
+    def _inner_training_loop(self, *args, **kwargs):
+        """Trainer's loop, from empty training statistics: a failed ``train()`` (or the try that
+        ``auto_find_batch_size`` retries with a smaller batch after running out of memory, which re-enters here)
+        left those of its unlogged micro-batches, which the first log would mix in."""
+        self._value_stats["train"] = None
+        return super()._inner_training_loop(*args, **kwargs)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
         """transformers' micro-batches of one optimizer step, with ``num_items_in_batch`` the trained tokens of all
@@ -254,6 +261,25 @@ def _check_integers(index: int, name: str, values: list, low: int, high: int | N
             raise ValueError(f"row {index}: {name!r}[{column}] must be an integer {bound}, got {value!r}.")
 
 
+def _check_no_mask_token(index: int, mask_id: int, tokenizer, in_prompt: bool, in_completion: bool) -> None:
+    """Refuse a row whose prompt or committed completion tokens hold the mask id: a token equal to it cannot be told
+    from a masked position in any state (SFT's collator and ``generate()`` refuse it too)."""
+    if not (in_prompt or in_completion):
+        return
+    mask_token = getattr(tokenizer, "mask_token", None)
+    string = f" {mask_token!r}" if mask_token else ""
+    where = " and ".join(part for part, found in (("prompt", in_prompt), ("completion_ids", in_completion)) if found)
+    fixes = []
+    if in_prompt:
+        fixes.append("text containing the mask token's string tokenizes to it: remove or escape it in the prompt, or "
+                     "for conversational prompts pass chat_template_kwargs={'sanitize_control_tokens': True} "
+                     "(transformers then encodes the control tokens written in messages as text)")
+    if in_completion:
+        fixes.append("a sampler never commits it (only positions with unmask_step -1 may hold it)")
+    raise ValueError(f"row {index}: the {where} hold(s) the mask token{string} (id {mask_id}), which the value model "
+                     f"could not tell from a masked position; {'; '.join(fixes)}.")
+
+
 def _is_prepared(dataset: Any) -> bool:
     """Whether ``_prepare_dataset`` returned ``dataset`` (a list or DataFrame is not weak-referenceable: never)."""
     return isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED
@@ -261,11 +287,12 @@ def _is_prepared(dataset: Any) -> bool:
 
 def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_template_kwargs: dict | None = None,
                      vocab_size: int | None = None, max_positions: int | None = None,
-                     name: str = "train_dataset") -> Dataset | IterableDataset:
+                     name: str = "train_dataset", mask_token_id: int | None = None) -> Dataset | IterableDataset:
     """Check the type and columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
     ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths and that ids are
-    integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty and prompt + completion
-    fit in ``max_positions``, as for a rollout (a value model fit on trajectories no rollout can produce). A stream
+    integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty, hold no
+    ``mask_token_id`` (nor may a committed completion token) and prompt + completion fit in ``max_positions``, as
+    for a rollout (a value model fit on trajectories no rollout can produce). A stream
     (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error."""
     if not isinstance(dataset, Dataset | IterableDataset):  # TRL's error (a DatasetDict: pick a split)
         hint = ("pick one split, e.g. dataset['train']" if isinstance(dataset, dict) else
@@ -310,6 +337,9 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
             ids = tokenizer(text=example["prompt"])["input_ids"]
         if not ids:
             raise ValueError(f"row {index}: the prompt is empty (no token): a rollout needs a prompt.")
+        if mask_token_id is not None:
+            committed = [token for token, step in zip(example["completion_ids"], steps) if step >= 0]
+            _check_no_mask_token(index, mask_token_id, tokenizer, mask_token_id in ids, mask_token_id in committed)
         total = len(ids) + len(example["completion_ids"])
         if max_positions is not None and total > max_positions:
             raise ValueError(f"row {index}: prompt ({len(ids)}) + completion ({len(example['completion_ids'])}) = "
