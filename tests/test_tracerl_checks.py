@@ -156,6 +156,22 @@ def test_multi_turn_rollouts_are_refused(tmp_path, name):
                        **{name: [len] if name == "tools" else (lambda *a, **k: None)})
 
 
+def test_arguments_passed_by_position_are_checked_as_by_keyword(tmp_path):
+    """GRPOTrainer's arguments after ``args`` reached TRL unchecked by position: positional tools built and trained
+    with the tool schema in every rollout prompt."""
+    data = Dataset.from_dict({"prompt": ["a"] * 4})
+    # train_dataset, eval_dataset, processing_class, reward_processing_classes, callbacks, optimizers,
+    # quantization_config, peft_config, tools
+    with pytest.raises(ValueError, match="tools"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, config(tmp_path), data, None, build_tokenizer(), None, None,
+                       (None, None), None, None, [len])
+    with pytest.raises(ValueError, match="the train dataset has columns \\['text'\\] but no 'prompt' column"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, config(tmp_path), Dataset.from_dict({"text": ["a"]}), None,
+                       build_tokenizer())
+    with pytest.raises(TypeError, match="at most 14 positional arguments"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, config(tmp_path), *([None] * 12))
+
+
 MASK_TEXT = "In dLLMs the <|MASK|> token is"  # the test tokenizer's mask token: its text tokenizes to the mask id
 CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": MASK_TEXT}]
 

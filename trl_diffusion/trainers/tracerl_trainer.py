@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import itertools
 import math
 import os
@@ -120,8 +121,8 @@ class TraceRLTrainer(GRPOTrainer):
     }
 
     def __init__(self, model, reward_funcs=None, args: TraceRLConfig | None = None, *pos, value_model=None, **kwargs):
-        model = model_argument(model, kwargs.get("processing_class", pos[2] if len(pos) > 2 else None),
-                               type(self).__name__)
+        given = _grpo_arguments(pos, kwargs)
+        model = model_argument(model, given.get("processing_class"), type(self).__name__)
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path or "model"
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
@@ -133,16 +134,16 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError("cast_lm_head_to_fp32=True needs a separate output layer; this model computes its logits "
                              "from the input embeddings (LLaDA with weight_tying=True).")
         multi_turn = [name for name in ("tools", "rollout_func", "environment_factory")
-                      if kwargs.get(name) is not None]
+                      if given.get(name) is not None]
         if multi_turn:
             raise ValueError(f"{', '.join(multi_turn)} (TRL's tool calling / custom rollouts) cannot be used with "
                              "TraceRLTrainer: its rollouts are diffusion trajectories from model.generate(), and "
                              "the trainer scores exactly the states they record.")
-        _check_prompt_column(kwargs.get("train_dataset", pos[0] if pos else None), "train")
-        _check_prompt_column(kwargs.get("eval_dataset", pos[1] if len(pos) > 1 else None), "eval")
+        _check_prompt_column(given.get("train_dataset"), "train")
+        _check_prompt_column(given.get("eval_dataset"), "eval")
         kl_to_old = args.beta != 0.0 and args.kl_reference == "old_policy"
         own_reference = args.beta != 0.0 and args.kl_reference == "reference_model" and not isinstance(model, str) \
-            and not _is_peft(model) and kwargs.get("peft_config") is None
+            and not _is_peft(model) and given.get("peft_config") is None
         beta = args.beta
         reference = None
         if own_reference:  # TRL would re-load the reference from config._name_or_path, which an in-memory model lacks
@@ -1239,6 +1240,15 @@ def _is_number(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _grpo_arguments(pos: tuple, kwargs: dict) -> dict:
+    """GRPOTrainer's arguments after ``args`` by name, whether given by position or by keyword (the checks must see
+    a ``tools`` or ``peft_config`` passed either way)."""
+    names = list(inspect.signature(GRPOTrainer.__init__).parameters)[4:]  # after self, model, reward_funcs, args
+    if len(pos) > len(names):
+        raise TypeError(f"TraceRLTrainer takes at most {len(names) + 3} positional arguments, got {len(pos) + 3}.")
+    return {**dict(zip(names, pos)), **kwargs}
 
 
 def _check_prompt_column(dataset, split: str) -> None:
