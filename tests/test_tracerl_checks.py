@@ -208,3 +208,17 @@ def test_a_rolled_out_prompt_holding_the_mask_token_is_named(tmp_path):
     # a prompt the construction check did not see (a stream, a dataset passed to evaluate()): generate() named none
     with pytest.raises(ValueError, match=r"a prompt holds the mask token \(id 3\).*: 'In dLLMs the <\|MASK\|> token"):
         trainer(tmp_path)._generate_and_score_completions([{"prompt": "abc"}] * 2 + [{"prompt": MASK_TEXT}] * 2)
+
+
+def test_batch_scaled_advantages_leave_the_dropped_groups_out(tmp_path):
+    """scale_rewards='batch' took the std over the groups dynamic_group_filtering drops: a dropped all-correct group
+    beside the kept [0, 1, 0, 1] group scaled its advantages to +-1.1547 instead of +-1 (the kept rewards' std)."""
+
+    def reward(prompts, completions, **kwargs):
+        return [1.0 if p == "abc" else float(i % 2) for i, p in enumerate(prompts)]
+
+    run = trainer(tmp_path, reward=reward, scale_rewards="batch", dynamic_group_filtering="accuracy_band",
+                  per_device_train_batch_size=8)
+    out = run._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4 + [{"prompt": "abc"}] * 4)
+    assert out["kept_rows"].tolist() == [1.0] * 4 + [0.0] * 4
+    assert out["advantages"].tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0])

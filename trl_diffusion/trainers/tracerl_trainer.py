@@ -430,7 +430,7 @@ class TraceRLTrainer(GRPOTrainer):
         kept_responses = self._kept_responses(rows, mode)
         keep = self._local(kept_responses, rows)
         if self.args.reward_std == "population":
-            output["advantages"] = self._population_advantages(rows, mode)
+            output["advantages"] = self._population_advantages(rows, mode, kept_responses)
         if self.args.advantage_baseline == "leave_one_out":  # r - mean of the k - 1 others = (r - mean) k / (k - 1)
             group = self.num_generations if mode == "train" else self.num_generations_eval
             scale = leave_one_out_scale(self._rewards(), group).to(output["advantages"].dtype)
@@ -498,10 +498,14 @@ class TraceRLTrainer(GRPOTrainer):
         start = self.accelerator.process_index * local_rows
         return values[start : start + local_rows].to(self.accelerator.device)
 
-    def _population_advantages(self, local_rows: int, mode: str) -> torch.Tensor:
-        """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's (this process's rows)."""
+    def _population_advantages(self, local_rows: int, mode: str, kept: torch.Tensor) -> torch.Tensor:
+        """dLLM-RL's advantages (population std, 0 when it is 0) in place of TRL's (this process's rows). The groups
+        ``dynamic_group_filtering`` drops are left out of the statistics, as if not sampled (``scale_rewards='batch'``
+        took its std over them too: one all-correct group dropped from eight rows scaled the others' by 1.15)."""
         group = self.num_generations if mode == "train" else self.num_generations_eval
-        advantages = population_advantages(self._rewards(), group, self.args.scale_rewards)
+        rewards = self._rewards()
+        rewards = torch.where(kept.to(rewards.device), rewards, torch.nan)  # NaN: out of the statistics, advantage 0
+        advantages = population_advantages(rewards, group, self.args.scale_rewards)
         return self._local(advantages, local_rows)
 
     def _kept_responses(self, local_rows: int, mode: str) -> torch.Tensor:
