@@ -79,6 +79,28 @@ ATTACKS = {
     "a base after a space": ("52 _9", "52_8"),
     "a base with LaTeX spacing": (r"52_{\,9}", "52_8"),
     "a base left to compute": ("52_{10-1}", "52_8"),
+    # The question's matrix or vector arithmetic (a third red-team): a vmatrix, a transpose and functions of a matrix
+    # are evaluated while parsing, sums and products of matrices by sympy's comparison.
+    "vmatrix determinant": (r"\begin{vmatrix} 7 & 3 \\ -1 & 2 \end{vmatrix}", "17"),
+    "vmatrix in a vector": (r"\begin{pmatrix} \begin{vmatrix} 1 & 2 \\ 3 & 4 \end{vmatrix} \\ 4 \end{pmatrix}",
+                            r"\begin{pmatrix} -2 \\ 4 \end{pmatrix}"),
+    "trace": (r"\operatorname{tr}\begin{pmatrix} 7 & 3 \\ -1 & 2 \end{pmatrix}", "9"),
+    "rank": (r"\operatorname{rank}\begin{pmatrix} 7 & 3 \\ -1 & 2 \end{pmatrix}", "2"),
+    "norm": (r"\operatorname{norm}\begin{pmatrix} 3 \\ 4 \end{pmatrix}", "5"),
+    "vector sum": (r"\begin{pmatrix} 3 \\ -7 \end{pmatrix} + \begin{pmatrix} -6 \\ 11 \end{pmatrix}",
+                   r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
+    "vector difference": (r"\begin{bmatrix} 3 \\ -4 \end{bmatrix} - \begin{bmatrix} 1 \\ 1 \end{bmatrix}",
+                          r"\begin{pmatrix} 2 \\ -5 \end{pmatrix}"),
+    "multiple of a vector": (r"-2 \begin{pmatrix} 1 \\ -5 \end{pmatrix}", r"\begin{pmatrix} -2 \\ 10 \end{pmatrix}"),
+    "multiple of a vector of surds": (r"\frac{1}{2} \begin{pmatrix} \sqrt{2} \\ 2 \end{pmatrix}",
+                                      r"\begin{pmatrix} \frac{\sqrt{2}}{2} \\ 1 \end{pmatrix}"),
+    "matrix product": (r"\begin{pmatrix} 2 & 0 \\ 5 & -3 \end{pmatrix} \begin{pmatrix} 8 & -2 \\ 1 & 1 \end{pmatrix}",
+                       r"\begin{pmatrix} 16 & -4 \\ 37 & -13 \end{pmatrix}"),
+    "transpose": (r"\begin{pmatrix} 2 & 7 \\ 5 & 1 \end{pmatrix}^{T}",
+                  r"\begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}"),
+    "transpose in brackets": (r"\left(\begin{pmatrix} 2 & 7 \\ 5 & 1 \end{pmatrix}\right)^\mathrm{T}",
+                              r"\begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}"),
+    "arithmetic in a vector": (r"\begin{pmatrix} 3 - 6 \\ 4 \end{pmatrix}", r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
 }
 
 
@@ -133,6 +155,20 @@ EQUIVALENT = [
     ("x = -1,125", "-1125"), (r"f(5) = 1,000", "1000"),
     # a subscript on a name is not a base
     ("P_1 = 3", "3"), ("S_{20} = 210", "210"), (r"P(A_1) = \frac{1}{2}", r"\frac{1}{2}"),
+    # a matrix or vector written out, in any bracket, with entries in any written form; a line's vector form
+    (r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}", r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
+    (r"\begin{bmatrix} -3.0 \\ 4 \end{bmatrix}", r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
+    (r"\mathbf{v} = \left(\begin{array}{c} -3 \\ 4 \end{array}\right)", r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
+    (r"\begin{pmatrix} \frac{7}{17} & -\frac{3}{17} \\ \frac{1}{17} & \frac{2}{17} \end{pmatrix}",
+     r"\begin{pmatrix} 7/17 & -3/17 \\ 1/17 & 2/17 \end{pmatrix}"),
+    (r"\begin{pmatrix} 0.5 \\ 25\% \end{pmatrix}", r"\begin{pmatrix} \frac{1}{2} \\ \frac{1}{4} \end{pmatrix}"),
+    (r"\begin{pmatrix} \frac{\sqrt{3}}{2} & -\frac{1}{2} \\ \frac{1}{2} & \frac{\sqrt{3}}{2} \end{pmatrix}",
+     r"\begin{pmatrix} \frac{\sqrt{3}}{2} & -\frac{1}{2} \\ \frac{1}{2} & \frac{\sqrt{3}}{2} \end{pmatrix}"),
+    (r"\begin{pmatrix} 1 \\ 2 \end{pmatrix} + t \begin{pmatrix} 3 \\ 4 \end{pmatrix}",
+     r"\begin{pmatrix} 1 + 3t \\ 2 + 4t \end{pmatrix}"),
+    (r"\begin{vmatrix} 7 & 3 \\ -1 & 2 \end{vmatrix} = 17", "17"),
+    (r"\begin{pmatrix} 2 & 7 \\ 5 & 1 \end{pmatrix}^T = \begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}",
+     r"\begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}"),
 ]
 
 

@@ -16,11 +16,12 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
 * a boxed answer (and the gold answer) is read as a whole: when math-verify cannot parse all of it, it does not fall
   back to the last number or the last ``= ...`` inside it (``\\boxed{17 \\lor 18}``, ``\\boxed{x = 17 \\lor x = 18}``);
 * no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
-  floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det``, ``|.|``, ``\\max`` /
-  ``\\min`` (copying ``\\dbinom{31}{28}`` or ``\\log_2 64`` from the question is not an answer);
-* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set or tuple of them) needs numbers,
-  not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a percentage,
-  scientific notation;
+  floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det`` (and a ``vmatrix``),
+  a matrix's trace / rank / norm, a transpose, arithmetic on matrices of numbers, ``|.|``, ``\\max`` / ``\\min``
+  (copying ``\\dbinom{31}{28}``, ``\\log_2 64`` or a sum of two vectors from the question is not an answer);
+* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple or matrix of them) needs
+  numbers, not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a
+  percentage, scientific notation;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``).
@@ -183,7 +184,11 @@ _OPERATION_LATEX = {
     "trigonometric": r"\\(?:operatorname\s*\{\s*)?(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?(?![a-zA-Z])",
     "gcd": r"\\gcd(?![a-zA-Z])|\b(?:gcd|lcm)\b",
     "modulo": r"\\bmod(?![a-zA-Z])",
-    "determinant": r"\\det(?![a-zA-Z])",
+    # a vmatrix, functions of a matrix and a transpose (A^T) are evaluated while parsing, like \det
+    "determinant": r"\\det(?![a-zA-Z])|\\begin\s*\{\s*[vV]matrix\s*\}",
+    "matrix operation": (r"\\operatorname\s*\{\s*(?:tr|trace|rank|norm|rref|nullspace|eig[a-z]*|diagonalize|svd|SVD"
+                         r"|orth[a-z]*)\s*\}|\\end\s*\{[^{}]*\}\s*(?:\\right\s*)?[)\]]?\s*\^\s*\{?\s*"
+                         r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
 }
@@ -209,7 +214,23 @@ def _operations(text: str, parsed: list) -> set[str]:
         if isinstance(expr, sympy.Basic):
             for node in sympy.preorder_traversal(expr):
                 found.update(name for name, types in classes.items() if isinstance(node, types))
+                if _matrix_arithmetic(node):
+                    found.add("matrix operation")
     return found
+
+
+def _matrix_arithmetic(node) -> bool:
+    """An operation on matrices of numbers left to sympy: a sum, product, multiple or power of written matrices
+    (``\\begin{pmatrix} 3 \\\\ -7 \\end{pmatrix} + \\begin{pmatrix} -6 \\\\ 11 \\end{pmatrix}``). With an unknown it is
+    an expression, judged as any other (a line's ``\\vec{a} + t \\vec{d}``)."""
+    import sympy
+    from sympy.core.relational import Relational
+
+    if isinstance(node, (sympy.MatrixBase, sympy.MatrixSymbol, sympy.FiniteSet, sympy.Tuple, Relational)):
+        return False  # a matrix, or a container or relation that holds one
+    matrices = (sympy.MatrixBase, sympy.MatrixExpr)
+    on_matrices = isinstance(node, sympy.MatrixExpr) or any(isinstance(arg, matrices) for arg in node.args)
+    return on_matrices and not _free_symbols(node)
 
 
 def _read_whole(expr, parsed: list) -> bool:
@@ -318,17 +339,26 @@ def _plain_number(expr) -> bool:
 
 
 def _plain_numbers(expr) -> bool:
-    """A gold answer that is a number (:func:`_plain_number`), or a set or tuple of numbers (``3, 5, 7``)."""
+    """A gold answer that is a number (:func:`_plain_number`), or a set, tuple or matrix of numbers (``3, 5, 7``)."""
+    elements = _elements(expr)
+    if elements is not None:
+        return bool(elements) and all(_plain_number(element) for element in elements)
+    return _plain_number(expr)
+
+
+def _elements(expr) -> list | None:
+    """The elements of a set or a tuple, or the entries of a matrix; ``None`` for anything else."""
     import sympy
 
-    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)):
-        return bool(expr.args) and all(_plain_number(element) for element in expr.args)
-    return _plain_number(expr)
+    if isinstance(expr, sympy.MatrixBase):
+        return list(expr)
+    return list(expr.args) if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) else None
 
 
 def _written_number(expr) -> bool:
     """A number written as a final answer: a literal (``-5``, ``\\frac{1}{2}``, ``0.15``), a percentage, scientific
-    notation (``1.2 \\times 10^{6}``), a root of a literal, ``\\pi``, ``e``, ``i`` -- not arithmetic still to do."""
+    notation (``1.2 \\times 10^{6}``), a root of a literal, ``\\pi``, ``e``, ``i`` -- not arithmetic still to do; or a
+    set, tuple or matrix of them."""
     import sympy
 
     percent = _percent_value(expr)
@@ -336,8 +366,9 @@ def _written_number(expr) -> bool:
         return _written_number(percent)
     if isinstance(expr, (sympy.Number, sympy.NumberSymbol)) or expr is sympy.I:
         return True
-    if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)):
-        return all(_written_number(element) for element in expr.args)  # \{18\} for 18
+    elements = _elements(expr)
+    if elements is not None:
+        return all(_written_number(element) for element in elements)  # \{18\} for 18, a vector of numbers
     if isinstance(expr, sympy.Pow):
         base, exponent = expr.args
         if base == 10 and exponent.is_Integer:
