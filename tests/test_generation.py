@@ -303,3 +303,20 @@ def test_generate_restores_every_submodule_mode_after_success_and_error(family):
         gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=4)
     assert seen == [False]  # decoded in eval mode
     assert {name: module.training for name, module in model.named_modules()} == modes
+
+
+def test_generate_restores_modes_through_train_overrides():
+    """Modes come back through train(), so overrides run (peft's DoRA clears its weight cache in train(True)): set
+    as attributes, a cache built during generation outlived it."""
+    model = tiny_model("sdar").train()
+    child = model.get_output_embeddings()
+    calls = []
+    original = child.train
+
+    def train(mode=True):
+        calls.append(mode)
+        return original(mode)
+
+    child.train = train
+    gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=4)
+    assert calls[-1] is True and child.training

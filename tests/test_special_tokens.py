@@ -106,6 +106,9 @@ def test_held_out_accuracy_needs_no_pad_token():
                                                                                    **settings)
     assert generate_completions(model, no_pad, [p.prompt for p in test], **settings) == \
         generate_completions(model, build_tokenizer(), [p.prompt for p in test], **settings)
+    # generate()'s own arguments (FSDP / ZeRO-3's synced_gpus) do not reach the pad id's resolution
+    assert generate_completions(model, no_pad, [test[0].prompt], synced_gpus=False, **settings) == \
+        generate_completions(model, build_tokenizer(), [test[0].prompt], **settings)
 
 
 def sft_args(tmp_path, **kw):
@@ -142,3 +145,30 @@ def test_sft_eos_padding_needs_an_eos_token(tmp_path):
     with pytest.raises(ValueError, match="pad_to_length_with_eos pads with the EOS token, but the tokenizer has none"):
         DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=Dataset.from_list(rows),
                             processing_class=tokenizer)
+
+
+def test_eval_think_prompt_ids_are_those_of_the_whole_rendered_text():
+    """An ordinary (not added) "<think>" tokenized apart and appended gave ids the whole text does not have: with a
+    SentencePiece-style tokenizer '[/INST]<think>' became '[/INST]', '▁<think>' (a space the model never saw)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
+    corpus = ["[INST] What is 1+2? [/INST]<think> 3 </think>", "hello <think> world"] * 100
+    backend.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>", "</s>", "<m>"]))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", mask_token="<m>")
+    tokenizer.chat_template = "{% for m in messages %}[INST] {{ m['content'] }} [/INST]{% endfor %}"
+    problem = problems("What is 1+2?")[0]
+    config = EvalConfig(apply_chat_template=True, start_with_think=True)
+    ids = tokenize_prompt(tokenizer, problem, config)
+    assert ids == tokenizer(format_prompt(tokenizer, problem, config), add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == format_prompt(tokenizer, problem, config)
+    with pytest.raises(ValueError, match="needs '<think>' as an added token"):
+        tokenize_prompt(tokenizer, problem, EvalConfig(apply_chat_template=True, start_with_think=True,
+                                                       chat_template_kwargs={"sanitize_control_tokens": True}))
+    tokenizer.add_tokens(["<think>"])  # added: one token whatever precedes it, after the template's own ids
+    ids = tokenize_prompt(tokenizer, problem, config)
+    assert ids[-1] == tokenizer.convert_tokens_to_ids("<think>")
+    assert ids == tokenizer(format_prompt(tokenizer, problem, config), add_special_tokens=False)["input_ids"]

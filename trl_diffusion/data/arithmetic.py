@@ -145,7 +145,8 @@ def _pad_id(model, tokenizer, settings: dict) -> int:
     columns are masked out: any id serves)."""
     if tokenizer.pad_token_id is not None:
         return tokenizer.pad_token_id
-    kwargs = {key: value for key, value in settings.items() if key != "num_return_sequences"}
+    # only what decides it: generate() also takes arguments its settings do not (synced_gpus, peft's adapter_names)
+    kwargs = {key: settings[key] for key in ("pad_token_id", "eos_token_id", "stop_token_ids") if key in settings}
     return model._resolve_settings(kwargs)[0].pad_token_id
 
 

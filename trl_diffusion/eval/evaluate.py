@@ -378,11 +378,19 @@ def tokenize_prompt(tokenizer: Any, problem: EvalProblem, config: EvalConfig) ->
     none and takes every ``chat_template_kwargs`` (``sanitize_control_tokens`` too)."""
     if not config.apply_chat_template:
         return tokenizer(format_prompt(tokenizer, problem, config))["input_ids"]
+    kwargs = config.chat_template_kwargs or {}
+    think_id = tokenizer.get_added_vocab().get("<think>") if config.start_with_think else None
+    if config.start_with_think and think_id is None:
+        # an ordinary "<think>" merges with the template's last characters: the text is tokenized whole
+        if kwargs.get("sanitize_control_tokens"):
+            raise ValueError("start_with_think with sanitize_control_tokens needs '<think>' as an added token of the "
+                             "tokenizer (this one splits it into ordinary pieces, which the rendered text's end can "
+                             "merge into): drop one of them.")
+        return tokenizer(format_prompt(tokenizer, problem, config), add_special_tokens=False)["input_ids"]
     ids = tokenizer.apply_chat_template(_messages(tokenizer, problem, config), tokenize=True, return_dict=True,
-                                        add_generation_prompt=True, **(config.chat_template_kwargs or {}))["input_ids"]
-    # <think> is an added token of the templates that open it (Qwen3, SDAR / TraDo): tokenized apart, the same ids
-    think = tokenizer("<think>", add_special_tokens=False)["input_ids"] if config.start_with_think else []
-    return [*ids, *think]
+                                        add_generation_prompt=True, **kwargs)["input_ids"]
+    # an added <think> (Qwen3, SDAR / TraDo templates open with it) is one token whatever precedes it
+    return [*ids, think_id] if think_id is not None else list(ids)
 
 
 def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_ids: set[int]) -> tuple[str, int, bool]:

@@ -336,15 +336,18 @@ class DiffusionGenerationMixin:
             raise ValueError(f"num_return_sequences={copies} with greedy decoding would return {copies} identical "
                              "copies of each sequence (transformers refuses it too): sample (a temperature > 0, "
                              "do_sample=True) or use num_return_sequences=1.")
-        # every module's own mode comes back (self.train(was_training) would put a submodule the caller keeps in
-        # eval mode, e.g. a frozen block without dropout, back in train mode)
+        # every module's own mode comes back, through train() (overrides run: peft's DoRA clears its cache there);
+        # self.train(was_training) alone would put a submodule the caller keeps in eval mode, e.g. a frozen block
+        # without dropout, back in train mode. modules() lists parents first, so a child's train() comes last.
         modes = [(module, module.training) for module in self.modules()]
         self.eval()
         try:
             output = diffusion_generate(self, input_ids, attention_mask, settings, generator, synced_gpus)
         finally:
-            for module, training in modes:
-                module.training = training
+            self.train(modes[0][1])
+            for module, training in modes[1:]:
+                if module.training != training:
+                    module.train(training)
         return output if return_dict else output.sequences
 
 

@@ -253,8 +253,8 @@ class TraceRLTrainer(GRPOTrainer):
         out, steps into training. Only the rows whose text holds the string are tokenized, as TRL tokenizes prompts
         (with ``chat_template_kwargs``: ``sanitize_control_tokens=True`` encodes it as text in conversations)."""
         added = self._tokenizer.added_tokens_decoder.get(self._mask_token_id)
-        if added is None:  # not an added token: no text tokenizes to it whole
-            return
+        if added is None:  # an ordinary vocabulary piece (every released family's is an added token): any text may
+            return  # tokenize to it, which only tokenizing every prompt would find; the rollout check names it
         evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
         splits = {"train": self.train_dataset,
                   **{"eval" if name is None else f"eval ({name!r})": data for name, data in evals.items()}}
