@@ -33,7 +33,7 @@ from huggingface_hub import try_to_load_from_cache
 from huggingface_hub.errors import HFValidationError
 from transformers.dynamic_module_utils import get_relative_imports
 from transformers.trainer_utils import HubStrategy
-from transformers.utils import logging
+from transformers.utils import CHAT_TEMPLATE_FILE, logging
 
 logger = logging.get_logger(__name__)
 
@@ -154,15 +154,52 @@ class CarryRemoteCodeConfig:
 
     def to_json_file(self, json_file_path: str | os.PathLike, use_diff: bool = True) -> None:
         super().to_json_file(json_file_path, use_diff=use_diff)
+        _write_torch_dtype(Path(json_file_path))
         folder, name = os.path.split(os.fspath(json_file_path))
         carry_remote_code(folder or ".", getattr(self, "_name_or_path", None), name)
 
 
+def _write_torch_dtype(path: Path) -> None:
+    """Add ``torch_dtype`` beside the ``dtype`` transformers 5 writes: the releases' key, the one transformers 4 (which
+    the released code needs) reads; transformers 5 reads ``dtype`` first and takes ``torch_dtype`` silently."""
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if "dtype" in config and "torch_dtype" not in config:
+        config["torch_dtype"] = config["dtype"]
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
 def carry_tokenizer_code(directory: str | os.PathLike, processing_class) -> None:
-    """:func:`carry_remote_code` for a saved ``tokenizer_config.json`` (the trainers call it after each save; call it
-    after saving a tokenizer yourself). ``processing_class`` is a tokenizer or a processor holding one."""
+    """:func:`carry_remote_code` for a saved ``tokenizer_config.json``, which is also rewritten in the releases' format
+    (:func:`_write_released_tokenizer_config`). The trainers call it after each save; call it after saving a tokenizer
+    yourself. ``processing_class`` is a tokenizer or a processor holding one."""
     tokenizer = getattr(processing_class, "tokenizer", processing_class)
     carry_remote_code(directory, getattr(tokenizer, "name_or_path", None), "tokenizer_config.json")
+    _write_released_tokenizer_config(directory)
+
+
+def _write_released_tokenizer_config(directory: str | os.PathLike) -> None:
+    """Rewrite the ``tokenizer_config.json`` transformers 5 saved in ``directory`` as the releases write it, so that
+    transformers 4 (which the released code needs) loads the tokenizer as transformers 5 does:
+
+    * a list of ``extra_special_tokens`` becomes ``additional_special_tokens`` (transformers 4 takes
+      ``extra_special_tokens`` for a dict of named tokens and fails on a list);
+    * ``tokenizer_class`` ``TokenizersBackend`` (transformers 5's name) becomes ``PreTrainedTokenizerFast``;
+    * ``chat_template.jinja`` is also written inline as ``chat_template`` (older transformers 4, 4.46 among them,
+      reads only that).
+
+    The added tokens' ids stay in ``tokenizer.json``, where transformers 4 reads them for slow tokenizers too."""
+    directory = Path(directory)
+    path = directory / "tokenizer_config.json"
+    if not path.is_file():
+        return
+    config = json.loads(path.read_text(encoding="utf-8"))
+    if isinstance(config.get("extra_special_tokens"), list):
+        config.setdefault("additional_special_tokens", config.pop("extra_special_tokens"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if (directory / CHAT_TEMPLATE_FILE).is_file():
+        config["chat_template"] = (directory / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    path.write_text(json.dumps(config, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
 def copy_carried_code(folder: str | os.PathLike, directory: str | os.PathLike) -> list[str]:

@@ -10,9 +10,11 @@ from ..remote_code import CarryRemoteCodeConfig
 
 class SDARConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     """Field names and defaults follow the released ``configuration_sdar.py`` (the Qwen3 config of transformers
-    4.52); ``block_size`` and ``mask_token_id`` come from the released ``config.json``. Other released extras
-    (``fuse_cross_entropy``, ``debug``, ``ep_size``, ``micro_forward``, ``skip_checkpoint``, ``use_deepep``) are
-    accepted and kept as attributes. ``rope_theta`` (default 10000.0) may come from a transformers-5
+    4.52); ``block_size``, ``mask_token_id`` and ``fuse_cross_entropy`` come from the released ``config.json``.
+    ``fuse_cross_entropy`` (released: ``True``) switches the released modeling's fused linear + cross-entropy training
+    loss, and that code reads it on every forward, so a config built here must have it; our model ignores it. Other
+    released extras (``debug``, ``ep_size``, ``micro_forward``, ``skip_checkpoint``, ``use_deepep``) are accepted and
+    kept as attributes. ``rope_theta`` (default 10000.0) may come from a transformers-5
     ``rope_parameters`` instead; RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "sdar"
@@ -39,6 +41,7 @@ class SDARConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     attention_dropout: float = 0.0
     block_size: int = 4
     mask_token_id: int | None = None
+    fuse_cross_entropy: bool = True  # read by the released modeling only
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
