@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -22,7 +23,7 @@ from transformers.trainer_utils import get_last_checkpoint
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers import sft_trainer, tracerl_trainer
-from trl_diffusion.value import DiffusionValueModel
+from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer, value_trainer
 
 PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
 
@@ -45,6 +46,29 @@ def tracerl(out: Path, max_steps: int, value: bool = False, **overrides) -> Trac
                           value_model=DiffusionValueModel.from_policy(model) if value else None)
 
 
+def sft(out: Path, max_steps: int, **overrides) -> DiffusionSFTTrainer:
+    """A tiny SDAR SFT run saving every step."""
+    config = dict(output_dir=str(out), per_device_train_batch_size=2, max_length=32, save_strategy="steps",
+                  save_steps=1, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
+                  gradient_checkpointing=False, max_steps=max_steps)
+    data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
+    return DiffusionSFTTrainer(tiny_model("sdar").train(), args=DiffusionSFTConfig(**{**config, **overrides}),
+                               train_dataset=data, processing_class=build_tokenizer())
+
+
+TRAJECTORY = dict(prompt="abc", completion_ids=[30, 31, 32, 33], unmask_step=[0, 0, 1, 1], reward=1.0)
+
+
+def value_run(out: Path, max_steps: int, **overrides) -> DiffusionValueTrainer:
+    """A tiny SDAR value-model fit saving every step (rewards 1 and 0, so the logged statistics vary)."""
+    rows = [TRAJECTORY, {**TRAJECTORY, "reward": 0.0, "completion_ids": [40, 41], "unmask_step": [0, 1]}] * 2
+    config = dict(output_dir=str(out), per_device_train_batch_size=2, save_strategy="steps", save_steps=1,
+                  report_to="none", use_cpu=True, bf16=False, disable_tqdm=True, max_steps=max_steps)
+    return DiffusionValueTrainer(DiffusionValueModel.from_policy(tiny_model("sdar")),
+                                 args=DiffusionValueConfig(**{**config, **overrides}),
+                                 train_dataset=Dataset.from_list(rows), processing_class=build_tokenizer())
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Step-1 checkpoints of a run without and a run with a value model (each copied before a test edits it)."""
@@ -62,7 +86,7 @@ def copy_checkpoint(checkpoints: Path, run: str, tmp_path: Path) -> Path:
 
 def test_checkpoints_hold_the_rollout_state(checkpoints):
     """What the refusal below guards: the buffer of the cycle in progress (step 1 of 2) and the value state."""
-    saved = torch.load(checkpoints / "plain" / "checkpoint-1" / "rollout_buffer_0.pt", weights_only=False)
+    saved = torch.load(checkpoints / "plain" / "checkpoint-1" / "rollout_buffer_0.pt", weights_only=True)
     assert saved["buffer"] is not None and saved["step"] == 1
     assert saved["layout"] == {"num_processes": 1, "per_device_train_batch_size": 4}
     assert (checkpoints / "value" / "checkpoint-1" / "value_model").is_dir()
@@ -92,7 +116,7 @@ def test_opt_out_resumes_without_the_rollout_buffer(checkpoints, tmp_path, caplo
 def test_buffer_saved_with_another_batch_layout_is_refused(checkpoints, tmp_path):
     """Rollout seeds and buffers are per process: another process count or per-device batch cannot continue it."""
     checkpoint = copy_checkpoint(checkpoints, "plain", tmp_path)
-    saved = torch.load(checkpoint / "rollout_buffer_0.pt", weights_only=False)
+    saved = torch.load(checkpoint / "rollout_buffer_0.pt", weights_only=True)
     saved["layout"]["num_processes"] = 2
     torch.save(saved, checkpoint / "rollout_buffer_0.pt")
     with pytest.raises(ValueError, match="saved with .'num_processes': 2"):
@@ -103,7 +127,7 @@ def test_buffer_without_the_row_scale_of_a_row_mean_loss_is_refused(tmp_path):
     """A rollout buffer saved before ``kept_row_scale`` existed cannot continue a ``grpo`` run (its loss reads it)."""
     tracerl(tmp_path / "grpo", 1, loss_type="grpo").train()
     path = tmp_path / "grpo" / "checkpoint-1" / "rollout_buffer_0.pt"
-    saved = torch.load(path, weights_only=False)
+    saved = torch.load(path, weights_only=True)
     for batch in saved["buffer"]:
         del batch["kept_row_scale"]
     torch.save(saved, path)
@@ -319,7 +343,7 @@ def test_a_value_optimizer_saved_with_one_parameter_group_is_refused_clearly(che
     """Checkpoints from before the value optimizer took the policy's weight-decay groups hold one group: PyTorch's
     bare 'different number of parameter groups' aborted the resume; the error names the file and the cause."""
     checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)
-    state = torch.load(checkpoint / "value_state.pt", weights_only=False)
+    state = torch.load(checkpoint / "value_state.pt", weights_only=True)
     groups = state["optimizer"]["param_groups"]
     state["optimizer"]["param_groups"] = [{**groups[0], "params": [p for g in groups for p in g["params"]]}]
     torch.save(state, checkpoint / "value_state.pt")
@@ -334,24 +358,18 @@ def _train_logs(trainer) -> list[dict]:
             if "loss" in entry]
 
 
-@pytest.mark.parametrize("trainer_kind", ["tracerl", "sft"])
+@pytest.mark.parametrize("trainer_kind", ["tracerl", "sft", "value"])
 def test_a_checkpoint_between_two_logs_keeps_the_window_in_progress(tmp_path, trainer_kind):
     """logging_steps=2, save_steps=1: resuming from checkpoint-1 dropped step 1's metrics from the step-2 log
-    (TraceRL's reward 3.583 for 4.375, value/loss 6.80 for 28.48); the window in progress is saved with the
-    checkpoint."""
+    (TraceRL's reward 3.583 for 4.375, value/loss 6.80 for 28.48; the value trainer's value/mean 0.469 for
+    0.2346); the window in progress is saved with the checkpoint."""
+    settings = dict(logging_steps=2, lr_scheduler_type="constant")
     if trainer_kind == "tracerl":
         def run(out, steps):
-            return tracerl(out, steps, logging_steps=2, num_iterations=1, lr_scheduler_type="constant")
+            return tracerl(out, steps, num_iterations=1, **settings)
     else:
-        config = dict(per_device_train_batch_size=2, max_length=32, save_strategy="steps", save_steps=1,
-                      logging_steps=2, report_to="none", use_cpu=True, bf16=False, disable_tqdm=True,
-                      gradient_checkpointing=False, seed=0, lr_scheduler_type="constant")
-        data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS])
-
         def run(out, steps):
-            return DiffusionSFTTrainer(tiny_model("sdar").train(),
-                                       args=DiffusionSFTConfig(output_dir=str(out), max_steps=steps, **config),
-                                       train_dataset=data, processing_class=build_tokenizer())
+            return (sft if trainer_kind == "sft" else value_run)(out, steps, learning_rate=1e-2, **settings)
     whole = run(tmp_path / "whole", 2)
     whole.train()
     run(tmp_path / "cut", 1).train()
@@ -362,3 +380,86 @@ def test_a_checkpoint_between_two_logs_keeps_the_window_in_progress(tmp_path, tr
     assert got[0].keys() == expected[0].keys()
     for key, value in expected[0].items():
         assert got[0][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+
+
+# ------------------------------------------------------------------------------- what a checkpoint folder holds
+
+
+@pytest.mark.parametrize("name", ["rollout_buffer_0.pt", "value_state.pt"])
+def test_a_crafted_checkpoint_file_runs_no_code_on_resume(checkpoints, tmp_path, name):
+    """The rollout buffer and the value state were unpickled with ``weights_only=False``: a crafted file ran code
+    on ``train(resume_from_checkpoint=...)``. They load as tensors and plain containers only, as transformers loads
+    its checkpoint files."""
+    checkpoint = copy_checkpoint(checkpoints, "value", tmp_path)
+    marker = tmp_path / "code_ran"
+
+    class Crafted:
+        def __reduce__(self):
+            return os.makedirs, (str(marker),)
+
+    saved = torch.load(checkpoint / name, weights_only=True)
+    torch.save({**saved, "crafted": Crafted()}, checkpoint / name)
+    with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
+        tracerl(tmp_path / "value", 2, value=True).train(resume_from_checkpoint=str(checkpoint))
+    assert not marker.exists()
+
+
+def test_a_rewritten_tracerl_checkpoint_holds_only_this_runs_files(tmp_path):
+    """An earlier run in the same output_dir (value model, sync_ref_model, two processes) left its value model,
+    reference and rollout buffers in checkpoint-1: a new run rewriting it without them could not resume ("holds a
+    value model") and ``load_best_model_at_end`` loaded the earlier run's reference. They are removed first."""
+    synced = dict(beta=0.1, sync_ref_model=True, ref_model_sync_steps=1, kl_reference="reference_model")
+    tracerl(tmp_path, 1, value=True, **synced).train()
+    checkpoint = tmp_path / "checkpoint-1"
+    shutil.copy(checkpoint / "rollout_buffer_0.pt", checkpoint / "rollout_buffer_1.pt")
+    assert {"value_model", "value_state.pt", "ref_model_state.pt"} <= {p.name for p in checkpoint.iterdir()}
+    tracerl(tmp_path, 1).train()
+    ours = {p.name for p in checkpoint.iterdir()} & {"value_model", "value_state.pt", "ref_model_state.pt",
+                                                     "rollout_buffer_0.pt", "rollout_buffer_1.pt"}
+    assert ours == {"rollout_buffer_0.pt"}
+    resumed = tracerl(tmp_path, 2)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 2
+
+
+@pytest.mark.parametrize("trainer_kind", ["sft", "value"])
+def test_a_failed_rewrite_of_an_sft_or_value_checkpoint_does_not_look_complete(tmp_path, monkeypatch,
+                                                                               trainer_kind):
+    """An earlier run's checkpoint-1 kept its ``trainer_state.json`` while a new run rewrote the folder: a save that
+    failed part-way (here at the optimizer) left a complete-looking checkpoint mixing the two runs, which
+    ``resume_from_checkpoint=True`` resumed. As in TraceRL, the old state file is removed before anything is
+    written."""
+    run = sft if trainer_kind == "sft" else value_run
+    run(tmp_path, 1).train()
+    trainer = run(tmp_path, 1)
+    failing_save(monkeypatch, "optimizer", 1, trainer)
+    with pytest.raises(OSError, match="disk full"):
+        trainer.train()
+    assert complete(tmp_path) == []
+
+
+def test_value_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
+    """The value trainer resumed it silently with a fresh optimizer and the learning-rate warmup again; refused
+    before any step, as SFT and TraceRL refuse it."""
+    value_run(tmp_path, 1, save_only_model=True).train()
+    trainer = value_run(tmp_path, 2, save_only_model=True)
+    with pytest.raises(ValueError, match="saved with save_only_model=True.*not resumable"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert trainer.state.global_step == 1
+
+
+def test_value_resume_without_its_statistics_warns(tmp_path, caplog):
+    """The logging window's statistics are a metric only (training itself resumes exactly), so their absence (a
+    checkpoint from an older trl_diffusion) warns."""
+    value_run(tmp_path, 1).train()
+    (tmp_path / "checkpoint-1" / "value_stats.json").unlink()
+    with caplog.at_level(logging.WARNING, logger=value_trainer.__name__):
+        value_run(tmp_path, 2).train(resume_from_checkpoint=str(tmp_path / "checkpoint-1"))
+    assert "value_stats.json is missing" in caplog.text
+
+
+def test_value_checkpoints_write_the_model_card(tmp_path):
+    """TRL's trainers write the model card into output_dir at each checkpoint; the value trainer wrote none."""
+    value_run(tmp_path, 1).train()
+    card = (tmp_path / "README.md").read_text()
+    assert "DiffusionValueModel.from_pretrained" in card and "trl_diffusion:" in card

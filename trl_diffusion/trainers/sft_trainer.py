@@ -33,7 +33,6 @@ import torch
 from datasets import Dataset, IterableDataset, List, Value
 from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
@@ -46,6 +45,7 @@ from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
+from .checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
 from .diffusion_losses import (
     IGNORE_INDEX,
     ScoringBatch,
@@ -63,6 +63,8 @@ from .eval_padding import padded_eval_batch, prefixed_eval_metrics, real_eval_ro
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
+TOKEN_COUNT_NAME = "token_count.json"
+"""A checkpoint's token counter, logging window in progress and ``save_only_model`` setting."""
 logger = logging.get_logger(__name__)
 
 
@@ -339,29 +341,19 @@ class DiffusionSFTTrainer(SFTTrainer):
         """Also keep the running token count, so ``num_tokens`` continues after a resume instead of restarting, the
         metrics of the logging window in progress (every process holds the same: they are summed over processes), and
         whether the checkpoint holds the weights only (``save_only_model``: not resumable). Written before
-        transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint complete."""
+        transformers' own files: its ``trainer_state.json`` (written last) marks a checkpoint complete, and a folder
+        an earlier run left at this step loses its state file first (``checkpoint_files.py``)."""
+        folder = start_checkpoint_folder(self, trial, (TOKEN_COUNT_NAME,))
         if self.args.should_save:
-            step_dir = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-            folder = os.path.join(self._get_output_dir(trial=trial), step_dir)
-            os.makedirs(folder, exist_ok=True)
-            with open(os.path.join(folder, "token_count.json"), "w") as handle:
+            with open(os.path.join(folder, TOKEN_COUNT_NAME), "w") as handle:
                 json.dump({"total_train_tokens": self._total_train_tokens,
                            "save_only_model": self.args.save_only_model, "metrics": self._metrics["train"]}, handle)
         super()._save_checkpoint(model, trial)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
-        path = os.path.join(checkpoint, "token_count.json") if checkpoint is not None else None
-        saved = None
-        if path is not None and os.path.exists(path):
-            with open(path) as handle:
-                saved = json.load(handle)
+        saved = read_checkpoint_json(checkpoint, TOKEN_COUNT_NAME)
         if saved is not None and saved.get("save_only_model", False):
-            # transformers finds no optimizer / scheduler / RNG files and resumes silently with fresh ones (the
-            # learning-rate warmup starts again): the run would differ from an uninterrupted one
-            raise ValueError(f"checkpoint {checkpoint} was saved with save_only_model=True: it holds model weights "
-                             "only (no optimizer, scheduler or RNG state), and transformers documents such "
-                             "checkpoints as not resumable. Start a new run from its weights (model_name_or_path="
-                             f"{checkpoint}), or train with save_only_model=False to be able to resume.")
+            refuse_save_only_model(checkpoint, f"model_name_or_path={checkpoint}")
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
@@ -375,8 +367,8 @@ class DiffusionSFTTrainer(SFTTrainer):
                            "differs from an uninterrupted one (batches repeated, noise from another pass). A "
                            "map-style Dataset resumes exactly.")
         if saved is None:  # a metric only: training itself resumes exactly
-            logger.warning(f"{path} is missing (not saved by DiffusionSFTTrainer?): the num_tokens metric restarts "
-                           "from 0.")
+            logger.warning(f"{os.path.join(checkpoint, TOKEN_COUNT_NAME)} is missing (not saved by "
+                           "DiffusionSFTTrainer?): the num_tokens metric restarts from 0.")
             return
         self._total_train_tokens = saved["total_train_tokens"]
         # the logging window in progress: a checkpoint between two logs would otherwise drop its first part

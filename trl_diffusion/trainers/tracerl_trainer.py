@@ -37,8 +37,6 @@ import torch
 from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
 from transformers import GenerationConfig
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 from trl import GRPOTrainer
 from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
@@ -75,12 +73,15 @@ from ..value import (
 )
 from ..value.value_model import check_value_model, warn_if_half_precision
 from ..zero3 import gathered, whole_state_dict
+from .checkpoint_files import refuse_save_only_model, start_checkpoint_folder
 from .eval_padding import padded_eval_batch, prefixed_eval_metrics
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, leave_one_out_scale, population_advantages, step_weights, training_rows
 
 REFERENCE_STATE_NAME = "ref_model_state.pt"
 """A checkpoint's copy of the reference model's parameters, written when ``sync_ref_model`` changes them."""
+CHECKPOINT_FILES = ("rollout_buffer_*.pt", "value_model", "value_state.pt", "ref_model_state*.pt")
+"""What ``_save_checkpoint`` adds to a checkpoint (glob patterns; the reference is one file per process under FSDP)."""
 
 _CLIP_RATIOS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 """TRL's clip-ratio means: over the trained tokens, or over the rows with ``importance_sampling_level="sequence"``."""
@@ -794,11 +795,9 @@ class TraceRLTrainer(GRPOTrainer):
 
         Ours are written first: transformers writes ``trainer_state.json`` (without which it will not resume from
         a folder) and only then deletes older checkpoints, so a save that fails part-way never leaves a resumable
-        checkpoint without our files, nor deletes the last complete one."""
-        folder = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        if self.args.should_save and os.path.exists(os.path.join(folder, TRAINER_STATE_NAME)):
-            os.remove(os.path.join(folder, TRAINER_STATE_NAME))  # an older save's: the folder is being rewritten
-        os.makedirs(folder, exist_ok=True)
+        checkpoint without our files, nor deletes the last complete one. A folder an earlier run left at this step
+        loses its state file and our files first (``checkpoint_files.py``)."""
+        folder = start_checkpoint_folder(self, trial, CHECKPOINT_FILES)
         torch.save({"step": self._step, "buffer": self._buffered_inputs, "layout": self._rollout_layout(),
                     "save_only_model": self.args.save_only_model, "metrics": dict(self._metrics["train"])},
                    os.path.join(folder, f"rollout_buffer_{self.accelerator.process_index}.pt"))
@@ -824,19 +823,16 @@ class TraceRLTrainer(GRPOTrainer):
             return
         path = os.path.join(checkpoint, f"rollout_buffer_{self.accelerator.process_index}.pt")
         # to the CPU first: torch.load cannot map onto the device of a multi-process CPU run ("cpu:0")
-        saved = torch.load(path, map_location="cpu", weights_only=False) if os.path.exists(path) else None
+        saved = torch.load(path, map_location="cpu", weights_only=True) if os.path.exists(path) else None
         problems = self._rollout_state_problems(checkpoint, saved)
         # decided together: a process that resumed while another one raised would wait for it forever
         only_model = saved is not None and saved.get("save_only_model", False)
         flags = torch.tensor([float(only_model), float(bool(problems))], device=self.accelerator.device)
         any_only_model, any_problem = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
         if any_only_model:
-            raise ValueError(f"checkpoint {checkpoint} was saved with save_only_model=True: it holds model weights "
-                             "only (no optimizer, scheduler or RNG state, nor the value model's optimizer), and "
-                             "transformers documents such checkpoints as not resumable. Start a new run from its "
-                             f"weights (model_name_or_path={checkpoint}, with a value model value_model="
-                             f"{os.path.join(checkpoint, 'value_model')}), or train with save_only_model=False to be "
-                             "able to resume.")
+            refuse_save_only_model(checkpoint, f"model_name_or_path={checkpoint}, with a value model value_model="
+                                               f"{os.path.join(checkpoint, 'value_model')}",
+                                   also_missing=", nor the value model's optimizer")
         if any_problem:
             found = f"checkpoint {checkpoint} cannot be resumed exactly: " + "; ".join(
                 problems or ["another process's rollout state is incomplete (see its error)"])
@@ -871,7 +867,7 @@ class TraceRLTrainer(GRPOTrainer):
             state = whole_state_dict(DiffusionValueModel.from_pretrained(value_dir))  # also under ZeRO-3
             self.accelerator.unwrap_model(self.value_model).load_state_dict(state)
             if resume:
-                extra = torch.load(value_state, map_location="cpu", weights_only=False)
+                extra = torch.load(value_state, map_location="cpu", weights_only=True)
                 saved_groups = len(extra["optimizer"]["param_groups"])
                 if saved_groups != len(self.value_optimizer.param_groups):
                     raise ValueError(f"{value_state} holds a value optimizer with {saved_groups} parameter group(s), "

@@ -9,14 +9,18 @@ TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import weakref
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
 from transformers import AutoTokenizer
+from transformers.utils import logging
 from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
@@ -29,12 +33,16 @@ from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend, through_first_stop
+from ..trainers.checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
 from ..trainers.eval_padding import real_eval_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
 from .value_model import DiffusionValueModel, check_value_model, token_values, warn_if_half_precision
 
 TRAJECTORY_COLUMNS = ("prompt_ids", "completion_ids", "unmask_step", "reward")
+VALUE_STATS_NAME = "value_stats.json"
+"""A checkpoint's value statistics of the logging window in progress and ``save_only_model`` setting."""
+logger = logging.get_logger(__name__)
 
 
 class TrajectoryCollator:
@@ -153,6 +161,40 @@ class DiffusionValueTrainer(_BaseTrainer):
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """transformers' mid-training Hub push, with the released remote code in what it uploads."""
         push_from_checkpoint_with_code(self, checkpoint_folder, super()._push_from_checkpoint)
+
+    def _save_checkpoint(self, model, trial):
+        """transformers' checkpoint, after the model card in ``output_dir`` (as TRL's trainers write it) and the
+        value statistics of the logging window in progress with the ``save_only_model`` setting (not resumable).
+        Ours are written first: transformers' ``trainer_state.json`` (written last) marks a checkpoint complete, and
+        a folder an earlier run left at this step loses its state file first (``checkpoint_files.py``)."""
+        hub_model_id = self.args.hub_model_id
+        self.create_model_card(model_name=hub_model_id.split("/")[-1] if hub_model_id else
+                               Path(self.args.output_dir).name)
+        folder = start_checkpoint_folder(self, trial, (VALUE_STATS_NAME,))
+        if self.args.should_save:  # the statistics are summed over processes: every process holds the same
+            stats = self._value_stats["train"]
+            with open(os.path.join(folder, VALUE_STATS_NAME), "w") as handle:
+                json.dump({"save_only_model": self.args.save_only_model,
+                           "value_stats": stats.tolist() if stats is not None else None}, handle)
+        super()._save_checkpoint(model, trial)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        """transformers' resume, refused for a ``save_only_model`` checkpoint (as SFT and TraceRL refuse it), with
+        the value statistics of the logging window in progress: a checkpoint between two logs would otherwise drop
+        its first part from the next log."""
+        saved = read_checkpoint_json(checkpoint, VALUE_STATS_NAME)
+        if saved is not None and saved["save_only_model"]:
+            refuse_save_only_model(checkpoint, f"model={checkpoint}")
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        if saved is None:  # a metric only: training itself resumes exactly
+            logger.warning(f"{os.path.join(checkpoint, VALUE_STATS_NAME)} is missing (not saved by "
+                           "DiffusionValueTrainer?): the first log's value/ statistics cover the steps since the "
+                           "resume only.")
+        elif saved["value_stats"] is not None:
+            self._value_stats["train"] = torch.tensor(saved["value_stats"], dtype=torch.float64,
+                                                      device=self.accelerator.device)
 
     def _set_signature_columns_if_needed(self):
         if self._signature_columns is None:

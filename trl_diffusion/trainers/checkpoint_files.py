@@ -1,0 +1,52 @@
+"""The trainers' own files in transformers' ``checkpoint-<step>`` folders, handled one way by all three: the folder is
+cleared of an earlier run's files before it is written, a small JSON file of theirs is read back, and a checkpoint
+saved with ``save_only_model=True`` is refused on resume."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+from typing import Any, NoReturn
+
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+
+def start_checkpoint_folder(trainer, trial, ours: tuple[str, ...]) -> str:
+    """This step's checkpoint folder, created and cleared of what an earlier run in the same ``output_dir`` left
+    there: its ``trainer_state.json``, which marks a checkpoint complete (a save failing part-way would otherwise
+    leave a folder that looks complete, mixing two runs), and ``ours``, glob patterns of the files and folders the
+    trainer adds (a resume or ``load_best_model_at_end`` would read a stale one as this run's). Called by every
+    process before any writes (a barrier), as transformers calls ``_save_checkpoint``."""
+    folder = os.path.join(trainer._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{trainer.state.global_step}")
+    if trainer.args.should_save:
+        for pattern in (TRAINER_STATE_NAME, *ours):
+            for path in glob.glob(os.path.join(glob.escape(folder), pattern)):
+                if os.path.isdir(path):
+                    shutil.rmtree(path)
+                else:
+                    os.remove(path)
+    trainer.accelerator.wait_for_everyone()  # no process writes its files before the old ones are gone
+    os.makedirs(folder, exist_ok=True)
+    return folder
+
+
+def read_checkpoint_json(checkpoint: str | None, name: str) -> dict[str, Any] | None:
+    """The trainer's JSON file ``name`` in ``checkpoint`` (None without a checkpoint or the file)."""
+    path = os.path.join(checkpoint, name) if checkpoint is not None else None
+    if path is None or not os.path.exists(path):
+        return None
+    with open(path) as handle:
+        return json.load(handle)
+
+
+def refuse_save_only_model(checkpoint: str, start_from: str, also_missing: str = "") -> NoReturn:
+    """Refuse to resume a ``save_only_model=True`` checkpoint: transformers finds no optimizer, scheduler or RNG files
+    and resumes silently with fresh ones (the learning-rate warmup starts again), so the run would differ from an
+    uninterrupted one. ``start_from``: how to start a new run from its weights instead."""
+    raise ValueError(f"checkpoint {checkpoint} was saved with save_only_model=True: it holds model weights only (no "
+                     f"optimizer, scheduler or RNG state{also_missing}), and transformers documents such checkpoints "
+                     f"as not resumable. Start a new run from its weights ({start_from}), or train with "
+                     "save_only_model=False to be able to resume.")
