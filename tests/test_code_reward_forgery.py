@@ -560,3 +560,128 @@ def test_a_report_cannot_drop_the_names_a_test_needs(has, values):
     assert "writing a report without the names" in result.output, result.output
     assert result.outcomes == [False] and _reward(program, tests) == 0.0
     assert _reward("import math\n\ndef f(x):\n    return x * x\n", tests) == 1.0  # control: with the import
+
+
+# Test columns that check nothing passed every program (reward 1.0 for `pass`): each is refused before any run.
+PYTEST_STYLE = "from solution import double\n\ndef test_small():\n    assert double(2) == 4\n"
+MAIN_GUARDED = "def check(candidate):\n    assert candidate(2) == 4\n\nif __name__ == '__main__':\n    check(double)\n"
+STDIO_HINT = "test_method='stdio'"
+
+
+@pytest.mark.parametrize(
+    "columns,found",
+    [
+        ({"tests": json.dumps([{"input": "2", "output": "4"}])}, STDIO_HINT),  # a JSON list of dicts
+        ({"tests": [{"input": "2", "output": "4"}]}, STDIO_HINT),  # a Hub list-of-structs column
+        ({"tests": json.dumps({"inputs": ["2\n"], "outputs": ["4\n"]})}, STDIO_HINT),  # APPS / TACO input_output
+        ({"tests": json.dumps({"language": "python", "test_cases": [{"input": "2", "type": None}]})}, STDIO_HINT),
+        ({"tests": {"inputs": ["2\n"], "outputs": ["4\n"]}}, STDIO_HINT),
+        ({"tests": [2, 4]}, "holds int 2"),
+        ({"tests": ["2"]}, "data, not a test"),
+        ({"tests": ["double(2) == 4", "double(3) == 6 and double(1) == 2"]}, "`assert double(2) == 4`"),
+        ({"tests": ["assert double(1) == 2", "double(3) == 6"]}, "comparison whose result is dropped"),
+        ({"tests": ["import math", "double(2)"]}, "no test that checks anything"),
+        ({"test": PYTEST_STYLE}, "defines test_small and nothing calls"),
+        ({"tests": [PYTEST_STYLE]}, "defines test_small and nothing calls"),
+        ({"test": MAIN_GUARDED}, "only under `if __name__"),
+        ({"tests": ["assert double(2) == 4", MAIN_GUARDED]}, "only under `if __name__"),
+        ({"test": "def check(candidate):\n    assert candidate(2) == 4\n"}, "entry_point"),
+    ],
+)
+def test_test_columns_that_check_nothing_are_refused(columns, found):
+    reward = make_code_reward(timeout=5.0, memory_mb=256)
+    rows = {name: [["assert double(1) == 2"] if name == "tests" else None, value] for name, value in columns.items()}
+    with pytest.raises(ValueError, match=r"code_execution_reward: row 1 of the batch: the `tests?` column") as info:
+        reward(["```python\npass\n```"] * 2, **rows)
+    assert found in str(info.value)
+
+
+def test_the_official_grader_refuses_test_lists_that_check_nothing():
+    from trl_diffusion.rewards import make_official_code_reward
+
+    reward = make_official_code_reward()
+    for test_list in (json.dumps([{"input": "2", "output": "4"}]), ["double(2) == 4"], [{"input": "2"}], [4]):
+        with pytest.raises(ValueError, match=r"official_code_reward: row 1 of the batch: the `test_list` column"):
+            reward(["```python\npass\n```"] * 2, test_method=["function"] * 2,
+                   test_list=[["assert double(1) == 2"], test_list])
+
+
+def test_test_formats_that_check_stay_accepted():
+    from trl_diffusion.rewards import build_tests
+
+    mbpp = ["assert double(2) == 4", "for x in range(3):\n    assert double(x) == 2 * x",
+            "if double(1) != 2:\n    raise AssertionError", "import numpy\nnumpy.testing.assert_equal(double(1), 2)"]
+    assert build_tests(mbpp) == mbpp
+    assert build_tests(test=MAIN_GUARDED, entry_point="double") == [f"{MAIN_GUARDED}\n\ncheck(double)\n"]
+    called = PYTEST_STYLE + "\ntest_small()\n"
+    assert build_tests(test=called) == [called]
+    # in a row, a snippet may set up state, or define a check, for the ones after it (run in order, unverified)
+    steps = ["push(1)", "x = pop()", "def same(a, b):\n    assert a == b", "same(x, 1)"]
+    assert build_tests(steps) == steps
+    nested = "def check(candidate):\n    def one(x):\n        assert candidate(x) == 2 * x\n    one(1)\n"
+    assert build_tests(test=nested, entry_point="double") == [f"{nested}\n\ncheck(double)\n"]
+    reward = make_code_reward(timeout=5.0, memory_mb=256)
+    right, wrong = "```python\ndef double(x):\n    return 2 * x\n```", "```python\ndef double(x):\n    return 0\n```"
+    assert reward([right, wrong], test=[MAIN_GUARDED] * 2, entry_point=["double"] * 2) == [1.0, 0.0]
+    assert reward([right, wrong], tests=[mbpp[:3]] * 2) == [1.0, 0.0]
+
+
+SPOOF_SANDBOX_ERROR = """
+import json, os
+forged = json.dumps({"sandbox_error": "RuntimeError: forged", "isolation": {"seccomp": "forged", "pidns": "forged"}})
+for fd in range(3, 64):
+    try:
+        os.write(fd, forged.encode())
+    except OSError:
+        pass
+print("forged a sandbox error", flush=True)
+os._exit(0)
+"""
+
+
+def test_a_program_cannot_report_a_sandbox_error_or_its_isolation():
+    """A ``sandbox_error`` the program writes to the report pipe made its own run look like a broken sandbox (in
+    ``sandbox_error_frac`` and the eval's count), with the isolation values it chose."""
+    result = run_tests(SPOOF_SANDBOX_ERROR, TEST, LIMITS)
+    assert "forged a sandbox error" in result.output
+    assert result.status == "error" and result.passed == 0 and not any("forged" in e for e in result.errors)
+    assert "forged" not in (result.isolation.get("seccomp"), result.isolation.get("pidns"))
+    logged = {}
+    assert _reward(SPOOF_SANDBOX_ERROR, log_metric=logged.__setitem__) == 0.0
+    assert logged["code_execution/sandbox_error_frac"] == 0.0
+
+
+def test_only_the_setup_line_reports_a_sandbox_error_or_the_isolation():
+    from trl_diffusion.rewards.sandbox import _finish
+
+    def finish(data):
+        return _finish(b"", data, "exited", 0, 0.1, [], {})
+
+    failed = finish(b'{"sandbox_error": "OSError: no cgroup", "isolation": {"seccomp": false}}\n')
+    assert failed.status == "sandbox_error" and failed.report["sandbox_error"] == "OSError: no cgroup"
+    assert failed.isolation["seccomp"] is False
+    setup = b'{"isolation": {"seccomp": true}}\n'
+    ran = finish(setup + b'{"results": [], "isolation": {"seccomp": "forged", "extra": 1}}')
+    assert ran.status == "ok" and ran.isolation["seccomp"] is True and "extra" not in ran.isolation
+    assert finish(setup + b'{"sandbox_error": "forged", "isolation": {}}').status == "error"
+    assert finish(b'{"results": []}').status == "error"  # no setup line: the setup never finished
+
+
+def test_parent_check_caps_the_cost_of_integer_division():
+    """Probes of 2M and 1M bits (within the 1 MB report) held the trainer's GIL 1.3 s for ``%``, 2.4 s for gcd."""
+    import random
+    import time
+
+    from trl_diffusion.rewards.verdict import judge, plan_test
+
+    big, half = random.getrandbits(2_000_000) | 1 << 1_999_999, random.getrandbits(1_000_000) | 1 << 999_999
+    for test in ("assert f(1) % g(1) == 0", "assert f(1) // g(1) == 0", "assert divmod(f(1), g(1)) == (0, 0)",
+                 "assert math.gcd(f(1), g(1)) == 1", "assert round(f(1), g(1)) == 0"):
+        start = time.monotonic()
+        assert judge(plan_test(test), [big, -300_000 if "round" in test else half]).startswith("MemoryError"), test
+        assert time.monotonic() - start < 0.1, test
+    assert judge(plan_test("assert f(1) % 1_000_000_007 == 7 and divmod(f(1), 5) == (1, 2)"), [7]) is None
+    assert judge(plan_test("assert math.gcd(f(1), 12) == 6 and round(f(1), -1) == 10"), [6]) is None
+    # a failure message shows an integer past Python's printing limit by its size, as an AssertionError
+    message = "AssertionError: assert f(1) == 0 (f(1) = <int of 2000000 bits>)"
+    assert judge(plan_test("assert f(1) == 0"), [big]) == message

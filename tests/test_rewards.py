@@ -172,7 +172,8 @@ def test_extract_code():
 
 def test_build_tests():
     assert build_tests(["assert f(1) == 1", " "]) == ["assert f(1) == 1"]
-    assert build_tests(test="def check(c):\n    pass", entry_point="f") == ["def check(c):\n    pass\n\ncheck(f)\n"]
+    check = "def check(c):\n    assert c(1) == 1"
+    assert build_tests(test=check, entry_point="f") == [f"{check}\n\ncheck(f)\n"]
     assert build_tests() is None and build_tests([]) is None
     # A JSON-encoded list must be decoded: run as-is it would be a list literal that always "passes".
     assert build_tests('["assert f(1) == 2", "assert f(2) == 3"]') == ["assert f(1) == 2", "assert f(2) == 3"]

@@ -7,6 +7,10 @@ Tests come from the dataset row in one of two shapes:
   test, ``check(<entry_point>)``. The entry point is a function's name, or a method of a class the program defines
   (LeetCode's ``Solution().twoSum``: one instance per test, as natively).
 
+A column that holds no test snippets (stdin/stdout cases, numbers) or tests that check nothing (``f(2) == 4`` without
+``assert``, test functions nothing calls) is a ``ValueError`` naming the row and column: run as they are, they would
+pass every program.
+
 Every run goes through :func:`trl_diffusion.rewards.sandbox.run_tests`, so a program that fails, crashes, times out
 or exceeds a limit scores 0.0; the reward function never raises for anything a completion does. Tests are decided
 outside the sandboxed process where their shape allows (``assert f(x) == y`` and the like, HumanEval ``check``
@@ -21,7 +25,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -53,46 +57,187 @@ def extract_code(text: str) -> str | None:
 
 
 def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) -> list[str] | None:
-    """Turn one row's test columns into a list of snippets for the sandbox; ``None`` if the row has no tests."""
-    if isinstance(tests, str):
-        decoded = _json_list(tests)
-        tests = decoded if decoded is not None else [tests]
+    """Turn one row's test columns into a list of snippets for the sandbox; ``None`` if the row has no tests.
+
+    Raises ``ValueError`` for a column that holds no test snippets (stdin/stdout cases, numbers) or tests that check
+    nothing (see :func:`_vacuous`): run as they are, they would pass every program."""
     if tests is not None:
-        snippets = [str(t) for t in tests]
-        snippets = [t for t in snippets if t.strip()]
-        return snippets or None
+        return checked_snippets(column_items(tests, "tests"), "tests") or None
     if isinstance(test, str) and test.strip():
-        if not entry_point and _defines_uncalled_check(test):
-            raise ValueError("a HumanEval-style `test` defines check(candidate) but its row has no `entry_point`: "
-                             "run as it is, the test would call nothing and pass every program. Give the "
-                             "`entry_point` column (the function's name).")
-        return [f"{test}\n\ncheck({entry_point})\n" if entry_point else test]
+        return checked_snippets([f"{test}\n\ncheck({entry_point})\n" if entry_point else test], "test")
     return None
 
 
-def _defines_uncalled_check(test: str) -> bool:
-    """Whether ``test`` defines ``check`` at its top level and never calls it there (HumanEval's ``test``, which
-    needs ``check(<entry_point>)`` after it). Only parsed, never run; a test that does not parse is left to fail."""
+def column_items(value: Any, column: str) -> list[Any]:
+    """The items of a test column: a list, or a string holding a list (JSON or a Python literal, ``str(list)``, e.g.
+    a CSV export: run as one test it would be a list literal that always passes) or else one snippet."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        decoded = decode_list_string(value)
+        return decoded if decoded is not None else [value]
+    if isinstance(value, (dict, bytes)) or not isinstance(value, Iterable):
+        raise ValueError(f"the `{column}` column holds {_describe(value)}, not a list of test snippets."
+                         f"{_stdio_hint(value)}")
+    return list(value)
 
+
+def checked_snippets(items: list[Any], column: str) -> list[str]:
+    """The non-blank snippets of a row's ``items``; ``ValueError`` naming ``column`` for an item that is not a string
+    of Python, or tests that would pass every program (see :func:`_vacuous`)."""
+    snippets = []
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"the `{column}` column holds {_describe(item)} where a test snippet (a string of "
+                             f"Python such as 'assert f(2) == 4') is expected.{_stdio_hint(item)}")
+        if item.strip():
+            snippets.append(item)
+    problem = _vacuous(snippets)
+    if problem:
+        raise ValueError(f"the `{column}` column holds {problem}")
+    return snippets
+
+
+_FUNCTIONS = (ast.FunctionDef, ast.AsyncFunctionDef)
+_STDIO_KEYS = frozenset(("input", "inputs", "output", "outputs", "stdin", "stdout", "test_cases", "input_output"))
+
+
+def _describe(value: Any) -> str:
+    """What a test column holds, for an error: the keys of a dict, else its type and start."""
+    if isinstance(value, dict):
+        return f"a dict with keys {', '.join(_clip(key) for key in list(value)[:6])}"
+    return f"{type(value).__name__} {_clip(value)}"
+
+
+def _stdio_hint(value: Any) -> str:
+    """Where stdin/stdout cases (APPS / TACO ``input_output``, ``verification_info``, ``{"input", "output"}``) run."""
+    if not (isinstance(value, dict) and _STDIO_KEYS & {str(key).lower() for key in value}):
+        return ""
+    return (" It looks like stdin/stdout test cases: those run with official_code_reward (or the eval's code_tests "
+            "format) on rows with test_method='stdio' and `test_input` / `test_output` lists of strings.")
+
+
+def _clip(value: Any) -> str:
+    """``repr(value)``, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _vacuous(snippets: list[str]) -> str | None:
+    """Why a row's tests would pass every program that runs, or ``None``. A snippet must not be data, drop a
+    comparison's result (``f(2) == 4``) or define a function that checks and that nothing in the row calls; and
+    what the row runs must check something: an ``assert``, a ``raise``, an ``assert*`` call, or a call of a function
+    of the row that does. Other snippets (``push(1)``, ``x = f(2)``) may set up state for later ones. A function's
+    body runs only when called, and never under ``if __name__ == "__main__":`` (tests run in the program's module,
+    ``solution``). Only parsed, never run; a snippet that does not parse is left to fail."""
+    trees, unparsed = [], False
+    for snippet in snippets:
+        try:
+            tree = ast.parse(snippet)
+            data = _data(snippet, tree)
+        except (SyntaxError, ValueError, MemoryError, RecursionError):
+            unparsed = True
+            continue
+        if data:
+            return f"data, not a test: {_clip(snippet)} ({_describe(data[0])}).{_stdio_hint(data[0])}"
+        trees.append((snippet, tree))
+    functions = [n for _, t in trees for n in ast.walk(t) if isinstance(n, _FUNCTIONS)]
+    checking: set[str] = set()
+    while True:  # functions that check, directly or through another such function
+        more = {f.name for f in functions if f.name not in checking and _checks(ast.walk(f), checking)}
+        if not more:
+            break
+        checking |= more
+    executed = [list(_executed(tree.body)) for _, tree in trees]
+    called = {_called(n) for _, tree in trees for n in _executed(tree.body, functions=True)}
+    for (snippet, tree), nodes in zip(trees, executed):
+        dropped = next((n.value for n in nodes if isinstance(n, ast.Expr) and _compares(n.value)), None)
+        if dropped is not None:
+            return (f"a comparison whose result is dropped, which passes every program: {_clip(snippet)}: write "
+                    f"`assert {ast.unparse(dropped)[:80]}`.")
+        uncalled = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and f.name in checking} - called
+        if uncalled:
+            return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
+                    f"{_uncalled(tree, uncalled)}")
+    if trees and not unparsed and not any(_checks(nodes, checking) for nodes in executed):
+        return (f"no test that checks anything (no `assert`, `raise` or `assert*` call runs), so every program "
+                f"would pass: {_clip(snippets[0])}.")
+    return None
+
+
+def _uncalled(tree: ast.Module, names: set[str]) -> str:
+    """Why the functions ``names`` of ``tree``, which check, never run."""
+    guarded = {_called(n) for g in _main_guards(tree) for s in g.body for n in ast.walk(s)} & names
+    if guarded:
+        return (f"it calls {', '.join(sorted(guarded))} only under `if __name__ == \"__main__\":`, which does not run "
+                "here (the test runs in the program's module, `solution`): call it at the top level.")
+    if "check" in names:
+        return ("it defines check(candidate) and never calls it (HumanEval style): give the `entry_point` column "
+                "(the function's name), or end the test with check(<entry point>).")
+    return (f"it defines {', '.join(sorted(names))} and nothing calls them (pytest-style tests, e.g. KodCode's, are "
+            "not collected here): call them at its end, or write the test as asserts.")
+
+
+def _compares(node: ast.expr) -> bool:
+    """A comparison, or ``and`` / ``or`` of comparisons."""
+    if isinstance(node, ast.BoolOp):
+        return all(map(_compares, node.values))
+    return isinstance(node, ast.Compare)
+
+
+def _data(snippet: str, tree: ast.Module) -> list[Any]:
+    """``[value]`` if the snippet is only a value (JSON, or a Python literal), else ``[]``."""
     try:
-        tree = ast.parse(test)
-    except (SyntaxError, ValueError, MemoryError, RecursionError):
+        return [json.loads(snippet)]
+    except ValueError:
+        pass
+    if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
+        try:
+            return [ast.literal_eval(tree.body[0].value)]
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            pass
+    return []
+
+
+def _called(node: ast.AST) -> str:
+    """The name a call calls (``f`` in ``f(x)`` and ``obj.f(x)``), else ``""``."""
+    if not isinstance(node, ast.Call):
+        return ""
+    func = node.func
+    return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+
+
+def _checks(nodes: Iterable[ast.AST], checking: set[str]) -> bool:
+    return any(isinstance(n, (ast.Assert, ast.Raise)) or _called(n) in checking or "assert" in _called(n).lower()
+               for n in nodes)
+
+
+def _main_guards(tree: ast.Module) -> list[ast.If]:
+    return [n for n in ast.walk(tree) if isinstance(n, ast.If) and _is_main_guard(n.test)]
+
+
+def _is_main_guard(test: ast.expr) -> bool:
+    """``__name__ == "__main__"`` (either way round)."""
+    if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq)):
         return False
-    if not any(isinstance(node, ast.FunctionDef) and node.name == "check" for node in tree.body):
-        return False
-    outside = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    return not any(isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id == "check"
-                   for node in outside for call in ast.walk(node))
+    sides = (test.left, test.comparators[0])
+    return (any(isinstance(s, ast.Name) and s.id == "__name__" for s in sides)
+            and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
-def _json_list(text: str) -> list[str] | None:
-    """Decode a JSON-encoded list of test strings (some datasets store them so), or one written as a Python literal
-    (``str(list)``, e.g. a CSV export: ``"['assert f(1) == 2']"``); ``None`` if it is not one.
-
-    Without this, such a column would be executed as a harmless list literal and "pass" without running any test.
-    """
-    value = decode_list_string(text)
-    return value if isinstance(value, list) and all(isinstance(v, str) for v in value) else None
+def _executed(body: list[ast.stmt], functions: bool = False) -> Iterable[ast.AST]:
+    """The nodes that run when ``body`` runs: never ``if __name__ == "__main__":``, and the bodies of functions only
+    with ``functions``."""
+    stack: list[ast.AST] = list(body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, _FUNCTIONS) and not functions:
+            continue
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            stack.extend(node.orelse)
+            continue
+        yield node
+        stack.extend(ast.iter_child_nodes(node))
 
 
 def decode_list_string(text: str) -> list | None:
@@ -160,7 +305,13 @@ class CodeExecutionReward:
             test if test is not None else [None] * n,
             entry_point if entry_point is not None else [None] * n,
         )
-        jobs = [(extract_code(completion_to_text(c)), self._snippets(*row)) for c, row in zip(completions, rows)]
+        jobs = []
+        for i, (completion, row) in enumerate(zip(completions, rows)):
+            try:  # every row's tests are checked before any program runs
+                snippets = self._snippets(*row)
+            except ValueError as exc:
+                raise ValueError(f"{self.__name__}: row {i} of the batch: {exc}") from None
+            jobs.append((extract_code(completion_to_text(completion)), snippets))
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
             results = list(pool.map(lambda job: self._run(*job), jobs))
         if log_metric is not None and n:

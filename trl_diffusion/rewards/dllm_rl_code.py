@@ -21,8 +21,10 @@ What it does with them, rule for rule:
 * **Reward** (``reward/rl_code_reward.py``): the number of tests passed, z-scored in the group by the trainer (no
   length rule for code). The eval metric (``reward/reward.py``) counts a sample correct when every test passes.
 
-Deliberate difference: a program (or test) that raises ``SystemExit`` passes every test there (``exit()`` at the top
-of a completion earns the full reward); here it fails them, as in :mod:`.code_reward`.
+Deliberate differences: a program (or test) that raises ``SystemExit`` passes every test there (``exit()`` at the top
+of a completion earns the full reward); here it fails them, as in :mod:`.code_reward`. A ``test_list`` that holds
+no test snippets (not strings; data, such as stdin/stdout cases) or tests that check nothing (``f(2) == 4`` without
+``assert`` passes every program there) is a ``ValueError`` naming the row, as in :func:`.code_reward.build_tests`.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
 
-from .code_reward import decode_list_string
+from .code_reward import checked_snippets, column_items, decode_list_string
 from .format_reward import check_column_lengths, completion_to_text, missing_column_error
 from .sandbox import SandboxLimits, SandboxResult, resolve_python, run_tests
 from .verdict import plan_test
@@ -359,8 +361,8 @@ def _official_tests(test_method: Any, test_list: Any, test_input: Any, test_outp
     method = str(test_method).lower()
     if method not in ("function", "stdio"):
         raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
-    if method == "function":
-        return method, [t for t in as_string_list(test_list) if t.strip()]
+    if method == "function":  # tests that check nothing (data, no assert) are refused: they would pass every program
+        return method, checked_snippets(column_items(test_list, "test_list"), "test_list")
     inputs, outputs = as_string_list(test_input), as_string_list(test_output)
     if len(inputs) != len(outputs):
         raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
@@ -414,6 +416,12 @@ class OfficialCodeReward:
                                        "dataset.map(lambda row: {'test_method': 'function'})")
         check_column_lengths(self.__name__, n, columns)
         rows = [{k: (v[i] if v is not None else None) for k, v in columns.items()} for i in range(n)]
+        for i, row in enumerate(rows):  # every row's tests are checked before any program runs
+            if row["test_method"] is not None:
+                try:
+                    _official_tests(row["test_method"], row["test_list"], row["test_input"], row["test_output"])
+                except ValueError as exc:
+                    raise ValueError(f"{self.__name__}: row {i} of the batch: {exc}") from None
         texts = [completion_to_text(c) for c in completions]
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
             return list(pool.map(self._score, texts, rows))

@@ -51,8 +51,14 @@ The child (``_child_main`` below, executed from this same file's source, importi
   directory, no reading other processes' ``/proc`` entries, no signals, limits, scheduling or priority changes of
   processes outside the program's own process group. These hold even where the kernel mechanisms are
   unavailable, but code that calls the OS directly (``ctypes``) can bypass them;
+* writes the setup's line to its report pipe: the isolation it achieved (above), or the error that kept it from
+  running the program (status ``sandbox_error``);
 * runs the program, then the probes (or, in a separate run, the unverified tests' snippets, in order), converts each
   probe's value to tagged plain data with functions bound before the program ran, and writes the report to its pipe.
+
+The program can write to the report pipe too, but only after the setup's line: the parent takes the isolation and a
+``sandbox_error`` from that line alone, so a ``sandbox_error`` the program writes is its own failed run (``error``),
+never one the metrics blame on the sandbox, and isolation values it writes are ignored.
 
 ``docs/rewards.md`` lists exactly what is and is not guaranteed in each environment.
 """
@@ -596,25 +602,33 @@ def _finish(
     launcher: list[str],
     isolation: dict[str, Any],
 ) -> _Run:
-    """Interpret what a sandbox process left: only a complete JSON report on its own pipe counts as a result."""
-    try:
-        report = json.loads(report_bytes) if status == "exited" and report_bytes else None
-    except (ValueError, RecursionError):
-        report = None
-    if not isinstance(report, dict):
-        report = None
+    """Interpret what a sandbox process left: the setup's line (its isolation, or the sandbox error that kept the
+    program from running), then the report, which counts only if complete. The program can write to the pipe only
+    after the setup's line, so a ``sandbox_error`` or ``isolation`` in what follows is its own: a failed run."""
+    setup_line, _, rest = report_bytes.partition(b"\n")
+    setup = _json_object(setup_line)
+    report = _json_object(rest) if status == "exited" and setup is not None else None
     text = output.decode("utf-8", errors="replace")
-    reported = report.get("isolation") if report else None
+    reported = setup.get("isolation") if setup else None
     isolation = {**(reported if isinstance(reported, dict) else {}), **isolation}
     isolation["launcher"] = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(launcher)) or "plain"
     if status != "exited":
         return _Run(status, None, text, returncode, duration, isolation)
-    if report is None:  # died by a signal (a limit, the watchdog, the OOM killer) or exited without reporting
+    if setup is not None and "sandbox_error" in setup:
+        return _Run("sandbox_error", setup, text, returncode, duration, isolation)
+    if report is None or "sandbox_error" in report:  # died by a signal (a limit, the OOM killer), or exited without
         failed = "crashed" if returncode is not None and (returncode < 0 or returncode > 128) else "error"
-        return _Run(failed, None, text, returncode, duration, isolation)
-    if "sandbox_error" in report:
-        return _Run("sandbox_error", report, text, returncode, duration, isolation)
+        return _Run(failed, None, text, returncode, duration, isolation)  # reporting, or the program wrote one
     return _Run("ok", report, text, returncode, duration, isolation)
+
+
+def _json_object(data: bytes) -> dict[str, Any] | None:
+    """The JSON object ``data`` holds, else ``None``."""
+    try:
+        value = json.loads(data) if data else None
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def _remove_files_of(uid: int) -> None:
@@ -842,8 +856,16 @@ def _child_main() -> None:
     os.dup2(devnull, 0)
     report_fd = int(config["report_fd"])
     # Bound now, so a program that monkeypatches json/os cannot change how the report is written. (It can write to
-    # the report pipe itself, but only the probes' values travel there: it can change its answers, nothing more.)
+    # the report pipe itself, but only after the setup's line: it can change its answers, nothing more.)
     dumps, write, exit_now, streams = json.dumps, os.write, os._exit, (sys.stdout, sys.stderr)
+
+    def send(payload: dict[str, Any]) -> None:  # one line: json.dumps writes no raw newline
+        try:
+            data = memoryview((dumps(payload) + "\n").encode())
+            while data:
+                data = data[write(report_fd, data) :]
+        except BaseException:
+            exit_now(1)
 
     def report(payload: dict[str, Any]) -> None:
         for stream in streams:
@@ -851,12 +873,7 @@ def _child_main() -> None:
                 stream.flush()
             except Exception:
                 pass
-        try:
-            data = memoryview(dumps(payload).encode())
-            while data:
-                data = data[write(report_fd, data) :]
-        except BaseException:
-            exit_now(1)
+        send(payload)
         exit_now(0)
 
     isolation: dict[str, Any] = {}
@@ -886,7 +903,8 @@ def _child_main() -> None:
         _install_guards(workdir)
     except Exception as exc:
         report({"sandbox_error": f"{type(exc).__name__}: {exc}", "isolation": isolation})
-    report({**_run_job(config, *encoder), "isolation": isolation})
+    send({"isolation": isolation})  # the setup's line, before any code of the program runs
+    report(_run_job(config, *encoder))
 
 
 def _join_cgroup(path: str) -> bool:

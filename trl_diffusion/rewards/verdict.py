@@ -22,7 +22,7 @@ A test that calls no program name is about a library-named function (the task's 
 the check cannot evaluate itself (``filter([1, 2, 3, 4])``) is the *subject*, and its calls with literal arguments
 are probes, whether the program binds the name (its function runs) or not (the real one runs, in the sandbox).
 
-What the check may contain (evaluated here): literals and displays, arithmetic (with size caps), comparisons,
+What the check may contain (evaluated here): literals and displays, arithmetic (with size and cost caps), comparisons,
 ``and``/``or``/``not``, conditional expressions, subscripts and slices, a fixed set of pure builtins (``abs``,
 ``len``, ``set``, ``sorted``, ``round``, ``isinstance``, ...), ``math`` functions and constants, and pure methods of
 plain values (``str.split``, ``dict.items``, ...). Probes may only sit where Python evaluates unconditionally (not in
@@ -77,6 +77,9 @@ __all__ = ["MAX_DEPTH", "Plan", "ProbeError", "decode", "judge", "plan_test", "p
 MAX_DEPTH = 100  # nesting depth of a value sent back by a probe (the sandbox's encoder uses the same bound)
 _MAX_ITEMS = 10**7  # largest sequence an arithmetic operation of a check may build
 _MAX_BITS = 10**6  # largest integer (in bits) ``**`` and ``<<`` of a check may build
+# Largest product of two integers' sizes (bits) that ``%``, ``//``, ``divmod``, ``math.gcd`` and ``round`` of a check
+# may take: quadratic algorithms, about 10-30 ms here (1.3 s for ``%``, 2.4 s for ``gcd`` of 2M- and 1M-bit probes).
+_MAX_BIT_PRODUCT = 10**10
 _MAX_SAME_HASH = 16  # distinct numbers/strings of one hash in a probe's value (see decode)
 
 _PURE_BUILTINS = {
@@ -156,7 +159,39 @@ def _sum(iterable: Any, start: Any = 0) -> Any:
     return sum(items[n:], start + sum(head))
 
 
-_PURE_BUILTINS["sum"] = _sum
+def _limit_int_cost(*bits: int) -> None:
+    """Refuse integer division, gcd or rounding on operands of these sizes when it would hold the trainer's GIL for
+    long: its cost grows with the product of the two largest sizes, and a probe can send a 2M-bit integer."""
+    top = sorted(bits)[-2:]
+    if len(top) == 2 and top[0] * top[1] > _MAX_BIT_PRODUCT:
+        raise MemoryError("the check's integers are too large to divide, round or take the gcd of here")
+
+
+def _divmod(a: Any, b: Any, /) -> Any:
+    """``divmod`` under :func:`_limit_int_cost`."""
+    if isinstance(a, int) and isinstance(b, int):
+        _limit_int_cost(a.bit_length(), b.bit_length())
+    return divmod(a, b)
+
+
+def _gcd(*integers: Any) -> int:
+    """``math.gcd`` under :func:`_limit_int_cost`."""
+    _limit_int_cost(*(i.bit_length() for i in integers if isinstance(i, int)))
+    return math.gcd(*integers)
+
+
+def _round(number: Any, ndigits: Any = None) -> Any:
+    """``round``; an integer rounded to ``ndigits < 0`` is divided by ``10 ** -ndigits``: both are capped."""
+    if isinstance(number, int) and isinstance(ndigits, int) and ndigits < 0:
+        power = -ndigits * 10 // 3 + 1  # bits of 10 ** -ndigits
+        if power > _MAX_BITS:
+            raise MemoryError("the check would build an integer that is too large")
+        _limit_int_cost(number.bit_length(), power)
+    return round(number, ndigits)
+
+
+_PURE_BUILTINS.update(sum=_sum, divmod=_divmod, round=_round)
+_MATH["gcd"] = _gcd
 _PARENT_NAMES = frozenset(_PURE_BUILTINS) | frozenset(_MODULES)  # library names the check can evaluate itself
 
 
@@ -904,7 +939,13 @@ def judge(plan: Plan, values: list[Any]) -> str | None:
 
 
 def _short(value: Any) -> str:
-    text = repr(value)
+    """``repr(value)`` for a failure message, cut to 80 characters."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's limit on printed digits (sys.get_int_max_str_digits), maybe nested
+        if isinstance(value, int):
+            return f"<int of {value.bit_length()} bits>"
+        return f"<{type(value).__name__} holding an integer too large to print>"
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -997,8 +1038,9 @@ def _pairs(value: Any) -> list[tuple[Any, ...]]:
 
 
 def _binop(op: type, left: Any, right: Any) -> Any:
-    """``left <op> right`` with caps on the sizes a program-chosen operand could blow up, and the same-hash limit
-    on the set that ``|``, ``&``, ``^`` and ``-`` of a dict view build from both operands."""
+    """``left <op> right`` with caps on the sizes a program-chosen operand could blow up and on the cost of integer
+    division, and the same-hash limit on the set that ``|``, ``&``, ``^`` and ``-`` of a dict view build from both
+    operands."""
     views = (_KEYS, _ITEMS)
     if op in (ast.BitOr, ast.BitAnd, ast.BitXor, ast.Sub) and (type(left) in views or type(right) in views):
         left, right = _hashable(left), _hashable(right)
@@ -1012,6 +1054,8 @@ def _binop(op: type, left: Any, right: Any) -> Any:
             raise MemoryError("the check would build an integer that is too large")
     if op is ast.LShift and isinstance(left, int) and isinstance(right, int) and right > _MAX_BITS:
         raise MemoryError("the check would build an integer that is too large")
+    if op in (ast.Mod, ast.FloorDiv) and isinstance(left, int) and isinstance(right, int):
+        _limit_int_cost(left.bit_length(), right.bit_length())
     return _BINOPS[op](left, right)
 
 
