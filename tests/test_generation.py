@@ -320,3 +320,18 @@ def test_generate_restores_modes_through_train_overrides():
     child.train = train
     gen(model, torch.tensor([PROMPTS[0]]), None, max_new_tokens=4)
     assert calls[-1] is True and child.training
+
+
+def test_held_out_accuracy_keeps_each_module_mode():
+    """evaluate_accuracy put the root's mode back over every module (model.train(was_training)): a frozen block came
+    back in train mode after each held-out evaluation."""
+    from trl_diffusion.data import evaluate_accuracy, make_problems
+    from trl_diffusion.testing import build_tokenizer
+
+    model = tiny_model("sdar").train()
+    frozen = next(module for module in model.modules() if module is not model and list(module.children()))
+    frozen.eval()
+    modes = {name: module.training for name, module in model.named_modules()}
+    _, test = make_problems(0, 2, seed=0)
+    evaluate_accuracy(model, build_tokenizer(), test, chat_template=False, max_new_tokens=4, block_length=4)
+    assert {name: module.training for name, module in model.named_modules()} == modes

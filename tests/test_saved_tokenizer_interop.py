@@ -114,3 +114,13 @@ def test_sdar_configs_carry_fuse_cross_entropy(tmp_path):
     assert json.loads((EMBEDDED_MODEL / "config.json").read_text())["fuse_cross_entropy"] is True
     tiny_model("sdar", fuse_cross_entropy=False).save_pretrained(tmp_path / "off")
     assert AutoConfig.from_pretrained(tmp_path / "off").fuse_cross_entropy is False
+
+
+def test_a_config_saved_with_dtype_auto_writes_no_torch_dtype(tmp_path):
+    """transformers 4 reads torch_dtype as getattr(torch, name): a copied "auto" made the config unloadable there."""
+    from trl_diffusion.models import SDARConfig
+
+    SDARConfig().save_pretrained(tmp_path / "base")
+    AutoConfig.from_pretrained(tmp_path / "base", dtype="auto").save_pretrained(tmp_path / "auto")
+    saved = json.loads((tmp_path / "auto" / "config.json").read_text())
+    assert saved.get("dtype") == "auto" and "torch_dtype" not in saved

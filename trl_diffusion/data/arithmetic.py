@@ -192,10 +192,6 @@ def evaluate_accuracy(model, tokenizer, problems: list[ArithmeticProblem], batch
     see ``generate_completions``); Dream's ``alg`` / ``steps`` replace the strategy / the per-block steps."""
     if not problems:
         raise ValueError("no problems to evaluate.")
-    was_training = model.training
-    model.eval()
-    try:
-        texts = generate_completions(model, tokenizer, [p.prompt for p in problems], batch_size, **generate_kwargs)
-    finally:
-        model.train(was_training)
+    # generate() decodes in eval mode and gives every module its own mode back
+    texts = generate_completions(model, tokenizer, [p.prompt for p in problems], batch_size, **generate_kwargs)
     return sum(score_completion(t, p.answer) for t, p in zip(texts, problems)) / len(problems)

@@ -163,7 +163,8 @@ def _write_torch_dtype(path: Path) -> None:
     """Add ``torch_dtype`` beside the ``dtype`` transformers 5 writes: the releases' key, the one transformers 4 (which
     the released code needs) reads; transformers 5 reads ``dtype`` first and takes ``torch_dtype`` silently."""
     config = json.loads(path.read_text(encoding="utf-8"))
-    if "dtype" in config and "torch_dtype" not in config:
+    if isinstance(config.get("dtype"), str) and config["dtype"] != "auto" and "torch_dtype" not in config:
+        # a dtype name only: transformers 4 resolves torch_dtype as getattr(torch, name) ("auto" failed to load)
         config["torch_dtype"] = config["dtype"]
         path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
