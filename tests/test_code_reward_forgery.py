@@ -584,8 +584,10 @@ STDIO_HINT = "test_method='stdio'"
         ({"test": PYTEST_STYLE}, "defines test_small and nothing calls"),
         ({"tests": [PYTEST_STYLE]}, "defines test_small and nothing calls"),
         ({"test": MAIN_GUARDED}, "only under `if __name__"),
-        ({"tests": ["assert double(2) == 4", MAIN_GUARDED]}, "only under `if __name__"),
         ({"test": "def check(candidate):\n    assert candidate(2) == 4\n"}, "entry_point"),
+        ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
+                    "        self.assertEqual(double(2), 4)\n\nr = unittest.main(argv=['x'], exit=False)\n"
+                    "assert r.result.wasSuccessful()"]}, "unittest.TestCase (T) that nothing runs"),
     ],
 )
 def test_test_columns_that_check_nothing_are_refused(columns, found):
@@ -624,6 +626,24 @@ def test_test_formats_that_check_stay_accepted():
     right, wrong = "```python\ndef double(x):\n    return 2 * x\n```", "```python\ndef double(x):\n    return 0\n```"
     assert reward([right, wrong], test=[MAIN_GUARDED] * 2, entry_point=["double"] * 2) == [1.0, 0.0]
     assert reward([right, wrong], tests=[mbpp[:3]] * 2) == [1.0, 0.0]
+    # shapes a first version refused (review): a row checks when anything that runs checks; functions used by
+    # reference run; exits fail here; a docstring, an unused helper or a None entry sit beside checks
+    checking_rows = [
+        ["import sys\nif double(1) != 2:\n    sys.exit(1)"],
+        ["if double(1) != 2:\n    exit('wrong')"],
+        ["def test_a():\n    assert double(1) == 2\n\nfor t in (test_a,):\n    t()"],
+        ["class Checker:\n    def __call__(self, f):\n        assert f(1) == 2\n\nChecker()(double)"],
+        ["def check(c):\n    def one(x):\n        assert c(x) == 2 * x\n    list(map(one, [1, 2]))\n\ncheck(double)"],
+        ['"""Tests for double."""', "assert double(2) == 4"],
+        ["def debug(x):\n    assert x\n", "assert double(2) == 4", None],
+        ["assert double(2) == 4", MAIN_GUARDED],
+        ["T = []\ndef register(f):\n    T.append(f)\n    return f\n\n@register\ndef test_a():\n"
+         "    assert double(1) == 2\n\nfor t in T:\n    t()"],
+    ]
+    for row in checking_rows:
+        assert build_tests(row) == [snippet for snippet in row if snippet is not None]
+    assert reward([right, wrong], tests=[checking_rows[0]] * 2) == [1.0, 0.0]
+    assert reward([right, wrong], tests=[checking_rows[2]] * 2) == [1.0, 0.0]
 
 
 SPOOF_SANDBOX_ERROR = """

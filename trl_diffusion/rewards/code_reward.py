@@ -23,6 +23,7 @@ process, so threads only wait on pipes).
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import re
 from collections.abc import Callable, Iterable
@@ -87,12 +88,14 @@ def checked_snippets(items: list[Any], column: str) -> list[str]:
     of Python, or tests that would pass every program (see :func:`_vacuous`)."""
     snippets = []
     for item in items:
+        if item is None:  # a nullable list column's empty entry
+            continue
         if not isinstance(item, str):
             raise ValueError(f"the `{column}` column holds {_describe(item)} where a test snippet (a string of "
                              f"Python such as 'assert f(2) == 4') is expected.{_stdio_hint(item)}")
         if item.strip():
             snippets.append(item)
-    problem = _vacuous(snippets)
+    problem = _vacuous(tuple(snippets))
     if problem:
         raise ValueError(f"the `{column}` column holds {problem}")
     return snippets
@@ -123,13 +126,15 @@ def _clip(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _vacuous(snippets: list[str]) -> str | None:
-    """Why a row's tests would pass every program that runs, or ``None``. A snippet must not be data, drop a
-    comparison's result (``f(2) == 4``) or define a function that checks and that nothing in the row calls; and
-    what the row runs must check something: an ``assert``, a ``raise``, an ``assert*`` call, or a call of a function
-    of the row that does. Other snippets (``push(1)``, ``x = f(2)``) may set up state for later ones. A function's
-    body runs only when called, and never under ``if __name__ == "__main__":`` (tests run in the program's module,
-    ``solution``). Only parsed, never run; a snippet that does not parse is left to fail."""
+@functools.lru_cache(maxsize=4096)  # a GRPO batch repeats each row's tests once per completion
+def _vacuous(snippets: tuple[str, ...]) -> str | None:
+    """Why a row's tests would pass every program that runs, or ``None``. A snippet must not be data or drop a
+    comparison's result (``f(2) == 4``), and what the row runs must check something: an ``assert``, a ``raise``, an
+    ``assert*`` call, an exit (``sys.exit``: a failure here), or a use of a function or class of the row that does
+    (called, or referenced: ``for t in (test_a, test_b): t()``, a callback). Other snippets (``push(1)``, helpers,
+    docstrings) may sit beside them. A function's body runs only when it is used, and never under
+    ``if __name__ == "__main__":`` (tests run in the program's module, ``solution``). Only parsed, never run; a
+    snippet that does not parse is left to fail."""
     trees, unparsed = [], False
     for snippet in snippets:
         try:
@@ -141,26 +146,34 @@ def _vacuous(snippets: list[str]) -> str | None:
         if data:
             return f"data, not a test: {_clip(snippet)} ({_describe(data[0])}).{_stdio_hint(data[0])}"
         trees.append((snippet, tree))
-    functions = [n for _, t in trees for n in ast.walk(t) if isinstance(n, _FUNCTIONS)]
+    definitions = [n for _, t in trees for n in ast.walk(t) if isinstance(n, (*_FUNCTIONS, ast.ClassDef))]
     checking: set[str] = set()
-    while True:  # functions that check, directly or through another such function
-        more = {f.name for f in functions if f.name not in checking and _checks(ast.walk(f), checking)}
+    while True:  # functions and classes that check, directly or through another such one
+        more = {d.name for d in definitions if d.name not in checking and _checks(ast.walk(d), checking)}
         if not more:
             break
         checking |= more
     executed = [list(_executed(tree.body)) for _, tree in trees]
-    called = {_called(n) for _, tree in trees for n in _executed(tree.body, functions=True)}
-    for (snippet, tree), nodes in zip(trees, executed):
+    used = {_used(n) for _, tree in trees for n in ast.walk(tree)} - {""}
+    case = next((c for c in definitions if isinstance(c, ast.ClassDef) and c.name not in used
+                 and any((_used(b) or "") == "TestCase" for b in c.bases)), None)
+    if case is not None:  # unittest.main() / discovery look in __main__, not in the program's module
+        return (f"a unittest.TestCase ({case.name}) that nothing runs here (unittest.main() collects tests from "
+                f"__main__; tests run in the program's module, `solution`): run it explicitly, e.g. "
+                f"unittest.TextTestRunner().run(unittest.defaultTestLoader.loadTestsFromTestCase({case.name})), "
+                "then assert the result was successful.")
+    for (snippet, _tree), nodes in zip(trees, executed):
         dropped = next((n.value for n in nodes if isinstance(n, ast.Expr) and _compares(n.value)), None)
         if dropped is not None:
             return (f"a comparison whose result is dropped, which passes every program: {_clip(snippet)}: write "
                     f"`assert {ast.unparse(dropped)[:80]}`.")
-        uncalled = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and f.name in checking} - called
-        if uncalled:
-            return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
-                    f"{_uncalled(tree, uncalled)}")
     if trees and not unparsed and not any(_checks(nodes, checking) for nodes in executed):
-        return (f"no test that checks anything (no `assert`, `raise` or `assert*` call runs), so every program "
+        for snippet, tree in trees:
+            uncalled = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and f.name in checking}
+            if uncalled:
+                return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
+                        f"{_uncalled(tree, uncalled)}")
+        return (f"no test that checks anything (no `assert`, `raise`, `assert*` call or exit runs), so every program "
                 f"would pass: {_clip(snippets[0])}.")
     return None
 
@@ -192,6 +205,8 @@ def _data(snippet: str, tree: ast.Module) -> list[Any]:
     except ValueError:
         pass
     if len(tree.body) == 1 and isinstance(tree.body[0], ast.Expr):
+        if isinstance(tree.body[0].value, ast.Constant) and isinstance(tree.body[0].value.value, str):
+            return []  # a docstring: no data, no check (the row's other snippets must check)
         try:
             return [ast.literal_eval(tree.body[0].value)]
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
@@ -207,9 +222,25 @@ def _called(node: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
+_EXITS = frozenset(("exit", "quit", "_exit"))  # exit(), sys.exit(), os._exit(): a failing test here
+
+
 def _checks(nodes: Iterable[ast.AST], checking: set[str]) -> bool:
-    return any(isinstance(n, (ast.Assert, ast.Raise)) or _called(n) in checking or "assert" in _called(n).lower()
-               for n in nodes)
+    """Whether ``nodes`` check: an ``assert`` / ``raise``, an ``assert*`` or exit call, or a use of ``checking``."""
+    return any(isinstance(n, (ast.Assert, ast.Raise)) or _called(n) in _EXITS or "assert" in _called(n).lower()
+               or _used(n) in checking or _registered(n, checking) for n in nodes)
+
+
+def _registered(node: ast.AST, checking: set[str]) -> bool:
+    """A decorated definition that checks: the decorator may register it for a runner (``@register def test_a``)."""
+    return isinstance(node, (*_FUNCTIONS, ast.ClassDef)) and bool(node.decorator_list) and node.name in checking
+
+
+def _used(node: ast.AST) -> str:
+    """The name ``node`` reads (``f``, ``obj.f``), else ``""``: a function used by reference runs too."""
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
+        return node.id
+    return node.attr if isinstance(node, ast.Attribute) else ""
 
 
 def _main_guards(tree: ast.Module) -> list[ast.If]:
@@ -225,13 +256,14 @@ def _is_main_guard(test: ast.expr) -> bool:
             and any(isinstance(s, ast.Constant) and s.value == "__main__" for s in sides))
 
 
-def _executed(body: list[ast.stmt], functions: bool = False) -> Iterable[ast.AST]:
-    """The nodes that run when ``body`` runs: never ``if __name__ == "__main__":``, and the bodies of functions only
-    with ``functions``."""
+def _executed(body: list[ast.stmt]) -> Iterable[ast.AST]:
+    """The nodes that run when ``body`` runs: never ``if __name__ == "__main__":``, nor the bodies of functions."""
     stack: list[ast.AST] = list(body)
     while stack:
         node = stack.pop()
-        if isinstance(node, _FUNCTIONS) and not functions:
+        if isinstance(node, _FUNCTIONS):
+            yield node  # the definition runs (its decorators too), not its body
+            stack.extend(node.decorator_list)
             continue
         if isinstance(node, ast.If) and _is_main_guard(node.test):
             stack.extend(node.orelse)
