@@ -222,3 +222,23 @@ def test_batch_scaled_advantages_leave_the_dropped_groups_out(tmp_path):
     out = run._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4 + [{"prompt": "abc"}] * 4)
     assert out["kept_rows"].tolist() == [1.0] * 4 + [0.0] * 4
     assert out["advantages"].tolist() == pytest.approx([-1.0, 1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+
+
+def test_a_code_reward_refuses_its_rows_when_the_trainer_is_built(tmp_path):
+    """A row the code reward refuses (tests that check nothing) raised only when its batch came up, steps into
+    training, naming its index in the batch: the trainer asks the reward to check its datasets when built."""
+    from trl_diffusion.rewards import make_code_reward, make_official_code_reward
+
+    tests = [["assert f(1) == 1"], ["assert f(2) == 2"], ["f(3) == 3"], ["assert f(4) == 4"]]
+    data = Dataset.from_dict({"prompt": PROMPTS, "tests": tests})
+    with pytest.raises(ValueError, match=r"code_execution_reward: row 2 of the train dataset: .*comparison whose "
+                                         "result is dropped"):
+        TraceRLTrainer(tiny_model("sdar"), make_code_reward(), args=config(tmp_path), train_dataset=data,
+                       processing_class=build_tokenizer())
+    official = Dataset.from_dict({"prompt": PROMPTS, "test_method": ["function"] * 4, "test_list": tests})
+    with pytest.raises(ValueError, match=r"official_code_reward: row 2 of the eval \('b'\) dataset"):
+        TraceRLTrainer(tiny_model("sdar"), make_official_code_reward(), args=config(tmp_path),
+                       train_dataset=official.select([0, 1]), eval_dataset={"a": official.select([0]), "b": official},
+                       processing_class=build_tokenizer())
+    TraceRLTrainer(tiny_model("sdar"), make_code_reward(), args=config(tmp_path), train_dataset=data.select([0, 1, 3]),
+                   processing_class=build_tokenizer())  # rows that check build

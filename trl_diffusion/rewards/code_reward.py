@@ -356,6 +356,18 @@ class CodeExecutionReward:
                 log_metric(f"{prefix}/verified_frac", sum(r.verified for r in ran) / sum(r.total for r in ran))
         return [self._reward(r, job[1]) for r, job in zip(results, jobs)]
 
+    def check_dataset(self, dataset: Any, split: str = "train") -> None:
+        """Raise, naming the row, for a row of an in-memory ``dataset`` whose test columns the reward refuses (see
+        :func:`build_tests`), so that a trainer refuses it when built rather than when the row's batch comes up."""
+        columns = [name for name in ("tests", "test", "entry_point") if name in dataset.column_names]
+        if not {"tests", "test"} & set(columns):
+            return  # the first call names the missing column
+        for i, row in enumerate(dataset.select_columns(columns)):
+            try:
+                self._snippets(row.get("tests"), row.get("test"), row.get("entry_point"))
+            except ValueError as exc:
+                raise ValueError(f"{self.__name__}: row {i} of the {split} dataset: {exc}") from None
+
     def _snippets(self, tests: Any, test: Any, entry_point: Any) -> list[str] | None:
         """The row's test snippets; ``None`` (no reward) if it has none, or has an unverifiable one and
         ``allow_unverified`` is off."""

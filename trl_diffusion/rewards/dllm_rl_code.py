@@ -426,6 +426,19 @@ class OfficialCodeReward:
         with ThreadPoolExecutor(max_workers=min(self.max_workers, max(n, 1))) as pool:
             return list(pool.map(self._score, texts, rows))
 
+    def check_dataset(self, dataset: Any, split: str = "train") -> None:
+        """Raise, naming the row, for a row of an in-memory ``dataset`` whose tests the reward refuses, so that a
+        trainer refuses it when built rather than when the row's batch comes up."""
+        names = ("test_method", "test_list", "test_input", "test_output")
+        if "test_method" not in dataset.column_names:
+            return  # the first call names the missing column
+        for i, row in enumerate(dataset.select_columns([n for n in names if n in dataset.column_names])):
+            if row["test_method"] is not None:
+                try:
+                    _official_tests(*(row.get(name) for name in names))
+                except ValueError as exc:
+                    raise ValueError(f"{self.__name__}: row {i} of the {split} dataset: {exc}") from None
+
     def _score(self, completion: str, row: dict[str, Any]) -> float | None:
         method = row["test_method"]
         if method is None:

@@ -168,6 +168,7 @@ class TraceRLTrainer(GRPOTrainer):
         self._mask_token_id = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
         self._check_prompts_without_mask_token()
+        self._check_reward_datasets()
         self.beta = beta
         if args.loss_type == "tracerl":
             # TRL's `dapo` branch divides by `num_items_in_batch`; TraceRL sets it to the number of training rows
@@ -248,6 +249,22 @@ class TraceRLTrainer(GRPOTrainer):
                                  "baseline). Use advantage_baseline='group_mean' or no value model.")
             self._setup_value_model(value_model, base)
 
+    def _datasets(self) -> dict:
+        """The train and eval datasets by name (``eval ('a')`` for a named eval set)."""
+        evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
+        return {"train": self.train_dataset,
+                **{"eval" if name is None else f"eval ({name!r})": data for name, data in evals.items()}}
+
+    def _check_reward_datasets(self) -> None:
+        """Let each reward function that can (``check_dataset``: the code rewards) refuse rows it cannot score, when
+        the trainer is built: a refused row raised only when its batch came up, steps into training."""
+        for func in self.reward_funcs:
+            check = getattr(func, "check_dataset", None)
+            if callable(check):
+                for split, dataset in self._datasets().items():
+                    if isinstance(dataset, Dataset):  # a stream is not read ahead
+                        check(dataset, split)
+
     def _check_prompts_without_mask_token(self) -> None:
         """Refuse, naming their rows, the prompts of map-style train and eval datasets that tokenize to the mask id
         (their text holds the mask token's string): ``generate()`` would refuse them only when their batch is rolled
@@ -256,9 +273,7 @@ class TraceRLTrainer(GRPOTrainer):
         added = self._tokenizer.added_tokens_decoder.get(self._mask_token_id)
         if added is None:  # an ordinary vocabulary piece (every released family's is an added token): any text may
             return  # tokenize to it, which only tokenizing every prompt would find; the rollout check names it
-        evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
-        splits = {"train": self.train_dataset,
-                  **{"eval" if name is None else f"eval ({name!r})": data for name, data in evals.items()}}
+        splits = self._datasets()
         sanitized = bool(self.chat_template_kwargs.get("sanitize_control_tokens"))
         for split, dataset in splits.items():
             if not isinstance(dataset, Dataset):  # a stream is not read ahead: generate() refuses such a prompt
