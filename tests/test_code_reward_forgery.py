@@ -585,6 +585,13 @@ STDIO_HINT = "test_method='stdio'"
         ({"tests": [PYTEST_STYLE]}, "defines test_small and nothing calls"),
         ({"test": MAIN_GUARDED}, "only under `if __name__"),
         ({"test": "def check(candidate):\n    assert candidate(2) == 4\n"}, "entry_point"),
+        ({"tests": ["import pytest\n\n@pytest.mark.parametrize('x', [1, 2])\ndef test_a(x):\n"
+                    "    assert double(x) == 2 * x\n"]}, "defines test_a and nothing calls"),
+        ({"tests": ["assert True", "def test_a():\n    assert double(1) == 2\n"]}, "defines test_a and nothing"),
+        ({"tests": ["def check(c):\n    assert c(1) == 2\n\nns = object\nns.check"]}, "never calls it"),
+        ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
+                    "        self.assertEqual(double(2), 4)\n\nunittest.TextTestRunner().run("
+                    "unittest.defaultTestLoader.loadTestsFromTestCase(T))"]}, "no test that checks anything"),
         ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
                     "        self.assertEqual(double(2), 4)\n\nr = unittest.main(argv=['x'], exit=False)\n"
                     "assert r.result.wasSuccessful()"]}, "unittest.TestCase (T) that nothing runs"),
@@ -631,12 +638,10 @@ def test_test_formats_that_check_stay_accepted():
     checking_rows = [
         ["import sys\nif double(1) != 2:\n    sys.exit(1)"],
         ["if double(1) != 2:\n    exit('wrong')"],
-        ["def test_a():\n    assert double(1) == 2\n\nfor t in (test_a,):\n    t()"],
-        ["class Checker:\n    def __call__(self, f):\n        assert f(1) == 2\n\nChecker()(double)"],
+        ["class Checker:\n    def __init__(self, f):\n        assert f(1) == 2\n\nChecker(double)"],
         ["def check(c):\n    def one(x):\n        assert c(x) == 2 * x\n    list(map(one, [1, 2]))\n\ncheck(double)"],
         ['"""Tests for double."""', "assert double(2) == 4"],
         ["def debug(x):\n    assert x\n", "assert double(2) == 4", None],
-        ["assert double(2) == 4", MAIN_GUARDED],
         ["T = []\ndef register(f):\n    T.append(f)\n    return f\n\n@register\ndef test_a():\n"
          "    assert double(1) == 2\n\nfor t in T:\n    t()"],
     ]
@@ -644,6 +649,12 @@ def test_test_formats_that_check_stay_accepted():
         assert build_tests(row) == [snippet for snippet in row if snippet is not None]
     assert reward([right, wrong], tests=[checking_rows[0]] * 2) == [1.0, 0.0]
     assert reward([right, wrong], tests=[checking_rows[2]] * 2) == [1.0, 0.0]
+    # strict on purpose (a refused row is a clear error; a vacuous one scores every program 1.0): tests run only
+    # through a list, or checker classes run through __call__ / __exit__, are refused, with the row's start named
+    for row in (["def test_a():\n    assert double(1) == 2\n\nfor t in (test_a,):\n    t()"],
+                ["class Checker:\n    def __call__(self, f):\n        assert f(1) == 2\n\nChecker()(double)"]):
+        with pytest.raises(ValueError, match="passes every program|no test that checks anything"):
+            build_tests(row)
 
 
 SPOOF_SANDBOX_ERROR = """

@@ -242,3 +242,8 @@ def test_a_code_reward_refuses_its_rows_when_the_trainer_is_built(tmp_path):
                        processing_class=build_tokenizer())
     TraceRLTrainer(tiny_model("sdar"), make_code_reward(), args=config(tmp_path), train_dataset=data.select([0, 1, 3]),
                    processing_class=build_tokenizer())  # rows that check build
+    from trl_diffusion.rewards import code_execution_reward  # the ready function too (the --reward_funcs name)
+
+    with pytest.raises(ValueError, match=r"code_execution_reward: row 2 of the train dataset"):
+        TraceRLTrainer(tiny_model("sdar"), code_execution_reward, args=config(tmp_path),
+                       train_dataset=data.with_format("pandas"), processing_class=build_tokenizer())

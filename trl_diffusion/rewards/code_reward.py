@@ -130,12 +130,15 @@ def _clip(value: Any) -> str:
 @functools.lru_cache(maxsize=512)
 def _vacuous(snippets: tuple[str, ...]) -> str | None:
     """Why a row's tests would pass every program that runs, or ``None``. A snippet must not be data or drop a
-    comparison's result (``f(2) == 4``), and what the row runs must check something: an ``assert``, a ``raise``, an
-    ``assert*`` call, an exit (``sys.exit``: a failure here), or a use of a function or class of the row that does
-    (called, or referenced: ``for t in (test_a, test_b): t()``, a callback). Other snippets (``push(1)``, helpers,
-    docstrings) may sit beside them. A function's body runs only when it is used, and never under
-    ``if __name__ == "__main__":`` (tests run in the program's module, ``solution``). Only parsed, never run; a
-    snippet that does not parse is left to fail."""
+    comparison's result (``f(2) == 4``); a test function (``check``, ``test_*``) that checks must run; and what the
+    row runs must check something: an ``assert``, a ``raise``, an ``assert*`` call, an exit (``sys.exit``: a failure
+    here), or a run of a function of the row that does (called, passed to a call as in ``map(one, xs)``, or
+    registered by a decorator the row defines), or creating a class whose ``__init__`` does. A unittest case checks
+    nothing by itself (its failures are only recorded): the row must run it and assert the result. Other snippets
+    (``push(1)``, helpers, docstrings) may sit beside the checks. A function's body runs only when it runs, and never
+    under ``if __name__ == "__main__":`` (tests run in the program's module, ``solution``). Only parsed, never run; a
+    snippet that does not parse is left to fail. Strict on purpose: a refused row is a clear error, a vacuous one
+    would silently score every program 1.0."""
     trees, unparsed = [], False
     for snippet in snippets:
         try:
@@ -147,33 +150,41 @@ def _vacuous(snippets: tuple[str, ...]) -> str | None:
         if data:
             return f"data, not a test: {_clip(snippet)} ({_describe(data[0])}).{_stdio_hint(data[0])}"
         trees.append((snippet, tree))
-    definitions = [n for _, t in trees for n in ast.walk(t) if isinstance(n, (*_FUNCTIONS, ast.ClassDef))]
+    nodes = [n for _, t in trees for n in ast.walk(t)]
+    cases = [c for c in nodes if isinstance(c, ast.ClassDef) and any(_name(b) == "TestCase" for b in c.bases)]
+    in_cases = {id(m) for c in cases for m in ast.walk(c)}
+    functions = [n for n in nodes if isinstance(n, _FUNCTIONS) and id(n) not in in_cases]
+    defined = {f.name for f in functions}
     checking: set[str] = set()
-    while True:  # functions and classes that check, directly or through another such one
-        more = {d.name for d in definitions if d.name not in checking and _checks(ast.walk(d), checking)}
+    while True:  # functions that check, directly or through another such one
+        more = {f.name for f in functions if f.name not in checking and _checks(ast.walk(f), checking, defined)}
         if not more:
             break
         checking |= more
-    executed = [list(_executed(tree.body)) for _, tree in trees]
-    used = {_used(n) for _, tree in trees for n in ast.walk(tree)} - {""}
-    case = next((c for c in definitions if isinstance(c, ast.ClassDef) and c.name not in used
-                 and any((_used(b) or "") == "TestCase" for b in c.bases)), None)
+    checking |= {c.name for c in nodes if isinstance(c, ast.ClassDef) and id(c) not in in_cases and any(
+        isinstance(m, _FUNCTIONS) and m.name == "__init__" and m.name in checking for m in c.body)}
+    never = {id(n) for _, t in trees for g in _main_guards(t) for s in g.body for n in ast.walk(s)}
+    run = {name for n in nodes if id(n) not in never for name in _runs(n)}
+    run |= {f.name for f in functions if _registered(f, defined)}
+    case = next((c for c in cases if c.name not in run), None)
     if case is not None:  # unittest.main() / discovery look in __main__, not in the program's module
         return (f"a unittest.TestCase ({case.name}) that nothing runs here (unittest.main() collects tests from "
                 f"__main__; tests run in the program's module, `solution`): run it explicitly, e.g. "
                 f"unittest.TextTestRunner().run(unittest.defaultTestLoader.loadTestsFromTestCase({case.name})), "
-                "then assert the result was successful.")
-    for (snippet, _tree), nodes in zip(trees, executed):
-        dropped = next((n.value for n in nodes if isinstance(n, ast.Expr) and _compares(n.value)), None)
+                "and assert the result was successful.")
+    executed = [list(_executed(tree.body)) for _, tree in trees]
+    for (snippet, _tree), ran in zip(trees, executed):
+        dropped = next((n.value for n in ran if isinstance(n, ast.Expr) and _compares(n.value)), None)
         if dropped is not None:
             return (f"a comparison whose result is dropped, which passes every program: {_clip(snippet)}: write "
                     f"`assert {ast.unparse(dropped)[:80]}`.")
-    if trees and not unparsed and not any(_checks(nodes, checking) for nodes in executed):
-        for snippet, tree in trees:
-            uncalled = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and f.name in checking}
-            if uncalled:
-                return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
-                        f"{_uncalled(tree, uncalled)}")
+    for snippet, tree in trees:  # pytest / HumanEval test functions that nothing runs: their checks never run
+        idle = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and id(f) not in in_cases
+                and (f.name == "check" or f.name.startswith("test")) and f.name in checking} - run
+        if idle:
+            return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
+                    f"{_uncalled(tree, idle)}")
+    if trees and not unparsed and not any(_checks(ran, checking, defined) for ran in executed):
         return (f"no test that checks anything (no `assert`, `raise`, `assert*` call or exit runs), so every program "
                 f"would pass: {_clip(snippets[0])}.")
     return None
@@ -223,25 +234,40 @@ def _called(node: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
-_EXITS = frozenset(("exit", "quit", "_exit"))  # exit(), sys.exit(), os._exit(): a failing test here
+def _checks(nodes: Iterable[ast.AST], checking: set[str], defined: set[str]) -> bool:
+    """Whether ``nodes`` check: an ``assert`` / ``raise``, an ``assert*`` or exit call, or a run of ``checking``."""
+    return any(isinstance(n, (ast.Assert, ast.Raise)) or _exits(n) or "assert" in _called(n).lower()
+               or bool(_runs(n) & checking) or (_registered(n, defined) and n.name in checking) for n in nodes)
 
 
-def _checks(nodes: Iterable[ast.AST], checking: set[str]) -> bool:
-    """Whether ``nodes`` check: an ``assert`` / ``raise``, an ``assert*`` or exit call, or a use of ``checking``."""
-    return any(isinstance(n, (ast.Assert, ast.Raise)) or _called(n) in _EXITS or "assert" in _called(n).lower()
-               or _used(n) in checking or _registered(n, checking) for n in nodes)
+def _exits(node: ast.AST) -> bool:
+    """``exit()``, ``quit()``, ``sys.exit()`` or ``os._exit()``: a test that exits fails here."""
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    if isinstance(func, ast.Name):
+        return func.id in ("exit", "quit")
+    return isinstance(func, ast.Attribute) and (_name(func.value), func.attr) in (("sys", "exit"), ("os", "_exit"))
 
 
-def _registered(node: ast.AST, checking: set[str]) -> bool:
-    """A decorated definition that checks: the decorator may register it for a runner (``@register def test_a``)."""
-    return isinstance(node, (*_FUNCTIONS, ast.ClassDef)) and bool(node.decorator_list) and node.name in checking
+def _runs(node: ast.AST) -> set[str]:
+    """The names a call may run: the function it calls (``f()``, ``obj.f()``) and those it is given as arguments
+    (``map(one, xs)``, ``runner(test_a)``)."""
+    if not isinstance(node, ast.Call):
+        return set()
+    given = [*node.args, *(k.value for k in node.keywords)]
+    return ({_called(node)} | {a.id for a in given if isinstance(a, ast.Name)}) - {""}
 
 
-def _used(node: ast.AST) -> str:
-    """The name ``node`` reads (``f``, ``obj.f``), else ``""``: a function used by reference runs too."""
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load):
-        return node.id
-    return node.attr if isinstance(node, ast.Attribute) else ""
+def _registered(node: ast.AST, defined: set[str]) -> bool:
+    """A definition decorated by a function the row defines, which may register it for a runner (``@register``)."""
+    return isinstance(node, _FUNCTIONS) and any(
+        _name(d.func if isinstance(d, ast.Call) else d) in defined for d in node.decorator_list)
+
+
+def _name(node: ast.AST) -> str:
+    """``f`` for ``f`` and ``mod.f``, else ``""``."""
+    return node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
 
 
 def _main_guards(tree: ast.Module) -> list[ast.If]:
@@ -363,7 +389,7 @@ class CodeExecutionReward:
         columns = [name for name in ("tests", "test", "entry_point") if name in dataset.column_names]
         if not {"tests", "test"} & set(columns):
             return  # the first call names the missing column
-        for i, row in enumerate(dataset.select_columns(columns)):
+        for i, row in enumerate(dataset.with_format(None).select_columns(columns)):  # plain Python rows
             try:
                 self._snippets(row.get("tests"), row.get("test"), row.get("entry_point"))
             except ValueError as exc:
@@ -437,3 +463,6 @@ def code_execution_reward(
 ) -> list[float | None]:
     """Code execution reward with the default limits (10 s, 1 GiB, all-or-nothing); see :func:`make_code_reward`."""
     return _DEFAULT(completions, tests=tests, test=test, entry_point=entry_point, **kwargs)
+
+
+code_execution_reward.check_dataset = _DEFAULT.check_dataset  # a trainer checks its datasets with it when built

@@ -432,7 +432,8 @@ class OfficialCodeReward:
         names = ("test_method", "test_list", "test_input", "test_output")
         if "test_method" not in dataset.column_names:
             return  # the first call names the missing column
-        for i, row in enumerate(dataset.select_columns([n for n in names if n in dataset.column_names])):
+        rows = dataset.with_format(None).select_columns([n for n in names if n in dataset.column_names])
+        for i, row in enumerate(rows):  # plain Python rows
             if row["test_method"] is not None:
                 try:
                     _official_tests(*(row.get(name) for name in names))
