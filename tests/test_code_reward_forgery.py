@@ -588,6 +588,18 @@ STDIO_HINT = "test_method='stdio'"
         ({"tests": ["import pytest\n\n@pytest.mark.parametrize('x', [1, 2])\ndef test_a(x):\n"
                     "    assert double(x) == 2 * x\n"]}, "defines test_a and nothing calls"),
         ({"tests": ["assert True", "def test_a():\n    assert double(1) == 2\n"]}, "defines test_a and nothing"),
+        # a review round's bypasses: a wrapper decorator the row defines, a lambda nobody calls, a check called only
+        # by a function nobody calls, a TestCase named only inside itself (super(T, self)), a 1000-term comparison
+        ({"tests": ["def timeout(s):\n    def wrap(f):\n        def run(*a):\n            return f(*a)\n"
+                    "        return run\n    return wrap\n\n@timeout(5)\ndef test_a():\n"
+                    "    assert double(1) == 2\n"]}, "defines test_a and nothing"),
+        ({"tests": ["def test_a():\n    assert double(1) == 2\n\nrun_all = lambda: test_a()"]}, "test_a"),
+        ({"tests": ["def check(c):\n    assert c(1) == 2\n\ndef main():\n    check(double)"]}, "never calls it"),
+        ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def setUp(self):\n"
+                    "        super(T, self).setUp()\n    def test_a(self):\n        self.assertEqual(double(2), 4)\n"
+                    "\np = unittest.main(argv=['x'], exit=False)\nassert p.result.wasSuccessful()"]},
+         "(T) that nothing"),
+        ({"tests": ["double(1) " + "+ 0 " * 1000 + "== 2"]}, "comparison whose result is dropped"),
         ({"tests": ["def check(c):\n    assert c(1) == 2\n\nns = object\nns.check"]}, "never calls it"),
         ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
                     "        self.assertEqual(double(2), 4)\n\nunittest.TextTestRunner().run("

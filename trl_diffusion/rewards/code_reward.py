@@ -154,37 +154,47 @@ def _vacuous(snippets: tuple[str, ...]) -> str | None:
     cases = [c for c in nodes if isinstance(c, ast.ClassDef) and any(_name(b) == "TestCase" for b in c.bases)]
     in_cases = {id(m) for c in cases for m in ast.walk(c)}
     functions = [n for n in nodes if isinstance(n, _FUNCTIONS) and id(n) not in in_cases]
-    defined = {f.name for f in functions}
+    # a decorator that defines no inner function returns what it was given (a wrapper, @timeout, defines one)
+    registrars = {f.name for f in functions if not any(isinstance(n, _FUNCTIONS) for n in ast.walk(f) if n is not f)}
     checking: set[str] = set()
     while True:  # functions that check, directly or through another such one
-        more = {f.name for f in functions if f.name not in checking and _checks(ast.walk(f), checking, defined)}
+        more = {f.name for f in functions if f.name not in checking and _checks(ast.walk(f), checking, registrars)}
         if not more:
             break
         checking |= more
     checking |= {c.name for c in nodes if isinstance(c, ast.ClassDef) and id(c) not in in_cases and any(
         isinstance(m, _FUNCTIONS) and m.name == "__init__" and m.name in checking for m in c.body)}
-    never = {id(n) for _, t in trees for g in _main_guards(t) for s in g.body for n in ast.walk(s)}
-    run = {name for n in nodes if id(n) not in never for name in _runs(n)}
-    run |= {f.name for f in functions if _registered(f, defined)}
+    executed = [list(_executed(tree.body)) for _, tree in trees]
+    # what runs: the calls the module level makes, then those in the bodies of the functions they run
+    run = {name for ran in executed for n in ran for name in _runs(n)}
+    run |= {f.name for f in functions if _registered(f, registrars)}
+    while True:
+        more = {name for f in functions if f.name in run for n in _executed(f.body) for name in _runs(n)} - run
+        if not more:
+            break
+        run |= more
     case = next((c for c in cases if c.name not in run), None)
     if case is not None:  # unittest.main() / discovery look in __main__, not in the program's module
         return (f"a unittest.TestCase ({case.name}) that nothing runs here (unittest.main() collects tests from "
                 f"__main__; tests run in the program's module, `solution`): run it explicitly, e.g. "
                 f"unittest.TextTestRunner().run(unittest.defaultTestLoader.loadTestsFromTestCase({case.name})), "
                 "and assert the result was successful.")
-    executed = [list(_executed(tree.body)) for _, tree in trees]
     for (snippet, _tree), ran in zip(trees, executed):
         dropped = next((n.value for n in ran if isinstance(n, ast.Expr) and _compares(n.value)), None)
         if dropped is not None:
+            try:
+                shown = ast.unparse(dropped)[:80]
+            except RecursionError:  # a very long expression: its start is in the snippet shown
+                shown = "..."
             return (f"a comparison whose result is dropped, which passes every program: {_clip(snippet)}: write "
-                    f"`assert {ast.unparse(dropped)[:80]}`.")
+                    f"`assert {shown}`.")
     for snippet, tree in trees:  # pytest / HumanEval test functions that nothing runs: their checks never run
         idle = {f.name for f in ast.walk(tree) if isinstance(f, _FUNCTIONS) and id(f) not in in_cases
                 and (f.name == "check" or f.name.startswith("test")) and f.name in checking} - run
         if idle:
             return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
                     f"{_uncalled(tree, idle)}")
-    if trees and not unparsed and not any(_checks(ran, checking, defined) for ran in executed):
+    if trees and not unparsed and not any(_checks(ran, checking, registrars) for ran in executed):
         return (f"no test that checks anything (no `assert`, `raise`, `assert*` call or exit runs), so every program "
                 f"would pass: {_clip(snippets[0])}.")
     return None
@@ -234,10 +244,10 @@ def _called(node: ast.AST) -> str:
     return func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
 
 
-def _checks(nodes: Iterable[ast.AST], checking: set[str], defined: set[str]) -> bool:
+def _checks(nodes: Iterable[ast.AST], checking: set[str], registrars: set[str]) -> bool:
     """Whether ``nodes`` check: an ``assert`` / ``raise``, an ``assert*`` or exit call, or a run of ``checking``."""
     return any(isinstance(n, (ast.Assert, ast.Raise)) or _exits(n) or "assert" in _called(n).lower()
-               or bool(_runs(n) & checking) or (_registered(n, defined) and n.name in checking) for n in nodes)
+               or bool(_runs(n) & checking) or (_registered(n, registrars) and n.name in checking) for n in nodes)
 
 
 def _exits(node: ast.AST) -> bool:
@@ -259,10 +269,10 @@ def _runs(node: ast.AST) -> set[str]:
     return ({_called(node)} | {a.id for a in given if isinstance(a, ast.Name)}) - {""}
 
 
-def _registered(node: ast.AST, defined: set[str]) -> bool:
-    """A definition decorated by a function the row defines, which may register it for a runner (``@register``)."""
-    return isinstance(node, _FUNCTIONS) and any(
-        _name(d.func if isinstance(d, ast.Call) else d) in defined for d in node.decorator_list)
+def _registered(node: ast.AST, registrars: set[str]) -> bool:
+    """A definition decorated (``@register``, bare) by a function of the row that may register it for a runner."""
+    return isinstance(node, _FUNCTIONS) and any(isinstance(d, ast.Name) and d.id in registrars
+                                                 for d in node.decorator_list)
 
 
 def _name(node: ast.AST) -> str:
@@ -291,6 +301,8 @@ def _executed(body: list[ast.stmt]) -> Iterable[ast.AST]:
         if isinstance(node, _FUNCTIONS):
             yield node  # the definition runs (its decorators too), not its body
             stack.extend(node.decorator_list)
+            continue
+        if isinstance(node, ast.Lambda):  # its body runs only when it is called
             continue
         if isinstance(node, ast.If) and _is_main_guard(node.test):
             stack.extend(node.orelse)
