@@ -728,3 +728,19 @@ def test_parent_check_caps_the_cost_of_integer_division():
     # a failure message shows an integer past Python's printing limit by its size, as an AssertionError
     message = "AssertionError: assert f(1) == 0 (f(1) = <int of 2000000 bits>)"
     assert judge(plan_test("assert f(1) == 0"), [big]) == message
+
+
+def test_the_official_grader_checks_time_limits_before_any_run():
+    """A test_time_limit of 0 raised inside the grader's worker threads, when its batch came up mid-training; it is
+    refused with the row's other checks, before any run and when a trainer checks its dataset."""
+    from datasets import Dataset
+
+    from trl_diffusion.rewards import make_official_code_reward
+
+    reward = make_official_code_reward()
+    columns = {"test_method": ["function"] * 2, "test_list": [["assert f(1) == 1"]] * 2, "test_time_limit": [1, 0]}
+    with pytest.raises(ValueError, match=r"row 1 of the batch: test_time_limit must be a finite number"):
+        reward(["```python\ndef f(x):\n    return x\n```"] * 2, **columns)
+    with pytest.raises(ValueError, match=r"row 1 of the train dataset: test_time_limit must be"):
+        reward.check_dataset(Dataset.from_dict(columns))
+    reward.check_dataset(Dataset.from_dict({**columns, "test_time_limit": [1, None]}))  # None: dLLM-RL's 1 s

@@ -308,9 +308,7 @@ def run_official(
     stdio_slack`` seconds per test for a ``stdio`` row (``program`` from :func:`stdio_program`). ``limits`` gives
     the other sandbox limits; ``time_limit`` ``None`` is dLLM-RL's default, 1 s. ``outcomes`` has one verdict per
     test; ``status`` is the first run's that was not ``"ok"``."""
-    limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
-    if not (math.isfinite(limit) and limit > 0):
-        raise ValueError(f"test_time_limit must be a finite number of seconds > 0, got {time_limit!r}.")
+    limit = time_limit_seconds(time_limit)
     base = limits or SandboxLimits()
     if not stdio:  # dLLM-RL runs `exec(textwrap.dedent(snippet))`
         result = run_tests(textwrap.dedent(program), tests, replace(base, timeout=limit + function_slack), python,
@@ -354,6 +352,17 @@ def official_code_outcomes(
     program = official_stdio_program(code) if method == "stdio" else code
     return run_official(program, tests, method == "stdio", time_limit, limits, python, function_slack,
                         stdio_slack).outcomes
+
+
+def time_limit_seconds(time_limit: Any) -> float:
+    """A row's ``test_time_limit`` in seconds (``None``: dLLM-RL's default, 1 s); ``ValueError`` unless finite > 0."""
+    try:
+        limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+    except (TypeError, ValueError):
+        limit = math.nan
+    if not (math.isfinite(limit) and limit > 0):
+        raise ValueError(f"test_time_limit must be a finite number of seconds > 0, got {time_limit!r}.")
+    return limit
 
 
 def _official_tests(test_method: Any, test_list: Any, test_input: Any, test_output: Any) -> tuple[str, list[str]]:
@@ -420,6 +429,7 @@ class OfficialCodeReward:
             if row["test_method"] is not None:
                 try:
                     _official_tests(row["test_method"], row["test_list"], row["test_input"], row["test_output"])
+                    time_limit_seconds(row["test_time_limit"])
                 except ValueError as exc:
                     raise ValueError(f"{self.__name__}: row {i} of the batch: {exc}") from None
         texts = [completion_to_text(c) for c in completions]
@@ -432,11 +442,12 @@ class OfficialCodeReward:
         names = ("test_method", "test_list", "test_input", "test_output")
         if "test_method" not in dataset.column_names:
             return  # the first call names the missing column
-        rows = dataset.with_format(None).select_columns([n for n in names if n in dataset.column_names])
-        for i, row in enumerate(rows):  # plain Python rows
+        columns = [n for n in (*names, "test_time_limit") if n in dataset.column_names]
+        for i, row in enumerate(dataset.with_format(None).select_columns(columns)):  # plain Python rows
             if row["test_method"] is not None:
                 try:
                     _official_tests(*(row.get(name) for name in names))
+                    time_limit_seconds(row.get("test_time_limit"))
                 except ValueError as exc:
                     raise ValueError(f"{self.__name__}: row {i} of the {split} dataset: {exc}") from None
 
