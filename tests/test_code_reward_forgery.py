@@ -600,6 +600,8 @@ STDIO_HINT = "test_method='stdio'"
                     "\np = unittest.main(argv=['x'], exit=False)\nassert p.result.wasSuccessful()"]},
          "(T) that nothing"),
         ({"tests": ["double(1) " + "+ 0 " * 1000 + "== 2"]}, "comparison whose result is dropped"),
+        ({"tests": ["class A:\n    def __init__(self):\n        assert double(1) == 2\n\nclass B:\n"
+                    "    def __init__(self):\n        self.x = 1\n\nB()"]}, "no test that checks anything"),
         ({"tests": ["def check(c):\n    assert c(1) == 2\n\nns = object\nns.check"]}, "never calls it"),
         ({"tests": ["import unittest\nclass T(unittest.TestCase):\n    def test_a(self):\n"
                     "        self.assertEqual(double(2), 4)\n\nunittest.TextTestRunner().run("

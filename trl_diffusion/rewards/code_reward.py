@@ -163,7 +163,8 @@ def _vacuous(snippets: tuple[str, ...]) -> str | None:
             break
         checking |= more
     checking |= {c.name for c in nodes if isinstance(c, ast.ClassDef) and id(c) not in in_cases and any(
-        isinstance(m, _FUNCTIONS) and m.name == "__init__" and m.name in checking for m in c.body)}
+        isinstance(m, _FUNCTIONS) and m.name == "__init__" and _checks(ast.walk(m), checking, registrars)
+        for m in c.body)}  # this class's own __init__ (another class's checking __init__ shares the name)
     executed = [list(_executed(tree.body)) for _, tree in trees]
     # what runs: the calls the module level makes, then those in the bodies of the functions they run
     run = {name for ran in executed for n in ran for name in _runs(n)}
