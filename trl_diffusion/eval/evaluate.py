@@ -23,6 +23,7 @@ import torch
 
 from ..generation.sampler import check_cuda_graphs
 from ..generation.sampling import REMASKING_STRATEGIES, stable_seed
+from ..mask_token import SANITIZE_CONTROL_TOKENS, first_few, mask_token_name
 from ..models.kernels import set_fused_kernels
 from ..rewards import (
     MathAccuracyReward,
@@ -812,16 +813,13 @@ def _check_no_mask_token(mask_id: int, mask_token: str | None, problems: list[Ev
                          prompt_ids: list[list[int]], chat: bool) -> None:
     """Raise before any generation, naming the problems, when a prompt holds the mask id (its text holds the mask
     token's string): ``generate`` would refuse its batch with no problem named, after the earlier batches' work."""
-    found = [problem.id for problem, ids in zip(problems, prompt_ids) if mask_id in ids]
+    found = [repr(problem.id) for problem, ids in zip(problems, prompt_ids) if mask_id in ids]
     if found:
-        shown = ", ".join(map(repr, found[:5])) + (", ..." if len(found) > 5 else "")
-        string = f" {mask_token!r}" if mask_token else ""
-        fix = (", or pass chat_template_kwargs={'sanitize_control_tokens': True} (--chat_template_kwargs "
-               "'{\"sanitize_control_tokens\": true}': transformers then encodes the control tokens written in the "
-               "prompt as text)") if chat else ""
-        raise ValueError(f"{len(found)} of {len(problems)} prompts hold the mask token{string} (id {mask_id}), which "
-                         f"the model would read as a position to fill: {shown}. Remove or escape it in these "
-                         f"problems{fix}.")
+        fix = (f", or pass {SANITIZE_CONTROL_TOKENS}; on the command line --chat_template_kwargs "
+               "'{\"sanitize_control_tokens\": true}'") if chat else ""
+        raise ValueError(f"{len(found)} of {len(problems)} prompts hold {mask_token_name(mask_id, mask_token)}, which "
+                         f"the model would read as a position to fill: {first_few(found)}. Remove or escape it in "
+                         f"these problems{fix}.")
 
 
 def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:

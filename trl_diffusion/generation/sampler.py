@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import ModelOutput, logging
 
+from ..mask_token import mask_token_name
 from ..states import NOT_COMMITTED, CanvasLayout, max_positions
 from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
@@ -215,7 +216,8 @@ def diffusion_generate(
     device = input_ids.device
     mask_id = model.mask_token_id
     if bool((input_ids.eq(mask_id) & attention_mask).any()):
-        raise ValueError(f"the prompt contains the mask token (id {mask_id}); remove it before generating.")
+        raise ValueError(f"the prompt contains {mask_token_name(mask_id)}, which the model would read as a position "
+                         "to fill; remove it before generating.")
     lengths = attention_mask.sum(-1).tolist()
     if min(lengths) == 0:
         raise ValueError("a prompt is empty (its attention_mask is all zeros).")

@@ -38,6 +38,7 @@ from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..data.loading import column_names
 from ..full_save import save_model_whole
+from ..mask_token import first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
@@ -782,15 +783,14 @@ def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict) -
         if len(hits) == 0:
             continue
         rows = pc.unique(pc.take(pc.list_parent_indices(ids), hits)).to_pylist()
-        shown = ", ".join(f"{row} ({_mask_part(dataset[row], mask_id)})" for row in rows[:5])
-        string = f" {mask_token!r}" if mask_token else ""
+        shown = first_few([f"{row} ({_mask_part(dataset[row], mask_id)})" for row in rows[:6]])
         raise ValueError(
-            f"the {name} dataset holds the mask token{string} (id {mask_id}) in {len(rows)} row(s): {shown}"
-            f"{', ...' if len(rows) > 5 else ''} (indices of the prepared dataset; prompt: tokens without a label). "
-            "Diffusion training could not tell it from a masked position. Text containing the mask token's string "
-            "tokenizes to it: remove or escape it in the data, or for conversational rows add a chat_template_kwargs "
-            "column holding {'sanitize_control_tokens': True} (transformers then encodes the control tokens written "
-            "in messages as text)."
+            f"the {name} dataset holds {mask_token_name(mask_id, mask_token)} in {len(rows)} row(s): {shown} "
+            "(indices of the prepared dataset; prompt: tokens without a label). Diffusion training could not tell it "
+            "from a masked position. Text containing the mask token's string tokenizes to it: remove or escape it in "
+            "the data, or for conversational rows add a chat_template_kwargs column holding "
+            "{'sanitize_control_tokens': True} (transformers then encodes the control tokens written in messages as "
+            "text)."
         )
 
 

@@ -46,6 +46,7 @@ from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
 from ..generation.sampling import stable_seed
+from ..mask_token import SANITIZE_CONTROL_TOKENS, first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
@@ -282,14 +283,11 @@ class TraceRLTrainer(GRPOTrainer):
                     if added.content in str(prompt) and self._mask_token_id in self._tokenize_prompts([prompt])[0][0])
             rows = list(itertools.islice(held, 6))
             if rows:
-                shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
-                fix = "" if sanitized else (", or for conversational prompts pass chat_template_kwargs="
-                                            "{'sanitize_control_tokens': True} (transformers then encodes the control "
-                                            "tokens written in messages as text)")
-                raise ValueError(f"the prompts of the {split} dataset's row(s) {shown} hold the mask token "
-                                 f"{added.content!r} (id {self._mask_token_id}), which the model would read as a "
-                                 f"position to fill (generate() refuses such a prompt). Remove or escape it in these "
-                                 f"prompts{fix}.")
+                fix = "" if sanitized else f", or for conversational prompts pass {SANITIZE_CONTROL_TOKENS}"
+                raise ValueError(f"the prompts of the {split} dataset's row(s) {first_few(rows)} hold "
+                                 f"{mask_token_name(self._mask_token_id, added.content)}, which the model would read "
+                                 f"as a position to fill (generate() refuses such a prompt). Remove or escape it in "
+                                 f"these prompts{fix}.")
 
     # ------------------------------------------------------------------------------------------------ rollouts
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -297,10 +295,9 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError("TraceRLTrainer does not support images.")
         held = next((ids for ids in prompt_ids if self._mask_token_id in ids), None)
         if held is not None:  # a streamed or evaluate() dataset's prompt: generate() would name no prompt
-            raise ValueError(f"a prompt holds the mask token (id {self._mask_token_id}), which the model would read "
-                             f"as a position to fill: {self._tokenizer.decode(held)!r}. Remove or escape it in the "
-                             "prompt (for conversational prompts, chat_template_kwargs={'sanitize_control_tokens': "
-                             "True} encodes it as text).")
+            raise ValueError(f"a prompt holds {mask_token_name(self._mask_token_id)}, which the model would read as a "
+                             f"position to fill: {self._tokenizer.decode(held)!r}. Remove or escape it in the prompt "
+                             f"(for conversational prompts, {SANITIZE_CONTROL_TOKENS}).")
         device = self.accelerator.device
         tensors = [torch.tensor(ids, dtype=torch.long) for ids in prompt_ids]  # an empty one too (not float32)
         prompt = pad(tensors, padding_value=self._tokenizer.pad_token_id, padding_side="left").to(device)

@@ -27,6 +27,7 @@ from trl.trainer.utils import pad
 
 from ..data.loading import column_names
 from ..full_save import save_model_whole
+from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, value_quick_start
 from ..models import check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
@@ -308,18 +309,16 @@ def _check_no_mask_token(index: int, mask_id: int, tokenizer, in_prompt: bool, i
     from a masked position in any state (SFT's collator and ``generate()`` refuse it too)."""
     if not (in_prompt or in_completion):
         return
-    mask_token = getattr(tokenizer, "mask_token", None)
-    string = f" {mask_token!r}" if mask_token else ""
     where = " and ".join(part for part, found in (("prompt", in_prompt), ("completion_ids", in_completion)) if found)
     fixes = []
     if in_prompt:
         fixes.append("text containing the mask token's string tokenizes to it: remove or escape it in the prompt, or "
-                     "for conversational prompts pass chat_template_kwargs={'sanitize_control_tokens': True} "
-                     "(transformers then encodes the control tokens written in messages as text)")
+                     f"for conversational prompts pass {SANITIZE_CONTROL_TOKENS}")
     if in_completion:
         fixes.append("a sampler never commits it (only positions with unmask_step -1 may hold it)")
-    raise ValueError(f"row {index}: the {where} hold(s) the mask token{string} (id {mask_id}), which the value model "
-                     f"could not tell from a masked position; {'; '.join(fixes)}.")
+    name = mask_token_name(mask_id, getattr(tokenizer, "mask_token", None))
+    raise ValueError(f"row {index}: the {where} hold(s) {name}, which the value model could not tell from a masked "
+                     f"position; {'; '.join(fixes)}.")
 
 
 def _is_prepared(dataset: Any) -> bool:
