@@ -644,6 +644,25 @@ class DiffusionPreTrainedModel(PreTrainedModel):
             init.ones_(module.weight)
 
 
+def leftover_kwargs_error(model_name: str, config: object, kwargs: dict) -> ValueError:
+    """The error for the keyword arguments ``from_pretrained`` handed to a model's ``__init__``. Names that are not
+    config attributes are unknown; names that are were not applied because ``config=`` was passed as an object
+    (transformers then hands every keyword to the model instead of setting it on the config), so the error says to
+    set them on that object: reporting them as unknown would send the user looking for a typo."""
+    unknown = sorted(k for k in kwargs if k == "rope_scaling" or not hasattr(config, k))
+    settable = sorted(k for k in kwargs if k not in unknown)
+    parts = []
+    if unknown:
+        note = " rope_scaling is not supported (the released checkpoints use none)." * ("rope_scaling" in kwargs)
+        parts.append(f"{model_name} got arguments its config does not have: {unknown}.{note}")
+    if settable:
+        assignments = "; ".join(f"config.{k} = {kwargs[k]!r}" for k in settable)
+        parts.append(f"{model_name} got config arguments {settable} together with config= passed as an object: "
+                     "transformers does not apply config keywords then. Set them on the config object instead "
+                     f"({assignments}) and pass the config alone.")
+    return ValueError(" ".join(parts))
+
+
 class QwenStyleLM(DiffusionModelMixin):
     """``model`` (a Qwen-style backbone) + ``lm_head``: what SDAR's and Dream's LM classes share. List it before
     the ``PreTrainedModel`` base so that its ``__init__`` and the mixin's ``forward`` win over ``nn.Module``'s."""
@@ -652,8 +671,7 @@ class QwenStyleLM(DiffusionModelMixin):
 
     def __init__(self, config, **kwargs) -> None:
         if kwargs:  # from_pretrained hands the model the keyword arguments its config did not take
-            note = " rope_scaling is not supported (the released checkpoints use none)." * ("rope_scaling" in kwargs)
-            raise ValueError(f"{type(self).__name__} got arguments its config does not have: {sorted(kwargs)}.{note}")
+            raise leftover_kwargs_error(type(self).__name__, config, kwargs)
         super().__init__(config)
         # transformers derives "ForCausalLM" from the class name, and Trainer then counts num_items_in_batch over
         # labels[..., 1:] (a next-token loss); ours scores every label at its own position, but for a shifted model

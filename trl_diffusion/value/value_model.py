@@ -25,7 +25,7 @@ from transformers.utils import ModelOutput, find_adapter_config_file, logging
 
 from ..estimators.likelihood import row_canvas
 from ..estimators.packing import build_scoring_chunks
-from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions
+from ..models.common import DiffusionModelMixin, DiffusionPreTrainedModel, keep_positions, leftover_kwargs_error
 from ..models.dream.modeling_dream import DreamBaseModel
 from ..models.llada.modeling_llada import LLaDAModel
 from ..models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel
@@ -58,12 +58,22 @@ class ValueOutput(ModelOutput):
 
 
 class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
-    """Value model for TraceRL: ``config`` is an SDAR(-MoE), LLaDA(-MoE) or Dream config; the head starts at zero."""
+    """Value model for TraceRL: ``config`` is an SDAR(-MoE), LLaDA(-MoE) or Dream config; the head starts at zero.
 
-    config_class = PretrainedConfig
+    ``from_pretrained`` loads a saved value model as transformers loads any model: the config class comes from the
+    saved ``model_type`` (``import trl_diffusion`` registers them), ``config=`` may be a config object or a path, and
+    keywords that are config attributes (``block_size=8``) update the config. Missing or unexpected keys are an
+    error: use ``from_policy`` (or ``load``) for a policy checkpoint."""
+
+    # transformers loads the config of a path with ``config_class.from_pretrained(path, return_unused_kwargs=True,
+    # **kwargs)``: AutoConfig picks the backbone family's class from ``model_type`` and sets the keywords that are its
+    # attributes, as a model with a fixed config class does; the rest reach ``__init__``
+    config_class = AutoConfig
     _no_split_modules = ["QwenStyleDecoderLayer", "LLaDALlamaBlock", "LLaDAMoEDecoderLayer"]
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, **kwargs) -> None:
+        if kwargs:  # from_pretrained hands the model the keyword arguments its config did not take
+            raise leftover_kwargs_error(type(self).__name__, config, kwargs)
         super().__init__(config)
         backbone = BACKBONES.get(_family(config))
         if backbone is None:
@@ -112,15 +122,6 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         return ValueOutput(value=self.value_head(hidden).squeeze(-1).float(), hidden_states=out.hidden_states)
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, config=None, **kwargs):
-        """Load a saved value model; its config class comes from ``model_type`` (``import trl_diffusion``
-        registers them). Missing or unexpected keys are an error: use ``from_policy`` for a policy checkpoint."""
-        if config is None:
-            hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-            config = AutoConfig.from_pretrained(pretrained_model_name_or_path, **hub)
-        return super().from_pretrained(pretrained_model_name_or_path, *args, config=config, **kwargs)
-
-    @classmethod
     def from_policy(cls, policy, **kwargs) -> DiffusionValueModel:
         """A value model whose backbone is a copy of ``policy``'s (a model, or a path loaded with
         ``AutoModelForCausalLM`` and ``kwargs``); zero head, same dtype and device. Shares no tensors with it."""
@@ -128,6 +129,8 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
             policy = AutoModelForCausalLM.from_pretrained(policy, **kwargs)
         if _has_adapters(policy):  # the copy would drop them (and their keys do not fit the backbone)
             raise TypeError(f"from_policy got a policy with PEFT adapters: {_MERGE_ADAPTERS}")
+        state = {k: v for k, v in whole_state_dict(policy.model).items() if k != "transformer.ff_out.weight"}
+        _check_not_offloaded(state)
         config = copy.deepcopy(policy.config)
         config.architectures = [cls.__name__]
         # the stop ids of the policy's rollouts (TRL: its generation_config's eos ids, e.g. an end-of-turn token only
@@ -136,7 +139,6 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         if rollout_eos is not None:
             config.eos_token_id = rollout_eos
         value = cls(config).to(device=policy.device, dtype=policy.dtype)
-        state = {k: v for k, v in whole_state_dict(policy.model).items() if k != "transformer.ff_out.weight"}
         value.model.load_state_dict(state, strict=True)
         return value
 
@@ -148,7 +150,7 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
             raise ValueError(f"{name_or_path} holds a PEFT adapter, not a model: {_MERGE_ADAPTERS}")
         config = AutoConfig.from_pretrained(name_or_path, **hub)
         if cls.__name__ in (getattr(config, "architectures", None) or []):
-            return cls.from_pretrained(name_or_path, config=config, **kwargs)
+            return cls.from_pretrained(name_or_path, **kwargs)  # reads the config again, applying config keywords
         return cls.from_policy(name_or_path, **kwargs)
 
     def whole(self) -> DiffusionValueModel:
@@ -188,6 +190,19 @@ def _family(config: PretrainedConfig) -> str:
     """The ``BACKBONES`` key of ``config``: its ``model_type``, but ``"llada_moe"`` for an ``LLaDAMoEConfig`` (whose
     ``model_type`` is the released ``"llada"``, dense LLaDA's)."""
     return "llada_moe" if isinstance(config, LLaDAMoEConfig) else config.model_type
+
+
+def _check_not_offloaded(state: dict[str, torch.Tensor]) -> None:
+    """Refuse a policy whose weights are offloaded (a ``device_map`` with ``"disk"`` entries): they are meta tensors,
+    filled in by accelerate's hooks only during a forward, so there is nothing to copy, and ``load_state_dict`` would
+    fail deep inside torch with "Cannot copy out of meta tensor"."""
+    offloaded = [name for name, tensor in state.items() if tensor.is_meta]
+    if offloaded:
+        raise ValueError(f"the policy's weights are offloaded ({len(offloaded)} of {len(state)} are meta tensors, "
+                         f"e.g. {offloaded[:3]}): building a value model from offloaded (meta / disk) policy weights "
+                         "is not supported, the copy needs the weights themselves. Load the policy fully on CPU or "
+                         "GPU first (a device_map without 'disk' entries, or none), then call "
+                         "DiffusionValueModel.from_policy(policy).")
 
 
 def _has_adapters(model: nn.Module) -> bool:

@@ -24,6 +24,7 @@ from ..common import (
     RMSNorm,
     apply_rotary,
     attend,
+    leftover_kwargs_error,
     output_switches,
     run_backbone,
 )
@@ -166,7 +167,9 @@ class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGeneratio
     does), so there are no weights for transformers to tie.
     """
 
-    def __init__(self, config: LLaDAConfig) -> None:
+    def __init__(self, config: LLaDAConfig, **kwargs) -> None:
+        if kwargs:  # from_pretrained hands the model the keyword arguments its config did not take
+            raise leftover_kwargs_error(type(self).__name__, config, kwargs)
         super().__init__(config)
         self.model = LLaDAModel(config)
         self.post_init()
