@@ -1,8 +1,9 @@
 """SFT objectives against an independent float64 computation in settings the main tests do not cover: Dream's
 shifted logits with `semi_ar` / `complementary`, a labelled first token (plain text), labels in two separate spans
-(assistant-only multi-turn), a one-token completion, narrow ratio ranges; and `trajectory` merging against the
-collapse rule of dLLM-RL's trace SFT (each block's distinct steps grouped `shrinkage` at a time) on prompts that
-do not end on a block edge."""
+(assistant-only multi-turn: `complementary` only, since `semi_ar` has one span of blocks per row and the trainer
+refuses such rows for it, tests/test_sft_multiturn.py), a one-token completion, narrow ratio ranges; and
+`trajectory` merging against the collapse rule of dLLM-RL's trace SFT (each block's distinct steps grouped
+`shrinkage` at a time) on prompts that do not end on a block edge."""
 
 import math
 
@@ -22,16 +23,22 @@ from trl_diffusion.trainers.diffusion_losses import (
 
 # (prompt length, label spans as (start, end)) per row; row lengths differ, so rows are right-padded
 LAYOUTS = [(0, [(0, 11)]), (5, [(5, 14)]), (3, [(3, 7), (10, 15)]), (7, [(7, 8)]), (2, [(2, 19)])]
+ONE_SPAN_LAYOUTS = [layout for layout in LAYOUTS if len(layout[1]) == 1]
+"""The rows ``semi_ar`` trains on: one labelled span each (the trainer refuses the others for it)."""
 
 
-def make_rows(seed=1):
+def layouts_for(objective):
+    return ONE_SPAN_LAYOUTS if objective == "semi_ar" else LAYOUTS
+
+
+def make_rows(seed=1, layouts=LAYOUTS):
     generator = torch.Generator().manual_seed(seed)
-    lengths = [max(end for _, end in spans) for _, spans in LAYOUTS]
+    lengths = [max(end for _, end in spans) for _, spans in layouts]
     width = max(lengths)
-    ids = torch.full((len(LAYOUTS), width), EOS_ID)
+    ids = torch.full((len(layouts), width), EOS_ID)
     labels = torch.full_like(ids, IGNORE_INDEX)
     valid = torch.zeros_like(ids, dtype=torch.bool)
-    for row, ((_, spans), n) in enumerate(zip(LAYOUTS, lengths)):
+    for row, ((_, spans), n) in enumerate(zip(layouts, lengths)):
         ids[row, :n] = torch.randint(10, 100, (n,), generator=generator)
         valid[row, :n] = True
         for start, end in spans:
@@ -73,6 +80,8 @@ def reference(model, objective, ids, labels, valid, eps, weighting, block_length
         x = ids[row, :n]
         completion = (labels[row, :n] != IGNORE_INDEX).tolist()
         span = [i for i in range(n) if completion[i]]
+        if objective == "semi_ar":  # one span of blocks from the end of the prompt
+            assert span == list(range(span[0], span[-1] + 1)), "semi_ar rows have one labelled span"
         n_ratios = (span[-1] - span[0]) // block_length + 1 if objective == "semi_ar" else 1
         ratios = torch.rand(n_ratios, generator=generator)
         uniforms = torch.rand(n, generator=generator)
@@ -107,7 +116,7 @@ def loss_of(model, objective, ids, labels, valid, excluded=MASK_ID, **kwargs):
 @pytest.mark.parametrize("eps,weighting", [(1e-3, "elbo"), (0.45, "none")])
 def test_objective_equals_the_definition_in_unusual_rows(family, objective, eps, weighting):
     model = tiny_model(family).double()
-    ids, labels, valid = make_rows()
+    ids, labels, valid = make_rows(layouts=layouts_for(objective))
     got = loss_of(model, objective, ids, labels, valid, eps=eps, weighting=weighting, semi_ar_block_length=3)
     want = reference(model, objective, ids, labels, valid, eps, weighting, 3)
     assert got == pytest.approx(want, rel=1e-5)  # the scorer works in float32
@@ -117,7 +126,7 @@ def test_objective_equals_the_definition_in_unusual_rows(family, objective, eps,
 def test_whole_vocabulary_loss_equals_the_released_cross_entropy(family):
     """exclude_mask_token_from_softmax=False (no excluded id): the released SFT losses' softmax, mask included."""
     model = tiny_model(family).double()
-    ids, labels, valid = make_rows()
+    ids, labels, valid = make_rows(layouts=ONE_SPAN_LAYOUTS)
     got = loss_of(model, "semi_ar", ids, labels, valid, excluded=None, eps=1e-3, weighting="elbo",
                   semi_ar_block_length=3)
     assert got == pytest.approx(reference(model, "semi_ar", ids, labels, valid, 1e-3, "elbo", 3, False), rel=1e-5)

@@ -55,6 +55,7 @@ from .diffusion_losses import (
     count_loss_tokens,
     diffusion_loss,
     joined_scores,
+    labelled_span_counts,
     per_row_weights,
     rows_averaged,
     sample_generators,
@@ -125,13 +126,16 @@ class DiffusionDataCollator:
     ``example_lengths``. TRL's collator would flatten packed rows too, which costs nothing with varlen kernels but
     makes dense attention quadratic in the whole batch. ``restore_document_starts`` keeps the label of each
     document's first token, which TRL's padding-free collator drops (an autoregressive model cannot predict it; a
-    diffusion model without shifted logits scores it as any other masked token)."""
+    diffusion model without shifted logits scores it as any other masked token). ``one_labelled_span`` (``semi_ar``)
+    refuses unpacked rows with several labelled spans, as construction refuses them in an in-memory dataset: a
+    stream's (or a dataset passed to ``evaluate`` / ``predict``) are first seen here."""
 
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | str | None,
                  max_length: int | None = None, padding_free: bool = False,
                  restore_document_starts: bool = True, reads_unmask_step: bool = True,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, one_labelled_span: bool = False) -> None:
         self.base = base
+        self.one_labelled_span = one_labelled_span
         self.max_positions = max_positions
         self.mask_token_id = mask_token_id
         self.eos_token_id = eos_token_id
@@ -169,6 +173,8 @@ class DiffusionDataCollator:
                     f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
                     "position; with skip_prepare_dataset, give one per position of input_ids (-1 on the prompt)."
                 )
+        if self.one_labelled_span:  # before EOS padding, whose labels may start a span of their own
+            _refuse_several_spans_in_batch(examples, indices)
         if any("seq_lengths" in example for example in examples):
             return self._packed_rows(examples, indices, offsets)
         if self.padding_free:
@@ -392,6 +398,10 @@ class DiffusionSFTTrainer(SFTTrainer):
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
+            if isinstance(train_dataset, Dataset) and len(train_dataset) == 0:  # TRL fails reading its first row
+                raise _empty_train_error(0, args)
+            _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"),
+                                              {"train": train_dataset, **_named(eval_dataset)})
         if not isinstance(model, str):
             self._validate_model(model, args, processing_class)
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
@@ -423,11 +433,15 @@ class DiffusionSFTTrainer(SFTTrainer):
         positions = max_positions(self.model.config)
         prepared = {"train": self.train_dataset, **_named(self.eval_dataset)}
         _check_rows_fit(positions, pad_to, prepared)
-        _check_no_mask_token(self.spec.mask_token_id, self._tokenizer.mask_token, prepared)
+        _check_no_mask_token(self.spec.mask_token_id, self._tokenizer.mask_token, prepared,
+                             self.args.assistant_only_loss)
+        if self.objective == "semi_ar":
+            _check_one_labelled_span(prepared)
         self.data_collator = DiffusionDataCollator(
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
             reads_unmask_step=self.args.diffusion_objective == "trajectory", max_positions=positions,
+            one_labelled_span=self.objective == "semi_ar",
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -522,6 +536,7 @@ class DiffusionSFTTrainer(SFTTrainer):
                 # collator reads it only with padding_free (and packing drops it); here it would make every row a
                 # packed one, so it is dropped, as a column SFT does not read.
                 dataset = dataset.remove_columns("seq_lengths")
+        rows_given = len(dataset) if isinstance(dataset, Dataset) else None
         max_length = args.max_length
         steps = args.diffusion_objective == "trajectory"
         if args.overlong_policy == "error" or packing or steps:
@@ -539,6 +554,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             if max_length is not None and args.overlong_policy != "error" and not packing:
                 dataset = _truncate_with_steps(dataset, max_length, args.truncation_mode)
         dataset = dataset.map(_add_sample_index, with_indices=True)
+        if dataset_name == "train" and rows_given is not None and len(dataset) == 0:
+            raise _empty_train_error(rows_given, args)  # Trainer would fail at train() with "num_samples=0"
         if packing:
             dataset = _pack(dataset, args, dataset_name)
         _PREPARED.add(dataset)
@@ -611,12 +628,22 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         """Trainer's ``predict``, with ``test_dataset`` prepared as SFTTrainer's ``evaluate`` prepares a dataset
-        passed to it (TRL's ``predict`` took prepared rows only: raw ones failed with "No columns ... match")."""
+        passed to it (TRL's ``predict`` took prepared rows only: raw ones failed with "No columns ... match"), and
+        with ``skip_prepare_dataset`` refused as ``evaluate`` refuses it when it has mask columns but no labels."""
         if not self._skip_prepare_dataset:
             packing = self.args.packing if self.args.eval_packing is None else self.args.eval_packing
             test_dataset = self._prepare_dataset(test_dataset, self.processing_class, self.args, packing,
                                                  self._formatting_func, "test")
+        self._reject_skip_prepare_without_labels({"test": test_dataset}, self.data_collator)
         return super().predict(test_dataset, ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+
+    def _reject_skip_prepare_without_labels(self, datasets: dict, data_collator) -> None:
+        """TRL's refusal of a ``skip_prepare_dataset`` dataset with mask columns but no ``labels`` (every token would
+        be scored, the prompt too), applied to the collator ``DiffusionDataCollator`` wraps: TRL checks only its own
+        collator class, so after construction (``evaluate``, ``predict``) the wrapper hid it and the check passed."""
+        if isinstance(data_collator, DiffusionDataCollator):
+            data_collator = data_collator.base
+        super()._reject_skip_prepare_without_labels(datasets, data_collator)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
@@ -771,10 +798,12 @@ def _arrow_column(dataset, column: str):
     return values if mapping is None else pc.take(values, mapping.column(0))
 
 
-def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict) -> None:
+def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,
+                         assistant_only_loss: bool = False) -> None:
     """Refuse at construction an in-memory prepared dataset holding the mask id (text with the mask token's string
     tokenizes to it), naming its first rows and the part (prompt: no label; completion: trained on), rather than at
-    the first batch holding it, from the collator. Read from the Arrow column; streams are checked by the collator."""
+    the first batch holding it, from the collator. Read from the Arrow column; streams are checked by the collator.
+    The remedy offered depends on ``assistant_only_loss`` (``_mask_token_remedy``)."""
     for name, dataset in datasets.items():
         ids = _arrow_column(dataset, "input_ids")
         if ids is None:
@@ -787,11 +816,21 @@ def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict) -
         raise ValueError(
             f"the {name} dataset holds {mask_token_name(mask_id, mask_token)} in {len(rows)} row(s): {shown} "
             "(indices of the prepared dataset; prompt: tokens without a label). Diffusion training could not tell it "
-            "from a masked position. Text containing the mask token's string tokenizes to it: remove or escape it in "
-            "the data, or for conversational rows add a chat_template_kwargs column holding "
-            "{'sanitize_control_tokens': True} (transformers then encodes the control tokens written in messages as "
-            "text)."
+            "from a masked position. Text containing the mask token's string tokenizes to it: "
+            + _mask_token_remedy(assistant_only_loss)
         )
+
+
+def _mask_token_remedy(assistant_only_loss: bool) -> str:
+    """What to do about mask-token text in the data. ``sanitize_control_tokens`` (a ``chat_template_kwargs`` column)
+    encodes control tokens written in messages as text, but transformers refuses it together with
+    ``return_assistant_tokens_mask``, which TRL asks for under ``assistant_only_loss``: not offered then."""
+    if assistant_only_loss:
+        return ("remove or escape it in the data (the chat_template_kwargs option sanitize_control_tokens cannot help "
+                "here: transformers refuses it together with the assistant mask that assistant_only_loss=True needs).")
+    return ("remove or escape it in the data, or for conversational rows add a chat_template_kwargs column holding "
+            "{'sanitize_control_tokens': True} (transformers then encodes the control tokens written in messages as "
+            "text).")
 
 
 def _mask_part(row: dict, mask_id: int) -> str:
@@ -804,6 +843,95 @@ def _mask_part(row: dict, mask_id: int) -> str:
     parts = {"prompt" if label == IGNORE_INDEX else "completion"
              for token, label in zip(row["input_ids"], labels) if token == mask_id}
     return " and ".join(sorted(parts, reverse=True))
+
+
+def _several_spans_error(where: str, count: int, shown: list[str]) -> ValueError:
+    """The ``semi_ar`` refusal of ``count`` rows with several labelled spans (``shown``: how to find the first few),
+    with the remedies."""
+    return ValueError(
+        f"diffusion_objective='semi_ar' needs one labelled span per row (a completion, one assistant turn), but "
+        f"{where} has {count} row(s) with several: {first_few(shown)}. semi_ar lays its blocks over a row's labels "
+        "from the first to the last as one span, so an earlier turn would be trained seeing the later turns clean, "
+        "and a later turn's blocks would not start where the sampler starts them (at the end of its prompt). Give one "
+        "row per assistant turn (e.g. a prompt/completion dataset: the conversation before the turn as 'prompt', the "
+        "turn as 'completion'), or use another objective such as diffusion_objective='random_masking'."
+    )
+
+
+def _check_one_labelled_span(datasets: dict) -> None:
+    """Refuse at construction (``semi_ar``) an in-memory prepared dataset with rows of several labelled spans
+    (assistant-only multi-turn conversations), naming its first rows. Read from the Arrow ``labels`` column (no pass
+    over the rows in Python); streams are checked by the collator. Rows without labels are trained on whole (one
+    span); packed rows (``seq_lengths``, given with ``skip_prepare_dataset``) are refused by ``semi_ar`` itself."""
+    for name, dataset in datasets.items():
+        labels = _arrow_column(dataset, "labels")
+        if labels is None or "seq_lengths" in dataset.column_names:
+            continue
+        labelled = torch.tensor(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX).to_numpy())
+        parents = torch.tensor(pc.list_parent_indices(labels).to_numpy())  # a copy: Arrow's memory is read-only
+        counts = labelled_span_counts(labelled, parents, len(labels))
+        rows = (counts > 1).nonzero().flatten().tolist()
+        if rows:
+            raise _several_spans_error(f"the {name} dataset", len(rows),
+                                       [f"{row} ({int(counts[row])} spans)" for row in rows[:6]])
+
+
+def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list) -> None:
+    """The collator's ``semi_ar`` check of ``_check_one_labelled_span``, over a batch's unpacked labelled examples;
+    names them by ``sample_index`` (their index in the prepared dataset or stream), else by batch row."""
+    checked = [(row, example["labels"]) for row, example in enumerate(examples)
+               if example.get("labels") is not None and "seq_lengths" not in example]
+    if not checked:
+        return
+    labelled = torch.cat([torch.as_tensor(list(labels)) != IGNORE_INDEX for _, labels in checked])
+    owner = torch.repeat_interleave(torch.arange(len(checked)), torch.tensor([len(labels) for _, labels in checked]))
+    counts = labelled_span_counts(labelled, owner, len(checked))
+    several = [(checked[i][0], int(counts[i])) for i in (counts > 1).nonzero().flatten().tolist()]
+    if several:
+        named = [f"sample_index {indices[row]}" if isinstance(indices[row], int) else f"batch row {row}"
+                 for row, _ in several]
+        raise _several_spans_error("a batch", len(several),
+                                   [f"{name} ({spans} spans)" for name, (_, spans) in zip(named, several)])
+
+
+def _empty_train_error(rows_given: int, args: DiffusionSFTConfig) -> ValueError:
+    """The refusal of a train dataset with no rows (``rows_given`` 0), or left with none by preparation: truncation
+    to ``max_length`` drops every row left without a labelled token (TRL's ``_prepare_dataset`` does, and
+    ``_truncate_with_steps`` as it); Trainer would fail at ``train()`` with "num_samples=0"."""
+    if rows_given == 0:
+        return ValueError("the train dataset has no rows: give it at least one example.")
+    return ValueError(
+        f"the train dataset is empty after preparation: all {rows_given} of its rows were dropped because "
+        f"truncating them to max_length={args.max_length} (truncation_mode={args.truncation_mode!r}) left none of "
+        "their tokens with a label to train on (rows without one are dropped, as TRL does): the prompts (or the turns "
+        "before the first trained-on one) fill max_length. Raise max_length above the longest prompt, or shorten the "
+        "prompts."
+    )
+
+
+def _completion_only_loss_applies(columns: set[str]) -> bool:
+    """Whether TRL's ``completion_only_loss`` changes the labels of a dataset with these columns: it masks the prompt
+    of prompt/completion rows (or, for tokenized rows, where ``completion_mask`` is 0) and nothing else."""
+    return {"prompt", "completion"} <= columns or "completion_mask" in columns
+
+
+def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func, datasets: dict) -> None:
+    """One warning when ``completion_only_loss=True`` was set explicitly (None: TRL's choice by format) for datasets
+    it does nothing to (language modeling: ``messages`` or text), which then train on every token, the user turns
+    too. Not with a ``formatting_func``, which TRL refuses with it."""
+    if args.completion_only_loss is not True or formatting_func is not None:
+        return
+    unused = [name for name, dataset in datasets.items()
+              if isinstance(dataset, Dataset | IterableDataset)
+              and not _completion_only_loss_applies(set(column_names(dataset)))]
+    if unused:
+        datasets_named = f"the {' and '.join(unused)} dataset" + ("s" if len(unused) > 1 else "")
+        logger.warning(
+            f"completion_only_loss=True does nothing to {datasets_named}: it applies to prompt/completion data (or "
+            "tokenized rows with a completion_mask), and these rows are language modeling ones ('messages' or text), "
+            "so every token is trained on, user turns included. For conversations, set "
+            "assistant_only_loss=True to train on the assistant turns only; or give 'prompt' / 'completion' columns."
+        )
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
