@@ -13,7 +13,7 @@ from typing import Any
 
 from ..data.loading import LOCAL_SUFFIXES, rows_wrapper_key
 from ..rewards import build_tests, extract_gold_answer
-from ..rewards.dllm_rl_code import as_string_list, stdio_test
+from ..rewards.dllm_rl_code import as_string_list, stdio_test, time_limit_seconds
 
 __all__ = [
     "FORMATS",
@@ -165,7 +165,7 @@ def problems_from_rows(rows: list[Mapping[str, Any]], prompt_template: str | Non
         except KeyError as exc:  # the format was detected from the first row; a later row may lack a column
             raise ValueError(f"row {index} has no {exc.args[0]!r} column, which format {fmt!r} (detected from the "
                              f"first row's columns) needs; its columns are {sorted(row)}.") from None
-        except NotText as exc:  # None or a number where the text goes (a missing value in a table)
+        except BadValue as exc:  # None or a number where the text goes (a missing value in a table), a bad limit
             raise ValueError(f"row {index} (format {fmt!r}): {exc}") from None
     bad = [p.id for p in problems if (p.answer is None if p.task == "math" else not p.tests)]
     if bad:
@@ -311,8 +311,7 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
     ``prefix`` that opens a code block (dLLM-RL's files) becomes the ``header`` without its fence, shown to the model
     by the default prompt (:data:`CODE_HEADER_PROMPT`); any other ``prefix`` goes before the code as written."""
     method = str(row["test_method"]).lower()
-    limit = row.get("test_time_limit")
-    limit = float(limit) if limit is not None else None
+    limit = _time_limit(pid, row.get("test_time_limit"))
     preset = CODE_PROMPT_PRESETS.get(template) if template in PROMPT_PRESETS else None
     if method == "function":
         tests = build_tests(tests=row.get("test_list")) or []
@@ -341,6 +340,20 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")
 
 
+def _time_limit(pid: str, value: Any) -> float | None:
+    """A row's ``test_time_limit`` in seconds, ``None`` when it has none (dLLM-RL's default, 1 s). Anything else its
+    grader cannot run with (``""`` from an empty cell, other text, 0, a negative or non-finite number) is refused
+    when the problems load, naming the field and the problem, rather than failing with a bare ``float()`` error (or,
+    for a number, only once ``--code_grader official`` scores the first completion, after generation)."""
+    if value is None:
+        return None
+    try:
+        return time_limit_seconds(value)
+    except ValueError:
+        raise BadValue(f"'test_time_limit' of problem {pid} must be a finite number of seconds > 0, got {value!r}: "
+                       "fix it, or leave the field out (or null) for dLLM-RL's default of 1 s.") from None
+
+
 def _fenced_code(prefix: str) -> str | None:
     r"""The code of a ``prefix`` that opens a Markdown code block (``"```python\ndef add(a, b):\n"`` gives
     ``"def add(a, b):\n"``): the lines after the fence's info line, up to a closing fence if there is one, ending with
@@ -365,7 +378,11 @@ def _fill(template: str, question: str) -> str:
     return template.replace("{question}", question)
 
 
-class NotText(ValueError):
+class BadValue(ValueError):
+    """A row's field holds a value its problem cannot use: ``problems_from_rows`` names the row and its format."""
+
+
+class NotText(BadValue):
     """A row's question (or prompt) is not a string: ``problems_from_rows`` names the row."""
 
 

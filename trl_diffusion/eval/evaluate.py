@@ -7,13 +7,14 @@ from __future__ import annotations
 import ast
 import dataclasses
 import hashlib
+import itertools
 import json
 import logging
 import math
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -433,11 +434,13 @@ def evaluate(
 
     ``config`` fields can be overridden by keyword (``evaluate(dataset="gsm8k", num_samples=4)``). ``model`` is a
     loaded model or a path; ``tokenizer`` goes with a loaded model. ``dataset`` is a name / path (as
-    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset``, ``pandas.DataFrame``
-    or a list of dicts) in a known format. Report keys: ``model``, ``dataset``, ``task``, ``num_problems``,
-    ``num_samples``, ``metrics`` (``accuracy``, ``pass@k``..., ``avg_length``, ``clipped_ratio``, ``tokens_per_step``,
-    ``throughput_tokens_per_s``, ``generation_seconds``, ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for
-    math), ``generation`` (the resolved sampler settings), ``samples_file``, ``metrics_file``.
+    ``EvalConfig.dataset_name``), a list of :class:`EvalProblem`, or rows (``datasets.Dataset``, ``pandas.DataFrame``,
+    a list of dicts, or a stream: ``datasets.IterableDataset``, of which only the first ``max_problems`` rows are
+    read) in a known format; only the first ``max_problems`` rows are converted (checked), as of a file. Report keys:
+    ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics`` (``accuracy``, ``pass@k``...,
+    ``avg_length``, ``clipped_ratio``, ``tokens_per_step``, ``throughput_tokens_per_s``, ``generation_seconds``,
+    ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the resolved sampler
+    settings), ``samples_file``, ``metrics_file``.
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     _check_single_process()
@@ -597,11 +600,22 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
         # (a missing value is NaN in a frame, None in a list of rows)
         rows = [{key: _frame_cell(value) for key, value in row.items()} for row in dataset.to_dict("records")]
     else:
-        rows = list(dataset)
-    problems = rows if rows and isinstance(rows[0], EvalProblem) else problems_from_rows(rows, config.prompt_template)
+        rows = _read_rows(dataset, config.max_problems)
+    kept = rows[: config.max_problems]  # as the file loader: only the problems evaluated are converted (checked)
+    problems = kept if kept and isinstance(kept[0], EvalProblem) else problems_from_rows(kept, config.prompt_template)
     if not problems:
         raise ValueError("the dataset has no problems.")
-    return "custom", problems[: config.max_problems], _rows_source(rows)
+    return "custom", problems, _rows_source(rows)
+
+
+def _read_rows(dataset: Iterable, max_problems: int | None) -> list:
+    """The rows of ``dataset`` that eval reads: every row of a sized one (a list, a ``datasets.Dataset``), whose
+    digest identifies it whatever ``max_problems`` is (``_rows_source``); only the first ``max_problems`` of a stream
+    (a ``datasets.IterableDataset``, a generator), which may be unbounded or a Hub dataset read over the network, and
+    which therefore is identified by the rows read."""
+    if isinstance(dataset, Sized):
+        return list(dataset)
+    return list(itertools.islice(dataset, max_problems))
 
 
 def _frame_cell(value: Any) -> Any:
@@ -732,7 +746,8 @@ def _dataset_source(config: EvalConfig) -> str:
 def _rows_source(rows: list) -> str:
     """Rows or problems given directly, identified by their content: ``custom:`` and a digest of every field of every
     row as given (before ``max_problems`` and ``prompt_template`` apply, which do not make another dataset, as for a
-    file), so another set of rows is another dataset (its results do not silently replace these)."""
+    file; a stream's rows are those read, its first ``max_problems``: :func:`_read_rows`), so another set of rows is
+    another dataset (its results do not silently replace these)."""
     fields = [dataclasses.asdict(row) if isinstance(row, EvalProblem) else {str(k): v for k, v in row.items()}
               for row in rows]
     text = json.dumps(fields, sort_keys=True, ensure_ascii=False,

@@ -321,6 +321,24 @@ def _check_no_mask_token(index: int, mask_id: int, tokenizer, in_prompt: bool, i
                      f"position; {'; '.join(fixes)}.")
 
 
+def _check_prompt(index: int, prompt: Any) -> None:
+    """Refuse, naming the row, a ``prompt`` that is neither non-empty text nor a non-empty conversation (a list of
+    ``{"role", "content"}`` messages), before it is tokenized: ``None`` (a missing value in a table) failed in
+    transformers with "You need to specify either `text` or `text_target`", ``[]`` with TRL's bare IndexError, and a
+    list of strings was tokenized as a batch. An empty prompt is refused as the empty tokenization of one is: no
+    rollout has one."""
+    if isinstance(prompt, str | list) and not prompt:
+        raise ValueError(f"row {index}: the prompt is empty ({prompt!r}): a rollout needs a prompt; fill it in or "
+                         "drop the row.")
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, list) and all(isinstance(message, dict) and "role" in message for message in prompt):
+        return
+    got = "None (a missing value)" if prompt is None else f"a {type(prompt).__name__} ({prompt!r:.80})"
+    raise ValueError(f"row {index}: 'prompt' must be text or a conversation (a list of {{'role': ..., 'content': "
+                     f"...}} messages), got {got}; fill it in or drop the row.")
+
+
 def _is_prepared(dataset: Any) -> bool:
     """Whether ``_prepare_dataset`` returned ``dataset`` (a list or DataFrame is not weak-referenceable: never)."""
     return isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED
@@ -370,12 +388,14 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
                              "trajectory commits every column before its last committed one (-1 only after a stop).")
         if "prompt_ids" in example:
             ids = example["prompt_ids"]
-        elif is_conversational({"prompt": example["prompt"]}):
-            ids = tokenizer.apply_chat_template(conversation=[example["prompt"]], add_generation_prompt=True,
-                                                tokenize=True, return_dict=True,
-                                                **(chat_template_kwargs or {}))["input_ids"][0]
         else:
-            ids = tokenizer(text=example["prompt"])["input_ids"]
+            _check_prompt(index, example["prompt"])
+            if is_conversational({"prompt": example["prompt"]}):
+                ids = tokenizer.apply_chat_template(conversation=[example["prompt"]], add_generation_prompt=True,
+                                                    tokenize=True, return_dict=True,
+                                                    **(chat_template_kwargs or {}))["input_ids"][0]
+            else:
+                ids = tokenizer(text=example["prompt"])["input_ids"]
         if not ids:
             raise ValueError(f"row {index}: the prompt is empty (no token): a rollout needs a prompt.")
         if mask_token_id is not None:
