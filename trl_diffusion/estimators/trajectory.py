@@ -6,6 +6,9 @@ it. At the first iteration on a fresh rollout it reproduces the sampler's ``toke
 
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from ..generation.sampling import sampling_logits
@@ -33,31 +36,52 @@ def replay_logprobs(
     top_p: float | None = None,
     groups: torch.Tensor | None = None,
     exclude_mask_token: bool = True,
+    cfg_scale: float = 0.0,
 ) -> torch.Tensor:
     """Log-prob of each committed token under the sampling distribution at its commit step (0 elsewhere).
 
     ``sequences`` / ``unmask_step`` as returned by ``generate`` (prompt width = ``prompt_mask.shape[1]``).
     ``block_length`` is the rollout's block length for block-causal models (default: the model's). ``groups``
     (same layout, e.g. from ``step_groups``) replaces the steps by merged steps; ``exclude_mask_token=False`` keeps
-    the mask token in the softmax (dLLM-RL's trainers). One whole-sequence forward per (merged) step: slow and
-    obvious, the reference the packed scorer is tested against. Differentiable.
+    the mask token in the softmax (dLLM-RL's trainers). ``cfg_scale``: the ``generate()`` call's classifier-free
+    guidance scale (0: none), which changed the logits every token was sampled from (``_guided_logits``). One
+    whole-sequence forward per (merged) step (two with guidance): slow and obvious, the reference the packed scorer
+    is tested against. Differentiable.
     """
+    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, numbers.Real) or not 0 <= cfg_scale < math.inf:
+        raise ValueError(f"cfg_scale must be a finite number >= 0 (the generate() call's; 0: no guidance), got "
+                         f"{cfg_scale!r}.")
     if groups is not None:
         unmask_step = groups
     valid, generated = trajectory_layout(prompt_mask, sequences.shape[1] - prompt_mask.shape[1])
     # prompt padding may hold any id (generate() copies it through): the forward must not look it up
     sequences = sequences.masked_fill(~valid, model.mask_token_id)
+    prompt = valid & ~generated  # the prompt's real tokens: what guidance's unconditional input masks
     positions = positions_from_padding(valid)
     block = (block_length or model.block_size) if model.block_size is not None else None
     mask = attention_mask_from_positions(positions, positions, valid, block)
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
-        logits = model.align_logits(model(input_ids=state, attention_mask=mask, position_ids=positions,
-                                          output_router_logits=False).logits, valid)
+        logits = model.align_logits(_guided_logits(model, state, mask, positions, prompt, cfg_scale), valid)
         excluded = model.mask_token_id if exclude_mask_token else None
         log_dist = sampling_logits(logits, temperature, top_k, top_p, excluded, model.top_p_first).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)
     return out
+
+
+def _guided_logits(model, state: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, prompt: torch.Tensor,
+                   cfg_scale: float) -> torch.Tensor:
+    """The logits ``generate()`` samples from in ``state`` (not yet position-aligned): the model's, or with
+    classifier-free guidance (``cfg_scale > 0``) ``uncond + (cfg_scale + 1) * (cond - uncond)``, ``uncond`` from
+    the same state with the prompt's tokens (``prompt``, ``[B, L]``) masked, run in the same batched forward as the
+    sampler runs it (``generation.denoise.ModelRunner.forward``), so that replay reproduces its log-probs."""
+    if not cfg_scale:
+        return model(input_ids=state, attention_mask=mask, position_ids=positions, output_router_logits=False).logits
+    unconditional = state.masked_fill(prompt, model.mask_token_id)
+    both = model(input_ids=torch.cat([state, unconditional]), attention_mask=torch.cat([mask, mask]),
+                 position_ids=torch.cat([positions, positions]), output_router_logits=False).logits
+    cond, uncond = both.chunk(2)
+    return uncond + (cfg_scale + 1) * (cond - uncond)

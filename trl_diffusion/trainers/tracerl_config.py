@@ -309,11 +309,31 @@ class TraceRLConfig(GRPOConfig):
                           f"name; use rollout_cache={old!r}. use_cache stays transformers' model.config.use_cache "
                           "(False).", FutureWarning, stacklevel=3)
             self.rollout_cache = old
-        if self.num_generations is None:  # typed `int | None` by TRL, whose __post_init__ then fails on `% None`
-            raise ValueError("num_generations must be an integer >= 2 (the responses per prompt that GRPO's "
-                             "advantages compare), got None.")
+        self._check_num_generations()
         check_optimization_numbers(self)  # before transformers', which fails on some without naming them
         super().__post_init__()
+        self.check()
+        if self.training_block_size is not None and self.training_block_size % self.block_length:
+            warnings.warn(f"training_block_size={self.training_block_size} is not a multiple of block_length="
+                          f"{self.block_length}: a block model then scores a token with the earlier training blocks "
+                          "shown whole and clean, including tokens the sampler committed after it, so its log-prob is "
+                          "not the one it was sampled with (the trajectory estimate is exact only for multiples, e.g. "
+                          "4 -> 8).", stacklevel=3)
+
+    def check(self) -> None:
+        """Check TraceRL's fields and the GRPO / transformers fields it refuses or bounds, raising a ValueError that
+        names the field and the fix. ``__post_init__`` runs it, and so does ``TraceRLTrainer`` when it is built: a
+        field set on the config after it was built (``args.top_p = None``, ``args.temperature = 0.0``) is refused
+        as it would have been at construction, rather than reaching rollouts unchecked.
+
+        Idempotent: the only values it writes are canonical forms of what it read (a command-line ``"true"`` /
+        ``"false"``, a JSON string, a numpy number), which it leaves as they are on a second run. It re-derives
+        nothing: the values ``GRPOConfig`` / ``TrainingArguments.__post_init__`` derive (``steps_per_generation``,
+        ``generation_batch_size``, ...) and the move of the deprecated ``use_cache`` to ``rollout_cache`` happen at
+        construction only."""
+        self._check_num_generations()
+        check_optimization_numbers(self)
+        self.rollout_cache = _cache_value("rollout_cache", self.rollout_cache)
         check_field_types(self, GRPOConfig)
         self._check_checkpointing_kwargs()
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
@@ -334,12 +354,6 @@ class TraceRLConfig(GRPOConfig):
         check_attention_backend(self.attention_backend)
         if self.training_block_size is not None and self.training_block_size <= 0:
             raise ValueError(f"training_block_size must be positive, got {self.training_block_size}.")
-        if self.training_block_size is not None and self.training_block_size % self.block_length:
-            warnings.warn(f"training_block_size={self.training_block_size} is not a multiple of block_length="
-                          f"{self.block_length}: a block model then scores a token with the earlier training blocks "
-                          "shown whole and clean, including tokens the sampler committed after it, so its log-prob is "
-                          "not the one it was sampled with (the trajectory estimate is exact only for multiples, e.g. "
-                          "4 -> 8).", stacklevel=3)
         self._check_sampling_and_scoring_fields()
         if not self.cliprange_value > 0:
             raise ValueError(f"cliprange_value must be > 0, got {self.cliprange_value}.")
@@ -361,6 +375,12 @@ class TraceRLConfig(GRPOConfig):
         if self.label_smoothing_factor != 0.0:
             raise ValueError("label_smoothing_factor is not applied by the policy-gradient loss (there are no "
                              "labels); leave it at 0.0.")
+
+    def _check_num_generations(self) -> None:
+        """``num_generations`` is typed ``int | None`` by TRL, whose ``__post_init__`` then fails on ``% None``."""
+        if self.num_generations is None:
+            raise ValueError("num_generations must be an integer >= 2 (the responses per prompt that GRPO's "
+                             "advantages compare), got None.")
 
     def _check_sampling_and_scoring_fields(self) -> None:
         """Ranges of the rollout and scoring fields, checked here rather than at the first rollout or scoring step

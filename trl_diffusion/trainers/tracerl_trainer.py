@@ -32,6 +32,7 @@ import types
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
+from dataclasses import asdict, dataclass
 
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
@@ -130,6 +131,7 @@ class TraceRLTrainer(GRPOTrainer):
             args = TraceRLConfig(f"{str(name).split('/')[-1]}-TraceRL")
         elif not isinstance(args, TraceRLConfig):
             raise TypeError(f"args must be a TraceRLConfig, got {type(args).__name__}.")
+        args.check()  # a field set after the config was built is refused as at its construction
         if not isinstance(model, str):
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)
         if args.cast_lm_head_to_fp32 and not isinstance(model, str) and model.get_output_embeddings() is None:
@@ -219,18 +221,21 @@ class TraceRLTrainer(GRPOTrainer):
             self.ref_model = reference
             if sync_reference:
                 self.add_callback(SyncRefModelCallback(ref_model=reference, accelerator=self.accelerator))
-        training_block = args.training_block_size or args.block_length
+        # the sampler's and the scorer's settings, read once and together (as TRL does): whatever is later set on
+        # self.args, rollouts sample the distribution the trainer scores
+        self._rollout_settings = sampled = RolloutSettings.from_args(args)
+        training_block = args.training_block_size or sampled.block_length
         multi_mask = args.likelihood_estimator in MULTI_MASK_ESTIMATORS
         self.estimator_settings = EstimatorSettings(
             name=args.likelihood_estimator, shrinkage=args.shrinkage, block_size=training_block,
-            temperature=args.temperature if args.scoring_temperature is None else args.scoring_temperature,
+            temperature=sampled.temperature if args.scoring_temperature is None else args.scoring_temperature,
             token_budget=args.scoring_token_budget, mask_low=args.random_mask_low, mask_high=args.random_mask_high,
             coupled_low=args.coupled_low, coupled_high=args.coupled_high, prompt_mask_prob=args.prompt_mask_prob,
             attention_backend=resolve_model_attention_backend(args.attention_backend, base, self.accelerator.device,
                                                               training=False),
             random_mask_sampling=args.random_mask_sampling if multi_mask else "per_token",
             masks_per_response=args.masks_per_response if multi_mask else 1,
-            exclude_mask_token=args.exclude_mask_token_from_softmax, rollout_block_length=args.block_length,
+            exclude_mask_token=args.exclude_mask_token_from_softmax, rollout_block_length=sampled.block_length,
         )
         apply_fused_kernels(args.fused_kernels, self.model, self.ref_model)
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
@@ -335,9 +340,10 @@ class TraceRLTrainer(GRPOTrainer):
         canvas, steps, logps = out.sequences[:, width:], out.unmask_step[:, width:], out.token_logprobs[:, width:]
         self._scoring = {"canvas_ids": canvas, "unmask_step": steps, "mask_seeds": seeds.to(device),
                          "sampler_logps": logps}
-        blocks = completion_blocks(prompt_mask, steps.shape[1], self.args.block_length if model.block_size else None)
+        block_length = self._rollout_settings.block_length
+        blocks = completion_blocks(prompt_mask, steps.shape[1], block_length if model.block_size else None)
         if blocks is None:  # full attention: blocks start at the end of the (left-padded) prompt
-            blocks = blocks_from_prompt_end(torch.ones_like(steps, dtype=torch.bool), self.args.block_length)
+            blocks = blocks_from_prompt_end(torch.ones_like(steps, dtype=torch.bool), block_length)
         # logged in _log_rollout_stats, over every process (no collective here: TRL may call this method a
         # different number of times per process)
         self._rollout_stats = [out.tokens_per_step.float().sum().item(), out.denoising_steps.float().sum().item(),
@@ -355,15 +361,14 @@ class TraceRLTrainer(GRPOTrainer):
 
     def _rollout_sampler(self) -> dict:
         """The ``generate()`` arguments of every rollout that decide its tokens (``cuda_graphs`` and the generators
-        aside); also what a saved model's ``generation_config.json`` holds (``_rollout_generation_config``)."""
-        args = self.args
-        return {"max_new_tokens": self.max_completion_length, "block_length": args.block_length,
-                "denoising_steps": args.denoising_steps, "remasking_strategy": args.remasking_strategy,
-                "confidence_threshold": args.confidence_threshold, "temperature": args.temperature,
+        aside); also what a saved model's ``generation_config.json`` holds (``_rollout_generation_config``). The
+        config's sampler fields come from the trainer's construction (``RolloutSettings``), as the scoring settings
+        do, so a later change to ``self.args`` cannot make rollouts sample what the trainer does not score."""
+        return {"max_new_tokens": self.max_completion_length, **asdict(self._rollout_settings),
                 # every sampler argument is given (top_k 0 and top_p 1.0 = off, alg_temp and cfg_scale 0 = none): one
                 # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
                 # top_p 0.95), not from this config
-                "top_k": args.top_k or 0, "top_p": args.top_p, "alg_temp": 0.0, "cfg_scale": 0.0,
+                "alg_temp": 0.0, "cfg_scale": 0.0,
                 "use_cache": self._rollout_cache, "num_return_sequences": 1,  # TRL repeats the prompts itself
                 "stop_token_ids": list(self.eos_token_ids), "pad_token_id": self._tokenizer.pad_token_id}
 
@@ -752,7 +757,7 @@ class TraceRLTrainer(GRPOTrainer):
         super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id",
                                                                                   "num_return_sequences")}
-        if self.args.remasking_strategy != "low_confidence_dynamic":
+        if sampler["remasking_strategy"] != "low_confidence_dynamic":
             del sampler["confidence_threshold"]
         if self.args.save_rollout_generation_config:  # named in a comment: leave out the settings that mean "none"
             sampler = {k: v for k, v in sampler.items() if k not in ("alg_temp", "cfg_scale")}
@@ -1280,6 +1285,30 @@ def _check_prompt_column(dataset, split: str) -> None:
         raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
                          "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
                          "column, e.g. dataset.rename_column('question', 'prompt').")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The ``TraceRLConfig`` fields the rollout sampler reads, as ``generate()`` arguments (``top_k`` 0: off). The
+    trainer takes them once, when it is built, together with its scoring settings (``EstimatorSettings``), as TRL's
+    ``GRPOTrainer`` copies ``temperature`` / ``top_k`` / ``top_p`` once for both its sampling and its scoring: a
+    later change to ``trainer.args`` (a callback's temperature schedule) would otherwise reach the rollouts but not
+    the scoring, whose log-probs would then not be those the tokens were sampled with."""
+
+    block_length: int
+    denoising_steps: int
+    remasking_strategy: str
+    confidence_threshold: float
+    temperature: float
+    top_k: int
+    top_p: float
+
+    @classmethod
+    def from_args(cls, args: TraceRLConfig) -> RolloutSettings:
+        """The settings ``args`` holds now (checked by ``TraceRLConfig.check``)."""
+        return cls(block_length=args.block_length, denoising_steps=args.denoising_steps,
+                   remasking_strategy=args.remasking_strategy, confidence_threshold=args.confidence_threshold,
+                   temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p)
 
 
 def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) -> None:
