@@ -247,3 +247,25 @@ def test_a_code_reward_refuses_its_rows_when_the_trainer_is_built(tmp_path):
     with pytest.raises(ValueError, match=r"code_execution_reward: row 2 of the train dataset"):
         TraceRLTrainer(tiny_model("sdar"), code_execution_reward, args=config(tmp_path),
                        train_dataset=data.with_format("pandas"), processing_class=build_tokenizer())
+
+
+@pytest.mark.parametrize("prompts, rows", [
+    (["abc", None, "x", ""], r"row\(s\) 1, 3 are missing \(None\) or empty \(2 row\(s\)\)"),
+    ([[{"role": "user", "content": "abc"}], None, [], [{"role": "user", "content": "y"}]], r"row\(s\) 1, 2 are"),
+    ([None] * 4, r"row\(s\) 0, 1, 2, 3 are"),
+])
+def test_missing_or_empty_prompts_are_refused_at_construction_by_row(tmp_path, prompts, rows):
+    # each failed only when its batch was rolled out, with a tokenizer TypeError or "a prompt is empty" naming no row
+    with pytest.raises(ValueError, match=r"the prompts of the train dataset's " + rows):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
+                       train_dataset=Dataset.from_dict({"prompt": prompts}))
+    shuffled = Dataset.from_dict({"prompt": ["abc", "", "x", "y"]}).select([1, 0, 2, 3])  # the dataset's own order
+    with pytest.raises(ValueError, match=r"eval dataset's row\(s\) 0 are"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=shuffled)
+
+
+def test_a_prompt_column_of_numbers_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="'prompt' column holds int64 values"):
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
+                       train_dataset=Dataset.from_dict({"prompt": [1, 2, 3, 4]}))

@@ -34,6 +34,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
@@ -1285,6 +1287,30 @@ def _check_prompt_column(dataset, split: str) -> None:
         raise ValueError(f"the {split} dataset has columns {sorted(columns)} but no 'prompt' column; TraceRLTrainer "
                          "samples completions for the prompts in 'prompt' (text or chat messages). Rename your prompt "
                          "column, e.g. dataset.rename_column('question', 'prompt').")
+    if isinstance(dataset, Dataset):  # a stream is not read ahead: its rows fail when rolled out
+        _check_prompt_values(dataset, split)
+
+
+def _check_prompt_values(dataset: Dataset, split: str) -> None:
+    """Refuse, naming its first rows, a map-style dataset whose prompts are missing (None: a JSON row without the
+    key) or empty, or a ``prompt`` column that holds neither text nor conversations: each failed only when its batch
+    was rolled out, steps into training, with an error naming no row (a tokenizer TypeError, "a prompt is empty").
+    Read from the Arrow column, in the dataset's order."""
+    column = dataset.with_format("arrow")["prompt"]
+    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+        empty = pc.equal(pc.utf8_length(column), 0)
+    elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type):
+        empty = pc.equal(pc.list_value_length(column), 0)
+    elif pa.types.is_null(column.type):  # every row None
+        empty = pc.is_null(column)
+    else:
+        raise ValueError(f"the {split} dataset's 'prompt' column holds {column.type} values; TraceRLTrainer needs "
+                         "text or chat messages (a list of {'role': ..., 'content': ...}) in it.")
+    rows = pc.indices_nonzero(pc.fill_null(empty, True)).to_pylist()
+    if rows:
+        raise ValueError(f"the prompts of the {split} dataset's row(s) {first_few(rows[:6])} are missing (None) or "
+                         f"empty ({len(rows)} row(s)); every prompt is rolled out, so each needs text or messages. "
+                         "Fill them in or drop the rows, e.g. dataset.filter(lambda row: bool(row['prompt'])).")
 
 
 @dataclass(frozen=True)
