@@ -269,3 +269,12 @@ def test_a_prompt_column_of_numbers_is_refused(tmp_path):
     with pytest.raises(ValueError, match="'prompt' column holds int64 values"):
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
                        train_dataset=Dataset.from_dict({"prompt": [1, 2, 3, 4]}))
+
+
+def test_bnpo_with_group_filtering_needs_one_micro_batch_per_step(tmp_path):
+    # a micro-batch whose groups were all filtered added 0 yet counted in bnpo's division by the accumulation
+    # steps: half the gradient with half the micro-batches filtered
+    with pytest.raises(ValueError, match=r"loss_type='bnpo' with group filtering .*gradient_accumulation_steps=2"):
+        trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="all_equal", gradient_accumulation_steps=2)
+    trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="none", gradient_accumulation_steps=2)
+    trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="all_equal")  # one micro-batch per step

@@ -193,6 +193,16 @@ class TraceRLTrainer(GRPOTrainer):
                              "with half the groups filtered). Set dynamic_group_filtering='none' or entropy_coef=0 "
                              f"(got gradient_accumulation_steps={args.gradient_accumulation_steps} on "
                              f"{self.accelerator.num_processes} process(es)).")
+        if args.loss_type == "bnpo" and args.dynamic_group_filtering != "none" and (
+                args.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
+            raise ValueError("loss_type='bnpo' with group filtering is supported on one process without gradient "
+                             "accumulation only: bnpo divides each micro-batch's loss by that micro-batch's weight "
+                             "sum, then by gradient_accumulation_steps (and averages over processes), so a "
+                             "micro-batch whose groups were all filtered adds 0 yet counts, and the step shrinks "
+                             "with the fraction of micro-batches that kept a group (half the gradient with half of "
+                             "them filtered). Use loss_type 'dapo' (bnpo's weighted mean over the whole generation "
+                             "batch) or 'tracerl', or dynamic_group_filtering='none' (got gradient_accumulation_steps="
+                             f"{args.gradient_accumulation_steps} on {self.accelerator.num_processes} process(es)).")
         if self.aux_loss_enabled and args.dynamic_group_filtering != "none" and args.loss_type in _ROW_MEAN_LOSSES:
             raise ValueError(f"the mixture-of-experts load-balancing loss (router_aux_loss_coef="
                              f"{self.router_aux_loss_coef}) with loss_type={args.loss_type!r} and group filtering is "
