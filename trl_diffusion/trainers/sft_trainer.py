@@ -521,11 +521,15 @@ class DiffusionSFTTrainer(SFTTrainer):
         """TRL's preparation, then the noise seed of every sample. Packing comes last, done here rather than by TRL
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
+        settings = self._preparation_settings(processing_class, args, packing, formatting_func)
         if isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED:
-            # Already prepared by a DiffusionSFTTrainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): TRL's
-            # preparation is idempotent, and so is ours. Preparing again would re-spread `unmask_step` (an error) or
-            # pack packed rows again as single documents (documents attending to each other, new noise seeds). Known
-            # by identity: a user's own `sample_index` column is no sign of it.
+            # Already prepared by a DiffusionSFTTrainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): with the same
+            # settings, preparing again would make the same rows, or worse: re-spread `unmask_step` (an error), pack
+            # packed rows again as single documents (documents attending to each other, new noise seeds). With other
+            # settings (another trainer's) the rows are not these settings' (not truncated to this max_length, not
+            # packed, ...) and cannot be made so from the prepared rows: refused. Known by identity: a user's own
+            # `sample_index` column is no sign of it.
+            _check_prepared_with(_PREPARED[dataset], settings, dataset_name)
             return dataset
         self._check_columns(dataset, args, formatting_func, dataset_name)
         if isinstance(dataset, Dataset | IterableDataset):
@@ -553,13 +557,38 @@ class DiffusionSFTTrainer(SFTTrainer):
             dataset = dataset.map(_align_unmask_step)
             if max_length is not None and args.overlong_policy != "error" and not packing:
                 dataset = _truncate_with_steps(dataset, max_length, args.truncation_mode)
-        dataset = dataset.map(_add_sample_index, with_indices=True)
+        # the noise seed: a user's `sample_index` is overwritten, and a `sample_offset` (the seed's second part, which
+        # only packing writes, below) dropped: the collator would read it as this sample's offset
+        dataset = _without_column(dataset, "sample_offset")
+        stream = isinstance(dataset, IterableDataset)
+        dataset = dataset.map(_add_stream_sample_index if stream else _add_sample_index, with_indices=True)
         if dataset_name == "train" and rows_given is not None and len(dataset) == 0:
             raise _empty_train_error(rows_given, args)  # Trainer would fail at train() with "num_samples=0"
         if packing:
             dataset = _pack(dataset, args, dataset_name)
-        _PREPARED.add(dataset)
+        _PREPARED[dataset] = settings
         return dataset
+
+    def _preparation_settings(self, processing_class, args: DiffusionSFTConfig, packing: bool,
+                              formatting_func) -> dict[str, Any]:
+        """The settings that decide what ``_prepare_dataset`` makes of a dataset (TRL's steps and ours), recorded
+        with each prepared dataset: one passed again is used as it is only when they are the same."""
+        steps = args.diffusion_objective == "trajectory"
+        return {
+            "tokenizer": tokenizer_fingerprint(processing_class),
+            "formatting_func": formatting_func,
+            "dataset_text_field": args.dataset_text_field,
+            "completion_only_loss": self.completion_only_loss,
+            "assistant_only_loss": args.assistant_only_loss,
+            "max_length": args.max_length,
+            "truncation_mode": args.truncation_mode,
+            "overlong_policy": args.overlong_policy,
+            "packing": packing,
+            "packing_strategy": args.packing_strategy if packing else None,
+            "shuffle_dataset": args.shuffle_dataset,
+            "seed": args.seed if args.shuffle_dataset else None,
+            "diffusion_objective": "trajectory" if steps else "not trajectory",  # only `trajectory` reads the steps
+        }
 
     # ---------------------------------------------------------------------------------------------------- loss
 
@@ -878,7 +907,8 @@ def _check_one_labelled_span(datasets: dict) -> None:
 
 def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list) -> None:
     """The collator's ``semi_ar`` check of ``_check_one_labelled_span``, over a batch's unpacked labelled examples;
-    names them by ``sample_index`` (their index in the prepared dataset or stream), else by batch row."""
+    names them by ``sample_index`` (their index in the prepared dataset or stream, ``stream_sample_index``), else by
+    batch row."""
     checked = [(row, example["labels"]) for row, example in enumerate(examples)
                if example.get("labels") is not None and "seq_lengths" not in example]
     if not checked:
@@ -1012,12 +1042,78 @@ def _truncate_with_steps(dataset, max_length: int, truncation_mode: str):
     return dataset.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
 
 
-_PREPARED: weakref.WeakSet = weakref.WeakSet()
-"""The datasets a ``DiffusionSFTTrainer`` prepared (so that preparing one again returns it as it is)."""
+_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""The datasets a ``DiffusionSFTTrainer`` prepared, each with the settings it was prepared with
+(``_preparation_settings``): preparing one again returns it as it is, with other settings is refused."""
+
+
+def tokenizer_fingerprint(processing_class) -> dict[str, Any]:
+    """What of a tokenizer decides the tokens of prepared rows: its class, vocabulary, special tokens, BOS / EOS
+    flags and chat template. Not the object: a sweep that loads the same tokenizer for each trainer (as TRL does
+    when ``processing_class`` is None) can reuse the rows another trainer prepared."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    if tokenizer is None:
+        return {}
+    return {
+        "class": type(tokenizer).__name__,
+        "vocabulary": hash(frozenset(tokenizer.get_vocab().items())),
+        "special_tokens": (tokenizer.special_tokens_map, sorted(tokenizer.all_special_tokens)),
+        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
+        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
+        "chat_template": tokenizer.chat_template,
+    }
+
+
+def _check_prepared_with(prepared: dict[str, Any], settings: dict[str, Any], dataset_name: str) -> None:
+    """Refuse a dataset a ``DiffusionSFTTrainer`` prepared with other ``settings`` than these (another trainer's,
+    or this one's eval set given with another ``eval_packing``): its rows were tokenized, truncated and packed for
+    those, and preparation cannot redo that from them (the text is gone, packed rows cannot be unpacked)."""
+    changed = [key for key in settings if prepared.get(key) != settings[key]]
+    if not changed:
+        return
+    shown = [_setting_change(key, prepared.get(key), settings[key]) for key in changed]
+    raise ValueError(
+        f"the {dataset_name} dataset was prepared (tokenized, truncated, packed) by a DiffusionSFTTrainer with other "
+        f"settings: {'; '.join(shown)}. Its rows are those settings' rows, and cannot be prepared again for these. "
+        "Pass the dataset given to that trainer (its rows before preparation) instead, or use the same settings."
+    )
+
+
+def _setting_change(key: str, before: Any, now: Any) -> str:
+    """One difference of ``_check_prepared_with``'s message, in the words of the config."""
+    if key == "tokenizer":
+        return "another tokenizer (vocabulary, special tokens or chat template)"
+    if key == "formatting_func":
+        before, now = (getattr(func, "__qualname__", func) for func in (before, now))
+    return f"{key}={before!r} when prepared, {now!r} now"
+
+
+def _without_column(dataset, column: str):
+    """``dataset`` without ``column`` (as it is when it has none)."""
+    return dataset.remove_columns(column) if column in column_names(dataset) else dataset
 
 
 def _add_sample_index(example: dict, index: int) -> dict:
+    """The noise seed of a ``Dataset``'s row: its index."""
     return {"sample_index": index}
+
+
+def _add_stream_sample_index(example: dict, index: int) -> dict:
+    """The noise seed of a stream's row. ``index`` counts the rows of one dataloader worker (each reads its own
+    shards, counting from 0): ``stream_sample_index`` makes it unique across the workers."""
+    worker = torch.utils.data.get_worker_info()
+    if worker is None:  # read in this process (dataloader_num_workers=0)
+        return {"sample_index": index}
+    return {"sample_index": stream_sample_index(index, worker.id, worker.num_workers)}
+
+
+def stream_sample_index(index: int, worker_id: int, num_workers: int) -> int:
+    """The ``sample_index`` of row ``index`` of dataloader worker ``worker_id`` of ``num_workers``: the workers' rows
+    interleaved (``index * num_workers + worker_id``), so that no two rows of a pass share a seed. ``datasets`` gives
+    each worker every ``num_workers``-th shard and does not say which shard a row is from, so the numbering (and
+    with it a stream's masks) depends on the number of workers; one worker (or none) numbers the stream's rows in
+    order, as a ``Dataset``'s."""
+    return index * num_workers + worker_id
 
 
 def _index_every_token(example: dict) -> dict:
