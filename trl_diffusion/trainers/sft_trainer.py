@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +36,7 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..data.loading import column_names
+from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
@@ -522,14 +522,13 @@ class DiffusionSFTTrainer(SFTTrainer):
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
         settings = self._preparation_settings(processing_class, args, packing, formatting_func)
-        if isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED:
+        if _PREPARED.holds(dataset, settings, dataset_name):
             # Already prepared by a DiffusionSFTTrainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): with the same
             # settings, preparing again would make the same rows, or worse: re-spread `unmask_step` (an error), pack
             # packed rows again as single documents (documents attending to each other, new noise seeds). With other
             # settings (another trainer's) the rows are not these settings' (not truncated to this max_length, not
             # packed, ...) and cannot be made so from the prepared rows: refused. Known by identity: a user's own
             # `sample_index` column is no sign of it.
-            _check_prepared_with(_PREPARED[dataset], settings, dataset_name)
             return dataset
         self._check_columns(dataset, args, formatting_func, dataset_name)
         if isinstance(dataset, Dataset | IterableDataset):
@@ -566,7 +565,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             raise _empty_train_error(rows_given, args)  # Trainer would fail at train() with "num_samples=0"
         if packing:
             dataset = _pack(dataset, args, dataset_name)
-        _PREPARED[dataset] = settings
+        _PREPARED.add(dataset, settings)
         return dataset
 
     def _preparation_settings(self, processing_class, args: DiffusionSFTConfig, packing: bool,
@@ -1042,50 +1041,8 @@ def _truncate_with_steps(dataset, max_length: int, truncation_mode: str):
     return dataset.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
 
 
-_PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""The datasets a ``DiffusionSFTTrainer`` prepared, each with the settings it was prepared with
-(``_preparation_settings``): preparing one again returns it as it is, with other settings is refused."""
-
-
-def tokenizer_fingerprint(processing_class) -> dict[str, Any]:
-    """What of a tokenizer decides the tokens of prepared rows: its class, vocabulary, special tokens, BOS / EOS
-    flags and chat template. Not the object: a sweep that loads the same tokenizer for each trainer (as TRL does
-    when ``processing_class`` is None) can reuse the rows another trainer prepared."""
-    tokenizer = getattr(processing_class, "tokenizer", processing_class)
-    if tokenizer is None:
-        return {}
-    return {
-        "class": type(tokenizer).__name__,
-        "vocabulary": hash(frozenset(tokenizer.get_vocab().items())),
-        "special_tokens": (tokenizer.special_tokens_map, sorted(tokenizer.all_special_tokens)),
-        "add_bos_token": getattr(tokenizer, "add_bos_token", None),
-        "add_eos_token": getattr(tokenizer, "add_eos_token", None),
-        "chat_template": tokenizer.chat_template,
-    }
-
-
-def _check_prepared_with(prepared: dict[str, Any], settings: dict[str, Any], dataset_name: str) -> None:
-    """Refuse a dataset a ``DiffusionSFTTrainer`` prepared with other ``settings`` than these (another trainer's,
-    or this one's eval set given with another ``eval_packing``): its rows were tokenized, truncated and packed for
-    those, and preparation cannot redo that from them (the text is gone, packed rows cannot be unpacked)."""
-    changed = [key for key in settings if prepared.get(key) != settings[key]]
-    if not changed:
-        return
-    shown = [_setting_change(key, prepared.get(key), settings[key]) for key in changed]
-    raise ValueError(
-        f"the {dataset_name} dataset was prepared (tokenized, truncated, packed) by a DiffusionSFTTrainer with other "
-        f"settings: {'; '.join(shown)}. Its rows are those settings' rows, and cannot be prepared again for these. "
-        "Pass the dataset given to that trainer (its rows before preparation) instead, or use the same settings."
-    )
-
-
-def _setting_change(key: str, before: Any, now: Any) -> str:
-    """One difference of ``_check_prepared_with``'s message, in the words of the config."""
-    if key == "tokenizer":
-        return "another tokenizer (vocabulary, special tokens or chat template)"
-    if key == "formatting_func":
-        before, now = (getattr(func, "__qualname__", func) for func in (before, now))
-    return f"{key}={before!r} when prepared, {now!r} now"
+_PREPARED = PreparedDatasets("DiffusionSFTTrainer")
+"""The datasets a ``DiffusionSFTTrainer`` prepared, with their ``_preparation_settings``."""
 
 
 def _without_column(dataset, column: str):

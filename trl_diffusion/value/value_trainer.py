@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import weakref
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,6 +25,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..data.loading import column_names
+from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, value_quick_start
@@ -211,9 +211,9 @@ class DiffusionValueTrainer(_BaseTrainer):
 
     def _prepared(self, dataset, name: str):
         """A dataset passed to ``evaluate()`` or ``predict()``, streamed or not: tokenized and checked as the
-        trainer's own are (a ``prompt_ids`` column is an input column, no sign that the rows were checked); another
-        type is refused."""
-        return dataset if _is_prepared(dataset) else self._prepare_trajectories(dataset, name=name)
+        trainer's own are (a ``prompt_ids`` column is an input column, no sign that the rows were checked), unless
+        this trainer's settings prepared it (``trainer.eval_dataset``); another type is refused."""
+        return self._prepare_trajectories(dataset, name=name)  # returns one it prepared with these settings as it is
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
@@ -339,11 +339,6 @@ def _check_prompt(index: int, prompt: Any) -> None:
                      f"...}} messages), got {got}; fill it in or drop the row.")
 
 
-def _is_prepared(dataset: Any) -> bool:
-    """Whether ``_prepare_dataset`` returned ``dataset`` (a list or DataFrame is not weak-referenceable: never)."""
-    return isinstance(dataset, Dataset | IterableDataset) and dataset in _PREPARED
-
-
 def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_template_kwargs: dict | None = None,
                      vocab_size: int | None = None, max_positions: int | None = None,
                      name: str = "train_dataset", mask_token_id: int | None = None) -> Dataset | IterableDataset:
@@ -353,6 +348,10 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
     ``mask_token_id`` (nor may a committed completion token) and prompt + completion fit in ``max_positions``, as
     for a rollout (a value model fit on trajectories no rollout can produce). A stream
     (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error."""
+    settings = {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_kwargs": chat_template_kwargs,
+                "vocab_size": vocab_size, "max_positions": max_positions, "mask_token_id": mask_token_id}
+    if _PREPARED.holds(dataset, settings, name):  # e.g. evaluate(trainer.eval_dataset): checked already
+        return dataset
     if not isinstance(dataset, Dataset | IterableDataset):  # TRL's error (a DatasetDict: pick a split)
         hint = ("pick one split, e.g. dataset['train']" if isinstance(dataset, dict) else
                 "convert rows with datasets.Dataset.from_list(rows) or a DataFrame with Dataset.from_pandas(frame)")
@@ -408,10 +407,9 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
         return {} if "prompt_ids" in example else {"prompt_ids": list(ids)}
 
     prepared = dataset.map(process, with_indices=True)
-    _PREPARED.add(prepared)
+    _PREPARED.add(prepared, settings)
     return prepared
 
 
-_PREPARED: weakref.WeakSet = weakref.WeakSet()
-"""The datasets ``_prepare_dataset`` returned (checked): ``evaluate(trainer.eval_dataset)`` does not check them
-again."""
+_PREPARED = PreparedDatasets("DiffusionValueTrainer")
+"""The datasets ``_prepare_dataset`` returned (checked), with the settings they were checked for."""
