@@ -43,7 +43,11 @@ def test_the_first_place_that_names_stop_ids_decides():
 
 
 @pytest.mark.parametrize("field,value", [("num_beams", 4), ("repetition_penalty", 1.3), ("min_new_tokens", 4),
-                                         ("bad_words_ids", [[5]]), ("output_scores", True), ("min_p", 0.1)])
+                                         ("bad_words_ids", [[5]]), ("output_scores", True), ("min_p", 0.1),
+                                         # were ignored silently: no hidden states, no top_h filter
+                                         ("output_attentions", True), ("output_hidden_states", True),
+                                         ("top_h", 0.3), ("dola_layers", "high"), ("token_healing", True),
+                                         ("force_words_ids", [[5]])])
 def test_unimplemented_decoding_options_in_a_config_are_refused(field, value):
     model = tiny_model("sdar")
     with pytest.raises(ValueError, match=f"generation_config sets {field}="):

@@ -32,6 +32,8 @@ UNSUPPORTED_CONFIG_FIELDS = {
     "eta_cutoff": 0.0, "forced_bos_token_id": None, "forced_eos_token_id": None,
     "exponential_decay_length_penalty": None, "guidance_scale": None, "max_time": None, "stop_strings": None,
     "output_scores": False, "output_logits": False, "watermarking_config": None, "prompt_lookup_num_tokens": None,
+    "output_attentions": False, "output_hidden_states": False, "top_h": None, "dola_layers": None,
+    "force_words_ids": None, "constraints": None, "token_healing": False,
 }
 """transformers ``GenerationConfig`` fields that change autoregressive decoding and that diffusion decoding does not
 implement, with their neutral values (``None`` is neutral too). As call arguments they are unknown (a TypeError); in
