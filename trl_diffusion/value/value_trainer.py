@@ -1,9 +1,9 @@
 """``DiffusionValueTrainer``: fit a value model on stored trajectories with rewards, to warm-start it before RL.
 
 A row is one rollout: ``prompt`` (text or conversational, tokenized as ``GRPOTrainer`` does, with the config's
-``chat_template_kwargs``) or ``prompt_ids``,
-``completion_ids`` (the sampler canvas), ``unmask_step`` (per completion token, -1 = never committed) and a scalar
-``reward`` (use the reward your RL run will see, e.g. group-normalised). Targets are the step-level returns of
+``chat_template_kwargs``) or ``prompt_ids`` (unpadded, or left-padded with a ``prompt_mask`` column whose 0s are
+dropped), ``completion_ids`` (the sampler canvas), ``unmask_step`` (per completion token, -1 = never committed) and
+a scalar ``reward`` (use the reward your RL run will see, e.g. group-normalised). Targets are the step-level returns of
 TraceRL's GAE (the reward itself with ``gamma = 1``); the loss is ``0.5 (V - R)^2`` averaged over trained tokens.
 """
 
@@ -304,6 +304,47 @@ def _check_integers(index: int, name: str, values: list, low: int, high: int | N
             raise ValueError(f"row {index}: {name!r}[{column}] must be an integer {bound}, got {value!r}.")
 
 
+def _unpadded_prompt(index: int, ids: list, mask: Any) -> list:
+    """``ids`` without the left padding ``mask`` marks 0: a ``prompt_ids`` row sliced from a batch at the prompt
+    width (``out.sequences[r, :P]``) with its ``prompt_mask`` (TRL's and TraceRL's layout, ``generate()``'s input).
+    Kept, the pads were prompt tokens to the value model (with pad == EOS they are valid ids, so nothing failed), and
+    every value was that of a state no sampler saw. A ValueError names the row for a mask that is not one 0 or 1 per
+    prompt id, is all 0, or has a 0 after a 1 (right padding or a hole: ``generate()`` pads prompts on the left)."""
+    if not isinstance(mask, list) or len(mask) != len(ids):
+        got = f"{len(mask)} entries" if isinstance(mask, list) else (
+            "None (a missing value)" if mask is None else f"a {type(mask).__name__}")
+        raise ValueError(f"row {index}: 'prompt_mask' must hold one 0 or 1 per 'prompt_ids' token ({len(ids)}), got "
+                         f"{got}; pass the attention mask the prompts were generated with (all 1s for an unpadded "
+                         "prompt).")
+    for column, value in enumerate(mask):
+        if not (isinstance(value, int) and value in (0, 1)):
+            raise ValueError(f"row {index}: 'prompt_mask'[{column}] must be 0 (padding) or 1 (prompt token), got "
+                             f"{value!r}.")
+    if 1 not in mask:
+        raise ValueError(f"row {index}: 'prompt_mask' is all 0, so the prompt has no token: a rollout needs a "
+                         "prompt; fix the mask or drop the row.")
+    start = mask.index(1)
+    if 0 in mask[start:]:
+        hole = start + mask[start:].index(0)
+        raise ValueError(f"row {index}: 'prompt_mask'[{hole}] is 0 after the 1 at column {start}: only left "
+                         "padding (0s before the prompt, as generate() takes prompts) can be dropped; pad the prompts "
+                         "on the left (tokenizer.padding_side = 'left') or pass 'prompt_ids' without padding.")
+    return ids[start:]
+
+
+def _left_padding_warning(name: str, index: int, tokenizer) -> str:
+    """The warning for the first ``prompt_ids`` row of ``name`` that starts with the pad token, without a
+    ``prompt_mask`` column: most likely the left padding of a batch kept by slicing it at the prompt width. A
+    warning, not an error: a prompt may start with that id (the tokenized prompts of SDAR/TraDo, LLaDA and Dream do
+    not: the first have no BOS, and LLaDA's and Dream's BOS is not their pad token)."""
+    string = f" {tokenizer.pad_token!r}" if getattr(tokenizer, "pad_token", None) else ""
+    return (f"{name} row {index}: 'prompt_ids' starts with the pad token{string} (id {tokenizer.pad_token_id}), "
+            "most likely the left padding of a batch kept by slicing it at the prompt width (out.sequences[r, :P]): "
+            "the value model reads pads as prompt tokens, and scores states the sampler never saw. Pass the "
+            "prompts' attention mask as a 'prompt_mask' column (its 0s are dropped) or strip the padding; ignore "
+            "this if the prompt really starts with that token. (Only the first such row is named.)")
+
+
 def _check_no_mask_token(index: int, mask_id: int, tokenizer, in_prompt: bool, in_completion: bool) -> None:
     """Refuse a row whose prompt or committed completion tokens hold the mask id: a token equal to it cannot be told
     from a masked position in any state (SFT's collator and ``generate()`` refuse it too)."""
@@ -343,7 +384,9 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
                      vocab_size: int | None = None, max_positions: int | None = None,
                      name: str = "train_dataset", mask_token_id: int | None = None) -> Dataset | IterableDataset:
     """Check the type and columns, tokenize ``prompt`` into ``prompt_ids`` when needed (conversational prompts as
-    ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), check the trajectory lengths and that ids are
+    ``GRPOTrainer`` renders them, with ``chat_template_kwargs``), drop the left padding a ``prompt_mask`` column marks
+    0 (the column then goes: the collator pads prompts itself; without one, a first ``prompt_ids`` row that starts
+    with the pad token is warned about), check the trajectory lengths and that ids are
     integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty, hold no
     ``mask_token_id`` (nor may a committed completion token) and prompt + completion fit in ``max_positions``, as
     for a rollout (a value model fit on trajectories no rollout can produce). A stream
@@ -361,6 +404,13 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
     if missing or not columns & {"prompt", "prompt_ids"}:
         raise ValueError(f"a value dataset needs 'prompt' or 'prompt_ids', 'completion_ids', 'unmask_step' and "
                          f"'reward' columns; missing {missing or ['prompt / prompt_ids']} (has {sorted(columns)}).")
+    masked = "prompt_mask" in columns
+    if masked and "prompt_ids" not in columns:
+        raise ValueError(f"{name} has a 'prompt_mask' column but no 'prompt_ids': the mask marks the padding of "
+                         "token ids, and text prompts are tokenized without padding; drop 'prompt_mask', or pass the "
+                         "left-padded 'prompt_ids' it belongs to.")
+    pad_id = getattr(tokenizer, "pad_token_id", None)
+    warned: list[int] = []  # the row named by the left-padding warning: one warning per dataset, a stream's too
 
     def process(example: dict, index: int) -> dict:
         reward = example["reward"]
@@ -385,8 +435,13 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
             gap = next(i for i, step in enumerate(steps[:last]) if step < 0)
             raise ValueError(f"row {index}: 'unmask_step' is -1 at column {gap}, before committed column {last}: a "
                              "trajectory commits every column before its last committed one (-1 only after a stop).")
-        if "prompt_ids" in example:
+        if masked:
+            ids = _unpadded_prompt(index, example["prompt_ids"], example["prompt_mask"])
+        elif "prompt_ids" in example:
             ids = example["prompt_ids"]
+            if pad_id is not None and ids and ids[0] == pad_id and not warned:
+                warned.append(index)
+                logger.warning(_left_padding_warning(name, index, tokenizer))
         else:
             _check_prompt(index, example["prompt"])
             if is_conversational({"prompt": example["prompt"]}):
@@ -404,9 +459,9 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
         if max_positions is not None and total > max_positions:
             raise ValueError(f"row {index}: prompt ({len(ids)}) + completion ({len(example['completion_ids'])}) = "
                              f"{total} tokens exceed the model's {max_positions} positions.")
-        return {} if "prompt_ids" in example else {"prompt_ids": list(ids)}
+        return {} if "prompt_ids" in example and not masked else {"prompt_ids": list(ids)}
 
-    prepared = dataset.map(process, with_indices=True)
+    prepared = dataset.map(process, with_indices=True, remove_columns=["prompt_mask"] if masked else None)
     _PREPARED.add(prepared, settings)
     return prepared
 
