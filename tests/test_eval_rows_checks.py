@@ -3,7 +3,7 @@
 Before, ``evaluate(dataset=rows, max_problems=N)`` read and converted every row: a 1000-row
 ``IterableDataset`` ran its generator to the end (an unbounded stream never finished) and a bad row past the first
 N was an error, while the same rows as a file loaded N problems. A ``test_time_limit`` of ``""`` failed with a bare
-``could not convert string to float: ''``, and a value row with a ``None`` prompt with transformers' "You need to
+``could not convert string to float: ''`` (one the official grader cannot run with is refused before generation), and a value row with a ``None`` prompt with transformers' "You need to
 specify either `text` or `text_target`", neither naming the row.
 """
 
@@ -66,10 +66,10 @@ def test_rows_past_max_problems_are_not_converted_as_of_a_file(model_and_tokeniz
         evaluate(model=model, tokenizer=tokenizer, dataset=container(rows), **FAST)
 
 
-@pytest.mark.parametrize("limit", ["", "soon", 0, -1, math.inf])
+@pytest.mark.parametrize("limit", ["", "soon", True])
 def test_a_test_time_limit_that_is_not_seconds_names_the_row_and_the_field(limit, tmp_path):
     rows = [{**STDIO, "id": "lc/6"}, {**STDIO, "test_time_limit": limit}]
-    message = r"row 1 \(format 'code_tests'\): 'test_time_limit' of problem lc/7 must be a finite number of seconds"
+    message = r"row 1 \(format 'code_tests'\): 'test_time_limit' of problem lc/7 must be a number of seconds"
     with pytest.raises(ValueError, match=message):
         problems_from_rows(rows)
     path = tmp_path / "code.jsonl"
@@ -78,9 +78,20 @@ def test_a_test_time_limit_that_is_not_seconds_names_the_row_and_the_field(limit
         load_eval_problems(str(path))
 
 
-@pytest.mark.parametrize("limit,seconds", [(None, None), ("2", 2.0), (3, 3.0), (0.5, 0.5)])
+@pytest.mark.parametrize("limit,seconds", [(None, None), ("2", 2.0), (3, 3.0), (0.5, 0.5), (0, 0.0), (-1, -1.0),
+                                           (math.inf, math.inf)])
 def test_a_test_time_limit_in_seconds_or_absent_is_read(limit, seconds):
+    # 0 / negative / inf load: only the official grader reads the field (the sandbox grader uses code_timeout)
     assert problems_from_rows([{**STDIO, "test_time_limit": limit}])[0].time_limit == seconds
+
+
+@pytest.mark.parametrize("limit", [0, -1, math.inf])
+def test_the_official_grader_refuses_a_limit_it_cannot_run_before_generating(limit, model_and_tokenizer):
+    model, tokenizer = model_and_tokenizer
+    rows = [{**STDIO, "id": "lc/6"}, {**STDIO, "test_time_limit": limit}]
+    with pytest.raises(ValueError, match=r"--code_grader official .* 1 problem\(s\) have another: 'lc/7'"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=rows, code_grader="official", apply_chat_template=False,
+                 **FAST)
 
 
 @pytest.mark.parametrize("prompt,message", [

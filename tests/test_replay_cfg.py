@@ -39,12 +39,19 @@ def test_replay_reproduces_guided_sampler_logprobs(family, settings):
     assert not bool(torch.isfinite(gap).all()) or float(gap.max()) > 0.1  # guidance matters in this test
 
 
-@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, True, "1.5"])
-def test_replay_refuses_a_cfg_scale_generate_would_refuse(bad):
-    """A NaN scale made every log-prob NaN, a negative one extrapolated away from the prompt: refused by name."""
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, True, "1.5", torch.tensor(1.5)])
+def test_generate_and_replay_refuse_the_same_cfg_scales(bad):
+    """A NaN scale made every log-prob NaN, a negative one extrapolated away from the prompt: refused by name, by
+    one rule for both (generate() read True as 1.0 and "1.5" as 1.5 through float(), which replay refused)."""
     model = tiny_model("llada")
     ids, mask = left_pad(PROMPTS)
-    out = model.generate(ids, mask, max_new_tokens=4, block_length=4, denoising_steps=2, temperature=0.7,
-                         stop_token_ids=[], return_dict_in_generate=True, generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="cfg_scale must be a finite number >= 0"):
+    kwargs = dict(max_new_tokens=4, block_length=4, denoising_steps=2, temperature=0.7, stop_token_ids=[])
+    with pytest.raises(ValueError, match="cfg_scale must be None or a finite number >= 0"):
+        model.generate(ids, mask, cfg_scale=bad, **kwargs)
+    out = model.generate(ids, mask, return_dict_in_generate=True, generator=torch.Generator().manual_seed(0),
+                         cfg_scale=None, **kwargs)  # None: no guidance, in both
+    with pytest.raises(ValueError, match="cfg_scale must be None or a finite number >= 0"):
         replay_logprobs(model, out.sequences, mask, out.unmask_step, block_length=4, temperature=0.7, cfg_scale=bad)
+    replayed = replay_logprobs(model, out.sequences, mask, out.unmask_step, block_length=4, temperature=0.7,
+                               cfg_scale=None)
+    assert torch.allclose(replayed, out.token_logprobs, atol=1e-5 * max(1.0, float(out.token_logprobs.abs().max())))

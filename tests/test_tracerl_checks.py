@@ -278,3 +278,13 @@ def test_bnpo_with_group_filtering_needs_one_micro_batch_per_step(tmp_path):
         trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="all_equal", gradient_accumulation_steps=2)
     trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="none", gradient_accumulation_steps=2)
     trainer(tmp_path, loss_type="bnpo", dynamic_group_filtering="all_equal")  # one micro-batch per step
+
+
+def test_chat_prompts_stored_as_a_fixed_size_list_are_taken(tmp_path):
+    from datasets import Features, List, Value
+
+    messages = [[{"role": "user", "content": prompt}] for prompt in PROMPTS]
+    features = Features({"prompt": List({"role": Value("string"), "content": Value("string")}, length=1)})
+    dataset = Dataset.from_dict({"prompt": messages}, features=features)  # Arrow fixed_size_list
+    TraceRLTrainer(tiny_model("sdar"), zero_reward, args=config(tmp_path), processing_class=build_tokenizer(),
+                   train_dataset=dataset)

@@ -40,3 +40,17 @@ def test_a_dataset_prepared_with_other_settings_is_refused(tmp_path):
     smaller = value_trainer(tmp_path, max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"max_positions=\d+ when prepared, 64 now"):
         smaller.evaluate(trainer.eval_dataset)
+
+
+def test_a_derived_copy_of_another_tokenizers_rows_is_refused_by_row(tmp_path):
+    # a shuffle / select copy is no longer the prepared dataset: it was prepared again, keeping the other
+    # tokenizer's prompt_ids beside the prompt text (prepared rows carry both)
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    chat = Dataset.from_list([{**TRAJECTORY, "prompt": [{"role": "user", "content": "abc"}]}] * 2)
+    first = value_trainer(tmp_path)
+    prepared = first._prepared(chat, "eval_dataset")
+    other = value_trainer(tmp_path, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"row 0: 'prompt_ids' are not 'prompt' tokenized with this trainer's"):
+        other.evaluate(prepared.shuffle(seed=0))
+    assert first.evaluate(prepared.select([1, 0]))["eval_loss"] >= 0  # the same tokenizer's rows agree

@@ -6,12 +6,9 @@ it. At the first iteration on a fresh rollout it reproduces the sampler's ``toke
 
 from __future__ import annotations
 
-import math
-import numbers
-
 import torch
 
-from ..generation.sampling import sampling_logits
+from ..generation.sampling import checked_cfg_scale, sampling_logits
 from ..states import attention_mask_from_positions, positions_from_padding, state_before_step
 
 
@@ -48,9 +45,7 @@ def replay_logprobs(
     whole-sequence forward per (merged) step (two with guidance): slow and obvious, the reference the packed scorer
     is tested against. Differentiable.
     """
-    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, numbers.Real) or not 0 <= cfg_scale < math.inf:
-        raise ValueError(f"cfg_scale must be a finite number >= 0 (the generate() call's; 0: no guidance), got "
-                         f"{cfg_scale!r}.")
+    cfg_scale = checked_cfg_scale(cfg_scale)  # the generate() call's, as generate() reads it
     if groups is not None:
         unmask_step = groups
     valid, generated = trajectory_layout(prompt_mask, sequences.shape[1] - prompt_mask.shape[1])

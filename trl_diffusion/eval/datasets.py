@@ -13,7 +13,7 @@ from typing import Any
 
 from ..data.loading import LOCAL_SUFFIXES, rows_wrapper_key
 from ..rewards import build_tests, extract_gold_answer
-from ..rewards.dllm_rl_code import as_string_list, stdio_test, time_limit_seconds
+from ..rewards.dllm_rl_code import as_string_list, stdio_test
 
 __all__ = [
     "FORMATS",
@@ -341,17 +341,20 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
 
 
 def _time_limit(pid: str, value: Any) -> float | None:
-    """A row's ``test_time_limit`` in seconds, ``None`` when it has none (dLLM-RL's default, 1 s). Anything else its
-    grader cannot run with (``""`` from an empty cell, other text, 0, a negative or non-finite number) is refused
-    when the problems load, naming the field and the problem, rather than failing with a bare ``float()`` error (or,
-    for a number, only once ``--code_grader official`` scores the first completion, after generation)."""
+    """A row's ``test_time_limit`` in seconds, ``None`` when it has none (dLLM-RL's default, 1 s). A value that is no
+    number (``""`` from an empty cell, other text) is refused when the problems load, naming the field and the
+    problem, rather than failing with a bare ``float()`` error. A number only ``--code_grader official`` reads
+    (0, negative, non-finite) is checked by ``evaluate`` for that grader, before generation; the sandbox grader
+    uses ``code_timeout`` and never reads it."""
     if value is None:
         return None
     try:
-        return time_limit_seconds(value)
-    except ValueError:
-        raise BadValue(f"'test_time_limit' of problem {pid} must be a finite number of seconds > 0, got {value!r}: "
-                       "fix it, or leave the field out (or null) for dLLM-RL's default of 1 s.") from None
+        if isinstance(value, bool):
+            raise ValueError
+        return float(value)
+    except (TypeError, ValueError):
+        raise BadValue(f"'test_time_limit' of problem {pid} must be a number of seconds, got {value!r}: fix it, or "
+                       "leave the field out (or null) for dLLM-RL's default of 1 s.") from None
 
 
 def _fenced_code(prefix: str) -> str | None:

@@ -34,7 +34,13 @@ from ..rewards import (
     last_boxed_content,
     run_tests,
 )
-from ..rewards.dllm_rl_code import extract_code_official, official_stdio_program, run_official, stdio_program
+from ..rewards.dllm_rl_code import (
+    extract_code_official,
+    official_stdio_program,
+    run_official,
+    stdio_program,
+    time_limit_seconds,
+)
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
@@ -771,6 +777,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     token_ids = [tokenize_prompt(tokenizer, p, config) for p in problems]
     _check_no_mask_token(model.mask_token_id, tokenizer.mask_token, problems, token_ids, config.apply_chat_template)
     _check_prompts_fit(model, settings, problems, token_ids)
+    if config.code_grader == "official":
+        _check_official_time_limits(problems)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(token_ids[w[0]]))  # similar lengths together: less padding
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
@@ -835,6 +843,24 @@ def _check_no_mask_token(mask_id: int, mask_token: str | None, problems: list[Ev
         raise ValueError(f"{len(found)} of {len(problems)} prompts hold {mask_token_name(mask_id, mask_token)}, which "
                          f"the model would read as a position to fill: {first_few(found)}. Remove or escape it in "
                          f"these problems{fix}.")
+
+
+def _check_official_time_limits(problems: list[EvalProblem]) -> None:
+    """Raise before any generation, naming the problems, when the official grader (which runs each test under the
+    row's ``test_time_limit``) would refuse a row's limit (0, negative, non-finite): it raised at the first such
+    completion, after the generation of every earlier batch."""
+    bad = []
+    for problem in problems:
+        if problem.task == "code":
+            try:
+                time_limit_seconds(problem.time_limit)
+            except ValueError:
+                bad.append(f"{problem.id!r} ({problem.time_limit!r})")
+    if bad:
+        raise ValueError(f"--code_grader official runs each test under the row's test_time_limit, which must be a "
+                         f"finite number of seconds > 0, but {len(bad)} problem(s) have another: {first_few(bad)}. "
+                         "Fix these rows (or leave the field out for dLLM-RL's 1 s), or use --code_grader sandbox, "
+                         "which uses --code_timeout.")
 
 
 def _check_prompts_fit(model: Any, settings: Any, problems: list[EvalProblem], prompt_ids: list[list[int]]) -> None:

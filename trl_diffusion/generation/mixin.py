@@ -13,6 +13,7 @@ from transformers.utils import GENERATION_CONFIG_NAME, cached_file, logging
 
 from .peft_rows import drop_adapter_name_hooks
 from .sampler import DiffusionGenerationOutput, SamplingSettings, diffusion_generate, steps_for_dream
+from .sampling import checked_cfg_scale
 
 logger = logging.get_logger(__name__)
 
@@ -230,7 +231,7 @@ class DiffusionGenerationMixin:
             remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
             temperature=float(temperature or 0.0), top_k=top_k, top_p=top_p, cache_mode=cache_mode,
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
-            alg_temp=alg_temp, cfg_scale=float(pick("cfg_scale") or 0.0),
+            alg_temp=alg_temp, cfg_scale=checked_cfg_scale(pick("cfg_scale")),
             gumbel_float64=self.config.model_type == "llada", raw_confidence=self.config.model_type == "llada",
             top_p_first=self.top_p_first,
             pad_token_id=_integer("pad_token_id", pad),

@@ -126,7 +126,8 @@ class SamplingSettings:
             raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}.")
         check_cuda_graphs("cuda_graphs", self.cuda_graphs)
         if self.cfg_scale and self.cache_mode != "none":
-            raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache.")
+            raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache: pass use_cache=False "
+                             "(SDAR's default is its exact cache).")
 
 
 @dataclass

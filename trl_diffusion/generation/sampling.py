@@ -43,6 +43,18 @@ def check_sampling_filters(temperature: float, top_k: int | None, top_p: float |
         raise ValueError(f"top_p must be None or in (0, 1], got {top_p!r}.")
 
 
+def checked_cfg_scale(cfg_scale: float | None) -> float:
+    """The classifier-free guidance scale as a float (``None``: 0, no guidance): one rule for ``generate()`` and
+    ``replay_logprobs``, so a trajectory re-scores with the value it was sampled with. A bool, a string or a
+    tensor is refused, as for ``temperature`` (``float()`` read ``True`` as 1.0 and ``"1.5"`` as 1.5)."""
+    if cfg_scale is None:
+        return 0.0
+    if isinstance(cfg_scale, bool) or not isinstance(cfg_scale, numbers.Real) or not 0 <= cfg_scale < math.inf:
+        raise ValueError(f"cfg_scale must be None or a finite number >= 0 (0 or None: no guidance), got "
+                         f"{cfg_scale!r}.")
+    return float(cfg_scale)
+
+
 def sampling_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,

@@ -393,7 +393,8 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
     (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error."""
     settings = {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_kwargs": chat_template_kwargs,
                 "vocab_size": vocab_size, "max_positions": max_positions, "mask_token_id": mask_token_id}
-    if _PREPARED.holds(dataset, settings, name):  # e.g. evaluate(trainer.eval_dataset): checked already
+    # e.g. evaluate(trainer.eval_dataset): checked already
+    if _PREPARED.holds(dataset, settings, name.replace("_dataset", "")):
         return dataset
     if not isinstance(dataset, Dataset | IterableDataset):  # TRL's error (a DatasetDict: pick a split)
         hint = ("pick one split, e.g. dataset['train']" if isinstance(dataset, dict) else
@@ -411,6 +412,15 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
                          "left-padded 'prompt_ids' it belongs to.")
     pad_id = getattr(tokenizer, "pad_token_id", None)
     warned: list[int] = []  # the row named by the left-padding warning: one warning per dataset, a stream's too
+
+    def tokenized(index: int, prompt: Any) -> list[int]:
+        """``prompt`` tokenized as ``GRPOTrainer`` tokenizes it (conversations with the chat template)."""
+        _check_prompt(index, prompt)
+        if is_conversational({"prompt": prompt}):
+            rendered = tokenizer.apply_chat_template(conversation=[prompt], add_generation_prompt=True, tokenize=True,
+                                                     return_dict=True, **(chat_template_kwargs or {}))
+            return list(rendered["input_ids"][0])
+        return list(tokenizer(text=prompt)["input_ids"])
 
     def process(example: dict, index: int) -> dict:
         reward = example["reward"]
@@ -443,13 +453,13 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
                 warned.append(index)
                 logger.warning(_left_padding_warning(name, index, tokenizer))
         else:
-            _check_prompt(index, example["prompt"])
-            if is_conversational({"prompt": example["prompt"]}):
-                ids = tokenizer.apply_chat_template(conversation=[example["prompt"]], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=True,
-                                                    **(chat_template_kwargs or {}))["input_ids"][0]
-            else:
-                ids = tokenizer(text=example["prompt"])["input_ids"]
+            ids = tokenized(index, example["prompt"])
+        if "prompt_ids" in example and example.get("prompt") is not None and list(ids) != tokenized(
+                index, example["prompt"]):
+            raise ValueError(f"row {index}: 'prompt_ids' are not 'prompt' tokenized with this trainer's tokenizer "
+                             "(and chat_template_kwargs): rows another trainer prepared with another tokenizer, or "
+                             "ids of another pipeline. The value model reads 'prompt_ids'; drop one of the two "
+                             "columns (the text is tokenized here when 'prompt_ids' is absent).")
         if not ids:
             raise ValueError(f"row {index}: the prompt is empty (no token): a rollout needs a prompt.")
         if mask_token_id is not None:
