@@ -3,8 +3,9 @@
 Before, ``evaluate(dataset=rows, max_problems=N)`` read and converted every row: a 1000-row
 ``IterableDataset`` ran its generator to the end (an unbounded stream never finished) and a bad row past the first
 N was an error, while the same rows as a file loaded N problems. A ``test_time_limit`` of ``""`` failed with a bare
-``could not convert string to float: ''`` (one the official grader cannot run with is refused before generation), and a value row with a ``None`` prompt with transformers' "You need to
-specify either `text` or `text_target`", neither naming the row.
+``could not convert string to float: ''`` (one the official grader cannot run with is refused before generation),
+and a value row with a ``None`` prompt with transformers' "You need to specify either `text` or `text_target`",
+neither naming the row.
 """
 
 from __future__ import annotations
