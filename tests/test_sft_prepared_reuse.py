@@ -35,7 +35,8 @@ def trainer(tmp_path, dataset, tokenizer=TOKENIZER, **overrides) -> DiffusionSFT
 @pytest.mark.parametrize("settings, named", [
     (dict(max_length=8), "max_length=64 when prepared, 8 now"),
     (dict(max_length=32, packing=True), "packing=False when prepared, True now"),
-    (dict(completion_only_loss=False), "completion_only_loss=True when prepared, False now"),
+    # the settings as configured (None: TRL's choice by the data's format), not TRL's inference from the first row
+    (dict(completion_only_loss=False), "completion_only_loss=None when prepared, False now"),
 ], ids=["max_length", "packing", "completion_only_loss"])
 def test_a_dataset_prepared_with_other_settings_is_refused(tmp_path, settings, named):
     # it was used as it was: rows of 12 and 10 tokens stayed so under max_length=8, and packing left 4 unpacked

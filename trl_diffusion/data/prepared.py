@@ -63,6 +63,4 @@ def _setting_change(key: str, before: Any, now: Any) -> str:
     """One difference, in the words of the config."""
     if key == "tokenizer":
         return "another tokenizer (vocabulary, special tokens or chat template)"
-    if key == "formatting_func":
-        before, now = (getattr(func, "__qualname__", func) for func in (before, now))
     return f"{key}={before!r} when prepared, {now!r} now"

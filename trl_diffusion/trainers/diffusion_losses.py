@@ -323,31 +323,70 @@ def semi_ar_objective(
     return _rows(stack(rows_ids), stack(rows_clean), stack(rows_masked), stack(rows_weights), stack(rows_valid), None)
 
 
-def trajectory_objective(
-    input_ids, labels, valid, unmask_step, mask_token_id: int, block_size: int | None = None, shrinkage: int = 1
-) -> ScoringBatch:
-    """Train on the states a recorded rollout actually visited: every completion token scored given the state
-    before its (merged) denoising step, ``states.state_before_step``. Steps are merged ``shrinkage`` at a time,
-    within each block for block-causal models (``states.step_groups``, as TraceRL). ``unmask_step`` ``[B, L]`` is
-    the sampler's step per position; every completion position needs one.
+def never_committed_tail(generated: torch.Tensor, unmask_step: torch.Tensor) -> torch.Tensor:
+    """The never-committed canvas tail of every row ``[B, L]``: the ``generated`` positions with ``unmask_step`` < 0
+    (``states.NOT_COMMITTED``) after the row's last committed one. A rollout that stopped early leaves them
+    (``generate()``'s -1 after the stop): masks in every state the sampler visited, which shaped the other tokens'
+    logits, so a trajectory row keeps them, masked and unscored, as TraceRL and the value model do.
 
-    Block-causal models whose rows are rollouts (the completion one run to the row's end, its blocks committed one
+    The rule is the value trainer's: no -1 before a row's last committed position (no sampler leaves one: it stops
+    between blocks), and a row with generated positions commits at least one of them (a row whose steps are all
+    missing has nothing to train on). Either is refused, naming the rule."""
+    generated = generated.bool()
+    uncommitted = generated & (unmask_step < 0)
+    committed = generated & ~uncommitted
+    committed_later = committed.flip(-1).cumsum(-1).flip(-1) > 0  # a committed position here or after it
+    tail = uncommitted & ~committed_later
+    if bool((uncommitted & committed_later).any()):
+        raise ValueError(
+            "trajectory rows: a completion token has unmask_step -1 (never committed) before its row's last committed "
+            "token. Only a trailing run of -1 is allowed: the canvas positions a rollout that stopped early never "
+            "committed (generate()'s -1 after the stop), which are masked in every state and not scored. Every other "
+            "completion token needs the sampler's step (>= 0)."
+        )
+    if bool((generated.any(-1) & ~committed.any(-1)).any()):
+        raise ValueError(
+            "trajectory rows: a row's completion has no committed token (every unmask_step is -1; a row without an "
+            "'unmask_step' entry reads so), so there is nothing to train on; give each completion token the "
+            "sampler's step that committed it."
+        )
+    return tail
+
+
+def trajectory_objective(
+    input_ids, labels, valid, unmask_step, mask_token_id: int, block_size: int | None = None, shrinkage: int = 1,
+    generated: torch.Tensor | None = None,
+) -> ScoringBatch:
+    """Train on the states a recorded rollout actually visited: every committed completion token scored given the
+    state before its (merged) denoising step, ``states.state_before_step``. Steps are merged ``shrinkage`` at a time,
+    within each block for block-causal models (``states.step_groups``, as TraceRL). ``unmask_step`` ``[B, L]`` is
+    the sampler's step per position.
+
+    A row's canvas is its labelled completion plus ``generated`` ``[B, L]`` (optional; ``DiffusionDataCollator``
+    moves the canvas tail out of the labels into it, so that only scored tokens are counted as loss tokens). Its
+    positions with step -1 after the row's last committed one (``never_committed_tail``: a rollout that stopped
+    early) are masked in every state and not scored, whether labelled or not; any other canvas position needs a
+    step >= 0.
+
+    Block-causal models whose rows are rollouts (the canvas one run to the row's end, its blocks committed one
     after another, as the block sampler commits them) get TraceRL's packed layout (``estimators.packing``: one row
     per sample, the clean sequence plus one noisy copy of a block per step); other rows get one whole row per
     state (``trajectory_state_rows``). Both score every token under the same state, so they give the same loss."""
     completion = labels != IGNORE_INDEX
-    if bool((completion & (unmask_step < 0)).any()):
-        raise ValueError(
-            "trajectory objective: some completion tokens have no recorded unmask_step (value < 0); every scored "
-            "token must have been committed by the sampler."
-        )
+    canvas = completion if generated is None else completion | generated.bool()
+    tail = never_committed_tail(canvas, unmask_step)
+    if bool((canvas & ~completion & ~tail).any()):
+        raise ValueError("trajectory objective: `generated` positions without a label must be the never-committed "
+                         "canvas tail (unmask_step -1 after the row's last committed token).")
+    scored = canvas & ~tail
     positions = positions_from_padding(valid)
     blocks = block_index(positions, block_size) if block_size is not None else None  # merge within blocks, as TraceRL
-    steps = step_groups(torch.where(completion, unmask_step, torch.full_like(unmask_step, -1)), shrinkage, blocks)
-    if (block_size is not None and bool(completion.any()) and _completion_ends_rows(completion, valid)
-            and _blocks_in_order(torch.where(completion, unmask_step, -1), blocks)):
-        return _packed_trajectory(input_ids, completion, valid, steps, mask_token_id, block_size)
-    return trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id, block_size)
+    committed_steps = torch.where(scored, unmask_step, torch.full_like(unmask_step, NOT_COMMITTED))
+    steps = step_groups(committed_steps, shrinkage, blocks)
+    if (block_size is not None and bool(scored.any()) and _completion_ends_rows(canvas, valid)
+            and _blocks_in_order(committed_steps, blocks)):
+        return _packed_trajectory(input_ids, canvas, valid, steps, mask_token_id, block_size)
+    return trajectory_state_rows(input_ids, scored, valid, steps, mask_token_id, block_size, generated=canvas)
 
 
 def _completion_ends_rows(completion: torch.Tensor, valid: torch.Tensor) -> bool:
@@ -378,8 +417,9 @@ def _blocks_in_order(unmask_step: torch.Tensor, blocks: torch.Tensor) -> bool:
 
 def _packed_trajectory(input_ids, completion, valid, steps, mask_token_id: int, block_size: int) -> ScoringBatch:
     """``trajectory_objective`` for block-causal ``prompt + completion`` rows, in TraceRL's packed layout: split
-    each row at its first completion token into a left-padded prompt and a right-padded completion, build the
-    scoring row with ``estimators.packing.build_scoring_chunks`` (one chunk) and put the targets in place."""
+    each row at its first completion (canvas) token into a left-padded prompt and a right-padded completion, build
+    the scoring row with ``estimators.packing.build_scoring_chunks`` (one chunk) and put the targets in place. A
+    never-committed tail (``steps`` -1) is part of the canvas: masked in every state, scored nowhere."""
     width = input_ids.shape[1]
     cols = torch.arange(width, device=input_ids.device)
     valid = valid.bool()
@@ -405,9 +445,12 @@ def _take(rows: torch.Tensor, columns: torch.Tensor, fill) -> torch.Tensor:
 
 
 def trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id: int,
-                          block_size: int | None = None) -> ScoringBatch:
+                          block_size: int | None = None, generated: torch.Tensor | None = None) -> ScoringBatch:
     """One row per (row, merged step ``steps``): the whole row in the state before that step
-    (``states.state_before_step``), scoring the completion tokens committed at it; the slow obvious layout."""
+    (``states.state_before_step``), scoring the ``completion`` tokens committed at it; the slow obvious layout.
+    ``generated`` (default ``completion``): the rows' canvas positions; those without a step (a never-committed
+    tail) are masks in every state."""
+    generated = completion if generated is None else generated.bool()
     positions = positions_from_padding(valid)
     rows = {"ids": [], "pos": [], "valid": [], "targets": []}
     for row in range(input_ids.shape[0]):
@@ -416,7 +459,7 @@ def trajectory_state_rows(input_ids, completion, valid, steps, mask_token_id: in
             if step is None:  # nothing to score: one clean row keeps the batch non-empty
                 state, scored = input_ids[row], torch.zeros_like(completion[row])
             else:
-                state = state_before_step(input_ids[row : row + 1], steps[row : row + 1], completion[row : row + 1],
+                state = state_before_step(input_ids[row : row + 1], steps[row : row + 1], generated[row : row + 1],
                                           step, mask_token_id)[0]
                 scored = completion[row] & (steps[row] == step)
             rows["ids"].append(state)
@@ -559,12 +602,13 @@ def rows_averaged(batch: ScoringBatch, normalization: str, logits_shift: bool = 
 def build_objective(
     objective: str, input_ids, labels, valid, generators, *, mask_token_id: int, block_size: int | None,
     eps: float = 1e-3, weighting: str = "elbo", semi_ar_block_length: int = 32, unmask_step=None, shrinkage: int = 1,
-    position_ids=None, documents=None, high: float | None = None, per_token: bool = False,
+    position_ids=None, documents=None, high: float | None = None, per_token: bool = False, generated=None,
 ) -> ScoringBatch:
     """Dispatch by name; ``block_size`` is the model's block-causal block size (None = full attention). Packed
     rows give ``documents`` and their ``position_ids`` (``PACKED_OBJECTIVES`` only) and one generator per
     document. Mask ratios lie in ``[eps, high]`` (default ``high``: 1, ``complementary`` 1 - eps), one per sample
-    or, with ``per_token`` (``PER_TOKEN_OBJECTIVES``), one per completion token."""
+    or, with ``per_token`` (``PER_TOKEN_OBJECTIVES``), one per completion token. ``generated`` (``trajectory``
+    only): each row's canvas, its never-committed tail included (see ``trajectory_objective``)."""
     if per_token and objective not in PER_TOKEN_OBJECTIVES:
         raise ValueError(f"per-token mask ratios apply to {PER_TOKEN_OBJECTIVES}, not to {objective!r}.")
     noise = {"high": 1.0 if high is None else high, "per_token": per_token}
@@ -592,5 +636,6 @@ def build_objective(
     if objective == "trajectory":
         if unmask_step is None:
             raise ValueError("the 'trajectory' objective needs the recorded `unmask_step` of every row.")
-        return trajectory_objective(input_ids, labels, valid, unmask_step, mask_token_id, block_size, shrinkage)
+        return trajectory_objective(input_ids, labels, valid, unmask_step, mask_token_id, block_size, shrinkage,
+                                    generated)
     raise ValueError(f"unknown diffusion objective {objective!r}; choose one of {OBJECTIVES}.")

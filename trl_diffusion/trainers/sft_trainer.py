@@ -27,9 +27,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import torch
-from datasets import Dataset, IterableDataset, List, Value
+from datasets import Dataset, IterableDataset, LargeList, List, Value
 from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
@@ -56,6 +58,7 @@ from .diffusion_losses import (
     diffusion_loss,
     joined_scores,
     labelled_span_counts,
+    never_committed_tail,
     per_row_weights,
     rows_averaged,
     sample_generators,
@@ -116,7 +119,10 @@ def resolve_objective(objective: str | None, spec: DiffusionModelSpec) -> str:
 
 class DiffusionDataCollator:
     """Wraps the SFT collator: pads with trained-on EOS to a fixed length or the batch's longest (optional), carries
-    ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token.
+    ``sample_index`` and ``unmask_step`` (right-padded with -1), and rejects data containing the mask token. A
+    trajectory row's never-committed canvas tail (completion tokens with step -1 after its last committed one,
+    ``diffusion_losses.never_committed_tail``) leaves the labels, so that no count of loss tokens includes it, and
+    the row's whole canvas goes to the objective as ``generated``.
     ``max_length`` (optional) refuses longer rows: prepared rows never are, rows of ``skip_prepare_dataset`` can be.
 
     Packed rows (examples with ``seq_lengths``; also an ``eval_packing`` eval set when training is not packed) stay
@@ -133,8 +139,11 @@ class DiffusionDataCollator:
     def __init__(self, base, mask_token_id: int, eos_token_id: int | None, pad_to_length: int | str | None,
                  max_length: int | None = None, padding_free: bool = False,
                  restore_document_starts: bool = True, reads_unmask_step: bool = True,
-                 max_positions: int | None = None, one_labelled_span: bool = False) -> None:
+                 max_positions: int | None = None, one_labelled_span: bool = False, mask_token: str | None = None,
+                 assistant_only_loss: bool = False) -> None:
         self.base = base
+        self.mask_token = mask_token  # the mask id's string and the setting the remedy depends on, for the refusal
+        self.assistant_only_loss = assistant_only_loss
         self.one_labelled_span = one_labelled_span
         self.max_positions = max_positions
         self.mask_token_id = mask_token_id
@@ -179,6 +188,7 @@ class DiffusionDataCollator:
             return self._packed_rows(examples, indices, offsets)
         if self.padding_free:
             return self._documents_in_one_row(examples, indices, offsets)
+        given = indices  # a wrapped row's per token, for the mask-token refusal
         if any(isinstance(index, list) for index in indices):  # packed without padding_free ("wrapped"): one row each
             offsets = [offset[0] if isinstance(index, list) else 0 for index, offset in zip(indices, offsets)]
             indices = [index[0] if isinstance(index, list) else index for index in indices]
@@ -195,10 +205,7 @@ class DiffusionDataCollator:
         input_ids = batch["input_ids"]
         valid = batch["attention_mask"].bool() if "attention_mask" in batch else torch.ones_like(input_ids).bool()
         if bool((input_ids.eq(self.mask_token_id) & valid).any()):
-            raise ValueError(
-                f"a training sequence contains the mask token (id {self.mask_token_id}); diffusion training could not "
-                "tell it from a masked position. Remove it from the data."
-            )
+            raise self._mask_token_error(examples, given)
         if any(index is None for index in indices):
             # Without prepared data (skip_prepare_dataset), seed each sample from its content, padding left out so
             # the seed does not depend on the rows it is batched with.
@@ -213,6 +220,7 @@ class DiffusionDataCollator:
             for row, step in enumerate(steps):
                 padded[row, : len(step)] = torch.tensor(step[:width], dtype=torch.long)
             batch["unmask_step"] = padded
+            batch.update(_never_committed_out_of_labels(batch["labels"], padded))
         return batch
 
     def _documents_in_one_row(self, examples: list[dict[str, Any]], indices: list, offsets: list) -> dict[str, Any]:
@@ -243,10 +251,7 @@ class DiffusionDataCollator:
         if not self.restore_document_starts:  # shifted logits: nothing predicts a document's first token
             batch["labels"][0, starts] = IGNORE_INDEX
         if bool((input_ids.eq(self.mask_token_id) & (document_ids >= 0)).any()):
-            raise ValueError(
-                f"a training sequence contains the mask token (id {self.mask_token_id}); diffusion training could not "
-                "tell it from a masked position. Remove it from the data."
-            )
+            raise self._mask_token_error(examples, indices)
         seeds = [document_noise_key(example["input_ids"], index, offset, start, length)
                  for example, index, offset, parts in zip(examples, indices, offsets, documents)
                  for start, length in zip(_starts(parts), parts)]
@@ -255,6 +260,10 @@ class DiffusionDataCollator:
         batch["document_ids"] = document_ids
         batch["example_lengths"] = torch.tensor(lengths, dtype=torch.long)
         return batch
+
+    def _mask_token_error(self, examples: list[dict[str, Any]], indices: list) -> ValueError:
+        """``_mask_token_in_batch`` with this collator's mask token and remedy."""
+        return _mask_token_in_batch(examples, indices, self.mask_token_id, self.mask_token, self.assistant_only_loss)
 
     def _packed_rows(self, examples: list[dict[str, Any]], indices: list, offsets: list) -> dict[str, Any]:
         """Packed rows, one row each (``_documents_in_one_row`` per row), right-padded to the longest and stacked,
@@ -441,7 +450,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             self.data_collator, self.spec.mask_token_id, self._tokenizer.eos_token_id, pad_to, limit,
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
             reads_unmask_step=self.args.diffusion_objective == "trajectory", max_positions=positions,
-            one_labelled_span=self.objective == "semi_ar",
+            one_labelled_span=self.objective == "semi_ar", mask_token=self._tokenizer.mask_token,
+            assistant_only_loss=self.args.assistant_only_loss,
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -521,7 +531,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         """TRL's preparation, then the noise seed of every sample. Packing comes last, done here rather than by TRL
         so that the seed column goes into the packed rows with the tokens (TRL keeps only input_ids and labels);
         the rows are the ones TRL's packing makes (same order of shuffles, same ``pack_dataset``)."""
-        settings = self._preparation_settings(processing_class, args, packing, formatting_func)
+        settings = self._preparation_settings(processing_class, args, packing)
         if _PREPARED.holds(dataset, settings, dataset_name):
             # Already prepared by a DiffusionSFTTrainer (e.g. `trainer.evaluate(trainer.eval_dataset)`): with the same
             # settings, preparing again would make the same rows, or worse: re-spread `unmask_step` (an error), pack
@@ -531,8 +541,14 @@ class DiffusionSFTTrainer(SFTTrainer):
             # `sample_index` column is no sign of it.
             return dataset
         self._check_columns(dataset, args, formatting_func, dataset_name)
+        if isinstance(dataset, Dataset | IterableDataset) and _packed_by_a_trainer(dataset):
+            # a copy (`select`, `shuffle`, ...) of packed rows a DiffusionSFTTrainer made: packing them again would
+            # join each row's documents into one and replace their noise seeds
+            return _packed_rows_as_they_are(dataset, args.max_length, args.packing_strategy, packing, dataset_name)
+        packed_given = False  # tokenized rows with `seq_lengths`: packed already, not packed again
         if isinstance(dataset, Dataset | IterableDataset):
             columns = column_names(dataset)
+            packed_given = {"seq_lengths", "input_ids"} <= set(columns)
             if "seq_lengths" in columns and "input_ids" not in columns:
                 # `seq_lengths` marks packed rows (TRL's packing writes it; the collator keeps each document apart):
                 # on rows not tokenized yet it is a column of the user's, not lengths of these rows' documents. TRL's
@@ -563,21 +579,26 @@ class DiffusionSFTTrainer(SFTTrainer):
         dataset = dataset.map(_add_stream_sample_index if stream else _add_sample_index, with_indices=True)
         if dataset_name == "train" and rows_given is not None and len(dataset) == 0:
             raise _empty_train_error(rows_given, args)  # Trainer would fail at train() with "num_samples=0"
-        if packing:
+        if packing and packed_given:  # the user's packed rows: each document kept apart, as without packing
+            dataset = _packed_rows_fit(dataset, max_length, dataset_name)
+        elif packing:
             dataset = _pack(dataset, args, dataset_name)
         _PREPARED.add(dataset, settings)
         return dataset
 
-    def _preparation_settings(self, processing_class, args: DiffusionSFTConfig, packing: bool,
-                              formatting_func) -> dict[str, Any]:
+    @staticmethod
+    def _preparation_settings(processing_class, args: DiffusionSFTConfig, packing: bool) -> dict[str, Any]:
         """The settings that decide what ``_prepare_dataset`` makes of a dataset (TRL's steps and ours), recorded
-        with each prepared dataset: one passed again is used as it is only when they are the same."""
+        with each prepared dataset: one passed again is used as it is only when they are the same. They are the
+        configuration's: ``completion_only_loss`` as set (None: TRL's choice by the data's format, which it reads from
+        the first row, and a prepared row no longer shows), not TRL's inference. Not ``formatting_func``: TRL applies
+        it to rows without ``input_ids`` only, so it cannot change what a second preparation makes of prepared rows
+        (and functions compare by identity: one re-created per trainer would differ)."""
         steps = args.diffusion_objective == "trajectory"
         return {
             "tokenizer": tokenizer_fingerprint(processing_class),
-            "formatting_func": formatting_func,
             "dataset_text_field": args.dataset_text_field,
-            "completion_only_loss": self.completion_only_loss,
+            "completion_only_loss": args.completion_only_loss,
             "assistant_only_loss": args.assistant_only_loss,
             "max_length": args.max_length,
             "truncation_mode": args.truncation_mode,
@@ -620,6 +641,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             per_token=args.mask_ratio_sampling == "per_token",
             weighting=args.loss_weighting, semi_ar_block_length=args.semi_ar_block_length,
             unmask_step=inputs.get("unmask_step"), shrinkage=args.trajectory_shrinkage,
+            generated=inputs.get("generated"),
             position_ids=inputs.get("position_ids") if documents is not None else None, documents=documents,
         )
         if args.loss_normalization == "tokens":
@@ -805,10 +827,7 @@ def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: d
     for name, dataset in datasets.items():
         packed = isinstance(dataset, Dataset) and "seq_lengths" in dataset.column_names
         column = "seq_lengths" if packed else "input_ids"
-        values = _arrow_column(dataset, column)
-        if values is None:
-            continue
-        longest = pc.max(pc.list_flatten(values) if column == "seq_lengths" else pc.list_value_length(values)).as_py()
+        longest = _column_max(dataset, column, lengths=not packed)
         if longest is not None and longest > positions:
             unit = "packed document" if column == "seq_lengths" else "row"
             raise ValueError(f"the {name} dataset has a {unit} of {longest} tokens, beyond the model's {positions} "
@@ -816,14 +835,63 @@ def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: d
                              f"Set max_length <= {positions} (rows are truncated to it), or shorten the data.")
 
 
-def _arrow_column(dataset, column: str):
-    """The ``column`` of an in-memory dataset's rows as an Arrow array, in the dataset's order (a ``select`` /
-    ``shuffle`` mapping applied: packing shuffles); None for a stream, an empty dataset or a missing column."""
+ARROW_SLICE_ROWS = 1 << 12
+"""Rows per piece of the construction checks' pass over an Arrow column (``_arrow_slices``)."""
+
+
+def _arrow_slices(dataset, column: str):
+    """The list ``column`` of an in-memory dataset's rows, in the dataset's order (a ``select`` / ``shuffle`` mapping
+    applied: packing shuffles), as ``(dataset index of its first row, Arrow list array)`` pieces of at most
+    ``ARROW_SLICE_ROWS`` rows: zero-copy slices of the stored (often memory-mapped) column, or for a mapped dataset
+    its rows gathered one piece at a time (``_gathered``). A check reading them holds one piece's positions at a time,
+    whatever the dataset's size. Nothing for a stream, an empty dataset or a missing column."""
     if not isinstance(dataset, Dataset) or len(dataset) == 0 or column not in dataset.column_names:
-        return None
+        return
     values = dataset.data.column(column)
     mapping = getattr(dataset, "_indices", None)
-    return values if mapping is None else pc.take(values, mapping.column(0))
+    for start in range(0, len(dataset), ARROW_SLICE_ROWS):
+        if mapping is not None:
+            yield start, _gathered(values, mapping.column(0).slice(start, ARROW_SLICE_ROWS).to_numpy())
+            continue
+        first = start
+        for chunk in values.slice(start, ARROW_SLICE_ROWS).chunks:
+            yield first, chunk
+            first += len(chunk)
+
+
+def _gathered(values, rows: np.ndarray):
+    """The ``rows`` of a chunked Arrow column, in that order, as one array, taken chunk by chunk: Arrow's ``take`` of
+    a chunked list column first joins its chunks (a copy of the whole column)."""
+    rows = rows.astype(np.int64)
+    bounds = np.cumsum([0] + [len(chunk) for chunk in values.chunks])
+    chunk_of = np.searchsorted(bounds, rows, side="right") - 1
+    order = np.argsort(chunk_of, kind="stable")  # the rows grouped by chunk, each group in the given order
+    pieces = [values.chunk(chunk).take(rows[order][chunk_of[order] == chunk] - bounds[chunk])
+              for chunk in np.unique(chunk_of)]
+    return pa.concat_arrays(pieces).take(np.argsort(order))
+
+
+def _list_parts(lists) -> tuple[np.ndarray, Any]:
+    """An Arrow list array's row bounds (``rows + 1`` offsets, from 0) and the values they bound (a zero-copy slice:
+    the array may itself be a slice of a longer one)."""
+    offsets = lists.offsets.to_numpy()
+    return offsets - offsets[0], lists.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+
+
+def _rows_of(positions: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """The row of each of these flattened ``positions`` of a list array with row bounds ``offsets``."""
+    return np.searchsorted(offsets, positions, side="right") - 1
+
+
+def _column_max(dataset, column: str, lengths: bool) -> int | None:
+    """The longest list (``lengths``) or the largest value of an in-memory dataset's list ``column``, read piece by
+    piece (``_arrow_slices``); None for a stream, an empty dataset or a missing column."""
+    largest = None
+    for _, lists in _arrow_slices(dataset, column):
+        value = pc.max(pc.list_value_length(lists) if lengths else _list_parts(lists)[1]).as_py()
+        if value is not None and (largest is None or value > largest):
+            largest = value
+    return largest
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,
@@ -833,13 +901,13 @@ def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,
     the first batch holding it, from the collator. Read from the Arrow column; streams are checked by the collator.
     The remedy offered depends on ``assistant_only_loss`` (``_mask_token_remedy``)."""
     for name, dataset in datasets.items():
-        ids = _arrow_column(dataset, "input_ids")
-        if ids is None:
+        rows = []
+        for start, ids in _arrow_slices(dataset, "input_ids"):
+            offsets, values = _list_parts(ids)
+            hits = pc.indices_nonzero(pc.equal(values, mask_id)).to_numpy()
+            rows += (start + np.unique(_rows_of(hits, offsets))).tolist()
+        if not rows:
             continue
-        hits = pc.indices_nonzero(pc.equal(pc.list_flatten(ids), mask_id))
-        if len(hits) == 0:
-            continue
-        rows = pc.unique(pc.take(pc.list_parent_indices(ids), hits)).to_pylist()
         shown = first_few([f"{row} ({_mask_part(dataset[row], mask_id)})" for row in rows[:6]])
         raise ValueError(
             f"the {name} dataset holds {mask_token_name(mask_id, mask_token)} in {len(rows)} row(s): {shown} "
@@ -863,14 +931,42 @@ def _mask_token_remedy(assistant_only_loss: bool) -> str:
 
 def _mask_part(row: dict, mask_id: int) -> str:
     """Where a row holds the mask id: its prompt (no label), its completion (labelled: trained on), or both."""
-    labels = row.get("labels")
-    if labels is None and row.get("completion_mask") is not None:  # rows of skip_prepare_dataset
-        labels = [IGNORE_INDEX if keep == 0 else 0 for keep in row["completion_mask"]]
-    if labels is None:  # every token is trained on
-        labels = row["input_ids"]
     parts = {"prompt" if label == IGNORE_INDEX else "completion"
-             for token, label in zip(row["input_ids"], labels) if token == mask_id}
+             for token, label in zip(row["input_ids"], _row_labels(row)) if token == mask_id}
     return " and ".join(sorted(parts, reverse=True))
+
+
+def _row_labels(row: dict) -> list:
+    """A row's labels; for a row of ``skip_prepare_dataset`` with a ``completion_mask`` instead, -100 where it is 0;
+    without either, its tokens (every token is trained on)."""
+    labels = row.get("labels")
+    if labels is None and row.get("completion_mask") is not None:
+        labels = [IGNORE_INDEX if keep == 0 else 0 for keep in row["completion_mask"]]
+    return row["input_ids"] if labels is None else labels
+
+
+def _mask_token_in_batch(examples: list[dict[str, Any]], indices: list, mask_id: int, mask_token: str | None,
+                        assistant_only_loss: bool) -> ValueError:
+    """The collator's refusal of a batch holding the mask id (a stream's rows, and a dataset passed to ``evaluate`` /
+    ``predict``, are first seen there), worded as ``_check_no_mask_token``'s: the token, the samples holding it with
+    the part (prompt: no label), and the remedy. A sample is named by its ``sample_index`` (``indices``: one per
+    example, or for a packed row one per token, so each token's own sample), else by its row in the batch."""
+    parts: dict[str, set[str]] = {}
+    for row, (example, index) in enumerate(zip(examples, indices)):
+        labels = _row_labels(example)
+        for position, token in enumerate(example["input_ids"]):
+            if int(token) != mask_id:
+                continue
+            sample = index[position] if isinstance(index, list) else index
+            name = f"batch row {row}" if sample is None else f"sample_index {int(sample)}"
+            parts.setdefault(name, set()).add("prompt" if labels[position] == IGNORE_INDEX else "completion")
+    shown = [f"{name} ({' and '.join(sorted(found, reverse=True))})" for name, found in parts.items()]
+    return ValueError(
+        f"a batch holds {mask_token_name(mask_id, mask_token)} in {len(shown)} sample(s): {first_few(shown)} "
+        "(sample_index: the sample's row in the prepared dataset, before packing, or its place in a stream; prompt: "
+        "tokens without a label). Diffusion training could not tell it from a masked position. Text containing the "
+        "mask token's string tokenizes to it: " + _mask_token_remedy(assistant_only_loss)
+    )
 
 
 def _several_spans_error(where: str, count: int, shown: list[str]) -> ValueError:
@@ -892,16 +988,28 @@ def _check_one_labelled_span(datasets: dict) -> None:
     over the rows in Python); streams are checked by the collator. Rows without labels are trained on whole (one
     span); packed rows (``seq_lengths``, given with ``skip_prepare_dataset``) are refused by ``semi_ar`` itself."""
     for name, dataset in datasets.items():
-        labels = _arrow_column(dataset, "labels")
-        if labels is None or "seq_lengths" in dataset.column_names:
+        if not isinstance(dataset, Dataset) or "seq_lengths" in dataset.column_names:
             continue
-        labelled = torch.tensor(pc.not_equal(pc.list_flatten(labels), IGNORE_INDEX).to_numpy())
-        parents = torch.tensor(pc.list_parent_indices(labels).to_numpy())  # a copy: Arrow's memory is read-only
-        counts = labelled_span_counts(labelled, parents, len(labels))
-        rows = (counts > 1).nonzero().flatten().tolist()
-        if rows:
-            raise _several_spans_error(f"the {name} dataset", len(rows),
-                                       [f"{row} ({int(counts[row])} spans)" for row in rows[:6]])
+        count, shown = 0, []
+        for start, labels in _arrow_slices(dataset, "labels"):  # piece by piece: memory bounded by a piece
+            offsets, values = _list_parts(labels)
+            counts = _span_counts(pc.not_equal(values, IGNORE_INDEX).to_numpy(zero_copy_only=False), offsets)
+            rows = np.flatnonzero(counts > 1)
+            count += len(rows)
+            shown += [f"{start + row} ({counts[row]} spans)" for row in rows[: 6 - len(shown)]]
+        if count:
+            raise _several_spans_error(f"the {name} dataset", count, shown)
+
+
+def _span_counts(labelled: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """``diffusion_losses.labelled_span_counts`` for the rows of an Arrow list array: how many runs of consecutive
+    labelled positions each row holds, from its flattened positions' ``labelled`` flags (bool) and its ``rows + 1``
+    row bounds ``offsets`` (from 0). Only the spans' first positions get an index (a byte per position otherwise)."""
+    starts = labelled.copy()
+    starts[1:] &= ~labelled[:-1]
+    firsts = offsets[:-1][offsets[:-1] < offsets[1:]]  # a row's first position starts a span when labelled
+    starts[firsts] = labelled[firsts]
+    return np.bincount(_rows_of(np.flatnonzero(starts), offsets), minlength=len(offsets) - 1)
 
 
 def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list) -> None:
@@ -947,12 +1055,14 @@ def _completion_only_loss_applies(columns: set[str]) -> bool:
 def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func, datasets: dict) -> None:
     """One warning when ``completion_only_loss=True`` was set explicitly (None: TRL's choice by format) for datasets
     it does nothing to (language modeling: ``messages`` or text), which then train on every token, the user turns
-    too. Not with a ``formatting_func``, which TRL refuses with it."""
+    too. Not with a ``formatting_func``, which TRL refuses with it, nor for rows with ``labels`` (prepared rows, packed
+    ones too), which say themselves which tokens are trained on."""
     if args.completion_only_loss is not True or formatting_func is not None:
         return
     unused = [name for name, dataset in datasets.items()
               if isinstance(dataset, Dataset | IterableDataset)
-              and not _completion_only_loss_applies(set(column_names(dataset)))]
+              and not _completion_only_loss_applies(set(column_names(dataset)))
+              and "labels" not in column_names(dataset)]
     if unused:
         datasets_named = f"the {' and '.join(unused)} dataset" + ("s" if len(unused) > 1 else "")
         logger.warning(
@@ -1010,7 +1120,9 @@ def _refuse_overlong(example: dict, max_length: int) -> dict:
 
 def _align_unmask_step(example: dict) -> dict:
     """Spread the ``unmask_step`` column (one entry per completion token, in order) over the full, untruncated
-    sequence (-1 on the prompt)."""
+    sequence (-1 on the prompt). The steps follow ``never_committed_tail``'s rule (a -1 only in the trailing run a
+    rollout that stopped early leaves), checked here so that a row breaking it is refused when the trainer is
+    built."""
     labels = example.get("labels") or example["input_ids"]
     positions = [i for i, label in enumerate(labels) if label != IGNORE_INDEX]
     steps = list(example["unmask_step"])
@@ -1021,6 +1133,7 @@ def _align_unmask_step(example: dict) -> dict:
             "'completion_mask' and completion_only_loss=True, if the completion text does not re-tokenize to the "
             "generated tokens)."
         )
+    never_committed_tail(torch.ones(1, len(steps), dtype=torch.bool), torch.tensor([steps], dtype=torch.long))
     full = [-1] * len(example["input_ids"])
     for position, step in zip(positions, steps):
         full[position] = int(step)
@@ -1029,7 +1142,9 @@ def _align_unmask_step(example: dict) -> dict:
 
 def _truncate_with_steps(dataset, max_length: int, truncation_mode: str):
     """TRL's truncation (``SFTTrainer._prepare_dataset``: ``input_ids`` and ``labels`` cut to ``max_length`` at the
-    end or the start, then rows left with no label dropped), cutting the spread ``unmask_step`` with them."""
+    end or the start, then rows left with nothing to train on dropped), cutting the spread ``unmask_step`` with
+    them. A never-committed canvas tail (step -1) is cut as any token, what is kept of it stays masked; a row left
+    with no committed completion token (``keep_end`` cutting into the tail) is dropped as a row without labels."""
     if truncation_mode not in ("keep_start", "keep_end"):
         raise ValueError(f"Unsupported truncation mode: {truncation_mode}, expected 'keep_start' or 'keep_end'")
     cut = slice(None, max_length) if truncation_mode == "keep_start" else slice(-max_length, None)
@@ -1038,7 +1153,23 @@ def _truncate_with_steps(dataset, max_length: int, truncation_mode: str):
         return {key: example[key][cut] for key in ("input_ids", "labels", "unmask_step")}
 
     dataset = dataset.map(truncate)
-    return dataset.filter(lambda example: any(label != IGNORE_INDEX for label in example["labels"]))
+    return dataset.filter(_has_committed_label)
+
+
+def _has_committed_label(example: dict) -> bool:
+    """Whether a prepared trajectory row still has a token to score: a label on a committed position."""
+    return any(label != IGNORE_INDEX and step >= 0 for label, step in zip(example["labels"], example["unmask_step"]))
+
+
+def _never_committed_out_of_labels(labels: torch.Tensor, unmask_step: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A collated trajectory batch's never-committed canvas tail (``never_committed_tail`` of its labelled
+    positions; a -1 elsewhere is refused) taken out of ``labels``, which Trainer and ``count_loss_tokens`` count as
+    loss tokens, with the whole canvas as ``generated``; nothing when no row has a tail."""
+    completion = labels != IGNORE_INDEX
+    tail = never_committed_tail(completion, unmask_step)
+    if not bool(tail.any()):
+        return {}
+    return {"labels": labels.masked_fill(tail, IGNORE_INDEX), "generated": completion}
 
 
 _PREPARED = PreparedDatasets("DiffusionSFTTrainer")
@@ -1096,3 +1227,70 @@ def _pack(dataset, args: DiffusionSFTConfig, dataset_name: str):
         map_kwargs["desc"] = f"Packing {dataset_name} dataset"
     dataset = pack_dataset(dataset, args.max_length, args.packing_strategy, map_kwargs)
     return dataset.shuffle(seed=args.seed) if args.shuffle_dataset else dataset
+
+
+def _packed_by_a_trainer(dataset: Dataset | IterableDataset) -> bool:
+    """Whether ``dataset`` holds packed rows a ``DiffusionSFTTrainer`` made (``_pack``) or a copy of them
+    (``select``, ``shuffle``, ``filter``, a stream made of them): tokenized rows whose noise seed columns
+    ``sample_index`` and ``sample_offset`` hold one entry per token, as only packing writes them. (The prepared
+    dataset itself is known by identity, ``_PREPARED``; a copy is another object.)"""
+    if not {"input_ids", "sample_index", "sample_offset"} <= set(column_names(dataset)):
+        return False
+    features = dataset.features
+    if features is not None and "sample_index" in features:
+        return isinstance(features["sample_index"], List | LargeList)
+    first = next(iter(dataset), None)  # a stream that does not declare its features
+    return first is not None and (isinstance(first["sample_index"], list) or
+                                  getattr(first["sample_index"], "ndim", 0) == 1)
+
+
+def _packed_rows_as_they_are(dataset, max_length: int | None, strategy: str, packing: bool, dataset_name: str):
+    """A trainer's packed rows given again (``_packed_by_a_trainer``), used as they are (their documents and noise
+    seeds kept) where the dataset is packed (``packing``; ``eval_packing`` for an eval set) with the strategy they
+    were packed with (rows of ``'wrapped'`` have no ``seq_lengths``) and they fit ``max_length``. Refused otherwise:
+    packed rows cannot be unpacked, cut, or packed again without joining their documents into one."""
+    remedy = "Pass the rows before preparation (the dataset given to the trainer that packed them)"
+    if not packing:
+        raise ValueError(
+            f"the {dataset_name} dataset holds packed rows a DiffusionSFTTrainer made (one sample_index and "
+            "sample_offset per token: a select, shuffle or other copy of a packed prepared dataset), and it is used "
+            f"without packing (packing, or eval_packing for an eval set): packed rows cannot be unpacked. {remedy}, "
+            "or turn packing on."
+        )
+    wrapped = "seq_lengths" not in column_names(dataset)
+    if wrapped != (strategy == "wrapped"):
+        made = "'wrapped'" if wrapped else "'bfd' or 'bfd_split'"
+        raise ValueError(
+            f"the {dataset_name} dataset holds packed rows a DiffusionSFTTrainer made with packing_strategy={made} "
+            f"(a copy of a packed prepared dataset; {'no' if wrapped else 'a'} seq_lengths column), and "
+            f"packing_strategy={strategy!r} now: they cannot be packed again. {remedy}, or use the strategy they "
+            "were packed with."
+        )
+    return _packed_rows_fit(dataset, max_length, dataset_name)
+
+
+def _packed_rows_fit(dataset, max_length: int | None, dataset_name: str):
+    """Rows given packed to a dataset packed with ``max_length``, which packing would not have made longer: checked
+    from the Arrow column (an in-memory dataset) or as each row is read (a stream)."""
+    if max_length is None:
+        raise ValueError("When packing is enabled, `max_length` can't be `None`.")
+    if isinstance(dataset, IterableDataset):
+        return dataset.map(_refuse_long_packed_row, fn_kwargs={"max_length": max_length, "dataset_name": dataset_name})
+    _check_packed_row_length(_column_max(dataset, "input_ids", lengths=True) or 0, max_length, dataset_name)
+    return dataset
+
+
+def _refuse_long_packed_row(example: dict, max_length: int, dataset_name: str) -> dict:
+    """``_check_packed_row_length`` of a stream's row."""
+    _check_packed_row_length(len(example["input_ids"]), max_length, dataset_name)
+    return {}
+
+
+def _check_packed_row_length(length: int, max_length: int, dataset_name: str) -> None:
+    """Refuse a packed row (given packed) of ``length`` tokens, longer than the ``max_length`` it is packed to."""
+    if length > max_length:
+        raise ValueError(
+            f"the {dataset_name} dataset holds packed rows (given packed: they are not packed again) of up to "
+            f"{length} tokens, longer than max_length={max_length}: packed rows cannot be cut. Pass the rows before "
+            "preparation (or unpacked), or raise max_length."
+        )
