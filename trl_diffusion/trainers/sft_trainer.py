@@ -873,7 +873,11 @@ def _gathered(values, rows: np.ndarray):
 
 def _list_parts(lists) -> tuple[np.ndarray, Any]:
     """An Arrow list array's row bounds (``rows + 1`` offsets, from 0) and the values they bound (a zero-copy slice:
-    the array may itself be a slice of a longer one)."""
+    the array may itself be a slice of a longer one). A fixed-size list (a ``List(..., length=n)`` feature, a
+    parquet file's fixed-size lists) is read as an ordinary list first: it has no offsets."""
+    if pa.types.is_fixed_size_list(lists.type) or pa.types.is_list_view(lists.type) or pa.types.is_large_list_view(
+            lists.type):
+        lists = lists.cast(pa.large_list(lists.type.value_type))  # one piece: a bounded copy
     offsets = lists.offsets.to_numpy()
     return offsets - offsets[0], lists.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
 
@@ -1237,11 +1241,19 @@ def _packed_by_a_trainer(dataset: Dataset | IterableDataset) -> bool:
     if not {"input_ids", "sample_index", "sample_offset"} <= set(column_names(dataset)):
         return False
     features = dataset.features
-    if features is not None and "sample_index" in features:
-        return isinstance(features["sample_index"], List | LargeList)
-    first = next(iter(dataset), None)  # a stream that does not declare its features
-    return first is not None and (isinstance(first["sample_index"], list) or
-                                  getattr(first["sample_index"], "ndim", 0) == 1)
+    if features is not None and "sample_index" in features and not isinstance(features["sample_index"],
+                                                                              List | LargeList):
+        return False
+    first = next(iter(dataset), None)  # its first row: one seed entry per token, as packing writes them
+    return first is not None and all(_length(first[column]) == _length(first["input_ids"])
+                                     for column in ("sample_index", "sample_offset"))
+
+
+def _length(value: Any) -> int | None:
+    """The number of entries of a list or 1-d array (``None`` for a scalar)."""
+    if isinstance(value, list):
+        return len(value)
+    return len(value) if getattr(value, "ndim", 0) == 1 else None
 
 
 def _packed_rows_as_they_are(dataset, max_length: int | None, strategy: str, packing: bool, dataset_name: str):

@@ -454,7 +454,7 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
                 logger.warning(_left_padding_warning(name, index, tokenizer))
         else:
             ids = tokenized(index, example["prompt"])
-        if "prompt_ids" in example and example.get("prompt") is not None and list(ids) != tokenized(
+        if "prompt_ids" in example and example.get("prompt") not in (None, "", []) and list(ids) != tokenized(
                 index, example["prompt"]):
             raise ValueError(f"row {index}: 'prompt_ids' are not 'prompt' tokenized with this trainer's tokenizer "
                              "(and chat_template_kwargs): rows another trainer prepared with another tokenizer, or "
