@@ -1168,11 +1168,10 @@ def _has_committed_label(example: dict) -> bool:
 def _never_committed_out_of_labels(labels: torch.Tensor, unmask_step: torch.Tensor) -> dict[str, torch.Tensor]:
     """A collated trajectory batch's never-committed canvas tail (``never_committed_tail`` of its labelled
     positions; a -1 elsewhere is refused) taken out of ``labels``, which Trainer and ``count_loss_tokens`` count as
-    loss tokens, with the whole canvas as ``generated``; nothing when no row has a tail."""
+    loss tokens, with the whole canvas as ``generated`` (in every batch, tail or not: accelerate's
+    ``dispatch_batches`` joins the processes' batches by the first batch's keys)."""
     completion = labels != IGNORE_INDEX
     tail = never_committed_tail(completion, unmask_step)
-    if not bool(tail.any()):
-        return {}
     return {"labels": labels.masked_fill(tail, IGNORE_INDEX), "generated": completion}
 
 
