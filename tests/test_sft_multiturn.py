@@ -9,14 +9,14 @@
 * ``completion_only_loss=True`` on conversations, where it does nothing.
 """
 
+import numpy as np
 import pytest
-import torch
 from datasets import Dataset, IterableDataset
 from transformers.utils import logging as hf_logging
 
 from trl_diffusion.testing import MASK_ID, build_tokenizer, tiny_model
-from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
-from trl_diffusion.trainers.diffusion_losses import IGNORE_INDEX, labelled_span_counts
+from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer, sft_trainer
+from trl_diffusion.trainers.diffusion_losses import IGNORE_INDEX
 
 ASSISTANT_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\n' }}"
@@ -95,13 +95,13 @@ def test_a_labelled_skip_prepare_set_still_evaluates(tmp_path):
 # ------------------------------------------------------------------------------------------------- semi_ar
 
 
-def test_labelled_span_counts():
+def test_span_counts():
     labels = [[IGNORE_INDEX, 5, 6, IGNORE_INDEX, 7], [8, 9], [IGNORE_INDEX], [1, IGNORE_INDEX, 2, IGNORE_INDEX, 3]]
-    flat = torch.tensor([label for row in labels for label in row])
-    rows = torch.repeat_interleave(torch.arange(len(labels)), torch.tensor([len(row) for row in labels]))
-    assert labelled_span_counts(flat != IGNORE_INDEX, rows, len(labels)).tolist() == [2, 1, 0, 3]
+    labelled = np.array([label != IGNORE_INDEX for row in labels for label in row])
+    offsets = np.concatenate([[0], np.cumsum([len(row) for row in labels])])
+    assert sft_trainer._span_counts(labelled, offsets).tolist() == [2, 1, 0, 3]
     # a span ending one row and one starting the next are two spans, one per row
-    assert labelled_span_counts(torch.tensor([True, True]), torch.tensor([0, 1]), 2).tolist() == [1, 1]
+    assert sft_trainer._span_counts(np.array([True, True]), np.array([0, 1, 2])).tolist() == [1, 1]
 
 
 def semi_ar(**kw):

@@ -1,8 +1,9 @@
 """The one wording of the refusals of inputs that hold the mask token.
 
 A prompt or a committed token equal to the mask id cannot be told from a masked position, so the sampler, the
-three trainers and eval each refuse it where they first see it; these helpers keep how they name the token, the
-rows and the remedy the same everywhere.
+three trainers and eval each refuse it where they first see it; these helpers keep how they name the token and
+the rows the same everywhere, and the remedy for conversational prompts (SFT, whose rows carry their own
+``chat_template_kwargs`` column, words it for that column).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ..generation.sampling import checked_cfg_scale, sampling_logits
+from ..generation.sampling import checked_cfg_scale, guided_logits, sampling_logits
 from ..states import attention_mask_from_positions, positions_from_padding, state_before_step
 
 
@@ -41,9 +41,9 @@ def replay_logprobs(
     ``block_length`` is the rollout's block length for block-causal models (default: the model's). ``groups``
     (same layout, e.g. from ``step_groups``) replaces the steps by merged steps; ``exclude_mask_token=False`` keeps
     the mask token in the softmax (dLLM-RL's trainers). ``cfg_scale``: the ``generate()`` call's classifier-free
-    guidance scale (0: none), which changed the logits every token was sampled from (``_guided_logits``). One
-    whole-sequence forward per (merged) step (two with guidance): slow and obvious, the reference the packed scorer
-    is tested against. Differentiable.
+    guidance scale (0: none), which changed the logits every token was sampled from (``guided_logits``, the
+    sampler's own function). One whole-sequence forward per (merged) step (two with guidance): slow and obvious, the
+    reference the packed scorer is tested against. Differentiable.
     """
     cfg_scale = checked_cfg_scale(cfg_scale)  # the generate() call's, as generate() reads it
     if groups is not None:
@@ -58,25 +58,10 @@ def replay_logprobs(
     out = torch.zeros(sequences.shape, dtype=torch.float32, device=sequences.device)
     for step in range(int(unmask_step.max()) + 1):
         state = state_before_step(sequences, unmask_step, generated, step, model.mask_token_id)
-        logits = model.align_logits(_guided_logits(model, state, mask, positions, prompt, cfg_scale), valid)
+        logits = model.align_logits(guided_logits(model, state, mask, positions, prompt, cfg_scale), valid)
         excluded = model.mask_token_id if exclude_mask_token else None
         log_dist = sampling_logits(logits, temperature, top_k, top_p, excluded, model.top_p_first).log_softmax(-1)
         scores = log_dist.gather(-1, sequences[..., None]).squeeze(-1)
         now = unmask_step == step
         out = torch.where(now, scores, out)
     return out
-
-
-def _guided_logits(model, state: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, prompt: torch.Tensor,
-                   cfg_scale: float) -> torch.Tensor:
-    """The logits ``generate()`` samples from in ``state`` (not yet position-aligned): the model's, or with
-    classifier-free guidance (``cfg_scale > 0``) ``uncond + (cfg_scale + 1) * (cond - uncond)``, ``uncond`` from
-    the same state with the prompt's tokens (``prompt``, ``[B, L]``) masked, run in the same batched forward as the
-    sampler runs it (``generation.denoise.ModelRunner.forward``), so that replay reproduces its log-probs."""
-    if not cfg_scale:
-        return model(input_ids=state, attention_mask=mask, position_ids=positions, output_router_logits=False).logits
-    unconditional = state.masked_fill(prompt, model.mask_token_id)
-    both = model(input_ids=torch.cat([state, unconditional]), attention_mask=torch.cat([mask, mask]),
-                 position_ids=torch.cat([positions, positions]), output_router_logits=False).logits
-    cond, uncond = both.chunk(2)
-    return uncond + (cfg_scale + 1) * (cond - uncond)

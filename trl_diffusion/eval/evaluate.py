@@ -595,8 +595,9 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
         return (*load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
                                     config.max_problems, config.prompt_template, config.apply_chat_template), None)
     if isinstance(dataset, Mapping):  # iterating one would give its keys: split or column names
-        raise TypeError(f"dataset must be rows (a datasets.Dataset or pandas.DataFrame, or a list of dicts or "
-                        f"EvalProblems), got a {type(dataset).__name__} with keys {sorted(map(str, dataset))[:8]}: "
+        raise TypeError(f"dataset must be rows (a datasets.Dataset, IterableDataset or pandas.DataFrame, a list "
+                        f"or generator of dicts or EvalProblems), got a {type(dataset).__name__} with keys "
+                        f"{sorted(map(str, dataset))[:8]}: "
                         "pass one split (dataset['test']) of a DatasetDict, or datasets.Dataset.from_dict(columns) "
                         "for columns.")
     pandas = sys.modules.get("pandas")  # a DataFrame exists only once pandas is imported

@@ -21,6 +21,7 @@ from ..states import attention_mask_from_positions
 from .sampling import (
     Generators,
     confidence_scores,
+    guided_logits,
     ranking_inputs,
     sample_tokens,
     select_commits,
@@ -196,15 +197,9 @@ class ModelRunner:
         state = self.state
         ids, pos = state.canvas[:, cols], state.positions[:, cols]
         self.calls += 1
-        if not self.settings.cfg_scale:
-            return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=self.cache,
-                              logits_to_keep=keep, output_router_logits=False).logits
-        unconditional = ids.masked_fill(state.prompt_cols[:, cols], self.mask_id)
-        both = self.model(input_ids=torch.cat([ids, unconditional]),
-                          attention_mask=None if mask is None else torch.cat([mask, mask]),
-                          position_ids=torch.cat([pos, pos]), logits_to_keep=keep, output_router_logits=False).logits
-        cond, uncond = both.chunk(2)
-        return uncond + (self.settings.cfg_scale + 1) * (cond - uncond)
+        # guidance runs without a cache (SamplingSettings refuses one): past_key_values is None then
+        return guided_logits(self.model, ids, mask, pos, state.prompt_cols[:, cols], self.settings.cfg_scale,
+                             past_key_values=self.cache, logits_to_keep=keep)
 
     def _key_mask(self, queries: int, keys: int) -> torch.Tensor | None:
         """Every query sees the first ``keys`` columns except padding (None when no row has any). For the exact

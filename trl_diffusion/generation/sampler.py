@@ -15,7 +15,7 @@ from ..synced_forwards import needs_synced_forwards, synced_forwards
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows, per_row_adapter_names
-from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators, check_sampling_filters
+from .sampling import MIN_TEMPERATURE, REMASKING_STRATEGIES, Generators, check_sampling_filters, checked_cfg_scale
 
 logger = logging.get_logger(__name__)
 
@@ -122,8 +122,7 @@ class SamplingSettings:
                              "commits the leftmost masks, not by confidence); drop alg_temp or pick another strategy.")
         if not 0 <= self.eps < 1:
             raise ValueError(f"eps must lie in [0, 1), got {self.eps}.")
-        if not 0 <= self.cfg_scale < math.inf:
-            raise ValueError(f"cfg_scale must be finite and >= 0, got {self.cfg_scale}.")
+        checked_cfg_scale(self.cfg_scale)  # generate() and replay_logprobs' rule
         check_cuda_graphs("cuda_graphs", self.cuda_graphs)
         if self.cfg_scale and self.cache_mode != "none":
             raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache: pass use_cache=False "

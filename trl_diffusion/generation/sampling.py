@@ -55,6 +55,24 @@ def checked_cfg_scale(cfg_scale: float | None) -> float:
     return float(cfg_scale)
 
 
+def guided_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                  prompt: torch.Tensor, cfg_scale: float, **forward_kwargs) -> torch.Tensor:
+    """The logits a denoising step samples from: the model's, or with classifier-free guidance (``cfg_scale > 0``)
+    ``uncond + (cfg_scale + 1) * (cond - uncond)``, ``uncond`` from the same input with the prompt's tokens
+    (``prompt``, like ``input_ids``) masked, both in one batched forward. One function for the sampler
+    (``denoise.ModelRunner``) and ``replay_logprobs``, so that replay reproduces the sampler's log-probs."""
+    if not cfg_scale:
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     output_router_logits=False, **forward_kwargs).logits
+    unconditional = input_ids.masked_fill(prompt, model.mask_token_id)
+    both = model(input_ids=torch.cat([input_ids, unconditional]),
+                 attention_mask=None if attention_mask is None else torch.cat([attention_mask, attention_mask]),
+                 position_ids=torch.cat([position_ids, position_ids]), output_router_logits=False,
+                 **forward_kwargs).logits
+    cond, uncond = both.chunk(2)
+    return uncond + (cfg_scale + 1) * (cond - uncond)
+
+
 def sampling_logits(
     logits: torch.Tensor,
     temperature: float = 1.0,

@@ -272,16 +272,6 @@ def _twice(rows: torch.Tensor | None) -> torch.Tensor | None:
     return None if rows is None else rows.repeat_interleave(2, 0)
 
 
-def labelled_span_counts(labelled: torch.Tensor, rows: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """How many labelled spans (runs of consecutive labelled positions) each of ``num_rows`` rows holds ``[num_rows]``.
-    ``labelled`` ``[N]`` (bool) and ``rows`` ``[N]`` (each position's row, non-decreasing) describe the rows' positions
-    laid end to end, as a flattened Arrow list column or a batch's concatenated labels give them. ``semi_ar`` lays
-    its blocks over one span (a completion, one assistant turn); assistant-only multi-turn rows hold one per turn."""
-    continues = torch.zeros_like(labelled)
-    continues[1:] = labelled[:-1] & (rows[1:] == rows[:-1])
-    return torch.bincount(rows[labelled & ~continues], minlength=num_rows)
-
-
 def semi_ar_objective(
     input_ids, labels, valid, mask_token_id: int, block_length: int, generators, eps: float = 1e-3,
     weighting: str = "elbo", high: float = 1.0, per_token: bool = False,
@@ -291,7 +281,7 @@ def semi_ar_objective(
     (``per_token``: each token with its own t, dLLM-RL's) (scored, weight 1/t_b), blocks after b fully masked (not
     scored). The blocks cover a row's labels from the first to the last as one span: rows with several labelled
     spans (assistant-only multi-turn) have no decoding state to match, and ``DiffusionSFTTrainer`` refuses them
-    (``labelled_span_counts``) before they get here."""
+    (``sft_trainer._span_counts``) before they get here."""
     batch = input_ids.shape[0]
     _check_generators(generators, batch)
     completion = labels != IGNORE_INDEX

@@ -57,7 +57,6 @@ from .diffusion_losses import (
     count_loss_tokens,
     diffusion_loss,
     joined_scores,
-    labelled_span_counts,
     never_committed_tail,
     per_row_weights,
     rows_averaged,
@@ -1006,9 +1005,11 @@ def _check_one_labelled_span(datasets: dict) -> None:
 
 
 def _span_counts(labelled: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """``diffusion_losses.labelled_span_counts`` for the rows of an Arrow list array: how many runs of consecutive
-    labelled positions each row holds, from its flattened positions' ``labelled`` flags (bool) and its ``rows + 1``
-    row bounds ``offsets`` (from 0). Only the spans' first positions get an index (a byte per position otherwise)."""
+    """How many labelled spans (runs of consecutive labelled positions) each row holds, from the rows' flattened
+    positions' ``labelled`` flags (bool) and their ``rows + 1`` bounds ``offsets`` (from 0): an Arrow list array's,
+    or a batch's. ``semi_ar`` lays its blocks over one span (a completion, one assistant turn); assistant-only
+    multi-turn rows hold one per turn. Only the spans' first positions get an index (a byte per position
+    otherwise)."""
     starts = labelled.copy()
     starts[1:] &= ~labelled[:-1]
     firsts = offsets[:-1][offsets[:-1] < offsets[1:]]  # a row's first position starts a span when labelled
@@ -1024,10 +1025,10 @@ def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list
                if example.get("labels") is not None and "seq_lengths" not in example]
     if not checked:
         return
-    labelled = torch.cat([torch.as_tensor(list(labels)) != IGNORE_INDEX for _, labels in checked])
-    owner = torch.repeat_interleave(torch.arange(len(checked)), torch.tensor([len(labels) for _, labels in checked]))
-    counts = labelled_span_counts(labelled, owner, len(checked))
-    several = [(checked[i][0], int(counts[i])) for i in (counts > 1).nonzero().flatten().tolist()]
+    labelled = np.concatenate([np.asarray(list(labels)) != IGNORE_INDEX for _, labels in checked])
+    offsets = np.concatenate([[0], np.cumsum([len(labels) for _, labels in checked])])
+    counts = _span_counts(labelled, offsets)
+    several = [(checked[i][0], int(counts[i])) for i in np.flatnonzero(counts > 1)]
     if several:
         named = [f"sample_index {indices[row]}" if isinstance(indices[row], int) else f"batch row {row}"
                  for row, _ in several]
