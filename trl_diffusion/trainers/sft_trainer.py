@@ -841,33 +841,16 @@ ARROW_SLICE_ROWS = 1 << 12
 def _arrow_slices(dataset, column: str):
     """The list ``column`` of an in-memory dataset's rows, in the dataset's order (a ``select`` / ``shuffle`` mapping
     applied: packing shuffles), as ``(dataset index of its first row, Arrow list array)`` pieces of at most
-    ``ARROW_SLICE_ROWS`` rows: zero-copy slices of the stored (often memory-mapped) column, or for a mapped dataset
-    its rows gathered one piece at a time (``_gathered``). A check reading them holds one piece's positions at a time,
+    ``ARROW_SLICE_ROWS`` rows, read by ``datasets`` one batch at a time (stored rows as zero-copy slices of the often
+    memory-mapped table, mapped rows gathered per batch): a check reading them holds one piece's positions at a time,
     whatever the dataset's size. Nothing for a stream, an empty dataset or a missing column."""
     if not isinstance(dataset, Dataset) or len(dataset) == 0 or column not in dataset.column_names:
         return
-    values = dataset.data.column(column)
-    mapping = getattr(dataset, "_indices", None)
-    for start in range(0, len(dataset), ARROW_SLICE_ROWS):
-        if mapping is not None:
-            yield start, _gathered(values, mapping.column(0).slice(start, ARROW_SLICE_ROWS).to_numpy())
-            continue
-        first = start
-        for chunk in values.slice(start, ARROW_SLICE_ROWS).chunks:
-            yield first, chunk
-            first += len(chunk)
-
-
-def _gathered(values, rows: np.ndarray):
-    """The ``rows`` of a chunked Arrow column, in that order, as one array, taken chunk by chunk: Arrow's ``take`` of
-    a chunked list column first joins its chunks (a copy of the whole column)."""
-    rows = rows.astype(np.int64)
-    bounds = np.cumsum([0] + [len(chunk) for chunk in values.chunks])
-    chunk_of = np.searchsorted(bounds, rows, side="right") - 1
-    order = np.argsort(chunk_of, kind="stable")  # the rows grouped by chunk, each group in the given order
-    pieces = [values.chunk(chunk).take(rows[order][chunk_of[order] == chunk] - bounds[chunk])
-              for chunk in np.unique(chunk_of)]
-    return pa.concat_arrays(pieces).take(np.argsort(order))
+    start = 0
+    for table in dataset.with_format("arrow", columns=[column]).iter(batch_size=ARROW_SLICE_ROWS):
+        for chunk in table.column(column).chunks:
+            yield start, chunk
+            start += len(chunk)
 
 
 def _list_parts(lists) -> tuple[np.ndarray, Any]:
