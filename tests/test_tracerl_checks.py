@@ -288,3 +288,39 @@ def test_chat_prompts_stored_as_a_fixed_size_list_are_taken(tmp_path):
     dataset = Dataset.from_dict({"prompt": messages}, features=features)  # Arrow fixed_size_list
     TraceRLTrainer(tiny_model("sdar"), zero_reward, args=config(tmp_path), processing_class=build_tokenizer(),
                    train_dataset=dataset)
+
+
+def test_models_an_earlier_bf16_trainer_prepared_run_in_float32_again(tmp_path):
+    """accelerate wraps a prepared model's forward in autocast on the object itself, and the wrapper outlived that
+    trainer: a value model warm-started with DiffusionValueConfig's default bf16 and handed over in memory ran in
+    bf16 inside TraceRLTrainer(bf16=False) (values 0.3 off a float32 copy), the policy likewise."""
+    import copy
+
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    from trl_diffusion.value import DiffusionValueModel
+
+    policy = tiny_model("sdar").train()
+    value = DiffusionValueModel.from_policy(policy)
+    torch.nn.init.normal_(value.value_head.weight)  # a head that reads the hidden states (zero at start)
+    policy_copy, value_copy = copy.deepcopy(policy).eval(), copy.deepcopy(value).eval()
+    AcceleratorState._reset_state(True)  # the process's state holds the earlier trainers' precision
+    try:
+        earlier = Accelerator(mixed_precision="bf16", cpu=True)
+        for module in (policy, value):
+            earlier.prepare_model(module)
+            assert "_original_forward" in module.__dict__
+    finally:
+        AcceleratorState._reset_state(True)
+    TraceRLTrainer(policy, zero_reward, args=config(tmp_path), processing_class=build_tokenizer(),
+                   train_dataset=Dataset.from_dict({"prompt": PROMPTS}), value_model=value)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10, 11, 12]])
+    policy.eval()
+    value.eval()
+    with torch.no_grad():
+        for module, reference in ((policy, policy_copy), (value, value_copy)):
+            assert "_original_forward" not in module.__dict__
+            out, expected = module(input_ids=ids)[0], reference(input_ids=ids)[0]
+            assert out.dtype == torch.float32
+            assert torch.allclose(out, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))

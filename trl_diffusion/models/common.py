@@ -8,6 +8,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
 from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -912,12 +913,23 @@ def check_adapter_saveable(model, trainer: str) -> None:
         "(with peft_config= to train a new adapter on it).")
 
 
+def without_autocast_wrapper(model) -> None:
+    """Restore the ``forward`` of a model object that an earlier trainer prepared in mixed precision (``bf16`` /
+    ``fp16``): accelerate wraps it in autocast on the object itself, and the wrapper outlives that trainer, so a later
+    trainer with ``bf16=False`` (TraceRL after a value-model warm start, or after SFT, in one process) ran it in bf16
+    while its config said float32. A trainer in mixed precision wraps it again."""
+    if isinstance(model, nn.Module) and "_original_forward" in model.__dict__:
+        extract_model_from_parallel(model, keep_fp32_wrapper=False)
+
+
 def model_argument(model, processing_class, trainer: str):
     """``model`` as a trainer's ``__init__`` takes it: a path (``str`` or ``os.PathLike``, e.g.
     ``trl_diffusion.assets.EMBEDDED_MODEL``) becomes a ``str``, which TRL loads; a model object given without a
     ``processing_class`` must have been loaded from somewhere (``config._name_or_path``), since TRL loads the
-    tokenizer from there. Raises a ``ValueError`` saying what to pass otherwise."""
+    tokenizer from there. Raises a ``ValueError`` saying what to pass otherwise. A model object an earlier trainer
+    ran in mixed precision loses that trainer's autocast wrapper (``without_autocast_wrapper``)."""
     check_adapter_saveable(model, trainer)
+    without_autocast_wrapper(model)
     if isinstance(model, os.PathLike):
         return os.fspath(model)
     if isinstance(model, str) or processing_class is not None:

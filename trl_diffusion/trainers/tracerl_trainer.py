@@ -52,6 +52,7 @@ from ..generation.sampling import stable_seed
 from ..mask_token import SANITIZE_CONTROL_TOKENS, first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
+from ..models.common import without_autocast_wrapper
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
@@ -620,6 +621,7 @@ class TraceRLTrainer(GRPOTrainer):
             # in float32 unless model_init_kwargs names a dtype, as TRL loads a policy path
             value_model = DiffusionValueModel.load(str(value_model), dtype=_path_dtype(args.model_init_kwargs))
         check_value_model(value_model, "value_model")
+        without_autocast_wrapper(value_model)  # a warm-start trainer's bf16 autocast, if it ran in bf16
         value_model = value_model.whole()  # kept whole on every process, also one loaded partitioned under ZeRO-3
         if value_model.mask_token_id != policy.mask_token_id:
             raise ValueError(f"the value model's mask_token_id ({value_model.mask_token_id}) differs from the "
