@@ -186,9 +186,26 @@ def test_a_train_dataset_truncation_empties_is_refused_at_construction(tmp_path,
     with pytest.raises(ValueError, match="all 3 of its rows were dropped") as refused:
         trainer(tmp_path, data, max_length=8, diffusion_objective=objective)
     assert "max_length=8" in str(refused.value) and "Raise max_length" in str(refused.value)
-    with pytest.raises(ValueError, match="has no rows"):
+    with pytest.raises(ValueError, match="the train dataset has no rows"):
         trainer(tmp_path, data.select([]))
     assert len(trainer(tmp_path, data, max_length=48, diffusion_objective=objective).train_dataset) == 3
+
+
+def test_an_eval_dataset_empty_or_emptied_by_truncation_is_refused(tmp_path):
+    """An eval set truncation empties made evaluate() log no eval_loss (metric_for_best_model then failed); an empty
+    one failed in TRL with a bare StopIteration, at construction or at evaluate(eval_dataset=...)."""
+    fits = Dataset.from_list([{"prompt": "Q\n", "completion": "yes"}] * 2)
+    overlong = Dataset.from_list([{"prompt": "a long prompt that fills max_length\n", "completion": "yes"}] * 3)
+    with pytest.raises(ValueError, match="the eval dataset is empty after preparation: all 3 of its rows"):
+        trainer(tmp_path, fits, eval_dataset=overlong, max_length=8)
+    with pytest.raises(ValueError, match="the eval 'hard' dataset is empty after preparation"):
+        trainer(tmp_path, fits, eval_dataset={"easy": fits, "hard": overlong}, max_length=8)
+    with pytest.raises(ValueError, match="the eval dataset has no rows"):
+        trainer(tmp_path, fits, eval_dataset=fits.select([]), max_length=8)
+    kept = trainer(tmp_path, fits, eval_dataset=fits, max_length=8)
+    assert "eval_loss" in kept.evaluate()
+    with pytest.raises(ValueError, match="the eval dataset has no rows"):
+        kept.evaluate(fits.select([]))
 
 
 @pytest.mark.parametrize("value,data,warned", [

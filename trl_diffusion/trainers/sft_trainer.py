@@ -404,10 +404,12 @@ class DiffusionSFTTrainer(SFTTrainer):
                 )
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
+        eval_sets = list(eval_dataset.items()) if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
+        for name, dataset in [("train", train_dataset), *eval_sets]:
+            if isinstance(dataset, Dataset) and len(dataset) == 0:  # TRL would fail reading a first row
+                raise _empty_dataset_error(name, 0, args)
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
-            if isinstance(train_dataset, Dataset) and len(train_dataset) == 0:  # TRL fails reading its first row
-                raise _empty_train_error(0, args)
             _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"),
                                               {"train": train_dataset, **_named(eval_dataset)})
         if not isinstance(model, str):
@@ -539,6 +541,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             # packed, ...) and cannot be made so from the prepared rows: refused. Known by identity: a user's own
             # `sample_index` column is no sign of it.
             return dataset
+        if isinstance(dataset, Dataset) and len(dataset) == 0:  # TRL fails reading its first row (StopIteration)
+            raise _empty_dataset_error(dataset_name, 0, args)
         self._check_columns(dataset, args, formatting_func, dataset_name)
         if isinstance(dataset, Dataset | IterableDataset) and _packed_by_a_trainer(dataset):
             # a copy (`select`, `shuffle`, ...) of packed rows a DiffusionSFTTrainer made: packing them again would
@@ -576,8 +580,9 @@ class DiffusionSFTTrainer(SFTTrainer):
         dataset = _without_column(dataset, "sample_offset")
         stream = isinstance(dataset, IterableDataset)
         dataset = dataset.map(_add_stream_sample_index if stream else _add_sample_index, with_indices=True)
-        if dataset_name == "train" and rows_given is not None and len(dataset) == 0:
-            raise _empty_train_error(rows_given, args)  # Trainer would fail at train() with "num_samples=0"
+        if rows_given is not None and len(dataset) == 0:
+            # Trainer would fail at train() with "num_samples=0", and evaluate() log no eval_loss
+            raise _empty_dataset_error(dataset_name, rows_given, args)
         if packing and packed_given:  # the user's packed rows: each document kept apart, as without packing
             dataset = _packed_rows_fit(dataset, max_length, dataset_name)
         elif packing:
@@ -1019,16 +1024,19 @@ def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list
                                    [f"{name} ({spans} spans)" for name, (_, spans) in zip(named, several)])
 
 
-def _empty_train_error(rows_given: int, args: DiffusionSFTConfig) -> ValueError:
-    """The refusal of a train dataset with no rows (``rows_given`` 0), or left with none by preparation: truncation
-    to ``max_length`` drops every row left without a labelled token (TRL's ``_prepare_dataset`` does, and
-    ``_truncate_with_steps`` as it); Trainer would fail at ``train()`` with "num_samples=0"."""
+def _empty_dataset_error(dataset_name: str, rows_given: int, args: DiffusionSFTConfig) -> ValueError:
+    """The refusal of a dataset (``dataset_name`` as TRL's ``_prepare_dataset`` gets it: ``train``, ``eval`` or the
+    key of a dict of eval datasets) with no rows (``rows_given`` 0), or left with none by preparation: truncation to
+    ``max_length`` drops every row left without a labelled token (TRL's ``_prepare_dataset`` does, and
+    ``_truncate_with_steps`` as it). Trainer would fail at ``train()`` with "num_samples=0"; ``evaluate()`` would
+    log no ``eval_loss`` (and ``metric_for_best_model`` fail later)."""
+    name = dataset_name if dataset_name in ("train", "eval") else f"eval {dataset_name!r}"
     if rows_given == 0:
-        return ValueError("the train dataset has no rows: give it at least one example.")
+        return ValueError(f"the {name} dataset has no rows: give it at least one example.")
     return ValueError(
-        f"the train dataset is empty after preparation: all {rows_given} of its rows were dropped because "
+        f"the {name} dataset is empty after preparation: all {rows_given} of its rows were dropped because "
         f"truncating them to max_length={args.max_length} (truncation_mode={args.truncation_mode!r}) left none of "
-        "their tokens with a label to train on (rows without one are dropped, as TRL does): the prompts (or the turns "
+        "their tokens with a label (rows without one are dropped, as TRL does): the prompts (or the turns "
         "before the first trained-on one) fill max_length. Raise max_length above the longest prompt, or shorten the "
         "prompts."
     )
