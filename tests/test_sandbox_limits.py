@@ -317,7 +317,7 @@ def test_reward_and_eval_settings_reach_the_limit_checks():
     assert SandboxLimits(timeout=2, cpu_seconds=3).timeout == 2  # ints are fine for the seconds
 
 
-@pytest.mark.parametrize("time_limit", [0, -1, float("inf"), "nan"])
+@pytest.mark.parametrize("time_limit", [0, -1, float("inf"), "nan", True])
 def test_official_code_rows_time_limit_is_checked_before_a_run(time_limit):
     """A dataset row's test_time_limit that no run could use is an error naming the column, not a sandbox error."""
     from trl_diffusion.rewards.dllm_rl_code import run_official

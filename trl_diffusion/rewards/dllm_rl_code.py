@@ -355,8 +355,11 @@ def official_code_outcomes(
 
 
 def time_limit_seconds(time_limit: Any) -> float:
-    """A row's ``test_time_limit`` in seconds (``None``: dLLM-RL's default, 1 s); ``ValueError`` unless finite > 0."""
+    """A row's ``test_time_limit`` in seconds (``None``: dLLM-RL's default, 1 s); ``ValueError`` unless a finite
+    number > 0; a boolean is refused, as the eval loader refuses it (``float(True)`` would read it as 1 s)."""
     try:
+        if isinstance(time_limit, bool):
+            raise TypeError
         limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
     except (TypeError, ValueError):
         limit = math.nan
