@@ -265,10 +265,12 @@ def test_missing_or_empty_prompts_are_refused_at_construction_by_row(tmp_path, p
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=shuffled)
 
 
-def test_a_prompt_column_of_numbers_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="'prompt' column holds int64 values"):
+@pytest.mark.parametrize("prompts, held", [([1, 2, 3, 4], "int64"), ([["a", "b"]] * 4, "list<item: string>")])
+def test_a_prompt_column_of_neither_text_nor_messages_is_refused(tmp_path, prompts, held):
+    # a list of strings is no conversation: TRL took it for text and tokenized it as a batch of prompts
+    with pytest.raises(ValueError, match=f"'prompt' column holds {held} values"):
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
-                       train_dataset=Dataset.from_dict({"prompt": [1, 2, 3, 4]}))
+                       train_dataset=Dataset.from_dict({"prompt": prompts}))
 
 
 def test_bnpo_with_group_filtering_needs_one_micro_batch_per_step(tmp_path):

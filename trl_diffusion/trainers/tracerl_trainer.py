@@ -1311,8 +1311,9 @@ def _check_prompt_values(dataset: Dataset, split: str) -> None:
     column = dataset.with_format("arrow")["prompt"]
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         empty = pc.equal(pc.utf8_length(column), 0)
-    elif pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(
-            column.type) or pa.types.is_list_view(column.type) or pa.types.is_large_list_view(column.type):
+    elif (pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(
+            column.type) or pa.types.is_list_view(column.type) or pa.types.is_large_list_view(column.type)) and (
+            pa.types.is_struct(column.type.value_type) or pa.types.is_null(column.type.value_type)):
         empty = pc.equal(pc.list_value_length(column), 0)
     elif pa.types.is_null(column.type):  # every row None
         empty = pc.is_null(column)
