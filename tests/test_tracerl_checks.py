@@ -267,7 +267,7 @@ def test_missing_or_empty_prompts_are_refused_at_construction_by_row(tmp_path, p
 
 @pytest.mark.parametrize("prompts, held", [([1, 2, 3, 4], "int64"), ([["a", "b"]] * 4, "list<item: string>")])
 def test_a_prompt_column_of_neither_text_nor_messages_is_refused(tmp_path, prompts, held):
-    # a list of strings is no conversation: TRL took it for text and tokenized it as a batch of prompts
+    # a list of strings is no conversation: training ran, on whatever the tokenizer made of the lists
     with pytest.raises(ValueError, match=f"'prompt' column holds {held} values"):
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
                        train_dataset=Dataset.from_dict({"prompt": prompts}))
