@@ -15,6 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast, MoeModelOutputWithPast
 
 from ..states import attention_mask_from_positions, positions_from_padding
+from ..vocabulary import check_mask_token_id
 from .cache import DiffusionCache, StaticDiffusionCache
 from .kernels import EAGER, Kernels, UsesKernels
 
@@ -115,6 +116,7 @@ class DiffusionModelMixin:
             raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
                              "attention_mask (True / 1 = attend, or an additive float mask).")
         output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
+        past_key_values, store_kv = cache_switches(past_key_values, store_kv, kwargs)
         if isinstance(attention_mask, str):
             attention_mask = None
         routed = router_logits_requested(self.config, output_router_logits)
@@ -151,6 +153,25 @@ def output_switches(config, output_hidden_states: bool | None, kwargs: dict) -> 
     if output_hidden_states is None:
         output_hidden_states = bool(getattr(config, "output_hidden_states", False))
     return output_hidden_states, kwargs.get("return_dict") is False
+
+
+def cache_switches(past_key_values, store_kv: bool, kwargs: dict) -> tuple:
+    """transformers' cache arguments of a forward, as ``(past_key_values, store_kv)``.
+
+    ``cache`` is transformers >= 5.24's name for ``past_key_values`` (the name the output hands the cache back
+    under): either may carry it, both at once is an error. ``use_cache=True`` stores this pass's keys and values, as
+    a transformers model does, into the given cache or a new ``DiffusionCache`` (the output's ``cache``); ``None`` or
+    ``False`` leaves writing to ``store_kv``: a diffusion forward returns no cache unless asked (the config's
+    ``use_cache`` is not read), since its denoising passes read a prefix they must not write."""
+    cache = kwargs.get("cache")
+    if cache is not None:
+        if past_key_values is not None:
+            raise ValueError("pass the cache as either past_key_values or cache (transformers >= 5.24's name), not "
+                             "both.")
+        past_key_values = cache
+    if kwargs.get("use_cache"):
+        return (DiffusionCache() if past_key_values is None else past_key_values), True
+    return past_key_values, store_kv
 
 
 def keep_positions(hidden: torch.Tensor, keep) -> torch.Tensor:
@@ -756,6 +777,7 @@ class QwenStyleBackbone(DiffusionPreTrainedModel):
         """``output_router_logits`` (mixture-of-experts backbones; None: the config's): see ``run_backbone``; the
         output arguments as in the LM's forward (``output_switches``)."""
         output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
+        past_key_values, store_kv = cache_switches(past_key_values, store_kv, kwargs)
         head_dim = self.layers[0].self_attn.head_dim
         out = run_backbone(self, self.embed_tokens, self.layers, self.norm, head_dim, input_ids, inputs_embeds,
                            attention_mask, position_ids, past_key_values, store_kv, output_hidden_states,
@@ -773,8 +795,8 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
     return them: gradient checkpointing keeps their gradient)."""
     if store_kv and model.gradient_checkpointing and model.training and torch.is_grad_enabled():
         # the checkpointed layers run again in backward and would append their keys a second time
-        raise ValueError("store_kv=True under gradient checkpointing in a training forward: write a cache under "
-                         "torch.no_grad() or in eval mode.")
+        raise ValueError("store_kv=True (or use_cache=True) under gradient checkpointing in a training forward: "
+                         "write a cache under torch.no_grad() or in eval mode.")
     hidden, position_ids, mask, new_valid = _prepare_inputs(
         model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed
     )
@@ -820,6 +842,9 @@ def _prepare_inputs(model, input_ids, inputs_embeds, attention_mask, position_id
                                             by_padding=model.diffusion_block_size is not None)
     elif position_ids.dim() == 1:
         position_ids = position_ids[None]
+    if position_ids.dim() != 2 or position_ids.shape[-1] != q_len or position_ids.shape[0] not in (1, batch):
+        raise ValueError(f"position_ids must be [{batch}, {q_len}] (or [1, {q_len}] / [{q_len}], the same for every "
+                         f"row): one position per input token, got {tuple(position_ids.shape)}.")
     position_ids = position_ids.expand(batch, -1)
     mask, new_valid = resolve_attention_mask(
         attention_mask, position_ids, batch, q_len, cache, model.diffusion_block_size, hidden.dtype
@@ -856,8 +881,9 @@ def causal_lm_output(model, backbone_out, lm_logits: torch.Tensor, labels,
 
 
 def check_tokenizer(tokenizer, model) -> None:
-    """Raise early when a tokenizer cannot drive diffusion with ``model``: it needs the model's mask token."""
-    mask_id = model.mask_token_id
+    """Raise early when a tokenizer cannot drive diffusion with ``model``: it needs the model's mask token, which
+    must be a row of the model's embedding."""
+    mask_id = check_mask_token_id(model)
     tok_mask = getattr(tokenizer, "mask_token_id", None)
     if tok_mask is None:
         if mask_id >= len(tokenizer):

@@ -24,6 +24,7 @@ from ..common import (
     RMSNorm,
     apply_rotary,
     attend,
+    cache_switches,
     leftover_kwargs_error,
     output_switches,
     run_backbone,
@@ -153,6 +154,7 @@ class LLaDAModel(LLaDAPreTrainedModel):
                 past_key_values: DiffusionCache | None = None, inputs_embeds=None, store_kv: bool = False,
                 output_hidden_states: bool | None = None, **kwargs) -> BaseModelOutputWithPast | tuple:
         output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
+        past_key_values, store_kv = cache_switches(past_key_values, store_kv, kwargs)
         t = self.transformer
         out = run_backbone(self, t.wte, t.blocks, t.ln_f, self.config.d_model // self.config.n_heads, input_ids,
                            inputs_embeds, attention_mask, position_ids, past_key_values, store_kv,
