@@ -12,6 +12,7 @@ from transformers.utils import ModelOutput, logging
 from ..mask_token import mask_token_name
 from ..states import NOT_COMMITTED, CanvasLayout, max_positions
 from ..synced_forwards import needs_synced_forwards, synced_forwards
+from ..vocabulary import check_mask_token_id, embedding_rows
 from .cuda_graphs import GraphRunner, cuda_graph_capturable, runner_class, spread_over_devices
 from .denoise import Block, BlockSchedule, ModelRunner
 from .peft_rows import WorkingRows, follow_working_rows, per_row_adapter_names
@@ -214,7 +215,7 @@ def diffusion_generate(
     attention_mask = check_generation_inputs(model, input_ids, attention_mask, settings, generator)
     input_ids = input_ids.long()  # int32 / uint8 prompts, as transformers takes them; the canvas is int64
     device = input_ids.device
-    mask_id = model.mask_token_id
+    mask_id = check_mask_token_id(model)
     if bool((input_ids.eq(mask_id) & attention_mask).any()):
         raise ValueError(f"the prompt contains {mask_token_name(mask_id)}, which the model would read as a position "
                          "to fill; remove it before generating.")
@@ -318,7 +319,7 @@ def check_generation_inputs(model, input_ids, attention_mask, settings: Sampling
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(f"attention_mask must be a tensor of input_ids' shape {tuple(input_ids.shape)}, got {shape}.")
     attention_mask = attention_mask.bool()
-    vocab = model.get_input_embeddings().num_embeddings
+    vocab = embedding_rows(model)
     used = input_ids[attention_mask]
     if used.numel() and (int(used.min()) < 0 or int(used.max()) >= vocab):
         bad = used[(used < 0) | (used >= vocab)]

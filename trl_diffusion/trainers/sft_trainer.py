@@ -48,6 +48,7 @@ from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
+from ..vocabulary import embedding_rows
 from .checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
 from .diffusion_losses import (
     IGNORE_INDEX,
@@ -139,8 +140,9 @@ class DiffusionDataCollator:
                  max_length: int | None = None, padding_free: bool = False,
                  restore_document_starts: bool = True, reads_unmask_step: bool = True,
                  max_positions: int | None = None, one_labelled_span: bool = False, mask_token: str | None = None,
-                 assistant_only_loss: bool = False) -> None:
+                 assistant_only_loss: bool = False, vocab_rows: int | None = None) -> None:
         self.base = base
+        self.vocab_rows = vocab_rows  # the model's embedding rows: ids at or above them fail inside the embedding
         self.mask_token = mask_token  # the mask id's string and the setting the remedy depends on, for the refusal
         self.assistant_only_loss = assistant_only_loss
         self.one_labelled_span = one_labelled_span
@@ -160,8 +162,12 @@ class DiffusionDataCollator:
         steps = [example.pop("unmask_step", None) for example in examples]
         if not self.reads_unmask_step:  # an objective other than "trajectory": a rollout's record goes unread
             steps = [None] * len(examples)
-        for example, step in zip(examples, steps):
+        for row, (example, index, step) in enumerate(zip(examples, indices, steps)):
             length = len(example["input_ids"])
+            if self.vocab_rows is not None and length and not (
+                    0 <= min(example["input_ids"]) and max(example["input_ids"]) < self.vocab_rows):
+                sample = f"row {row}" if index is None else f"sample_index {_first(index)}"
+                raise _ids_outside_vocabulary_error(f"{sample} of a batch", self.vocab_rows)
             if self.max_length is not None and length > self.max_length:
                 raise ValueError(
                     f"a row of {length} tokens is longer than max_length={self.max_length} (with overlong_policy="
@@ -445,6 +451,8 @@ class DiffusionSFTTrainer(SFTTrainer):
         _check_rows_fit(positions, pad_to, prepared)
         _check_no_mask_token(self.spec.mask_token_id, self._tokenizer.mask_token, prepared,
                              self.args.assistant_only_loss)
+        rows = embedding_rows(self.model)
+        _check_ids_in_vocabulary(rows, prepared)
         if self.objective == "semi_ar":
             _check_one_labelled_span(prepared)
         self.data_collator = DiffusionDataCollator(
@@ -452,7 +460,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             padding_free=self.padding_free, restore_document_starts=not self.spec.logits_shift,
             reads_unmask_step=self.args.diffusion_objective == "trajectory", max_positions=positions,
             one_labelled_span=self.objective == "semi_ar", mask_token=self._tokenizer.mask_token,
-            assistant_only_loss=self.args.assistant_only_loss,
+            assistant_only_loss=self.args.assistant_only_loss, vocab_rows=rows,
         )
 
     # ---------------------------------------------------------------------------------------------- validation
@@ -883,6 +891,33 @@ def _column_max(dataset, column: str, lengths: bool) -> int | None:
         if value is not None and (largest is None or value > largest):
             largest = value
     return largest
+
+
+def _check_ids_in_vocabulary(rows: int, datasets: dict) -> None:
+    """Refuse at construction an in-memory prepared dataset with token ids outside ``[0, rows)``, the rows of the
+    model's input embedding, naming its first rows: a tokenizer with more tokens than the model (tokens added
+    without ``resize_token_embeddings``) failed at the first step with a bare IndexError inside the embedding (a
+    device-side assert on CUDA). Read from the Arrow column; streams are checked by the collator."""
+    for name, dataset in datasets.items():
+        bad = []
+        for start, ids in _arrow_slices(dataset, "input_ids"):
+            offsets, values = _list_parts(ids)
+            outside = pc.or_(pc.less(values, 0), pc.greater_equal(values, rows))
+            bad += (start + np.unique(_rows_of(pc.indices_nonzero(outside).to_numpy(), offsets))).tolist()
+        if bad:
+            raise _ids_outside_vocabulary_error(
+                f"{len(bad)} row(s) of the prepared {name} dataset ({first_few(bad[:6])})", rows)
+
+
+def _ids_outside_vocabulary_error(where: str, rows: int) -> ValueError:
+    return ValueError(f"{where}: token ids outside [0, {rows}), the rows of the model's input embedding. The "
+                      "tokenizer has tokens the model has no embedding for: after adding tokens, call "
+                      "model.resize_token_embeddings(len(tokenizer)).")
+
+
+def _first(index):
+    """A ``sample_index`` entry: one per example, or for a packed row one per token (its first sample named)."""
+    return index[0] if isinstance(index, list) else int(index)
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,

@@ -77,6 +77,7 @@ from ..value import (
     value_statistics,
 )
 from ..value.value_model import check_value_model, warn_if_half_precision
+from ..vocabulary import embedding_rows
 from ..zero3 import gathered, whole_state_dict
 from .checkpoint_files import refuse_save_only_model, start_checkpoint_folder
 from .eval_padding import padded_eval_batch, prefixed_eval_metrics
@@ -627,10 +628,12 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the value model's mask_token_id ({value_model.mask_token_id}) differs from the "
                              f"policy's ({policy.mask_token_id}): it must share the policy's tokenizer.")
         check_tokenizer(self._tokenizer, value_model)
-        if value_model.get_input_embeddings().num_embeddings < len(self._tokenizer):
-            raise ValueError(f"the value model's vocabulary ({value_model.get_input_embeddings().num_embeddings}) is "
-                             f"smaller than the tokenizer's ({len(self._tokenizer)}): it must share the policy's "
-                             "tokenizer.")
+        rows, policy_rows = embedding_rows(value_model), embedding_rows(policy)
+        if rows < max(policy_rows, len(self._tokenizer)):  # it reads every token the policy samples
+            raise ValueError(f"the value model's embedding has {rows} rows, fewer than the policy's ({policy_rows}) "
+                             f"or the tokenizer's ({len(self._tokenizer)} tokens): it reads every token the policy "
+                             "samples, any of the policy's rows. Build it from the policy (DiffusionValueModel."
+                             "from_policy) or resize its embedding to the policy's.")
         if value_model.attention_kind != policy.attention_kind:
             raise ValueError(f"the value model's attention ({value_model.attention_kind}) differs from the policy's "
                              f"({policy.attention_kind}); use a backbone of the policy's family.")

@@ -36,6 +36,7 @@ from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend, through_first_stop
 from ..trainers.checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
 from ..trainers.eval_padding import real_eval_rows
+from ..vocabulary import embedding_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
 from .value_model import DiffusionValueModel, check_value_model, token_values, warn_if_half_precision
@@ -101,7 +102,7 @@ class DiffusionValueTrainer(_BaseTrainer):
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
-                          vocab_size=model.get_input_embeddings().num_embeddings,
+                          vocab_size=embedding_rows(model),
                           max_positions=max_positions(model.config), mask_token_id=model.mask_token_id)
         train_dataset = prepare(train_dataset, name="train_dataset") if train_dataset is not None else None
         if isinstance(eval_dataset, dict):  # named eval sets (a DatasetDict too), as in transformers
