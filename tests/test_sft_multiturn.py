@@ -206,6 +206,22 @@ def test_an_eval_dataset_empty_or_emptied_by_truncation_is_refused(tmp_path):
     assert "eval_loss" in kept.evaluate()
     with pytest.raises(ValueError, match="the eval dataset has no rows"):
         kept.evaluate(fits.select([]))
+    with pytest.raises(ValueError, match="the test dataset has no rows"):
+        kept.predict(fits.select([]))
+
+
+def test_an_empty_stream_is_refused_naming_it(tmp_path):
+    # TRL read its first row with a bare StopIteration (at construction for train and eval, at evaluate())
+    fits = Dataset.from_list([{"prompt": "Q\n", "completion": "yes"}] * 2)
+    empty = IterableDataset.from_generator(lambda: iter([]), features=fits.features)
+    with pytest.raises(ValueError, match="the train dataset has no rows"):
+        trainer(tmp_path, empty)
+    with pytest.raises(ValueError, match="the eval dataset has no rows"):
+        trainer(tmp_path, fits, eval_dataset=empty)
+    with pytest.raises(ValueError, match="the eval 'b' dataset has no rows"):
+        trainer(tmp_path, fits, eval_dataset={"a": fits, "b": empty})
+    with pytest.raises(ValueError, match="the eval dataset has no rows"):
+        trainer(tmp_path, fits).evaluate(empty)
 
 
 @pytest.mark.parametrize("value,data,warned", [

@@ -412,7 +412,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
         eval_sets = list(eval_dataset.items()) if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
         for name, dataset in [("train", train_dataset), *eval_sets]:
-            if isinstance(dataset, Dataset) and len(dataset) == 0:  # TRL would fail reading a first row
+            if _has_no_rows(dataset):  # TRL would fail reading a first row with a bare StopIteration
                 raise _empty_dataset_error(name, 0, args)
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
@@ -549,7 +549,7 @@ class DiffusionSFTTrainer(SFTTrainer):
             # packed, ...) and cannot be made so from the prepared rows: refused. Known by identity: a user's own
             # `sample_index` column is no sign of it.
             return dataset
-        if isinstance(dataset, Dataset) and len(dataset) == 0:  # TRL fails reading its first row (StopIteration)
+        if _has_no_rows(dataset):  # TRL fails reading its first row (StopIteration)
             raise _empty_dataset_error(dataset_name, 0, args)
         self._check_columns(dataset, args, formatting_func, dataset_name)
         if isinstance(dataset, Dataset | IterableDataset) and _packed_by_a_trainer(dataset):
@@ -1059,13 +1059,21 @@ def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list
                                    [f"{name} ({spans} spans)" for name, (_, spans) in zip(named, several)])
 
 
+def _has_no_rows(dataset) -> bool:
+    """Whether ``dataset`` has no rows: a map-style one of length 0, or a stream whose first read yields nothing
+    (its first row is read, as TRL's preparation reads it)."""
+    if isinstance(dataset, Dataset):
+        return len(dataset) == 0
+    return isinstance(dataset, IterableDataset) and next(iter(dataset), None) is None
+
+
 def _empty_dataset_error(dataset_name: str, rows_given: int, args: DiffusionSFTConfig) -> ValueError:
-    """The refusal of a dataset (``dataset_name`` as TRL's ``_prepare_dataset`` gets it: ``train``, ``eval`` or the
-    key of a dict of eval datasets) with no rows (``rows_given`` 0), or left with none by preparation: truncation to
-    ``max_length`` drops every row left without a labelled token (TRL's ``_prepare_dataset`` does, and
-    ``_truncate_with_steps`` as it). Trainer would fail at ``train()`` with "num_samples=0"; ``evaluate()`` would
-    log no ``eval_loss`` (and ``metric_for_best_model`` fail later)."""
-    name = dataset_name if dataset_name in ("train", "eval") else f"eval {dataset_name!r}"
+    """The refusal of a dataset (``dataset_name`` as ``_prepare_dataset`` gets it: ``train``, ``eval``, the key of a
+    dict of eval datasets, or ``test`` from ``predict``) with no rows (``rows_given`` 0), or left with none by
+    preparation: truncation to ``max_length`` drops every row left without a labelled token (TRL's
+    ``_prepare_dataset`` does, and ``_truncate_with_steps`` as it). Trainer would fail at ``train()`` with
+    "num_samples=0"; ``evaluate()`` would log no ``eval_loss`` (and ``metric_for_best_model`` fail later)."""
+    name = dataset_name if dataset_name in ("train", "eval", "test") else f"eval {dataset_name!r}"
     if rows_given == 0:
         return ValueError(f"the {name} dataset has no rows: give it at least one example.")
     return ValueError(
