@@ -101,3 +101,26 @@ def test_another_kind_of_file_is_refused_before_anything_loads(capsys, tmp_path,
         parse_script_args(parser, ["--dataset_name", str(csv)])
     assert exit_info.value.code == 2
     assert "is not one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, text", [
+    ("empty.jsonl", ""), ("blank.jsonl", "\n \n"), ("list.json", " [ ]\n"), ("rows.json", '{"rows": []}'),
+    ("data.json", '{"version": 1, "data": []}'), ("bom.json", "\ufeff[]"),
+])
+def test_a_file_of_no_rows_is_refused_by_training_and_eval(tmp_path, name, text):
+    # training failed with a bare StopIteration or datasets' 'Instruction "train" corresponds to no data!'; eval took
+    # an empty wrapper for one row of an unknown format
+    from trl_diffusion.eval.datasets import load_eval_problems
+
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    with pytest.raises(ValueError, match="holds no rows"):
+        load_training_dataset(str(path))
+    with pytest.raises(ValueError, match="the dataset has no rows"):
+        load_eval_problems(str(path))
+
+
+def test_a_row_with_an_empty_list_beside_its_columns_stays_a_row(tmp_path):
+    path = tmp_path / "row.json"
+    path.write_text(json.dumps({"prompt": "2+2?", "completion": "4", "tools": []}))
+    assert load_training_dataset(str(path)).column_names == ["prompt", "completion", "tools"]

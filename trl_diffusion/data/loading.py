@@ -36,11 +36,13 @@ ROW_COLUMNS = frozenset({
 
 
 def wrapped_rows_key(data: object) -> str | None:
-    """The key of ``{"<key>": [{...}, ...]}``: a JSON object whose one non-empty list of objects holds the rows (None
-    for anything else). :func:`rows_wrapper_key` decides whether such an object wraps a file's rows."""
+    """The key of ``{"<key>": [{...}, ...]}``: a JSON object whose one non-empty list of objects holds the rows, or,
+    with none, whose one empty list does (``{"rows": []}``: a file of no rows, not a row of one column); None for
+    anything else. :func:`rows_wrapper_key` decides whether such an object wraps a file's rows."""
     if not isinstance(data, dict):
         return None
-    keys = [k for k, v in data.items() if isinstance(v, list) and v and all(isinstance(r, dict) for r in v)]
+    lists = [k for k, v in data.items() if isinstance(v, list) and all(isinstance(r, dict) for r in v)]
+    keys = [k for k in lists if data[k]] or lists
     return keys[0] if len(keys) == 1 else None
 
 
@@ -59,7 +61,7 @@ def rows_wrapper_key(data: object) -> str | None:
     keys and its list under another name (``{"query": ..., "tools": [...]}``). ``trl-diffusion eval`` and training
     read a file with this one rule."""
     key = wrapped_rows_key(data)
-    if key is None or str(key).lower() in ROW_COLUMNS or all(map(_is_chat_message, data[key])):
+    if key is None or str(key).lower() in ROW_COLUMNS or (data[key] and all(map(_is_chat_message, data[key]))):
         return None
     if len(data) == 1:
         return key
@@ -96,12 +98,24 @@ def _rows_field(path: str) -> str | None:
     key = rows_wrapper_key(data)
     if key is None:
         return None
+    if not data[key]:  # datasets: 'Instruction "train" corresponds to no data!'
+        raise ValueError(f"{path} holds no rows (its {key!r} list is empty): give it at least one example.")
     with open(path, "rb") as handle:
         if handle.read(3) == b"\xef\xbb\xbf":  # datasets' reader of a wrapped file fails on a byte-order mark
             raise ValueError(f"{path} wraps its rows in {{{key!r}: [...]}} and starts with a UTF-8 byte-order mark, "
                              "which datasets' JSON reader does not take there: save it without the mark (or as a "
                              "list of rows, or JSON lines).")
     return key
+
+
+def _is_blank_or_empty_list(path: str) -> bool:
+    """Whether a ``.json`` / ``.jsonl`` file holds nothing but white space, or ``[]``: read up to its second
+    character that is not white space."""
+    seen = ""
+    with open(path, encoding="utf-8-sig", errors="replace") as handle:
+        while len(seen) < 2 and (chunk := handle.read(1 << 16)):
+            seen += "".join(chunk.split())[:2 - len(seen)]
+    return seen in ("", "[]")
 
 
 def load_training_dataset(name: str, config: str | None = None, split: str = "train") -> Dataset:
@@ -118,7 +132,11 @@ def load_training_dataset(name: str, config: str | None = None, split: str = "tr
         path = os.path.expanduser(name)
         if name.lower().endswith(".parquet"):
             return load_dataset("parquet", data_files=path, split=split)
-        field = _rows_field(path) if os.path.isfile(path) else None
+        field = None
+        if os.path.isfile(path):
+            if _is_blank_or_empty_list(path):  # datasets: a bare StopIteration, or 'corresponds to no data!'
+                raise ValueError(f"{name} holds no rows: give it at least one example.")
+            field = _rows_field(path)
         return load_dataset("json", data_files=path, split=split, **({"field": field} if field else {}))
     check_local_file_type(name)
     return load_dataset(name, config, split=split)
