@@ -24,7 +24,6 @@ from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
-from ..data.loading import column_names
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
@@ -202,6 +201,24 @@ class DiffusionValueTrainer(_BaseTrainer):
         if self._signature_columns is None:
             self._signature_columns = list(TRAJECTORY_COLUMNS)
 
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval"):
+        """Trainer's ``evaluate``; a dict of datasets passed to it is prepared first, each under its name (Trainer
+        evaluates them one by one, as unnamed sets), so an error names the set and comes before any is evaluated."""
+        if isinstance(eval_dataset, dict):
+            eval_dataset = {key: self._prepared(data, f"eval_dataset[{key!r}]") for key, data in eval_dataset.items()}
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
+        """transformers' choice of the best checkpoint, with a warning when ``metric_for_best_model`` is NaN: NaN
+        compares as never better, so this evaluation cannot be the best (``best_model_checkpoint`` stays None if
+        every one is, and ``load_best_model_at_end`` then loads nothing), which transformers does silently."""
+        key = self.args.metric_for_best_model
+        key = key if key is None or key.startswith("eval_") else f"eval_{key}"
+        value = metrics.get(key) if key is not None else None
+        if isinstance(value, float) and math.isnan(value):
+            logger.warning(_nan_best_metric_warning(key, self.state.global_step))
+        return super()._determine_best_metric(metrics, trial)
+
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
             eval_dataset = self._prepared(eval_dataset, "eval_dataset")
@@ -285,6 +302,20 @@ class DiffusionValueTrainer(_BaseTrainer):
             tokens = torch.tensor(inputs["prompt_ids"].numel() + inputs["completion_ids"].numel())
         tokens = torch.as_tensor(tokens, device=self.args.device, dtype=torch.int64)
         self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
+
+
+def _nan_best_metric_warning(key: str, step: int) -> str:
+    """The warning for a NaN ``metric_for_best_model`` (``key`` as transformers looks it up) at ``step``, with the
+    likely cause: explained variance is NaN by design when the returns do not vary (``summarize_value_statistics``)."""
+    if key.endswith("value/explained_variance"):
+        why = ("explained variance is NaN when the returns of the evaluated tokens do not vary (too few eval rows, "
+               "e.g. one, or all rewards equal with gamma = 1)")
+    else:
+        why = "the evaluated values or losses are NaN (a diverged model?)"
+    return (f"metric_for_best_model {key!r} is NaN at step {step}: {why}. A NaN is never better than another value, "
+            "so this evaluation cannot be chosen as the best checkpoint (if none can, best_model_checkpoint stays "
+            "None and load_best_model_at_end loads nothing). Evaluate on rows whose rewards differ, or choose "
+            "another metric_for_best_model (e.g. 'eval_loss').")
 
 
 def _stop_token_ids(tokenizer, model) -> list[int]:
@@ -381,6 +412,31 @@ def _check_prompt(index: int, prompt: Any) -> None:
                      f"...}} messages), got {got}; fill it in or drop the row.")
 
 
+def _empty_dataset_error(name: str) -> ValueError:
+    """The refusal of a dataset with no rows, ``name`` as ``_prepare_dataset`` gets it (``train_dataset``,
+    ``eval_dataset``, ``eval_dataset['b']``, ``test_dataset``), worded as SFT's: Trainer failed at ``train()`` with
+    torch's "num_samples=0" (a stream: accelerate's "Batch does not contain any data"), and ``evaluate()`` returned no
+    ``eval_loss`` (a ``metric_for_best_model`` KeyError after the first training step)."""
+    label = name.removesuffix("_dataset")
+    if name.startswith("eval_dataset["):  # a member of a dict of eval datasets
+        label = f"eval {name[len('eval_dataset['):-1]}"
+    return ValueError(f"the {label} dataset has no rows: give it at least one example.")
+
+
+def _columns_of_non_empty(dataset: Dataset | IterableDataset, name: str) -> set[str]:
+    """The columns of ``dataset``, refused when it has no rows. A stream's first row is read for it (one read, as
+    TRL's SFTTrainer reads it), which also gives the columns of one that does not declare them
+    (``IterableDataset.from_generator``)."""
+    if isinstance(dataset, IterableDataset):
+        first = next(iter(dataset), None)
+        if first is None:
+            raise _empty_dataset_error(name)
+        return set(dataset.column_names or first)
+    if len(dataset) == 0:
+        raise _empty_dataset_error(name)
+    return set(dataset.column_names)
+
+
 def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_template_kwargs: dict | None = None,
                      vocab_size: int | None = None, max_positions: int | None = None,
                      name: str = "train_dataset", mask_token_id: int | None = None) -> Dataset | IterableDataset:
@@ -391,7 +447,8 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
     integers in ``[0, vocab_size)`` and steps integers >= -1; a prompt must be non-empty, hold no
     ``mask_token_id`` (nor may a committed completion token) and prompt + completion fit in ``max_positions``, as
     for a rollout (a value model fit on trajectories no rollout can produce). A stream
-    (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error."""
+    (``IterableDataset``) is checked row by row as it is read. ``name`` is the argument, for the type error.
+    A dataset with no rows is refused (``_columns_of_non_empty``)."""
     settings = {"tokenizer": tokenizer_fingerprint(tokenizer), "chat_template_kwargs": chat_template_kwargs,
                 "vocab_size": vocab_size, "max_positions": max_positions, "mask_token_id": mask_token_id}
     # e.g. evaluate(trainer.eval_dataset): checked already
@@ -401,7 +458,7 @@ def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_templat
         hint = ("pick one split, e.g. dataset['train']" if isinstance(dataset, dict) else
                 "convert rows with datasets.Dataset.from_list(rows) or a DataFrame with Dataset.from_pandas(frame)")
         raise TypeError(f"`{name}` must be a `Dataset` or `IterableDataset`, got `{type(dataset).__name__}`: {hint}.")
-    columns = set(column_names(dataset))
+    columns = _columns_of_non_empty(dataset, name)
     missing = [c for c in ("completion_ids", "unmask_step", "reward") if c not in columns]
     if missing or not columns & {"prompt", "prompt_ids"}:
         raise ValueError(f"a value dataset needs 'prompt' or 'prompt_ids', 'completion_ids', 'unmask_step' and "
