@@ -91,7 +91,7 @@ def test_dataset_without_prompt_column_is_refused_at_construction(tmp_path):
 def test_eval_and_iterable_datasets_without_prompt_are_refused(tmp_path):
     good = Dataset.from_dict({"prompt": PROMPTS})
     bad = Dataset.from_dict({"text": PROMPTS})
-    with pytest.raises(ValueError, match=r"eval \('held_out'\) dataset has columns \['text'\]"):
+    with pytest.raises(ValueError, match=r"eval 'held_out' dataset has columns \['text'\]"):
         TraceRLTrainer(tiny_model("sdar"), constant, args=tracerl_config(tmp_path), train_dataset=good,
                        eval_dataset={"held_out": bad}, processing_class=build_tokenizer())
     stream = IterableDataset.from_generator(lambda: iter([{"query": p} for p in PROMPTS]))

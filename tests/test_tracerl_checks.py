@@ -183,7 +183,7 @@ def test_prompts_holding_the_mask_token_are_refused_at_construction_by_row(tmp_p
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
                        train_dataset=Dataset.from_dict({"prompt": ["a", "b", MASK_TEXT, "c"]}))
     chats = Dataset.from_dict({"prompt": [[{"role": "user", "content": "hi"}], CHAT]})
-    with pytest.raises(ValueError, match=r"eval \('hard'\) dataset's row\(s\) 1 hold"):
+    with pytest.raises(ValueError, match=r"eval 'hard' dataset's row\(s\) 1 hold"):
         TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path), processing_class=build_tokenizer(),
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset={"easy": chats.select([0]),
                                                                                             "hard": chats})
@@ -236,7 +236,7 @@ def test_a_code_reward_refuses_its_rows_when_the_trainer_is_built(tmp_path):
         TraceRLTrainer(tiny_model("sdar"), make_code_reward(), args=config(tmp_path), train_dataset=data,
                        processing_class=build_tokenizer())
     official = Dataset.from_dict({"prompt": PROMPTS, "test_method": ["function"] * 4, "test_list": tests})
-    with pytest.raises(ValueError, match=r"official_code_reward: row 2 of the eval \('b'\) dataset"):
+    with pytest.raises(ValueError, match=r"official_code_reward: row 2 of the eval 'b' dataset"):
         TraceRLTrainer(tiny_model("sdar"), make_official_code_reward(), args=config(tmp_path),
                        train_dataset=official.select([0, 1]), eval_dataset={"a": official.select([0]), "b": official},
                        processing_class=build_tokenizer())

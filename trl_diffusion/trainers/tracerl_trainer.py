@@ -147,8 +147,7 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"{', '.join(multi_turn)} (TRL's tool calling / custom rollouts) cannot be used with "
                              "TraceRLTrainer: its rollouts are diffusion trajectories from model.generate(), and "
                              "the trainer scores exactly the states they record.")
-        _check_prompt_column(given.get("train_dataset"), "train")
-        _check_prompt_column(given.get("eval_dataset"), "eval")
+        _check_datasets(given.get("train_dataset"), given.get("eval_dataset"), args)
         kl_to_old = args.beta != 0.0 and args.kl_reference == "old_policy"
         own_reference = args.beta != 0.0 and args.kl_reference == "reference_model" and not isinstance(model, str) \
             and not _is_peft(model) and given.get("peft_config") is None
@@ -270,10 +269,10 @@ class TraceRLTrainer(GRPOTrainer):
             self._setup_value_model(value_model, base)
 
     def _datasets(self) -> dict:
-        """The train and eval datasets by name (``eval ('a')`` for a named eval set)."""
+        """The train and eval datasets by name (``eval 'a'`` for a named eval set, as the SFT trainer names it)."""
         evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
         return {"train": self.train_dataset,
-                **{"eval" if name is None else f"eval ({name!r})": data for name, data in evals.items()}}
+                **{"eval" if name is None else f"eval {name!r}": data for name, data in evals.items()}}
 
     def _check_reward_datasets(self) -> None:
         """Let each reward function that can (``check_dataset``: the code rewards) refuse rows it cannot score, when
@@ -999,6 +998,16 @@ class TraceRLTrainer(GRPOTrainer):
                     f"({loader.total_batch_size} rows) has none.")
         return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
 
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Trainer's evaluation, refusing by name an empty eval ``Dataset`` (passed here, named here, or the
+        trainer's): it would log no ``eval_loss`` / ``eval_reward``, and ``metric_for_best_model`` then fail."""
+        if isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict) and eval_dataset in self.eval_dataset:
+            _refuse_empty(self.eval_dataset[eval_dataset], f"eval {eval_dataset!r}")
+        else:
+            _refuse_empty(self.eval_dataset if eval_dataset is None else eval_dataset, "eval")
+        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
         """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
@@ -1285,15 +1294,62 @@ def _grpo_arguments(pos: tuple, kwargs: dict) -> dict:
     return {**dict(zip(names, pos)), **kwargs}
 
 
+def _check_datasets(train, evals, args: TraceRLConfig) -> None:
+    """The train and eval datasets' checks at construction: rows, columns, prompts, and enough prompts for one
+    generation batch (each would otherwise show only in ``train()`` / ``evaluate()``, or not at all)."""
+    _refuse_empty(train, "train")
+    _refuse_empty(evals, "eval")
+    _check_prompt_column(train, "train")
+    _check_prompt_column(evals, "eval")
+    _check_generation_batch_fits(train, args)
+
+
+def _refuse_empty(dataset, split: str) -> None:
+    """Refuse a ``Dataset`` with no rows, naming it as the SFT trainer does (``eval 'b'`` for a member of a dict of
+    eval datasets): TRL's sampler yields nothing from it, so ``train()`` takes no step yet returns, and
+    ``evaluate()`` logs no ``eval_loss`` / ``eval_reward`` (``metric_for_best_model`` then fails with a KeyError).
+    Streams are not read ahead."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            _refuse_empty(part, f"{split} {name!r}")
+    elif isinstance(dataset, Dataset) and len(dataset) == 0:
+        raise ValueError(f"the {split} dataset has no rows: give it at least one example.")
+
+
+def _check_generation_batch_fits(dataset, args: TraceRLConfig) -> None:
+    """Refuse a train ``Dataset`` with fewer prompts than one generation batch takes: TRL's ``RepeatSampler`` keeps
+    only full batches of ``generation_batch_size // num_generations`` prompts (``generation_batch_size`` is global:
+    per device x processes x ``steps_per_generation``), so it yields nothing, and ``train()`` returns at step 0
+    with ``max_steps`` or fails with a message about ``max_steps`` with ``num_train_epochs``."""
+    if not isinstance(dataset, Dataset):  # a stream is not read ahead
+        return
+    batch, generations = args.generation_batch_size, args.num_generations
+    prompts = batch // generations
+    if len(dataset) < prompts:
+        raise ValueError(
+            f"the train dataset has {len(dataset)} prompt(s), but one generation batch takes {prompts} "
+            f"(generation_batch_size {batch} / num_generations {generations}; TRL's sampler keeps only full "
+            "batches, so training would never take a step). Give more prompts or lower per_device_train_batch_size "
+            f"({args.per_device_train_batch_size}) / steps_per_generation ({args.steps_per_generation}; "
+            "gradient_accumulation_steps when not set) / generation_batch_size: generation_batch_size is "
+            f"per_device_train_batch_size x {args.world_size} process(es) x steps_per_generation.")
+
+
 def _check_prompt_column(dataset, split: str) -> None:
     """GRPO reads prompts from a ``prompt`` column: say so at construction, not at the first batch."""
     if isinstance(dataset, dict):
         for name, part in dataset.items():
-            _check_prompt_column(part, f"{split} ({name!r})")
+            _check_prompt_column(part, f"{split} {name!r}")
         return
     if not isinstance(dataset, Dataset | IterableDataset):
         return
     columns = dataset.column_names or list(next(iter(dataset), {}))
+    if not columns and isinstance(dataset, IterableDataset):
+        raise ValueError(f"the {split} dataset is a stream that declares no columns, and its first row has none: an "
+                         "empty stream, or one built without features whose rows hold no keys. TraceRLTrainer "
+                         "samples completions for the prompts in a 'prompt' column: check that the stream yields "
+                         "rows, and declare its columns when building it, e.g. IterableDataset.from_generator(gen, "
+                         "features=Features({'prompt': Value('string')})).")
     images = [name for name in ("image", "images") if name in columns]
     if images:  # TRL would render them into the prompts first (a chat template may fail on them first)
         raise ValueError(f"the {split} dataset has an {images[0]!r} column: TraceRLTrainer does not support images "
