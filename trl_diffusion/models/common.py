@@ -795,8 +795,8 @@ def run_backbone(model, embed, layers, final_norm, head_dim, input_ids, inputs_e
     return them: gradient checkpointing keeps their gradient)."""
     if store_kv and model.gradient_checkpointing and model.training and torch.is_grad_enabled():
         # the checkpointed layers run again in backward and would append their keys a second time
-        raise ValueError("store_kv=True (or use_cache=True) under gradient checkpointing in a training forward: "
-                         "write a cache under torch.no_grad() or in eval mode.")
+        raise ValueError("store_kv=True under gradient checkpointing in a training forward (use_cache=True writes "
+                         "a cache too): write a cache under torch.no_grad() or in eval mode.")
     hidden, position_ids, mask, new_valid = _prepare_inputs(
         model, input_ids, inputs_embeds, attention_mask, position_ids, cache, embed
     )
