@@ -61,7 +61,7 @@ class CgroupRoot:
                 _write(path, "memory.max", memory_bytes)
                 if os.path.exists(os.path.join(path, "memory.swap.max")):
                     _write(path, "memory.swap.max", 0)
-        except OSError:
+        except BaseException:  # an OSError, or an interrupt: the cgroup is not left behind
             os.rmdir(path)
             raise
         return path

@@ -452,13 +452,13 @@ def _run_once(
     launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
-    workdir = tempfile.mkdtemp(prefix="trl_diffusion_sandbox_")
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cpu_root = cpu_cgroup_root() if use_cgroup else None
-    cgroup = cpu_cgroup = None
+    cgroup = cpu_cgroup = workdir = None
     proc: subprocess.Popen | None = None
     read_fd = write_fd = init_fd = -1
     try:
+        workdir = tempfile.mkdtemp(prefix="trl_diffusion_sandbox_")  # inside: an interrupt leaves none behind
         read_fd, write_fd = os.pipe()
         os.chmod(workdir, 0o700)
         if drop is not None:
@@ -532,7 +532,8 @@ def _run_once(
         for fd in (read_fd, write_fd, init_fd):
             if fd >= 0:
                 os.close(fd)
-        _rmtree(workdir)
+        if workdir is not None:
+            _rmtree(workdir)
 
 
 def _destroy_cgroup(root: Any, path: str) -> None:
@@ -784,19 +785,50 @@ def _reap(proc: subprocess.Popen) -> int | None:
 
 
 def _rmtree(path: str) -> None:
-    """Delete the sandbox directory, even if the program removed permissions from its own sub-directories."""
+    """Delete a directory the program wrote in, whatever it made of it: sub-directories without permissions, or
+    nested deeper than Python's recursion limit (``shutil.rmtree`` recurses once per level, and a RecursionError
+    from it turned the run into a sandbox error and left the tree behind). Never raises: a directory that cannot be
+    removed is logged and left."""
     try:
         shutil.rmtree(path)
-    except OSError:
-        for root, dirs, _files in os.walk(path):
-            for name in dirs:
-                sub = os.path.join(root, name)
+    except (OSError, RecursionError):
+        try:
+            _remove_flattening(path)
+        except OSError as error:
+            import logging
+
+            logging.getLogger(__name__).warning("could not remove the sandbox directory %s: %s", path, error)
+
+
+def _remove_flattening(path: str) -> None:
+    """Remove the tree at ``path`` without recursion: each directory directly under ``path`` has its entries moved up
+    into ``path`` (a rename on one file system, by descriptor: no path is ever longer than two names), then is
+    removed, until ``path`` is empty. At most two directory descriptors are open at any time."""
+    top = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    moved = itertools.count()
+    try:
+        while entries := list(os.scandir(top)):
+            for entry in entries:
+                if not entry.is_dir(follow_symlinks=False):
+                    os.unlink(entry.name, dir_fd=top)
+                    continue
+                os.chmod(entry.name, 0o700, dir_fd=top)  # a directory: the program has stopped
+                sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
                 try:
-                    if not os.path.islink(sub):
-                        os.chmod(sub, 0o700)
-                except OSError:
-                    pass
-        shutil.rmtree(path, ignore_errors=True)
+                    for child in list(os.scandir(sub)):
+                        while True:  # a name not taken in `path`, which the program may have used too
+                            target = f".trl_diffusion_removed_{next(moved)}"
+                            try:
+                                os.stat(target, dir_fd=top, follow_symlinks=False)
+                            except FileNotFoundError:
+                                break
+                        os.rename(child.name, target, src_dir_fd=sub, dst_dir_fd=top)
+                finally:
+                    os.close(sub)
+                os.rmdir(entry.name, dir_fd=top)
+    finally:
+        os.close(top)
+    os.rmdir(path)
 
 
 # --------------------------------------------------------------------------------------------------------------------
