@@ -130,3 +130,13 @@ def test_ignore_mismatched_sizes_reinitialises_instead_of_raising(tmp_path):
     assert loaded.get_input_embeddings().weight.shape[0] == wider
     kept = loaded.model.layers[0].self_attn.q_proj.weight
     assert torch.equal(kept, model.model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada", "dream"])
+def test_set_output_embeddings_takes_transformers_keyword(family):
+    # transformers names the parameter new_embeddings; ours was `value`, a TypeError by keyword
+    model = tiny_model(family, **({"weight_tying": False} if family == "llada" else {}))
+    head = torch.nn.Linear(model.config.hidden_size if family != "llada" else model.config.d_model,
+                           model.get_output_embeddings().out_features, bias=False)
+    model.set_output_embeddings(new_embeddings=head)
+    assert model.get_output_embeddings() is head

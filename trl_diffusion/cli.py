@@ -70,7 +70,7 @@ apply: setting one is an error rather than silently ignored."""
 
 def checkpointing_off() -> dict[str, Any]:
     """An example script's default of no activation checkpointing (TRL's configs turn it on), for
-    ``parser.set_defaults(**checkpointing_off())``. Where transformers has ``activation_checkpointing`` (5.24, which
+    ``parser.set_defaults(**checkpointing_off())``. Where transformers has ``activation_checkpointing`` (5.23, which
     warns with a FutureWarning whenever the old name ``gradient_checkpointing`` is set) it leaves
     ``gradient_checkpointing`` unset (None), which with both names unset is off; before, it is ``False``. Not
     ``activation_checkpointing=False``: transformers reads the old name only while the new one is unset, so a

@@ -712,8 +712,8 @@ class QwenStyleLM(DiffusionModelMixin):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def set_output_embeddings(self, value):
-        self.lm_head = value
+    def set_output_embeddings(self, new_embeddings):  # transformers' parameter name (callers may pass it by keyword)
+        self.lm_head = new_embeddings
 
 
 def sliding_layers(config) -> bool:

@@ -420,10 +420,11 @@ class TraceRLConfig(GRPOConfig):
                              "`rollout_cache`.")
 
     def _check_checkpointing_kwargs(self) -> None:
-        """transformers 5.24's ``every_n_layers`` / ``offload`` checkpointing settings are arguments of
-        ``activation_checkpointing_enable``, not of ``torch.utils.checkpoint``; GRPO turns checkpointing off around
-        each rollout and back on with the kwargs as they are (``disable_gradient_checkpointing``), after which every
-        layer's forward got them (a TypeError at the first loss). Before 5.24 no release took them."""
+        """transformers' ``every_n_layers`` / ``offload`` checkpointing settings are arguments of the enabling method
+        (``activation_checkpointing_enable``; ``gradient_checkpointing_enable`` before 5.23), not of
+        ``torch.utils.checkpoint``; GRPO turns checkpointing off around each rollout and back on with the kwargs as
+        they are (``disable_gradient_checkpointing``), after which every layer's forward got them (a TypeError at the
+        first loss)."""
         kwargs = getattr(self, "activation_checkpointing_kwargs", None) or self.gradient_checkpointing_kwargs
         unsupported = sorted(set(kwargs) & {"every_n_layers", "offload"}) if isinstance(kwargs, dict) else []
         if unsupported and (getattr(self, "activation_checkpointing", None) or self.gradient_checkpointing):

@@ -1441,8 +1441,8 @@ def _check_completion_fits(model, args: TraceRLConfig) -> None:
 
 def _enable_checkpointing(model, args: TraceRLConfig) -> None:
     """Checkpoint ``model`` (the value model) as transformers' Trainer checkpoints the policy: through
-    ``activation_checkpointing_enable`` where it exists (transformers 5.24 deprecates ``gradient_checkpointing_enable``
-    with a FutureWarning), with ``every_n_layers`` / ``offload`` taken out of the kwargs as its arguments; before 5.24,
+    ``activation_checkpointing_enable`` where it exists (transformers 5.23 deprecates ``gradient_checkpointing_enable``
+    with a FutureWarning), with ``every_n_layers`` / ``offload`` taken out of the kwargs as its arguments; before 5.23,
     ``gradient_checkpointing_enable`` with ``gradient_checkpointing_kwargs`` as they are."""
     if not hasattr(model, "activation_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs)

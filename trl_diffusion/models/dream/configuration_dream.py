@@ -14,7 +14,7 @@ class DreamConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     ``rope_parameters`` instead; RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "Dream"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output field before / since transformers 5.24
 
     vocab_size: int = 151936
     hidden_size: int = 4096

@@ -24,7 +24,7 @@ class LLaDAConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig):
     ``rope_parameters`` instead, and RoPE scaling is refused (``UnscaledRopeConfig``)."""
 
     model_type = "llada"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output field before / since transformers 5.24
     attribute_map: ClassVar[dict[str, str]] = {
         "num_attention_heads": "n_heads",
         "num_hidden_layers": "n_layers",

@@ -185,8 +185,8 @@ class LLaDAModelLM(DiffusionModelMixin, LLaDAPreTrainedModel, DiffusionGeneratio
     def get_output_embeddings(self):
         return self.model.transformer["ff_out"] if "ff_out" in self.model.transformer else None
 
-    def set_output_embeddings(self, value):
-        self.model.transformer["ff_out"] = value
+    def set_output_embeddings(self, new_embeddings):  # transformers' parameter name
+        self.model.transformer["ff_out"] = new_embeddings
 
     @property
     def lm_head(self) -> nn.Linear | None:

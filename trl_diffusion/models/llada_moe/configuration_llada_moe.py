@@ -69,7 +69,7 @@ class LLaDAMoEConfig(UnscaledRopeConfig, CarryRemoteCodeConfig, PreTrainedConfig
     """
 
     model_type = "llada"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the output field before / since transformers 5.24
 
     vocab_size: int | None = None
     hidden_size: int | None = None
