@@ -156,6 +156,22 @@ def test_evaluate_report_and_jsonl(model_and_tokenizer, tmp_path):
     assert json.loads(Path(report["metrics_file"]).read_text())["metrics"] == metrics
 
 
+def test_a_second_evaluation_into_the_same_files_is_refused(model_and_tokenizer, tmp_path):
+    # two runs started at once into one output_dir interleaved their rows (spliced mid-line) and either run's
+    # metrics described the mixture
+    import fcntl
+
+    model, tokenizer = model_and_tokenizer
+    samples = tmp_path / f"{Path(model.name_or_path or 'model').name or 'model'}__math500_sample.jsonl"
+    with open(samples.with_suffix(".lock"), "w") as held:  # what a running evaluation holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="another evaluation is writing"):
+            evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), output_dir=str(tmp_path), **FAST)
+        assert not samples.exists()
+    report = evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), output_dir=str(tmp_path), **FAST)
+    assert Path(report["samples_file"]) == samples and not samples.with_suffix(".lock").exists()
+
+
 def test_a_sampled_completion_does_not_depend_on_the_batch_size_or_the_problems_evaluated(model_and_tokenizer,
                                                                                            tmp_path):
     # one generator shared by every batch made each sample depend on batch_size and on the problems before it

@@ -5,7 +5,9 @@ throughput) and a per-sample JSONL file."""
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import itertools
 import json
@@ -421,7 +423,7 @@ def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_i
 def _check_single_process() -> None:
     """Refuse a launch with several processes: each would evaluate every problem and all of them would write the
     same output files at once (the run is not data-parallel)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = int(os.environ.get("WORLD_SIZE") or 1)  # an empty value is no launch either
     if world > 1:
         raise ValueError(f"evaluation runs in a single process, but this launch has {world} (WORLD_SIZE): each "
                          "would evaluate every problem and write the same files. Run it without accelerate launch / "
@@ -485,34 +487,35 @@ def evaluate(
     model_source = _in_memory_source(model, model_name) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
-    _check_output_free(samples_path, sources)
-    rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
-    report = {
-        "model": model_name,
-        "dataset": tag,
-        "dataset_name": dataset_name,
-        "sources": sources,
-        "task": problems[0].task,
-        "num_problems": len(problems),
-        "num_samples": config.num_samples,
-        "apply_chat_template": config.apply_chat_template,
-        "chat_template_kwargs": config.chat_template_kwargs,
-        "math_grader": config.math_grader if problems[0].task == "math" else None,
-        "code_grader": config.code_grader if problems[0].task == "code" else None,
-        "metrics": _metrics(rows, problems, config.num_samples, ks),
-        "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
-        "samples_file": str(samples_path) if samples_path else None,
-        "metrics_file": None,
-    }
-    report["metrics"].update(_speed(rows, seconds, forward_passes))
-    if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
-        logger.warning(PLAIN_PROMPT_HINT)
-    if samples_path is not None:
-        metrics_path = samples_path.with_suffix(".metrics.json")
-        report["metrics_file"] = str(metrics_path)
-        partial = metrics_path.with_name(metrics_path.name + ".tmp")  # written whole, then renamed: never half a file
-        partial.write_text(json.dumps(report, indent=2) + "\n")
-        os.replace(partial, metrics_path)
+    with _output_lock(samples_path):  # held until the metrics are written
+        _check_output_free(samples_path, sources)
+        rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
+        report = {
+            "model": model_name,
+            "dataset": tag,
+            "dataset_name": dataset_name,
+            "sources": sources,
+            "task": problems[0].task,
+            "num_problems": len(problems),
+            "num_samples": config.num_samples,
+            "apply_chat_template": config.apply_chat_template,
+            "chat_template_kwargs": config.chat_template_kwargs,
+            "math_grader": config.math_grader if problems[0].task == "math" else None,
+            "code_grader": config.code_grader if problems[0].task == "code" else None,
+            "metrics": _metrics(rows, problems, config.num_samples, ks),
+            "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
+            "samples_file": str(samples_path) if samples_path else None,
+            "metrics_file": None,
+        }
+        report["metrics"].update(_speed(rows, seconds, forward_passes))
+        if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
+            logger.warning(PLAIN_PROMPT_HINT)
+        if samples_path is not None:
+            metrics_path = samples_path.with_suffix(".metrics.json")
+            report["metrics_file"] = str(metrics_path)
+            partial = metrics_path.with_name(metrics_path.name + ".tmp")  # whole, then renamed: never half a file
+            partial.write_text(json.dumps(report, indent=2) + "\n")
+            os.replace(partial, metrics_path)
     return report
 
 
@@ -676,6 +679,28 @@ def _output_path(output_dir: str | None, model_name: str, tag: str) -> Path | No
     path = Path(output_dir) / f"{model_tag}__{tag}.jsonl"
     path.parent.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def _output_lock(samples_path: Path | None):
+    """Hold the run's output files for the whole run: an exclusive ``fcntl.flock`` on a ``.lock`` file beside them
+    (released however the process ends). A second evaluation into the same files (two runs started at once for two
+    devices, into one ``--output_dir``) is refused: its rows were interleaved with this one's, spliced mid-line, and
+    the metrics file described either run's rows."""
+    if samples_path is None:
+        yield
+        return
+    lock_path = samples_path.with_suffix(".lock")
+    with open(lock_path, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"another evaluation is writing {samples_path} (it holds {lock_path}): let it finish, or "
+                             "give this one another --output_dir.") from None
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
 
 
 def _check_output_free(samples_path: Path | None, sources: dict[str, str]) -> None:
