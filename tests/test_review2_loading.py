@@ -282,6 +282,9 @@ def test_llada_released_tokenizer_without_mask_token_trains_with_sft(tmp_path):
     trainer = DiffusionSFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
     assert trainer.spec.mask_token_id == 261
     trainer.train()
-    model.config.mask_token_id = 300  # a mask id the tokenizer cannot hold is still refused
-    with pytest.raises(ValueError, match="no mask token and the model's mask id 300 is outside"):
+    model.config.mask_token_id = 300  # a mask id the model has no row for is refused
+    with pytest.raises(ValueError, match=r"mask_token_id 300 is no row of its input embedding \(\[0, 264\)\)"):
+        DiffusionSFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
+    model.config.mask_token_id = len(tokenizer)  # a row of the model, but no token of the tokenizer
+    with pytest.raises(ValueError, match=f"no mask token and the model's mask id {len(tokenizer)} is outside"):
         DiffusionSFTTrainer(model, args=args, train_dataset=data, processing_class=tokenizer)
