@@ -101,6 +101,14 @@ ATTACKS = {
     "transpose in brackets": (r"\left(\begin{pmatrix} 2 & 7 \\ 5 & 1 \end{pmatrix}\right)^\mathrm{T}",
                               r"\begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}"),
     "arithmetic in a vector": (r"\begin{pmatrix} 3 - 6 \\ 4 \end{pmatrix}", r"\begin{pmatrix} -3 \\ 4 \end{pmatrix}"),
+    # Two numbers set apart by a space (a fourth red-team): latex2sympy reads them as a mixed number, their sum, so
+    # the question's two addends copied into the box scored
+    "juxtaposed addends": ("17 25", "42"),
+    "juxtaposed with a LaTeX space": (r"17\ 25", "42"),
+    "juxtaposed after degrees": ("30° 45", "75"),
+    "digit groups read as a sum": ("123 456", "579"),
+    "a spaced thousand read as a sum": ("1 500", "501"),
+    "a spaced thousand read as zero": ("1 000", "0"),
 }
 
 
@@ -142,6 +150,8 @@ EQUIVALENT = [
     (r"\tan A = \frac{BC}{AB} = 2", "2"),
     # math-verify alone read these wrong (1\,000 as 1 * 000), or the rules refused them (\text{18} is a symbol named
     # 18 to math-verify, x in x = -2, x = 1 an unknown)
+    ("1 000", "1000"), ("1\u00a0500", "1500"), ("1\u2009234\u2009567", "1234567"), ("1 000", "1 000"),
+    ("\uff11\uff18", "18"), ("\u0661\u0668", "18"), ("\uff11\uff18", "\uff11\uff18"),  # full-width, Arabic-Indic
     (r"1\,000", "1000"), (r"14\,000", "14000"), (r"12\;345\;678", "12345678"), ("1~000", "1000"), ("1000", r"1\,000"),
     (r"1\,234.5", "1234.5"), (r"18~\text{cm}", "18"), ("145°", "145^\\circ"), (r"\text{18}", "18"),
     (r"\textbf{18}", "18"), (r"\mathbf{-3}", "-3"), ("x = -2, x = 1", "-2,1"), (r"x = -2 \text{ or } x = 1", "-2, 1"),

@@ -17,8 +17,9 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   back to the last number or the last ``= ...`` inside it (``\\boxed{17 \\lor 18}``, ``\\boxed{x = 17 \\lor x = 18}``);
 * no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
   floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det`` (and a ``vmatrix``),
-  a matrix's trace / rank / norm, a transpose, arithmetic on matrices of numbers, ``|.|``, ``\\max`` / ``\\min``
-  (copying ``\\dbinom{31}{28}``, ``\\log_2 64`` or a sum of two vectors from the question is not an answer);
+  a matrix's trace / rank / norm, a transpose, arithmetic on matrices of numbers, ``|.|``, ``\\max`` / ``\\min``,
+  two numbers set apart by a space only (latex2sympy's mixed number: ``17 25`` is 42) (copying
+  ``\\dbinom{31}{28}``, ``\\log_2 64``, a sum of two vectors or a question's two addends is not an answer);
 * a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple or matrix of them) needs
   numbers, not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a
   percentage, scientific notation;
@@ -34,6 +35,7 @@ import math
 import os
 import re
 import sys
+import unicodedata
 
 __all__ = ["as_boxed", "boot_command", "parse_boxed", "verify_source"]
 
@@ -56,16 +58,20 @@ def as_boxed(answer: str) -> str:
     return "$\\boxed{" + plain_spacing(answer) + "}$"
 
 
-# A number whose groups of three digits are set apart by a LaTeX space (``1\,234``, ``12\;345\;678``, ``1~000``).
-_SPACED_DIGITS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;: ]|\\thinspace(?![a-zA-Z])|~)\d{3})+(?!\d)")
-_DIGIT_SPACE = re.compile(r"\\[,;: ]|\\thinspace|~")
+# A number whose groups of three digits are set apart by a space: LaTeX's (``1\,234``, ``12\;345\;678``,
+# ``1~000``), or one space character (``1 000``, a no-break or thin space).
+_SPACE = r"(?:\\[,;: ]|\\thinspace(?![a-zA-Z])|~|[ \u00a0\u2009\u202f])"
+_SPACED_DIGITS = re.compile(r"(?<![\d.])\d{1,3}(?:" + _SPACE + r"\d{3})+(?!\d)")
+_DIGIT_SPACE = re.compile(_SPACE)
 
 
 def plain_spacing(answer: str) -> str:
-    r"""An answer as math-verify reads it right: LaTeX spaces between groups of three digits removed (math-verify
-    reads ``1\,000`` as ``1 \cdot 000 = 0`` and ``1\,234`` as ``1 \cdot 234``), other ``~`` (LaTeX's non-breaking
-    space, ``18~\text{cm}``) made a space, and a degree sign ``°`` written ``^\circ``. None of these changes the value
-    a reader sees."""
+    r"""An answer as math-verify reads it right: digits of other scripts (full-width ``１８``, Arabic-Indic) written
+    as ASCII digits (math-verify reads none of them; dLLM-RL's ``float()`` does), spaces between groups of three
+    digits removed (math-verify reads ``1\,000`` as ``1 \cdot 000 = 0``, ``1\,234`` as ``1 \cdot 234``, and ``1 500``
+    as the mixed number ``1 + 500``), other ``~`` (LaTeX's non-breaking space, ``18~\text{cm}``) made a space, and a
+    degree sign ``°`` written ``^\circ``. None of these changes the value a reader sees."""
+    answer = "".join(str(unicodedata.decimal(c)) if c.isdecimal() and not c.isascii() else c for c in answer)
     answer = _SPACED_DIGITS.sub(lambda match: _DIGIT_SPACE.sub("", match.group()), answer)
     return answer.replace("~", " ").replace("°", "^\\circ")
 
@@ -191,6 +197,10 @@ _OPERATION_LATEX = {
                          r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
+    # two numbers set apart by a space only (after plain_spacing joined groups of three digits): latex2sympy reads
+    # a number followed by a number as a mixed number, their sum (``17 25`` -> 42, ``30^\circ 45`` -> 75)
+    "juxtaposed numbers": (r"\d\s*(?:\^\s*(?:\\circ|\{\s*\\circ\s*\}))?"
+                           r"(?:\s|\\[,;: ]|\\thinspace(?![a-zA-Z])|\\q?quad(?![a-zA-Z]))+\d"),
 }
 _OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
 
