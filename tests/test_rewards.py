@@ -170,6 +170,17 @@ def test_extract_code():
     assert extract_code("no code") is None
 
 
+def test_extract_code_reads_any_line_ending_and_an_indented_fence():
+    # a fence written with lone CRs was not found; one inside a Markdown list item kept its indent (IndentationError)
+    assert extract_code("```python\rdef f():\r    return 1\r```") == "def f():\n    return 1\n"
+    assert extract_code("```python\r\nx = 1\r\n```") == "x = 1\n"
+    listed = "1. The code:\n   ```python\n   def f():\n       return 1\n   ```\n"
+    assert extract_code(listed) == "def f():\n    return 1\n"
+    # a fence at the start of its line keeps its lines as written: a body that continues a function header
+    assert extract_code("```python\n    return x\n```") == "    return x\n"
+    assert extract_code("Here: ```python\n  x = 1\n```") == "  x = 1\n"
+
+
 def test_build_tests():
     assert build_tests(["assert f(1) == 1", " "]) == ["assert f(1) == 1"]
     check = "def check(c):\n    assert c(1) == 1"

@@ -47,14 +47,29 @@ def extract_code(text: str) -> str | None:
     """Return the body of the last ```` ```python ```` block, else of the last untagged ```` ``` ```` block, else None.
 
     Tagged blocks win so that a trailing untagged block (often sample output) is not mistaken for the solution.
-    Blocks in other languages are ignored and an unterminated block (a truncated completion) does not count.
+    Blocks in other languages are ignored and an unterminated block (a truncated completion) does not count. Line
+    endings of every kind are read (``\r\n``, a lone ``\r``: a fence written with them was not found). A fence
+    indented on its line (inside a Markdown list item) has that indentation removed from its lines, as CommonMark
+    reads it (its code failed with an IndentationError); a block after a fence at the line's start keeps its lines
+    as written (a function body continuing a header).
     """
-    blocks = [(_LANG.match(info).group(1).lower(), body) for info, body in _FENCE.findall(text)]
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # as Python reads source lines
+    blocks = [(_LANG.match(match.group(1)).group(1).lower(), _without_fence_indent(text, match))
+              for match in _FENCE.finditer(text)]
     for wanted in (lambda lang: lang in _PYTHON_TAGS, lambda lang: lang == ""):
         chosen = [body for lang, body in blocks if wanted(lang)]
         if chosen:
             return chosen[-1]
     return None
+
+
+def _without_fence_indent(text: str, fence: re.Match) -> str:
+    """The body of a ``_FENCE`` match, with up to as many spaces or tabs taken from the start of each line as the
+    opening fence is indented by (when only white space precedes it on its line)."""
+    lead = text[text.rfind("\n", 0, fence.start()) + 1:fence.start()]
+    if not lead or lead.strip():
+        return fence.group(2)
+    return re.sub(rf"(?m)^[ \t]{{1,{len(lead)}}}", "", fence.group(2))
 
 
 def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) -> list[str] | None:
