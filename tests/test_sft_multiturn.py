@@ -241,3 +241,12 @@ def test_completion_only_loss_on_language_modeling_data_is_warned_about(tmp_path
     assert len(found) == int(warned)
     if warned:
         assert "assistant_only_loss=True" in found[0].getMessage()
+
+
+def test_a_best_metric_no_eval_set_logs_is_refused_at_construction(tmp_path):
+    # transformers logs eval_<set>_loss for a dict of eval sets: "loss" (load_best_model_at_end's default) failed
+    # with a KeyError at the first evaluation
+    fits = Dataset.from_list([{"prompt": "Q\n", "completion": "yes"}] * 2)
+    with pytest.raises(ValueError, match=r"metric_for_best_model='loss' is logged by no evaluation.*'a_loss'"):
+        trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="loss")
+    trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="eval_b_loss")

@@ -13,7 +13,7 @@ from test_data_format_fixes import TOKENIZER, TRAJECTORY
 from trl_diffusion.testing import tiny_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
-LOGGER = "trl_diffusion.value.value_trainer"
+LOGGER = "trl_diffusion.best_metric"
 ONE = [TRAJECTORY]
 TWO = [TRAJECTORY, {**TRAJECTORY, "reward": 0.0}]
 

@@ -37,6 +37,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
+from ..best_metric import check_best_metric_names_a_set
 from ..data.loading import column_names
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
@@ -410,6 +411,7 @@ class DiffusionSFTTrainer(SFTTrainer):
                 )
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
+        check_best_metric_names_a_set(eval_dataset, args.metric_for_best_model)
         eval_sets = list(eval_dataset.items()) if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
         for name, dataset in [("train", train_dataset), *eval_sets]:
             if _has_no_rows(dataset):  # TRL would fail reading a first row with a bare StopIteration

@@ -28,12 +28,14 @@ import inspect
 import itertools
 import math
 import os
+import random
 import types
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -46,6 +48,7 @@ from trl.models import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generat
 from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
+from ..best_metric import check_best_metric_names_a_set, usable_best_metric
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
 from ..generation.sampling import stable_seed
@@ -1006,7 +1009,21 @@ class TraceRLTrainer(GRPOTrainer):
             _refuse_empty(self.eval_dataset[eval_dataset], f"eval {eval_dataset!r}")
         else:
             _refuse_empty(self.eval_dataset if eval_dataset is None else eval_dataset, "eval")
-        return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        processes, per_device = self.accelerator.num_processes, self.args.per_device_eval_batch_size
+        if per_device * processes % self.num_generations_eval:  # GRPOConfig checks it only with an eval_strategy
+            raise ValueError(f"the global eval batch size ({per_device} x {processes} process(es)) must be divisible "
+                             f"by num_generations_eval ({self.num_generations_eval}): every batch holds whole "
+                             "groups of one prompt's completions (it failed after the rollouts, in a reshape).")
+        with _global_random_state_kept():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
+        """transformers' choice of the best checkpoint; a ``metric_for_best_model`` of None (an evaluation where no
+        reward function scored a completion: a TypeError in transformers' comparison) or NaN is warned about and
+        never the best (``usable_best_metric``)."""
+        why = "no reward function scored any evaluated completion (every reward None), or the rewards were NaN"
+        metrics = usable_best_metric(metrics, self.args.metric_for_best_model, self.state.global_step, why)
+        return super()._determine_best_metric(metrics, trial)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
@@ -1294,6 +1311,21 @@ def _grpo_arguments(pos: tuple, kwargs: dict) -> dict:
     return {**dict(zip(names, pos)), **kwargs}
 
 
+@contextlib.contextmanager
+def _global_random_state_kept():
+    """Restore Python's, NumPy's and torch's global random states (CPU, and the current CUDA device) after the
+    block. An evaluation draws from them (the eval loader seeds its iterator from torch's generator), and TRL's
+    shuffle of each generation batch reads torch's: an evaluation changed the rows of the training steps after it
+    (weights 9e-3 apart after 4 steps with ``steps_per_generation=2``)."""
+    python, numpy_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy_state)
+
+
 def _check_datasets(train, evals, args: TraceRLConfig) -> None:
     """The train and eval datasets' checks at construction: rows, columns, prompts, and enough prompts for one
     generation batch (each would otherwise show only in ``train()`` / ``evaluate()``, or not at all)."""
@@ -1302,6 +1334,7 @@ def _check_datasets(train, evals, args: TraceRLConfig) -> None:
     _check_prompt_column(train, "train")
     _check_prompt_column(evals, "eval")
     _check_generation_batch_fits(train, args)
+    check_best_metric_names_a_set(evals, args.metric_for_best_model)
 
 
 def _refuse_empty(dataset, split: str) -> None:

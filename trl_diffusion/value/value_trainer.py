@@ -24,6 +24,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
+from ..best_metric import check_best_metric_names_a_set, usable_best_metric
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
@@ -100,6 +101,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
+        check_best_metric_names_a_set(eval_dataset, args.metric_for_best_model)
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
                           vocab_size=embedding_rows(model),
                           max_positions=max_positions(model.config), mask_token_id=model.mask_token_id)
@@ -209,15 +211,12 @@ class DiffusionValueTrainer(_BaseTrainer):
         return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
-        """transformers' choice of the best checkpoint, with a warning when ``metric_for_best_model`` is NaN: NaN
-        compares as never better, so this evaluation cannot be the best (``best_model_checkpoint`` stays None if
-        every one is, and ``load_best_model_at_end`` then loads nothing), which transformers does silently."""
-        key = self.args.metric_for_best_model
-        key = key if key is None or key.startswith("eval_") else f"eval_{key}"
-        value = metrics.get(key) if key is not None else None
-        if isinstance(value, float) and math.isnan(value):
-            logger.warning(_nan_best_metric_warning(key, self.state.global_step))
-        return super()._determine_best_metric(metrics, trial)
+        """transformers' choice of the best checkpoint, with a warning when ``metric_for_best_model`` is NaN
+        (``usable_best_metric``)."""
+        metric = self.args.metric_for_best_model
+        why = (NAN_EXPLAINED_VARIANCE if metric and metric.endswith("value/explained_variance") else
+               "the evaluated values or losses are NaN (a diverged model?)")
+        return super()._determine_best_metric(usable_best_metric(metrics, metric, self.state.global_step, why), trial)
 
     def get_eval_dataloader(self, eval_dataset=None):
         if eval_dataset is not None and not isinstance(eval_dataset, str):
@@ -304,18 +303,9 @@ class DiffusionValueTrainer(_BaseTrainer):
         self.state.num_input_tokens_seen += self.accelerator.gather(tokens).sum().item()
 
 
-def _nan_best_metric_warning(key: str, step: int) -> str:
-    """The warning for a NaN ``metric_for_best_model`` (``key`` as transformers looks it up) at ``step``, with the
-    likely cause: explained variance is NaN by design when the returns do not vary (``summarize_value_statistics``)."""
-    if key.endswith("value/explained_variance"):
-        why = ("explained variance is NaN when the returns of the evaluated tokens do not vary (too few eval rows, "
-               "e.g. one, or all rewards equal with gamma = 1)")
-    else:
-        why = "the evaluated values or losses are NaN (a diverged model?)"
-    return (f"metric_for_best_model {key!r} is NaN at step {step}: {why}. A NaN is never better than another value, "
-            "so this evaluation cannot be chosen as the best checkpoint (if none can, best_model_checkpoint stays "
-            "None and load_best_model_at_end loads nothing). Evaluate on rows whose rewards differ, or choose "
-            "another metric_for_best_model (e.g. 'eval_loss').")
+NAN_EXPLAINED_VARIANCE = ("explained variance is NaN when the returns of the evaluated tokens do not vary (too few "
+                          "eval rows, e.g. one, or all rewards equal with gamma = 1)")
+"""Why ``value/explained_variance`` is NaN (by design: ``summarize_value_statistics``)."""
 
 
 def _stop_token_ids(tokenizer, model) -> list[int]:
