@@ -148,3 +148,16 @@ def column_names(dataset: Dataset | IterableDataset) -> list[str]:
     if dataset.column_names is not None:
         return list(dataset.column_names)
     return list(next(iter(dataset), None) or ())
+
+
+def dataset_label(split: str, name: str | None = None) -> str:
+    """How the trainers' messages name a dataset: ``train``, ``eval``, ``test`` (``predict``), or ``eval 'b'`` for the
+    member ``name`` of a dict of eval datasets."""
+    return split if name is None else f"{split} {name!r}"
+
+
+def empty_dataset_error(label: str) -> ValueError:
+    """The trainers' refusal of a dataset with no rows (``label``: :func:`dataset_label`): Trainer failed at
+    ``train()`` with torch's "num_samples=0" (TRL's SFT with a bare StopIteration), and ``evaluate()`` logged no
+    ``eval_loss`` (``metric_for_best_model`` then failed after the first training steps)."""
+    return ValueError(f"the {label} dataset has no rows: give it at least one example.")

@@ -25,6 +25,7 @@ from trl.trainer.base_trainer import _BaseTrainer
 from trl.trainer.utils import pad
 
 from ..best_metric import check_best_metric_names_a_set, usable_best_metric
+from ..data.loading import empty_dataset_error
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
@@ -402,29 +403,26 @@ def _check_prompt(index: int, prompt: Any) -> None:
                      f"...}} messages), got {got}; fill it in or drop the row.")
 
 
-def _empty_dataset_error(name: str) -> ValueError:
-    """The refusal of a dataset with no rows, ``name`` as ``_prepare_dataset`` gets it (``train_dataset``,
-    ``eval_dataset``, ``eval_dataset['b']``, ``test_dataset``), worded as SFT's: Trainer failed at ``train()`` with
-    torch's "num_samples=0" (a stream: accelerate's "Batch does not contain any data"), and ``evaluate()`` returned no
-    ``eval_loss`` (a ``metric_for_best_model`` KeyError after the first training step)."""
-    label = name.removesuffix("_dataset")
-    if name.startswith("eval_dataset["):  # a member of a dict of eval datasets
-        label = f"eval {name[len('eval_dataset['):-1]}"
-    return ValueError(f"the {label} dataset has no rows: give it at least one example.")
-
-
 def _columns_of_non_empty(dataset: Dataset | IterableDataset, name: str) -> set[str]:
-    """The columns of ``dataset``, refused when it has no rows. A stream's first row is read for it (one read, as
-    TRL's SFTTrainer reads it), which also gives the columns of one that does not declare them
-    (``IterableDataset.from_generator``)."""
+    """The columns of ``dataset`` (``name``: the argument, e.g. ``eval_dataset['b']``), refused when it has no rows.
+    A stream is not read ahead (a shuffle buffer would fill; a stream read once would lose its first row), except one
+    that does not declare its columns (``IterableDataset.from_generator``): its first row shows them."""
+    if isinstance(dataset, IterableDataset) and dataset.column_names is not None:
+        return set(dataset.column_names)
     if isinstance(dataset, IterableDataset):
         first = next(iter(dataset), None)
         if first is None:
-            raise _empty_dataset_error(name)
-        return set(dataset.column_names or first)
+            raise empty_dataset_error(_label(name))
+        return set(first)
     if len(dataset) == 0:
-        raise _empty_dataset_error(name)
+        raise empty_dataset_error(_label(name))
     return set(dataset.column_names)
+
+
+def _label(name: str) -> str:
+    """How messages name the dataset of an argument (``dataset_label``'s form): ``train_dataset`` -> ``train``,
+    ``eval_dataset['b']`` (a member of a dict, its key's repr) -> ``eval 'b'``."""
+    return name.removesuffix("_dataset").replace("_dataset[", " ").removesuffix("]")
 
 
 def _prepare_dataset(dataset: Dataset | IterableDataset, tokenizer, chat_template_kwargs: dict | None = None,
