@@ -89,3 +89,14 @@ def test_tracerl_refuses_a_value_model_with_fewer_rows_than_the_policy(tmp_path)
                                           per_device_train_batch_size=2, num_generations=2, max_completion_length=8,
                                           block_length=4),
                        train_dataset=Dataset.from_dict({"prompt": ["ab", "cd"]}), processing_class=build_tokenizer())
+
+
+def test_sft_names_the_sample_of_an_id_beyond_the_rows_in_a_packed_row(tmp_path):
+    # the packed row's first sample was named, whichever document held the id
+    rows = [{"prompt": "ab", "completion": "cd"}, {"prompt": "ef", "completion": "gh"},
+            {"prompt": "ij", "completion": "k?"}, {"prompt": "mn", "completion": "op"}]  # '?': an id >= 64
+    stream = IterableDataset.from_generator(lambda: iter(rows))
+    trainer = DiffusionSFTTrainer(tiny_model("sdar", vocab_size=64), args=sft_config(tmp_path, packing=True),
+                                  train_dataset=stream, processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match=r"sample_index 2 of a batch: token ids outside \[0, 64\)"):
+        trainer.train()

@@ -38,7 +38,7 @@ from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
 from ..best_metric import check_best_metric_names_a_set
-from ..data.loading import column_names
+from ..data.loading import column_names, dataset_label, empty_dataset_error
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import first_few, mask_token_name
@@ -165,10 +165,11 @@ class DiffusionDataCollator:
             steps = [None] * len(examples)
         for row, (example, index, step) in enumerate(zip(examples, indices, steps)):
             length = len(example["input_ids"])
-            if self.vocab_rows is not None and length and not (
-                    0 <= min(example["input_ids"]) and max(example["input_ids"]) < self.vocab_rows):
-                sample = f"row {row}" if index is None else f"sample_index {_first(index)}"
-                raise _ids_outside_vocabulary_error(f"{sample} of a batch", self.vocab_rows)
+            outside = _first_id_outside(example["input_ids"], self.vocab_rows) if self.vocab_rows and length else None
+            if outside is not None:  # named by the token's own sample (a packed row's index is one per token)
+                sample = index[outside] if isinstance(index, list) else index
+                name = f"row {row}" if sample is None else f"sample_index {int(sample)}"
+                raise _ids_outside_vocabulary_error(f"{name} of a batch", self.vocab_rows)
             if self.max_length is not None and length > self.max_length:
                 raise ValueError(
                     f"a row of {length} tokens is longer than max_length={self.max_length} (with overlong_policy="
@@ -412,14 +413,17 @@ class DiffusionSFTTrainer(SFTTrainer):
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
         check_best_metric_names_a_set(eval_dataset, args.metric_for_best_model)
-        eval_sets = list(eval_dataset.items()) if isinstance(eval_dataset, dict) else [("eval", eval_dataset)]
-        for name, dataset in [("train", train_dataset), *eval_sets]:
-            if _has_no_rows(dataset):  # TRL would fail reading a first row with a bare StopIteration
-                raise _empty_dataset_error(name, 0, args)
+        # TRL reads the train set's first row before preparing it (a bare StopIteration when there is none); an eval
+        # stream's emptiness shows when it is prepared
+        named_evals = _named(eval_dataset)
+        for label, dataset in [("train", train_dataset), *named_evals.items()]:
+            if isinstance(dataset, Dataset) and len(dataset) == 0 or (
+                    label == "train" and isinstance(dataset, IterableDataset) and next(iter(dataset), None) is None):
+                raise empty_dataset_error(label)
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
-            _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"),
-                                              {"train": train_dataset, **_named(eval_dataset)})
+            _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"), {"train": train_dataset,
+                                                                                    **named_evals})
         if not isinstance(model, str):
             self._validate_model(model, args, processing_class)
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
@@ -551,8 +555,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             # packed, ...) and cannot be made so from the prepared rows: refused. Known by identity: a user's own
             # `sample_index` column is no sign of it.
             return dataset
-        if _has_no_rows(dataset):  # TRL fails reading its first row (StopIteration)
-            raise _empty_dataset_error(dataset_name, 0, args)
+        if isinstance(dataset, Dataset) and len(dataset) == 0:  # TRL fails reading its first row (StopIteration)
+            raise empty_dataset_error(_label(dataset_name))
         self._check_columns(dataset, args, formatting_func, dataset_name)
         if isinstance(dataset, Dataset | IterableDataset) and _packed_by_a_trainer(dataset):
             # a copy (`select`, `shuffle`, ...) of packed rows a DiffusionSFTTrainer made: packing them again would
@@ -577,6 +581,8 @@ class DiffusionSFTTrainer(SFTTrainer):
             args.max_length = None
         try:
             dataset = super()._prepare_dataset(dataset, processing_class, args, False, formatting_func, dataset_name)
+        except StopIteration:  # TRL's read of a stream's first row: an empty stream
+            raise empty_dataset_error(_label(dataset_name)) from None
         finally:
             args.max_length = max_length
         if args.overlong_policy == "error" and max_length is not None:
@@ -592,7 +598,7 @@ class DiffusionSFTTrainer(SFTTrainer):
         dataset = dataset.map(_add_stream_sample_index if stream else _add_sample_index, with_indices=True)
         if rows_given is not None and len(dataset) == 0:
             # Trainer would fail at train() with "num_samples=0", and evaluate() log no eval_loss
-            raise _empty_dataset_error(dataset_name, rows_given, args)
+            raise _emptied_dataset_error(_label(dataset_name), rows_given, args)
         if packing and packed_given:  # the user's packed rows: each document kept apart, as without packing
             dataset = _packed_rows_fit(dataset, max_length, dataset_name)
         elif packing:
@@ -821,11 +827,12 @@ class DiffusionSFTTrainer(SFTTrainer):
 
 
 def _named(eval_dataset) -> dict:
-    """``eval_dataset`` as ``{name: dataset}`` (one unnamed set is ``eval``)."""
+    """``eval_dataset`` as ``{label: dataset}`` (``dataset_label``: ``eval``, or ``eval 'b'`` for a dict's member)."""
     if eval_dataset is None:
         return {}
-    return {f"eval {name}": data for name, data in eval_dataset.items()} if isinstance(eval_dataset, dict) else \
-        {"eval": eval_dataset}
+    if isinstance(eval_dataset, dict):
+        return {dataset_label("eval", name): data for name, data in eval_dataset.items()}
+    return {"eval": eval_dataset}
 
 
 def _check_rows_fit(positions: int | None, pad_to: int | str | None, datasets: dict) -> None:
@@ -917,9 +924,12 @@ def _ids_outside_vocabulary_error(where: str, rows: int) -> ValueError:
                       "model.resize_token_embeddings(len(tokenizer)).")
 
 
-def _first(index):
-    """A ``sample_index`` entry: one per example, or for a packed row one per token (its first sample named)."""
-    return index[0] if isinstance(index, list) else int(index)
+def _first_id_outside(ids, rows: int) -> int | None:
+    """The position of the first token id of a row outside ``[0, rows)``, or None; one vectorised pass (a row of a
+    ``with_format("torch")`` dataset is a tensor, which Python's ``min`` / ``max`` walk element by element)."""
+    ids = torch.as_tensor(ids)
+    outside = (ids < 0) | (ids >= rows)
+    return int(outside.nonzero()[0, 0]) if bool(outside.any()) else None
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,
@@ -1061,25 +1071,20 @@ def _refuse_several_spans_in_batch(examples: list[dict[str, Any]], indices: list
                                    [f"{name} ({spans} spans)" for name, (_, spans) in zip(named, several)])
 
 
-def _has_no_rows(dataset) -> bool:
-    """Whether ``dataset`` has no rows: a map-style one of length 0, or a stream whose first read yields nothing
-    (its first row is read, as TRL's preparation reads it)."""
-    if isinstance(dataset, Dataset):
-        return len(dataset) == 0
-    return isinstance(dataset, IterableDataset) and next(iter(dataset), None) is None
+def _label(dataset_name: str) -> str:
+    """How messages name a dataset ``_prepare_dataset`` gets from TRL: ``train``, ``eval``, ``test`` (``predict``),
+    else the key of a dict of eval datasets (``eval 'b'``; a key ``"train"`` reads as the train set here, but an
+    empty member was refused by name at construction)."""
+    return dataset_name if dataset_name in ("train", "eval", "test") else dataset_label("eval", dataset_name)
 
 
-def _empty_dataset_error(dataset_name: str, rows_given: int, args: DiffusionSFTConfig) -> ValueError:
-    """The refusal of a dataset (``dataset_name`` as ``_prepare_dataset`` gets it: ``train``, ``eval``, the key of a
-    dict of eval datasets, or ``test`` from ``predict``) with no rows (``rows_given`` 0), or left with none by
-    preparation: truncation to ``max_length`` drops every row left without a labelled token (TRL's
-    ``_prepare_dataset`` does, and ``_truncate_with_steps`` as it). Trainer would fail at ``train()`` with
-    "num_samples=0"; ``evaluate()`` would log no ``eval_loss`` (and ``metric_for_best_model`` fail later)."""
-    name = dataset_name if dataset_name in ("train", "eval", "test") else f"eval {dataset_name!r}"
-    if rows_given == 0:
-        return ValueError(f"the {name} dataset has no rows: give it at least one example.")
+def _emptied_dataset_error(label: str, rows_given: int, args: DiffusionSFTConfig) -> ValueError:
+    """The refusal of a dataset that preparation left with no rows: truncation to ``max_length`` drops every row left
+    without a labelled token (TRL's ``_prepare_dataset`` does, and ``_truncate_with_steps`` as it). Trainer would
+    fail at ``train()`` with "num_samples=0"; ``evaluate()`` would log no ``eval_loss`` (and
+    ``metric_for_best_model`` fail later)."""
     return ValueError(
-        f"the {name} dataset is empty after preparation: all {rows_given} of its rows were dropped because "
+        f"the {label} dataset is empty after preparation: all {rows_given} of its rows were dropped because "
         f"truncating them to max_length={args.max_length} (truncation_mode={args.truncation_mode!r}) left none of "
         "their tokens with a label (rows without one are dropped, as TRL does): the prompts (or the turns "
         "before the first trained-on one) fill max_length. Raise max_length above the longest prompt, or shorten the "

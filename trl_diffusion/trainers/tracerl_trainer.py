@@ -49,6 +49,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from trl.trainer.utils import disable_dropout_in_model, is_async_callable, pad
 
 from ..best_metric import check_best_metric_names_a_set, usable_best_metric
+from ..data.loading import dataset_label, empty_dataset_error
 from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, estimate_logprobs, row_sizes
 from ..full_save import save_model_whole
 from ..generation.sampling import stable_seed
@@ -1006,7 +1007,7 @@ class TraceRLTrainer(GRPOTrainer):
         """Trainer's evaluation, refusing by name an empty eval ``Dataset`` (passed here, named here, or the
         trainer's): it would log no ``eval_loss`` / ``eval_reward``, and ``metric_for_best_model`` then fail."""
         if isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict) and eval_dataset in self.eval_dataset:
-            _refuse_empty(self.eval_dataset[eval_dataset], f"eval {eval_dataset!r}")
+            _refuse_empty(self.eval_dataset[eval_dataset], dataset_label("eval", eval_dataset))
         else:
             _refuse_empty(self.eval_dataset if eval_dataset is None else eval_dataset, "eval")
         processes, per_device = self.accelerator.num_processes, self.args.per_device_eval_batch_size
@@ -1337,16 +1338,16 @@ def _check_datasets(train, evals, args: TraceRLConfig) -> None:
     check_best_metric_names_a_set(evals, args.metric_for_best_model)
 
 
-def _refuse_empty(dataset, split: str) -> None:
-    """Refuse a ``Dataset`` with no rows, naming it as the SFT trainer does (``eval 'b'`` for a member of a dict of
-    eval datasets): TRL's sampler yields nothing from it, so ``train()`` takes no step yet returns, and
-    ``evaluate()`` logs no ``eval_loss`` / ``eval_reward`` (``metric_for_best_model`` then fails with a KeyError).
-    Streams are not read ahead."""
+def _refuse_empty(dataset, label: str) -> None:
+    """Refuse a ``Dataset`` with no rows, or a dict of eval datasets holding one, by name (``dataset_label``): TRL's
+    sampler yields nothing from it, so ``train()`` takes no step yet returns, and ``evaluate()`` logs no
+    ``eval_loss`` / ``eval_reward`` (``metric_for_best_model`` then fails with a KeyError). Streams are not read
+    ahead."""
     if isinstance(dataset, dict):
         for name, part in dataset.items():
-            _refuse_empty(part, f"{split} {name!r}")
+            _refuse_empty(part, dataset_label(label, name))
     elif isinstance(dataset, Dataset) and len(dataset) == 0:
-        raise ValueError(f"the {split} dataset has no rows: give it at least one example.")
+        raise empty_dataset_error(label)
 
 
 def _check_generation_batch_fits(dataset, args: TraceRLConfig) -> None:
