@@ -109,6 +109,13 @@ ATTACKS = {
     "digit groups read as a sum": ("123 456", "579"),
     "a spaced thousand read as a sum": ("1 500", "501"),
     "a spaced thousand read as zero": ("1 000", "0"),
+    "juxtaposed in braces": ("{17} {25}", "42"),
+    "juxtaposed in braces, no space": ("{17}{25}", "42"),
+    "juxtaposed in parentheses": ("(17) 25", "42"),
+    "juxtaposed around empty text": (r"17 \text{ } 25", "42"),
+    "juxtaposed around a phantom": (r"17 \phantom{0} 25", "42"),
+    "juxtaposed around displaystyle": (r"17 \displaystyle 25", "42"),
+    "juxtaposed, gold with LaTeX-spaced digits": ("999 1", r"1\,000"),
 }
 
 
@@ -150,6 +157,10 @@ EQUIVALENT = [
     (r"\tan A = \frac{BC}{AB} = 2", "2"),
     # math-verify alone read these wrong (1\,000 as 1 * 000), or the rules refused them (\text{18} is a symbol named
     # 18 to math-verify, x in x = -2, x = 1 an unknown)
+    # a number set apart by a space as a command's argument is no juxtaposition (a fifth red-team)
+    (r"\frac 3 4", "0.75"), (r"x^2 - \frac 1 2", r"x^2-\frac{1}{2}"), (r"3 \frac 1 2", r"\frac{7}{2}"),
+    (r"\frac 1 2 \sqrt 3", r"\frac{\sqrt{3}}{2}"), ("2^3 3^2", r"2^3 \cdot 3^2"),
+    (r"y = \frac 1 2 x + 3", r"y = \frac{1}{2}x + 3"), (r"3 \frac{1}{2}", r"\frac{7}{2}"),
     ("1 000", "1000"), ("1\u00a0500", "1500"), ("1\u2009234\u2009567", "1234567"), ("1 000", "1 000"),
     ("\uff11\uff18", "18"), ("\u0661\u0668", "18"), ("\uff11\uff18", "\uff11\uff18"),  # full-width, Arabic-Indic
     (r"1\,000", "1000"), (r"14\,000", "14000"), (r"12\;345\;678", "12345678"), ("1~000", "1000"), ("1000", r"1\,000"),

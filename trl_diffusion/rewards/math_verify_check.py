@@ -197,10 +197,6 @@ _OPERATION_LATEX = {
                          r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
-    # two numbers set apart by a space only (after plain_spacing joined groups of three digits): latex2sympy reads
-    # a number followed by a number as a mixed number, their sum (``17 25`` -> 42, ``30^\circ 45`` -> 75)
-    "juxtaposed numbers": (r"\d\s*(?:\^\s*(?:\\circ|\{\s*\\circ\s*\}))?"
-                           r"(?:\s|\\[,;: ]|\\thinspace(?![a-zA-Z])|\\q?quad(?![a-zA-Z]))+\d"),
 }
 _OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
 
@@ -210,6 +206,8 @@ def _operations(text: str, parsed: list) -> set[str]:
     import sympy
 
     found = {name for name, pattern in _OPERATION_RE.items() if pattern.search(text)}
+    if _juxtaposed_integers(plain_spacing(text)):
+        found.add("juxtaposed numbers")
     classes = {
         "binomial": (sympy.binomial,), "factorial": (sympy.factorial, sympy.factorial2, sympy.gamma),
         "sum": (sympy.Sum, sympy.Product), "integral": (sympy.Integral,), "limit": (sympy.Limit,),
@@ -227,6 +225,29 @@ def _operations(text: str, parsed: list) -> set[str]:
                 if _matrix_arithmetic(node):
                     found.add("matrix operation")
     return found
+
+
+# What renders as nothing or as space between two numbers (``17 \, 25``, ``17 \text{ } 25``, ``17 \phantom{0} 25``).
+_BLANK = re.compile(r"\\(?:[hv]?phantom|hspace\*?|vspace\*?)\s*\{[^{}]*\}|\\(?:text|mbox|textrm|mathrm)\s*\{\s*\}"
+                    r"|\\(?:displaystyle|textstyle|scriptstyle|quad|qquad|enspace|thinspace)(?![a-zA-Z])|\\[,;:! ]|~")
+# An integer, bare or in braces / parentheses (``25``, ``{25}``, ``(25)``), in degrees or not, then another after
+# white space (none needed next to a bracket: ``{17}{25}``).
+_INTEGER = r"(?:\{\s*\d+\s*\}|\(\s*\d+\s*\)|\d+)"
+_DEGREES = r"(?:\s*\^\s*(?:\\circ|\{\s*\\circ\s*\}))?"
+_INTEGER_PAIR = re.compile(r"(?<![\d.])" + _INTEGER + _DEGREES + r"(?:\s+|(?<=[})])\s*|\s*(?=[{(]))(?="
+                           + _INTEGER + r"(?![\d.^_!]|\s*\^))")
+# What makes the first integer an argument, not a number of its own (``\frac 3 4``, ``2^3 3^2``, ``x_1 2``,
+# ``f(2) 3``).
+_ARGUMENT_OF = re.compile(r"(?:\\[dt]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
+
+
+def _juxtaposed_integers(text: str) -> bool:
+    """Whether ``text`` writes an integer followed, with only space between, by another integer: latex2sympy reads
+    an integer followed by a positive rational as a mixed number, their sum (``17 25``, ``{17} {25}``, ``30^\\circ 45``
+    are 42, 42 and 75), which no reader does (a mixed number's fraction, ``3 \\frac{1}{2}``, is no integer). An
+    integer that is a command's argument (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own."""
+    text = _BLANK.sub(" ", text)
+    return any(not _ARGUMENT_OF.search(text[: match.start()]) for match in _INTEGER_PAIR.finditer(text))
 
 
 def _matrix_arithmetic(node) -> bool:
