@@ -821,7 +821,9 @@ class DiffusionSFTTrainer(SFTTrainer):
                 tokens = inputs["document_ids"].ge(0).sum()
             else:
                 tokens = inputs["input_ids"].numel()
-            self._total_train_tokens += int(self.accelerator.gather_for_metrics(
+            # every process's tokens, the repeated samples of a padded last batch too (they are trained on):
+            # gather_for_metrics cut the per-process counts to the batch's sample count
+            self._total_train_tokens += int(self.accelerator.gather(
                 torch.as_tensor(tokens, device=self.accelerator.device)).sum())
         metrics["num_tokens"] = [self._total_train_tokens]
 
