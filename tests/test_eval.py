@@ -172,6 +172,23 @@ def test_a_second_evaluation_into_the_same_files_is_refused(model_and_tokenizer,
     assert Path(report["samples_file"]) == samples and not samples.with_suffix(".lock").exists()
 
 
+def test_an_evaluation_on_a_file_system_without_locks_runs_and_says_so(model_and_tokenizer, tmp_path, monkeypatch,
+                                                                        caplog):
+    # Lustre without -o flock (ENOSYS), NFS without a lock daemon (ENOLCK): the run failed before generating
+    import errno
+    import fcntl
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    model, tokenizer = model_and_tokenizer
+    with caplog.at_level("WARNING"):
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), output_dir=str(tmp_path), **FAST)
+    assert Path(report["samples_file"]).is_file() and not list(tmp_path.glob("*.lock"))
+    assert any("runs without the check" in record.getMessage() for record in caplog.records)
+
+
 def test_a_sampled_completion_does_not_depend_on_the_batch_size_or_the_problems_evaluated(model_and_tokenizer,
                                                                                            tmp_path):
     # one generator shared by every batch made each sample depend on batch_size and on the problems before it

@@ -179,6 +179,10 @@ def test_extract_code_reads_any_line_ending_and_an_indented_fence():
     # a fence at the start of its line keeps its lines as written: a body that continues a function header
     assert extract_code("```python\n    return x\n```") == "    return x\n"
     assert extract_code("Here: ```python\n  x = 1\n```") == "  x = 1\n"
+    # code at the margin under an indented fence keeps its lines (its body lost the indentation it needs)
+    margin = "    ```python\ndef f(x):\n    return x + 1\n    ```"
+    compile(extract_code(margin), "margin", "exec")
+    assert extract_code("  ```python\n  def f():\n\n      return 1\n  ```") == "def f():\n\n    return 1\n"
 
 
 def test_build_tests():

@@ -5,8 +5,11 @@ tmpfs of its own: hosts without mount namespaces)."""
 
 import os
 import sys
+import tempfile
 
 from trl_diffusion.rewards.sandbox import _rmtree
+
+NOBODY = 65534
 
 
 def _nest(root: str, depth: int, name: str = "d") -> None:
@@ -47,3 +50,46 @@ def test_an_ordinary_tree_is_removed(tmp_path):
     (root / "a" / "b" / "f").write_text("z")
     _rmtree(str(root))
     assert not root.exists()
+
+
+def _as_an_ordinary_user(check) -> None:
+    """Run ``check`` with an ordinary user's permissions: as root (which bypasses permission bits, so a test run as
+    root shows nothing) in a forked child that becomes uid 65534; otherwise here."""
+    if os.geteuid() != 0:
+        check(tempfile.mkdtemp())
+        return
+    base = tempfile.mkdtemp(dir="/tmp")
+    os.chown(base, NOBODY, NOBODY)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: its modules are loaded already, it only drops its user
+            status = 1
+            try:
+                os.setgid(NOBODY)
+                os.setuid(NOBODY)
+                check(base)
+                status = 0
+            finally:
+                os._exit(status)
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+    finally:
+        _rmtree(base)  # as root: whatever the child left
+
+
+def _read_only_directories_are_removed(base: str) -> None:
+    root = os.path.join(base, "run")
+    os.makedirs(os.path.join(root, "a", "b", "c"))
+    for name in ("f", "b/f", "b/c/f"):
+        with open(os.path.join(root, "a", name), "w") as handle:
+            handle.write("x")
+    os.chmod(os.path.join(root, "a", "b", "c"), 0o555)  # what a program may do to its own directories
+    os.chmod(os.path.join(root, "a", "b"), 0o500)
+    _nest(root, sys.getrecursionlimit() + 100)
+    _rmtree(root)
+    assert not os.path.exists(root)
+
+
+def test_read_only_directories_are_removed_by_an_ordinary_user():
+    # moving a read-only directory to another parent needs write permission on it (its ".." entry): one two levels
+    # down was left behind when the sandbox ran as an ordinary user
+    _as_an_ordinary_user(_read_only_directories_are_removed)

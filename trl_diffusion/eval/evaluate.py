@@ -692,11 +692,21 @@ def _output_lock(samples_path: Path | None):
         return
     lock_path = samples_path.with_suffix(".lock")
     with open(lock_path, "w") as handle:
+        unsupported = None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            held = True
+        except OSError as error:  # a file system without flock (Lustre without -o flock, NFS without lockd)
+            unsupported, held = error, False
+        else:  # the path may name a newer lock file by now (a finished run removes its own): ours must be it
+            held = not lock_path.exists() or os.stat(lock_path).st_ino != os.fstat(handle.fileno()).st_ino
+        if unsupported is not None:
+            logger.warning("cannot lock %s (%s): this evaluation runs without the check that no other one writes "
+                           "the same files.", lock_path, unsupported)
+        if held:
             raise ValueError(f"another evaluation is writing {samples_path} (it holds {lock_path}): let it finish, or "
-                             "give this one another --output_dir.") from None
+                             "give this one another --output_dir.")
         try:
             yield
         finally:

@@ -64,12 +64,16 @@ def extract_code(text: str) -> str | None:
 
 
 def _without_fence_indent(text: str, fence: re.Match) -> str:
-    """The body of a ``_FENCE`` match, with up to as many spaces or tabs taken from the start of each line as the
-    opening fence is indented by (when only white space precedes it on its line)."""
-    lead = text[text.rfind("\n", 0, fence.start()) + 1:fence.start()]
+    """The body of a ``_FENCE`` match without the opening fence's indentation (when only white space precedes it on
+    its line), taken from the start of each line when every line that is not blank starts with that much white
+    space; otherwise the lines as written (code at the margin under an indented fence)."""
+    body, lead = fence.group(2), text[text.rfind("\n", 0, fence.start()) + 1:fence.start()]
     if not lead or lead.strip():
-        return fence.group(2)
-    return re.sub(rf"(?m)^[ \t]{{1,{len(lead)}}}", "", fence.group(2))
+        return body
+    lines = body.splitlines(keepends=True)
+    if any(line.strip() and not (line[:len(lead)].isspace() and len(line) > len(lead)) for line in lines):
+        return body
+    return "".join(line[len(lead):] if line.strip() else line.lstrip(" \t") for line in lines)
 
 
 def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) -> list[str] | None:

@@ -816,6 +816,8 @@ def _remove_flattening(path: str) -> None:
                 sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
                 try:
                     for child in list(os.scandir(sub)):
+                        if child.is_dir(follow_symlinks=False):  # moving a directory writes its ".." entry
+                            os.chmod(child.name, 0o700, dir_fd=sub)
                         while True:  # a name not taken in `path`, which the program may have used too
                             target = f".trl_diffusion_removed_{next(moved)}"
                             try:
