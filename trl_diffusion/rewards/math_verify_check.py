@@ -18,7 +18,7 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
 * no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
   floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det`` (and a ``vmatrix``),
   a matrix's trace / rank / norm, a transpose, arithmetic on matrices of numbers, ``|.|``, ``\\max`` / ``\\min``,
-  two numbers set apart by a space only (latex2sympy's mixed number: ``17 25`` is 42) (copying
+  an integer followed by another with only space between (latex2sympy's mixed number: ``17 25`` is 42) (copying
   ``\\dbinom{31}{28}``, ``\\log_2 64``, a sum of two vectors or a question's two addends is not an answer);
 * a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple or matrix of them) needs
   numbers, not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a
