@@ -116,6 +116,14 @@ ATTACKS = {
     "juxtaposed around a phantom": (r"17 \phantom{0} 25", "42"),
     "juxtaposed around displaystyle": (r"17 \displaystyle 25", "42"),
     "juxtaposed, gold with LaTeX-spaced digits": ("999 1", r"1\,000"),
+    "juxtaposed angles": (r"17^\circ 25^\circ", r"42^\circ"),
+    "juxtaposed with a degree sign after": (r"17 25^\circ", "42"),
+    "juxtaposed in square brackets": ("[17] [25]", "42"),
+    "juxtaposed in escaped braces": (r"17 \{25\}", "42"),
+    "juxtaposed in sized parentheses": (r"17 \left(25\right)", "42"),
+    "juxtaposed in double braces": ("17 {{25}}", "42"),
+    "juxtaposed around medspace": (r"17 \medspace 25", "42"),
+    "an improper mixed number": (r"17 \frac{25}{1}", "42"),
 }
 
 
@@ -160,6 +168,7 @@ EQUIVALENT = [
     # a number set apart by a space as a command's argument is no juxtaposition (a fifth red-team)
     (r"\frac 3 4", "0.75"), (r"x^2 - \frac 1 2", r"x^2-\frac{1}{2}"), (r"3 \frac 1 2", r"\frac{7}{2}"),
     (r"\frac 1 2 \sqrt 3", r"\frac{\sqrt{3}}{2}"), ("2^3 3^2", r"2^3 \cdot 3^2"),
+    (r"\left(\frac 1 2, 3\right)", r"\left(\frac{1}{2}, 3\right)"), (r"30^\circ 15'", r"30^\circ 15'"),
     (r"y = \frac 1 2 x + 3", r"y = \frac{1}{2}x + 3"), (r"3 \frac{1}{2}", r"\frac{7}{2}"),
     ("1 000", "1000"), ("1\u00a0500", "1500"), ("1\u2009234\u2009567", "1234567"), ("1 000", "1 000"),
     ("\uff11\uff18", "18"), ("\u0661\u0668", "18"), ("\uff11\uff18", "\uff11\uff18"),  # full-width, Arabic-Indic

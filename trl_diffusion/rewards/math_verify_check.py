@@ -227,27 +227,41 @@ def _operations(text: str, parsed: list) -> set[str]:
     return found
 
 
-# What renders as nothing or as space between two numbers (``17 \, 25``, ``17 \text{ } 25``, ``17 \phantom{0} 25``).
+# What renders as nothing or as space between two numbers (``17 \, 25``, ``17 \text{ } 25``, ``17 \phantom{0} 25``;
+# ``~`` is a space already: ``plain_spacing``).
 _BLANK = re.compile(r"\\(?:[hv]?phantom|hspace\*?|vspace\*?)\s*\{[^{}]*\}|\\(?:text|mbox|textrm|mathrm)\s*\{\s*\}"
-                    r"|\\(?:displaystyle|textstyle|scriptstyle|quad|qquad|enspace|thinspace)(?![a-zA-Z])|\\[,;:! ]|~")
-# An integer, bare or in braces / parentheses (``25``, ``{25}``, ``(25)``), in degrees or not, then another after
-# white space (none needed next to a bracket: ``{17}{25}``).
-_INTEGER = r"(?:\{\s*\d+\s*\}|\(\s*\d+\s*\)|\d+)"
+                    r"|\\(?:displaystyle|textstyle|scriptstyle|quad|qquad|enspace|thinspace|medspace|thickspace)"
+                    r"(?![a-zA-Z])|\\[,;:! ]")
+_OPEN = r"(?:\\left\s*)?(?:\(|\[|\\\{|\\lbrace(?![a-zA-Z]))|\{"
+_CLOSE = r"(?:\\right\s*)?(?:\)|\]|\\\}|\\rbrace(?![a-zA-Z]))|\}"
+# An integer, bare or in up to two brackets of any kind (``25``, ``{25}``, ``(25)``, ``\left[ {25} \right]``).
+_INTEGER = rf"(?:(?:{_OPEN})\s*(?:\{{\s*\d+\s*\}}|\d+)\s*(?:{_CLOSE})|\{{\s*\d+\s*\}}|\d+)"
 _DEGREES = r"(?:\s*\^\s*(?:\\circ|\{\s*\\circ\s*\}))?"
-_INTEGER_PAIR = re.compile(r"(?<![\d.])" + _INTEGER + _DEGREES + r"(?:\s+|(?<=[})])\s*|\s*(?=[{(]))(?="
-                           + _INTEGER + r"(?![\d.^_!]|\s*\^))")
+_INTEGER_PAIR = re.compile(rf"""
+    (?<![\d.]) {_INTEGER} {_DEGREES}           # an integer, in degrees or not
+    (?: \s+                                     # then white space,
+      | (?<=[}})\]]) \s*                        # or none after a closing bracket ({{17}}{{25}}),
+      | \s* (?=[{{(\[]|\\left|\\lbrace|\\\{{) )   # or before an opening one (17(25))
+    (?= {_INTEGER}                              # and another integer,
+        (?! [\d._!'] | \s*\^(?!\s*(?:\\circ|\{{\s*\\circ\s*\}})) ) )  # not a power's base (degrees are no power)
+    """, re.VERBOSE)
+# An integer then an improper fraction of integers (``17 \frac{25}{1}``): a mixed number no reader writes.
+_IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*\\[dt]?frac\s*\{?\s*(\d+)\s*\}?\s*\{?\s*(\d+)\s*\}?")
 # What makes the first integer an argument, not a number of its own (``\frac 3 4``, ``2^3 3^2``, ``x_1 2``,
 # ``f(2) 3``).
 _ARGUMENT_OF = re.compile(r"(?:\\[dt]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
 
 
 def _juxtaposed_integers(text: str) -> bool:
-    """Whether ``text`` writes an integer followed, with only space between, by another integer: latex2sympy reads
-    an integer followed by a positive rational as a mixed number, their sum (``17 25``, ``{17} {25}``, ``30^\\circ 45``
-    are 42, 42 and 75), which no reader does (a mixed number's fraction, ``3 \\frac{1}{2}``, is no integer). An
-    integer that is a command's argument (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own."""
+    """Whether ``text`` writes an integer followed, with only space between, by another integer (or by an improper
+    fraction of integers): latex2sympy reads an integer followed by a positive rational as a mixed number, their
+    sum (``17 25``, ``{17} {25}``, ``30^\\circ 45``, ``17 \\frac{25}{1}`` are 42, 42, 75 and 42), which no reader
+    does (a mixed number's fraction, ``3 \\frac{1}{2}``, is proper). An integer that is a command's argument
+    (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own."""
     text = _BLANK.sub(" ", text)
-    return any(not _ARGUMENT_OF.search(text[: match.start()]) for match in _INTEGER_PAIR.finditer(text))
+    pairs = [match.start() for match in _INTEGER_PAIR.finditer(text)]
+    pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text) if int(match[1]) >= int(match[2])]
+    return any(not _ARGUMENT_OF.search(text[:start]) for start in pairs)
 
 
 def _matrix_arithmetic(node) -> bool:
