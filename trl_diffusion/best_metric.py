@@ -2,7 +2,7 @@
 
 An evaluation whose ``metric_for_best_model`` is NaN never compares better than another, and one whose value is
 None (TraceRL's reward when no reward function scored a completion) made transformers fail with a TypeError
-comparing it: the trainers pass their metrics through :func:`usable_best_metric` first.
+comparing it: the three trainers pass their metrics through :func:`usable_best_metric` first.
 """
 
 from __future__ import annotations

@@ -686,27 +686,25 @@ def _output_lock(samples_path: Path | None):
     """Hold the run's output files for the whole run: an exclusive ``fcntl.flock`` on a ``.lock`` file beside them
     (released however the process ends). A second evaluation into the same files (two runs started at once for two
     devices, into one ``--output_dir``) is refused: its rows were interleaved with this one's, spliced mid-line, and
-    the metrics file described either run's rows."""
+    the metrics file described either run's rows. Where the file system has no ``flock`` the run goes on unlocked,
+    with a warning."""
     if samples_path is None:
         yield
         return
     lock_path = samples_path.with_suffix(".lock")
     with open(lock_path, "w") as handle:
-        unsupported = None
+        busy = ValueError(f"another evaluation is writing {samples_path} (it holds {lock_path}): let it finish, or "
+                          "give this one another --output_dir.")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            held = True
+            raise busy from None
         except OSError as error:  # a file system without flock (Lustre without -o flock, NFS without lockd)
-            unsupported, held = error, False
-        else:  # the path may name a newer lock file by now (a finished run removes its own): ours must be it
-            held = not lock_path.exists() or os.stat(lock_path).st_ino != os.fstat(handle.fileno()).st_ino
-        if unsupported is not None:
             logger.warning("cannot lock %s (%s): this evaluation runs without the check that no other one writes "
-                           "the same files.", lock_path, unsupported)
-        if held:
-            raise ValueError(f"another evaluation is writing {samples_path} (it holds {lock_path}): let it finish, or "
-                             "give this one another --output_dir.")
+                           "the same files.", lock_path, error)
+        else:  # the path may name a newer lock file by now (a finished run removes its own): ours must be it
+            if not lock_path.exists() or os.stat(lock_path).st_ino != os.fstat(handle.fileno()).st_ino:
+                raise busy
         try:
             yield
         finally:

@@ -71,7 +71,7 @@ def _without_fence_indent(text: str, fence: re.Match) -> str:
     if not lead or lead.strip():
         return body
     lines = body.splitlines(keepends=True)
-    if any(line.strip() and not (line[:len(lead)].isspace() and len(line) > len(lead)) for line in lines):
+    if any(line.strip() and not line[:len(lead)].isspace() for line in lines):
         return body
     return "".join(line[len(lead):] if line.strip() else line.lstrip(" \t") for line in lines)
 

@@ -358,9 +358,8 @@ def time_limit_seconds(time_limit: Any) -> float:
     """A row's ``test_time_limit`` in seconds (``None``: dLLM-RL's default, 1 s); ``ValueError`` unless a finite
     number > 0; a boolean is refused, as the eval loader refuses it (``float(True)`` would read it as 1 s)."""
     try:
-        if isinstance(time_limit, bool):
-            raise TypeError
-        limit = float(DEFAULT_TIME_LIMIT if time_limit is None else time_limit)
+        limit = math.nan if isinstance(time_limit, bool) else float(DEFAULT_TIME_LIMIT if time_limit is None
+                                                                     else time_limit)
     except (TypeError, ValueError):
         limit = math.nan
     if not (math.isfinite(limit) and limit > 0):

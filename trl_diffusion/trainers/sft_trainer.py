@@ -37,7 +37,7 @@ from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
 
-from ..best_metric import check_best_metric_names_a_set
+from ..best_metric import check_best_metric_names_a_set, usable_best_metric
 from ..data.loading import column_names, dataset_label, empty_dataset_error
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
@@ -695,6 +695,13 @@ class DiffusionSFTTrainer(SFTTrainer):
             return super().training_step(*args, **kwargs)
         finally:
             self._inside_training_step = False
+
+    def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
+        """transformers' choice of the best checkpoint, with a warning when ``metric_for_best_model`` is NaN
+        (``usable_best_metric``)."""
+        why = "the evaluated losses or metrics are NaN (a diverged model?)"
+        metrics = usable_best_metric(metrics, self.args.metric_for_best_model, self.state.global_step, why)
+        return super()._determine_best_metric(metrics, trial)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix: str = "test"):
         """Trainer's ``predict``, with ``test_dataset`` prepared as SFTTrainer's ``evaluate`` prepares a dataset

@@ -276,7 +276,7 @@ class TraceRLTrainer(GRPOTrainer):
         """The train and eval datasets by name (``eval 'a'`` for a named eval set, as the SFT trainer names it)."""
         evals = self.eval_dataset if isinstance(self.eval_dataset, dict) else {None: self.eval_dataset}
         return {"train": self.train_dataset,
-                **{"eval" if name is None else f"eval {name!r}": data for name, data in evals.items()}}
+                **{"eval" if name is None else dataset_label("eval", name): data for name, data in evals.items()}}
 
     def _check_reward_datasets(self) -> None:
         """Let each reward function that can (``check_dataset``: the code rewards) refuse rows it cannot score, when
@@ -1005,7 +1005,9 @@ class TraceRLTrainer(GRPOTrainer):
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
         """Trainer's evaluation, refusing by name an empty eval ``Dataset`` (passed here, named here, or the
-        trainer's): it would log no ``eval_loss`` / ``eval_reward``, and ``metric_for_best_model`` then fail."""
+        trainer's: it would log no ``eval_loss`` / ``eval_reward``, and ``metric_for_best_model`` then fail) and a
+        global eval batch that ``num_generations_eval`` does not divide; the global random states are restored
+        after it (``_global_random_state_kept``)."""
         if isinstance(eval_dataset, str) and isinstance(self.eval_dataset, dict) and eval_dataset in self.eval_dataset:
             _refuse_empty(self.eval_dataset[eval_dataset], dataset_label("eval", eval_dataset))
         else:
@@ -1373,7 +1375,7 @@ def _check_prompt_column(dataset, split: str) -> None:
     """GRPO reads prompts from a ``prompt`` column: say so at construction, not at the first batch."""
     if isinstance(dataset, dict):
         for name, part in dataset.items():
-            _check_prompt_column(part, f"{split} {name!r}")
+            _check_prompt_column(part, dataset_label(split, name))
         return
     if not isinstance(dataset, Dataset | IterableDataset):
         return
