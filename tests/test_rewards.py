@@ -183,6 +183,9 @@ def test_extract_code_reads_any_line_ending_and_an_indented_fence():
     margin = "    ```python\ndef f(x):\n    return x + 1\n    ```"
     compile(extract_code(margin), "margin", "exec")
     assert extract_code("  ```python\n  def f():\n\n      return 1\n  ```") == "def f():\n\n    return 1\n"
+    # a line of a multi-line string may sit at the margin: the others still lose the fence's indent
+    string = '1. Code:\n   ```python\n   def f():\n       return """a\nb"""\n   ```\n'
+    assert extract_code(string) == 'def f():\n    return """a\nb"""\n'
 
 
 def test_build_tests():

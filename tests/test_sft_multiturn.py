@@ -248,5 +248,8 @@ def test_a_best_metric_no_eval_set_logs_is_refused_at_construction(tmp_path):
     # with a KeyError at the first evaluation
     fits = Dataset.from_list([{"prompt": "Q\n", "completion": "yes"}] * 2)
     with pytest.raises(ValueError, match=r"metric_for_best_model='loss' is logged by no evaluation.*'a_loss'"):
-        trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="loss")
+        trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="loss",
+                eval_strategy="steps")
     trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="eval_b_loss")
+    # without an eval_strategy training never looks it up: evaluate() by hand is fine
+    trainer(tmp_path, fits, eval_dataset={"a": fits, "b": fits}, metric_for_best_model="loss", eval_strategy="no")

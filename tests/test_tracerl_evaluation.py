@@ -47,7 +47,8 @@ def test_an_eval_batch_of_partial_groups_is_refused_before_its_rollouts(tmp_path
 def test_a_best_metric_no_eval_set_logs_is_refused_at_construction(tmp_path):
     sets = {"a": Dataset.from_dict({"prompt": PROMPTS[:2]}), "b": Dataset.from_dict({"prompt": PROMPTS[2:]})}
     with pytest.raises(ValueError, match=r"metric_for_best_model='reward' is logged by no evaluation.*'a_reward'"):
-        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path, metric_for_best_model="reward"),
+        TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path, metric_for_best_model="reward",
+                                                                       eval_strategy="steps"),
                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}), eval_dataset=sets,
                        processing_class=build_tokenizer())
     TraceRLTrainer(tiny_model("sdar"), distinct_chars, args=config(tmp_path, metric_for_best_model="a_reward"),
@@ -55,12 +56,14 @@ def test_a_best_metric_no_eval_set_logs_is_refused_at_construction(tmp_path):
                    processing_class=build_tokenizer())
 
 
-def test_an_evaluation_without_any_reward_is_never_the_best_and_is_warned_about(tmp_path, caplog):
+@pytest.mark.parametrize("scheduler", ["linear", "reduce_lr_on_plateau"])
+def test_an_evaluation_without_any_reward_is_never_the_best_and_is_warned_about(tmp_path, caplog, scheduler):
     def training_prompts_only(completions, prompts, **kwargs):  # TRL's None: the function does not score the row
         return [float(len(set(c))) if p in PROMPTS else None for c, p in zip(completions, prompts)]
 
     with caplog.at_level(logging.WARNING, logger="trl_diffusion.best_metric"):
         trainer = run(tmp_path, Dataset.from_dict({"prompt": ["never scored"]}), training_prompts_only, max_steps=1,
-                      eval_strategy="steps", eval_steps=1, metric_for_best_model="reward")  # None > -inf: TypeError
+                      eval_strategy="steps", eval_steps=1, metric_for_best_model="reward",
+                      lr_scheduler_type=scheduler)  # eval_reward was None: TypeErrors in both places
     assert trainer.state.best_global_step is None
     assert any("'eval_reward' is NaN at step 1" in r.getMessage() for r in caplog.records)

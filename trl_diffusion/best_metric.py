@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 
+from transformers import TrainingArguments
 from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
@@ -33,11 +34,14 @@ def usable_best_metric(metrics: dict, metric_for_best_model: str | None, step: i
     return metrics
 
 
-def check_best_metric_names_a_set(eval_dataset, metric_for_best_model: str | None) -> None:
+def check_best_metric_names_a_set(eval_dataset, args: TrainingArguments) -> None:
     """Refuse, when the trainer is built, a ``metric_for_best_model`` that no evaluation of a dict of eval datasets
     logs: transformers logs each set's metrics as ``eval_<name>_<metric>``, and failed with a KeyError only at the
-    first evaluation, after the training steps before it (``load_best_model_at_end`` sets ``"loss"`` by default)."""
-    if not isinstance(eval_dataset, dict) or not eval_dataset or metric_for_best_model is None:
+    first evaluation, after the training steps before it (``load_best_model_at_end`` sets ``"loss"`` by default).
+    Without an ``eval_strategy`` training never looks the metric up."""
+    metric_for_best_model = args.metric_for_best_model
+    if not isinstance(eval_dataset, dict) or not eval_dataset or metric_for_best_model is None or \
+            args.eval_strategy == "no":
         return
     metric = metric_for_best_model.removeprefix("eval_")
     if not any(metric.startswith(f"{name}_") for name in eval_dataset):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import itertools
 import json
@@ -688,6 +687,8 @@ def _output_lock(samples_path: Path | None):
     devices, into one ``--output_dir``) is refused: its rows were interleaved with this one's, spliced mid-line, and
     the metrics file described either run's rows. Where the file system has no ``flock`` the run goes on unlocked,
     with a warning."""
+    import fcntl  # POSIX only: the rest of the package imports on Windows
+
     if samples_path is None:
         yield
         return

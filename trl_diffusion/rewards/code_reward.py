@@ -65,15 +65,22 @@ def extract_code(text: str) -> str | None:
 
 def _without_fence_indent(text: str, fence: re.Match) -> str:
     """The body of a ``_FENCE`` match without the opening fence's indentation (when only white space precedes it on
-    its line), taken from the start of each line when every line that is not blank starts with that much white
-    space; otherwise the lines as written (code at the margin under an indented fence)."""
+    its line): up to that much white space taken from the start of each line, as CommonMark reads an indented fence
+    -- unless the lines as written are Python and that reading is not (code at the margin under an indented
+    fence, whose body would lose the indentation it needs); a line of a multi-line string may sit at the margin."""
     body, lead = fence.group(2), text[text.rfind("\n", 0, fence.start()) + 1:fence.start()]
     if not lead or lead.strip():
         return body
-    lines = body.splitlines(keepends=True)
-    if any(line.strip() and not line[:len(lead)].isspace() for line in lines):
-        return body
-    return "".join(line[len(lead):] if line.strip() else line.lstrip(" \t") for line in lines)
+    dedented = re.sub(rf"(?m)^[ \t]{{1,{len(lead)}}}", "", body)
+    return body if _parses(body) and not _parses(dedented) else dedented
+
+
+def _parses(code: str) -> bool:
+    try:
+        ast.parse(code)
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # ValueError: a null byte
+        return False
+    return True
 
 
 def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) -> list[str] | None:

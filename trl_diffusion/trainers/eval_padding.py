@@ -26,13 +26,14 @@ def real_eval_rows(accelerator: Accelerator, rows: int) -> int | None:
     return None if real == rows else real
 
 
-def prefixed_eval_metrics(store: dict[str, list[float]], prefix: str) -> dict[str, float | None]:
+def prefixed_eval_metrics(store: dict[str, list[float]], prefix: str) -> dict[str, float]:
     """TRL's evaluation metrics (a trainer's ``_metrics["eval"]``) named as ``evaluate(metric_key_prefix=prefix)``
     names its own: TRL's ``log`` names them ``eval_*`` whatever the prefix, so two named eval sets shared one name and
     ``predict()``'s were averaged into the next evaluation's. Each is the mean of its values, NaN left out as GRPO's
-    ``log`` leaves it out (None when nothing is left)."""
+    ``log`` leaves it out (NaN when nothing is left: transformers reads the metrics as numbers, a None failed in its
+    plateau scheduler and best-checkpoint comparison)."""
     means = {}
     for name, values in store.items():
         valid = [value for value in values if not math.isnan(value)]
-        means[f"{prefix}_{name}"] = sum(valid) / len(valid) if valid else None
+        means[f"{prefix}_{name}"] = sum(valid) / len(valid) if valid else math.nan
     return means

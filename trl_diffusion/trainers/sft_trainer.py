@@ -412,7 +412,7 @@ class DiffusionSFTTrainer(SFTTrainer):
                 )
         if args.label_smoothing_factor:
             raise ValueError("label_smoothing_factor is not supported by the diffusion objectives.")
-        check_best_metric_names_a_set(eval_dataset, args.metric_for_best_model)
+        check_best_metric_names_a_set(eval_dataset, args)
         # TRL reads the train set's first row before preparing it (a bare StopIteration when there is none); an eval
         # stream's emptiness shows when it is prepared
         named_evals = _named(eval_dataset)

@@ -1017,13 +1017,12 @@ class TraceRLTrainer(GRPOTrainer):
             raise ValueError(f"the global eval batch size ({per_device} x {processes} process(es)) must be divisible "
                              f"by num_generations_eval ({self.num_generations_eval}): every batch holds whole "
                              "groups of one prompt's completions (it failed after the rollouts, in a reshape).")
-        with _global_random_state_kept():
+        with _global_random_state_kept(self.accelerator.device):
             return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def _determine_best_metric(self, metrics: dict[str, float], trial) -> bool:
-        """transformers' choice of the best checkpoint; a ``metric_for_best_model`` of None (an evaluation where no
-        reward function scored a completion: a TypeError in transformers' comparison) or NaN is warned about and
-        never the best (``usable_best_metric``)."""
+        """transformers' choice of the best checkpoint; a ``metric_for_best_model`` of NaN (an evaluation where no
+        reward function scored a completion) is warned about and never the best (``usable_best_metric``)."""
         why = "no reward function scored any evaluated completion (every reward None), or the rewards were NaN"
         metrics = usable_best_metric(metrics, self.args.metric_for_best_model, self.state.global_step, why)
         return super()._determine_best_metric(metrics, trial)
@@ -1315,13 +1314,14 @@ def _grpo_arguments(pos: tuple, kwargs: dict) -> dict:
 
 
 @contextlib.contextmanager
-def _global_random_state_kept():
-    """Restore Python's, NumPy's and torch's global random states (CPU, and the current CUDA device) after the
-    block. An evaluation draws from them (the eval loader seeds its iterator from torch's generator), and TRL's
-    shuffle of each generation batch reads torch's: an evaluation changed the rows of the training steps after it
-    (weights 9e-3 apart after 4 steps with ``steps_per_generation=2``)."""
+def _global_random_state_kept(device: torch.device):
+    """Restore Python's, NumPy's and torch's global random states (CPU, and ``device`` if it is a CUDA device: no
+    CUDA context is made for a run on the CPU) after the block. An evaluation draws from them (the eval loader seeds
+    its iterator from torch's generator), and TRL's shuffle of each generation batch reads torch's: an evaluation
+    changed the rows of the training steps after it (weights 9e-3 apart after 4 steps with
+    ``steps_per_generation=2``)."""
     python, numpy_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         try:
             yield
         finally:
@@ -1337,7 +1337,7 @@ def _check_datasets(train, evals, args: TraceRLConfig) -> None:
     _check_prompt_column(train, "train")
     _check_prompt_column(evals, "eval")
     _check_generation_batch_fits(train, args)
-    check_best_metric_names_a_set(evals, args.metric_for_best_model)
+    check_best_metric_names_a_set(evals, args)
 
 
 def _refuse_empty(dataset, label: str) -> None:

@@ -102,7 +102,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         if processing_class is None:
             processing_class = AutoTokenizer.from_pretrained(model.config._name_or_path)
         check_tokenizer(processing_class, model)
-        check_best_metric_names_a_set(eval_dataset, args.metric_for_best_model)
+        check_best_metric_names_a_set(eval_dataset, args)
         prepare = partial(_prepare_dataset, tokenizer=processing_class, chat_template_kwargs=args.chat_template_kwargs,
                           vocab_size=embedding_rows(model),
                           max_positions=max_positions(model.config), mask_token_id=model.mask_token_id)
