@@ -189,6 +189,18 @@ def test_an_evaluation_on_a_file_system_without_locks_runs_and_says_so(model_and
     assert any("runs without the check" in record.getMessage() for record in caplog.records)
 
 
+def test_an_evaluation_where_fcntl_does_not_exist_runs_and_says_so(model_and_tokenizer, tmp_path, monkeypatch,
+                                                                   caplog):
+    # Windows has no fcntl: the import failed every evaluation, with an output_dir or without
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # `import fcntl` then raises ImportError
+    model, tokenizer = model_and_tokenizer
+    with caplog.at_level("WARNING"):
+        report = evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), output_dir=str(tmp_path), **FAST)
+        evaluate(model=model, tokenizer=tokenizer, dataset=str(MATH500), output_dir="", **FAST)
+    assert Path(report["samples_file"]).is_file()
+    assert any("no fcntl on this system" in record.getMessage() for record in caplog.records)
+
+
 def test_a_sampled_completion_does_not_depend_on_the_batch_size_or_the_problems_evaluated(model_and_tokenizer,
                                                                                            tmp_path):
     # one generator shared by every batch made each sample depend on batch_size and on the problems before it

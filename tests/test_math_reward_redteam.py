@@ -124,6 +124,8 @@ ATTACKS = {
     "juxtaposed in double braces": ("17 {{25}}", "42"),
     "juxtaposed around medspace": (r"17 \medspace 25", "42"),
     "an improper mixed number": (r"17 \frac{25}{1}", "42"),
+    "juxtaposed, a prime after": ("17 25'", "42"),
+    "juxtaposed angle and minutes": (r"17^\circ 25'", "42"),
 }
 
 
@@ -169,6 +171,7 @@ EQUIVALENT = [
     (r"\frac 3 4", "0.75"), (r"x^2 - \frac 1 2", r"x^2-\frac{1}{2}"), (r"3 \frac 1 2", r"\frac{7}{2}"),
     (r"\frac 1 2 \sqrt 3", r"\frac{\sqrt{3}}{2}"), ("2^3 3^2", r"2^3 \cdot 3^2"),
     (r"\left(\frac 1 2, 3\right)", r"\left(\frac{1}{2}, 3\right)"), (r"30^\circ 15'", r"30^\circ 15'"),
+    (r"2 \frac{10x}{3}", r"\frac{20x}{3}"), (r"3 \frac{10\pi}{7}", r"\frac{30\pi}{7}"),
     (r"y = \frac 1 2 x + 3", r"y = \frac{1}{2}x + 3"), (r"3 \frac{1}{2}", r"\frac{7}{2}"),
     ("1 000", "1000"), ("1\u00a0500", "1500"), ("1\u2009234\u2009567", "1234567"), ("1 000", "1 000"),
     ("\uff11\uff18", "18"), ("\u0661\u0668", "18"), ("\uff11\uff18", "\uff11\uff18"),  # full-width, Arabic-Indic

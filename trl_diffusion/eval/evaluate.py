@@ -687,9 +687,14 @@ def _output_lock(samples_path: Path | None):
     devices, into one ``--output_dir``) is refused: its rows were interleaved with this one's, spliced mid-line, and
     the metrics file described either run's rows. Where the file system has no ``flock`` the run goes on unlocked,
     with a warning."""
-    import fcntl  # POSIX only: the rest of the package imports on Windows
-
     if samples_path is None:
+        yield
+        return
+    try:
+        import fcntl  # POSIX only: the rest of the package imports on Windows
+    except ImportError:
+        logger.warning("no fcntl on this system: this evaluation runs without the check that no other one writes "
+                       "%s.", samples_path)
         yield
         return
     lock_path = samples_path.with_suffix(".lock")

@@ -243,10 +243,12 @@ _INTEGER_PAIR = re.compile(rf"""
       | (?<=[}})\]]) \s*                        # or none after a closing bracket ({{17}}{{25}}),
       | \s* (?=[{{(\[]|\\left|\\lbrace|\\\{{) )   # or before an opening one (17(25))
     (?= {_INTEGER}                              # and another integer,
-        (?! [\d._!'] | \s*\^(?!\s*(?:\\circ|\{{\s*\\circ\s*\}})) ) )  # not a power's base (degrees are no power)
+        (?! [\d._!] | \s*\^(?!\s*(?:\\circ|\{{\s*\\circ\s*\}})) ) )  # not a power's base (degrees are no power)
     """, re.VERBOSE)
-# An integer then an improper fraction of integers (``17 \frac{25}{1}``): a mixed number no reader writes.
-_IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*\\[dt]?frac\s*\{?\s*(\d+)\s*\}?\s*\{?\s*(\d+)\s*\}?")
+# An integer then an improper fraction of integers (``17 \frac{25}{1}``): a mixed number no reader writes. Each of
+# the fraction's parts is a braced integer or a single digit (``\frac{10x}{3}`` has no integer numerator).
+_FRACTION_PART = r"(?:\{\s*(\d+)\s*\}|(\d))"
+_IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*\\[dt]?frac\s*" + _FRACTION_PART + r"\s*" + _FRACTION_PART)
 # What makes the first integer an argument, not a number of its own (``\frac 3 4``, ``2^3 3^2``, ``x_1 2``,
 # ``f(2) 3``).
 _ARGUMENT_OF = re.compile(r"(?:\\[dt]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
@@ -260,7 +262,8 @@ def _juxtaposed_integers(text: str) -> bool:
     (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own."""
     text = _BLANK.sub(" ", text)
     pairs = [match.start() for match in _INTEGER_PAIR.finditer(text)]
-    pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text) if int(match[1]) >= int(match[2])]
+    pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text)
+              if int(match[1] or match[2]) >= int(match[3] or match[4])]
     return any(not _ARGUMENT_OF.search(text[:start]) for start in pairs)
 
 
