@@ -126,6 +126,12 @@ ATTACKS = {
     "an improper mixed number": (r"17 \frac{25}{1}", "42"),
     "juxtaposed, a prime after": ("17 25'", "42"),
     "juxtaposed angle and minutes": (r"17^\circ 25'", "42"),
+    "an improper mixed number in double braces": (r"17 \frac{{25}}{1}", "42"),
+    "an improper mixed number, cfrac": (r"17 \cfrac{25}{1}", "42"),
+    "an improper mixed number in parentheses": (r"17 \left(\frac{25}{1}\right)", "42"),
+    "an improper mixed number with a slash": ("17 {25/1}", "42"),
+    "juxtaposed in lbrack": (r"17 \lbrack 25 \rbrack", "42"),
+    "juxtaposed around negmedspace": (r"17 \negmedspace 25", "42"),
 }
 
 
@@ -171,7 +177,8 @@ EQUIVALENT = [
     (r"\frac 3 4", "0.75"), (r"x^2 - \frac 1 2", r"x^2-\frac{1}{2}"), (r"3 \frac 1 2", r"\frac{7}{2}"),
     (r"\frac 1 2 \sqrt 3", r"\frac{\sqrt{3}}{2}"), ("2^3 3^2", r"2^3 \cdot 3^2"),
     (r"\left(\frac 1 2, 3\right)", r"\left(\frac{1}{2}, 3\right)"), (r"30^\circ 15'", r"30^\circ 15'"),
-    (r"2 \frac{10x}{3}", r"\frac{20x}{3}"), (r"3 \frac{10\pi}{7}", r"\frac{30\pi}{7}"),
+    (r"2 \frac{10x}{3}", r"\frac{20x}{3}"), (r"3 \frac{10\pi}{7}", r"\frac{30\pi}{7}"), ("2 (3/4)", r"\frac{11}{4}"),
+    (r"\cfrac{3}{4}", "0.75"),
     (r"y = \frac 1 2 x + 3", r"y = \frac{1}{2}x + 3"), (r"3 \frac{1}{2}", r"\frac{7}{2}"),
     ("1 000", "1000"), ("1\u00a0500", "1500"), ("1\u2009234\u2009567", "1234567"), ("1 000", "1 000"),
     ("\uff11\uff18", "18"), ("\u0661\u0668", "18"), ("\uff11\uff18", "\uff11\uff18"),  # full-width, Arabic-Indic

@@ -230,10 +230,10 @@ def _operations(text: str, parsed: list) -> set[str]:
 # What renders as nothing or as space between two numbers (``17 \, 25``, ``17 \text{ } 25``, ``17 \phantom{0} 25``;
 # ``~`` is a space already: ``plain_spacing``).
 _BLANK = re.compile(r"\\(?:[hv]?phantom|hspace\*?|vspace\*?)\s*\{[^{}]*\}|\\(?:text|mbox|textrm|mathrm)\s*\{\s*\}"
-                    r"|\\(?:displaystyle|textstyle|scriptstyle|quad|qquad|enspace|thinspace|medspace|thickspace)"
+                    r"|\\(?:displaystyle|textstyle|scriptstyle|quad|qquad|enspace|(?:neg)?(?:thin|med|thick)space)"
                     r"(?![a-zA-Z])|\\[,;:! ]")
-_OPEN = r"(?:\\left\s*)?(?:\(|\[|\\\{|\\lbrace(?![a-zA-Z]))|\{"
-_CLOSE = r"(?:\\right\s*)?(?:\)|\]|\\\}|\\rbrace(?![a-zA-Z]))|\}"
+_OPEN = r"(?:\\left\s*)?(?:\(|\[|\\\{|\\l(?:brace|brack)(?![a-zA-Z]))|\{"
+_CLOSE = r"(?:\\right\s*)?(?:\)|\]|\\\}|\\r(?:brace|brack)(?![a-zA-Z]))|\}"
 # An integer, bare or in up to two brackets of any kind (``25``, ``{25}``, ``(25)``, ``\left[ {25} \right]``).
 _INTEGER = rf"(?:(?:{_OPEN})\s*(?:\{{\s*\d+\s*\}}|\d+)\s*(?:{_CLOSE})|\{{\s*\d+\s*\}}|\d+)"
 _DEGREES = r"(?:\s*\^\s*(?:\\circ|\{\s*\\circ\s*\}))?"
@@ -247,11 +247,14 @@ _INTEGER_PAIR = re.compile(rf"""
     """, re.VERBOSE)
 # An integer then an improper fraction of integers (``17 \frac{25}{1}``): a mixed number no reader writes. Each of
 # the fraction's parts is a braced integer or a single digit (``\frac{10x}{3}`` has no integer numerator).
-_FRACTION_PART = r"(?:\{\s*(\d+)\s*\}|(\d))"
-_IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*\\[dt]?frac\s*" + _FRACTION_PART + r"\s*" + _FRACTION_PART)
+_FRACTION_PART = r"(?:\{\s*(?:[{(]\s*)?(\d+)\s*(?:[})]\s*)?\}|(\d))"
+_IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*(?:(?:\\left\s*)?[{(]\s*)?\\[dtc]?frac\s*" + _FRACTION_PART + r"\s*"
+                             + _FRACTION_PART)
+# ... or written with a slash in brackets (``17 {25/1}``, ``17 (50/2)``).
+_IMPROPER_SLASH = re.compile(r"(?<![\d.])\d+\s*[{(]\s*(\d+)\s*/\s*(\d+)\s*[})]")
 # What makes the first integer an argument, not a number of its own (``\frac 3 4``, ``2^3 3^2``, ``x_1 2``,
 # ``f(2) 3``).
-_ARGUMENT_OF = re.compile(r"(?:\\[dt]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
+_ARGUMENT_OF = re.compile(r"(?:\\[dtc]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
 
 
 def _juxtaposed_integers(text: str) -> bool:
@@ -264,6 +267,7 @@ def _juxtaposed_integers(text: str) -> bool:
     pairs = [match.start() for match in _INTEGER_PAIR.finditer(text)]
     pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text)
               if int(match[1] or match[2]) >= int(match[3] or match[4])]
+    pairs += [match.start() for match in _IMPROPER_SLASH.finditer(text) if int(match[1]) >= int(match[2])]
     return any(not _ARGUMENT_OF.search(text[:start]) for start in pairs)
 
 
