@@ -417,9 +417,10 @@ class DiffusionSFTTrainer(SFTTrainer):
         # stream's emptiness shows when it is prepared
         named_evals = _named(eval_dataset)
         for label, dataset in [("train", train_dataset), *named_evals.items()]:
-            if isinstance(dataset, Dataset) and len(dataset) == 0 or (
-                    label == "train" and isinstance(dataset, IterableDataset) and next(iter(dataset), None) is None):
+            if isinstance(dataset, Dataset) and len(dataset) == 0:
                 raise empty_dataset_error(label)
+        if isinstance(train_dataset, IterableDataset) and next(iter(train_dataset), None) is None:
+            raise empty_dataset_error("train")
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
             _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"), {"train": train_dataset,
