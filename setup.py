@@ -9,8 +9,10 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",  # TRL 1.16 (and transformers >= 5.24) require it
     packages=find_packages(include=["trl_diffusion", "trl_diffusion.*"]),
-    package_data={"trl_diffusion": ["assets/**/*"]},
+    # the embedded model's files, named so that bytecode (assets/__pycache__) is not shipped as data
+    package_data={"trl_diffusion": ["assets/tiny-sdar-arithmetic/*"]},
     include_package_data=True,
+    exclude_package_data={"": ["__pycache__", "*.py[cod]"]},
     install_requires=[
         "torch>=2.6,<2.16",
         "transformers>=5.20,<6",
@@ -18,7 +20,6 @@ setup(
         "peft>=0.21,<0.22",
         "accelerate>=1.15,<1.17",
         "datasets>=5.0,<6",
-        "evaluate>=0.4,<0.5",
         "math-verify>=0.9,<0.10",
         "tokenizers>=0.23.1",
         "safetensors>=0.8",
