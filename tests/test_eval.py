@@ -3,6 +3,7 @@
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -280,8 +281,17 @@ def test_errors_are_clear(tmp_path, model_and_tokenizer):
     with pytest.raises(ValueError, match="no usable gold answer"):
         load_eval_problems(str(no_gold))
     model, tokenizer = model_and_tokenizer
-    with pytest.raises(ValueError, match="pass@k"):
-        evaluate(EvalConfig(num_samples=2, pass_k=[4]), model=model, tokenizer=tokenizer)
+
+    def no_forward(module, args, kwargs):
+        raise AssertionError("evaluate generated before refusing pass_k")
+
+    # refused by the config before any generation, not by pass_at_k() once everything was sampled
+    hook = model.register_forward_pre_hook(no_forward, with_kwargs=True)
+    try:
+        with pytest.raises(ValueError, match=re.escape("pass@k needs 1 <= k <= num_samples (2); got k=[4].")):
+            evaluate(EvalConfig(num_samples=2, pass_k=[4]), model=model, tokenizer=tokenizer)
+    finally:
+        hook.remove()
     with pytest.raises(TypeError, match="unknown arguments"):
         evaluate(model=model, tokenizer=tokenizer, num_sample=2)
     with pytest.raises(ValueError, match="denoising_steps"):

@@ -1,6 +1,8 @@
 """``scoring_token_budget`` of ``DiffusionSFTTrainer``: the rows an objective builds, cut into several forwards (each
 back-propagated before the next), give the loss, gradient, metrics and eval loss of one forward."""
 
+import re
+
 import pytest
 import torch
 from test_sft_value_combos import SMALL, TOKENIZER, conversational, sft_config, trajectories
@@ -163,6 +165,15 @@ def test_a_budget_is_refused_where_a_backward_does_more_than_accumulate(tmp_path
     _check_token_budget(one_backward, deepspeed=False)
     with pytest.raises(ValueError, match="recompute_scoring_forwards=True needs a scoring_token_budget"):
         sft_config(tmp_path, recompute_scoring_forwards=True)
+
+
+def test_the_trainer_refuses_a_budget_with_an_optimizer_that_updates_inside_the_backward(tmp_path):
+    """The refusal above comes from the trainer's construction, not only from the helper."""
+    args = sft_config(tmp_path, scoring_token_budget=64, optim="lomo")
+    with pytest.raises(ValueError, match=re.escape("scoring_token_budget is not supported with optim='lomo' (it "
+                                                   "updates the weights inside each backward)")):
+        DiffusionSFTTrainer(tiny_model("sdar", **SMALL["sdar"]), args=args, train_dataset=conversational(),
+                            processing_class=TOKENIZER)
 
 
 def test_the_memory_benchmark_measures_the_same_step_in_every_variant(monkeypatch):

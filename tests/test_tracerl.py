@@ -1,6 +1,7 @@
 """TraceRLTrainer: a full training step for every family and estimator, LoRA, the reference model, the sampler
 log-prob gap, group filtering and bad inputs."""
 
+import hashlib
 import math
 
 import numpy as np
@@ -73,7 +74,14 @@ def test_reference_model_is_a_frozen_copy(tmp_path):
 
 
 def test_mask_seeds_are_stable_and_distinct():
-    assert mask_seed(0, 3, 5) == mask_seed(0, 3, 5)
+    """A row's seed is the documented sha256 derivation (so the same in every process and run, whatever
+    PYTHONHASHSEED: resumed and multi-process runs redraw the same masks), not Python's salted hash()."""
+    def sha256_seed(*parts) -> int:  # the first 8 bytes of sha256("seed:step:index"), little-endian, to 63 bits
+        digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+        return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+    assert mask_seed(0, 3, 5) == sha256_seed(0, 3, 5) == 4022270347702650852
+    assert mask_seed(7, "eval-2", 11) == sha256_seed(7, "eval-2", 11)
     assert len({mask_seed(0, step, i) for step in range(4) for i in range(16)}) == 64
 
 

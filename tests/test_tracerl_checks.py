@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 
 import pytest
 import torch
@@ -54,21 +55,24 @@ def test_rollout_cache_rejects_unknown_values(tmp_path):
 
 
 def test_use_cache_is_read_as_the_old_name_with_a_warning(tmp_path):
-    with pytest.warns(FutureWarning, match="use rollout_cache='dual'"):
+    with pytest.warns(FutureWarning, match=re.escape("TraceRLConfig(use_cache='dual') sets the rollout KV cache "
+                                                     "under its old name; use rollout_cache='dual'")):
         args = config(tmp_path, use_cache="dual")
     assert args.rollout_cache == "dual" and args.use_cache is False
     parser = TrlParser([TraceRLConfig])
     common = ["--output_dir", str(tmp_path), "--bf16", "false", "--use_cpu", "true"]
     (args,) = parser.parse_args_and_config([*common, "--rollout_cache", "dual"])
     assert args.rollout_cache == "dual" and args.use_cache is False
-    with pytest.warns(FutureWarning):
+    with pytest.warns(FutureWarning, match=re.escape("TraceRLConfig(use_cache='prefix') sets the rollout KV cache "
+                                                     "under its old name; use rollout_cache='prefix'")):
         (args,) = parser.parse_args_and_config([*common, "--use_cache", "prefix"])
     assert args.rollout_cache == "prefix" and args.use_cache is False
 
 
 def test_saved_model_config_keeps_a_boolean_use_cache(tmp_path):
     """The Trainer copies ``args.use_cache`` into ``model.config.use_cache``; the rollout cache must not go there."""
-    with pytest.warns(FutureWarning):
+    with pytest.warns(FutureWarning, match=re.escape("TraceRLConfig(use_cache='dual') sets the rollout KV cache "
+                                                     "under its old name; use rollout_cache='dual'")):
         run = trainer(tmp_path, "llada", use_cache="dual")
     assert run.args.rollout_cache == "dual"
     run.train()

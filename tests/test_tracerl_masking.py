@@ -8,6 +8,7 @@ and block for block models) with gradients, the loss summed row by row (train/rl
 train/rl_dream.py 307-404, 600-631)."""
 
 import hashlib
+import math
 
 import pytest
 import torch
@@ -216,18 +217,36 @@ def test_kl_summed_per_row_differs_from_the_policy_weighting(tmp_path):
 
 def test_value_model_advantages_are_tiled_over_the_masks(tmp_path):
     """A value model with several masks per response: the token-wise advantages (one per completion token) repeat
-    in each mask's columns, and the value model trains on its own states."""
+    in each mask's columns, and the value model trains on its own states, each token weighted by its loss weights
+    summed over the masks.
+
+    With gamma = lam = 1 a token's advantage is R - V_old, so the one value step's loss (its values are V_old: the
+    model has not moved yet) is sum(0.5 * A^2 * weight) / training rows, the weights being the policy's completion
+    mask folded over the masks: written here from the batch alone."""
     args = TraceRLConfig(**base_config(tmp_path, likelihood_estimator="random_masking", masks_per_response=3,
                                        dynamic_group_filtering="none", value_learning_rate=1e-3))
+    # one value step (ceil(<= 48 training rows / 256)), on one piece of 16 rows
+    assert (args.gamma, args.lam, args.value_batch_size, args.per_device_train_batch_size) == (1.0, 1.0, 256, 16)
     policy = tiny_model("sdar").train()
-    trainer = make_trainer(args, model=policy, value_model=DiffusionValueModel.from_policy(policy))
+    value_model = DiffusionValueModel.from_policy(policy)
+    before = [p.detach().clone() for p in value_model.parameters()]
+    trainer = make_trainer(args, model=policy, value_model=value_model)
     batch = fixed_rollout(trainer)
     width = batch["completion_ids"].shape[1]
     advantages = batch["advantages"]
     assert advantages.shape == (16, 3 * width)
     for k in (1, 2):
         torch.testing.assert_close(advantages[:, k * width:(k + 1) * width], advantages[:, :width])
-    assert advantages.abs().sum() > 0 and trainer._metrics["train"]["value/loss"]
+    assert advantages.abs().sum() > 0
+    (logged,) = trainer._metrics["train"]["value/loss"]
+    folded = batch["completion_mask"].view(16, 3, width).sum(1)
+    assert folded.sum() > 0
+    expected = (0.5 * advantages[:, :width].double() ** 2 * folded).sum() / batch["num_items_in_batch"]
+    assert math.isfinite(logged) and logged > 0
+    assert logged == pytest.approx(expected.item(), rel=1e-4)
+    after = list(value_model.parameters())
+    assert all(torch.isfinite(p).all() for p in after)
+    assert any(not torch.equal(a, b) for a, b in zip(after, before, strict=True))  # the value model took a step
     loss = trainer._compute_loss(trainer.model, batch)
     assert torch.isfinite(loss)
 

@@ -8,6 +8,7 @@ import torch
 from test_tracerl_settings import make_trainer
 from transformers import TrainerCallback
 
+from trl_diffusion.trainers import tracerl_trainer
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import _check_optimizer_reset
 
@@ -73,3 +74,20 @@ def test_deepspeed_is_refused_and_the_field_is_a_bool(tmp_path):
     with pytest.raises(ValueError, match="reset_optimizer_per_rollout"):
         TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none",
                       reset_optimizer_per_rollout="yes")
+
+
+def test_the_trainer_runs_the_deepspeed_check_at_construction(tmp_path, monkeypatch):
+    """The refusal above comes from the trainer's construction. No DeepSpeed run is needed for it: the
+    trainer's call to the check is seen, with its args and its ``is_deepspeed_enabled`` (False here), and the check
+    is then run as under DeepSpeed, whose refusal must stop the construction."""
+    seen = []
+
+    def as_under_deepspeed(args, deepspeed):
+        seen.append((args.reset_optimizer_per_rollout, deepspeed))
+        _check_optimizer_reset(args, deepspeed=True)
+
+    monkeypatch.setattr(tracerl_trainer, "_check_optimizer_reset", as_under_deepspeed)
+    with pytest.raises(ValueError, match=r"reset_optimizer_per_rollout is not supported with DeepSpeed \(its "
+                                         r"optimizer keeps its state in its own partitions\)"):
+        make_trainer(tmp_path, reset_optimizer_per_rollout=True)
+    assert seen == [(True, False)]
