@@ -49,12 +49,12 @@ def test_a_cut_eval_batch_is_normalised_by_the_tokens_it_keeps(monkeypatch):
     batch = next(iter(trainer.get_eval_dataloader()))
     alone = {k: v[:1] for k, v in batch.items()}
     trainer.model.eval()
-    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: 1)
-    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator: True)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, loader, rows: 1)
+    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator, loader: True)
     with torch.no_grad():
         cut = trainer.compute_loss(trainer.model, batch, num_items_in_batch=count_loss_tokens(batch["labels"]))
-    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: None)
-    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator: False)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, loader, rows: None)
+    monkeypatch.setattr(sft_trainer_module, "padded_eval_batch", lambda accelerator, loader: False)
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, alone, num_items_in_batch=count_loss_tokens(alone["labels"]))
     assert_close_fp32(cut, expected)

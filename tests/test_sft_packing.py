@@ -190,12 +190,12 @@ def test_eval_with_packing_and_a_cut_batch(monkeypatch, settings):
     assert trainer.evaluate()["eval_loss"] > 0
     batch = next(iter(trainer.get_eval_dataloader()))
     trainer.model.eval()
-    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: 1)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, loader, rows: 1)
     with torch.no_grad():
         cut = trainer.compute_loss(trainer.model, batch)
     alone = next(iter(trainer.get_eval_dataloader(trainer.eval_dataset.select([0]))))
     assert alone["input_ids"].shape[0] == 1 and alone["document_ids"].max() >= 0
-    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, rows: None)
+    monkeypatch.setattr(sft_trainer_module, "real_eval_rows", lambda accelerator, loader, rows: None)
     with torch.no_grad():
         expected = trainer.compute_loss(trainer.model, alone)
     assert_close_fp32(cut, expected)

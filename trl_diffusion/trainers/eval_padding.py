@@ -7,19 +7,24 @@ from __future__ import annotations
 import math
 
 from accelerate import Accelerator
+from torch.utils.data import DataLoader
 
 
-def padded_eval_batch(accelerator: Accelerator) -> bool:
-    """Whether this is the last batch of a dataset whose size is not a multiple of the global batch (accelerate
-    fills it with samples from the start)."""
+def padded_eval_batch(accelerator: Accelerator, dataloader: DataLoader | None) -> bool:
+    """Whether this is the last batch of ``dataloader`` (the one an evaluation loop iterates; None outside one) and
+    its dataset's size is not a multiple of the global batch (accelerate fills it with samples from the start).
+    accelerate's state is the dataloader begun last, whichever: a training loop stopped by ``max_steps`` at its last
+    batch leaves its own behind, which outside an evaluation loop read as a padded eval batch (half the rows of an
+    eval-mode ``compute_loss`` left out)."""
     state = accelerator.gradient_state
-    return bool(state.end_of_dataloader and state.remainder > 0)
+    return dataloader is not None and state.active_dataloader is dataloader and \
+        bool(state.end_of_dataloader and state.remainder > 0)
 
 
-def real_eval_rows(accelerator: Accelerator, rows: int) -> int | None:
-    """How many of this process's ``rows`` are real samples (None: all). In process order, the first
-    ``remainder`` rows of the padded global batch are the real ones."""
-    if not padded_eval_batch(accelerator):
+def real_eval_rows(accelerator: Accelerator, dataloader: DataLoader | None, rows: int) -> int | None:
+    """How many of this process's ``rows`` of a batch of ``dataloader`` are real samples (None: all). In process
+    order, the first ``remainder`` rows of the padded global batch are the real ones."""
+    if not padded_eval_batch(accelerator, dataloader):
         return None
     remainder = accelerator.gradient_state.remainder
     real = min(rows, max(0, remainder - accelerator.process_index * rows))

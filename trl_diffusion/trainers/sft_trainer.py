@@ -32,6 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, IterableDataset, LargeList, List, Value
+from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
@@ -338,6 +339,7 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "sft"]  # the same tags on every trainer's card
     _name = "Diffusion SFT"
+    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
@@ -638,11 +640,11 @@ class DiffusionSFTTrainer(SFTTrainer):
         args = self.args
         documents = inputs.get("document_ids")  # padding-free rows (packing): which document each token is in
         samples = len(inputs["example_lengths"]) if "example_lengths" in inputs else inputs["input_ids"].shape[0]
-        real = real_eval_rows(self.accelerator, samples) if mode == "eval" else None
+        real = real_eval_rows(self.accelerator, self._evaluated_loader, samples) if mode == "eval" else None
         if real:  # score only the real samples of a padded last eval batch
             inputs = _first_samples(inputs, real)
             documents = inputs.get("document_ids")
-        if mode == "eval" and padded_eval_batch(self.accelerator):
+        if mode == "eval" and padded_eval_batch(self.accelerator, self._evaluated_loader):
             # `num_items_in_batch` counted the whole padded batch (the duplicated samples too, on every process):
             # normalise by the tokens of the samples kept here instead.
             num_items_in_batch = None
@@ -726,9 +728,15 @@ class DiffusionSFTTrainer(SFTTrainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
         """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
-        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
+        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``. Its dataloader is
+        known while it runs (``padded_eval_batch``)."""
         self._metrics["eval"].clear()
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._evaluated_loader = dataloader  # its padded last batch: see real_eval_rows
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            self._evaluated_loader = None
         output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output

@@ -41,6 +41,7 @@ import pyarrow.compute as pc
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -121,6 +122,7 @@ class TraceRLTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "tracerl"]  # the same tags on every trainer's card
     _name = "TraceRL"
+    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
     _paper = {
         "title": "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models",
         "id": "2509.06949",
@@ -989,11 +991,11 @@ class TraceRLTrainer(GRPOTrainer):
         accelerate counts the last batch's remainder over the prompts, so ``gather_for_metrics`` kept the wrong number
         of that batch's losses (process 0's only with two processes; half of them in one process whenever the prompt
         count is not a multiple of the global eval batch): it is counted over the rows the sampler yields."""
-        loader = self.accelerator.gradient_state.active_dataloader
+        loader = self._evaluated_loader  # None outside evaluation_loop: the active dataloader may be another's
         if loader is not None and loader.remainder >= 0 and hasattr(loader.dataset, "__len__"):
             loader.remainder = len(loader.dataset) * self.num_generations_eval % loader.total_batch_size
             if self.accelerator.num_processes > 1 and self.accelerator.is_main_process and \
-                    padded_eval_batch(self.accelerator):
+                    padded_eval_batch(self.accelerator, loader):
                 logger.warning_once(
                     f"evaluation: the last eval batch holds {loader.total_batch_size - loader.remainder} rows of "
                     "padding (accelerate fills every process's batch with the first prompts' rows again); GRPO "
@@ -1033,7 +1035,12 @@ class TraceRLTrainer(GRPOTrainer):
         (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
         self._eval_batches = 0  # its rollouts' seeds: see _rollout_key
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._evaluated_loader = dataloader  # its padded last batch: see prediction_step
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            self._evaluated_loader = None
         output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
+from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 from transformers.utils import logging
 from trl.data_utils import is_conversational
@@ -81,6 +82,7 @@ class DiffusionValueTrainer(_BaseTrainer):
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "value-model"]  # the same tags on every trainer's card
     _name = "DiffusionValue"
+    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
     # the loss is divided by the trained tokens of the whole accumulated batch (`get_batch_samples`): Trainer must
     # not divide it by the accumulation steps again (batch 1 x accumulation 2 trains as batch 2)
     loss_is_scaled_for_ga = True
@@ -236,7 +238,8 @@ class DiffusionValueTrainer(_BaseTrainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         args = self.args
         mode = "train" if model.training else "eval"
-        real = real_eval_rows(self.accelerator, inputs["reward"].shape[0]) if mode == "eval" else None
+        real = real_eval_rows(self.accelerator, self._evaluated_loader, inputs["reward"].shape[0]) \
+            if mode == "eval" else None
         if real:  # the last eval batch, padded by accelerate with repeated rows: score only its real rows
             inputs = {key: value[:real] for key, value in inputs.items()}
         unwrapped = self.accelerator.unwrap_model(model)
@@ -274,7 +277,12 @@ class DiffusionValueTrainer(_BaseTrainer):
         (``eval_value/explained_variance``; ``eval_<name>_value/...`` for a named eval set), so ``evaluate()`` returns
         them and ``metric_for_best_model`` can name them."""
         self._value_stats["eval"] = None
-        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+        self._evaluated_loader = dataloader  # its padded last batch: see real_eval_rows
+        try:
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
+                                             metric_key_prefix)
+        finally:
+            self._evaluated_loader = None
         stats, self._value_stats["eval"] = self._value_stats["eval"], None
         if stats is not None:
             output.metrics.update({f"{metric_key_prefix}_value/{name}": number
