@@ -159,3 +159,38 @@ def test_a_negative_max_grad_norm_does_not_flip_the_value_models_gradients(tmp_p
                              processing_class=build_tokenizer(), value_model=DiffusionValueModel.from_policy(model))
     trainer.train()
     assert trainer._value_batches == 1 and not any(norm <= 0 for norm in calls)
+
+
+def test_batch_scaled_advantages_divide_by_the_population_std_of_the_batch():
+    """``scale_rewards="batch"``: (r - group mean) / the batch's population std around the batch mean (not the spread
+    of the within-group deviations); an unscorable (NaN) reward is left out of the statistics and gets 0."""
+    rewards = torch.tensor([0.0, 1.0, 2.0, 5.0])
+    group_means = torch.tensor([0.5, 0.5, 3.5, 3.5])
+    expected = (rewards - group_means) / rewards.std(unbiased=False)
+    torch.testing.assert_close(population_advantages(rewards, 2, "batch"), expected)
+    with_nan = torch.tensor([0.0, 1.0, 2.0, 5.0, float("nan"), 3.0])
+    got = population_advantages(with_nan, 2, "batch")
+    scored = with_nan[~with_nan.isnan()]
+    assert got[4] == 0
+    torch.testing.assert_close(got[0], -0.5 / scored.std(unbiased=False))
+
+
+def test_all_equal_filtering_leaves_unscorable_rewards_out_of_a_negative_group():
+    """A group [-1, -1, NaN] is all-equal over its scored rewards (dropped), whatever the sign of the rewards."""
+    rewards = torch.tensor([-1.0, -1.0, float("nan"), 2.0, -3.0, float("nan")])
+    assert kept_groups(rewards, 3, "all_equal", 0, 1).tolist() == [False] * 3 + [True] * 3
+
+
+def test_the_accuracy_band_allows_rounding_above_one_and_nothing_more():
+    with pytest.raises(ValueError, match="needs rewards in"):
+        kept_groups(torch.tensor([1.0001, 0.0, 1.0, 0.0]), 2, "accuracy_band", 0.2, 0.8)
+    assert kept_groups(torch.tensor([1.000001, 0.0, 1.0, 0.0]), 2, "accuracy_band", 0.2, 0.8).tolist() == [True] * 4
+
+
+def test_explained_variance_of_constant_returns_is_nan_despite_rounding():
+    """Returns all 0.1 have a float32 variance of rounding size, not 0: the explained variance is undefined (NaN),
+    not a huge number from dividing by that rounding."""
+    returns = torch.full((1, 1000), 0.1)
+    values = torch.rand(1, 1000, generator=torch.Generator().manual_seed(0))
+    stats = value_statistics(values, returns, torch.ones_like(returns, dtype=torch.bool))
+    assert math.isnan(summarize_value_statistics(stats)["explained_variance"])

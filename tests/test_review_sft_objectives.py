@@ -15,10 +15,13 @@ from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, tiny_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.trainers.diffusion_losses import (
     IGNORE_INDEX,
+    ScoringBatch,
     build_objective,
     count_loss_tokens,
     diffusion_loss,
+    random_masking_objective,
     sample_generators,
+    scorable,
 )
 
 # (prompt length, label spans as (start, end)) per row; row lengths differ, so rows are right-padded
@@ -193,3 +196,26 @@ def test_trajectory_equals_the_trace_rounds(family, shrinkage):
     shift = model.logits_shift
     got = diffusion_loss(model, batch, count_loss_tokens(labels, shift), shift, MASK_ID)[0].item()
     assert got == pytest.approx(trajectory_reference(model, ids, labels, valid, unmask_step, shrinkage), rel=1e-5)
+
+
+def test_the_elbo_weight_is_one_over_t_even_for_tiny_t():
+    """``eps`` = ``high`` = 1e-3 draws t = 1e-3 for every sample: each masked token weighs 1/t = 1000, uncapped."""
+    ids = torch.arange(20000).remainder(90)[None] + 10
+    batch = random_masking_objective(ids, ids.clone(), torch.ones_like(ids, dtype=torch.bool), MASK_ID,
+                                     sample_generators([0], 0, 0), eps=1e-3, high=1e-3)
+    weights = batch.weights[batch.targets != IGNORE_INDEX]
+    assert weights.numel() > 0
+    torch.testing.assert_close(weights, torch.full_like(weights, 1000.0))
+
+
+def test_shifted_logits_count_and_score_no_first_column_and_no_document_start():
+    """Dream's shifted logits predict column i from column i - 1: column 0, and the first token of every packed
+    document, are never scored, and ``count_loss_tokens`` (the normaliser) leaves them out the same way."""
+    labels = torch.tensor([[5, 6, 7], [8, 9, IGNORE_INDEX]])
+    rows = ScoringBatch(labels, torch.arange(3).expand(2, 3), None, labels, (labels != IGNORE_INDEX).float())
+    assert int(count_loss_tokens(labels, logits_shift=True)) == int(scorable(rows, True).sum()) == 3
+    assert int(count_loss_tokens(labels, logits_shift=False)) == 5
+    targets = torch.tensor([[5, 6, 7, 8, 9]])
+    packed = ScoringBatch(targets, torch.tensor([[0, 1, 2, 0, 1]]), None, targets, torch.ones(1, 5))
+    assert scorable(packed, True).tolist() == [[False, True, True, False, True]]
+    assert scorable(packed, False).all()
