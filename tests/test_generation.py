@@ -179,17 +179,25 @@ def completion_blocks_of(family, prompt_length, n, block_length=4):
     return (prompt_length + cols) // block_length if family == "sdar" else cols // block_length
 
 
-def test_each_row_stops_after_the_block_of_its_first_stop_token(family):
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "one_shared_generator"])
+def test_each_row_stops_after_the_block_of_its_first_stop_token(family, sampled):
     """For every row: with a stop id that row produces early, the row keeps exactly the tokens it produces without
     stops up to the end of the block holding its first stop token and nothing after; rows that never produce it
-    are unchanged."""
+    are unchanged. Sampled with one ``torch.Generator`` shared by the rows, stopped rows cannot leave the working
+    batch (its random stream covers every row; docs/generation.md): a row riding along must still commit nothing
+    after its stop block, and the other rows must draw exactly what they draw without stops."""
     model = tiny_model(family)
     ids, mask = left_pad(PROMPTS)
     width = ids.shape[1]
-    free = gen(model, ids, mask, max_new_tokens=16)
+
+    def run(stop_token_ids):
+        sampling = dict(temperature=1.0, generator=torch.Generator().manual_seed(3)) if sampled else {}
+        return gen(model, ids, mask, max_new_tokens=16, stop_token_ids=stop_token_ids, **sampling)
+
+    free = run([])
     for row in range(len(PROMPTS)):
         stop = int(free.sequences[row, width + 1])  # a token this row produces in its first block
-        stopped = gen(model, ids, mask, max_new_tokens=16, stop_token_ids=[stop])
+        stopped = run([stop])
         for other, prompt in enumerate(PROMPTS):
             tokens, steps = free.sequences[other, width:], free.unmask_step[other, width:]
             blocks = completion_blocks_of(family, len(prompt), len(tokens))
@@ -200,6 +208,20 @@ def test_each_row_stops_after_the_block_of_its_first_stop_token(family):
             kept = expected_steps >= 0
             assert torch.equal(stopped.sequences[other, width:][kept], tokens[kept]), (row, other)
         assert (stopped.unmask_step[row, width:] >= 0).sum() < (free.unmask_step[row, width:] >= 0).sum()
+
+
+def test_a_stop_id_in_the_prompt_part_of_a_block_does_not_stop_the_row():
+    """SDAR's blocks are aligned to the whole sequence, so a prompt of 6 tokens shares its second block ([24, 25,
+    gen, gen]) with the completion. Only generated tokens can stop a row: a stop id the prompt holds there (an end
+    of turn in a chat template, say) and the row never generates must change nothing, not end the row after its
+    first block."""
+    model = tiny_model("sdar")
+    prompt = torch.tensor([[20, 21, 22, 23, 24, 25]])
+    free = gen(model, prompt, None)
+    assert 25 not in free.sequences[0, prompt.shape[1]:].tolist()  # the stop id below is never generated
+    stopped = gen(model, prompt, None, stop_token_ids=[25])
+    assert torch.equal(stopped.sequences, free.sequences)
+    assert torch.equal(stopped.unmask_step, free.unmask_step)
 
 
 def test_tokens_per_step_and_forward_passes():

@@ -95,6 +95,21 @@ def test_llada_gumbel_draw_is_the_official_form_at_usual_temperatures(temperatur
     assert torch.equal(tokens, official)
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_llada_gumbel_draw_of_underflowing_logits_follows_the_tempered_softmax(temperature):
+    """Logits near -2000 underflow every ``exp(l)`` of LLaDA's form to 0, so each position falls back to the
+    log-space draw ``argmax(l - T log(-log u))``; that draw must still sample softmax(l / T), the distribution the
+    sampler's log-probs and the estimators assume (20,000 draws, each frequency within 0.02)."""
+    logits = torch.tensor([0.0, -1.0, -1.0, -3.0]) - 2000.0
+    assert not logits.double().exp().any()  # the case this test is about
+    draws = 20_000
+    tokens, _, _ = sample_tokens(logits.expand(draws, 4).clone(), temperature, None, None,
+                                 torch.Generator().manual_seed(1), gumbel_float64=True)
+    frequencies = torch.bincount(tokens, minlength=4).double() / draws
+    expected = torch.softmax(logits.double() / temperature, -1)
+    assert (frequencies - expected).abs().max() < 0.02, (frequencies.tolist(), expected.tolist())
+
+
 @pytest.mark.parametrize("field", ["max_grad_norm", "weight_decay", "adam_epsilon", "adam_beta1", "adam_beta2"])
 def test_nan_optimizer_numbers_are_refused_by_every_config(tmp_path, field):
     """transformers takes these unchecked: a NaN weight decay or Adam number makes the weights NaN, a NaN

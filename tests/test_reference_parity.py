@@ -227,3 +227,23 @@ def test_dream_filters_top_p_before_top_k_in_sampling_and_scoring():
     assert_close_fp32(out.token_logprobs[:, 6:], expected, where=at_first)
     replay = replay_logprobs(model, out.sequences, torch.ones_like(prompt), out.unmask_step, **kw)
     assert_close_fp32(replay[:, 6:], out.token_logprobs[:, 6:], where=committed)
+
+
+@pytest.mark.parametrize(("vocabulary", "top_p", "count"), [(4, 0.5, 3), (4, 0.25, 2), (8, 0.5, 5), (8, 0.75, 7)])
+def test_top_p_keeps_the_token_whose_preceding_mass_equals_p(vocabulary, top_p, count):
+    """SDAR's and Dream's ``top_p_logits`` drop a token only once the probability mass before it (most likely first)
+    is strictly greater than ``top_p``: with uniform logits a boundary lands exactly on ``top_p`` (4 tokens, 0.5:
+    0.25 + 0.25), and that next token is kept (3 tokens, not 2). Reference: a plain loop over the sorted tokens."""
+    from trl_diffusion.generation.sampling import sampling_logits
+
+    def reference_kept(probs):
+        kept, before = 0, 0.0
+        for p in sorted(probs, reverse=True):
+            if kept and before > top_p:
+                break
+            kept, before = kept + 1, before + p
+        return kept
+
+    logits = torch.zeros(1, vocabulary)
+    kept = torch.isfinite(sampling_logits(logits, 1.0, None, top_p)).sum().item()
+    assert kept == reference_kept([1 / vocabulary] * vocabulary) == count

@@ -1,10 +1,12 @@
 """Tests for the reward functions (math, format, code) on small fixtures copied from the real datasets."""
 
+import decimal
 import json
 import pickle
 import threading
 from pathlib import Path
 
+import numpy
 import pytest
 
 from trl_diffusion.rewards import (
@@ -14,6 +16,7 @@ from trl_diffusion.rewards import (
     completion_to_text,
     extract_code,
     extract_gold_answer,
+    gold_text,
     last_boxed_content,
     make_code_reward,
     math_accuracy_reward,
@@ -59,6 +62,13 @@ def test_last_boxed_content():
     assert last_boxed_content(r"so \fbox{204}") == "204"
     assert last_boxed_content(r"\boxed{3} and finally \boxed{4") is None  # the last box is unclosed
     assert last_boxed_content("no box") is None
+
+
+def test_last_boxed_content_skips_an_unbalanced_escaped_brace():
+    """An escaped brace is a literal, not a delimiter, also when it has no partner: ``\\}`` inside the box and
+    ``\\left\\{ ... \\right.`` (a piecewise function) must neither close the box early nor keep it open."""
+    assert last_boxed_content(r"x \boxed{a\}}") == r"a\}"
+    assert last_boxed_content(r"\boxed{\left\{ x \right.}") == r"\left\{ x \right."
 
 
 # -------------------------------------------------------------------------------------------------------------- math
@@ -107,6 +117,34 @@ def test_math_a_full_stop_inside_the_box_is_not_part_of_the_answer():
     """AIME-style solutions end with ``\\boxed{104.}``; math-verify alone reads that as no answer."""
     texts = [r"so \boxed{104.}", r"\boxed{\frac{1}{2} .}", r"\boxed{105.}", r"\boxed{3.5.}", r"\boxed{1, 2, \ldots}"]
     assert math_accuracy_reward(texts, answer=["104", r"\frac{1}{2}", "104", "3.5", "1"]) == [1.0, 1.0, 0.0, 1.0, 0.0]
+
+
+def test_math_a_boxed_answer_longer_than_max_answer_chars_scores_zero():
+    """``max_answer_chars`` bounds what math-verify (sympy) is asked to parse: a longer box scores 0.0 unparsed,
+    even one that would match the gold answer (as it does under a larger limit)."""
+    text = r"\boxed{1.000000000000}"  # 14 characters in the box
+    assert MathAccuracyReward(max_answer_chars=100)([text], answer=["1"]) == [1.0]
+    assert MathAccuracyReward(max_answer_chars=10)([text], answer=["1"]) == [0.0]
+
+
+def test_gold_answer_takes_the_last_hash_mark_and_skips_a_field_with_an_unclosed_box():
+    """GSM8K-style gold: the text after the LAST ``####``. A field whose box is never closed holds no usable answer:
+    the next field (``solution`` after ``answer``) decides, and with none the row has no gold (``None``: not
+    scored, rather than scored against the raw text ``\\boxed{12``)."""
+    assert extract_gold_answer(None, "step #### 5 then #### 18") == "18"
+    assert extract_gold_answer(r"\boxed{12", "#### 7") == "7"
+    assert extract_gold_answer(None, r"so \boxed{12") is None
+
+
+def test_gold_text_writes_a_float32_column_value_with_float32s_shortest_digits():
+    """A float32 column's 2.861023e-06 reads back as the float64 2.86102294921875e-06, whose repr has exactly 15
+    significant digits: ``gold_text`` promises float32's shortest digits from 15 digits on, written positionally
+    (reference: the float32's repr through ``decimal``)."""
+    value = float(numpy.float32(2.861023e-06))
+    assert len(decimal.Decimal(repr(value)).normalize().as_tuple().digits) == 15  # the boundary case
+    expected = format(decimal.Decimal(str(numpy.float32(value))), "f")
+    assert expected == "0.000002861023"
+    assert gold_text(value) == expected
 
 
 def test_math_accepts_trl_kwargs_and_logs():

@@ -321,3 +321,12 @@ def test_a_program_call_in_a_consuming_builtins_keyword_is_not_verified():
     # natively sorted() evaluates reverse=<probe> before it iterates its argument; a verified run would not
     assert plan_test("assert sorted(f(3), reverse=g()) == [3]").kind == "unverified"
     assert plan_test("assert sorted(f(3), reverse=True) == [3]").kind == "verified"
+
+
+@pytest.mark.parametrize("value", [-1, 0, 5, 10, 11])
+def test_a_chained_comparison_is_judged_as_python_evaluates_it(value):
+    """``a <= b <= c`` is ``a <= b and b <= c``: Python stops at the first false link. A check that kept only the
+    last link would pass ``assert 0 <= f(1) <= 10`` for ``f(1) == -1`` (-1 <= 10), a reward for a wrong answer."""
+    plan = plan_test("assert 0 <= f(1) <= 10")
+    assert plan.kind == "verified", plan
+    assert (judge(plan, [value]) is None) == (0 <= value <= 10)
