@@ -57,7 +57,13 @@ def test_the_sdist_carries_its_test_suite_and_no_bytecode(tmp_path):
     """Without MANIFEST.in the sdist held only ``tests/test*.py``: no conftest, helpers, fixtures, examples or docs
     the tests read (58 collection errors, the rest without fixtures)."""
     source = tmp_path / "source"
-    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", ".venv", "*.egg-info", "build", "dist"))
+
+    def not_sources(folder: str, names: list[str]) -> set[str]:  # a checkout's own outputs, at its top only
+        top = Path(folder) == ROOT
+        return {name for name in names if name in (".git", ".venv", "__pycache__") or name.endswith(".egg-info")
+                or (top and name in ("build", "dist"))}
+
+    shutil.copytree(ROOT, source, ignore=not_sources)
     (source / "tests" / "__pycache__").mkdir(exist_ok=True)
     (source / "tests" / "__pycache__" / "conftest.cpython-311.pyc").write_text("")
     subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=source, check=True,

@@ -222,13 +222,18 @@ def test_value_model_advantages_are_tiled_over_the_masks(tmp_path):
 
     With gamma = lam = 1 a token's advantage is R - V_old, so the one value step's loss (its values are V_old: the
     model has not moved yet) is sum(0.5 * A^2 * weight) / training rows, the weights being the policy's completion
-    mask folded over the masks: written here from the batch alone."""
+    mask folded over the masks: written here from the batch alone. The value head is seeded non-zero: with
+    ``from_policy``'s zero head every V_old is 0, R = A, and a value model regressed on A (or on another row's
+    states) logged the same loss."""
     args = TraceRLConfig(**base_config(tmp_path, likelihood_estimator="random_masking", masks_per_response=3,
                                        dynamic_group_filtering="none", value_learning_rate=1e-3))
     # one value step (ceil(<= 48 training rows / 256)), on one piece of 16 rows
     assert (args.gamma, args.lam, args.value_batch_size, args.per_device_train_batch_size) == (1.0, 1.0, 256, 16)
     policy = tiny_model("sdar").train()
     value_model = DiffusionValueModel.from_policy(policy)
+    with torch.no_grad():
+        head = value_model.value_head.weight
+        head.copy_(torch.randn(head.shape, generator=torch.Generator().manual_seed(1)))
     before = [p.detach().clone() for p in value_model.parameters()]
     trainer = make_trainer(args, model=policy, value_model=value_model)
     batch = fixed_rollout(trainer)
