@@ -1,6 +1,7 @@
 """Evaluation helpers the trainers share: which rows of an evaluation batch are real (accelerate pads the last batch
 of a dataset whose size is not a multiple of the global batch with samples from its start, which metrics must leave
-out), and TRL's evaluation metrics under ``evaluate()``'s prefix."""
+out; ``EvaluatedLoader`` names the dataloader evaluated), and TRL's evaluation metrics under ``evaluate()``'s
+prefix."""
 
 from __future__ import annotations
 
@@ -8,6 +9,20 @@ import math
 
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+
+
+class EvaluatedLoader:
+    """Trainer mixin (first base): ``_evaluated_loader`` is the dataloader ``evaluation_loop`` iterates while it runs,
+    None otherwise; :func:`padded_eval_batch` reads accelerate's state for it only."""
+
+    _evaluated_loader: DataLoader | None = None
+
+    def evaluation_loop(self, dataloader, *args, **kwargs):
+        self._evaluated_loader = dataloader
+        try:
+            return super().evaluation_loop(dataloader, *args, **kwargs)
+        finally:
+            self._evaluated_loader = None
 
 
 def padded_eval_batch(accelerator: Accelerator, dataloader: DataLoader | None) -> bool:

@@ -32,7 +32,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 from datasets import Dataset, IterableDataset, LargeList, List, Value
-from torch.utils.data import DataLoader
 from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
@@ -66,7 +65,7 @@ from .diffusion_losses import (
     sample_generators,
     split_rows,
 )
-from .eval_padding import padded_eval_batch, prefixed_eval_metrics, real_eval_rows
+from .eval_padding import EvaluatedLoader, padded_eval_batch, prefixed_eval_metrics, real_eval_rows
 from .sft_config import DiffusionSFTConfig
 
 FULL_ATTENTION_ONLY = ("random_masking", "semi_ar")
@@ -329,7 +328,7 @@ class PassCounter(TrainerCallback):
         return int(state.epoch or 0) if self.current is None else self.current
 
 
-class DiffusionSFTTrainer(SFTTrainer):
+class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
     """Supervised fine-tuning for diffusion language models (SDAR / TraDo, LLaDA, Dream / DiffuCoder).
 
     Takes the same arguments as [`trl.SFTTrainer`]; `args` is a [`DiffusionSFTConfig`] (an `SFTConfig` is
@@ -339,7 +338,6 @@ class DiffusionSFTTrainer(SFTTrainer):
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "sft"]  # the same tags on every trainer's card
     _name = "Diffusion SFT"
-    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
 
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
@@ -728,15 +726,9 @@ class DiffusionSFTTrainer(SFTTrainer):
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None,
                         metric_key_prefix: str = "eval"):
         """Trainer's loop; TRL's metrics of the evaluated rows join its metrics under ``metric_key_prefix``
-        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``. Its dataloader is
-        known while it runs (``padded_eval_batch``)."""
+        (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
-        self._evaluated_loader = dataloader  # its padded last batch: see real_eval_rows
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-        finally:
-            self._evaluated_loader = None
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output

@@ -41,7 +41,6 @@ import pyarrow.compute as pc
 import torch
 from accelerate.utils import AutocastKwargs, send_to_device
 from datasets import Dataset, IterableDataset
-from torch.utils.data import DataLoader
 from transformers import GenerationConfig
 from transformers.utils import logging
 from trl import GRPOTrainer
@@ -85,7 +84,7 @@ from ..value.value_model import check_value_model, warn_if_half_precision
 from ..vocabulary import embedding_rows
 from ..zero3 import gathered, whole_state_dict
 from .checkpoint_files import refuse_save_only_model, start_checkpoint_folder
-from .eval_padding import padded_eval_batch, prefixed_eval_metrics
+from .eval_padding import EvaluatedLoader, padded_eval_batch, prefixed_eval_metrics
 from .tracerl_config import TraceRLConfig
 from .tracerl_objective import kept_groups, leave_one_out_scale, population_advantages, step_weights, training_rows
 
@@ -111,7 +110,7 @@ def mask_seed(seed: int, rollout_step: int | str, sample_index: int) -> int:
     return stable_seed(seed, rollout_step, sample_index)
 
 
-class TraceRLTrainer(GRPOTrainer):
+class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
     """Trajectory-aware RL for diffusion language models (TraceRL, arXiv 2509.06949) on TRL's GRPOTrainer.
 
     Accepts everything ``GRPOTrainer`` accepts; ``args`` is a :class:`TraceRLConfig`. ``value_model`` (a
@@ -122,7 +121,6 @@ class TraceRLTrainer(GRPOTrainer):
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "tracerl"]  # the same tags on every trainer's card
     _name = "TraceRL"
-    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
     _paper = {
         "title": "Revolutionizing Reinforcement Learning Framework for Diffusion Large Language Models",
         "id": "2509.06949",
@@ -1035,12 +1033,7 @@ class TraceRLTrainer(GRPOTrainer):
         (``prefixed_eval_metrics``), and none are left for the next evaluation or for ``log``."""
         self._metrics["eval"].clear()
         self._eval_batches = 0  # its rollouts' seeds: see _rollout_key
-        self._evaluated_loader = dataloader  # its padded last batch: see prediction_step
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-        finally:
-            self._evaluated_loader = None
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         output.metrics.update(prefixed_eval_metrics(self._metrics["eval"], metric_key_prefix))
         self._metrics["eval"].clear()
         return output

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 from datasets import Dataset, IterableDataset
-from torch.utils.data import DataLoader
 from transformers import AutoTokenizer
 from transformers.utils import logging
 from trl.data_utils import is_conversational
@@ -37,7 +36,7 @@ from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend, through_first_stop
 from ..trainers.checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
-from ..trainers.eval_padding import real_eval_rows
+from ..trainers.eval_padding import EvaluatedLoader, real_eval_rows
 from ..vocabulary import embedding_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
 from .value_config import DiffusionValueConfig
@@ -77,12 +76,11 @@ class TrajectoryCollator:
         }
 
 
-class DiffusionValueTrainer(_BaseTrainer):
+class DiffusionValueTrainer(EvaluatedLoader, _BaseTrainer):
     """Fits a [`DiffusionValueModel`] (or a path for `DiffusionValueModel.load`) on stored trajectories."""
 
     _tag_names = ["trl", "diffusion", "trl-diffusion", "value-model"]  # the same tags on every trainer's card
     _name = "DiffusionValue"
-    _evaluated_loader: DataLoader | None = None  # the dataloader evaluation_loop iterates, while it does
     # the loss is divided by the trained tokens of the whole accumulated batch (`get_batch_samples`): Trainer must
     # not divide it by the accumulation steps again (batch 1 x accumulation 2 trains as batch 2)
     loss_is_scaled_for_ga = True
@@ -277,12 +275,7 @@ class DiffusionValueTrainer(_BaseTrainer):
         (``eval_value/explained_variance``; ``eval_<name>_value/...`` for a named eval set), so ``evaluate()`` returns
         them and ``metric_for_best_model`` can name them."""
         self._value_stats["eval"] = None
-        self._evaluated_loader = dataloader  # its padded last batch: see real_eval_rows
-        try:
-            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys,
-                                             metric_key_prefix)
-        finally:
-            self._evaluated_loader = None
+        output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
         stats, self._value_stats["eval"] = self._value_stats["eval"], None
         if stats is not None:
             output.metrics.update({f"{metric_key_prefix}_value/{name}": number
