@@ -339,3 +339,24 @@ def test_exact_cache_asked_of_a_full_attention_model_is_an_error(family, tmp_pat
         report = evaluate(model=model, tokenizer=tokenizer, dataset=str(GSM8K), use_cache=cache, max_problems=2,
                           output_dir=str(tmp_path), **FAST)
         assert report["num_problems"] == 2
+
+
+def test_length_and_throughput_count_every_sample_and_its_tokens():
+    """``avg_length`` is over every sample (an unscored one generated tokens too), ``clipped_ratio`` the share of
+    clipped samples, and throughput completion TOKENS (not samples) per second of generation."""
+    from types import SimpleNamespace
+
+    from trl_diffusion.eval.evaluate import _metrics, _speed
+
+    def row(index, reward, length, clipped=False):
+        return {"index": index, "reward": reward, "correct": None if reward is None else reward == 1.0,
+                "length": length, "clipped": clipped, "prediction": "x", "tokens_per_step": 2.0}
+
+    rows = [row(0, 1.0, 4), row(0, 0.0, 8, clipped=True), row(1, None, 30), row(1, 1.0, 6)]
+    metrics = _metrics(rows, [SimpleNamespace(task="math")], n=2, ks=[1])
+    assert metrics["avg_length"] == pytest.approx((4 + 8 + 30 + 6) / 4)
+    assert metrics["clipped_ratio"] == pytest.approx(1 / 4)
+    assert metrics["accuracy"] == pytest.approx(2 / 3)
+    speed = _speed([row(0, 1.0, 10), row(1, 1.0, 30)], 4.0, 5)
+    assert speed == {"tokens_per_step": 2.0, "generation_seconds": 4.0, "throughput_tokens_per_s": 10.0,
+                     "num_forward_passes": 5}

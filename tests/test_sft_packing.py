@@ -332,3 +332,16 @@ def test_packed_random_masks_equal_the_per_document_row_scan(per_token):
             labels, valid, [torch.Generator().manual_seed(s) for s in seeds], 0.1, 0.9, documents, per_token)
         real = documents >= 0
         assert torch.equal(masked, expected_masked) and torch.equal(ratio[real], expected_ratio[real])
+
+
+def test_documents_of_a_packed_row_with_one_sample_index_get_their_own_noise_keys():
+    """A packed row with one scalar ``sample_index`` (rows packed before they reach the trainer): each document's
+    noise key is (index, its start), so two documents of equal length do not draw the same masks."""
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from trl_diffusion.trainers.sft_trainer import DiffusionDataCollator, document_noise_key
+
+    assert document_noise_key([1, 2, 3, 4, 5], 7, None, 3, 2) == (7, 3)
+    collator = DiffusionDataCollator(DataCollatorForLanguageModeling(pad_token_id=2), 99, 2, None, padding_free=True)
+    batch = collator([{"input_ids": [10, 11, 12, 13, 14], "seq_lengths": [2, 3], "sample_index": 7}])
+    assert batch["sample_index"].tolist() == [7, 7] and batch["sample_offset"].tolist() == [0, 2]

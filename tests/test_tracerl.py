@@ -272,3 +272,22 @@ def test_conversational_prompts_and_trl_rewards(tmp_path):
     exact = [score_completion(completion, answer) for _, completion, _, answer in seen]
     logs = trainer.state.log_history[0]
     assert 0 < sum(exact) and logs["rewards/accuracy_reward/mean"] == pytest.approx(sum(exact) / len(exact))
+
+
+def test_reward_weights_enter_the_population_advantages():
+    """With several reward functions, dLLM-RL's population advantages (the default ``reward_std``) standardise the
+    WEIGHTED sum of the rewards, as TRL sums them; reference: numpy z-scores (population std) of sum_j w_j r_j."""
+    def length(completions, **kwargs):
+        return [float(len(c)) for c in completions]
+
+    def distinct(completions, **kwargs):
+        return [float(len(set(c))) for c in completions]
+
+    weights = np.array([3.0, -1.0])
+    trainer = make_trainer("unused", reward=[length, distinct], reward_weights=weights.tolist())
+    output = trainer._generate_and_score_completions(one_group())
+    per_function = np.array([trainer._logs["rewards"][name] for name in ("length", "distinct")]).T[-4:]
+    total, unweighted = per_function @ weights, per_function.sum(1)
+    assert total.std() > 0 and not np.allclose(total - total.mean(), unweighted - unweighted.mean())
+    expected = (total - total.mean()) / total.std()
+    np.testing.assert_allclose(output["advantages"].tolist(), expected, rtol=1e-4, atol=1e-4)

@@ -14,7 +14,12 @@ from datasets import Dataset
 from numerics import assert_close_fp32
 from transformers import BertConfig
 
-from trl_diffusion.states import attention_mask_from_positions, positions_from_padding, state_before_step
+from trl_diffusion.states import (
+    attention_mask_from_positions,
+    positions_from_padding,
+    state_before_step,
+    trajectory_groups,
+)
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
@@ -417,3 +422,22 @@ def test_value_update_after_an_interrupted_one_equals_a_fresh_trainers(tmp_path)
     expected = dict(fresh.value_model.named_parameters())
     for name, param in interrupted.value_model.named_parameters():
         torch.testing.assert_close(param, expected[name], msg=name)
+
+
+def test_token_values_take_the_training_block_size_given():
+    """``token_values(block_size=...)`` (TraceRL's ``training_block_size``) groups the steps by THAT block, not the
+    model's (4 here): its groups are ``trajectory_groups`` at the given size, and so differ from the model's."""
+    value = DiffusionValueModel.from_policy(tiny_model("sdar", seed=1)).eval()
+    with torch.no_grad():
+        value.value_head.weight.normal_(generator=torch.Generator().manual_seed(0))
+    assert value.block_size == 4
+    prompt = torch.arange(5, 13)[None]
+    prompt_mask = torch.ones_like(prompt)
+    canvas, steps = torch.arange(20, 28)[None], torch.arange(8)[None]
+    groups = {}
+    for block_size in (4, 8):
+        with torch.no_grad():
+            _, groups[block_size] = token_values(value, prompt, prompt_mask, canvas, steps, shrinkage=3,
+                                                 block_size=block_size)
+        assert torch.equal(groups[block_size], trajectory_groups(steps, prompt_mask, 3, block_size))
+    assert not torch.equal(groups[4], groups[8])
