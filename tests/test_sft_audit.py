@@ -229,3 +229,15 @@ def test_a_micro_batch_that_scores_no_token_logs_no_entropy_or_accuracy(tmp_path
     logged = trainer.state.log_history[0]
     assert logged["entropy"] == pytest.approx(sum(e / n for n, e, _ in scored) / len(scored), rel=1e-5)
     assert logged["mean_token_accuracy"] == pytest.approx(sum(c / n for n, _, c in scored) / len(scored), abs=1e-6)
+
+
+def test_num_tokens_counts_the_samples_tokens_not_the_padding():
+    """``num_tokens`` (TRL's metric) counts the real tokens of the trained samples: the three rows' own lengths, not
+    the padded batch's width times three."""
+    trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=config("unused", per_device_train_batch_size=3),
+                                  train_dataset=conversational(), processing_class=TOKENIZER)
+    lengths = [len(ids) for ids in trainer.train_dataset["input_ids"]]
+    assert len(lengths) == 3 and len(set(lengths)) > 1  # a padded batch
+    trainer.train()
+    (logged,) = [entry["num_tokens"] for entry in trainer.state.log_history if "loss" in entry]
+    assert logged == sum(lengths)
