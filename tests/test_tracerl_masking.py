@@ -342,3 +342,18 @@ def test_presets_list_only_config_fields():
     fields = set(TraceRLConfig.__dataclass_fields__)
     for settings in OFFICIAL_SETTINGS.values():
         assert set(settings) <= fields
+
+
+@pytest.mark.parametrize("loss_type", ["dr_grpo", "grpo"])
+def test_trl_loss_types_average_the_estimates_of_the_masks(tmp_path, loss_type):
+    """Under TRL's loss types each of a response's m masks gives an estimate of its loss, and they are averaged:
+    every scored token weighs 1/m. ``dr_grpo`` divides by a constant (B x max_completion_length), so weights of 1
+    would make its loss m times the one-mask loss (``grpo`` divides by the weights and would not show it)."""
+    args = TraceRLConfig(**base_config(tmp_path, likelihood_estimator="random_masking", masks_per_response=2,
+                                       loss_type=loss_type, dynamic_group_filtering="none"))
+    batch = fixed_rollout(make_trainer(args))
+    weights = batch["completion_mask"]
+    assert weights.shape[1] == 2 * batch["completion_ids"].shape[1]
+    scored = weights[weights != 0]
+    assert scored.numel() > 0
+    torch.testing.assert_close(scored, torch.full_like(scored, 0.5))
