@@ -34,3 +34,24 @@ def test_dropped_groups_are_logged_with_advantage_zero(tmp_path, value_model):
     else:  # GAE advantages (value model with a zero head: the outcome reward itself), one mean per response
         assert (logged[8:] != 0).all()
         assert (logged[8::2] > 0).all() and (logged[9::2] < 0).all()
+
+
+def alternating_reward(completions, **kwargs):
+    return [float(i % 2) for i in range(len(completions))]
+
+
+def test_value_model_advantage_is_logged_as_the_mean_over_the_response_own_tokens(tmp_path):
+    """A zero value head (``from_policy``) leaves every trained token's GAE advantage at its response's normalised
+    reward, +-1 here: the logged per-response mean over the response's own tokens is that reward whatever its length
+    (a mean over the padded width logged 5/6 of it for a response 5 of 6 columns long)."""
+    train, _ = make_problems(**EMBEDDED_TASK)
+    args = TraceRLConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to="none", max_steps=1,
+                         num_generations=4, per_device_train_batch_size=8, max_completion_length=16, block_length=4,
+                         denoising_steps=4, log_completions=True, num_completions_to_print=0, shuffle_dataset=False)
+    trainer = TraceRLTrainer(str(EMBEDDED_MODEL), alternating_reward, args=args, value_model=str(EMBEDDED_MODEL),
+                             train_dataset=to_dataset(train[:8], EMBEDDED_FORMAT))
+    rows = [trainer.train_dataset[i] for i in range(2) for _ in range(4)]
+    output = trainer._generate_and_score_completions(rows)
+    lengths = (output["completion_mask"] > 0).sum(1)
+    assert len(set(lengths.tolist())) > 1 and bool((lengths < output["completion_mask"].shape[1]).any())
+    torch.testing.assert_close(torch.tensor(list(trainer._logs["advantages"])), torch.tensor([-1.0, 1.0] * 4))

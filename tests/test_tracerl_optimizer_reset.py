@@ -3,12 +3,16 @@ rollout's first update is AdamW's first step. Checked on the update itself: Adam
 parameter whose gradient is well above ``adam_epsilon`` by exactly the learning rate; a later step with kept moments
 does not."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from test_distributed import free_port
 from test_tracerl_settings import make_trainer
 from transformers import TrainerCallback
 
-from trl_diffusion.trainers import tracerl_trainer
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import _check_optimizer_reset
 
@@ -76,18 +80,35 @@ def test_deepspeed_is_refused_and_the_field_is_a_bool(tmp_path):
                       reset_optimizer_per_rollout="yes")
 
 
-def test_the_trainer_runs_the_deepspeed_check_at_construction(tmp_path, monkeypatch):
-    """The refusal above comes from the trainer's construction. No DeepSpeed run is needed for it: the
-    trainer's call to the check is seen, with its args and its ``is_deepspeed_enabled`` (False here), and the check
-    is then run as under DeepSpeed, whose refusal must stop the construction."""
-    seen = []
+CONSTRUCT_UNDER_DEEPSPEED = """
+import sys
+from datasets import Dataset
+from trl_diffusion import TraceRLConfig, TraceRLTrainer
+from trl_diffusion.testing import build_tokenizer, tiny_model
 
-    def as_under_deepspeed(args, deepspeed):
-        seen.append((args.reset_optimizer_per_rollout, deepspeed))
-        _check_optimizer_reset(args, deepspeed=True)
+args = TraceRLConfig(output_dir=sys.argv[1], use_cpu=True, bf16=False, report_to="none", max_completion_length=8,
+                     per_device_train_batch_size=4, num_generations=4, block_length=4, denoising_steps=2,
+                     reset_optimizer_per_rollout=sys.argv[2] == "True",
+                     deepspeed={"zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto",
+                                "gradient_accumulation_steps": "auto"})
+TraceRLTrainer(tiny_model("sdar"), lambda completions, **kwargs: [0.0] * len(completions), args=args,
+               processing_class=build_tokenizer(), train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}))
+print("constructed")
+"""
 
-    monkeypatch.setattr(tracerl_trainer, "_check_optimizer_reset", as_under_deepspeed)
-    with pytest.raises(ValueError, match=r"reset_optimizer_per_rollout is not supported with DeepSpeed \(its "
-                                         r"optimizer keeps its state in its own partitions\)"):
-        make_trainer(tmp_path, reset_optimizer_per_rollout=True)
-    assert seen == [(True, False)]
+
+@pytest.mark.parametrize("reset", [True, False])
+def test_the_trainer_refuses_it_under_deepspeed_at_construction(tmp_path, reset):
+    """A real one-process DeepSpeed (ZeRO-2, CPU) construction, in a subprocess so that its process group stays
+    out of the suite: the refusal above comes from the trainer itself, and only when the option is on."""
+    pytest.importorskip("deepspeed", reason="DeepSpeed is an optional dependency (the deepspeed and dev extras)")
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", CONSTRUCT_UNDER_DEEPSPEED, str(tmp_path), str(reset)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    if reset:
+        assert done.returncode != 0
+        assert "ValueError: reset_optimizer_per_rollout is not supported with DeepSpeed (its optimizer keeps its " \
+               "state in its own partitions)" in done.stderr, done.stderr[-3000:]
+    else:
+        assert done.returncode == 0 and "constructed" in done.stdout, done.stderr[-3000:]

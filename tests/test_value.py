@@ -441,3 +441,18 @@ def test_token_values_take_the_training_block_size_given():
                                                  block_size=block_size)
         assert torch.equal(groups[block_size], trajectory_groups(steps, prompt_mask, 3, block_size))
     assert not torch.equal(groups[4], groups[8])
+
+
+def test_a_token_committed_at_step_0_counts_as_committed():
+    """``unmask_step`` numbers the steps from 0: a row whose last committed token was committed at step 0 is shown
+    through that token. Taking only steps > 0 as committed hid it, and its (committed) token got no value."""
+    value = value_model_for(tiny_model("sdar", seed=1), seed=2).eval()
+    assert value.block_size == 4
+    prompt = torch.arange(5, 13)[None]
+    canvas = torch.arange(20, 28)[None]
+    steps = torch.tensor([[1, 0, 1, 0, -1, -1, -1, -1]])  # one block, its last column committed at step 0
+    with torch.no_grad():
+        values, _ = token_values(value, prompt, torch.ones_like(prompt), canvas, steps)
+        alone, _ = token_values(value, prompt, torch.ones_like(prompt), canvas[:, :4], steps[:, :4])
+    assert bool((values[:, :4] != 0).all()) and bool((values[:, 4:] == 0).all())
+    assert_close_fp32(values[:, :4], alone)
