@@ -19,11 +19,19 @@ setup(
         "trl>=1.16,<1.17",
         "peft>=0.21,<0.22",
         "accelerate>=1.15,<1.17",
-        "datasets>=5.0,<6",
+        "datasets>=5.0.1,<6",  # 5.0.0 failed on a JSON list of rows behind a byte-order mark
         "math-verify>=0.9,<0.10",
         "tokenizers>=0.23.1",
         "safetensors>=0.8",
         "matplotlib>=3.9",  # training-curve PNGs of the examples (3.7 fails to import beside numpy 2)
+        # imported directly, so declared here though the libraries above pull them in (floors: what those libraries'
+        # oldest admitted releases already require; packaging 22 is pytest 9's floor)
+        "numpy>=1.26",
+        "pyarrow>=21",
+        "sympy>=1.13.1",  # torch 2.6 pins sympy 1.13.1
+        "tqdm>=4.66.3",
+        "packaging>=22",
+        "huggingface_hub>=1.31",
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],

@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HELPERS = ROOT / "tests" / "distributed"
 CONFIGS = ROOT / "examples" / "accelerate_configs"
 TIMING = {"step_time", "train_runtime", "train_samples_per_second", "train_steps_per_second", "total_flos"}
-NOISE_FLOOR = {"rollout/sampler_logp_gap": 1e-5}
+NOISE_FLOOR = {"rollout/sampler_logp_gap": 1e-5, "rollout/sampler_logp_gap_exact": 1e-5}
 """Metrics that are float32 noise around 0 (the gap is ~5e-7 where it must be 0): compared with an absolute floor,
 as a relative tolerance on noise is meaningless."""
 EOS_SCALE = 6.0  # completions of mixed lengths, so ranks hold different numbers of completion tokens

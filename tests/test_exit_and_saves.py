@@ -67,7 +67,10 @@ def test_examples_end_training_last(monkeypatch, tmp_path, name):
 def test_gloo_exit_check_runs(tmp_path):
     """``scripts/gloo_exit_check.py`` (the measurement behind ``pause_for_gloo_workers``) launches its two-process
     runs and reports them; with the pause none hangs."""
-    command = [sys.executable, str(ROOT / "scripts" / "gloo_exit_check.py"), "--runs", "1", "--busy", "0", "--pause"]
+    # a run counts as hung after --timeout: 20 s by default, which launching two processes that import torch took
+    # on a busy machine (torch 2.6's CUDA build, constraints/oldest.txt: a false "hung"); a real hang never ends
+    command = [sys.executable, str(ROOT / "scripts" / "gloo_exit_check.py"), "--runs", "1", "--busy", "0", "--pause",
+               "--timeout", "60"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=tmp_path,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]

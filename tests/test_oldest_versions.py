@@ -2,7 +2,7 @@
 file's header) checks the versions the package claims to support, and a raised floor cannot leave it stale."""
 
 import ast
-from importlib.metadata import metadata
+from importlib.metadata import metadata, packages_distributions
 from pathlib import Path
 
 from packaging.requirements import Requirement
@@ -62,3 +62,38 @@ def test_the_oldest_python_admitted_runs_every_installed_dependency():
         needs = metadata(requirement.name).get("Requires-Python")
         if needs:
             assert SpecifierSet(needs).contains(floor), f"{requirement.name} requires Python {needs}"
+
+
+def imported_distributions() -> dict[str, str]:
+    """The distribution of every third-party module the package imports (at any depth, optional ones included), by
+    canonical name, with the module that names it."""
+    import sys
+
+    installed = packages_distributions()
+    found = {}
+    for path in (ROOT / "trl_diffusion").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top == "trl_diffusion":
+                    continue
+                for distribution in installed.get(top, [top]):  # not installed (an optional extra): its own name
+                    found[canonicalize_name(distribution)] = top
+    return found
+
+
+def test_every_imported_distribution_is_declared():
+    """numpy, sympy, pyarrow, tqdm, packaging and huggingface_hub were imported without being declared: they came
+    with transformers, datasets or math-verify, at whatever version those happened to need."""
+    declared = {canonicalize_name(r.name) for r in install_requires()}
+    for extra in setup_argument("extras_require").values():
+        declared |= {canonicalize_name(Requirement(text).name) for text in extra}
+    imported = imported_distributions()
+    assert {"numpy", "torch", "deepspeed"} <= imported.keys()  # the walk sees nested and optional imports
+    assert sorted(f"{name} (import {module})" for name, module in imported.items() if name not in declared) == []
