@@ -25,7 +25,7 @@ setup(
         "safetensors>=0.8",
         "matplotlib>=3.9",  # training-curve PNGs of the examples (3.7 fails to import beside numpy 2)
         # imported directly, so declared here though the libraries above pull them in (floors: what those libraries'
-        # oldest admitted releases already require; packaging 22 is pytest 9's floor)
+        # oldest admitted releases already require; packaging 22 is pytest 9.1's floor)
         "numpy>=1.26",
         "pyarrow>=21",
         "sympy>=1.13.1",  # torch 2.6 pins sympy 1.13.1

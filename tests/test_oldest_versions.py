@@ -2,6 +2,7 @@
 file's header) checks the versions the package claims to support, and a raised floor cannot leave it stale."""
 
 import ast
+import sys
 from importlib.metadata import metadata, packages_distributions
 from pathlib import Path
 
@@ -67,8 +68,6 @@ def test_the_oldest_python_admitted_runs_every_installed_dependency():
 def imported_distributions() -> dict[str, str]:
     """The distribution of every third-party module the package imports (at any depth, optional ones included), by
     canonical name, with the module that names it."""
-    import sys
-
     installed = packages_distributions()
     found = {}
     for path in (ROOT / "trl_diffusion").rglob("*.py"):
