@@ -13,7 +13,7 @@ from typing import Any
 
 from ..data.loading import LOCAL_SUFFIXES, rows_wrapper_key
 from ..rewards import build_tests, extract_gold_answer
-from ..rewards.dllm_rl_code import as_string_list, stdio_test
+from ..rewards.dllm_rl_code import stdio_tests
 
 __all__ = [
     "FORMATS",
@@ -331,10 +331,7 @@ def _code_tests_problem(pid: str, row: dict, template: str | None) -> EvalProble
             prompt = _fill(before, row["question"]) + header + after
         return EvalProblem(pid, prompt, "code", tests=tests, header=header, time_limit=limit)
     if method == "stdio":
-        inputs, outputs = as_string_list(row.get("test_input")), as_string_list(row.get("test_output"))
-        if len(inputs) != len(outputs):
-            raise ValueError(f"problem {pid}: {len(inputs)} test inputs but {len(outputs)} outputs.")
-        tests = [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+        tests = stdio_tests(row.get("test_input"), row.get("test_output"), row=f"problem {pid}")
         prompt = _fill(preset[1] if preset is not None else template or STDIO_PROMPT, row["question"])
         return EvalProblem(pid, prompt, "code", tests=tests, stdio=True, time_limit=limit)
     raise ValueError(f"problem {pid}: unknown test_method {row['test_method']!r} (expected 'function' or 'stdio').")

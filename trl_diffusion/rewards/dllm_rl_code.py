@@ -277,6 +277,16 @@ def stdio_test(test_input: str, test_output: str) -> str:
     return f"assert _stdio_run({test_input!r}).split() == {test_output!r}.split()"
 
 
+def stdio_tests(test_input: Any, test_output: Any, row: str = "a stdio row") -> list[str]:
+    """A stdio row's ``test_input`` / ``test_output`` columns as :func:`stdio_test` snippets, one per pair. Columns
+    of unequal length are refused, naming the ``row``: ``zip`` would drop the extra inputs or outputs, and the row
+    would be graded on fewer tests than it has."""
+    inputs, outputs = as_string_list(test_input), as_string_list(test_output)
+    if len(inputs) != len(outputs):
+        raise ValueError(f"{row} has {len(inputs)} test inputs but {len(outputs)} outputs.")
+    return [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+
+
 def extract_code_official(text: str) -> str | None:
     """dLLM-RL's extraction: the last ``` ```python ... ``` ``` match, stripped; ``None`` without one (dLLM-RL runs a
     sentence instead, which fails every test)."""
@@ -374,10 +384,7 @@ def _official_tests(test_method: Any, test_list: Any, test_input: Any, test_outp
         raise ValueError(f"test_method must be 'function' or 'stdio', got {test_method!r}.")
     if method == "function":  # tests that check nothing (data, no assert) are refused: they would pass every program
         return method, checked_snippets(column_items(test_list, "test_list"), "test_list")
-    inputs, outputs = as_string_list(test_input), as_string_list(test_output)
-    if len(inputs) != len(outputs):
-        raise ValueError(f"a stdio row has {len(inputs)} test inputs but {len(outputs)} outputs.")
-    return method, [stdio_test(i, o) for i, o in zip(inputs, outputs)]
+    return method, stdio_tests(test_input, test_output)
 
 
 class OfficialCodeReward:
