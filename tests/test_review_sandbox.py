@@ -7,22 +7,10 @@ import sys
 import time
 
 import pytest
+from processes import pids_named
 
 from trl_diffusion.rewards import sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
-
-
-def _pids_named(name: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/comm", encoding="utf-8", errors="replace") as f:
-                    if f.read().strip() == name:
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
 
 
 def test_namespace_init_that_left_the_group_does_not_outlive_the_run(monkeypatch):
@@ -47,11 +35,11 @@ ctypes.PyDLL(None).sleep(120)  # holds the GIL: the watchdog thread never runs; 
         result = run_tests(program, ["assert f() == 1"], SandboxLimits(timeout=2.0))
         assert result.status == "timeout" and result.passed == 0
         deadline = time.monotonic() + 20.0
-        while _pids_named(marker) and time.monotonic() < deadline:
+        while pids_named(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _pids_named(marker) == []
+        assert pids_named(marker) == []
     finally:
-        for pid in _pids_named(marker):
+        for pid in pids_named(marker):
             os.kill(pid, signal.SIGKILL)
 
 

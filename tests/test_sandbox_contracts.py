@@ -18,6 +18,7 @@ import sys
 import time
 
 import pytest
+from processes import pids_named
 
 from trl_diffusion.rewards import cgroup, sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
@@ -53,21 +54,8 @@ def _in_fresh_interpreter(script: str, *args: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _pids_named(name: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/comm", encoding="utf-8", errors="replace") as f:
-                    if f.read().strip() == name:
-                        pids.append(int(entry))
-            except OSError:
-                pass
-    return pids
-
-
 def _kill_named(name: str) -> None:
-    for pid in _pids_named(name):
+    for pid in pids_named(name):
         try:
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -435,9 +423,9 @@ time.sleep(60)
         result = run_tests(program, ["pass"], SandboxLimits(timeout=1.5), python=plain)
         assert result.status == "timeout"
         deadline = time.monotonic() + 10.0
-        while _pids_named(marker) and time.monotonic() < deadline:
+        while pids_named(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _pids_named(marker) == []
+        assert pids_named(marker) == []
     finally:
         _kill_named(marker)
 
@@ -463,9 +451,9 @@ time.sleep(0.5)
         result = run_tests(program, ["pass"], SandboxLimits(timeout=10.0), python=plain)
         assert result.status == "ok", result
         deadline = time.monotonic() + 10.0
-        while _pids_named(marker) and time.monotonic() < deadline:
+        while pids_named(marker) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert _pids_named(marker) == []
+        assert pids_named(marker) == []
     finally:
         _kill_named(marker)
 
