@@ -39,12 +39,12 @@ def attempt(call):
 """
 
 
-def _in_fresh_interpreter(script: str, *args: str) -> dict:
+def _in_fresh_interpreter(script: str, *args: str, python: str = sys.executable) -> dict:
     """Run ``script`` in a new interpreter (its own process group, so this process is "another process" to it) with
     the sandbox module loaded from its file as ``sandbox`` (stdlib only, as in the sandbox); return its last line's
     JSON."""
     done = subprocess.run(
-        [sys.executable, "-I", "-c", CHILD_PRELUDE + script, sandbox.__file__, *args],
+        [python, "-I", "-c", CHILD_PRELUDE + script, sandbox.__file__, *args],
         capture_output=True,
         text=True,
         timeout=60,
@@ -62,18 +62,26 @@ def _kill_named(name: str) -> None:
             pass
 
 
-@pytest.fixture
-def plain(monkeypatch):
-    """Runs with the weakest launcher (no unshare, no cgroup), what a plain container gets; yields an interpreter
-    that works there (as root the sandbox's own uid must be able to read it: this one, else the system's)."""
+def _python_without_namespaces() -> str | None:
+    """An interpreter the sandbox runs with the weakest launcher (no unshare, no cgroup): this one, else the
+    system's (as root the sandbox's own uid must be able to read it); ``None`` if neither runs."""
     job = {"program": "pass", "specs": [{"probes": [], "has": []}]}
     for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
         if python and sandbox._report_results(
             sandbox._run_once(([], False), python, job, SandboxLimits(timeout=10.0), None), 1
         ):
-            monkeypatch.setattr(sandbox, "_get_launcher", lambda python, uid: ([], False))
             return python
-    pytest.skip("no interpreter runs in the sandbox without namespaces here")
+    return None
+
+
+@pytest.fixture
+def plain(monkeypatch):
+    """Runs with the weakest launcher, what a plain container gets; yields the interpreter to run them with."""
+    python = _python_without_namespaces()
+    if python is None:
+        pytest.skip("no interpreter runs in the sandbox without namespaces here")
+    monkeypatch.setattr(sandbox, "_get_launcher", lambda python, uid: ([], False))
+    return python
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -201,9 +209,12 @@ print(json.dumps({"installed": True, "found": found}))
 def test_seccomp_filter_alone_refuses_what_it_lists():
     """The filter refuses setsid, ptrace, kill of a negative pid, setpriority of anything but the caller, and
     affinity and limits of other processes (EPERM), and leaves the caller's own calls alone."""
-    found = _in_fresh_interpreter(SECCOMP)
-    if not found["installed"]:
+    with open("/proc/self/status") as f:
+        kernel_has_seccomp = any(line.startswith("Seccomp:") for line in f)
+    if not kernel_has_seccomp or os.uname().machine not in sandbox._SYSCALLS:
         pytest.skip("this kernel or architecture takes no seccomp filter")
+    found = _in_fresh_interpreter(SECCOMP)
+    assert found["installed"], "the kernel has seccomp, but the filter was not installed"
     refused = ("setsid", "ptrace", "kill_a_group", "setpriority_own_group", "memfd")
     assert {name: found["found"][name] for name in refused} == dict.fromkeys(refused, "EPERM"), found
     assert found["found"]["affinity_of_parent"] == found["found"]["limits_of_parent"] == "PermissionError", found
@@ -215,6 +226,7 @@ def test_seccomp_filter_alone_refuses_what_it_lists():
 LANDLOCK = """
 import ctypes, socket
 work, outside, port, abstract = sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
+kernel_abi = ctypes.CDLL(None, use_errno=True).syscall(444, None, 0, 1)  # LANDLOCK_CREATE_RULESET_VERSION
 abi = sandbox._install_landlock(work)
 
 
@@ -227,6 +239,7 @@ def connect(family, address):
 
 
 found = {
+    "kernel_abi": kernel_abi,
     "abi": abi,
     "write_outside": attempt(lambda: open(outside, "r+").close()),
     "truncate_outside": attempt(lambda: os.truncate(outside, 0)),
@@ -258,9 +271,10 @@ def test_landlock_alone_confines_writes_connections_and_signals(tmp_path):
     finally:
         for server in servers:
             server.close()
-    abi = found["abi"]
+    abi = found["kernel_abi"]
     if abi < 1:
         pytest.skip("no Landlock on this kernel")
+    assert found["abi"] == abi, found  # applied at the kernel's own version
     assert found["write_inside"] == "done"
     assert found["write_outside"] == "PermissionError", found
     expected = {
@@ -275,38 +289,74 @@ def test_landlock_alone_confines_writes_connections_and_signals(tmp_path):
     assert outside.read_text() == ("" if found["truncate_outside"] == "done" else "original")
 
 
+DROP = """
+uid = int(sys.argv[2])
+os.setgroups([0, 4, 6])  # root's supplementary groups in many container images (root, adm, disk)
+info = sandbox._drop_privileges(uid)
+ids = [os.getuid(), os.geteuid(), os.getgid(), os.getegid()]
+print(json.dumps({"info": info, "ids": ids, "groups": os.getgroups(), "regain": attempt(lambda: os.setuid(0))}))
+"""
+
+
+def test_dropping_root_leaves_no_group_capability_or_way_back():
+    """As root, the sandbox becomes its own uid and gid with no supplementary group (root's groups, e.g. ``disk``,
+    would open files the uid alone cannot), no capability, ``no_new_privs``, and cannot become root again."""
+    if os.geteuid() != 0:
+        pytest.skip("only root drops to a uid of its own")
+    python = _python_without_namespaces()
+    if python is None:
+        pytest.skip("no interpreter here that a dropped uid can start")
+    uid = sandbox._fresh_uid()
+    found = _in_fresh_interpreter(DROP, str(uid), python=python)
+    assert found["ids"] == [uid] * 4 and found["groups"] == [], found
+    assert found["regain"] == "PermissionError"
+    assert {key: found["info"][key] for key in ("uid", "dropped_root", "no_new_privs", "caps_dropped")} == {
+        "uid": uid, "dropped_root": True, "no_new_privs": True, "caps_dropped": True,
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The launcher, the isolation and the limits a run gets
 # ---------------------------------------------------------------------------------------------------------------------
 
 
 def test_the_strongest_namespace_launcher_that_runs_here_is_chosen(monkeypatch):
-    """Where ``unshare`` with every namespace runs the sandbox, it is the one chosen, and the run reports each
-    namespace and the private read-only root (tests of those mechanisms skip when they are reported absent)."""
+    """Where ``unshare`` with every namespace runs the sandbox, it is chosen over the weaker launchers (which run
+    too, with an interpreter they can all start), and the run reports each namespace and the private read-only root
+    (tests of those mechanisms skip when they are reported absent)."""
     unshare = shutil.which("unshare", path=os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin")
     if unshare is None or not sys.platform.startswith("linux"):
         pytest.skip("no unshare here")
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
     full = [unshare, *user, "--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
+    python = _python_without_namespaces() or sys.executable  # one every launcher could run, where there is one
     job = {"program": "pass", "specs": [{"probes": [], "has": []}]}
-    run = sandbox._run_once((full, False), sys.executable, job, SandboxLimits(timeout=10.0), None)
+    run = sandbox._run_once((full, False), python, job, SandboxLimits(timeout=10.0), None)
     if sandbox._report_results(run, 1) is None:
         pytest.skip(f"the full namespace launcher does not run the sandbox here: {run.status}")
     monkeypatch.setattr(sandbox, "_LAUNCHERS", {})
-    assert sandbox._get_launcher(sys.executable, None)[0] == full
-    report = isolation_report()
+    assert sandbox._get_launcher(python, None)[0] == full
+    report = isolation_report(python)
     isolated = ("netns", "ipcns", "pidns", "mntns", "private_root", "readonly_fs")
     assert {key: report[key] for key in isolated} == dict.fromkeys(isolated, True), report
 
 
 def test_a_memory_cgroup_the_host_offers_is_used(monkeypatch):
-    """Where this process can create memory cgroups, runs are put in one (the only bound on the run as a whole)."""
+    """Where this process can create memory cgroups and a sandbox can join one, runs are put in one (the only bound
+    on the run as a whole), whichever launcher is chosen."""
     if cgroup.memory_cgroup_root() is None:
         pytest.skip("no writable memory cgroup here")
+    python = _python_without_namespaces() or sys.executable
+    job = {"program": "pass", "specs": [{"probes": [], "has": []}]}
+    if (
+        sandbox._report_results(sandbox._run_once(([], True), python, job, SandboxLimits(timeout=10.0), None), 1)
+        is None
+    ):
+        pytest.skip("a sandbox cannot join the cgroup here")
     monkeypatch.setattr(sandbox, "_LAUNCHERS", {})
-    chosen = sandbox._get_launcher(sys.executable, None)
+    chosen = sandbox._get_launcher(python, None)
     assert chosen is not None and chosen[1] is True
-    assert isolation_report()["memory_cgroup"] is True
+    assert isolation_report(python)["memory_cgroup"] is True
 
 
 LIMITS_PROBE = """
@@ -493,6 +543,19 @@ def test_files_a_run_left_in_shared_temp_directories_are_removed(plain, monkeypa
                 os.unlink(path)
 
 
+def test_the_process_limit_scope_says_whether_the_uid_is_the_runs_own(plain):
+    """As root, a fresh uid per run makes RLIMIT_NPROC per sandbox; a caller's fixed ``run_as_uid`` (shared with
+    whatever else runs as it) makes it per uid, and without a user namespace the report says so."""
+    if os.geteuid() != 0:
+        pytest.skip("only root picks the sandbox's uid")
+    limits = SandboxLimits(timeout=10.0)
+    fresh = run_tests("pass", ["pass"], limits, python=plain)
+    shared = run_tests("pass", ["pass"], limits, python=plain, run_as_uid=65534)
+    assert fresh.status == shared.status == "ok", (fresh, shared)
+    assert fresh.isolation["process_limit_scope"] == "sandbox"
+    assert (shared.isolation["uid"], shared.isolation["process_limit_scope"]) == (65534, "uid")
+
+
 def test_remove_files_of_deletes_only_that_uids_entries(tmp_path):
     """The cleanup removes files and directory trees a uid owns directly in /tmp and /dev/shm, nothing of others."""
     if os.geteuid() != 0:
@@ -549,6 +612,15 @@ def test_a_failed_run_passes_no_test_even_if_another_run_of_the_row_did():
     result = run_tests(program, ["assert f() == 1", "while True:\n    pass"], SandboxLimits(timeout=2.0))
     assert result.status == "timeout"
     assert (result.passed, result.outcomes, result.fraction) == (0, [False, False], 0.0)
+
+
+def test_a_probe_value_that_is_not_plain_data_fails_with_that_reason():
+    """A probe whose value the sandbox cannot send back fails its test as "not plain data" (not as a malformed
+    report, the reason reserved for a forger's)."""
+    program = "class Box:\n    pass\ndef f():\n    return Box()"
+    result = run_tests(program, ["assert f() == 1"], SandboxLimits(timeout=10.0))
+    assert (result.status, result.outcomes) == ("ok", [False])
+    assert result.errors == ["test 0: not plain data: Unrepresentable: a Box object"]
 
 
 def test_a_program_that_exits_while_loading_is_a_completed_run_with_a_program_error():
