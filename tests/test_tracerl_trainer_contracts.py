@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
+from safetensors.torch import load_file
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from trl import GRPOConfig
 
@@ -18,7 +19,7 @@ from trl_diffusion import DiffusionValueModel
 from trl_diffusion.generation import mixin
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
-from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+from trl_diffusion.trainers.tracerl_trainer import REFERENCE_STATE_NAME, TraceRLTrainer
 
 PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
 GAPS = ("rollout/sampler_logp_gap", "rollout/sampler_logp_gap_exact")
@@ -274,7 +275,8 @@ def test_sequence_level_clip_ratios_with_a_value_model_are_token_means_over_the_
 def test_summed_kl_of_a_micro_batch_takes_trls_normaliser_and_bias_correction(tmp_path, bias_correction):
     """``kl_weighting='row_sum'``: sum(k3 x kl_weights) over TRL's tracerl / dapo normaliser for one micro-batch of a
     generation batch split in ``steps_per_generation`` (rows / processes x accumulation / steps_per_generation: half of
-    the generation batch's 4 rows here), times pi / pi_old with ``use_bias_correction_kl``."""
+    the generation batch's 4 rows here; all of them in evaluation), times pi / pi_old with
+    ``use_bias_correction_kl``."""
     trainer = make_trainer(tmp_path, per_device_train_batch_size=2, num_generations=2, steps_per_generation=2,
                            beta=0.1, kl_weighting="row_sum", use_bias_correction_kl=bias_correction)
     trainer.current_gradient_accumulation_steps = 1  # set by the training loop
@@ -286,6 +288,12 @@ def test_summed_kl_of_a_micro_batch_takes_trls_normaliser_and_bias_correction(tm
     factor = torch.e if bias_correction else 1.0
     assert trainer._summed_kl(inputs).item() == pytest.approx(3 * k3 * factor / 2, rel=1e-6)
     assert trainer._metrics["train"]["kl"][-1] == pytest.approx(k3 * factor, rel=1e-6)
+    trainer.model.eval()  # evaluation accumulates nothing: the whole batch's rows
+    assert trainer._summed_kl(inputs).item() == pytest.approx(3 * k3 * factor / 4, rel=1e-6)
+    # every group filtered: no weight and no training row, a KL term of 0 (not 0 / 0)
+    filtered = {**inputs, "completion_mask": torch.zeros(2, 3), "kl_weights": torch.zeros(2, 3),
+                "num_items_in_batch": torch.tensor(0.0)}
+    assert trainer._summed_kl(filtered).item() == 0.0
 
 
 def test_an_evaluation_restores_pythons_and_numpys_random_states(tmp_path):
@@ -346,7 +354,7 @@ def test_value_model_takes_one_step_when_a_generation_batch_spans_several_optimi
     step) and no ``value_batch_size``, the value model still takes one step per generation batch."""
     trainer = make_trainer(tmp_path, value_model=DiffusionValueModel.from_policy(tiny_model("sdar")),
                            per_device_train_batch_size=4, gradient_accumulation_steps=2, steps_per_generation=1,
-                           reward=scripted([0.0, 1.0, 1.0, 0.0]))
+                           value_batch_size=None, reward=scripted([0.0, 1.0, 1.0, 0.0]))
     before = [p.detach().clone() for p in trainer.value_model.parameters()]
     trainer.train()
     assert trainer._value_batches == 2 and "value/loss" in trainer.state.log_history[0]
@@ -380,15 +388,99 @@ def test_the_card_names_the_confidence_threshold_only_for_the_dynamic_strategy(t
     assert ("confidence_threshold=0.7" in call) == (strategy == "low_confidence_dynamic")
 
 
-def test_save_only_model_checkpoints_hold_the_value_model_without_its_optimizer(tmp_path):
-    """``save_only_model=True`` saves the value model's weights and, as transformers does for the policy, not its
-    optimizer state; a full checkpoint holds both."""
+def test_save_only_model_checkpoints_hold_the_value_model_weights_only_and_the_best_model_reads_them(tmp_path):
+    """``save_only_model=True`` saves the value model's weights but, as transformers does for the policy, neither its
+    optimizer nor the synced reference; ``load_best_model_at_end`` still restores the value model from such a
+    checkpoint. A full checkpoint holds all of them."""
     for only_model in (True, False):
         out = tmp_path / str(only_model)
         trainer = make_trainer(out, value_model=DiffusionValueModel.from_policy(tiny_model("sdar")),
-                               save_strategy="steps", save_steps=1, save_only_model=only_model)
+                               save_strategy="steps", save_steps=1, save_only_model=only_model, beta=0.1,
+                               kl_reference="reference_model", sync_ref_model=True, ref_model_sync_steps=1)
         trainer.train()
         checkpoint = out / "checkpoint-1"
         assert (checkpoint / "value_model").is_dir()
-        assert (checkpoint / "value_state.pt").exists() == (not only_model)
-        assert (checkpoint / "optimizer.pt").exists() == (not only_model)
+        for name in ("value_state.pt", "optimizer.pt", REFERENCE_STATE_NAME):
+            assert (checkpoint / name).exists() == (not only_model), name
+    best = tmp_path / "True" / "checkpoint-1"
+    saved = load_file(best / "value_model" / "model.safetensors")
+    value = trainer.accelerator.unwrap_model(trainer.value_model)
+    with torch.no_grad():
+        for p in value.parameters():
+            p.add_(1.0)
+    trainer.state.best_model_checkpoint = str(best)
+    trainer._load_best_model()
+    assert all(torch.equal(p, saved[name]) for name, p in value.named_parameters())
+
+
+def test_value_updates_start_from_cleared_gradients(tmp_path):
+    """Gradients a value update interrupted by an exception left on the value model do not enter the next update."""
+    models = []
+    for leftover in (False, True):
+        value = DiffusionValueModel.from_policy(tiny_model("sdar"))
+        trainer = make_trainer(tmp_path / str(leftover), value_model=value, reward=scripted([0.0, 1.0, 1.0, 0.0]),
+                               value_learning_rate=1e-2)
+        if leftover:
+            for p in trainer.value_model.parameters():
+                p.grad = torch.ones_like(p)
+        trainer.train()
+        models.append(torch.cat([p.detach().flatten() for p in trainer.value_model.parameters()]))
+    initial = DiffusionValueModel.from_policy(tiny_model("sdar")).parameters()
+    initial = torch.cat([p.detach().flatten() for p in initial])
+    assert (models[0] - initial).abs().max() > 0
+    torch.testing.assert_close(models[1], models[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["sapo", "luspo"])
+def test_sapo_and_luspo_leave_filtered_rows_out_of_their_row_mean(tmp_path, loss_type):
+    """TRL's sapo and luspo average over the rows of a micro-batch: with one of two groups filtered, the loss is that
+    of the kept group's rows alone (the filtered rows do not halve it)."""
+    trainer = make_trainer(tmp_path, reward=scripted([1.0, 1.0, 0.0, 1.0]), num_generations=2, loss_type=loss_type,
+                           dynamic_group_filtering="all_equal")
+    output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 2 + [{"prompt": PROMPTS[1]}] * 2)
+    output["old_per_token_logps"] = torch.zeros_like(output["completion_mask"])  # ratios away from 1: a loss
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    full = trainer.compute_loss(trainer.model, output)
+    alone = {name: value[2:] if torch.is_tensor(value) and value.dim() else value for name, value in output.items()}
+    alone["kept_row_scale"] = torch.tensor(1.0)
+    kept = trainer.compute_loss(trainer.model, alone)
+    assert output["kept_rows"].tolist() == [0.0, 0.0, 1.0, 1.0] and kept.abs() > 1e-3
+    torch.testing.assert_close(full, kept, rtol=1e-5, atol=1e-7)
+
+
+def test_a_batch_without_its_trajectories_is_refused_when_scored(tmp_path):
+    """The trainer scores the trajectories attached to the batch: a batch of other rows is refused, not scored with
+    another batch's trajectories."""
+    trainer = make_trainer(tmp_path)
+    output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    ids = torch.cat([output["prompt_ids"], output["completion_ids"]], 1)
+    mask = torch.cat([output["prompt_mask"], output["completion_mask"].gt(0).long()], 1)
+    width = output["completion_ids"].shape[1]
+    with pytest.raises(RuntimeError, match="scores completions from their recorded trajectories; none are attached"):
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids[:2], mask[:2], width)
+
+
+def test_the_sampler_gap_is_taken_over_the_tokens_in_the_loss_only(tmp_path):
+    """``rollout/sampler_logp_gap`` averages |trainer log-prob - sampler log-prob| over committed tokens that are in
+    the loss: tokens of rows ``mask_truncated_completions`` leaves out, or after a stop token, do not count."""
+    trainer = make_trainer(tmp_path, model=tiny_model("llada").train(), mask_truncated_completions=True,
+                           scoring_temperature=0.5)
+    output = trainer._generate_and_score_completions([{"prompt": PROMPTS[0]}] * 4)
+    stash, score = {}, trainer._get_per_token_logps_and_entropies
+
+    def keep(*args, **kwargs):
+        result = score(*args, **kwargs)
+        stash.setdefault("logps", result[0])
+        return result
+
+    trainer._get_per_token_logps_and_entropies = keep
+    trainer.current_gradient_accumulation_steps = 1  # set by the training loop
+    trainer.compute_loss(trainer.model, output)
+    width = stash["logps"].shape[1]
+    committed = output["unmask_step"][:, :width] >= 0
+    trained = committed & (output["completion_mask"] > 0)
+    gap = (stash["logps"].detach() - output["sampler_logps"][:, :width]).abs()
+    assert trained.any() and (committed & ~trained).any()
+    expected = float(gap[trained].mean())
+    assert abs(float(gap[committed].mean()) - expected) > 1e-3  # the tokens out of the loss would move it
+    assert trainer._metrics["train"]["rollout/sampler_logp_gap"][-1] == pytest.approx(expected, rel=1e-5)
