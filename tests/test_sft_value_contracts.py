@@ -1,6 +1,7 @@
 """Contracts of ``DiffusionSFTTrainer`` and ``DiffusionValueTrainer`` / ``DiffusionValueModel`` that no other test
-pinned: refusals at construction, the collators' boundaries, where the noise seed comes from, evaluation metrics and
-the value model's saving and loading. Each test fails when the behaviour it names is changed."""
+pinned: refusals at construction, the collators' boundaries, where the noise seed comes from, loss normalisation,
+what evaluation and training logs report, and the value model's dtype handling. Each test fails when the behaviour
+it names is changed."""
 
 import pytest
 import torch
@@ -10,16 +11,26 @@ from trl import SFTConfig, SFTTrainer
 from trl_diffusion.testing import EOS_ID, MASK_ID, build_tokenizer, tiny_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.trainers.diffusion_losses import count_loss_tokens
-from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer, token_values
+from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
 TOKENIZER = build_tokenizer()
 PAIRS = [("What is 12+7?\n", "\\boxed{19}"), ("Hi!\n", "\\boxed{-3}"), ("What is 3+4?\n", "\\boxed{7}")]
 
 
 def sft_args(tmp_path, **overrides):
-    fields = dict(output_dir=str(tmp_path), report_to=[], bf16=False, save_strategy="no", use_cpu=True, max_length=64,
-                  disable_tqdm=True, per_device_train_batch_size=2, per_device_eval_batch_size=4, max_steps=1,
-                  logging_steps=1)
+    fields = dict(
+        output_dir=str(tmp_path),
+        report_to=[],
+        bf16=False,
+        save_strategy="no",
+        use_cpu=True,
+        max_length=64,
+        disable_tqdm=True,
+        per_device_train_batch_size=2,
+        per_device_eval_batch_size=4,
+        max_steps=1,
+        logging_steps=1,
+    )
     return DiffusionSFTConfig(**{**fields, **overrides})
 
 
@@ -28,9 +39,13 @@ def prompt_completion(pairs=PAIRS):
 
 
 def sft(tmp_path, family="llada", tokenizer=TOKENIZER, eval_dataset=None, **overrides):
-    return DiffusionSFTTrainer(tiny_model(family), args=sft_args(tmp_path, **overrides),
-                               train_dataset=prompt_completion(), eval_dataset=eval_dataset,
-                               processing_class=tokenizer)
+    return DiffusionSFTTrainer(
+        tiny_model(family),
+        args=sft_args(tmp_path, **overrides),
+        train_dataset=prompt_completion(),
+        eval_dataset=eval_dataset,
+        processing_class=tokenizer,
+    )
 
 
 # ------------------------------------------------------------------------------------ SFT: construction refusals
@@ -39,8 +54,13 @@ def sft(tmp_path, family="llada", tokenizer=TOKENIZER, eval_dataset=None, **over
 def test_sft_refuses_a_custom_loss_function(tmp_path):
     """``compute_loss_func`` is refused: the diffusion objective is the loss, a user's function would be ignored."""
     with pytest.raises(ValueError, match="compute_loss_func is not supported"):
-        DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path), train_dataset=prompt_completion(),
-                            processing_class=TOKENIZER, compute_loss_func=lambda outputs, labels, num_items: 0.0)
+        DiffusionSFTTrainer(
+            tiny_model("llada"),
+            args=sft_args(tmp_path),
+            train_dataset=prompt_completion(),
+            processing_class=TOKENIZER,
+            compute_loss_func=lambda outputs, labels, num_items: 0.0,
+        )
 
 
 def test_sft_refuses_label_smoothing(tmp_path):
@@ -105,16 +125,62 @@ def test_sft_packed_and_shuffled_rows_are_trls_in_trls_order(tmp_path):
     """With ``packing`` and ``shuffle_dataset`` the packed rows are TRL's, in the order TRL shuffles them to (after
     packing as well as before)."""
     data = Dataset.from_list([{"prompt": p, "completion": c} for p, c in PAIRS * 4])
-    common = dict(output_dir=str(tmp_path), report_to=[], use_cpu=True, bf16=False, packing=True, max_length=40,
-                  shuffle_dataset=True, seed=3)
-    reference = SFTTrainer(tiny_model("llada"), args=SFTConfig(**common), train_dataset=data,
-                           processing_class=TOKENIZER).train_dataset
-    ours = DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path, packing=True, max_length=40,
-                                                                  shuffle_dataset=True, seed=3),
-                               train_dataset=data, processing_class=TOKENIZER).train_dataset
+    common = dict(
+        output_dir=str(tmp_path),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        packing=True,
+        max_length=40,
+        shuffle_dataset=True,
+        seed=3,
+    )
+    reference = SFTTrainer(
+        tiny_model("llada"), args=SFTConfig(**common), train_dataset=data, processing_class=TOKENIZER
+    ).train_dataset
+    ours = DiffusionSFTTrainer(
+        tiny_model("llada"),
+        args=sft_args(tmp_path, packing=True, max_length=40, shuffle_dataset=True, seed=3),
+        train_dataset=data,
+        processing_class=TOKENIZER,
+    ).train_dataset
     assert len(ours) > 2
     for column in ("input_ids", "labels", "seq_lengths"):
         assert ours[column] == reference[column]
+
+
+def test_sft_wrapped_rows_are_seeded_by_where_they_start_in_their_sample(tmp_path):
+    """Packed with ``packing_strategy='wrapped'``, each row's noise key is its first token's sample and offset in
+    that sample: the rows a long sample is cut into do not all draw that sample's first row's masks."""
+    data = Dataset.from_list([{"text": "abcdefghij" * 4}, {"text": "klmnopqrst" * 2}])
+    trainer = DiffusionSFTTrainer(
+        tiny_model("llada"),
+        args=sft_args(tmp_path, packing=True, packing_strategy="wrapped", max_length=16),
+        train_dataset=data,
+        processing_class=TOKENIZER,
+    )
+    rows = [trainer.train_dataset[i] for i in range(len(trainer.train_dataset))]
+    batch = trainer.data_collator(rows)
+    assert batch["sample_index"].tolist() == [row["sample_index"][0] for row in rows]
+    assert batch["sample_offset"].tolist() == [row["sample_offset"][0] for row in rows]
+    assert len(set(zip(batch["sample_index"].tolist(), batch["sample_offset"].tolist()))) == len(rows) > 2
+
+
+def test_sft_unmask_step_column_is_ignored_by_other_objectives(tmp_path):
+    """Only ``trajectory`` reads ``unmask_step``: rollout rows kept whole (``remove_unused_columns=False``) train
+    with ``random_masking`` as plain prompt/completion rows, their per-completion-token steps unread."""
+    rows = [{"prompt": p, "completion": c, "unmask_step": list(range(len(TOKENIZER.encode(c)) + 1))} for p, c in PAIRS]
+    trainer = DiffusionSFTTrainer(
+        tiny_model("llada"),
+        args=sft_args(tmp_path, remove_unused_columns=False),
+        train_dataset=Dataset.from_list(rows),
+        processing_class=TOKENIZER,
+    )
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(rows))])
+    assert "unmask_step" not in batch and "generated" not in batch
+    plain = sft(tmp_path)
+    expected = plain.data_collator([plain.train_dataset[i] for i in range(len(rows))])
+    assert torch.equal(batch["labels"], expected["labels"])
 
 
 # ---------------------------------------------------------------------------------------- SFT: loss normalisation
@@ -127,8 +193,9 @@ def text_rows(pairs=PAIRS):
 def test_sft_loss_without_num_items_counts_the_tokens_a_shifted_model_predicts(tmp_path):
     """Called without ``num_items_in_batch`` (a padded eval batch), the loss of a shifted-logits model (Dream) is
     divided by its loss tokens after each row's first (``labels[:, 1:]``), as Trainer counts them in training."""
-    trainer = DiffusionSFTTrainer(tiny_model("dream"), args=sft_args(tmp_path), train_dataset=text_rows(),
-                                  processing_class=TOKENIZER)
+    trainer = DiffusionSFTTrainer(
+        tiny_model("dream"), args=sft_args(tmp_path), train_dataset=text_rows(), processing_class=TOKENIZER
+    )
     batch = trainer.data_collator([trainer.train_dataset[i] for i in range(len(PAIRS))])
     assert (batch["labels"][:, 0] != -100).all()  # text rows: the first token has a label nothing predicts
     with torch.no_grad():
@@ -144,9 +211,13 @@ def test_sft_row_tokens_normalisation_of_a_shifted_model_leaves_out_the_first_la
     row = text_rows(PAIRS[:1])
     losses = {}
     for normalization, extra in (("row_tokens", {}), ("row_length", {"loss_normalization_length": 1})):
-        trainer = DiffusionSFTTrainer(tiny_model("dream"), args=sft_args(tmp_path, loss_normalization=normalization,
-                                                                         **extra),
-                                      train_dataset=row, eval_dataset=row, processing_class=TOKENIZER)
+        trainer = DiffusionSFTTrainer(
+            tiny_model("dream"),
+            args=sft_args(tmp_path, loss_normalization=normalization, **extra),
+            train_dataset=row,
+            eval_dataset=row,
+            processing_class=TOKENIZER,
+        )
         losses[normalization] = trainer.evaluate()["eval_loss"]
     labelled = sum(label != -100 for label in trainer.eval_dataset[0]["labels"])
     assert losses["row_tokens"] * (labelled - 1) == pytest.approx(losses["row_length"], rel=1e-5)
@@ -155,8 +226,14 @@ def test_sft_row_tokens_normalisation_of_a_shifted_model_leaves_out_the_first_la
 def test_sft_row_normalised_evaluation_after_accumulated_training_is_not_divided_by_the_accumulation_steps(tmp_path):
     """A per-row normalised evaluation loss is not divided by ``gradient_accumulation_steps`` (left set by training):
     with a zero learning rate, the evaluation after a step of two accumulated micro-batches equals the one before."""
-    trainer = sft(tmp_path, eval_dataset=prompt_completion(), loss_normalization="row_tokens",
-                  gradient_accumulation_steps=2, learning_rate=0.0, per_device_train_batch_size=1)
+    trainer = sft(
+        tmp_path,
+        eval_dataset=prompt_completion(),
+        loss_normalization="row_tokens",
+        gradient_accumulation_steps=2,
+        learning_rate=0.0,
+        per_device_train_batch_size=1,
+    )
     before = trainer.evaluate()["eval_loss"]
     trainer.train()
     assert trainer.current_gradient_accumulation_steps == 2
@@ -182,9 +259,12 @@ def test_sft_evaluation_reports_only_its_own_batches(tmp_path):
 def test_sft_eos_padding_to_exactly_the_models_positions_is_accepted(tmp_path):
     """``pad_to_length_with_eos`` to a ``max_length`` equal to the model's positions fits: built, and collated to
     that width (only a longer one is refused)."""
-    trainer = DiffusionSFTTrainer(tiny_model("sdar", max_position_embeddings=32),
-                                  args=sft_args(tmp_path, pad_to_length_with_eos=True, max_length=32),
-                                  train_dataset=prompt_completion(), processing_class=TOKENIZER)
+    trainer = DiffusionSFTTrainer(
+        tiny_model("sdar", max_position_embeddings=32),
+        args=sft_args(tmp_path, pad_to_length_with_eos=True, max_length=32),
+        train_dataset=prompt_completion(),
+        processing_class=TOKENIZER,
+    )
     batch = trainer.data_collator([trainer.train_dataset[0]])
     assert batch["input_ids"].shape == (1, 32)
 
@@ -209,9 +289,19 @@ ROLLOUTS = [
 
 
 def value_args(tmp_path, **overrides):
-    fields = dict(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to="none", max_steps=1,
-                  save_strategy="no", per_device_train_batch_size=3, per_device_eval_batch_size=3, disable_tqdm=True,
-                  logging_steps=1, seed=0)
+    fields = dict(
+        output_dir=str(tmp_path),
+        bf16=False,
+        use_cpu=True,
+        report_to="none",
+        max_steps=1,
+        save_strategy="no",
+        per_device_train_batch_size=3,
+        per_device_eval_batch_size=3,
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=0,
+    )
     return DiffusionValueConfig(**{**fields, **overrides})
 
 
@@ -223,16 +313,24 @@ def value_model(family="sdar"):
 
 
 def value_trainer(tmp_path, rows=ROLLOUTS, model=None, eval_dataset=None, **overrides):
-    return DiffusionValueTrainer(model if model is not None else value_model(), args=value_args(tmp_path, **overrides),
-                                 train_dataset=Dataset.from_list(rows), eval_dataset=eval_dataset,
-                                 processing_class=TOKENIZER)
+    return DiffusionValueTrainer(
+        model if model is not None else value_model(),
+        args=value_args(tmp_path, **overrides),
+        train_dataset=Dataset.from_list(rows),
+        eval_dataset=eval_dataset,
+        processing_class=TOKENIZER,
+    )
 
 
 def test_value_trainer_refuses_arguments_of_another_config_class(tmp_path):
     """``args`` must be a ``DiffusionValueConfig``: an ``SFTConfig`` (no gamma, shrinkage, budget) is refused."""
     with pytest.raises(TypeError, match="args must be a DiffusionValueConfig, got SFTConfig"):
-        DiffusionValueTrainer(value_model(), args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
-                              train_dataset=Dataset.from_list(ROLLOUTS), processing_class=TOKENIZER)
+        DiffusionValueTrainer(
+            value_model(),
+            args=SFTConfig(output_dir=str(tmp_path), use_cpu=True, report_to="none"),
+            train_dataset=Dataset.from_list(ROLLOUTS),
+            processing_class=TOKENIZER,
+        )
 
 
 @pytest.mark.parametrize("truncate", [True, False])
@@ -272,8 +370,16 @@ def test_value_evaluation_logs_carry_no_training_statistics(tmp_path):
     """An evaluation between two training logs logs only ``eval_value/`` statistics: the training window's
     ``value/`` statistics stay for the training log, which covers both of its steps."""
     rows = ROLLOUTS + [dict(prompt="q", completion_ids=[60, 61], unmask_step=[0, 1], reward=2.0)]
-    trainer = value_trainer(tmp_path, rows=rows, eval_dataset=Dataset.from_list(ROLLOUTS), max_steps=2,
-                            logging_steps=2, eval_strategy="steps", eval_steps=1, per_device_train_batch_size=2)
+    trainer = value_trainer(
+        tmp_path,
+        rows=rows,
+        eval_dataset=Dataset.from_list(ROLLOUTS),
+        max_steps=2,
+        logging_steps=2,
+        eval_strategy="steps",
+        eval_steps=1,
+        per_device_train_batch_size=2,
+    )
     trainer.train()
     evaluations = [entry for entry in trainer.state.log_history if "eval_loss" in entry]
     training = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -335,28 +441,21 @@ def test_value_rows_prepared_with_other_chat_template_kwargs_are_prepared_again(
     tokenizer = build_tokenizer()
     tokenizer.chat_template = "{{ hint or '' }}" + tokenizer.chat_template
     chat = Dataset.from_list([{**ROLLOUTS[0], "prompt": [{"role": "user", "content": "abc"}]}])
-    plain = DiffusionValueTrainer(value_model(), args=value_args(tmp_path), train_dataset=chat,
-                                  processing_class=tokenizer)
-    hinted = DiffusionValueTrainer(value_model(), args=value_args(tmp_path, chat_template_kwargs={"hint": "zz"}),
-                                   train_dataset=chat, processing_class=tokenizer)
+    plain = DiffusionValueTrainer(
+        value_model(), args=value_args(tmp_path), train_dataset=chat, processing_class=tokenizer
+    )
+    hinted = DiffusionValueTrainer(
+        value_model(),
+        args=value_args(tmp_path, chat_template_kwargs={"hint": "zz"}),
+        train_dataset=chat,
+        processing_class=tokenizer,
+    )
     assert hinted.train_dataset[0]["prompt_ids"][:2] == tokenizer.encode("zz")
     with pytest.raises(ValueError, match="with other settings"):
         hinted.evaluate(plain.train_dataset)
 
 
 # --------------------------------------------------------------------------------------------------- value model
-
-
-def test_value_block_states_ignore_a_never_committed_tail_under_a_larger_training_block():
-    """A block value model shows each row up to its last committed token: with a training block (8) larger than the
-    model's (4), a rollout's values are the same with or without its never-committed tail columns."""
-    value = value_model().eval()
-    prompt = torch.tensor([[20, 21, 22]])
-    canvas, steps = torch.tensor([[40, 41, 42, 43, 44, 45]]), torch.tensor([[0, 1, 0, 1, -1, -1]])
-    with torch.no_grad():
-        with_tail, _ = token_values(value, prompt, torch.ones_like(prompt), canvas, steps, block_size=8)
-        without, _ = token_values(value, prompt, torch.ones_like(prompt), canvas[:, :4], steps[:, :4], block_size=8)
-    torch.testing.assert_close(with_tail[:, :4], without, rtol=1e-5, atol=1e-5 * float(without.abs().max()))
 
 
 def test_value_head_kept_in_float32_reads_a_half_precision_backbone():
