@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from processes import pids_named
+from processes import pids_named, still_running_after
 
 from trl_diffusion.rewards import sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
@@ -34,10 +34,7 @@ ctypes.PyDLL(None).sleep(120)  # holds the GIL: the watchdog thread never runs; 
     try:
         result = run_tests(program, ["assert f() == 1"], SandboxLimits(timeout=2.0))
         assert result.status == "timeout" and result.passed == 0
-        deadline = time.monotonic() + 20.0
-        while pids_named(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pids_named(marker) == []
+        assert still_running_after(marker, 20.0) == []
     finally:
         for pid in pids_named(marker):
             os.kill(pid, signal.SIGKILL)

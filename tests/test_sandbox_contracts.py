@@ -15,10 +15,9 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
-from processes import pids_named
+from processes import pids_named, still_running_after
 
 from trl_diffusion.rewards import cgroup, sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
@@ -472,10 +471,7 @@ time.sleep(60)
     try:
         result = run_tests(program, ["pass"], SandboxLimits(timeout=1.5), python=plain)
         assert result.status == "timeout"
-        deadline = time.monotonic() + 10.0
-        while pids_named(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pids_named(marker) == []
+        assert still_running_after(marker, 10.0) == []
     finally:
         _kill_named(marker)
 
@@ -500,10 +496,7 @@ time.sleep(0.5)
     try:
         result = run_tests(program, ["pass"], SandboxLimits(timeout=10.0), python=plain)
         assert result.status == "ok", result
-        deadline = time.monotonic() + 10.0
-        while pids_named(marker) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert pids_named(marker) == []
+        assert still_running_after(marker, 10.0) == []
     finally:
         _kill_named(marker)
 
