@@ -7,6 +7,7 @@ cleanup, and the parent's decisions (statuses, caps). Tests needing a mechanism 
 import errno
 import io
 import json
+import logging
 import math
 import os
 import secrets
@@ -338,6 +339,27 @@ def test_the_strongest_namespace_launcher_that_runs_here_is_chosen(monkeypatch):
     report = isolation_report(python)
     isolated = ("netns", "ipcns", "pidns", "mntns", "private_root", "readonly_fs")
     assert {key: report[key] for key in isolated} == dict.fromkeys(isolated, True), report
+
+
+def test_an_interpreter_named_by_a_relative_path_is_refused_before_any_launcher_is_tried(
+    tmp_path, monkeypatch, caplog
+):
+    """A relative interpreter path (one with a separator) is unstartable from the sandbox's empty directory, even
+    where it exists relative to the caller: the probe says so once, without trying a launcher."""
+    target = tmp_path / "bin" / "python"
+    target.parent.mkdir()
+    os.symlink(sys.executable, target)
+    monkeypatch.chdir(tmp_path)
+    assert os.access(os.path.join("bin", "python"), os.X_OK)
+
+    def no_launch(*args):
+        raise AssertionError("a launcher was tried")
+
+    monkeypatch.setattr(sandbox, "_run_once", no_launch)
+    with caplog.at_level(logging.ERROR, logger=sandbox.__name__):
+        assert sandbox._probe_launchers(os.path.join("bin", "python"), None) is None
+    assert "cannot be started from the sandbox" in caplog.text
+    assert sandbox._startable(str(target))
 
 
 def test_a_memory_cgroup_the_host_offers_is_used(monkeypatch):
