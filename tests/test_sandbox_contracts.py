@@ -290,17 +290,23 @@ def test_landlock_alone_confines_writes_connections_and_signals(tmp_path):
 
 
 DROP = """
+import ctypes
 uid = int(sys.argv[2])
 os.setgroups([0, 4, 6])  # root's supplementary groups in many container images (root, adm, disk)
 info = sandbox._drop_privileges(uid)
 ids = [os.getuid(), os.geteuid(), os.getgid(), os.getegid()]
-print(json.dumps({"info": info, "ids": ids, "groups": os.getgroups(), "regain": attempt(lambda: os.setuid(0))}))
+with open("/proc/self/status") as f:
+    caps = {line.split(":")[0]: int(line.split()[1], 16) for line in f if line.startswith("Cap")}
+securebits = ctypes.CDLL(None).prctl(27, 0, 0, 0, 0)  # PR_GET_SECUREBITS
+print(json.dumps({"info": info, "ids": ids, "groups": os.getgroups(), "regain": attempt(lambda: os.setuid(0)),
+                  "caps": caps, "securebits": securebits}))
 """
 
 
 def test_dropping_root_leaves_no_group_capability_or_way_back():
     """As root, the sandbox becomes its own uid and gid with no supplementary group (root's groups, e.g. ``disk``,
-    would open files the uid alone cannot), no capability, ``no_new_privs``, and cannot become root again."""
+    would open files the uid alone cannot), no capability, an empty bounding set, locked securebits (root's exec
+    grants nothing, the uid change cleared the capabilities), ``no_new_privs``, and cannot become root again."""
     if os.geteuid() != 0:
         pytest.skip("only root drops to a uid of its own")
     python = _python_without_namespaces()
@@ -310,6 +316,13 @@ def test_dropping_root_leaves_no_group_capability_or_way_back():
     found = _in_fresh_interpreter(DROP, str(uid), python=python)
     assert found["ids"] == [uid] * 4 and found["groups"] == [], found
     assert found["regain"] == "PermissionError"
+    assert {key: found["caps"][key] for key in ("CapInh", "CapPrm", "CapEff", "CapAmb")} == dict.fromkeys(
+        ("CapInh", "CapPrm", "CapEff", "CapAmb"), 0), found  # fmt: skip
+    with open("/proc/self/status") as f:
+        effective = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff"))
+    if effective & (1 << 8):  # CAP_SETPCAP: a root that holds it can bound the sandbox's capabilities
+        assert found["caps"]["CapBnd"] == 0, found
+        assert found["securebits"] == 0b101011  # NOROOT + lock, NO_SETUID_FIXUP locked off, KEEP_CAPS locked off
     assert {key: found["info"][key] for key in ("uid", "dropped_root", "no_new_privs", "caps_dropped")} == {
         "uid": uid, "dropped_root": True, "no_new_privs": True, "caps_dropped": True,
     }  # fmt: skip

@@ -853,6 +853,7 @@ _MNT_DETACH = 2
 _PR_SET_PDEATHSIG, _PR_CAPBSET_DROP, _PR_SET_SECUREBITS, _PR_SET_SECCOMP, _PR_SET_NO_NEW_PRIVS = 1, 24, 28, 22, 38
 # SECBIT_NOROOT, _LOCKED, SECBIT_NO_SETUID_FIXUP, _LOCKED, SECBIT_KEEP_CAPS_LOCKED: root gains no caps on exec.
 _SECUREBITS = 0b101111
+_SECBIT_NO_SETUID_FIXUP = 0b100
 _SYSTEM_DIRS = ("usr", "bin", "sbin", "lib", "lib32", "lib64", "libx32", "etc")
 _DEVICES = ("null", "zero", "full", "random", "urandom")
 # Per architecture: pivot_root's number, the seccomp audit arch, whether x32 numbers exist, and the refused calls
@@ -1095,6 +1096,9 @@ def _drop_privileges(drop_uid: int | None) -> dict[str, Any]:
     info: dict[str, Any] = {}
     libc = _libc()
     if drop_uid is not None:
+        # Only root may empty the bounding set and lock the securebits (CAP_SETPCAP), so both happen before the uid
+        # change; SECBIT_NO_SETUID_FIXUP is locked off there, so the change still clears every capability.
+        _bound_capabilities(libc, _SECUREBITS & ~_SECBIT_NO_SETUID_FIXUP)
         os.setgroups([])
         os.setgid(drop_uid)
         os.setuid(drop_uid)
@@ -1120,13 +1124,20 @@ def _drop_privileges(drop_uid: int | None) -> dict[str, Any]:
     return info
 
 
-def _drop_capabilities(libc: Any) -> bool:
-    """Clear the bounding, effective, permitted and inheritable capability sets (matters in a user namespace)."""
-    import ctypes
-
-    libc.prctl(_PR_SET_SECUREBITS, _SECUREBITS, 0, 0, 0)
+def _bound_capabilities(libc: Any, securebits: int) -> None:
+    """Set and lock ``securebits`` and empty the bounding set. Both need CAP_SETPCAP: without it (an unprivileged
+    sandbox, or after a uid change already done) the calls fail and change nothing."""
+    libc.prctl(_PR_SET_SECUREBITS, securebits, 0, 0, 0)
     for cap in range(64):
         libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0)
+
+
+def _drop_capabilities(libc: Any) -> bool:
+    """Clear the bounding, effective, permitted and inheritable capability sets (the first matters in a user
+    namespace; as root they were bounded before the uid change)."""
+    import ctypes
+
+    _bound_capabilities(libc, _SECUREBITS)
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
