@@ -25,7 +25,10 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   percentage, scientific notation;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
-  decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``).
+  decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
+  (``\\{5 \\times 10^{-19}\\}`` against ``1.6 \\times 10^{-19}``);
+* an assignment answered for an assigned gold answer is judged by its right side (``x = 99^2`` for ``x = 9801``),
+  as it is against the bare gold.
 """
 
 from __future__ import annotations
@@ -308,9 +311,14 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     from math_verify.grader import is_assignment_relation, is_equation, is_relation, take_last_relation
 
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
-    solutions = _assigned_values(value)
-    if solutions is not None and _assigned_values(gold_value) is None:
+    solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
+    if solutions is not None:
         value = solutions  # x = -2, x = 1 for -2, 1 (math-verify compares the right sides); every side is read
+        if gold_solutions is not None:
+            gold_value = gold_solutions  # x = 99^2, y = 1 for x = 9801, y = 1: the rules read the right sides
+    elif is_assignment_relation(pred) and is_assignment_relation(gold_expr):
+        value, gold_value = take_last_relation(value).rhs, take_last_relation(gold_value).rhs  # x = 99^2 for x = 9801
+        answer = _EQUATION_SPLIT.split(text)[-1]
     elif is_equation(pred) and not is_equation(gold_expr):
         value, answer = take_last_relation(value).rhs, _EQUATION_SPLIT.split(text)[-1]
     elif is_assignment_relation(gold_expr) and not is_equation(pred):
@@ -425,6 +433,8 @@ def _written_number(expr) -> bool:
         base, exponent = expr.args
         if base == 10 and exponent.is_Integer:
             return True  # 10^{-3}
+        if exponent == -1 and isinstance(base, sympy.Float):
+            return False  # a division by a decimal left to do: \frac{1}{0.025} for 40
         if exponent == -1 or (exponent.is_Rational and not exponent.is_Integer):
             return _written_number(base)  # a reciprocal (\frac{1}{\sqrt{2}}) or a root (\sqrt{2})
         return False
@@ -499,24 +509,16 @@ def _is_numeral(expr) -> bool:
 
 
 def _too_far(value, gold) -> bool:
-    """A number that differs from a small gold number (under 10^{-3}) by more than 0.1 %: math-verify's own test,
-    ``(gold - answer).evalf(chop=True) == 0``, passes any two numbers under about 10^{-15} (``5 \\times 10^{-19}``
-    for ``1.6 \\times 10^{-19}``). Single numbers only; sets and tuples rely on :func:`_float_rounding`."""
+    """A small gold number (under 10^{-3}: the gold answer, or an element of a set, tuple, interval or matrix) that
+    no number of the answer is within 0.1 % of: math-verify's own test, ``(gold - answer).evalf(chop=True) == 0``,
+    passes any two numbers under about 10^{-15} (``5 \\times 10^{-19}`` for ``1.6 \\times 10^{-19}``, also as
+    ``\\{5 \\times 10^{-19}\\}`` or in a tuple). An answer without numbers is left to math-verify."""
     import sympy
 
-    if isinstance(value, (sympy.FiniteSet, sympy.Tuple, sympy.Interval, sympy.Union, sympy.MatrixBase)):
-        return False
-    answer = _numbers(value)
     try:
-        if len(answer) != 1:
-            return False
-        numbers = _numbers(gold)
-        if len(numbers) != 1 or isinstance(gold, (sympy.FiniteSet, sympy.Tuple, sympy.Interval)):
-            return False
-        exact = complex(sympy.N(numbers[0].doit(), 20))
-        if not 0 < abs(exact) < 1e-3:
-            return False  # the answer is evaluated only when the gold answer is small
-        return abs(complex(sympy.N(answer[0].doit(), 20)) - exact) > 1e-3 * abs(exact)
+        small = [g for g in (complex(sympy.N(n.doit(), 20)) for n in _numbers(gold)) if 0 < abs(g) < 1e-3]
+        answer = [complex(sympy.N(n.doit(), 20)) for n in _numbers(value)] if small else []
+        return bool(answer) and any(all(abs(a - g) > 1e-3 * abs(g) for a in answer) for g in small)
     except Exception:
         return False
 

@@ -1,0 +1,261 @@
+"""Contracts of ``trl_diffusion/rewards/math_verify_check.py`` (the math reward's rules on top of math-verify) and of
+``trl_diffusion/zero3.py`` that the red-team tests leave open: each rule's boundary (an answer just past it is
+refused, one just inside it still scores), the operations not covered there, and ZeRO-3's gathering helpers with a
+stand-in for DeepSpeed."""
+
+import contextlib
+import sys
+import types
+
+import pytest
+import torch
+from torch import nn
+
+from trl_diffusion import zero3
+from trl_diffusion.rewards.math_reward import MathAccuracyReward
+from trl_diffusion.rewards.math_verify_check import as_boxed, parse_boxed, verify_source
+
+REWARD = MathAccuracyReward(parsing_timeout=2, verify_timeout=2)
+PLAIN = MathAccuracyReward(parsing_timeout=2, verify_timeout=2, answer_rules=False)
+
+
+def boxed(answer):
+    return f"So the answer is $\\boxed{{{answer}}}$."
+
+
+def scores(pairs, reward=REWARD):
+    """The reward of each (answer in the box, gold) pair, in one call."""
+    return reward([boxed(answer) for answer, _ in pairs], answer=[gold for _, gold in pairs])
+
+
+def check(answer, gold, answer_rules=True):
+    """``verify_source`` called directly, as the reward calls it for a boxed answer."""
+    gold_parsed = parse_boxed(as_boxed(gold), 2)
+    return verify_source(as_boxed(answer), gold_parsed, 2, 2, gold, answer_rules)
+
+
+# ------------------------------------------------------------------------------------ operations left to sympy
+
+OPERATIONS = {
+    "gcd": (r"\gcd(12, 18)", "6"),
+    "gcd in an expression": (r"x + \gcd(12, 18)", "x + 6"),  # evaluated while parsing: only its LaTeX shows it
+    "lcm": (r"\operatorname{lcm}(4, 6)", "12"),
+    "derivative": (r"\frac{d}{dx} x^2", "2x"),
+    "limit": (r"\lim_{n \to \infty} \frac{n+1}{n}", "1"),
+    "choose": (r"{31 \choose 28}", "4495"),
+    "product": (r"\prod_{k=1}^{3} k", "6"),
+    "determinant": (r"\det \begin{pmatrix} 7 & 3 \\ -1 & 2 \end{pmatrix}", "17"),
+    "minimum": (r"\min(3, 7)", "3"),
+    "gamma": (r"\Gamma(6)", "120"),
+    "modulo": (r"20 \mod 7", "6"),
+    "floor": (r"\lfloor 7.5 \rfloor", "7"),
+    "hyperbolic sine": (r"\sinh(0)", "0"),
+    "vert bars": (r"\lvert -7 \rvert", "7"),
+}
+
+
+@pytest.mark.parametrize("name", list(OPERATIONS))
+def test_an_operation_the_gold_does_not_use_is_refused(name):
+    """The question's expression copied into the box is no answer, for every operation sympy would evaluate."""
+    answer, gold = OPERATIONS[name]
+    assert check(answer, gold, answer_rules=False)  # math-verify alone accepts it
+    assert not check(answer, gold)
+
+
+# --------------------------------------------------------------------------------------- each rule's boundary
+
+# (answer in the box, gold): math-verify alone scores each 1.0; the rules must refuse it.
+REFUSED = {
+    # an improper fraction of equal parts after an integer is a mixed number no reader writes: 17 + 1
+    "an improper mixed number of equal parts": (r"17 \frac{5}{5}", "18"),
+    "an improper mixed number of equal parts with a slash": ("17 (5/5)", "18"),
+    # a gold assignment is compared by its value: the value's rules hold
+    "arithmetic for an assigned number": ("99^2", "x = 9801"),
+    "an unknown that cancels for an assigned number": (r"\frac{18y}{y}", "x = 18"),
+    "arithmetic for a percentage": (r"5 \cdot 5\%", r"25\%"),
+    "a product of two numbers": (r"6 \times 7", "42"),
+    "two operations more than the gold": ("x + 5 - 2 - 2", "x + 1"),
+    "a small number off by 0.6 %": (r"1.61 \times 10^{-19}", r"1.6 \times 10^{-19}"),
+    "a small number in a set off in its fourth digit": ("0.00000001002, 1", "10^{-8}, 1"),
+    "a small number in an interval off in its fourth digit": ("[0.00000001002, 1]", "[10^{-8}, 1]"),
+    "a small percentage off in its fourth digit": ("0.0005004", r"0.05\%"),
+    "a small assigned number off in its fourth digit": ("0.000000010009", "x = 10^{-8}"),
+    # integers side by side after a closing bracket, no space: latex2sympy's mixed number 17 + 25
+    "juxtaposed after a closing brace": ("{17}25", "42"),
+    "juxtaposed after a closing parenthesis": ("(17)25", "42"),
+    "an operation after an equivalence": (r"x \equiv 99^2", "9801"),
+    "a modulo in an expression": (r"x + 20 \mod 7", "x + 6"),
+    # an unknown that cancels where the gold has none, past the rules that do not judge functions
+    "an unknown that cancels in a logarithm": (r"\log_2 \frac{3x}{x}", r"\log_2 3"),
+    "an unknown added and removed beside a power of e": ("e^{2} + x - x", "e^{2}"),
+    # an assignment for an assigned gold is judged by its right side, as against the bare gold
+    "an unsimplified equation": ("y = 2x + 5 - 1 - 1", "y = 2x + 3"),
+    "unsimplified assignments": ("x = 5 - 1 - 1, y = 4", "x = 3, y = 4"),
+    "arithmetic assigned for an assigned number": ("x = 99^2", "x = 9801"),
+    "a difference assigned for an assigned number": ("x = 50 - 8", "x = 42"),
+    "arithmetic in assignments for assigned numbers": ("x = 99^2, y = 1", "x = 9801, y = 1"),
+    "a far small number assigned for an assigned one": (r"x = 5 \times 10^{-19}", r"x = 1.6 \times 10^{-19}"),
+    # a small number far from the gold is refused inside a container too
+    "a far small number in braces": (r"\{5 \times 10^{-19}\}", r"1.6 \times 10^{-19}"),
+    "a far small number in a set": (r"5 \times 10^{-19}, 1", r"1.6 \times 10^{-19}, 1"),
+    "a far small number in a tuple": (r"(5 \times 10^{-19}, 1)", r"(1.6 \times 10^{-19}, 1)"),
+    "a far small number in a matrix": (
+        r"\begin{pmatrix} 5 \times 10^{-19} \end{pmatrix}",
+        r"\begin{pmatrix} 1.6 \times 10^{-19} \end{pmatrix}",
+    ),
+    "a division by a decimal left to do": (r"\frac{1}{0.025}", "40"),
+}
+
+# (answer in the box, gold): correct answers just inside each rule's boundary.
+ACCEPTED = [
+    ("x = 1,125", "1, 125"),  # a gold list: the comma separates two answers, not thousands
+    ("(x = 2,125)", "2125"),  # a bracket on one side only: the number's thousands, not a pair
+    ("9801", "x = 9801"),
+    ("x = 3, 4", "3, 4"),
+    ("x = 3, y = 4", "x = 3, y = 4"),
+    ("3, x = 4", "3, x = 4"),  # a set that mixes a number and an assignment, as the gold writes it
+    (r"\binom{4}{2} \equiv 6", "6"),  # work before an equivalence, read as before an "="
+    (r"52_8 \equiv 42", "42"),
+    ("x + 2 - 1", "x + 1"),  # one operation more than the gold
+    (r"\{x + 2 - 1\}", "x + 1"),  # ... in braces: the brackets of a set are free
+    (r"1.601 \times 10^{-19}", r"1.6 \times 10^{-19}"),  # within 0.1 %
+    ("0.00000001, 1", "10^{-8}, 1"),
+    ("0.000000010004", "10^{-8}"),  # off in its fifth digit only
+    ("[0.00000001, 1]", "[10^{-8}, 1]"),
+    ("0.0005", r"0.05\%"),
+    ("0, 1", "0, 1"),  # a zero in the gold is no small number
+    ("0", "0"),
+    ("52_8 = 42", "42"),  # the conversion shown: only the value after the last "=" is in a base
+    (r"52_{\,8}", "52_8"),  # LaTeX spacing in a base subscript
+    (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
+    (r"17 \frac{1}{5}", r"\frac{86}{5}"),  # a proper mixed number
+    ("f(2) 3", "3 f(2)"),  # an integer that is a function's argument is no number of its own
+    ("x = 9801", "x = 9801"),
+    ("x = 0.5", r"x = \frac{1}{2}"),
+    ("x = -2, x = 1", "x = 1, x = -2"),
+    (r"x = 1.6 \times 10^{-19}", r"x = 1.6 \times 10^{-19}"),
+    (r"\{1.6 \times 10^{-19}\}", r"1.6 \times 10^{-19}"),
+    (r"1, 1.6 \times 10^{-19}", r"1.6 \times 10^{-19}, 1"),  # a set's small element matched in any order
+    (r"\frac{1}{2}", "0.5"),
+]
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_an_answer_just_past_a_rule_is_refused(name):
+    """Each rule refuses the answer just past its boundary, which math-verify alone accepts."""
+    answer, gold = REFUSED[name]
+    assert scores([(answer, gold)], PLAIN) == [1.0]
+    assert scores([(answer, gold)]) == [0.0]
+
+
+@pytest.mark.parametrize(("answer", "gold"), ACCEPTED)
+def test_an_answer_just_inside_the_rules_still_scores_one(answer, gold):
+    """No false refusals at the rules' boundaries."""
+    assert scores([(answer, gold)]) == [1.0]
+
+
+def test_a_pair_in_sized_brackets_is_not_one_number():
+    r"""``\left(1,125\right)`` is the pair (1, 125) like ``(1,125)``: its comma is not a thousands separator."""
+    assert scores([(r"\left(1,125\right)", "1125"), (r"\left(1,125\right)", r"\left(1, 125\right)")]) == [0.0, 1.0]
+
+
+def test_a_first_group_of_four_digits_is_no_digit_grouping():
+    """Only groups of three digits are joined: ``1234 567`` is two numbers (latex2sympy's mixed number), refused."""
+    assert scores([("1234 567", "1234567"), ("1 234 567", "1234567")]) == [0.0, 1.0]
+
+
+def test_answer_rules_off_is_math_verify_s_comparison_of_bases_too():
+    """``answer_rules=False`` keeps only the whole-box rule: math-verify drops a base subscript, and so does it."""
+    assert scores([("52_9", "52_8")], PLAIN) == [1.0]
+    assert scores([("52_9", "52_8")]) == [0.0]
+    assert check("52_9", "52_8", answer_rules=False) and not check("52_9", "52_8")
+
+
+# ------------------------------------------------------------------------------------------------------ zero3
+
+
+class FakeGathered:
+    """DeepSpeed's ``GatheredParameters`` stand-in: records its calls; inside, a partitioned parameter holds its
+    whole value (``ds_whole``); on leaving, it is partitioned again (its storage reused, as DeepSpeed's buffers)."""
+
+    calls = []
+
+    def __init__(self, parameters, modifier_rank=None):
+        self.parameters, self.modifier_rank = list(parameters), modifier_rank
+        FakeGathered.calls.append(self)
+
+    def __enter__(self):
+        for parameter in self.parameters:
+            if hasattr(parameter, "ds_whole"):
+                parameter.data.copy_(parameter.ds_whole)
+        return self
+
+    def __exit__(self, *exc):
+        for parameter in self.parameters:
+            if hasattr(parameter, "ds_whole"):
+                parameter.data.zero_()
+        return False
+
+
+@pytest.fixture
+def fake_deepspeed(monkeypatch):
+    module = types.ModuleType("deepspeed")
+    module.zero = types.SimpleNamespace(GatheredParameters=FakeGathered)
+    monkeypatch.setitem(sys.modules, "deepspeed", module)
+    FakeGathered.calls = []
+    return FakeGathered
+
+
+def partitioned_model():
+    """A two-layer model whose second layer's weight is marked as a ZeRO-3 partition (zeros outside a gather)."""
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    weight = model[1].weight
+    weight.ds_id = 7
+    weight.ds_whole = torch.arange(4.0).reshape(2, 2) + 1
+    with torch.no_grad():
+        weight.zero_()
+    return model
+
+
+def test_zero3_a_partition_is_marked_by_ds_id():
+    """A parameter is a ZeRO-3 partition when DeepSpeed gave it a ``ds_id``; one partitioned parameter is enough."""
+    model = partitioned_model()
+    assert zero3.is_partitioned(model[1].weight) and not zero3.is_partitioned(model[0].weight)
+    assert zero3.has_partitioned_parameters(model)
+    assert not zero3.has_partitioned_parameters(nn.Linear(2, 2))
+
+
+def test_zero3_nothing_partitioned_needs_no_deepspeed(monkeypatch):
+    """Without partitions ``gathered`` is a no-op and ``whole_state_dict`` the plain state dict; DeepSpeed unused."""
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # importing it raises
+    model = nn.Linear(2, 2)
+    assert isinstance(zero3.gathered(list(model.parameters()), modifier_rank=0), contextlib.nullcontext)
+    state = zero3.whole_state_dict(model)
+    assert state.keys() == model.state_dict().keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+def test_zero3_gathered_passes_every_parameter_and_the_modifier_rank(fake_deepspeed):
+    """Any partitioned parameter among them gathers them all, with the caller's ``modifier_rank``."""
+    model = partitioned_model()
+    parameters = list(model.parameters())
+    with zero3.gathered(parameters, modifier_rank=0):
+        assert torch.equal(model[1].weight, model[1].weight.ds_whole)
+    assert len(fake_deepspeed.calls) == 1
+    assert fake_deepspeed.calls[0].parameters == parameters and fake_deepspeed.calls[0].modifier_rank == 0
+    zero3.gathered(parameters)
+    assert fake_deepspeed.calls[1].modifier_rank is None
+
+
+def test_zero3_whole_state_dict_gathers_and_copies(fake_deepspeed):
+    """The whole weights of a partitioned model, gathered (all parameters, read only) and copied: still whole after
+    the gather ends, and sharing no storage with the parameters."""
+    model = partitioned_model()
+    state = zero3.whole_state_dict(model)
+    assert len(fake_deepspeed.calls) == 1
+    call = fake_deepspeed.calls[0]
+    assert call.parameters == list(model.parameters()) and call.modifier_rank is None
+    assert torch.equal(state["1.weight"], model[1].weight.ds_whole)  # not the zeros left after the gather
+    assert torch.equal(state["0.weight"], model[0].weight)
+    assert all(not tensor.requires_grad for tensor in state.values())
+    assert state["0.weight"].data_ptr() != model[0].weight.data_ptr()
