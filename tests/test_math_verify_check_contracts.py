@@ -94,6 +94,8 @@ REFUSED = {
     "arithmetic assigned for an assigned number": ("x = 99^2", "x = 9801"),
     "a difference assigned for an assigned number": ("x = 50 - 8", "x = 42"),
     "arithmetic in assignments for assigned numbers": ("x = 99^2, y = 1", "x = 9801, y = 1"),
+    "an assignment of arithmetic in braces for an assigned number": (r"\{x = 99^2\}", "x = 9801"),
+    "arithmetic assigned for an assignment in braces": ("x = 99^2", r"\{x = 9801\}"),
     "a far small number assigned for an assigned one": (r"x = 5 \times 10^{-19}", r"x = 1.6 \times 10^{-19}"),
     # a small number far from the gold is refused inside a container too
     "a far small number in braces": (r"\{5 \times 10^{-19}\}", r"1.6 \times 10^{-19}"),
@@ -131,6 +133,8 @@ ACCEPTED = [
     (r"17 \frac{1}{5}", r"\frac{86}{5}"),  # a proper mixed number
     ("f(2) 3", "3 f(2)"),  # an integer that is a function's argument is no number of its own
     ("x = 9801", "x = 9801"),
+    (r"\{x = 9801\}", "x = 9801"),
+    ("x = 9801", r"\{x = 9801\}"),
     ("x = 0.5", r"x = \frac{1}{2}"),
     ("x = -2, x = 1", "x = 1, x = -2"),
     (r"x = 1.6 \times 10^{-19}", r"x = 1.6 \times 10^{-19}"),

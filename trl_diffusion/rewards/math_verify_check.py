@@ -312,12 +312,16 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
 
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
     solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
+    if gold_solutions is None and is_assignment_relation(gold_expr):
+        gold_solutions = take_last_relation(gold_value).rhs
+    # an assigned gold answer is read by its right sides when the answer is an assignment too: x = 99^2 (or
+    # \{x = 99^2\}, x = 99^2, y = 1) for x = 9801 meets the rules the bare 9801 sets
     if solutions is not None:
         value = solutions  # x = -2, x = 1 for -2, 1 (math-verify compares the right sides); every side is read
         if gold_solutions is not None:
-            gold_value = gold_solutions  # x = 99^2, y = 1 for x = 9801, y = 1: the rules read the right sides
-    elif is_assignment_relation(pred) and is_assignment_relation(gold_expr):
-        value, gold_value = take_last_relation(value).rhs, take_last_relation(gold_value).rhs  # x = 99^2 for x = 9801
+            gold_value = gold_solutions
+    elif is_assignment_relation(pred) and gold_solutions is not None:
+        value, gold_value = take_last_relation(value).rhs, gold_solutions
         answer = _EQUATION_SPLIT.split(text)[-1]
     elif is_equation(pred) and not is_equation(gold_expr):
         value, answer = take_last_relation(value).rhs, _EQUATION_SPLIT.split(text)[-1]
