@@ -106,6 +106,22 @@ REFUSED = {
         r"\begin{pmatrix} 1.6 \times 10^{-19} \end{pmatrix}",
     ),
     "a division by a decimal left to do": (r"\frac{1}{0.025}", "40"),
+    # math-verify reads a pair (a, b) with a < b as an open interval: its ends must be written numbers too
+    "arithmetic in a pair read as an interval": ("(99^2, 10000)", "(9801, 10000)"),
+    "arithmetic at an interval's end": (r"[99^2, \infty)", r"[9801, \infty)"),
+    "arithmetic in a union of intervals": (r"(-\infty, 0) \cup [50 - 8, \infty)", r"(-\infty, 0) \cup [42, \infty)"),
+    "a set of arithmetic for a pair": (r"\{1, 99^2\}", "(1, 9801)"),
+    # an assignment written the other way round is an assignment
+    "arithmetic assigned the other way round": ("99^2 = x", "x = 9801"),
+    "assignments the other way round": ("1 = y, 99^2 = x", "x = 9801, y = 1"),
+    "a far small number assigned the other way round": (r"5 \times 10^{-19} = x", r"x = 1.6 \times 10^{-19}"),
+    "an operation assigned the other way round": (r"\binom{4}{2} = x", "x = 6"),
+    # a base subscript after LaTeX spacing, which math-verify drops as it drops the subscript
+    "a base after a thin space": (r"52\,_9", "52_8"),
+    "a base after a quad": (r"52\quad_9", "52_8"),
+    "lowercase gamma, evaluated as the factorial": (r"\gamma(5)", "24"),
+    "a root left to take": (r"\sqrt{9801}", "99"),
+    "a cube root left to take": ("8^{1/3}", "2"),
 }
 
 # (answer in the box, gold): correct answers just inside each rule's boundary.
@@ -141,6 +157,15 @@ ACCEPTED = [
     (r"\{1.6 \times 10^{-19}\}", r"1.6 \times 10^{-19}"),
     (r"1, 1.6 \times 10^{-19}", r"1.6 \times 10^{-19}, 1"),  # a set's small element matched in any order
     (r"\frac{1}{2}", "0.5"),
+    ("9801 = x", "x = 9801"),
+    ("1 = y, 9801 = x", "x = 9801, y = 1"),
+    ("(2, 5)", "(2, 5)"),
+    (r"(-\infty, 0) \cup [42, \infty)", r"(-\infty,0)\cup[42,\infty)"),
+    (r"x \in [\frac19, \infty)", r"[\frac19,\infty)"),
+    (r"(-\sqrt{2}, \sqrt{2})", r"(-\sqrt2, \sqrt2)"),
+    (r"\sqrt{8}", r"2\sqrt{2}"),  # a root that is not a whole number is written
+    (r"52\,_8", "52_8"),
+    (r"\alpha + \gamma", r"\alpha + \gamma"),  # gamma as a name, not applied
 ]
 
 

@@ -18,17 +18,19 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
 * no evaluation left to sympy that the gold answer does not use: ``\\binom``, ``!``, ``\\sum``, ``\\int``, ``\\lim``,
   floor / ceiling, ``\\log``, trigonometric functions, ``\\gcd`` / lcm, ``\\bmod``, ``\\det`` (and a ``vmatrix``),
   a matrix's trace / rank / norm, a transpose, arithmetic on matrices of numbers, ``|.|``, ``\\max`` / ``\\min``,
-  an integer followed by another with only space between (latex2sympy's mixed number: ``17 25`` is 42) (copying
-  ``\\dbinom{31}{28}``, ``\\log_2 64``, a sum of two vectors or a question's two addends is not an answer);
-* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple or matrix of them) needs
-  numbers, not arithmetic left to do (``99^2+99+1``, ``513^2 - 487^2``): a literal, a fraction, a decimal, a
-  percentage, scientific notation;
+  ``\\gamma(n)`` (latex2sympy's Gamma function), an integer followed by another with only space between
+  (latex2sympy's mixed number: ``17 25`` is 42) (copying ``\\dbinom{31}{28}``, ``\\log_2 64``, a sum of two vectors
+  or a question's two addends is not an answer);
+* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple, interval or matrix of them:
+  math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do (``99^2+99+1``,
+  ``513^2 - 487^2``, ``\\sqrt{9801}``): a literal, a fraction, a decimal, a percentage, scientific notation, a root
+  that is not rational;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
   (``\\{5 \\times 10^{-19}\\}`` against ``1.6 \\times 10^{-19}``);
-* an assignment answered for an assigned gold answer is judged by its right side (``x = 99^2`` for ``x = 9801``),
-  as it is against the bare gold.
+* an assignment answered for an assigned gold answer is judged by its value (``x = 99^2`` or ``99^2 = x`` for
+  ``x = 9801``), as it is against the bare gold.
 """
 
 from __future__ import annotations
@@ -112,7 +114,9 @@ def _one_number(gold_parsed: list) -> bool:
 
 # The subscript of a numeral (``52_8``, ``4210_{5}``, ``1A_{16}``, ``\text{AB}_{16}``, ``52 _ {(9)}``): its base.
 # A subscript on a letter (``x_1``, ``P_1``, ``a_{n}``) is a name, not a base.
-_SUBSCRIPT = r"\s*_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])"  # ``_`` and a group, command or character
+# ``_`` (after any LaTeX spacing: ``52\,_9`` is ``52_9`` to math-verify) and a group, command or character
+_LATEX_SPACE = r"(?:\s|\\[,;:! ]|\\(?:quad|qquad|[a-z]*space|displaystyle|textstyle)(?![A-Za-z]))*"
+_SUBSCRIPT = _LATEX_SPACE + r"_\s*(\{(?:[^{}]|\{[^{}]*\})*\}|\\[A-Za-z]+|[0-9A-Za-z])"
 _BASE_SUBSCRIPT = re.compile(r"(?:(?<![0-9A-Za-z\\])\d[0-9A-Fa-f]*|\\(?:text|mathrm)\s*\{\s*[0-9A-Za-z]+\s*\})"
                              + _SUBSCRIPT)
 # The gold's side: any subscript counts (a gold ``AB_{16}`` names base 16 without a ``\text``).
@@ -183,7 +187,7 @@ def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, v
 # them while parsing, e.g. \binom and \gcd) and as sympy functions (the text of an unboxed answer is not known).
 _OPERATION_LATEX = {
     "binomial": r"\\[dt]?binom(?![a-zA-Z])|\\choose(?![a-zA-Z])",
-    "factorial": r"(?<!\\)!(?!=)|\\Gamma(?![a-zA-Z])",
+    "factorial": r"(?<!\\)!(?!=)|\\Gamma(?![a-zA-Z])|\\gamma\s*(?:\\left\s*)?[({]",  # latex2sympy's \gamma(5) is 24
     "sum": r"\\(?:sum|prod)(?![a-zA-Z])",
     "integral": r"\\i+nt(?![a-zA-Z])|\\oint(?![a-zA-Z])",
     "limit": r"\\lim(?![a-zA-Z])|\\lim(?:sup|inf)(?![a-zA-Z])",
@@ -312,17 +316,18 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
 
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
     solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
-    if gold_solutions is None and is_assignment_relation(gold_expr):
-        gold_solutions = take_last_relation(gold_value).rhs
-    # an assigned gold answer is read by its right sides when the answer is an assignment too: x = 99^2 (or
+    if gold_solutions is None:
+        gold_solutions = _assigned_value(gold_value)
+    # an assigned gold answer is read by its values when the answer is an assignment too: x = 99^2 (or 99^2 = x,
     # \{x = 99^2\}, x = 99^2, y = 1) for x = 9801 meets the rules the bare 9801 sets
     if solutions is not None:
         value = solutions  # x = -2, x = 1 for -2, 1 (math-verify compares the right sides); every side is read
         if gold_solutions is not None:
             gold_value = gold_solutions
-    elif is_assignment_relation(pred) and gold_solutions is not None:
-        value, gold_value = take_last_relation(value).rhs, gold_solutions
-        answer = _EQUATION_SPLIT.split(text)[-1]
+    elif _assigned_value(value) is not None and gold_solutions is not None:
+        sides = _EQUATION_SPLIT.split(text)
+        answer = sides[-1] if is_assignment_relation(value) else sides[0]  # the value's side: 99^2 of 99^2 = x
+        value, gold_value = _assigned_value(value), gold_solutions
     elif is_equation(pred) and not is_equation(gold_expr):
         value, answer = take_last_relation(value).rhs, _EQUATION_SPLIT.split(text)[-1]
     elif is_assignment_relation(gold_expr) and not is_equation(pred):
@@ -357,16 +362,27 @@ _NUMERAL = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _assigned_values(expr):
-    """The right sides of a set or tuple of assignments (``x = -2, x = 1``; ``x = 15, y = -29``), in the same kind
-    of container, else ``None``."""
+    """The values of a set or tuple of assignments (``x = -2, x = 1``; ``x = 15, y = -29``; either way round), in
+    the same kind of container, else ``None``."""
     import sympy
-    from math_verify.grader import is_assignment_relation
 
     if not isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) or not expr.args:
         return None
-    if not all(is_assignment_relation(element) for element in expr.args):
-        return None
-    return type(expr)(*(element.rhs for element in expr.args))
+    values = [_assigned_value(element) for element in expr.args]
+    return None if any(v is None for v in values) else type(expr)(*values)
+
+
+def _assigned_value(expr):
+    """The value an assignment gives, written either way round (``x = 5``, ``5 = x``; of a chain, its last side),
+    else ``None``."""
+    import sympy
+    from math_verify.grader import is_assignment_relation, take_last_relation
+
+    if is_assignment_relation(expr):
+        return take_last_relation(expr).rhs
+    if isinstance(expr, sympy.Eq) and expr.rhs.is_Symbol and not expr.lhs.free_symbols:
+        return expr.lhs
+    return None
 
 
 # "=" as math-verify splits equation chains (not <=, >=, !=), and "\equiv", which it reads as "=".
@@ -411,18 +427,24 @@ def _plain_numbers(expr) -> bool:
 
 
 def _elements(expr) -> list | None:
-    """The elements of a set or a tuple, or the entries of a matrix; ``None`` for anything else."""
+    """The elements of a set or a tuple, the entries of a matrix, or the ends of an interval (or of a union's
+    intervals and sets: math-verify reads a pair ``(2, 5)`` as an open interval); ``None`` for anything else."""
     import sympy
 
     if isinstance(expr, sympy.MatrixBase):
         return list(expr)
+    if isinstance(expr, sympy.Interval):
+        return [expr.start, expr.end]
+    if isinstance(expr, sympy.Union):
+        parts = [_elements(arg) for arg in expr.args]
+        return None if any(part is None for part in parts) else [end for part in parts for end in part]
     return list(expr.args) if isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) else None
 
 
 def _written_number(expr) -> bool:
     """A number written as a final answer: a literal (``-5``, ``\\frac{1}{2}``, ``0.15``), a percentage, scientific
-    notation (``1.2 \\times 10^{6}``), a root of a literal, ``\\pi``, ``e``, ``i`` -- not arithmetic still to do; or a
-    set, tuple or matrix of them."""
+    notation (``1.2 \\times 10^{6}``), an irrational root of a literal, ``\\pi``, ``e``, ``i`` -- not arithmetic still
+    to do; or a set, tuple, interval or matrix of them."""
     import sympy
 
     percent = _percent_value(expr)
@@ -439,6 +461,8 @@ def _written_number(expr) -> bool:
             return True  # 10^{-3}
         if exponent == -1 and isinstance(base, sympy.Float):
             return False  # a division by a decimal left to do: \frac{1}{0.025} for 40
+        if exponent.is_Rational and not exponent.is_Integer and sympy.Pow(base, exponent).is_Rational:
+            return False  # a root left to take: \sqrt{9801} for 99
         if exponent == -1 or (exponent.is_Rational and not exponent.is_Integer):
             return _written_number(base)  # a reciprocal (\frac{1}{\sqrt{2}}) or a root (\sqrt{2})
         return False
