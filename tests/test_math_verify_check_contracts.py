@@ -122,6 +122,11 @@ REFUSED = {
     "lowercase gamma, evaluated as the factorial": (r"\gamma(5)", "24"),
     "a root left to take": (r"\sqrt{9801}", "99"),
     "a cube root left to take": ("8^{1/3}", "2"),
+    # a division of integers latex2sympy does while parsing: only the text shows it
+    "a division with a slash": ("1234/2", "617"),
+    "a division with div": (r"1234 \div 2", "617"),
+    "a fraction that is a whole number": (r"\frac{39204}{4}", "9801"),
+    "a fraction not in lowest terms": (r"\frac{6}{4}", r"\frac{3}{2}"),
 }
 
 # (answer in the box, gold): correct answers just inside each rule's boundary.
@@ -166,6 +171,9 @@ ACCEPTED = [
     (r"\sqrt{8}", r"2\sqrt{2}"),  # a root that is not a whole number is written
     (r"52\,_8", "52_8"),
     (r"\alpha + \gamma", r"\alpha + \gamma"),  # gamma as a name, not applied
+    ("3/4", r"\frac{3}{4}"),  # a fraction in lowest terms, with a slash
+    (r"2\frac{1}{3}", r"\frac{7}{3}"),
+    (r"\frac{1}{2}, \frac{3}{4}", r"\frac12, \frac34"),
 ]
 
 

@@ -23,8 +23,8 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   or a question's two addends is not an answer);
 * a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple, interval or matrix of them:
   math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do (``99^2+99+1``,
-  ``513^2 - 487^2``, ``\\sqrt{9801}``): a literal, a fraction, a decimal, a percentage, scientific notation, a root
-  that is not rational;
+  ``513^2 - 487^2``, ``\\sqrt{9801}``, ``1234/2``): a literal, a fraction in lowest terms, a decimal, a percentage,
+  scientific notation, a root that is not rational;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
@@ -204,6 +204,7 @@ _OPERATION_LATEX = {
                          r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
+    "division": r"\\div(?![a-zA-Z])",  # 1234 \div 2 is 617 once parsed
 }
 _OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
 
@@ -340,6 +341,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # an unknown in the answer to a question whose answer has none: \frac{18x}{x}
     if _plain_numbers(gold_value) and not _written_number(value):
         return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901 (or 99^2, 1)
+    if _plain_numbers(gold_value) and _unreduced_fraction(answer) and not _unreduced_fraction(gold):
+        return False  # a division latex2sympy did while parsing: 1234/2 or \frac{39204}{4} for 617 or 9801
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
@@ -383,6 +386,20 @@ def _assigned_value(expr):
     if isinstance(expr, sympy.Eq) and expr.rhs.is_Symbol and not expr.lhs.free_symbols:
         return expr.lhs
     return None
+
+
+# A fraction of two integer literals, braced or with a slash (latex2sympy evaluates both while parsing).
+_INTEGER_FRACTION = re.compile(r"\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*/\s*(\d+)(?![\d.])")
+
+
+def _unreduced_fraction(text: str) -> bool:
+    """A fraction of integers in ``text`` that is not in lowest terms (``\\frac{6}{4}``, ``1234/2``, ``\\frac{8}{1}``):
+    a division left to do, which the parse shows only as its result."""
+    for match in _INTEGER_FRACTION.finditer(text):
+        numerator, denominator = (int(n) for n in (match.group(1, 2) if match.group(1) else match.group(3, 4)))
+        if denominator == 1 or math.gcd(numerator, denominator) > 1:
+            return True
+    return False
 
 
 # "=" as math-verify splits equation chains (not <=, >=, !=), and "\equiv", which it reads as "=".
