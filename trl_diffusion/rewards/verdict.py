@@ -503,6 +503,10 @@ class _Planner:
             for a in args
         )
 
+    def _has_probe(self, node: ast.expr) -> bool:
+        """Whether ``node`` holds a probe (see :meth:`_probe_root`)."""
+        return any(isinstance(n, ast.expr) and self._probe_root(n) for n in ast.walk(node))
+
     def _probe_root(self, node: ast.expr) -> bool:
         """A program call or a call of the test's subject (``_choose_subjects``): a name, then attributes,
         subscripts and calls whose arguments are all inputs (for a subject that is not the program's for sure:
@@ -598,6 +602,11 @@ class _Planner:
             values = [sub(v, conditional or i > 0) for i, v in enumerate(node.values)]
             return ast.BoolOp(op=node.op, values=values)
         if isinstance(node, ast.Compare) and all(type(op) in _CMPOPS for op in node.ops):
+            operands = [node.left, *node.comparators]
+            for op, a, b in zip(node.ops, operands, operands[1:]):
+                # probes are decoded one by one: two are never the same object here (f(1) is not f(2) would hold)
+                if isinstance(op, (ast.Is, ast.IsNot)) and self._has_probe(a) and self._has_probe(b):
+                    raise Unverifiable(f"identity of two program results: {ast.unparse(node)[:80]}")
             left = sub(node.left, conditional)  # first: probes are numbered, and run, in evaluation order
             comparators = [sub(c, conditional or i > 0) for i, c in enumerate(node.comparators)]
             return ast.Compare(left=left, ops=node.ops, comparators=comparators)
