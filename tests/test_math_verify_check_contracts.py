@@ -127,6 +127,11 @@ REFUSED = {
     "a division with div": (r"1234 \div 2", "617"),
     "a fraction that is a whole number": (r"\frac{39204}{4}", "9801"),
     "a fraction not in lowest terms": (r"\frac{6}{4}", r"\frac{3}{2}"),
+    # a gold that is one written number with a constant or a root needs a written number too
+    "arithmetic times pi": (r"99^2 \pi", r"9801\pi"),
+    "a product of numbers times pi": (r"2 \cdot 3 \cdot 5 \cdot 7 \cdot 11 \pi", r"2310\pi"),
+    "an area formula left to evaluate": (r"\pi \cdot 5^2", r"25\pi"),
+    "arithmetic times a root": (r"12^2 \sqrt{3}", r"144\sqrt3"),
 }
 
 # (answer in the box, gold): correct answers just inside each rule's boundary.
@@ -174,6 +179,10 @@ ACCEPTED = [
     ("3/4", r"\frac{3}{4}"),  # a fraction in lowest terms, with a slash
     (r"2\frac{1}{3}", r"\frac{7}{3}"),
     (r"\frac{1}{2}, \frac{3}{4}", r"\frac12, \frac34"),
+    (r"\frac{25\pi}{4}", r"6.25\pi"),
+    (r"\frac{\sqrt{3}}{2}\pi", r"\frac{\pi\sqrt{3}}{2}"),
+    (r"\sqrt{32}", r"4\sqrt2"),
+    (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
 ]
 
 

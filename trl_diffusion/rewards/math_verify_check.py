@@ -21,10 +21,10 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   ``\\gamma(n)`` (latex2sympy's Gamma function), an integer followed by another with only space between
   (latex2sympy's mixed number: ``17 25`` is 42) (copying ``\\dbinom{31}{28}``, ``\\log_2 64``, a sum of two vectors
   or a question's two addends is not an answer);
-* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, or a set, tuple, interval or matrix of them:
-  math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do (``99^2+99+1``,
-  ``513^2 - 487^2``, ``\\sqrt{9801}``, ``1234/2``): a literal, a fraction in lowest terms, a decimal, a percentage,
-  scientific notation, a root that is not rational;
+* a numeric gold answer (``18``, ``\\frac{1}{2}``, ``0.15``, ``25\\%``, ``9801\\pi``, or a set, tuple, interval or
+  matrix of numbers: math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do
+  (``99^2+99+1``, ``513^2 - 487^2``, ``\\sqrt{9801}``, ``1234/2``, ``99^2 \\pi``): a literal, a fraction in lowest
+  terms, a decimal, a percentage, scientific notation, a root that is not rational, times a constant or a root;
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
@@ -339,7 +339,7 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # an operation left to sympy: \binom{31}{28} for 4495
     if not _free_symbols(gold_value) and _free_symbols(value):
         return False  # an unknown in the answer to a question whose answer has none: \frac{18x}{x}
-    if _plain_numbers(gold_value) and not _written_number(value):
+    if _numeric_gold(gold_value) and not _written_number(value):
         return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901 (or 99^2, 1)
     if _plain_numbers(gold_value) and _unreduced_fraction(answer) and not _unreduced_fraction(gold):
         return False  # a division latex2sympy did while parsing: 1234/2 or \frac{39204}{4} for 617 or 9801
@@ -433,6 +433,12 @@ def _plain_number(expr) -> bool:
 
     percent = _percent_value(expr)
     return isinstance(percent if percent is not None else expr, sympy.Number)
+
+
+def _numeric_gold(expr) -> bool:
+    """A gold answer that needs a written number: plain numbers (:func:`_plain_numbers`) or one written number with
+    a constant or root (``9801\\pi``, ``144\\sqrt{3}``), where ``99^2 \\pi`` is arithmetic left to do."""
+    return _plain_numbers(expr) or (not _free_symbols(expr) and _elements(expr) is None and _written_number(expr))
 
 
 def _plain_numbers(expr) -> bool:
