@@ -74,7 +74,8 @@ REFUSED = {
     "an unknown that cancels for an assigned number": (r"\frac{18y}{y}", "x = 18"),
     "arithmetic for a percentage": (r"5 \cdot 5\%", r"25\%"),
     "a product of two numbers": (r"6 \times 7", "42"),
-    "two operations more than the gold": ("x + 5 - 2 - 2", "x + 1"),
+    "two operations more than the gold": (r"x \cdot x \cdot x \cdot x", "x^4"),
+    "two operations of numbers more than the gold": ("x + 5 - 2 - 2", "x + 1"),
     "a small number off by 0.6 %": (r"1.61 \times 10^{-19}", r"1.6 \times 10^{-19}"),
     "a small number in a set off in its fourth digit": ("0.00000001002, 1", "10^{-8}, 1"),
     "a small number in an interval off in its fourth digit": ("[0.00000001002, 1]", "[10^{-8}, 1]"),
@@ -132,6 +133,38 @@ REFUSED = {
     "a product of numbers times pi": (r"2 \cdot 3 \cdot 5 \cdot 7 \cdot 11 \pi", r"2310\pi"),
     "an area formula left to evaluate": (r"\pi \cdot 5^2", r"25\pi"),
     "arithmetic times a root": (r"12^2 \sqrt{3}", r"144\sqrt3"),
+    # arithmetic on numbers inside an expression, a relation or a container that the gold does not leave
+    "a power of numbers in a sum": ("99^2 + i", "9801 + i"),
+    "a power of numbers in a relation": (r"x \le 99^2", r"x \le 9801"),
+    "a power of numbers as a coefficient": ("99^2 x", "9801x"),
+    "a power of numbers in an equation": ("y = 99^2 x", "y = 9801x"),
+    "a product of numbers in a sum": (r"2 \cdot 3 + i", "6 + i"),
+    "a product of numbers in a relation": (r"x > 2 \cdot 3", "x > 6"),
+    "a sum of numbers as a coefficient": ("(3 + 4)x", "7x"),
+    "two numbers added beside a root": (r"3 + 4 + \sqrt{2}", r"7 + \sqrt{2}"),
+    "a number times a fraction": (r"2 \frac{10x}{3}", r"\frac{20x}{3}"),
+    "a product of numbers in a matrix entry": (r"\begin{pmatrix} 2 \cdot 3 \\ x \end{pmatrix}",
+                                               r"\begin{pmatrix} 6 \\ x \end{pmatrix}"),
+    "another power for the gold's power": ("4^{50} x", "2^{100} x"),
+    "a power for the gold's number in an expression": ("2^{10} x", "1024 x"),
+    "a nested fraction": (r"\frac{4}{\frac{1}{10}}", "40"),
+    "a reciprocal of a fraction": (r"\frac{1}{\frac{1}{40}}", "40"),
+    "a product of powers of ten": (r"10^{2} \cdot 10^{3}", "100000"),
+    "a product of numbers in scientific notation": (r"2 \cdot 3 \times 10^{5} x", r"6 \times 10^{5} x"),
+    "a fraction not in lowest terms beside a root": (r"\frac{6\sqrt{2}}{8}", r"\frac{3\sqrt{2}}{4}"),
+    "a fraction not in lowest terms with an unknown": (r"\frac{39204}{4} x", "9801x"),
+    "a ratio not in lowest terms": ("1234 : 2", "617"),
+    # the same division in every way LaTeX writes a fraction of integers
+    "a fraction with over": (r"{1234 \over 2}", "617"),
+    "a cfrac": (r"\cfrac{1234}{2}", "617"),
+    "a fraction with an unbraced denominator": (r"\frac{1234}2", "617"),
+    "a fraction of doubly braced integers": (r"\frac{{1234}}{{2}}", "617"),
+    "a fraction of parenthesised integers": (r"\frac{(1234)}{(2)}", "617"),
+    "a slash before a parenthesised integer": ("1234 / (2)", "617"),
+    "a slash after a sized parenthesis": (r"\left(1234\right)/2", "617"),
+    "a fraction over one with an unknown": (r"\frac{617}{1} x", "617x"),
+    "a ratio over one": ("617 : 1", "617"),
+    "a decimal power left to take": ("4^{0.5} x", "2x"),
 }
 
 # (answer in the box, gold): correct answers just inside each rule's boundary.
@@ -144,8 +177,8 @@ ACCEPTED = [
     ("3, x = 4", "3, x = 4"),  # a set that mixes a number and an assignment, as the gold writes it
     (r"\binom{4}{2} \equiv 6", "6"),  # work before an equivalence, read as before an "="
     (r"52_8 \equiv 42", "42"),
-    ("x + 2 - 1", "x + 1"),  # one operation more than the gold
-    (r"\{x + 2 - 1\}", "x + 1"),  # ... in braces: the brackets of a set are free
+    ("(x - 1)(x + 1)", "x^2 - 1"),  # one operation more than the gold
+    (r"\{x \cdot x \cdot x\}", "x^3"),  # ... in braces: the brackets of a set are free
     (r"1.601 \times 10^{-19}", r"1.6 \times 10^{-19}"),  # within 0.1 %
     ("0.00000001, 1", "10^{-8}, 1"),
     ("0.000000010004", "10^{-8}"),  # off in its fifth digit only
@@ -183,6 +216,23 @@ ACCEPTED = [
     (r"\frac{\sqrt{3}}{2}\pi", r"\frac{\pi\sqrt{3}}{2}"),
     (r"\sqrt{32}", r"4\sqrt2"),
     (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
+    # written numbers inside expressions: signs, lowest-terms fractions, reciprocals, powers of ten
+    (r"\frac{1}{10^{3}}", "0.001"),
+    (r"x \cdot 10^{3}", "1000x"),
+    (r"2^{2007} - 1", "2^{2007}-1"),  # arithmetic the gold leaves too
+    (r"9^{9^{9}} + x", r"9^{9^{9}} + x"),  # ... too large to compute: not computed, so not cut off by the time limit
+    ("1024 x", "2^{10} x"),
+    (r"\frac{2}{3}x", r"\frac{2x}{3}"),
+    (r"-\frac{\sqrt{3}}{2}", r"-\frac{\sqrt{3}}{2}"),
+    (r"\frac{3\sqrt{2}}{4}", r"\frac{3 \sqrt 2}{4}"),
+    ("3:2", r"\frac{3}{2}"),
+    ("x^{12}/4", r"\frac{x^{12}}{4}"),  # a slash after a power divides the power, not 12
+    ("(x + 12)/4", r"\frac{x + 12}{4}"),
+    (r"{3 \over 4}", "0.75"),
+    (r"\frac12", "0.5"),
+    ("x - 3", "-3 + x"),
+    (r"\frac{x + 1}{2}", r"\frac{1}{2}x + \frac{1}{2}"),
+    ("3 + 4i", "4i + 3"),
 ]
 
 

@@ -25,6 +25,8 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   matrix of numbers: math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do
   (``99^2+99+1``, ``513^2 - 487^2``, ``\\sqrt{9801}``, ``1234/2``, ``99^2 \\pi``): a literal, a fraction in lowest
   terms, a decimal, a percentage, scientific notation, a root that is not rational, times a constant or a root;
+* inside any answer, no arithmetic on numbers that the gold answer does not leave (``99^2 + i`` for ``9801 + i``,
+  ``x \\le 99^2``, ``(3 + 4)x``, ``\\frac{4}{\\frac{1}{10}}``, ``\\frac{6\\sqrt{2}}{8}``, ``1234 : 2``);
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
@@ -341,8 +343,10 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # an unknown in the answer to a question whose answer has none: \frac{18x}{x}
     if _numeric_gold(gold_value) and not _written_number(value):
         return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901 (or 99^2, 1)
-    if _plain_numbers(gold_value) and _unreduced_fraction(answer) and not _unreduced_fraction(gold):
-        return False  # a division latex2sympy did while parsing: 1234/2 or \frac{39204}{4} for 617 or 9801
+    if _unreduced_fraction(answer) and not _unreduced_fraction(gold):
+        return False  # a division latex2sympy did while parsing: 1234/2, 1234 : 2 or \frac{39204}{4} for 617, 9801
+    if _arithmetic_left(value) - _arithmetic_left(gold_value):
+        return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
@@ -388,22 +392,134 @@ def _assigned_value(expr):
     return None
 
 
-# A fraction of two integer literals, braced or with a slash (latex2sympy evaluates both while parsing).
-_INTEGER_FRACTION = re.compile(r"\\[dt]?frac\s*\{\s*(\d+)\s*\}\s*\{\s*(\d+)\s*\}|(?<![\d.])(\d+)\s*/\s*(\d+)(?![\d.])")
+# A fraction of two integers, as \frac (\dfrac, \tfrac, \cfrac; braced or single-digit parts), with a slash, as a
+# ratio or with \over: latex2sympy evaluates each while parsing (``1234 : 2`` is 617). Read after
+# :func:`_bare_integers`, so each integer is bare or in one pair of braces.
+_FRACTION_ARGUMENT = r"(?:\{(\d+)\}|(\d))"
+_SLASH_ARGUMENT = r"(?:\{(\d+)\}|(?<![\d.])(\d+)(?![\d.]))"
+_INTEGER_FRACTION = re.compile(rf"\\[dtc]?frac\s*{_FRACTION_ARGUMENT}\s*{_FRACTION_ARGUMENT}"
+                               rf"|{_SLASH_ARGUMENT}\s*(?:[/:]|\\over(?![a-zA-Z]))\s*{_SLASH_ARGUMENT}")
+# An integer alone in brackets of any kind (``{{12}}``, ``(12)``, ``\left(12\right)``).
+_BRACKETED_INTEGER = re.compile(rf"(?:{_OPEN})\s*(?:\{{(\d+)\}}|(\d+))\s*(?:{_CLOSE})")
+
+
+def _bare_integers(text: str) -> str:
+    """``text`` with each integer alone in brackets written ``{n}``: ``\\frac{(12)}{{4}}`` and ``\\left(12\\right)/4``
+    read as ``\\frac{12}{4}`` and ``{12}/4``."""
+    previous = None
+    while previous != text:
+        previous, text = text, _BRACKETED_INTEGER.sub(lambda m: "{" + (m[1] or m[2]) + "}", text)
+    return text
 
 
 def _unreduced_fraction(text: str) -> bool:
-    """A fraction of integers in ``text`` that is not in lowest terms (``\\frac{6}{4}``, ``1234/2``, ``\\frac{8}{1}``):
-    a division left to do, which the parse shows only as its result."""
+    """A fraction of integers in ``text`` that is not in lowest terms (``\\frac{6}{4}``, ``1234/2``, ``\\frac{8}{1}``,
+    ``1234 : 2``, ``{1234 \\over 2}``): a division left to do, which the parse shows only as its result. A slash
+    after a power, subscript or name divides more than the integer (``x^{12}/4``)."""
+    text = _bare_integers(text)
     for match in _INTEGER_FRACTION.finditer(text):
-        numerator, denominator = (int(n) for n in (match.group(1, 2) if match.group(1) else match.group(3, 4)))
-        if denominator == 1 or math.gcd(numerator, denominator) > 1:
+        if match[1] or match[2]:
+            numerator, denominator = match[1] or match[2], match[3] or match[4]
+        elif _ARGUMENT_OF.search(text[:match.start()]):
+            continue
+        else:
+            numerator, denominator = match[5] or match[6], match[7] or match[8]
+        if int(denominator) == 1 or math.gcd(int(numerator), int(denominator)) > 1:
             return True
     return False
 
 
 # "=" as math-verify splits equation chains (not <=, >=, !=), and "\equiv", which it reads as "=".
 _EQUATION_SPLIT = re.compile(r"(?<!\\|<|!|>)=|\\equiv(?![a-zA-Z])")
+
+
+def _arithmetic_left(expr) -> set[str]:
+    """The operations on rational numbers that ``expr`` leaves to do (``99^2``, ``2 \\cdot 3``, ``5 - 3``,
+    ``\\frac{4}{\\frac{1}{10}}``, ``\\sqrt{9801}``, the ``6`` over ``4`` of ``\\frac{6\\sqrt{2}}{4}``), as their
+    ``srepr``: an answer may leave only those its gold answer leaves (``2^{2007} - 1``). A number in lowest terms,
+    a sign, a reciprocal of an integer (``\\frac{x}{3}``) and a power of ten (``1.6 \\times 10^{-19}``,
+    ``\\frac{1}{10^3}``) are written numbers, not operations."""
+    import sympy
+
+    found: set[str] = set()
+
+    def visit(node) -> None:
+        if _rational_value(node) is not None:
+            if not _written_rational(node):
+                found.add(sympy.srepr(node))
+            return
+        if isinstance(node, sympy.MatrixBase):
+            parts = list(node)
+        elif isinstance(node, (sympy.Add, sympy.Mul)):
+            parts = _flattened(node, type(node))
+            numbers = [part for part in parts if _rational_value(part) is not None]
+            combined = node.func(*numbers, evaluate=False)  # 2 \cdot 3 of 2 \cdot 3 x, 3 + 4 of 3 + 4 + \sqrt{2}
+            if len(numbers) > 1 and not _written_rational(combined):
+                found.add(sympy.srepr(combined))
+        else:
+            parts = list(node.args) if isinstance(node, sympy.Basic) else []
+        for part in parts:
+            visit(part)
+
+    try:
+        visit(expr)
+    except Exception:
+        return set()
+    return found
+
+
+def _rational_value(expr):
+    """The value of ``expr`` if it is arithmetic on numbers whose result is a (finite) rational or decimal number,
+    else ``None`` (an unknown, a constant, an irrational root; a power too large to compute is left unread)."""
+    import sympy
+
+    if isinstance(expr, sympy.Number):
+        return expr
+    if not isinstance(expr, (sympy.Add, sympy.Mul, sympy.Pow)):
+        return None
+    values = [_rational_value(arg) for arg in expr.args]
+    if any(value is None for value in values):
+        return None
+    if isinstance(expr, sympy.Pow):
+        base, exponent = values
+        digits = abs(exponent) * math.log10(max(abs(base.p), abs(base.q), 2)) if base.is_Rational else 0
+        if digits > 10_000:
+            return None
+    value = expr.func(*values)
+    return value if isinstance(value, sympy.Number) and value.is_finite else None
+
+
+def _written_rational(expr) -> bool:
+    """A rational number as an answer writes it (``expr`` is one, :func:`_rational_value`): a literal, a sign, a
+    reciprocal of an integer, an integer over an integer in lowest terms, a power of ten alone or times a number."""
+    import sympy
+
+    if isinstance(expr, sympy.Number) or _ten_power(expr):
+        return True
+    if isinstance(expr, sympy.Pow):
+        return expr.exp == -1 and expr.base.is_Integer
+    if not isinstance(expr, sympy.Mul):
+        return False
+    factors = [f for f in _flattened(expr, sympy.Mul) if f not in (1, -1)]
+    tens = [f for f in factors if _ten_power(f)]
+    rest = [f for f in factors if not _ten_power(f)]
+    if tens:
+        return len(tens) == 1 and len(rest) <= 1 and all(isinstance(f, sympy.Number) for f in rest)
+    if len(rest) == 1:
+        return _written_rational(rest[0])
+    integers = [f for f in rest if f.is_Integer]
+    reciprocals = [f for f in rest if isinstance(f, sympy.Pow) and f.exp == -1 and f.base.is_Integer]
+    return (len(rest) == 2 and len(integers) == 1 and len(reciprocals) == 1
+            and math.gcd(int(integers[0]), int(reciprocals[0].base)) == 1)
+
+
+def _ten_power(expr) -> bool:
+    """``10^{k}`` or ``\\frac{1}{10^{k}}`` for an integer k."""
+    import sympy
+
+    if isinstance(expr, sympy.Pow) and expr.exp == -1:
+        expr = expr.base
+    return isinstance(expr, sympy.Pow) and expr.base == 10 and expr.exp.is_Integer
 
 
 def _value(expr):
@@ -552,11 +668,12 @@ def _flattened(expr, kind) -> list:
 
 
 def _is_numeral(expr) -> bool:
-    """A number, the reciprocal of one (``\\frac{x}{3}`` is parsed as ``x \\cdot 3^{-1}``) or a power of ten."""
+    """A number, the reciprocal of one (``\\frac{x}{3}`` is parsed as ``x \\cdot 3^{-1}``) or a power of ten (or its
+    reciprocal: ``\\frac{1}{10^3}``)."""
     import sympy
 
-    return isinstance(expr, sympy.Number) or (isinstance(expr, sympy.Pow) and isinstance(expr.base, sympy.Number) and (
-        expr.exp == -1 or (expr.base == 10 and expr.exp.is_Integer)))
+    return isinstance(expr, sympy.Number) or _ten_power(expr) or (
+        isinstance(expr, sympy.Pow) and isinstance(expr.base, sympy.Number) and expr.exp == -1)
 
 
 def _too_far(value, gold) -> bool:
