@@ -206,7 +206,8 @@ _OPERATION_LATEX = {
                          r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
-    "division": r"\\div(?![a-zA-Z])",  # 1234 \div 2 is 617 once parsed
+    "division": r"\\div(?![a-zA-Z])|\u00f7",  # 1234 \div 2 (or 1234 ÷ 2) is 617 once parsed
+    "union": r"\\cup(?![a-zA-Z])",  # \{1, 2\} \cup \{3\} is \{1, 2, 3\} once parsed
 }
 _OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
 
@@ -257,11 +258,14 @@ _INTEGER_PAIR = re.compile(rf"""
     """, re.VERBOSE)
 # An integer then an improper fraction of integers (``17 \frac{25}{1}``): a mixed number no reader writes. Each of
 # the fraction's parts is a braced integer or a single digit (``\frac{10x}{3}`` has no integer numerator).
-_FRACTION_PART = r"(?:\{\s*(?:[{(]\s*)?(\d+)\s*(?:[})]\s*)?\}|(\d))"
+_FRACTION_PART = r"(?:\{\s*(?:[{(]\s*)?([-+]?\s*\d+)\s*(?:[})]\s*)?\}|(\d))"
 _IMPROPER_MIXED = re.compile(r"(?<![\d.])\d+\s*(?:(?:\\left\s*)?[{(]\s*)?\\[dtc]?frac\s*" + _FRACTION_PART + r"\s*"
                              + _FRACTION_PART)
 # ... or written with a slash in brackets (``17 {25/1}``, ``17 (50/2)``).
 _IMPROPER_SLASH = re.compile(r"(?<![\d.])\d+\s*[{(]\s*(\d+)\s*/\s*(\d+)\s*[})]")
+# An integer in brackets then a fraction (``(600)\frac{35}{2}``): latex2sympy's mixed number, 600 + 35/2, where a
+# reader multiplies.
+_BRACKETED_MIXED = re.compile(rf"(?:{_OPEN})\s*\d+\s*(?:{_CLOSE})\s*\\[dtc]?frac(?![a-zA-Z])")
 # What makes the first integer an argument, not a number of its own (``\frac 3 4``, ``2^3 3^2``, ``x_1 2``,
 # ``f(2) 3``).
 _ARGUMENT_OF = re.compile(r"(?:\\[dtc]?frac|\\[dt]?binom|\\sqrt|\^|_)\s*$|[A-Za-z]$")
@@ -276,9 +280,15 @@ def _juxtaposed_integers(text: str) -> bool:
     text = _BLANK.sub(" ", text)
     pairs = [match.start() for match in _INTEGER_PAIR.finditer(text)]
     pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text)
-              if int(match[1] or match[2]) >= int(match[3] or match[4])]
+              if not _proper(match[1] or match[2], match[3] or match[4])]
+    pairs += [match.start() for match in _BRACKETED_MIXED.finditer(text)]
     pairs += [match.start() for match in _IMPROPER_SLASH.finditer(text) if int(match[1]) >= int(match[2])]
     return any(not _ARGUMENT_OF.search(text[:start]) for start in pairs)
+
+
+def _proper(numerator: str, denominator: str) -> bool:
+    """A mixed number's fraction: positive parts, unsigned, the numerator the smaller (``\\frac{-35}{-2}`` is not)."""
+    return numerator.isdigit() and denominator.isdigit() and int(numerator) < int(denominator)
 
 
 def _matrix_arithmetic(node) -> bool:
@@ -308,9 +318,14 @@ def _read_whole(expr, parsed: list) -> bool:
 def _admissible(pred_parsed: list, text: str, gold_parsed: list, gold: str) -> list:
     """``pred_parsed`` without the sympy values that break a rule for every gold value (its text stays: it only
     matches a gold answer written the same way). The rules read what math-verify compares: of an equation chain
-    against a gold value, only its last side (``3! \\times 5! = 720`` is read as 720)."""
+    against a gold value, only its last side (``3! \\times 5! = 720`` is read as 720); the LaTeX both as written and
+    as math-verify normalised it before parsing."""
     golds = [g for g in gold_parsed if not isinstance(g, str)]
-    return [p for p in pred_parsed if isinstance(p, str) or any(_passes(p, text, g, gold) for g in golds)]
+    # the rules that read LaTeX read it as written and as math-verify parsed it, after deleting what it ignores
+    # (\$, primes, \text{}, \displaystyle: \frac{1234'}{2} is parsed as \frac{1234}{2})
+    texts = {text} | {p for p in pred_parsed if isinstance(p, str)}
+    return [p for p in pred_parsed
+            if isinstance(p, str) or any(all(_passes(p, t, g, gold) for t in texts) for g in golds)]
 
 
 def _passes(pred, text: str, gold_expr, gold: str) -> bool:
@@ -395,12 +410,12 @@ def _assigned_value(expr):
 # A fraction of two integers, as \frac (\dfrac, \tfrac, \cfrac; braced or single-digit parts), with a slash, as a
 # ratio or with \over: latex2sympy evaluates each while parsing (``1234 : 2`` is 617). Read after
 # :func:`_bare_integers`, so each integer is bare or in one pair of braces.
-_FRACTION_ARGUMENT = r"(?:\{(\d+)\}|(\d))"
-_SLASH_ARGUMENT = r"(?:\{(\d+)\}|(?<![\d.])(\d+)(?![\d.]))"
+_FRACTION_ARGUMENT = r"(?:\{([-+]?\d+)\}|(\d))"
+_SLASH_ARGUMENT = r"(?:\{([-+]?\d+)\}|(?<![\d.])([-+]?\d+)(?![\d.]))"
 _INTEGER_FRACTION = re.compile(rf"\\[dtc]?frac\s*{_FRACTION_ARGUMENT}\s*{_FRACTION_ARGUMENT}"
                                rf"|{_SLASH_ARGUMENT}\s*(?:[/:]|\\over(?![a-zA-Z]))\s*{_SLASH_ARGUMENT}")
 # An integer alone in brackets of any kind (``{{12}}``, ``(12)``, ``\left(12\right)``).
-_BRACKETED_INTEGER = re.compile(rf"(?:{_OPEN})\s*(?:\{{(\d+)\}}|(\d+))\s*(?:{_CLOSE})")
+_BRACKETED_INTEGER = re.compile(rf"(?:{_OPEN})\s*(?:\{{([-+]?\d+)\}}|([-+]?\s*\d+))\s*(?:{_CLOSE})")
 
 
 def _bare_integers(text: str) -> str:
@@ -408,7 +423,7 @@ def _bare_integers(text: str) -> str:
     read as ``\\frac{12}{4}`` and ``{12}/4``."""
     previous = None
     while previous != text:
-        previous, text = text, _BRACKETED_INTEGER.sub(lambda m: "{" + (m[1] or m[2]) + "}", text)
+        previous, text = text, _BRACKETED_INTEGER.sub(lambda m: "{" + "".join((m[1] or m[2]).split()) + "}", text)
     return text
 
 
@@ -416,7 +431,7 @@ def _unreduced_fraction(text: str) -> bool:
     """A fraction of integers in ``text`` that is not in lowest terms (``\\frac{6}{4}``, ``1234/2``, ``\\frac{8}{1}``,
     ``1234 : 2``, ``{1234 \\over 2}``): a division left to do, which the parse shows only as its result. A slash
     after a power, subscript or name divides more than the integer (``x^{12}/4``)."""
-    text = _bare_integers(text)
+    text = _bare_integers(_BLANK.sub(" ", text))
     for match in _INTEGER_FRACTION.finditer(text):
         if match[1] or match[2]:
             numerator, denominator = match[1] or match[2], match[3] or match[4]
@@ -424,7 +439,7 @@ def _unreduced_fraction(text: str) -> bool:
             continue
         else:
             numerator, denominator = match[5] or match[6], match[7] or match[8]
-        if int(denominator) == 1 or math.gcd(int(numerator), int(denominator)) > 1:
+        if abs(int(denominator)) == 1 or math.gcd(int(numerator), int(denominator)) > 1:
             return True
     return False
 
