@@ -25,8 +25,10 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   matrix of numbers: math-verify reads a pair ``(2, 5)`` as an interval) needs numbers, not arithmetic left to do
   (``99^2+99+1``, ``513^2 - 487^2``, ``\\sqrt{9801}``, ``1234/2``, ``99^2 \\pi``): a literal, a fraction in lowest
   terms, a decimal, a percentage, scientific notation, a root that is not rational, times a constant or a root;
-* inside any answer, no arithmetic on numbers that the gold answer does not leave (``99^2 + i`` for ``9801 + i``,
-  ``x \\le 99^2``, ``(3 + 4)x``, ``\\frac{4}{\\frac{1}{10}}``, ``\\frac{6\\sqrt{2}}{8}``, ``1234 : 2``);
+* inside any answer, no arithmetic on numbers whose result the gold answer does not leave (``99^2 + i`` for
+  ``9801 + i``, ``x \\le 99^2``, ``(3 + 4)x``, ``\\frac{4}{\\frac{1}{10}}``, ``\\frac{-6}{4}``, ``1234 : 2``,
+  ``(3x)^2`` for ``9x^2``, ``\\sqrt{12}``, ``\\frac{4x + 6}{2}``), and no power of a sum or product of sums left to
+  expand where the gold answer has none (``(x + 3)^2`` for ``x^2 + 6x + 9``);
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
@@ -360,8 +362,11 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # arithmetic left to do where the answer is a number: 99^2+99+1 for 9901 (or 99^2, 1)
     if _unreduced_fraction(answer) and not _unreduced_fraction(gold):
         return False  # a division latex2sympy did while parsing: 1234/2, 1234 : 2 or \frac{39204}{4} for 617, 9801
-    if _arithmetic_left(value) - _arithmetic_left(gold_value):
+    gold_left = _arithmetic_left(gold_value)
+    if any(all(left != gold for gold in gold_left) for left in _arithmetic_left(value)):
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
+    if _factored(value) and not _factored(gold_value):
+        return False  # a product left to expand: (x + 3)^2 for x^2 + 6x + 9
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
@@ -448,20 +453,23 @@ def _unreduced_fraction(text: str) -> bool:
 _EQUATION_SPLIT = re.compile(r"(?<!\\|<|!|>)=|\\equiv(?![a-zA-Z])")
 
 
-def _arithmetic_left(expr) -> set[str]:
-    """The operations on rational numbers that ``expr`` leaves to do (``99^2``, ``2 \\cdot 3``, ``5 - 3``,
-    ``\\frac{4}{\\frac{1}{10}}``, ``\\sqrt{9801}``, the ``6`` over ``4`` of ``\\frac{6\\sqrt{2}}{4}``), as their
-    ``srepr``: an answer may leave only those its gold answer leaves (``2^{2007} - 1``). A number in lowest terms,
-    a sign, a reciprocal of an integer (``\\frac{x}{3}``) and a power of ten (``1.6 \\times 10^{-19}``,
-    ``\\frac{1}{10^3}``) are written numbers, not operations."""
+def _arithmetic_left(expr) -> list:
+    """The results of the operations on numbers that ``expr`` leaves to do: arithmetic with a rational result
+    (``99^2``, ``2 \\cdot 3``, ``5 - 3``, ``\\frac{4}{\\frac{1}{10}}``, ``\\sqrt{9801}``), the numbers of a power of a
+    product (the 9 of ``(3x)^2``), a radical not simplified (``\\sqrt{48}``, ``\\sqrt{2}\\sqrt{6}``) and a fraction
+    whose numerator's terms share a factor with its denominator (``\\frac{4x + 6}{2}``, ``\\frac{2 + 2\\sqrt{5}}{4}``).
+    An answer may leave only results its gold answer leaves, written in any form (``2^{-10}`` for
+    ``\\frac{1}{2^{10}}``). A number in lowest terms, a sign, a reciprocal of an integer (``\\frac{x}{3}``) and a power
+    of ten (``1.6 \\times 10^{-19}``, ``\\frac{1}{10^3}``) are written numbers, not operations."""
     import sympy
 
-    found: set[str] = set()
+    found: list = []
 
     def visit(node) -> None:
-        if _rational_value(node) is not None:
+        value = _rational_value(node)
+        if value is not None:
             if not _written_rational(node):
-                found.add(sympy.srepr(node))
+                found.append(value)
             return
         if isinstance(node, sympy.MatrixBase):
             parts = list(node)
@@ -470,7 +478,20 @@ def _arithmetic_left(expr) -> set[str]:
             numbers = [part for part in parts if _rational_value(part) is not None]
             combined = node.func(*numbers, evaluate=False)  # 2 \cdot 3 of 2 \cdot 3 x, 3 + 4 of 3 + 4 + \sqrt{2}
             if len(numbers) > 1 and not _written_rational(combined):
-                found.add(sympy.srepr(combined))
+                found.append(_rational_value(combined))
+            roots = [part for part in parts if _root(part) is not None]
+            if node.is_Mul and len(roots) > 1:
+                found.append(sympy.Mul(*roots))  # \sqrt{2}\sqrt{6} is 2\sqrt{3}
+            if node.is_Mul and _shared_factor(parts, numbers):
+                found.append(sympy.expand(node))
+        elif isinstance(node, sympy.Pow):
+            parts = list(node.args)
+            root = _root(node)
+            if root is not None and root.is_Mul:
+                found.append(root)  # \sqrt{48} is 4\sqrt{3}
+            power = _power_of_numbers(node)
+            if power is not None:
+                found.append(power)
         else:
             parts = list(node.args) if isinstance(node, sympy.Basic) else []
         for part in parts:
@@ -479,8 +500,73 @@ def _arithmetic_left(expr) -> set[str]:
     try:
         visit(expr)
     except Exception:
-        return set()
+        return []
     return found
+
+
+def _root(expr):
+    """The value of a root of a positive integer (``\\sqrt{48}``: ``4\\sqrt{3}``, ``8^{3/2}``, ``48^{-1/2}``), else
+    ``None``."""
+    import sympy
+
+    if isinstance(expr, sympy.Pow) and expr.base.is_Integer and expr.base > 0 and expr.exp.is_Rational:
+        return None if expr.exp.is_Integer else sympy.Pow(expr.base, expr.exp)
+    return None
+
+
+def _power_of_numbers(expr):
+    """The power of the numbers of a product raised to a power (9 for ``(3x)^2``, 1/4 for ``(\\frac{x}{2})^2``):
+    arithmetic the product's power leaves to do. ``None`` for another power or a product without such numbers."""
+    import sympy
+
+    base, exponent = expr.args
+    if not isinstance(base, sympy.Mul) or _rational_value(exponent) is None or exponent in (1, -1):
+        return None
+    numbers = [f for f in _flattened(base, sympy.Mul) if _rational_value(f) is not None]  # the sign too: (-x)^2
+    if not numbers:
+        return None
+    return _rational_value(sympy.Pow(sympy.Mul(*numbers, evaluate=False), exponent, evaluate=False))
+
+
+def _shared_factor(parts: list, numbers: list) -> bool:
+    """Whether a product's numbers have a denominator that shares a factor with every term of a sum in it
+    (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``): a fraction left to reduce."""
+    import sympy
+
+    value = _rational_value(sympy.Mul(*numbers, evaluate=False)) if numbers else sympy.Integer(1)
+    if value is None or not value.is_Rational:
+        return False
+    for part in parts:
+        if isinstance(part, sympy.Add):
+            coefficients = [_coefficient(term) for term in part.args]
+            if all(c is not None and c.is_Integer for c in coefficients):
+                if math.gcd(value.q, *(int(c) for c in coefficients)) > 1:
+                    return True
+    return False
+
+
+def _coefficient(term):
+    """The product of a term's numbers (4 of ``4x``, 6 of ``6``, 1 of ``x``); ``None`` if it cannot be computed."""
+    import sympy
+
+    factors = _flattened(term, sympy.Mul) if term.is_Mul else [term]
+    return _rational_value(sympy.Mul(*[f for f in factors if _rational_value(f) is not None], evaluate=False))
+
+
+def _factored(expr) -> bool:
+    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``) or a product of two sums (``(2x + 1)(x - 3)``): a
+    product left to expand."""
+    import sympy
+
+    try:
+        for node in sympy.preorder_traversal(expr):
+            if isinstance(node, sympy.Pow) and node.base.is_Add and node.exp.is_Integer and node.exp > 1:
+                return True
+            if isinstance(node, sympy.Mul) and sum(part.is_Add for part in _flattened(node, sympy.Mul)) > 1:
+                return True
+    except Exception:
+        return False
+    return False
 
 
 def _rational_value(expr):
@@ -648,13 +734,16 @@ def _has_function(expr) -> bool:
 
 def _operation_count(expr) -> int | None:
     """Operations written in an answer: each sum, product, power, function, relation. Numbers (``-\\frac{3}{4}``,
-    ``0.5``), a sign, a numeric coefficient (``\\frac{4 \\pi r^3}{3}`` counts as ``\\frac{4}{3} \\pi r^3``), a percent
-    sign and the brackets of a set, tuple or interval are free. ``None``: not counted (e.g. a matrix of symbols)."""
+    ``0.5``; arithmetic on numbers is judged by its result, :func:`_arithmetic_left`), a sign, a numeric coefficient
+    (``\\frac{4 \\pi r^3}{3}`` counts as ``\\frac{4}{3} \\pi r^3``), a percent sign and the brackets of a set, tuple or
+    interval are free. ``None``: not counted (e.g. a matrix of symbols)."""
     import sympy
 
     percent = _percent_value(expr)
     if percent is not None:
         return _operation_count(percent)
+    if _rational_value(expr) is not None:
+        return 0  # arithmetic on numbers is judged by its result (_arithmetic_left): 2^{-10} for \frac{1}{2^{10}}
     if isinstance(expr, sympy.MatrixBase):
         counts = [_operation_count(entry) for entry in expr]
         return None if None in counts else sum(counts)
