@@ -285,6 +285,8 @@ ACCEPTED = [
     (r"\frac{3}{2x}", r"\frac{1.5}{x}"),  # the reciprocal of a product: no power left to take
     (r"\frac{1}{1+\sqrt{2}}", r"\sqrt{2}-1"),  # a reciprocal of a sum is no product to expand
     (r"2(1+\sqrt{3})", r"2+2\sqrt{3}"),  # a number times one sum
+    # an equation in completed-square form for an expanded one: a circle's standard form
+    (r"(x-1)^2 + (y+2)^2 = 9", r"x^2 + y^2 - 2x + 4y - 4 = 0"),
     (r"\frac{1+\sqrt{5}}{2}", r"\frac{1+\sqrt5}{2}"),
     (r"\frac{3\sqrt{2}}{2}", r"\frac{3}{\sqrt{2}}"),
     (r"\sqrt{6}", r"\sqrt{2}\sqrt{3}"),  # a product of radicals the gold leaves, simplified

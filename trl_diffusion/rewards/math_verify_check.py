@@ -365,8 +365,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     gold_left = _arithmetic_left(gold_value)
     if any(all(left != gold for gold in gold_left) for left in _arithmetic_left(value)):
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
-    if _factored(value) and not _factored(gold_value):
-        return False  # a product left to expand: (x + 3)^2 for x^2 + 6x + 9
+    if _factored(value) and not _factored(gold_value) and not is_relation(value):
+        return False  # a product left to expand: (x + 3)^2 for x^2 + 6x + 9 (an equation may complete a square)
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
