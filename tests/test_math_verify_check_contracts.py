@@ -217,6 +217,23 @@ REFUSED = {
     "a square to expand": ("(x+3)^2", "x^2+6x+9"),
     "a product to expand": ("(2x+1)(x-3)", "2x^2-5x-3"),
     "a difference of squares to expand": ("(x+99)(x-99)", "x^2-9801"),
+    "a monomial times a sum to expand": ("x(x+3)", "x^2+3x"),
+    "a product of unknowns times a sum to expand": ("a(b+c)", "ab+ac"),
+    # the expansion for a factored gold answer: the "factor" question copied
+    "a difference of squares for its factors": ("x^2-9", "(x-3)(x+3)"),
+    "a quadratic for its factors": ("6x^2-x-2", "(2x+1)(3x-2)"),
+    "a quadratic for its completed square": ("x^2+6x+7", "(x+3)^2-2"),
+    "a quadratic for a monomial times a sum": ("x^2+3x", "x(x+3)"),
+    "a polynomial for its common factor": ("6x^2+15x", "3x(2x+5)"),
+    # a fraction hidden behind a mark math-verify drops: a base-10 subscript, a degree sign, the division slash
+    "the division slash": ("1234\u22152", "617"),
+    "a base-10 subscript in a fraction": (r"\frac{1234_{10}}{2}", "617"),
+    "a bracketed base-10 subscript in a fraction": (r"\frac{1234_{(10)}}{2}", "617"),
+    "a degree sign on a numerator": (r"\frac{1234^\circ}{2}", "617"),
+    "a degree sign on a denominator": (r"\frac{1234}{2^\circ}", "617"),
+    "a base-10 subscript before a ratio": ("1234_{10}:2", "617"),
+    "a base-10 subscript between juxtaposed integers": ("17_{10} 25", "42"),
+    "a degree sign in a mixed number's fraction": (r"17\frac{25^\circ}{1}", "42"),
     "a numeric square to expand": (r"(1+\sqrt{2})^2", r"3+2\sqrt{2}"),
     "a product of conjugates to expand": (r"(1+\sqrt{2})(1-\sqrt{2})", "-1"),
     "a square of a negated unknown": ("(-x)^2", "x^2"),
@@ -285,6 +302,17 @@ ACCEPTED = [
     (r"\frac{3}{2x}", r"\frac{1.5}{x}"),  # the reciprocal of a product: no power left to take
     (r"\frac{1}{1+\sqrt{2}}", r"\sqrt{2}-1"),  # a reciprocal of a sum is no product to expand
     (r"2(1+\sqrt{3})", r"2+2\sqrt{3}"),  # a number times one sum
+    # a sign and a one are no arithmetic: -\frac{1}{x} is parsed -1 \cdot 1 \cdot x^{-1}
+    (r"-\frac{1}{x}", r"\frac{-1}{x}"),
+    (r"1-\frac{1}{n+1}", r"\frac{n}{n+1}"),
+    (r"x-\frac{1}{x}", r"\frac{x^2-1}{x}"),
+    # a factored denominator is a fraction as written, not a product to expand
+    (r"\frac{2}{(x-1)(x+1)}", r"\frac{2}{x^2-1}"),
+    (r"\frac{1}{(x-2)^2}", r"\frac{1}{x^2-4x+4}"),
+    (r"\frac{x+1}{x}", r"1+\frac{1}{x}"),  # a sum over an unknown is no monomial times a sum
+    # a curve's equation in either form
+    (r"y = 2(x-1)^2 + 3", r"y = 2x^2 - 4x + 5"),
+    (r"y = (x-1)(x-3)", r"y = x^2 - 4x + 3"),
     # an equation in completed-square form for an expanded one: a circle's standard form
     (r"(x-1)^2 + (y+2)^2 = 9", r"x^2 + y^2 - 2x + 4y - 4 = 0"),
     (r"\frac{1+\sqrt{5}}{2}", r"\frac{1+\sqrt5}{2}"),

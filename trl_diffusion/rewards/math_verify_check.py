@@ -208,7 +208,7 @@ _OPERATION_LATEX = {
                          r"(?:T|\\mathrm\s*\{\s*T\s*\})(?![a-zA-Z])"),
     "absolute value": r"\||\\[lr]?vert(?![a-zA-Z])",
     "max/min": r"\\(?:max|min)(?![a-zA-Z])",
-    "division": r"\\div(?![a-zA-Z])|\u00f7",  # 1234 \div 2 (or 1234 ÷ 2) is 617 once parsed
+    "division": r"\\div(?![a-zA-Z])|\u00f7|\u2215",  # 1234 \div 2 (or ÷, or the division slash) is 617 parsed
     "union": r"\\cup(?![a-zA-Z])",  # \{1, 2\} \cup \{3\} is \{1, 2, 3\} once parsed
 }
 _OPERATION_RE = {name: re.compile(pattern) for name, pattern in _OPERATION_LATEX.items()}
@@ -278,8 +278,9 @@ def _juxtaposed_integers(text: str) -> bool:
     fraction of integers): latex2sympy reads an integer followed by a positive rational as a mixed number, their
     sum (``17 25``, ``{17} {25}``, ``30^\\circ 45``, ``17 \\frac{25}{1}`` are 42, 42, 75 and 42), which no reader
     does (a mixed number's fraction, ``3 \\frac{1}{2}``, is proper). An integer that is a command's argument
-    (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own."""
-    text = _BLANK.sub(" ", text)
+    (``\\frac 3 4``, ``2^3 3^2``) is not a number of its own. A base-10 subscript or a degree sign, which
+    math-verify drops, does not part two integers (``17_{10} 25``)."""
+    text = _NUMERAL_MARK.sub(" ", _BLANK.sub(" ", text))
     pairs = [match.start() for match in _INTEGER_PAIR.finditer(text)]
     pairs += [match.start() for match in _IMPROPER_MIXED.finditer(text)
               if not _proper(match[1] or match[2], match[3] or match[4])]
@@ -365,8 +366,12 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     gold_left = _arithmetic_left(gold_value)
     if any(all(left != gold for gold in gold_left) for left in _arithmetic_left(value)):
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
-    if _factored(value) and not _factored(gold_value) and not is_relation(value):
-        return False  # a product left to expand: (x + 3)^2 for x^2 + 6x + 9 (an equation may complete a square)
+    if (_factored(value) != _factored(gold_value) and not (is_equation(gold_expr) and is_equation(pred))
+            and not _has_function(gold_value) and not _has_function(value)):
+        # a product left to expand (x + 3)^2 for x^2 + 6x + 9, or the expansion for a factored gold answer: the
+        # "expand" and "factor" questions copied; an equation may take either form (a circle's or a parabola's), and
+        # a function may be written out (\frac{n(n - 1)}{2} for \binom{n}{2})
+        return False
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
@@ -423,6 +428,11 @@ _INTEGER_FRACTION = re.compile(rf"\\[dtc]?frac\s*{_FRACTION_ARGUMENT}\s*{_FRACTI
 _BRACKETED_INTEGER = re.compile(rf"(?:{_OPEN})\s*(?:\{{([-+]?\d+)\}}|([-+]?\s*\d+))\s*(?:{_CLOSE})")
 
 
+# A base-10 subscript or a degree sign on an integer, which math-verify drops (``1234_{10}``, ``1234_{(10)}``,
+# ``1234^\circ``).
+_NUMERAL_MARK = re.compile(r"(?<=\d)\s*(?:_\s*(?:\{\s*\(?\s*10\s*\)?\s*\}|10(?!\d))|\^\s*(?:\{\s*\\circ\s*\}|\\circ))")
+
+
 def _bare_integers(text: str) -> str:
     """``text`` with each integer alone in brackets written ``{n}``: ``\\frac{(12)}{{4}}`` and ``\\left(12\\right)/4``
     read as ``\\frac{12}{4}`` and ``{12}/4``."""
@@ -436,7 +446,7 @@ def _unreduced_fraction(text: str) -> bool:
     """A fraction of integers in ``text`` that is not in lowest terms (``\\frac{6}{4}``, ``1234/2``, ``\\frac{8}{1}``,
     ``1234 : 2``, ``{1234 \\over 2}``): a division left to do, which the parse shows only as its result. A slash
     after a power, subscript or name divides more than the integer (``x^{12}/4``)."""
-    text = _bare_integers(_BLANK.sub(" ", text))
+    text = _bare_integers(_NUMERAL_MARK.sub(" ", _BLANK.sub(" ", text)))
     for match in _INTEGER_FRACTION.finditer(text):
         if match[1] or match[2]:
             numerator, denominator = match[1] or match[2], match[3] or match[4]
@@ -554,19 +564,31 @@ def _coefficient(term):
 
 
 def _factored(expr) -> bool:
-    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``) or a product of two sums (``(2x + 1)(x - 3)``): a
-    product left to expand."""
+    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``), a product of two sums (``(2x + 1)(x - 3)``) or of a sum
+    with an unknown and another factor with one (``x(x + 3)``, ``3x(2x + 5)``) outside a denominator
+    (``\\frac{2}{(x - 1)(x + 1)}`` is a fraction as written): a product left to expand, or a factored answer. A number
+    times a sum (``3(x + 2)``, ``\\frac{x + 1}{2}``) is not judged here."""
     import sympy
 
+    def unknown_factor(part) -> bool:
+        return not part.is_Add and bool(_free_symbols(part)) and not (part.is_Pow and part.exp.is_negative)
+
+    def factored(node) -> bool:
+        if isinstance(node, sympy.Pow) and node.exp.is_negative:
+            return False
+        if isinstance(node, sympy.Pow) and node.base.is_Add and node.exp.is_Integer and node.exp > 1:
+            return True
+        if isinstance(node, sympy.Mul):
+            parts = _flattened(node, sympy.Mul)
+            sums = [part for part in parts if part.is_Add]
+            if len(sums) > 1 or (any(_free_symbols(part) for part in sums) and any(map(unknown_factor, parts))):
+                return True
+        return isinstance(node, sympy.Basic) and any(factored(arg) for arg in node.args)
+
     try:
-        for node in sympy.preorder_traversal(expr):
-            if isinstance(node, sympy.Pow) and node.base.is_Add and node.exp.is_Integer and node.exp > 1:
-                return True
-            if isinstance(node, sympy.Mul) and sum(part.is_Add for part in _flattened(node, sympy.Mul)) > 1:
-                return True
+        return factored(expr)
     except Exception:
         return False
-    return False
 
 
 def _rational_value(expr):
@@ -604,6 +626,8 @@ def _written_rational(expr) -> bool:
     factors = [f for f in _flattened(expr, sympy.Mul) if f not in (1, -1)]
     tens = [f for f in factors if _ten_power(f)]
     rest = [f for f in factors if not _ten_power(f)]
+    if not factors:
+        return True  # a sign: the -1 and 1 of -\frac{1}{x}, parsed -1 \cdot 1 \cdot x^{-1}
     if tens:
         return len(tens) == 1 and len(rest) <= 1 and all(isinstance(f, sympy.Number) for f in rest)
     if len(rest) == 1:
