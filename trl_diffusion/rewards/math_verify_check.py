@@ -364,7 +364,7 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     if _unreduced_fraction(answer) and not _unreduced_fraction(gold):
         return False  # a division latex2sympy did while parsing: 1234/2, 1234 : 2 or \frac{39204}{4} for 617, 9801
     gold_left = _arithmetic_left(gold_value)
-    if any(all(left != gold for gold in gold_left) for left in _arithmetic_left(value)):
+    if any(all(left != done for done in gold_left) for left in _arithmetic_left(value)):
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
     if (_factored(value) != _factored(gold_value) and not (is_equation(gold_expr) and is_equation(pred))
             and not _has_function(gold_value) and not _has_function(value)):
