@@ -217,6 +217,14 @@ REFUSED = {
     "a square to expand": ("(x+3)^2", "x^2+6x+9"),
     "a product to expand": ("(2x+1)(x-3)", "2x^2-5x-3"),
     "a difference of squares to expand": ("(x+99)(x-99)", "x^2-9801"),
+    "a root of a fraction to simplify": (r"\sqrt{\frac{48}{25}}", r"\frac{4\sqrt{3}}{5}"),
+    "a root of a fraction with a square denominator": (r"\sqrt{\frac{3}{4}}", r"\frac{\sqrt{3}}{2}"),
+    "a root of a number times an unknown to simplify": (r"\sqrt{48x}", r"4\sqrt{3x}"),
+    "a root of a square times an unknown": (r"\sqrt{4x}", r"2\sqrt{x}"),
+    "a power of a power of an unknown": ("(x^2)^3", "x^6"),
+    "a power of a product of unknowns": ("(ab)^3", "a^3b^3"),
+    "a power of a product with a power": ("(a^2b)^3", "a^6b^3"),
+    "a power of a power of a constant": (r"(\pi^2)^2", r"\pi^4"),
     "a monomial times a sum to expand": ("x(x+3)", "x^2+3x"),
     "a product of unknowns times a sum to expand": ("a(b+c)", "ab+ac"),
     # the expansion for a factored gold answer: the "factor" question copied
@@ -310,6 +318,13 @@ ACCEPTED = [
     (r"\frac{2}{(x-1)(x+1)}", r"\frac{2}{x^2-1}"),
     (r"\frac{1}{(x-2)^2}", r"\frac{1}{x^2-4x+4}"),
     (r"\frac{x+1}{x}", r"1+\frac{1}{x}"),  # a sum over an unknown is no monomial times a sum
+    # exponent laws applied, or left as the gold leaves them; a root with nothing to take out
+    ("a^3b^3", "(ab)^3"),
+    ("x^6", "(x^2)^3"),
+    (r"\frac{1}{x^2}", "(x^2)^{-1}"),
+    (r"\sqrt{2x}", r"\sqrt{2x}"),
+    (r"\sqrt{2x}", r"\sqrt{2}\sqrt{x}"),  # nothing to take out of the root: no arithmetic left
+    ("(ab)^3", "(ba)^3"),  # a power of a product the gold leaves too
     # a curve's equation in either form
     (r"y = 2(x-1)^2 + 3", r"y = 2x^2 - 4x + 5"),
     (r"y = (x-1)(x-3)", r"y = x^2 - 4x + 3"),

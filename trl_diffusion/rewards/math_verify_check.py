@@ -372,6 +372,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         # "expand" and "factor" questions copied; an equation may take either form (a circle's or a parabola's), and
         # a function may be written out (\frac{n(n - 1)}{2} for \binom{n}{2})
         return False
+    if _power_of_power(value) and not _power_of_power(gold_value):
+        return False  # exponent laws left to apply: (a^2 b)^3 for a^6 b^3
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
@@ -515,18 +517,19 @@ def _arithmetic_left(expr) -> list:
 
 
 def _root(expr):
-    """The value of a root of a positive integer (``\\sqrt{48}``: ``4\\sqrt{3}``, ``8^{3/2}``, ``48^{-1/2}``), else
-    ``None``."""
+    """The value of a root of a positive integer or fraction (``\\sqrt{48}``: ``4\\sqrt{3}``, ``8^{3/2}``,
+    ``48^{-1/2}``, ``\\sqrt{\\frac{3}{4}}``: ``\\frac{\\sqrt{3}}{2}``), else ``None``."""
     import sympy
 
-    if isinstance(expr, sympy.Pow) and expr.base.is_Integer and expr.base > 0 and expr.exp.is_Rational:
+    if isinstance(expr, sympy.Pow) and expr.base.is_Rational and expr.base > 0 and expr.exp.is_Rational:
         return None if expr.exp.is_Integer else sympy.Pow(expr.base, expr.exp)
     return None
 
 
 def _power_of_numbers(expr):
-    """The power of the numbers of a product raised to a power (9 for ``(3x)^2``, 1/4 for ``(\\frac{x}{2})^2``):
-    arithmetic the product's power leaves to do. ``None`` for another power or a product without such numbers."""
+    """The power of the numbers of a product raised to a power (9 for ``(3x)^2``, 1/4 for ``(\\frac{x}{2})^2``,
+    ``4\\sqrt{3}`` for ``\\sqrt{48x}``): arithmetic the product's power leaves to do. ``None`` for another power, a
+    product without such numbers, or a root with nothing to take out (``\\sqrt{2x}``)."""
     import sympy
 
     base, exponent = expr.args
@@ -535,7 +538,24 @@ def _power_of_numbers(expr):
     numbers = [f for f in _flattened(base, sympy.Mul) if _rational_value(f) is not None]  # the sign too: (-x)^2
     if not numbers:
         return None
-    return _rational_value(sympy.Pow(sympy.Mul(*numbers, evaluate=False), exponent, evaluate=False))
+    power = sympy.Pow(sympy.Mul(*numbers, evaluate=False), exponent, evaluate=False)
+    value = _rational_value(power)
+    if value is not None:
+        return value
+    root = _root(sympy.Pow(_rational_value(power.base), _rational_value(exponent), evaluate=False))
+    return root if root is not None and root.is_Mul else None
+
+
+def _power_of_power(expr) -> bool:
+    """A whole power of a product or of a power (``(ab)^3``, ``(x^2)^3``, ``(\\pi^2)^2``): exponent laws left to
+    apply."""
+    import sympy
+
+    try:
+        return any(isinstance(node, sympy.Pow) and node.exp.is_Integer and node.exp not in (1, -1)
+                   and isinstance(node.base, (sympy.Mul, sympy.Pow)) for node in sympy.preorder_traversal(expr))
+    except Exception:
+        return False
 
 
 def _shared_factor(parts: list, numbers: list) -> bool:
