@@ -494,7 +494,7 @@ def _arithmetic_left(expr) -> list:
             roots = [part for part in parts if _root(part) is not None]
             if node.is_Mul and len(roots) > 1:
                 found.append(sympy.Mul(*roots))  # \sqrt{2}\sqrt{6} is 2\sqrt{3}
-            if node.is_Mul and _shared_factor(parts, numbers):
+            if node.is_Mul and _shared_factor(node):
                 found.append(sympy.expand(node))
         elif isinstance(node, sympy.Pow):
             parts = list(node.args)
@@ -558,15 +558,15 @@ def _power_of_power(expr) -> bool:
         return False
 
 
-def _shared_factor(parts: list, numbers: list) -> bool:
+def _shared_factor(product) -> bool:
     """Whether a product's numbers have a denominator that shares a factor with every term of a sum in it
     (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``): a fraction left to reduce."""
     import sympy
 
-    value = _rational_value(sympy.Mul(*numbers, evaluate=False)) if numbers else sympy.Integer(1)
+    value = _coefficient(product)
     if value is None or not value.is_Rational:
         return False
-    for part in parts:
+    for part in _flattened(product, sympy.Mul):
         if isinstance(part, sympy.Add):
             coefficients = [_coefficient(term) for term in part.args]
             if all(c is not None and c.is_Integer for c in coefficients):
@@ -576,7 +576,8 @@ def _shared_factor(parts: list, numbers: list) -> bool:
 
 
 def _coefficient(term):
-    """The product of a term's numbers (4 of ``4x``, 6 of ``6``, 1 of ``x``); ``None`` if it cannot be computed."""
+    """The product of a term's numbers (4 of ``4x``, 6 of ``6``, 1 of ``x``, 1/2 of ``\\frac{4x + 6}{2}``); ``None``
+    if it cannot be computed."""
     import sympy
 
     factors = _flattened(term, sympy.Mul) if term.is_Mul else [term]
