@@ -49,6 +49,8 @@ ATTACKS = {
     "expanded, asked to factor": ("ab+5b+2a+10", "(a+5)(b+2)"),
     "factored, asked to expand": ("(x+2)(x+5)", "x^2+7x+10"),
     "a radical, asked to simplify": (r"\sqrt{12}", r"2\sqrt{3}"),
+    "a denominator, asked to rationalise": (r"\frac{1}{\sqrt{3}}", r"\frac{\sqrt{3}}{3}"),
+    "a number times a sum, asked to expand": ("3(x+2)", "3x+6"),
     "complex arithmetic": ("(1+2i)6-3i", "6+9i"),
     # Unknowns that cancel, where the answer has none.
     "unknown that cancels": (r"\frac{18x}{x}", "18"),
@@ -161,7 +163,7 @@ EQUIVALENT = [
     ("1,234", "1234"), (r"1.2 \times 10^{6}", "1200000"), (r"\frac{84}{5}", "16.8"), ("0.18", r"18\%"),
     (r"\frac{1}{2}", "0.5"), ("0.5", r"\frac{1}{2}"), (r"\dfrac{1}{2}", r"\frac{1}{2}"), ("1/2", r"\frac{1}{2}"),
     (r"-\frac{1}{2}", "-0.5"), (r"4\frac{2}{3}", r"\frac{14}{3}"), (r"50\%", r"\frac{1}{2}"),
-    (r"\sqrt{3} \cdot 2", r"2\sqrt{3}"), (r"\frac{1}{\sqrt{3}}", r"\frac{\sqrt{3}}{3}"), ("3.4641016", r"2\sqrt{3}"),
+    (r"\sqrt{3} \cdot 2", r"2\sqrt{3}"), (r"\frac{\sqrt{3}}{3}", r"\frac{1}{\sqrt{3}}"), ("3.4641016", r"2\sqrt{3}"),
     (r"\frac12 + \frac{\sqrt5}{2}", r"\frac{1+\sqrt5}{2}"), (r"\frac{4\pi r^3}{3}", r"\frac{4}{3}\pi r^3"),
     ("(x+2)(x+5)", "(x+5)(x+2)"), ("3 - 13x", "-13x+3"), ("y - 2x = 3", "y = 2x + 3"),
     (r"\frac{\cos x}{\sin x}", r"\cot x"), (r"\frac{\ln 3}{\ln 2}", r"\log_2 3"),

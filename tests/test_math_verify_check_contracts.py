@@ -249,6 +249,38 @@ REFUSED = {
     "a radical of a 31-digit integer to simplify": (r"\sqrt{8" + "0" * 30 + "}", r"2 \times 10^{15} \sqrt{2}"),
     "a ratio over one": ("617 : 1", "617"),
     "a decimal power left to take": ("4^{0.5} x", "2x"),
+    "arithmetic in a power of e": ("e^{2-1}", "e"),
+    "a power of e of a logarithm": (r"e^{\ln 2}", "2"),
+    "a zero added to a power of e": ("e^{-1}+0", r"\frac{1}{e}"),
+    "a sum to collect in a power of e": (r"e^{\sqrt{2}+\sqrt{2}}", r"e^{2\sqrt{2}}"),
+    "powers of e to combine": ("e^{2}e^{3}", "e^{5}"),
+    "a product of e with itself": (r"e \cdot e", "e^2"),
+    "a quotient of powers of e": (r"\frac{e^2}{e}", "e"),
+    # a denominator left to rationalise: a root of a number in it (and the gold answer has none)
+    "a square root in a denominator": (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
+    "a square root in a denominator, over a number": (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
+    "a root that divides its numerator": (r"\frac{6}{\sqrt{3}}", r"2\sqrt{3}"),
+    "a sum with a root in a denominator": (r"\frac{1}{1+\sqrt{2}}", r"\sqrt{2}-1"),
+    "a quotient of roots": (r"\frac{\sqrt{3}}{\sqrt{2}}", r"\frac{\sqrt{6}}{2}"),
+    "a cube root in a denominator": (r"\frac{1}{\sqrt[3]{2}}", r"\frac{\sqrt[3]{4}}{2}"),
+    "a number times a root in a denominator": (r"\frac{1}{2\sqrt{2}}", r"\frac{\sqrt{2}}{4}"),
+    "a negative fractional power of a number": ("2^{-1/2}", r"\frac{\sqrt{2}}{2}"),
+    "a root in the denominator of an unknown": (r"\frac{x}{\sqrt{2}}", r"\frac{x\sqrt{2}}{2}"),
+    # a number times a sum with an unknown where the gold answer is expanded, or the other way round
+    "a number times a sum to expand": ("3(x+2)", "3x+6"),
+    "a negative number times a sum": ("-3(x-2)", "6-3x"),
+    "a fraction times a sum to expand": (r"\frac{3}{2}(x+1)", r"\frac{3}{2}x+\frac{3}{2}"),
+    "a decimal times a sum to expand": ("0.5(x+1)", "0.5x+0.5"),
+    "a number times a sum inside a sum": ("x^2+2(x+1)", "x^2+2x+2"),
+    "an expansion for a number times a sum": ("3x+6", "3(x+2)"),
+    # a fraction whose numbers, in its numerator and its denominator, share a factor
+    "a fraction over a number times a sum": (r"\frac{6}{3(x+2)}", r"\frac{2}{x+2}"),
+    "a fraction over a number times an unknown": (r"\frac{4}{2x}", r"\frac{2}{x}"),
+    "a fraction to reduce to one over": (r"\frac{2}{4x}", r"\frac{1}{2x}"),
+    "a fraction of unknowns to reduce": (r"\frac{6x}{3y}", r"\frac{2x}{y}"),
+    "a negative fraction to reduce": (r"\frac{6}{-3x}", r"-\frac{2}{x}"),
+    "a decimal over a number times an unknown": (r"\frac{1.5}{3x}", r"\frac{0.5}{x}"),
+    "a fraction with a constant to reduce": (r"\frac{6}{4\pi}", r"\frac{3}{2\pi}"),
 }
 
 # (answer in the box, gold): correct answers just inside each rule's boundary.
@@ -272,7 +304,6 @@ ACCEPTED = [
     ("0", "0"),
     ("52_8 = 42", "42"),  # the conversion shown: only the value after the last "=" is in a base
     (r"52_{\,8}", "52_8"),  # LaTeX spacing in a base subscript
-    (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
     (r"17 \frac{1}{5}", r"\frac{86}{5}"),  # a proper mixed number
     ("f(2) 3", "3 f(2)"),  # an integer that is a function's argument is no number of its own
     ("x = 9801", "x = 9801"),
@@ -308,8 +339,25 @@ ACCEPTED = [
     (r"(x+1)^2 + 3", r"3 + (x + 1)^2"),
     (r"\frac{x + 2}{4}", r"\frac{x+2}{4}"),  # a fraction whose numerator shares no factor with 4
     (r"\frac{3}{2x}", r"\frac{1.5}{x}"),  # the reciprocal of a product: no power left to take
-    (r"\frac{1}{1+\sqrt{2}}", r"\sqrt{2}-1"),  # a reciprocal of a sum is no product to expand
-    (r"2(1+\sqrt{3})", r"2+2\sqrt{3}"),  # a number times one sum
+    (r"2(1+\sqrt{3})", r"2+2\sqrt{3}"),  # a number times a sum without an unknown
+    (r"\frac{1}{2}(x+1)", r"\frac{x+1}{2}"),  # the reciprocal of an integer times a sum is a fraction
+    (r"\frac{x+1}{2}", r"\frac{x}{2}+\frac{1}{2}"),
+    ("-(x-2)", "2-x"),  # a sign
+    ("3(x+2)", "3(x+2)"),  # a number times a sum the gold writes too
+    ("y = 3(x+2)", "y = 3x+6"),  # an equation may take either form
+    (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),  # a rationalised denominator for a gold that is not
+    (r"\frac{1}{\sqrt{x}}", r"\frac{\sqrt{x}}{x}"),  # a root of an unknown is not judged
+    (r"\frac{2}{3(x+2)}", r"\frac{2}{3x+6}"),  # numbers in lowest terms across the fraction
+    (r"-\frac{1}{3x}", r"\frac{-1}{3x}"),
+    (r"\frac{5}{6y}", r"\frac{5}{6y}"),
+    ("e^{-1}", r"\frac{1}{e}"),  # a power of e is a written number
+    ("e^{1/2}", r"\sqrt{e}"),
+    (r"\frac{x}{\sqrt{2}}", r"\frac{1}{\sqrt{2}} x"),  # a root in a denominator the gold has too
+    (r"\frac{x}{3 \cdot 2}", r"\frac{x}{2 \cdot 3}"),  # a denominator's product the gold leaves too
+    (r"2\sqrt{2x}", r"2\sqrt{2}\sqrt{x}"),  # the number in a root is no denominator's
+    (r"1+(2x)^{-1}", r"\frac{2x+1}{2x}"),  # nor is a number beside a reciprocal in a sum
+    (r"\sqrt{2+\sqrt{3}}", r"\frac{\sqrt{6}+\sqrt{2}}{2}"),  # a root inside a root is in no denominator
+    (r"e^{\sqrt{2}}", r"e^{\sqrt{2}}"),
     # a sign and a one are no arithmetic: -\frac{1}{x} is parsed -1 \cdot 1 \cdot x^{-1}
     (r"-\frac{1}{x}", r"\frac{-1}{x}"),
     (r"1-\frac{1}{n+1}", r"\frac{n}{n+1}"),
@@ -340,7 +388,6 @@ ACCEPTED = [
     (r"\frac{1}{2}, \frac{3}{4}", r"\frac12, \frac34"),
     (r"\frac{25\pi}{4}", r"6.25\pi"),
     (r"\frac{\sqrt{3}}{2}\pi", r"\frac{\pi\sqrt{3}}{2}"),
-    (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
     # written numbers inside expressions: signs, lowest-terms fractions, reciprocals, powers of ten
     (r"\frac{1}{10^{3}}", "0.001"),
     (r"x \cdot 10^{3}", "1000x"),

@@ -27,8 +27,10 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   terms, a decimal, a percentage, scientific notation, a root that is not rational, times a constant or a root;
 * inside any answer, no arithmetic on numbers whose result the gold answer does not leave (``99^2 + i`` for
   ``9801 + i``, ``x \\le 99^2``, ``(3 + 4)x``, ``\\frac{4}{\\frac{1}{10}}``, ``\\frac{-6}{4}``, ``1234 : 2``,
-  ``(3x)^2`` for ``9x^2``, ``\\sqrt{12}``, ``\\frac{4x + 6}{2}``), and no power of a sum or product of sums left to
-  expand where the gold answer has none (``(x + 3)^2`` for ``x^2 + 6x + 9``);
+  ``(3x)^2`` for ``9x^2``, ``\\sqrt{12}``, ``\\frac{4x + 6}{2}``, ``\\frac{6}{3(x + 2)}``), no root of a number in a
+  denominator where the gold answer has none (``\\frac{6}{\\sqrt{3}}`` for ``2\\sqrt{3}``), and no product left to
+  expand where the gold answer is expanded, or the other way round (``(x + 3)^2`` for ``x^2 + 6x + 9``,
+  ``3(x + 2)`` for ``3x + 6``);
 * no unknown when the gold answer has none (``\\frac{18x}{x}``);
 * a decimal must agree with a small gold answer to about four significant digits, not only to math-verify's six
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
@@ -366,6 +368,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     gold_left = _arithmetic_left(gold_value)
     if any(all(left != done for done in gold_left) for left in _arithmetic_left(value)):
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
+    if _root_in_denominator(value) and not _root_in_denominator(gold_value):
+        return False  # the "rationalise the denominator" question copied: \frac{6}{\sqrt{3}} for 2\sqrt{3}
     if (_factored(value) != _factored(gold_value) and not (is_equation(gold_expr) and is_equation(pred))
             and not _has_function(gold_value) and not _has_function(value)):
         # a product left to expand (x + 3)^2 for x^2 + 6x + 9, or the expansion for a factored gold answer: the
@@ -488,6 +492,10 @@ def _arithmetic_left(expr) -> list:
         elif isinstance(node, (sympy.Add, sympy.Mul)):
             parts = _flattened(node, type(node))
             numbers = [part for part in parts if _rational_value(part) is not None]
+            if node.is_Mul:  # and a denominator's numbers: the 6 and the \frac{1}{3} of \frac{6}{3(x + 2)}
+                numbers += [sympy.Pow(number, -1, evaluate=False) for part in parts
+                            if part.is_Pow and part.exp == -1 and part.base.is_Mul and _rational_value(part) is None
+                            for number in _flattened(part.base, sympy.Mul) if _rational_value(number) is not None]
             combined = node.func(*numbers, evaluate=False)  # 2 \cdot 3 of 2 \cdot 3 x, 3 + 4 of 3 + 4 + \sqrt{2}
             if len(numbers) > 1 and not _written_rational(combined):
                 found.append(_rational_value(combined))
@@ -514,6 +522,19 @@ def _arithmetic_left(expr) -> list:
     except Exception:
         return []
     return found
+
+
+def _root_in_denominator(expr) -> bool:
+    """A root of a number in a denominator (``\\frac{6}{\\sqrt{3}}``, ``\\frac{2}{1 + \\sqrt{3}}``): a denominator left
+    to rationalise."""
+    import sympy
+
+    try:
+        return any(isinstance(node, sympy.Pow) and node.exp.is_negative
+                   and any(_root(part) is not None for part in sympy.preorder_traversal(node.base))
+                   for node in sympy.preorder_traversal(expr))
+    except Exception:
+        return False
 
 
 def _root(expr):
@@ -585,14 +606,19 @@ def _coefficient(term):
 
 
 def _factored(expr) -> bool:
-    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``), a product of two sums (``(2x + 1)(x - 3)``) or of a sum
-    with an unknown and another factor with one (``x(x + 3)``, ``3x(2x + 5)``) outside a denominator
-    (``\\frac{2}{(x - 1)(x + 1)}`` is a fraction as written): a product left to expand, or a factored answer. A number
-    times a sum (``3(x + 2)``, ``\\frac{x + 1}{2}``) is not judged here."""
+    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``), a product of two sums (``(2x + 1)(x - 3)``), of a sum
+    with an unknown and another factor with one (``x(x + 3)``, ``3x(2x + 5)``) or of a sum with an unknown and a
+    number other than a sign or the reciprocal of an integer (``3(x + 2)``, ``\\frac{3}{2}(x + 1)``; not
+    ``\\frac{x + 1}{2}``) outside a denominator (``\\frac{2}{(x - 1)(x + 1)}`` is a fraction as written): a product
+    left to expand, or a factored answer."""
     import sympy
 
     def unknown_factor(part) -> bool:
         return not part.is_Add and bool(_free_symbols(part)) and not (part.is_Pow and part.exp.is_negative)
+
+    def distributes(product) -> bool:  # the 3 of 3(x + 2); not the sign of -(x + 2), the 1/2 of \frac{x + 1}{2}
+        coefficient = _coefficient(product)
+        return coefficient is not None and not (coefficient.is_Rational and abs(coefficient.p) == 1)
 
     def factored(node) -> bool:
         if isinstance(node, sympy.Pow) and node.exp.is_negative:
@@ -602,7 +628,8 @@ def _factored(expr) -> bool:
         if isinstance(node, sympy.Mul):
             parts = _flattened(node, sympy.Mul)
             sums = [part for part in parts if part.is_Add]
-            if len(sums) > 1 or (any(_free_symbols(part) for part in sums) and any(map(unknown_factor, parts))):
+            if len(sums) > 1 or (any(_free_symbols(part) for part in sums)
+                                 and (any(map(unknown_factor, parts)) or distributes(node))):
                 return True
         return isinstance(node, sympy.Basic) and any(factored(arg) for arg in node.args)
 
@@ -737,6 +764,8 @@ def _written_number(expr) -> bool:
         return _written_number(percent)
     if isinstance(expr, (sympy.Number, sympy.NumberSymbol)) or expr is sympy.I:
         return True
+    if isinstance(expr, sympy.exp):
+        return _written_number(expr.exp)  # a power of e, e^{-1} or \sqrt{e} (sympy's exp(-1) and E^{1/2} alike)
     elements = _elements(expr)
     if elements is not None:
         return all(_written_number(element) for element in elements)  # \{18\} for 18, a vector of numbers
@@ -753,6 +782,9 @@ def _written_number(expr) -> bool:
         return False
     if isinstance(expr, sympy.Mul):
         numbers = [f for f in expr.args if isinstance(f, sympy.Number) and abs(f) != 1]
+        constants = [f.as_base_exp()[0] for f in expr.args if not f.as_base_exp()[0].is_Number]
+        if len(constants) != len(set(constants)):
+            return False  # powers of one constant to combine: e \cdot e, \frac{e^2}{e}
         return len(numbers) <= 1 and all(_written_number(f) for f in expr.args)
     return False
 
