@@ -256,6 +256,12 @@ REFUSED = {
     "powers of e to combine": ("e^{2}e^{3}", "e^{5}"),
     "a product of e with itself": (r"e \cdot e", "e^2"),
     "a quotient of powers of e": (r"\frac{e^2}{e}", "e"),
+    # one fraction for a gold sum of fractions, but not in lowest terms or with like terms to collect
+    "one fraction not in lowest terms for a sum": (r"\frac{2x+4}{4x}", r"\frac{1}{x}+\frac{1}{2}"),
+    "one fraction with like terms for a sum": (r"\frac{x+1+x}{x^2+x}", r"\frac{1}{x}+\frac{1}{x+1}"),
+    "one fraction with a zero added for a sum": (r"\frac{2x+1}{x^2+x+0}", r"\frac{1}{x}+\frac{1}{x+1}"),
+    "one fraction for a sum of fractions, not reduced": (r"\frac{x^2+2x}{2x^2}", r"\frac{1}{x}+\frac{1}{2}"),
+    "a product of fractions for a sum": (r"\frac{x+2}{2} \cdot \frac{1}{x}", r"\frac{1}{x}+\frac{1}{2}"),
     # a denominator left to rationalise: a root of a number in it (and the gold answer has none)
     "a square root in a denominator": (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
     "a square root in a denominator, over a number": (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
@@ -358,6 +364,10 @@ ACCEPTED = [
     (r"1+(2x)^{-1}", r"\frac{2x+1}{2x}"),  # nor is a number beside a reciprocal in a sum
     (r"\sqrt{2+\sqrt{3}}", r"\frac{\sqrt{6}+\sqrt{2}}{2}"),  # a root inside a root is in no denominator
     (r"e^{\sqrt{2}}", r"e^{\sqrt{2}}"),
+    # one fraction in lowest terms for a gold sum of fractions with an unknown in a denominator
+    (r"\frac{x+2}{2x}", r"\frac{1}{x}+\frac{1}{2}"),
+    (r"\frac{-x-2}{2x}", r"-\frac{1}{x}-\frac{1}{2}"),
+    (r"\frac{2x+1}{x^2+x}", r"\frac{1}{x}+\frac{1}{x+1}"),
     # a sign and a one are no arithmetic: -\frac{1}{x} is parsed -1 \cdot 1 \cdot x^{-1}
     (r"-\frac{1}{x}", r"\frac{-1}{x}"),
     (r"1-\frac{1}{n+1}", r"\frac{n}{n+1}"),

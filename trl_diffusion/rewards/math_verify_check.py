@@ -797,7 +797,25 @@ def _less_simplified(value, gold) -> bool:
     if isinstance(gold, sympy.Symbol) or _has_function(gold) or _has_function(value):
         return False
     gold_size, size = _operation_count(gold), _operation_count(value)
-    return gold_size is not None and size is not None and size > gold_size + 1
+    return gold_size is not None and size is not None and size > gold_size + 1 and not _one_fraction(value, gold)
+
+
+def _one_fraction(value, gold) -> bool:
+    """One fraction with no like terms left to collect, no longer than sympy's single fraction for the gold answer
+    (``\\frac{x + 2}{2x}`` for ``\\frac{1}{x} + \\frac{1}{2}``): the gold answer simplified another way."""
+    import sympy
+
+    def like_terms(node) -> bool:  # x + 1 + x, 1 + 2
+        terms = [term.as_coeff_Mul()[1] for term in _flattened(node, sympy.Add)]
+        return len(terms) != len(set(terms))
+
+    try:
+        parts = _flattened(value, sympy.Mul) if value.is_Mul else [value]
+        return (sum(part.is_Pow and part.exp == -1 for part in parts) == 1
+                and not any(like_terms(node) for node in sympy.preorder_traversal(value) if node.is_Add)
+                and _operation_count(value) <= _operation_count(sympy.cancel(gold)))
+    except Exception:
+        return False
 
 
 def _has_function(expr) -> bool:
