@@ -262,6 +262,17 @@ REFUSED = {
     "one fraction with a zero added for a sum": (r"\frac{2x+1}{x^2+x+0}", r"\frac{1}{x}+\frac{1}{x+1}"),
     "one fraction for a sum of fractions, not reduced": (r"\frac{x^2+2x}{2x^2}", r"\frac{1}{x}+\frac{1}{2}"),
     "a product of fractions for a sum": (r"\frac{x+2}{2} \cdot \frac{1}{x}", r"\frac{1}{x}+\frac{1}{2}"),
+    # a second pass: sums in denominators, nested powers of a constant, a term of a relation
+    "a denominator sum sharing a factor with the numerator": (r"\frac{6}{3x+6}", r"\frac{2}{x+2}"),
+    "a numerator sum sharing a factor with the denominator": (r"\frac{2x+2}{4x}", r"\frac{x+1}{2x}"),
+    "a sum over a number times a sum": (r"\frac{4x+6}{2(x+1)}", r"\frac{2x+3}{x+1}"),
+    "a negated denominator sum to reduce": (r"\frac{6}{-3x-6}", r"-\frac{2}{x+2}"),
+    "a quotient of whole powers of e": (r"\frac{e^{3}}{e^{2}}", "e"),
+    "a reciprocal of a negative power of e": (r"\frac{1}{e^{-1}}", "e"),
+    "a root of a power of e": (r"\sqrt{e^{2}}", "e"),
+    "a product of pi with itself": (r"\pi \cdot \pi", r"\pi^{2}"),
+    "a root of a power of pi": (r"\sqrt{\pi^{4}}", r"\pi^{2}"),
+    "a number times a polynomial in an inequality": (r"x \le 3(y+2)", r"x \le 3y+6"),
     # a denominator left to rationalise: a root of a number in it (and the gold answer has none)
     "a square root in a denominator": (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
     "a square root in a denominator, over a number": (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
@@ -275,8 +286,6 @@ REFUSED = {
     # a number times a sum with an unknown where the gold answer is expanded, or the other way round
     "a number times a sum to expand": ("3(x+2)", "3x+6"),
     "a negative number times a sum": ("-3(x-2)", "6-3x"),
-    "a fraction times a sum to expand": (r"\frac{3}{2}(x+1)", r"\frac{3}{2}x+\frac{3}{2}"),
-    "a decimal times a sum to expand": ("0.5(x+1)", "0.5x+0.5"),
     "a number times a sum inside a sum": ("x^2+2(x+1)", "x^2+2x+2"),
     "an expansion for a number times a sum": ("3x+6", "3(x+2)"),
     # a fraction whose numbers, in its numerator and its denominator, share a factor
@@ -350,6 +359,13 @@ ACCEPTED = [
     (r"\frac{x+1}{2}", r"\frac{x}{2}+\frac{1}{2}"),
     ("-(x-2)", "2-x"),  # a sign
     ("3(x+2)", "3(x+2)"),  # a number times a sum the gold writes too
+    # only an integer times a polynomial, as a term of the answer, is judged
+    (r"\frac{3}{2}(x+1)", r"\frac{3}{2}x+\frac{3}{2}"),
+    ("0.5(x+1)", "0.5x+0.5"),
+    (r"\frac{3(x+1)}{2}", r"\frac{3x+3}{2}"),
+    ("2(2^{n}-1)", "2^{n+1}-2"),
+    (r"\sqrt{2x+2}", r"\sqrt{2(x+1)}"),
+    (r"\frac{2n+2}{n}", r"\frac{2(n+1)}{n}"),
     ("y = 3(x+2)", "y = 3x+6"),  # an equation may take either form
     (r"\frac{\sqrt{2}}{2}", r"\frac{1}{\sqrt{2}}"),  # a rationalised denominator for a gold that is not
     (r"\frac{1}{\sqrt{x}}", r"\frac{\sqrt{x}}{x}"),  # a root of an unknown is not judged
@@ -364,6 +380,15 @@ ACCEPTED = [
     (r"1+(2x)^{-1}", r"\frac{2x+1}{2x}"),  # nor is a number beside a reciprocal in a sum
     (r"\sqrt{2+\sqrt{3}}", r"\frac{\sqrt{6}+\sqrt{2}}{2}"),  # a root inside a root is in no denominator
     (r"e^{\sqrt{2}}", r"e^{\sqrt{2}}"),
+    (r"\pi\sqrt{\pi}", r"\pi^{3/2}"),  # a whole power and a root of one constant
+    (r"\frac{\sqrt{e}}{e}", "e^{-1/2}"),
+    (r"\frac{1}{\sqrt{e}}", "e^{-1/2}"),  # the reciprocal of a positive power of e
+    (r"\frac{1}{e^{2}}", "e^{-2}"),
+    (r"\frac{1}{-2x}", r"-\frac{1}{2x}"),  # a sign in a denominator is no number to reduce
+    (r"\frac{3}{-4(x+1)}", r"-\frac{3}{4(x+1)}"),
+    (r"\frac{1}{e^{\sqrt{2}}}", r"e^{-\sqrt{2}}"),  # a root in an exponent is in no denominator
+    (r"\frac{1}{2^{\sqrt{2}}}", r"2^{-\sqrt{2}}"),
+    (r"\frac{2x}{2x+1}", r"\frac{2x}{1+2x}"),  # a denominator sum with no factor in common
     # one fraction in lowest terms for a gold sum of fractions with an unknown in a denominator
     (r"\frac{x+2}{2x}", r"\frac{1}{x}+\frac{1}{2}"),
     (r"\frac{-x-2}{2x}", r"-\frac{1}{x}-\frac{1}{2}"),

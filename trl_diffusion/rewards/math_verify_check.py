@@ -495,7 +495,8 @@ def _arithmetic_left(expr) -> list:
             if node.is_Mul:  # and a denominator's numbers: the 6 and the \frac{1}{3} of \frac{6}{3(x + 2)}
                 numbers += [sympy.Pow(number, -1, evaluate=False) for part in parts
                             if part.is_Pow and part.exp == -1 and part.base.is_Mul and _rational_value(part) is None
-                            for number in _flattened(part.base, sympy.Mul) if _rational_value(number) is not None]
+                            for number in _flattened(part.base, sympy.Mul)
+                            if _rational_value(number) is not None and number not in (1, -1)]
             combined = node.func(*numbers, evaluate=False)  # 2 \cdot 3 of 2 \cdot 3 x, 3 + 4 of 3 + 4 + \sqrt{2}
             if len(numbers) > 1 and not _written_rational(combined):
                 found.append(_rational_value(combined))
@@ -529,9 +530,14 @@ def _root_in_denominator(expr) -> bool:
     to rationalise."""
     import sympy
 
+    def has_root(node) -> bool:  # in a sum, a product or a power's base; not in an exponent or a function
+        if _root(node) is not None:
+            return True
+        parts = [node.base] if node.is_Pow else node.args if node.is_Add or node.is_Mul else []
+        return any(map(has_root, parts))
+
     try:
-        return any(isinstance(node, sympy.Pow) and node.exp.is_negative
-                   and any(_root(part) is not None for part in sympy.preorder_traversal(node.base))
+        return any(isinstance(node, sympy.Pow) and node.exp.is_negative and has_root(node.base)
                    for node in sympy.preorder_traversal(expr))
     except Exception:
         return False
@@ -580,20 +586,26 @@ def _power_of_power(expr) -> bool:
 
 
 def _shared_factor(product) -> bool:
-    """Whether a product's numbers have a denominator that shares a factor with every term of a sum in it
-    (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``): a fraction left to reduce."""
+    """Whether a fraction's numerator and denominator share an integer factor, counting the numbers of each and the
+    common factor of a sum's terms (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``,
+    ``\\frac{6}{3x + 6}``, ``\\frac{2x + 2}{4x}``): a fraction left to reduce."""
     import sympy
+
+    def content(part) -> int:  # the integer a sum's terms share (2 of 4x + 6, 1 of x + \frac{1}{2}), a factor's number
+        coefficients = [_coefficient(term) for term in (part.args if part.is_Add else [part])]
+        return math.gcd(*map(int, coefficients)) if all(c is not None and c.is_Integer for c in coefficients) else 1
 
     value = _coefficient(product)
     if value is None or not value.is_Rational:
         return False
+    top, bottom = abs(value.p), value.q
     for part in _flattened(product, sympy.Mul):
-        if isinstance(part, sympy.Add):
-            coefficients = [_coefficient(term) for term in part.args]
-            if all(c is not None and c.is_Integer for c in coefficients):
-                if math.gcd(value.q, *(int(c) for c in coefficients)) > 1:
-                    return True
-    return False
+        if part.is_Add:
+            top *= content(part)
+        elif part.is_Pow and part.exp == -1 and _rational_value(part) is None:
+            for factor in _flattened(part.base, sympy.Mul) if part.base.is_Mul else [part.base]:
+                bottom *= content(factor)
+    return math.gcd(top, bottom) > 1
 
 
 def _coefficient(term):
@@ -606,19 +618,16 @@ def _coefficient(term):
 
 
 def _factored(expr) -> bool:
-    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``), a product of two sums (``(2x + 1)(x - 3)``), of a sum
-    with an unknown and another factor with one (``x(x + 3)``, ``3x(2x + 5)``) or of a sum with an unknown and a
-    number other than a sign or the reciprocal of an integer (``3(x + 2)``, ``\\frac{3}{2}(x + 1)``; not
-    ``\\frac{x + 1}{2}``) outside a denominator (``\\frac{2}{(x - 1)(x + 1)}`` is a fraction as written): a product
-    left to expand, or a factored answer."""
+    """A power of a sum (``(x + 3)^2``, ``(1 + \\sqrt{2})^2``), a product of two sums (``(2x + 1)(x - 3)``) or of a sum
+    with an unknown and another factor with one (``x(x + 3)``, ``3x(2x + 5)``) outside a denominator
+    (``\\frac{2}{(x - 1)(x + 1)}`` is a fraction as written), or a term of the answer that is an integer other than a
+    sign times a polynomial with an unknown (``3(x + 2)``; not ``\\frac{3(x + 1)}{2}``, ``2(2^n - 1)``,
+    ``\\sqrt{2(x + 1)}``): a product left to expand, or a factored answer."""
     import sympy
+    from sympy.core.relational import Relational
 
     def unknown_factor(part) -> bool:
         return not part.is_Add and bool(_free_symbols(part)) and not (part.is_Pow and part.exp.is_negative)
-
-    def distributes(product) -> bool:  # the 3 of 3(x + 2); not the sign of -(x + 2), the 1/2 of \frac{x + 1}{2}
-        coefficient = _coefficient(product)
-        return coefficient is not None and not (coefficient.is_Rational and abs(coefficient.p) == 1)
 
     def factored(node) -> bool:
         if isinstance(node, sympy.Pow) and node.exp.is_negative:
@@ -628,13 +637,25 @@ def _factored(expr) -> bool:
         if isinstance(node, sympy.Mul):
             parts = _flattened(node, sympy.Mul)
             sums = [part for part in parts if part.is_Add]
-            if len(sums) > 1 or (any(_free_symbols(part) for part in sums)
-                                 and (any(map(unknown_factor, parts)) or distributes(node))):
+            if len(sums) > 1 or (any(_free_symbols(part) for part in sums) and any(map(unknown_factor, parts))):
                 return True
         return isinstance(node, sympy.Basic) and any(factored(arg) for arg in node.args)
 
+    def terms(node) -> list:  # through sums, relations, sets, tuples and intervals; not into products or powers
+        if isinstance(node, (sympy.Add, Relational, sympy.FiniteSet, sympy.Tuple, sympy.Interval)):
+            return [term for arg in node.args for term in terms(arg)]
+        return [node]
+
+    def distributes(term) -> bool:  # the 3 of 3(x + 2)
+        parts = _flattened(term, sympy.Mul) if term.is_Mul else []
+        coefficient = _coefficient(term) if parts else None
+        polynomials = [part for part in parts if part.is_Add and part.free_symbols
+                       and part.is_polynomial(*part.free_symbols)]
+        return (coefficient is not None and coefficient.is_Integer and abs(coefficient) > 1 and bool(polynomials)
+                and not any(part.is_Pow and part.exp.is_negative for part in parts))
+
     try:
-        return factored(expr)
+        return factored(expr) or any(map(distributes, terms(expr)))
     except Exception:
         return False
 
@@ -771,8 +792,12 @@ def _written_number(expr) -> bool:
         return all(_written_number(element) for element in elements)  # \{18\} for 18, a vector of numbers
     if isinstance(expr, sympy.Pow):
         base, exponent = expr.args
+        if isinstance(base, (sympy.Pow, sympy.exp)):  # a power of a power: \frac{1}{\sqrt{2}}, not \sqrt{e^2}
+            return exponent == -1 and base.exp.is_positive and _written_number(base)
         if base == 10 and exponent.is_Integer:
             return True  # 10^{-3}
+        if isinstance(base, sympy.NumberSymbol) and exponent.is_Integer:
+            return True  # \pi^2
         if exponent == -1 and isinstance(base, sympy.Float):
             return False  # a division by a decimal left to do: \frac{1}{0.025} for 40
         if exponent.is_Rational and not exponent.is_Integer and sympy.Pow(base, exponent).is_Rational:
@@ -782,11 +807,22 @@ def _written_number(expr) -> bool:
         return False
     if isinstance(expr, sympy.Mul):
         numbers = [f for f in expr.args if isinstance(f, sympy.Number) and abs(f) != 1]
-        constants = [f.as_base_exp()[0] for f in expr.args if not f.as_base_exp()[0].is_Number]
+        powers = [_base_and_exponent(f) for f in _flattened(expr, sympy.Mul)]
+        constants = [base for base, exponent in powers if not base.is_Number and exponent.is_Integer]
         if len(constants) != len(set(constants)):
-            return False  # powers of one constant to combine: e \cdot e, \frac{e^2}{e}
+            return False  # whole powers of one constant to combine: e \cdot e, \frac{e^3}{e^2} (not \pi\sqrt{\pi})
         return len(numbers) <= 1 and all(_written_number(f) for f in expr.args)
     return False
+
+
+def _base_and_exponent(factor) -> tuple:
+    """A factor's base and exponent through nested powers: ``\\frac{1}{e^2}`` is (e, -2), ``\\sqrt{\\pi}`` is
+    (\\pi, 1/2)."""
+    base, exponent = factor.as_base_exp()
+    while base.as_base_exp()[0] != base:
+        base, power = base.as_base_exp()
+        exponent = exponent * power
+    return base, exponent
 
 
 def _less_simplified(value, gold) -> bool:
