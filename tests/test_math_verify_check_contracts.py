@@ -273,6 +273,19 @@ REFUSED = {
     "a product of pi with itself": (r"\pi \cdot \pi", r"\pi^{2}"),
     "a root of a power of pi": (r"\sqrt{\pi^{4}}", r"\pi^{2}"),
     "a number times a polynomial in an inequality": (r"x \le 3(y+2)", r"x \le 3y+6"),
+    # a third pass: roots of e combined, divisions left to do, complex fractions, a number times a sum in disguise
+    "two roots of e to combine": (r"e^{1/2}e^{1/2}", "e"),
+    "a quotient of roots of e": (r"5\cdot\frac{e^{1/3}}{e^{1/3}}", "5"),
+    "a root of a power of e with something to take out": (r"\sqrt{e^{3}}", "e^{3/2}"),
+    "a polynomial division left to do": (r"\frac{x^4-1}{x-1}", "x^3+x^2+x+1"),
+    "a power of a sum over the sum": (r"\frac{(x+1)^4}{x+1}", "(x+1)^3"),
+    "a power of a sum over a number it shares": (r"\frac{(3x+3)^2}{9}", "(x+1)^2"),
+    "a difference of cubes over its factor": (r"\frac{a^3-b^3}{a-b}", "a^2+ab+b^2"),
+    "a complex fraction of unknowns": (r"\frac{1}{\frac1x+\frac1y}", r"\frac{xy}{x+y}"),
+    "a fraction of a number in a denominator": (r"\frac{\frac32}{\frac x2+1}", r"\frac{3}{x+2}"),
+    "a number times a sum over one": (r"\frac{3(x+2)}{1}", "3x+6"),
+    "a number times a sum to the first power": ("3(x+2)^{1}", "3x+6"),
+    "a whole decimal times a sum": ("3.0(x+2)", "3x+6"),
     # a denominator left to rationalise: a root of a number in it (and the gold answer has none)
     "a square root in a denominator": (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
     "a square root in a denominator, over a number": (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
@@ -389,6 +402,16 @@ ACCEPTED = [
     (r"\frac{1}{e^{\sqrt{2}}}", r"e^{-\sqrt{2}}"),  # a root in an exponent is in no denominator
     (r"\frac{1}{2^{\sqrt{2}}}", r"2^{-\sqrt{2}}"),
     (r"\frac{2x}{2x+1}", r"\frac{2x}{1+2x}"),  # a denominator sum with no factor in common
+    (r"\sqrt[3]{e^2}", "e^{2/3}"),  # a root of a power of e with nothing to take out
+    (r"e\sqrt{e}", "e^{3/2}"),
+    (r"\arccos\frac{1}{\sqrt{5}}", r"\arccos\frac{\sqrt{5}}{5}"),  # a function's argument is no denominator
+    (r"e^{1/\sqrt{2}}", r"e^{\frac{\sqrt{2}}{2}}"),  # nor is an exponent
+    (r"2^{1/\sqrt{2}}", r"2^{\frac{\sqrt{2}}{2}}"),
+    (r"\frac{x^{2}-1}{x-1}", r"\frac{x^2 - 1}{x - 1}"),  # a division the gold leaves too
+    (r"\frac{1.5}{x}", r"\frac{3}{2x}"),
+    (r"\frac{x+1}{x^2+1}", r"\frac{x+1}{x^2+1}"),  # nothing shared
+    (r"\frac{1}{x(x+1)}", r"\frac{1}{x^2+x}"),
+    ("1.5(2x+4)", "3x+6"),  # a decimal that is not whole times a sum is not judged
     # one fraction in lowest terms for a gold sum of fractions with an unknown in a denominator
     (r"\frac{x+2}{2x}", r"\frac{1}{x}+\frac{1}{2}"),
     (r"\frac{-x-2}{2x}", r"-\frac{1}{x}-\frac{1}{2}"),

@@ -370,6 +370,10 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # arithmetic on numbers inside an expression: 99^2 + i for 9801 + i, x \le 99^2 for x \le 9801
     if _root_in_denominator(value) and not _root_in_denominator(gold_value):
         return False  # the "rationalise the denominator" question copied: \frac{6}{\sqrt{3}} for 2\sqrt{3}
+    if _fraction_in_denominator(value) and not _fraction_in_denominator(gold_value):
+        return False  # a complex fraction: \frac{1}{\frac{1}{x} + \frac{1}{y}} for \frac{xy}{x + y}
+    if _reducible(value) and not _reducible(gold_value):
+        return False  # a division left to do: \frac{x^4 - 1}{x - 1} for x^3 + x^2 + x + 1
     if (_factored(value) != _factored(gold_value) and not (is_equation(gold_expr) and is_equation(pred))
             and not _has_function(gold_value) and not _has_function(value)):
         # a product left to expand (x + 3)^2 for x^2 + 6x + 9, or the expansion for a factored gold answer: the
@@ -525,20 +529,55 @@ def _arithmetic_left(expr) -> list:
     return found
 
 
+def _in_denominator(expr, sought) -> bool:
+    """Whether a denominator of ``expr`` (a negative power's base; not inside an exponent or a function's argument)
+    has a part that ``sought`` accepts, read through sums, products and powers' bases."""
+    import sympy
+
+    def within(node) -> bool:
+        parts = [node.base] if node.is_Pow else node.args if node.is_Add or node.is_Mul else []
+        return sought(node) or any(map(within, parts))
+
+    def walk(node) -> bool:
+        if isinstance(node, sympy.Pow):
+            return (node.exp.is_negative and within(node.base)) or walk(node.base)
+        if isinstance(node, sympy.Function) or not isinstance(node, sympy.Basic):
+            return False
+        return any(map(walk, node.args))
+
+    try:
+        return walk(expr)
+    except Exception:
+        return False
+
+
 def _root_in_denominator(expr) -> bool:
     """A root of a number in a denominator (``\\frac{6}{\\sqrt{3}}``, ``\\frac{2}{1 + \\sqrt{3}}``): a denominator left
     to rationalise."""
+    return _in_denominator(expr, lambda node: _root(node) is not None)
+
+
+def _fraction_in_denominator(expr) -> bool:
+    """A fraction inside a denominator (``\\frac{1}{\\frac{1}{x} + \\frac{1}{y}}``, ``\\frac{x}{1 + \\frac{1}{x}}``): a
+    complex fraction left to simplify."""
+    return _in_denominator(expr, lambda node: node.is_Pow and node.exp.is_negative)
+
+
+def _reducible(expr) -> bool:
+    """A fraction whose numerator and denominator share a factor, a polynomial or a number (``\\frac{x^4 - 1}{x - 1}``,
+    ``\\frac{(x + 1)^4}{x + 1}``, ``\\frac{(3x + 3)^2}{9}``): a division left to do."""
     import sympy
 
-    def has_root(node) -> bool:  # in a sum, a product or a power's base; not in an exponent or a function
-        if _root(node) is not None:
-            return True
-        parts = [node.base] if node.is_Pow else node.args if node.is_Add or node.is_Mul else []
-        return any(map(has_root, parts))
+    def shares(node) -> bool:
+        parts = _flattened(node, sympy.Mul)
+        below = [part for part in parts if part.is_Pow and part.exp == -1]
+        if len(below) != 1 or node.atoms(sympy.Float):  # a decimal's gcd is a float 1.0, never 1
+            return False
+        numerator = sympy.expand(sympy.Mul(*[part for part in parts if part is not below[0]]))
+        return sympy.gcd(numerator, sympy.expand(below[0].base)) not in (1, -1)
 
     try:
-        return any(isinstance(node, sympy.Pow) and node.exp.is_negative and has_root(node.base)
-                   for node in sympy.preorder_traversal(expr))
+        return any(node.is_Mul and shares(node) for node in sympy.preorder_traversal(expr))
     except Exception:
         return False
 
@@ -646,13 +685,15 @@ def _factored(expr) -> bool:
             return [term for arg in node.args for term in terms(arg)]
         return [node]
 
-    def distributes(term) -> bool:  # the 3 of 3(x + 2)
-        parts = _flattened(term, sympy.Mul) if term.is_Mul else []
+    def distributes(term) -> bool:  # the 3 of 3(x + 2), \frac{3(x + 2)}{1}, 3.0(x + 2)
+        parts = [part.base if part.is_Pow and part.exp == 1 else part
+                 for part in (_flattened(term, sympy.Mul) if term.is_Mul else [])]
         coefficient = _coefficient(term) if parts else None
         polynomials = [part for part in parts if part.is_Add and part.free_symbols
                        and part.is_polynomial(*part.free_symbols)]
-        return (coefficient is not None and coefficient.is_Integer and abs(coefficient) > 1 and bool(polynomials)
-                and not any(part.is_Pow and part.exp.is_negative for part in parts))
+        return (coefficient is not None and coefficient.is_Number and coefficient % 1 == 0 and abs(coefficient) > 1
+                and bool(polynomials) and not any(part.is_Pow and part.exp.is_negative and _free_symbols(part.base)
+                                                  for part in parts))
 
     try:
         return factored(expr) or any(map(distributes, terms(expr)))
@@ -793,6 +834,9 @@ def _written_number(expr) -> bool:
     if isinstance(expr, sympy.Pow):
         base, exponent = expr.args
         if isinstance(base, (sympy.Pow, sympy.exp)):  # a power of a power: \frac{1}{\sqrt{2}}, not \sqrt{e^2}
+            root = exponent.is_Rational and exponent.p == 1 and base.exp.is_Integer and 0 < base.exp < exponent.q
+            if root and math.gcd(int(base.exp), exponent.q) == 1:
+                return _written_number(base)  # a root with nothing to take out: \sqrt[3]{e^2}
             return exponent == -1 and base.exp.is_positive and _written_number(base)
         if base == 10 and exponent.is_Integer:
             return True  # 10^{-3}
@@ -807,10 +851,11 @@ def _written_number(expr) -> bool:
         return False
     if isinstance(expr, sympy.Mul):
         numbers = [f for f in expr.args if isinstance(f, sympy.Number) and abs(f) != 1]
-        powers = [_base_and_exponent(f) for f in _flattened(expr, sympy.Mul)]
-        constants = [base for base, exponent in powers if not base.is_Number and exponent.is_Integer]
-        if len(constants) != len(set(constants)):
-            return False  # whole powers of one constant to combine: e \cdot e, \frac{e^3}{e^2} (not \pi\sqrt{\pi})
+        factors = map(_base_and_exponent, _flattened(expr, sympy.Mul))
+        powers = [(base, exponent.is_Integer) for base, exponent in factors if not base.is_Number]
+        # two whole powers or two roots of one constant: e \cdot e, \frac{e^3}{e^2}, \frac{e^{3/2}}{e^{1/2}}
+        if len(powers) != len(set(powers)):
+            return False  # (a whole power times a root is written: \pi\sqrt{\pi})
         return len(numbers) <= 1 and all(_written_number(f) for f in expr.args)
     return False
 
