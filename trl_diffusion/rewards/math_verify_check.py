@@ -625,26 +625,20 @@ def _power_of_power(expr) -> bool:
 
 
 def _shared_factor(product) -> bool:
-    """Whether a fraction's numerator and denominator share an integer factor, counting the numbers of each and the
-    common factor of a sum's terms (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``,
-    ``\\frac{6}{3x + 6}``, ``\\frac{2x + 2}{4x}``): a fraction left to reduce."""
+    """Whether a product's numbers have a denominator that shares a factor with every term of a sum in it
+    (``\\frac{4x + 6}{2}``, ``\\frac{1}{2}(4x + 6)``, ``\\frac{2 + 2\\sqrt{5}}{4}``): a fraction left to reduce."""
     import sympy
-
-    def content(part) -> int:  # the integer a sum's terms share (2 of 4x + 6, 1 of x + \frac{1}{2}), a factor's number
-        coefficients = [_coefficient(term) for term in (part.args if part.is_Add else [part])]
-        return math.gcd(*map(int, coefficients)) if all(c is not None and c.is_Integer for c in coefficients) else 1
 
     value = _coefficient(product)
     if value is None or not value.is_Rational:
         return False
-    top, bottom = abs(value.p), value.q
     for part in _flattened(product, sympy.Mul):
-        if part.is_Add:
-            top *= content(part)
-        elif part.is_Pow and part.exp == -1 and _rational_value(part) is None:
-            for factor in _flattened(part.base, sympy.Mul) if part.base.is_Mul else [part.base]:
-                bottom *= content(factor)
-    return math.gcd(top, bottom) > 1
+        if isinstance(part, sympy.Add):
+            coefficients = [_coefficient(term) for term in part.args]
+            if all(c is not None and c.is_Integer for c in coefficients):
+                if math.gcd(value.q, *(int(c) for c in coefficients)) > 1:
+                    return True
+    return False
 
 
 def _coefficient(term):
