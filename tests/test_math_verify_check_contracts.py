@@ -409,6 +409,8 @@ ACCEPTED = [
     (r"2^{1/\sqrt{2}}", r"2^{\frac{\sqrt{2}}{2}}"),
     (r"\frac{x^{2}-1}{x-1}", r"\frac{x^2 - 1}{x - 1}"),  # a division the gold leaves too
     (r"\frac{1.5}{x}", r"\frac{3}{2x}"),
+    (r"\frac{\log 3}{\log 2}", r"\log_2 3"),  # the change of base: log(3, 10) and log(2, 10) share only 1/log(10)
+    (r"\frac{\log x}{\log 2}", r"\log_2 x"),
     (r"\frac{x+1}{x^2+1}", r"\frac{x+1}{x^2+1}"),  # nothing shared
     (r"\frac{1}{x(x+1)}", r"\frac{1}{x^2+x}"),
     ("1.5(2x+4)", "3x+6"),  # a decimal that is not whole times a sum is not judged

@@ -571,10 +571,12 @@ def _reducible(expr) -> bool:
     def shares(node) -> bool:
         parts = _flattened(node, sympy.Mul)
         below = [part for part in parts if part.is_Pow and part.exp == -1]
-        if len(below) != 1 or node.atoms(sympy.Float):  # a decimal's gcd is a float 1.0, never 1
+        if len(below) != 1:
             return False
         numerator = sympy.expand(sympy.Mul(*[part for part in parts if part is not below[0]]))
-        return sympy.gcd(numerator, sympy.expand(below[0].base)) not in (1, -1)
+        shared = sympy.gcd(numerator, sympy.expand(below[0].base))
+        # a polynomial or an integer; not a constant sympy finds in both (the 1/log(10) of \frac{\log 5}{\log 3})
+        return bool(_free_symbols(shared)) or (shared.is_Integer and abs(shared) != 1)
 
     try:
         return any(node.is_Mul and shares(node) for node in sympy.preorder_traversal(expr))
