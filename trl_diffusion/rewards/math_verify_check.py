@@ -563,18 +563,28 @@ def _fraction_in_denominator(expr) -> bool:
     return _in_denominator(expr, lambda node: node.is_Pow and node.exp.is_negative)
 
 
+def _fraction_parts(node) -> tuple | None:
+    """The numerator and denominator of a product with one reciprocal factor (``x + 2`` and ``2x`` of
+    ``\\frac{x + 2}{2x}``), else ``None``."""
+    import sympy
+
+    parts = _flattened(node, sympy.Mul) if node.is_Mul else [node]
+    below = [part for part in parts if part.is_Pow and part.exp == -1]
+    if len(below) != 1:
+        return None
+    return sympy.Mul(*[part for part in parts if part is not below[0]]), below[0].base
+
+
 def _reducible(expr) -> bool:
     """A fraction whose numerator and denominator share a factor, a polynomial or a number (``\\frac{x^4 - 1}{x - 1}``,
     ``\\frac{(x + 1)^4}{x + 1}``, ``\\frac{(3x + 3)^2}{9}``): a division left to do."""
     import sympy
 
     def shares(node) -> bool:
-        parts = _flattened(node, sympy.Mul)
-        below = [part for part in parts if part.is_Pow and part.exp == -1]
-        if len(below) != 1:
+        fraction = _fraction_parts(node)
+        if fraction is None:
             return False
-        numerator = sympy.expand(sympy.Mul(*[part for part in parts if part is not below[0]]))
-        shared = sympy.gcd(numerator, sympy.expand(below[0].base))
+        shared = sympy.gcd(*map(sympy.expand, fraction))
         # a polynomial or an integer; not a constant sympy finds in both (the 1/log(10) of \frac{\log 5}{\log 3})
         return bool(_free_symbols(shared)) or (shared.is_Integer and abs(shared) != 1)
 
@@ -887,8 +897,7 @@ def _one_fraction(value, gold) -> bool:
         return len(terms) != len(set(terms))
 
     try:
-        parts = _flattened(value, sympy.Mul) if value.is_Mul else [value]
-        return (sum(part.is_Pow and part.exp == -1 for part in parts) == 1
+        return (_fraction_parts(value) is not None
                 and not any(like_terms(node) for node in sympy.preorder_traversal(value) if node.is_Add)
                 and _operation_count(value) <= _operation_count(sympy.cancel(gold)))
     except Exception:
