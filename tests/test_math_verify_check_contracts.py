@@ -286,6 +286,22 @@ REFUSED = {
     "a number times a sum over one": (r"\frac{3(x+2)}{1}", "3x+6"),
     "a number times a sum to the first power": ("3(x+2)^{1}", "3x+6"),
     "a whole decimal times a sum": ("3.0(x+2)", "3x+6"),
+    # a fourth pass: the same rules inside a matrix, roots of a number times an unknown, a root's index to reduce
+    "a root in a denominator inside a matrix": (r"\begin{pmatrix} \frac{6}{\sqrt{3}} \\ 1 \end{pmatrix}",
+                                                 r"\begin{pmatrix} 2\sqrt{3} \\ 1 \end{pmatrix}"),
+    "a complex fraction inside a matrix": (r"\begin{pmatrix} x \\ \frac{x}{1+\frac{1}{x}} \end{pmatrix}",
+                                           r"\begin{pmatrix} x \\ \frac{x^2}{x+1} \end{pmatrix}"),
+    "a product to expand inside a matrix": (r"\begin{pmatrix} (x+1)(x-1) & 0 \\ 0 & 1 \end{pmatrix}",
+                                            r"\begin{pmatrix} x^2-1 & 0 \\ 0 & 1 \end{pmatrix}"),
+    "a number times a sum inside a matrix": (r"\begin{pmatrix} 3(x+2) \\ 2(x-1) \end{pmatrix}",
+                                             r"\begin{pmatrix} 3x+6 \\ 2x-2 \end{pmatrix}"),
+    "a root of a number times an unknown in a denominator": (r"\frac{6}{\sqrt{3x}}", r"\frac{2\sqrt{3x}}{x}"),
+    "a root of a number times a constant in a denominator": (r"\frac{1}{\sqrt{2\pi}}", r"\frac{\sqrt{2\pi}}{2\pi}"),
+    "a root's index to reduce": (r"\sqrt[4]{4}", r"\sqrt{2}"),
+    "a sixth root of a cube": (r"\sqrt[6]{8}", r"\sqrt{2}"),
+    "powers of e over a number times e": (r"\frac{e^3}{2e}", r"\frac{e^2}{2}"),
+    "a sum of powers of e over e": (r"\frac{e^2+e}{e}", "e+1"),
+    "powers of e over a number times a power of e": (r"\frac{e^5}{3e^2}", r"\frac{e^3}{3}"),
     # a denominator left to rationalise: a root of a number in it (and the gold answer has none)
     "a square root in a denominator": (r"\frac{1}{\sqrt{2}}", r"\frac{\sqrt{2}}{2}"),
     "a square root in a denominator, over a number": (r"\frac{2}{\sqrt{3}}", r"\frac{2\sqrt{3}}{3}"),
@@ -414,6 +430,13 @@ ACCEPTED = [
     (r"\frac{x+1}{x^2+1}", r"\frac{x+1}{x^2+1}"),  # nothing shared
     (r"\frac{1}{x(x+1)}", r"\frac{1}{x^2+x}"),
     ("1.5(2x+4)", "3x+6"),  # a decimal that is not whole times a sum is not judged
+    (r"\frac{1}{\sqrt{x}}", r"\frac{1}{\sqrt{x}}"),  # a root of an unknown alone is not judged
+    (r"\frac{1}{\sqrt{xy}}", r"\frac{\sqrt{xy}}{xy}"),  # nor a root of unknowns
+    (r"\frac{1}{\sqrt{2\pi}}", r"\frac{1}{\sqrt{2 \pi}}"),
+    (r"\sqrt[3]{2}", r"2^{1/3}"),
+    (r"\frac{\pi}{2e}", r"\frac{\pi}{2e}"),
+    (r"\frac{e}{e+1}", r"\frac{e}{1+e}"),
+    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"),
     # one fraction in lowest terms for a gold sum of fractions with an unknown in a denominator
     (r"\frac{x+2}{2x}", r"\frac{1}{x}+\frac{1}{2}"),
     (r"\frac{-x-2}{2x}", r"-\frac{1}{x}-\frac{1}{2}"),

@@ -512,8 +512,8 @@ def _arithmetic_left(expr) -> list:
         elif isinstance(node, sympy.Pow):
             parts = list(node.args)
             root = _root(node)
-            if root is not None and root.is_Mul:
-                found.append(root)  # \sqrt{48} is 4\sqrt{3}
+            if root is not None and (root.is_Mul or (root.is_Pow and root.base != node.base)):
+                found.append(root)  # \sqrt{48} is 4\sqrt{3}, \sqrt[4]{4} is \sqrt{2}
             power = _power_of_numbers(node)
             if power is not None:
                 found.append(power)
@@ -539,6 +539,8 @@ def _in_denominator(expr, sought) -> bool:
         return sought(node) or any(map(within, parts))
 
     def walk(node) -> bool:
+        if isinstance(node, sympy.MatrixBase):
+            return any(map(walk, node))
         if isinstance(node, sympy.Pow):
             return (node.exp.is_negative and within(node.base)) or walk(node.base)
         if isinstance(node, sympy.Function) or not isinstance(node, sympy.Basic):
@@ -552,9 +554,17 @@ def _in_denominator(expr, sought) -> bool:
 
 
 def _root_in_denominator(expr) -> bool:
-    """A root of a number in a denominator (``\\frac{6}{\\sqrt{3}}``, ``\\frac{2}{1 + \\sqrt{3}}``): a denominator left
-    to rationalise."""
-    return _in_denominator(expr, lambda node: _root(node) is not None)
+    """A root of a number, or of a number times an unknown, in a denominator (``\\frac{6}{\\sqrt{3}}``,
+    ``\\frac{2}{1 + \\sqrt{3}}``, ``\\frac{6}{\\sqrt{3x}}``): a denominator left to rationalise."""
+    import sympy
+
+    def root_of_number(node) -> bool:  # \sqrt{3}, or a root of a number times an unknown: \sqrt{3x}, \sqrt{2\pi}
+        if _root(node) is not None:
+            return True
+        return (node.is_Pow and node.exp.is_Rational and not node.exp.is_Integer and node.base.is_Mul
+                and any(_rational_value(f) not in (None, 1, -1) for f in _flattened(node.base, sympy.Mul)))
+
+    return _in_denominator(expr, root_of_number)
 
 
 def _fraction_in_denominator(expr) -> bool:
@@ -585,8 +595,9 @@ def _reducible(expr) -> bool:
         if fraction is None:
             return False
         shared = sympy.gcd(*map(sympy.expand, fraction))
-        # a polynomial or an integer; not a constant sympy finds in both (the 1/log(10) of \frac{\log 5}{\log 3})
-        return bool(_free_symbols(shared)) or (shared.is_Integer and abs(shared) != 1)
+        # a polynomial, an integer, e or \pi; not a constant sympy finds in both (1/log(10) of \frac{\log 5}{\log 3})
+        constant = shared.atoms(sympy.NumberSymbol)
+        return bool(_free_symbols(shared) or constant) or (shared.is_Integer and abs(shared) != 1)
 
     try:
         return any(node.is_Mul and shares(node) for node in sympy.preorder_traversal(expr))
@@ -684,9 +695,13 @@ def _factored(expr) -> bool:
             sums = [part for part in parts if part.is_Add]
             if len(sums) > 1 or (any(_free_symbols(part) for part in sums) and any(map(unknown_factor, parts))):
                 return True
+        if isinstance(node, sympy.MatrixBase):
+            return any(map(factored, node))
         return isinstance(node, sympy.Basic) and any(factored(arg) for arg in node.args)
 
-    def terms(node) -> list:  # through sums, relations, sets, tuples and intervals; not into products or powers
+    def terms(node) -> list:  # through sums, relations, sets, tuples, intervals, matrices; not products or powers
+        if isinstance(node, sympy.MatrixBase):
+            return [term for entry in node for term in terms(entry)]
         if isinstance(node, (sympy.Add, Relational, sympy.FiniteSet, sympy.Tuple, sympy.Interval)):
             return [term for arg in node.args for term in terms(arg)]
         return [node]
@@ -857,8 +872,11 @@ def _written_number(expr) -> bool:
         return False
     if isinstance(expr, sympy.Mul):
         numbers = [f for f in expr.args if isinstance(f, sympy.Number) and abs(f) != 1]
-        factors = map(_base_and_exponent, _flattened(expr, sympy.Mul))
-        powers = [(base, exponent.is_Integer) for base, exponent in factors if not base.is_Number]
+        powers = []
+        for factor in _flattened(expr, sympy.Mul):
+            base, exponent = _base_and_exponent(factor)
+            inner = _flattened(base, sympy.Mul) if base.is_Mul else [base]  # the 2 and the e of \frac{1}{2e}
+            powers += [(b, (e * exponent).is_Integer) for b, e in map(_base_and_exponent, inner) if not b.is_Number]
         # two whole powers or two roots of one constant: e \cdot e, \frac{e^3}{e^2}, \frac{e^{3/2}}{e^{1/2}}
         if len(powers) != len(set(powers)):
             return False  # (a whole power times a root is written: \pi\sqrt{\pi})
