@@ -434,6 +434,8 @@ ACCEPTED = [
     (r"\frac{1}{\sqrt{xy}}", r"\frac{\sqrt{xy}}{xy}"),  # nor a root of unknowns
     (r"\frac{1}{\sqrt{2\pi}}", r"\frac{1}{\sqrt{2 \pi}}"),
     (r"\sqrt[3]{2}", r"2^{1/3}"),
+    (r"\sqrt[3]{4}", "2^{2/3}"),  # a root whose index cannot be reduced, of a power of a smaller base
+    (r"\sqrt[4]{8}", "2^{3/4}"),
     (r"\frac{\pi}{2e}", r"\frac{\pi}{2e}"),
     (r"\frac{e}{e+1}", r"\frac{e}{1+e}"),
     (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"),

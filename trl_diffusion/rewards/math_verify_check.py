@@ -512,8 +512,8 @@ def _arithmetic_left(expr) -> list:
         elif isinstance(node, sympy.Pow):
             parts = list(node.args)
             root = _root(node)
-            if root is not None and (root.is_Mul or (root.is_Pow and root.base != node.base)):
-                found.append(root)  # \sqrt{48} is 4\sqrt{3}, \sqrt[4]{4} is \sqrt{2}
+            if root is not None and (root.is_Mul or (root.is_Pow and root.exp.q < node.exp.q)):
+                found.append(root)  # \sqrt{48} is 4\sqrt{3}, \sqrt[4]{4} is \sqrt{2} (\sqrt[3]{4} is written)
             power = _power_of_numbers(node)
             if power is not None:
                 found.append(power)
