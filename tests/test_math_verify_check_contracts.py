@@ -387,7 +387,7 @@ ACCEPTED = [
     (r"\frac{1}{2}(x+1)", r"\frac{x+1}{2}"),  # the reciprocal of an integer times a sum is a fraction
     (r"\frac{x+1}{2}", r"\frac{x}{2}+\frac{1}{2}"),
     ("-(x-2)", "2-x"),  # a sign
-    ("3(x+2)", "3(x+2)"),  # a number times a sum the gold writes too
+    ("3(x+2)", "3(2+x)"),  # a number times a sum the gold writes too
     # only an integer times a polynomial, as a term of the answer, is judged
     (r"\frac{3}{2}(x+1)", r"\frac{3}{2}x+\frac{3}{2}"),
     ("0.5(x+1)", "0.5x+0.5"),
@@ -400,7 +400,7 @@ ACCEPTED = [
     (r"\frac{1}{\sqrt{x}}", r"\frac{\sqrt{x}}{x}"),  # a root of an unknown is not judged
     (r"\frac{2}{3(x+2)}", r"\frac{2}{3x+6}"),  # numbers in lowest terms across the fraction
     (r"-\frac{1}{3x}", r"\frac{-1}{3x}"),
-    (r"\frac{5}{6y}", r"\frac{5}{6y}"),
+    (r"\frac{5}{6y}", r"\frac{5y^{-1}}{6}"),
     ("e^{-1}", r"\frac{1}{e}"),  # a power of e is a written number
     ("e^{1/2}", r"\sqrt{e}"),
     (r"\frac{x}{\sqrt{2}}", r"\frac{1}{\sqrt{2}} x"),  # a root in a denominator the gold has too
@@ -430,15 +430,15 @@ ACCEPTED = [
     (r"\frac{x+1}{x^2+1}", r"\frac{x+1}{x^2+1}"),  # nothing shared
     (r"\frac{1}{x(x+1)}", r"\frac{1}{x^2+x}"),
     ("1.5(2x+4)", "3x+6"),  # a decimal that is not whole times a sum is not judged
-    (r"\frac{1}{\sqrt{x}}", r"\frac{1}{\sqrt{x}}"),  # a root of an unknown alone is not judged
+    (r"\frac{1}{\sqrt{x}}", "x^{-1/2}"),  # a root of an unknown alone is not judged
     (r"\frac{1}{\sqrt{xy}}", r"\frac{\sqrt{xy}}{xy}"),  # nor a root of unknowns
     (r"\frac{1}{\sqrt{2\pi}}", r"\frac{1}{\sqrt{2 \pi}}"),
     (r"\sqrt[3]{2}", r"2^{1/3}"),
     (r"\sqrt[3]{4}", "2^{2/3}"),  # a root whose index cannot be reduced, of a power of a smaller base
     (r"\sqrt[4]{8}", "2^{3/4}"),
-    (r"\frac{\pi}{2e}", r"\frac{\pi}{2e}"),
+    (r"\frac{\pi}{2e}", r"\frac{\pi e^{-1}}{2}"),
     (r"\frac{e}{e+1}", r"\frac{e}{1+e}"),
-    (r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}", r"\begin{pmatrix} 1 & 2 \\ 3 & 4 \end{pmatrix}"),
+    (r"\begin{pmatrix} x+1 \\ 2 \end{pmatrix}", r"\begin{pmatrix} 1+x \\ 2 \end{pmatrix}"),
     # one fraction in lowest terms for a gold sum of fractions with an unknown in a denominator
     (r"\frac{x+2}{2x}", r"\frac{1}{x}+\frac{1}{2}"),
     (r"\frac{-x-2}{2x}", r"-\frac{1}{x}-\frac{1}{2}"),
