@@ -75,6 +75,27 @@ class CgroupRoot:
         except (OSError, ValueError, IndexError):
             return None
 
+    def remove_orphans(self) -> list[str]:
+        """Remove the per-run cgroups of this controller whose creator (the pid in the name) is not running and that
+        hold no process (the kernel refuses to remove one that does); returns their paths. A trainer killed during a
+        run (SIGTERM, SIGKILL) leaves its run's cgroups; the sandbox itself dies with it."""
+        removed = []
+        prefix = f"trl_sandbox_{self.controller}_"
+        try:
+            names = [name for name in os.listdir(self.path) if name.startswith(prefix)]
+        except OSError:
+            return removed
+        for name in names:
+            pid = name[len(prefix) :].split("_")[0]
+            if not pid.isdigit() or _running(int(pid)):
+                continue
+            try:
+                os.rmdir(os.path.join(self.path, name))
+                removed.append(os.path.join(self.path, name))
+            except OSError:  # still holds a process, or gone already
+                pass
+        return removed
+
     def destroy(self, path: str) -> bool:
         """SIGKILL every process left in the cgroup, then remove it; ``False`` if it could not be removed."""
         deadline = time.monotonic() + 5.0
@@ -182,6 +203,16 @@ def _v2_delegates_memory(directory: str) -> bool:
         return True
     except OSError:
         return False
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists
+        return True
+    return True
 
 
 def _pids(path: str) -> list[int]:

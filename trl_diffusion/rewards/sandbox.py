@@ -448,17 +448,19 @@ def _run_once(
     """One sandbox process running ``job`` (program, specs) with a given launcher prefix and cgroup choice; its
     output and its report are each capped at ``limits.max_output_bytes``."""
     from .cgroup import cpu_cgroup_root, memory_cgroup_root
+    from .leftovers import new_workdir, sweep_once
 
     launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cpu_root = cpu_cgroup_root() if use_cgroup else None
+    sweep_once((cgroup_root, cpu_root))  # what trainers killed during a run left behind
     cgroup = cpu_cgroup = workdir = None
     proc: subprocess.Popen | None = None
-    read_fd = write_fd = init_fd = -1
+    read_fd = write_fd = init_fd = workdir_lock = -1
     try:
-        workdir = tempfile.mkdtemp(prefix="trl_diffusion_sandbox_")  # inside: an interrupt leaves none behind
+        workdir, workdir_lock = new_workdir()  # inside: an interrupt leaves none behind
         read_fd, write_fd = os.pipe()
         os.chmod(workdir, 0o700)
         if drop is not None:
@@ -534,6 +536,8 @@ def _run_once(
                 os.close(fd)
         if workdir is not None:
             _rmtree(workdir)
+        if workdir_lock >= 0:
+            os.close(workdir_lock)  # after the removal: a sweep never takes a directory still being removed
 
 
 def _destroy_cgroup(root: Any, path: str) -> None:

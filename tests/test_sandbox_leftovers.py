@@ -1,0 +1,150 @@
+"""A trainer killed during a code-reward run (SIGTERM: a preempted job, ``torchrun`` stopping its workers) skips the
+run's ``finally`` and leaves the run's directory and cgroups; the next process's first run removes them, and never a
+directory or cgroup a live run still uses."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
+from trl_diffusion.rewards.leftovers import WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
+
+_SLEEPER = """
+import sys
+from trl_diffusion.rewards.sandbox import SandboxLimits, _get_launcher, run_tests
+_get_launcher(sys.executable, None)  # the launcher probe's own runs are over
+print("probed", flush=True)
+run_tests("import time\\ntime.sleep(100)\\n", ["assert True"], SandboxLimits(timeout=5))
+"""
+_QUICK = """
+from trl_diffusion.rewards.sandbox import run_tests
+result = run_tests("x = 1\\n", ["assert x == 1"])
+print(result.status, result.passed)
+"""
+
+
+def _workdirs(directory) -> list[str]:
+    return sorted(name for name in os.listdir(directory) if name.startswith(WORKDIR_PREFIX))
+
+
+def _cgroups_of(pid: int) -> list[str]:
+    roots = [root for root in (memory_cgroup_root(), cpu_cgroup_root()) if root is not None]
+    return [
+        os.path.join(root.path, name) for root in roots for name in os.listdir(root.path) if f"_{pid}_" in name
+    ]
+
+
+def _processes_in(cgroups: list[str]) -> list[str]:
+    procs = []
+    for path in cgroups:
+        with open(os.path.join(path, "cgroup.procs"), encoding="ascii") as f:
+            procs += f.read().split()
+    return procs
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_run_killed_by_sigterm_is_cleaned_up_by_the_next_process(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    sleeper = subprocess.Popen([sys.executable, "-c", _SLEEPER], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert sleeper.stdout.readline().strip() == "probed"
+        deadline = time.monotonic() + 60
+        while not (_workdirs(tmp_path) and (memory_cgroup_root() is None or _cgroups_of(sleeper.pid))):
+            assert time.monotonic() < deadline and sleeper.poll() is None, "the run never started"
+            time.sleep(0.1)
+        time.sleep(0.5)  # the program is running
+        sleeper.send_signal(signal.SIGTERM)
+        assert sleeper.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
+    left = _workdirs(tmp_path)
+    assert len(left) == 1  # what the killed trainer left
+    if memory_cgroup_root() is not None:
+        left_cgroups = _cgroups_of(sleeper.pid)
+        assert left_cgroups
+        deadline = time.monotonic() + 30  # the sandbox outlives its trainer up to its own time limit (5 s)
+        while _processes_in(left_cgroups) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _processes_in(left_cgroups) == []
+    old = time.time() - 3600
+    os.utime(tmp_path / left[0], (old, old))  # a minute has passed
+
+    quick = subprocess.run([sys.executable, "-c", _QUICK], env=env, capture_output=True, text=True, timeout=120)
+    assert quick.stdout.split() == ["ok", "1"], quick.stderr
+    assert _workdirs(tmp_path) == []
+    assert _cgroups_of(sleeper.pid) == []
+
+
+def test_only_unheld_old_sandbox_directories_are_removed(tmp_path, monkeypatch):
+    old = time.time() - 3600
+    orphan = tmp_path / f"{WORKDIR_PREFIX}orphan"
+    (orphan / "inner").mkdir(parents=True)
+    (orphan / "inner" / "f").write_text("left")
+    young = tmp_path / f"{WORKDIR_PREFIX}young"
+    young.mkdir()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "kept.txt").write_text("the host's")
+    os.symlink(outside, tmp_path / f"{WORKDIR_PREFIX}link")  # a link is never followed
+    (tmp_path / f"{WORKDIR_PREFIX}file").write_text("not a directory")
+    other = tmp_path / "unrelated_dir"
+    other.mkdir()
+    for path in (orphan, outside, other):
+        os.utime(path, (old, old))
+    (tmp_path / "live").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "live"))
+    held_path, held_fd = new_workdir()  # a live run's directory: held by this process
+    try:
+        os.utime(held_path, (old, old))
+        assert remove_orphaned_workdirs(str(tmp_path), min_age=60) == [str(orphan)]
+        assert remove_orphaned_workdirs(os.path.dirname(held_path), min_age=0) == []
+        assert os.path.isdir(held_path)
+    finally:
+        os.rmdir(held_path)
+        os.close(held_fd)
+    assert young.is_dir() and other.is_dir() and (outside / "kept.txt").read_text() == "the host's"
+    assert (tmp_path / f"{WORKDIR_PREFIX}link").is_symlink() and (tmp_path / f"{WORKDIR_PREFIX}file").is_file()
+    assert remove_orphaned_workdirs(str(tmp_path), min_age=0) == [str(young)]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
+def test_a_directory_of_another_user_is_kept(tmp_path):
+    theirs = tmp_path / f"{WORKDIR_PREFIX}theirs"
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    per_run = tmp_path / f"{WORKDIR_PREFIX}per_run_uid"
+    per_run.mkdir()
+    os.chown(per_run, 100_000_123, 100_000_123)  # a sandbox's own uid (root runs each sandbox as a fresh one)
+    assert remove_orphaned_workdirs(str(tmp_path), min_age=0) == [str(per_run)]
+    assert theirs.is_dir()
+
+
+def test_a_cgroup_is_removed_only_when_its_creator_is_gone_and_it_is_empty(tmp_path):
+    dead = _dead_pid()
+    root = CgroupRoot(str(tmp_path), 1, "memory")
+    names = {
+        "orphan": f"trl_sandbox_memory_{dead}_0",
+        "busy": f"trl_sandbox_memory_{dead}_1",  # a cgroup that still holds a process refuses rmdir; so does this
+        "own": f"trl_sandbox_memory_{os.getpid()}_0",
+        "live": f"trl_sandbox_memory_{os.getppid()}_0",
+        "cpu": f"trl_sandbox_cpu_{dead}_0",  # another controller's root sweeps it
+        "unrelated": f"other_{dead}_0",
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    (tmp_path / names["busy"] / "cgroup.procs").write_text("1\n")
+    assert root.remove_orphans() == [str(tmp_path / names["orphan"])]
+    assert sorted(os.listdir(tmp_path)) == sorted(name for key, name in names.items() if key != "orphan")
+    assert CgroupRoot(str(tmp_path), 1, "cpu").remove_orphans() == [str(tmp_path / names["cpu"])]

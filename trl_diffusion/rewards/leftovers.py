@@ -1,0 +1,99 @@
+"""What a sandbox run leaves behind when the trainer is killed mid-run, and its removal by the next trainer.
+
+A run's parent removes the run's working directory and cgroups in a ``finally``. A SIGTERM or SIGKILL (a preempted
+job, ``torchrun`` stopping its workers, a scheduler's time limit) ends the process without it. The sandbox itself
+ends at its own time limit at the latest (its watchdog kills its process group), so what is left is the directory
+(with whatever the program wrote to it where no tmpfs was mounted over it) and empty cgroups. The first sandbox run
+of each process removes what dead processes left:
+
+* a working directory is in use while its creator holds an ``flock`` on it, which the kernel releases when the
+  holder dies, however it dies (a PID namespace or a reused pid cannot fool it). A directory with the sandbox's
+  prefix that nobody holds, and that was last modified over a minute ago (so no live run is between making it and
+  locking it), is removed.
+* a per-run cgroup is named after its creator's pid. One whose creator is not running is removed when it holds no
+  process (the kernel refuses to remove a cgroup that does).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import tempfile
+import threading
+import time
+
+__all__ = ["WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_once"]
+
+WORKDIR_PREFIX = "trl_diffusion_sandbox_"
+_MIN_AGE = 60.0
+_SWEPT = threading.Event()
+_SWEEP_LOCK = threading.Lock()
+
+
+def new_workdir() -> tuple[str, int]:
+    """A fresh directory in the host's temp directory for one run, and a descriptor holding an exclusive ``flock`` on
+    it (the mark of a directory in use); close the descriptor after removing the directory."""
+    path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+    fd = -1
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BaseException:
+        if fd >= 0:
+            os.close(fd)
+        os.rmdir(path)
+        raise
+    return path, fd
+
+
+def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN_AGE) -> list[str]:
+    """Remove the sandbox directories in ``directory`` (default: the temp directory) that no live process holds and
+    that were last modified more than ``min_age`` seconds ago; returns their paths.
+
+    Only directories (never links) owned by this user are taken, or, as root, by root or a per-run uid."""
+    from .sandbox import _UID_BASE, _rmtree
+
+    directory = directory or tempfile.gettempdir()
+    uid = os.geteuid()
+    removed = []
+    try:
+        entries = [entry for entry in os.scandir(directory) if entry.name.startswith(WORKDIR_PREFIX)]
+    except OSError:
+        return removed
+    for entry in entries:
+        fd = -1
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            info = os.fstat(fd)
+            owned = info.st_uid == uid or (uid == 0 and info.st_uid >= _UID_BASE)
+            if not owned or time.time() - info.st_mtime < min_age:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live run holds it
+            _rmtree(entry.path)
+            removed.append(entry.path)
+        except OSError:  # a link (ELOOP), not a directory, held by a live run, or gone already
+            continue
+        finally:
+            if fd >= 0:
+                os.close(fd)
+    return removed
+
+
+def sweep_once(cgroup_roots: tuple[object, ...] = ()) -> None:
+    """Once per process: remove the working directories and cgroups (under each of ``cgroup_roots``, a
+    :class:`~trl_diffusion.rewards.cgroup.CgroupRoot` or ``None``) that processes killed mid-run left behind."""
+    if _SWEPT.is_set():
+        return
+    with _SWEEP_LOCK:
+        if _SWEPT.is_set():
+            return
+        removed = remove_orphaned_workdirs()
+        removed += [path for root in cgroup_roots if root is not None for path in root.remove_orphans()]
+        _SWEPT.set()
+    if removed:
+        logging.getLogger(__name__).info(
+            "Removed %d sandbox directories and cgroups left by processes killed during a run: %s",
+            len(removed),
+            ", ".join(removed[:5]) + (" ..." if len(removed) > 5 else ""),
+        )
