@@ -19,7 +19,7 @@ import sys
 from trl_diffusion.rewards.sandbox import SandboxLimits, _get_launcher, run_tests
 _get_launcher(sys.executable, None)  # the launcher probe's own runs are over
 print("probed", flush=True)
-run_tests("import time\\ntime.sleep(100)\\n", ["assert True"], SandboxLimits(timeout=5))
+run_tests("import time\\ntime.sleep(100)\\n", ["assert True"], SandboxLimits(timeout=120))
 """
 _QUICK = """
 from trl_diffusion.rewards.sandbox import run_tests
@@ -39,12 +39,29 @@ def _cgroups_of(pid: int) -> list[str]:
     ]
 
 
-def _processes_in(cgroups: list[str]) -> list[str]:
-    procs = []
-    for path in cgroups:
-        with open(os.path.join(path, "cgroup.procs"), encoding="ascii") as f:
-            procs += f.read().split()
-    return procs
+def _descendants(pid: int) -> set[int]:
+    """The processes below ``pid`` (from /proc): the sandbox's launcher and everything in it."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            parents[int(entry)] = int(fields[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _dead_pid() -> int:
@@ -53,7 +70,7 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_a_run_killed_by_sigterm_is_cleaned_up_by_the_next_process(tmp_path):
+def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_up(tmp_path):
     env = {**os.environ, "TMPDIR": str(tmp_path)}
     sleeper = subprocess.Popen([sys.executable, "-c", _SLEEPER], env=env, stdout=subprocess.PIPE, text=True)
     try:
@@ -63,21 +80,22 @@ def test_a_run_killed_by_sigterm_is_cleaned_up_by_the_next_process(tmp_path):
             assert time.monotonic() < deadline and sleeper.poll() is None, "the run never started"
             time.sleep(0.1)
         time.sleep(0.5)  # the program is running
+        sandbox = _descendants(sleeper.pid)
+        assert sandbox
         sleeper.send_signal(signal.SIGTERM)
         assert sleeper.wait(timeout=30) == -signal.SIGTERM
     finally:
         if sleeper.poll() is None:
             sleeper.kill()
             sleeper.wait()
+    deadline = time.monotonic() + 20  # well inside the run's time limit (120 s): it died with its trainer
+    while any(_alive(pid) for pid in sandbox) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in sandbox)
     left = _workdirs(tmp_path)
     assert len(left) == 1  # what the killed trainer left
     if memory_cgroup_root() is not None:
-        left_cgroups = _cgroups_of(sleeper.pid)
-        assert left_cgroups
-        deadline = time.monotonic() + 30  # the sandbox outlives its trainer up to its own time limit (5 s)
-        while _processes_in(left_cgroups) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _processes_in(left_cgroups) == []
+        assert _cgroups_of(sleeper.pid)
     old = time.time() - 3600
     os.utime(tmp_path / left[0], (old, old))  # a minute has passed
 

@@ -2,7 +2,7 @@
 
 A run's parent removes the run's working directory and cgroups in a ``finally``. A SIGTERM or SIGKILL (a preempted
 job, ``torchrun`` stopping its workers, a scheduler's time limit) ends the process without it. The sandbox itself
-ends at its own time limit at the latest (its watchdog kills its process group), so what is left is the directory
+ends with its parent (its watchdog watches a pipe only the parent writes to), so what is left is the directory
 (with whatever the program wrote to it where no tmpfs was mounted over it) and empty cgroups. The first sandbox run
 of each process removes what dead processes left:
 

@@ -19,8 +19,9 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   any shared memory, and a CPU cgroup (cgroup v1's ``cpu`` hierarchy, or the memory cgroup under v2) that gives
   the run one CPU share, however many processes it starts;
 * starts ``python -I -c <this file>`` with an EMPTY environment except ``PATH=/usr/bin:/bin``, all other file
-  descriptors closed except the report pipe, in a new session; when ``unshare`` works on this machine it is wrapped in
-  ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also ``--user --map-root-user``);
+  descriptors closed except the report pipe and a lifeline pipe's read end, in a new session; when ``unshare`` works
+  on this machine it is wrapped in ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also
+  ``--user --map-root-user``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
   report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
   namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
@@ -46,7 +47,8 @@ The child (``_child_main`` below, executed from this same file's source, importi
   scored beside them past their time limits), applies Landlock (file writes only beneath its
   directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock version has them), sets
   ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and
-  arms a watchdog that kills its process group;
+  arms a watchdog that kills its process group at the time limit or as soon as the lifeline pipe closes (the
+  parent, which holds its only write end, has died: a trainer killed by SIGTERM or SIGKILL);
 * installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn, no writes outside its
   directory, no reading other processes' ``/proc`` entries, no signals, limits, scheduling or priority changes of
   processes outside the program's own process group. These hold even where the kernel mechanisms are
@@ -458,10 +460,11 @@ def _run_once(
     sweep_once((cgroup_root, cpu_root))  # what trainers killed during a run left behind
     cgroup = cpu_cgroup = workdir = None
     proc: subprocess.Popen | None = None
-    read_fd = write_fd = init_fd = workdir_lock = -1
+    read_fd = write_fd = init_fd = workdir_lock = lifeline_read = lifeline = -1
     try:
         workdir, workdir_lock = new_workdir()  # inside: an interrupt leaves none behind
         read_fd, write_fd = os.pipe()
+        lifeline_read, lifeline = os.pipe()  # we hold the only write end: the sandbox sees it close when we die
         os.chmod(workdir, 0o700)
         if drop is not None:
             os.chown(workdir, drop, drop)
@@ -475,6 +478,7 @@ def _run_once(
         config = {
             **job,
             "report_fd": write_fd,
+            "lifeline_fd": lifeline_read,
             "workdir": workdir,
             "cgroup": cgroup,
             "cpu_cgroup": cpu_cgroup,
@@ -499,10 +503,11 @@ def _run_once(
             env={"PATH": _MIN_PATH, "MALLOC_ARENA_MAX": "2"},  # a thread's malloc arena reserves 64 MiB of RLIMIT_AS
             start_new_session=True,
             close_fds=True,
-            pass_fds=(write_fd,),
+            pass_fds=(write_fd, lifeline_read),
         )
         os.close(write_fd)
-        write_fd = -1
+        os.close(lifeline_read)
+        write_fd = lifeline_read = -1
         if "--fork" in launcher:  # before the child has its program: it cannot have moved yet
             init_fd = _namespace_init(proc, start + limits.timeout)
         # Fed from a thread so that a child that never reads cannot block us past the deadline.
@@ -531,7 +536,7 @@ def _run_once(
             _destroy_cgroup(cgroup_root, cgroup)
         if cpu_cgroup is not None:
             _destroy_cgroup(cpu_root, cpu_cgroup)
-        for fd in (read_fd, write_fd, init_fd):
+        for fd in (read_fd, write_fd, init_fd, lifeline_read, lifeline):
             if fd >= 0:
                 os.close(fd)
         if workdir is not None:
@@ -934,7 +939,7 @@ def _child_main() -> None:
         # Before any thread exists: the filter then covers every thread and process of the sandbox.
         isolation["seccomp"] = _install_seccomp()
         isolation["landlock"] = _install_landlock(workdir)
-        _start_watchdog(float(config["wall_seconds"]) + 1.0)
+        _start_watchdog(float(config["wall_seconds"]) + 1.0, int(config["lifeline_fd"]))
         _set_limits(config)
         for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
             os.environ[var] = "1"  # numeric libraries must not start one thread per core under RLIMIT_NPROC
@@ -971,13 +976,18 @@ def _join_cpu_share(memory_cgroup: str | None, cpu_cgroup: str | None) -> bool:
     return False
 
 
-def _start_watchdog(seconds: float) -> None:
-    """Kill our own process group after ``seconds`` even if the parent has died (a backstop, not the main timer)."""
+def _start_watchdog(seconds: float, lifeline_fd: int) -> None:
+    """Kill our own process group after ``seconds`` even if the parent has died (a backstop, not the main timer),
+    or as soon as the parent is gone: ``lifeline_fd`` is the read end of a pipe whose only write end the parent
+    holds, and it reads as closed when the parent exits however it exits (a trainer killed by SIGTERM or SIGKILL
+    runs no cleanup; without this its runs went on to their time limit)."""
+    import select
 
-    sleep, killpg, exit_now = time.sleep, os.killpg, os._exit  # bound before the program can patch them
+    watch, killpg, exit_now = select.poll(), os.killpg, os._exit  # bound before the program can patch them
+    watch.register(lifeline_fd, select.POLLIN)
 
     def fire() -> None:
-        sleep(seconds)
+        watch.poll(seconds * 1000)
         try:
             killpg(0, signal.SIGKILL)
         finally:
