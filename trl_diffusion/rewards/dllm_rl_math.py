@@ -301,9 +301,22 @@ def _serve() -> None:
         out.flush()
 
 
-_BOOT = ("import importlib.util, sys; sys.path.pop(0); spec = importlib.util.spec_from_file_location("
-         "'_dllm_rl_math_worker', sys.argv[1]); module = importlib.util.module_from_spec(spec); "
-         "spec.loader.exec_module(module); module._serve()")
+def boot_source(module_name: str) -> str:
+    """Source for ``python -c`` that loads the file named by ``sys.argv[1]`` by path as ``module_name`` (so the
+    ``trl_diffusion`` package is not imported) and runs its ``_serve()`` loop.
+
+    A thread ends the child once its parent is gone (its parent pid changes): a comparison can run long, and a
+    trainer killed by SIGTERM or SIGKILL cannot stop it (the child would spin on until the comparison ended)."""
+    return (
+        "import importlib.util, os, sys, threading, time; sys.path.pop(0); parent = os.getppid()\n"
+        "def watch():\n"
+        "    while os.getppid() == parent:\n"
+        "        time.sleep(1.0)\n"
+        "    os._exit(1)\n"
+        "threading.Thread(target=watch, daemon=True).start()\n"
+        f"spec = importlib.util.spec_from_file_location({module_name!r}, sys.argv[1])\n"
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); module._serve()\n"
+    )
 
 
 class SympyWorker:
@@ -321,7 +334,8 @@ class SympyWorker:
         if not timeout > 0 or not startup_timeout > 0:
             raise ValueError(f"timeout and startup_timeout must be > 0, got {timeout} and {startup_timeout}.")
         self.timeout, self.startup_timeout = timeout, startup_timeout
-        self.command = command or [sys.executable, "-c", _BOOT, os.path.abspath(__file__)]
+        boot = [sys.executable, "-c", boot_source("_dllm_rl_math_worker"), os.path.abspath(__file__)]
+        self.command = command or boot
         self._lock = threading.Lock()
         self._process: subprocess.Popen | None = None
         self._buffer = b""

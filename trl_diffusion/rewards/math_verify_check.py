@@ -1052,15 +1052,13 @@ def _serve() -> None:
         out.flush()
 
 
-_BOOT = ("import importlib.util, sys; sys.path.pop(0); spec = importlib.util.spec_from_file_location("
-         "'_math_verify_check_child', sys.argv[1]); module = importlib.util.module_from_spec(spec); "
-         "spec.loader.exec_module(module); module._serve()")
-
-
 def boot_command(parsing_timeout: int, verify_timeout: int, answer_rules: bool = True) -> list[str]:
-    """The child's command line (this file loaded by path, so the ``trl_diffusion`` package is not imported)."""
+    """The child's command line (this file loaded by path, so the ``trl_diffusion`` package is not imported; it
+    ends when its parent does)."""
+    from .dllm_rl_math import boot_source  # parent side only: the child never calls this
+
     settings = [str(int(parsing_timeout)), str(int(verify_timeout)), "1" if answer_rules else "0"]
-    return [sys.executable, "-c", _BOOT, os.path.abspath(__file__), *settings]
+    return [sys.executable, "-c", boot_source("_math_verify_check_child"), os.path.abspath(__file__), *settings]
 
 
 if __name__ == "__main__":

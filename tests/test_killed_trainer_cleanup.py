@@ -1,6 +1,6 @@
-"""A trainer killed during a code-reward run (SIGTERM: a preempted job, ``torchrun`` stopping its workers) skips the
-run's ``finally`` and leaves the run's directory and cgroups; the next process's first run removes them, and never a
-directory or cgroup a live run still uses."""
+"""A trainer killed during a reward (SIGTERM: a preempted job, ``torchrun`` stopping its workers; SIGKILL) runs no
+cleanup. Its code sandbox and its math workers end with it; the sandbox run's directory and cgroups are left, and
+the next process's first run removes them, never a directory or cgroup a live run still uses."""
 
 import os
 import signal
@@ -12,7 +12,9 @@ import time
 import pytest
 
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
+from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
 from trl_diffusion.rewards.leftovers import WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
+from trl_diffusion.rewards.math_verify_check import boot_command
 
 _SLEEPER = """
 import sys
@@ -166,3 +168,46 @@ def test_a_cgroup_is_removed_only_when_its_creator_is_gone_and_it_is_empty(tmp_p
     assert root.remove_orphans() == [str(tmp_path / names["orphan"])]
     assert sorted(os.listdir(tmp_path)) == sorted(name for key, name in names.items() if key != "orphan")
     assert CgroupRoot(str(tmp_path), 1, "cpu").remove_orphans() == [str(tmp_path / names["cpu"])]
+
+
+_HANGING_SERVE = """
+import sys, time
+def _serve():
+    sys.stdout.write("ready\\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    time.sleep(1000)  # a comparison that does not end
+"""
+_TRAINER = """
+import sys
+from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
+worker = SympyWorker(timeout=600, command=[sys.executable, "-c", boot_source("hanging"), sys.argv[1]])
+worker._started()
+print(worker.pid, flush=True)
+worker.compare("a", "b")
+"""
+
+
+def test_a_math_worker_ends_with_its_killed_trainer(tmp_path):
+    serve = tmp_path / "hanging.py"
+    serve.write_text(_HANGING_SERVE)
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(serve)], stdout=subprocess.PIPE, text=True)
+    try:
+        worker = int(trainer.stdout.readline())
+        time.sleep(2.5)  # the worker's parent watch has looked more than once
+        assert _alive(worker)
+        trainer.kill()
+        trainer.wait(timeout=30)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+    deadline = time.monotonic() + 15
+    while _alive(worker) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(worker)
+
+
+def test_both_math_workers_boot_with_the_parent_watch():
+    assert SympyWorker().command[2] == boot_source("_dllm_rl_math_worker")
+    assert boot_command(5, 5)[2] == boot_source("_math_verify_check_child")
