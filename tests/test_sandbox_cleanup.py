@@ -4,10 +4,13 @@ program into a sandbox error and left the tree in the host's temp directory (whe
 tmpfs of its own: hosts without mount namespaces)."""
 
 import os
+import stat
 import sys
 import tempfile
 
-from trl_diffusion.rewards.sandbox import _rmtree
+import pytest
+
+from trl_diffusion.rewards.sandbox import _make_searchable, _rmtree
 
 NOBODY = 65534
 
@@ -93,3 +96,24 @@ def test_read_only_directories_are_removed_by_an_ordinary_user():
     # moving a read-only directory to another parent needs write permission on it (its ".." entry): one two levels
     # down was left behind when the sandbox ran as an ordinary user
     _as_an_ordinary_user(_read_only_directories_are_removed)
+
+
+def test_making_a_directory_searchable_never_follows_a_link(tmp_path):
+    """The removal's chmod of a sub-directory goes through a descriptor opened without following links: a program
+    that swaps a directory for a link (a race against the leftover sweep, run as root) changes no other path's mode."""
+    outside = tmp_path / "outside"
+    outside.mkdir(mode=0o751)
+    outside.chmod(0o751)
+    (tmp_path / "run").mkdir()
+    os.symlink(outside, tmp_path / "run" / "swapped")
+    (tmp_path / "run" / "locked").mkdir()
+    (tmp_path / "run" / "locked").chmod(0o000)
+    top = os.open(tmp_path / "run", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(NotADirectoryError):
+            _make_searchable("swapped", top)
+        _make_searchable("locked", top)
+    finally:
+        os.close(top)
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o751
+    assert stat.S_IMODE((tmp_path / "run" / "locked").stat().st_mode) == 0o700

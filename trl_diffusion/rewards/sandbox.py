@@ -821,12 +821,12 @@ def _remove_flattening(path: str) -> None:
                 if not entry.is_dir(follow_symlinks=False):
                     os.unlink(entry.name, dir_fd=top)
                     continue
-                os.chmod(entry.name, 0o700, dir_fd=top)  # a directory: the program has stopped
+                _make_searchable(entry.name, top)  # a directory
                 sub = os.open(entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=top)
                 try:
                     for child in list(os.scandir(sub)):
                         if child.is_dir(follow_symlinks=False):  # moving a directory writes its ".." entry
-                            os.chmod(child.name, 0o700, dir_fd=sub)
+                            _make_searchable(child.name, sub)
                         while True:  # a name not taken in `path`, which the program may have used too
                             target = f".trl_diffusion_removed_{next(moved)}"
                             try:
@@ -840,6 +840,18 @@ def _remove_flattening(path: str) -> None:
     finally:
         os.close(top)
     os.rmdir(path)
+
+
+def _make_searchable(name: str, dir_fd: int) -> None:
+    """``chmod 0700`` the directory ``name`` in ``dir_fd``, never through a symbolic link: a program still running
+    (another run's, in a directory the leftover sweep removes) could swap the directory for a link to any path
+    between the listing and the chmod, which as root would change that path's mode. Raises ``OSError`` (ENOTDIR) if
+    ``name`` is no longer a directory."""
+    fd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        os.chmod(f"/proc/self/fd/{fd}", 0o700)  # the descriptor's own directory: no path is resolved again
+    finally:
+        os.close(fd)
 
 
 # --------------------------------------------------------------------------------------------------------------------
