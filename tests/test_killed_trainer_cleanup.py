@@ -2,27 +2,41 @@
 cleanup. Its code sandbox and its math workers end with it; the sandbox run's directory and cgroups are left, and
 the next process's first run removes them, never a directory or cgroup a live run still uses."""
 
+import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import pytest
 
+from trl_diffusion.rewards import leftovers
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
 from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
 from trl_diffusion.rewards.leftovers import WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
 from trl_diffusion.rewards.math_verify_check import boot_command
+from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
 
-_SLEEPER = """
-import sys
+_TRAINER = """
+import os, sys, threading, time
 from trl_diffusion.rewards.sandbox import SandboxLimits, _get_launcher, run_tests
-_get_launcher(sys.executable, None)  # the launcher probe's own runs are over
-print("probed", flush=True)
-run_tests("import time\\ntime.sleep(100)\\n", ["assert True"], SandboxLimits(timeout=120))
+print(" ".join(_get_launcher(sys.executable, None)[0]), flush=True)  # the launcher probe's own runs are over
+program = sys.argv[1]
+if sys.argv[2] == "fork":  # a DataLoader-style fork taken while the run is in progress, which outlives the trainer
+    threading.Thread(target=run_tests, args=(program, ["assert True"], SandboxLimits(timeout=120))).start()
+    time.sleep(3)
+    if os.fork() == 0:
+        time.sleep(60)
+        os._exit(0)
+    time.sleep(100)
+run_tests(program, ["assert True"], SandboxLimits(timeout=120))
 """
+_SLEEP = "import time\ntime.sleep(100)\n"
+_SLEEP_HOLDING_THE_GIL = "import ctypes\nctypes.PyDLL(None).sleep(100)\n"  # no Python thread of its runs meanwhile
 _QUICK = """
 from trl_diffusion.rewards.sandbox import run_tests
 result = run_tests("x = 1\\n", ["assert x == 1"])
@@ -72,39 +86,97 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_up(tmp_path):
+def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = False) -> tuple[int, str, set[int]]:
+    """Start a trainer whose run executes ``program`` (time limit 120 s), kill it with ``how`` once the program
+    runs, and return its pid, its launcher and the sandbox's processes, after checking that those are gone within
+    20 s (they ended with their trainer, not at their time limit)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    sleeper = subprocess.Popen([sys.executable, "-c", _SLEEPER], env=env, stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, program, "fork" if fork else "-"], env=env,
+                               stdout=subprocess.PIPE, text=True)
+    forks: set[int] = set()
     try:
-        assert sleeper.stdout.readline().strip() == "probed"
+        launcher = trainer.stdout.readline().strip()
         deadline = time.monotonic() + 60
-        while not (_workdirs(tmp_path) and (memory_cgroup_root() is None or _cgroups_of(sleeper.pid))):
-            assert time.monotonic() < deadline and sleeper.poll() is None, "the run never started"
+        while not (_workdirs(tmp_path) and (memory_cgroup_root() is None or _cgroups_of(trainer.pid))):
+            assert time.monotonic() < deadline and trainer.poll() is None, "the run never started"
             time.sleep(0.1)
-        time.sleep(0.5)  # the program is running
-        sandbox = _descendants(sleeper.pid)
-        assert sandbox
-        sleeper.send_signal(signal.SIGTERM)
-        assert sleeper.wait(timeout=30) == -signal.SIGTERM
+        time.sleep(4 if fork else 0.5)  # the program is running (and the fork is made)
+        sandbox = _descendants(trainer.pid)
+        forks = {pid for pid in sandbox if _command(pid) == _command(trainer.pid)}
+        assert sandbox - forks
+        trainer.send_signal(how)
+        assert trainer.wait(timeout=30) == -how
+        sandbox -= forks
+        deadline = time.monotonic() + 20  # well inside the run's time limit
+        while any(_alive(pid) for pid in sandbox) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in sandbox if _alive(pid)], launcher
+        if fork:
+            assert any(_alive(pid) for pid in forks)  # the fork still holds whatever it inherited
     finally:
-        if sleeper.poll() is None:
-            sleeper.kill()
-            sleeper.wait()
-    deadline = time.monotonic() + 20  # well inside the run's time limit (120 s): it died with its trainer
-    while any(_alive(pid) for pid in sandbox) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(pid) for pid in sandbox)
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for pid in forks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    return trainer.pid, launcher, sandbox
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_up(tmp_path):
+    trainer, _, _ = _kill_mid_run(tmp_path, _SLEEP, signal.SIGTERM)
     left = _workdirs(tmp_path)
     assert len(left) == 1  # what the killed trainer left
-    if memory_cgroup_root() is not None:
-        assert _cgroups_of(sleeper.pid)
     old = time.time() - 3600
     os.utime(tmp_path / left[0], (old, old))  # a minute has passed
+    if memory_cgroup_root() is not None:
+        assert _cgroups_of(trainer)
+        for path in _cgroups_of(trainer):
+            os.utime(path, (old, old))
 
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
     quick = subprocess.run([sys.executable, "-c", _QUICK], env=env, capture_output=True, text=True, timeout=120)
     assert quick.stdout.split() == ["ok", "1"], quick.stderr
     assert _workdirs(tmp_path) == []
-    assert _cgroups_of(sleeper.pid) == []
+    assert _cgroups_of(trainer) == []
+
+
+def test_a_fork_of_the_trainer_does_not_keep_its_run_alive(tmp_path):
+    """A fork that never execs (a DataLoader or ``multiprocessing`` worker) got copies of the run's lifeline and
+    directory lock: the run went on to its time limit, and its directory could not be swept, while the fork lived."""
+    _kill_mid_run(tmp_path, _SLEEP, signal.SIGKILL, fork=True)
+    left = _workdirs(tmp_path)
+    assert len(left) == 1
+    old = time.time() - 3600
+    os.utime(tmp_path / left[0], (old, old))
+    assert remove_orphaned_workdirs(str(tmp_path)) == [str(tmp_path / left[0])]
+
+
+def test_a_program_holding_the_interpreter_ends_with_its_trainer(tmp_path):
+    """The watchdog thread cannot run while the program holds the GIL (a C call); with ``setpriv`` the launcher
+    itself dies with the trainer's thread (a parent-death signal), and with a PID namespace everything inside it."""
+    if not (shutil.which("setpriv") and shutil.which("unshare")):
+        pytest.skip("no setpriv / unshare here: the sandbox's own watchdog is the only backstop")
+    _, launcher, _ = _kill_mid_run(tmp_path, _SLEEP_HOLDING_THE_GIL, signal.SIGKILL)
+    assert "setpriv --pdeathsig KILL" in launcher and "--pid" in launcher
 
 
 def test_only_unheld_old_sandbox_directories_are_removed(tmp_path, monkeypatch):
@@ -151,23 +223,46 @@ def test_a_directory_of_another_user_is_kept(tmp_path):
     assert theirs.is_dir()
 
 
-def test_a_cgroup_is_removed_only_when_its_creator_is_gone_and_it_is_empty(tmp_path):
+def test_a_cgroup_is_removed_only_when_its_creator_is_gone_it_is_empty_and_old(tmp_path):
     dead = _dead_pid()
     root = CgroupRoot(str(tmp_path), 1, "memory")
     names = {
         "orphan": f"trl_sandbox_memory_{dead}_0",
+        "young": f"trl_sandbox_memory_{dead}_2",  # maybe a live run of another PID namespace, not yet joined
         "busy": f"trl_sandbox_memory_{dead}_1",  # a cgroup that still holds a process refuses rmdir; so does this
         "own": f"trl_sandbox_memory_{os.getpid()}_0",
         "live": f"trl_sandbox_memory_{os.getppid()}_0",
         "cpu": f"trl_sandbox_cpu_{dead}_0",  # another controller's root sweeps it
         "unrelated": f"other_{dead}_0",
+        "huge": "trl_sandbox_memory_99999999999999999999_0",  # names anyone with access could make: no error
+        "overflow": "trl_sandbox_memory_9999999999_0",
+        "digit": "trl_sandbox_memory_\u00b2_0",
     }
-    for name in names.values():
+    old = time.time() - 3600
+    for key, name in names.items():
         (tmp_path / name).mkdir()
+        if key != "young":
+            os.utime(tmp_path / name, (old, old))
     (tmp_path / names["busy"] / "cgroup.procs").write_text("1\n")
     assert root.remove_orphans() == [str(tmp_path / names["orphan"])]
     assert sorted(os.listdir(tmp_path)) == sorted(name for key, name in names.items() if key != "orphan")
     assert CgroupRoot(str(tmp_path), 1, "cpu").remove_orphans() == [str(tmp_path / names["cpu"])]
+    assert root.remove_orphans(min_age=0) == [str(tmp_path / names["young"])]
+
+
+def test_a_failing_sweep_is_logged_once_and_never_fails_a_run(monkeypatch, caplog):
+    class Broken:
+        def remove_orphans(self):
+            raise RuntimeError("unreadable cgroup directory")
+
+    monkeypatch.setattr(leftovers, "_SWEPT", threading.Event())
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion.rewards.leftovers"):
+        leftovers.sweep_once((Broken(),))
+        leftovers.sweep_once((Broken(),))
+    assert leftovers._SWEPT.is_set()
+    assert [r.getMessage() for r in caplog.records] == [
+        "Could not remove what killed runs left behind: RuntimeError('unreadable cgroup directory')"
+    ]
 
 
 _HANGING_SERVE = """
@@ -178,7 +273,7 @@ def _serve():
     sys.stdin.readline()
     time.sleep(1000)  # a comparison that does not end
 """
-_TRAINER = """
+_MATH_TRAINER = """
 import sys
 from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
 worker = SympyWorker(timeout=600, command=[sys.executable, "-c", boot_source("hanging"), sys.argv[1]])
@@ -191,7 +286,7 @@ worker.compare("a", "b")
 def test_a_math_worker_ends_with_its_killed_trainer(tmp_path):
     serve = tmp_path / "hanging.py"
     serve.write_text(_HANGING_SERVE)
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, str(serve)], stdout=subprocess.PIPE, text=True)
+    trainer = subprocess.Popen([sys.executable, "-c", _MATH_TRAINER, str(serve)], stdout=subprocess.PIPE, text=True)
     try:
         worker = int(trainer.stdout.readline())
         time.sleep(2.5)  # the worker's parent watch has looked more than once
@@ -211,3 +306,11 @@ def test_a_math_worker_ends_with_its_killed_trainer(tmp_path):
 def test_both_math_workers_boot_with_the_parent_watch():
     assert SympyWorker().command[2] == boot_source("_dllm_rl_math_worker")
     assert boot_command(5, 5)[2] == boot_source("_math_verify_check_child")
+
+
+def test_the_watchdog_runs_under_a_time_limit_longer_than_poll_can_wait():
+    """``poll`` waits at most 2**31 - 1 ms (24.8 days): a longer limit raised OverflowError in the watchdog thread,
+    which then neither watched the lifeline nor enforced the limit."""
+    program = "import threading, time\ntime.sleep(0.5)\nthreads = threading.active_count()\n"
+    result = run_tests(program, ["assert threads == 2"], SandboxLimits(timeout=3e6, cpu_seconds=5))
+    assert result.passed == 1, result.output  # the program's thread and the watchdog's

@@ -139,7 +139,7 @@ def test_huge_output_is_capped():
 def test_runs_in_fresh_directory_that_is_deleted():
     result = run_tests("import os\nprint(os.getcwd())\nopen('scratch.txt', 'w').write('ok')", ["pass"])
     cwd = result.output.strip()
-    assert result.passed == 1 and os.path.basename(cwd).startswith("trl_diffusion_sandbox_")
+    assert result.passed == 1 and os.path.basename(cwd).startswith("trl_diffusion_run_")
     assert not os.path.exists(cwd)
 
 

@@ -335,13 +335,17 @@ def test_dropping_root_leaves_no_group_capability_or_way_back():
 
 def test_the_strongest_namespace_launcher_that_runs_here_is_chosen(monkeypatch):
     """Where ``unshare`` with every namespace runs the sandbox, it is chosen over the weaker launchers (which run
-    too, with an interpreter they can all start), and the run reports each namespace and the private read-only root
-    (tests of those mechanisms skip when they are reported absent)."""
-    unshare = shutil.which("unshare", path=os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin")
+    too, with an interpreter they can all start), behind ``setpriv --pdeathsig KILL`` where there is one (so that
+    it dies with the trainer), and the run reports each namespace and the private read-only root (tests of those
+    mechanisms skip when they are reported absent)."""
+    search = os.environ.get("PATH", "/usr/bin:/bin") + ":/usr/sbin:/sbin"
+    unshare, setpriv = shutil.which("unshare", path=search), shutil.which("setpriv", path=search)
     if unshare is None or not sys.platform.startswith("linux"):
         pytest.skip("no unshare here")
     user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
-    full = [unshare, *user, "--net", "--ipc", "--pid", "--fork", "--kill-child", "--mount-proc", "--"]
+    dies_with_the_trainer = [setpriv, "--pdeathsig", "KILL"] if setpriv else []
+    full = [*dies_with_the_trainer, unshare, *user, "--net", "--ipc", "--pid", "--fork", "--kill-child",
+            "--mount-proc", "--"]
     python = _python_without_namespaces() or sys.executable  # one every launcher could run, where there is one
     job = {"program": "pass", "specs": [{"probes": [], "has": []}]}
     run = sandbox._run_once((full, False), python, job, SandboxLimits(timeout=10.0), None)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import threading
 import time
@@ -75,24 +76,27 @@ class CgroupRoot:
         except (OSError, ValueError, IndexError):
             return None
 
-    def remove_orphans(self) -> list[str]:
-        """Remove the per-run cgroups of this controller whose creator (the pid in the name) is not running and that
-        hold no process (the kernel refuses to remove one that does); returns their paths. A trainer killed during a
-        run (SIGTERM, SIGKILL) leaves its run's cgroups; the sandbox itself dies with it."""
+    def remove_orphans(self, min_age: float = 60.0) -> list[str]:
+        """Remove the per-run cgroups of this controller whose creator (the pid in the name) is not running, that
+        hold no process (the kernel refuses to remove one that does) and that are older than ``min_age`` seconds (a
+        live run's cgroup is empty only between its creation and the sandbox joining it, and a creator in another
+        PID namespace looks gone from here); returns their paths. A trainer killed during a run (SIGTERM, SIGKILL)
+        leaves its run's cgroups; the sandbox itself dies with it."""
         removed = []
-        prefix = f"trl_sandbox_{self.controller}_"
+        pattern = re.compile(rf"trl_sandbox_{self.controller}_([0-9]{{1,10}})_[0-9]+")
         try:
-            names = [name for name in os.listdir(self.path) if name.startswith(prefix)]
+            names = os.listdir(self.path)
         except OSError:
             return removed
         for name in names:
-            pid = name[len(prefix) :].split("_")[0]
-            if not pid.isdigit() or _running(int(pid)):
-                continue
+            path = os.path.join(self.path, name)
+            match = pattern.fullmatch(name)
             try:
-                os.rmdir(os.path.join(self.path, name))
-                removed.append(os.path.join(self.path, name))
-            except OSError:  # still holds a process, or gone already
+                if match is None or _running(int(match[1])) or time.time() - os.stat(path).st_mtime < min_age:
+                    continue
+                os.rmdir(path)
+                removed.append(path)
+            except (OSError, OverflowError):  # still holds a process, gone already; a pid no process can have
                 pass
         return removed
 

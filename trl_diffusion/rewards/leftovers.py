@@ -2,8 +2,9 @@
 
 A run's parent removes the run's working directory and cgroups in a ``finally``. A SIGTERM or SIGKILL (a preempted
 job, ``torchrun`` stopping its workers, a scheduler's time limit) ends the process without it. The sandbox itself
-ends with its parent (its watchdog watches a pipe only the parent writes to), so what is left is the directory
-(with whatever the program wrote to it where no tmpfs was mounted over it) and empty cgroups. The first sandbox run
+ends with its parent (its watchdog watches a pipe only the parent writes to; where ``setpriv`` exists, the kernel
+kills its PID namespace), so what is left is the directory (with whatever the program wrote to it where no tmpfs was
+mounted over it) and empty cgroups. The first sandbox run
 of each process removes what dead processes left:
 
 * a working directory is in use while its creator holds an ``flock`` on it, which the kernel releases when the
@@ -25,7 +26,7 @@ import time
 
 __all__ = ["WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_once"]
 
-WORKDIR_PREFIX = "trl_diffusion_sandbox_"
+WORKDIR_PREFIX = "trl_diffusion_run_"  # not the unlocked directories' earlier "trl_diffusion_sandbox_"
 _MIN_AGE = 60.0
 _SWEPT = threading.Event()
 _SWEEP_LOCK = threading.Lock()
@@ -70,8 +71,8 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
             if not owned or time.time() - info.st_mtime < min_age:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live run holds it
-            _rmtree(entry.path)
-            removed.append(entry.path)
+            if _rmtree(entry.path):
+                removed.append(entry.path)
         except OSError:  # a link (ELOOP), not a directory, held by a live run, or gone already
             continue
         finally:
@@ -88,9 +89,14 @@ def sweep_once(cgroup_roots: tuple[object, ...] = ()) -> None:
     with _SWEEP_LOCK:
         if _SWEPT.is_set():
             return
-        removed = remove_orphaned_workdirs()
-        removed += [path for root in cgroup_roots if root is not None for path in root.remove_orphans()]
-        _SWEPT.set()
+        try:
+            removed = remove_orphaned_workdirs()
+            removed += [path for root in cgroup_roots if root is not None for path in root.remove_orphans()]
+        except Exception as error:  # housekeeping: never a reason for a run to fail, nor to try again every run
+            logging.getLogger(__name__).warning("Could not remove what killed runs left behind: %r", error)
+            removed = []
+        finally:
+            _SWEPT.set()
     if removed:
         logging.getLogger(__name__).info(
             "Removed %d sandbox directories and cgroups left by processes killed during a run: %s",

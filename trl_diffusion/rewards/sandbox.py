@@ -180,6 +180,21 @@ _LAUNCHER_LOCK = threading.Lock()
 _INIT_EXIT_WAIT = 2.0
 """Seconds ``_stop_run`` lets ``unshare`` reap the killed init and exit before it kills ``unshare``'s group."""
 _SOURCE: str | None = None
+_PARENT_ONLY_FDS: set[int] = set()
+"""The runs' lifeline write ends and directory locks: a fork of this process (a DataLoader or ``multiprocessing``
+worker) closes its copies, or a run would outlive this process as long as the fork lives."""
+
+
+def _close_parent_only_fds() -> None:
+    for fd in list(_PARENT_ONLY_FDS):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _PARENT_ONLY_FDS.clear()
+
+
+os.register_at_fork(after_in_child=_close_parent_only_fds)
 
 
 @dataclass
@@ -397,11 +412,14 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
         )  # fmt: skip
         return None
     candidates: list[list[str]] = []
-    unshare = shutil.which("unshare", path=os.environ.get("PATH", _MIN_PATH) + ":/usr/sbin:/sbin")
+    search = os.environ.get("PATH", _MIN_PATH) + ":/usr/sbin:/sbin"
+    unshare, setpriv = shutil.which("unshare", path=search), shutil.which("setpriv", path=search)
     if unshare and sys.platform.startswith("linux"):
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         pid = ["--pid", "--fork", "--kill-child"]
         for flags in (["--net", "--ipc", *pid, "--mount-proc"], ["--net", "--ipc", *pid], ["--net", "--ipc"]):
+            if setpriv:  # unshare dies with this thread, and with a PID namespace everything inside with it
+                candidates.append([setpriv, "--pdeathsig", "KILL", unshare, *user, *flags, "--"])
             candidates.append([unshare, *user, *flags, "--"])
     candidates.append([])
     errors = []
@@ -463,8 +481,10 @@ def _run_once(
     read_fd = write_fd = init_fd = workdir_lock = lifeline_read = lifeline = -1
     try:
         workdir, workdir_lock = new_workdir()  # inside: an interrupt leaves none behind
+        _PARENT_ONLY_FDS.add(workdir_lock)
         read_fd, write_fd = os.pipe()
         lifeline_read, lifeline = os.pipe()  # we hold the only write end: the sandbox sees it close when we die
+        _PARENT_ONLY_FDS.add(lifeline)
         os.chmod(workdir, 0o700)
         if drop is not None:
             os.chown(workdir, drop, drop)
@@ -536,6 +556,7 @@ def _run_once(
             _destroy_cgroup(cgroup_root, cgroup)
         if cpu_cgroup is not None:
             _destroy_cgroup(cpu_root, cpu_cgroup)
+        _PARENT_ONLY_FDS.difference_update((lifeline, workdir_lock))  # before closing: the numbers can be reused
         for fd in (read_fd, write_fd, init_fd, lifeline_read, lifeline):
             if fd >= 0:
                 os.close(fd)
@@ -621,7 +642,7 @@ def _finish(
     text = output.decode("utf-8", errors="replace")
     reported = setup.get("isolation") if setup else None
     isolation = {**(reported if isinstance(reported, dict) else {}), **isolation}
-    isolation["launcher"] = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(launcher)) or "plain"
+    isolation["launcher"] = " ".join(os.path.basename(a) if os.path.isabs(a) else a for a in launcher) or "plain"
     if status != "exited":
         return _Run(status, None, text, returncode, duration, isolation)
     if setup is not None and "sandbox_error" in setup:
@@ -793,20 +814,23 @@ def _reap(proc: subprocess.Popen) -> int | None:
                 pass
 
 
-def _rmtree(path: str) -> None:
+def _rmtree(path: str) -> bool:
     """Delete a directory the program wrote in, whatever it made of it: sub-directories without permissions, or
     nested deeper than Python's recursion limit (``shutil.rmtree`` recurses once per level, and a RecursionError
     from it turned the run into a sandbox error and left the tree behind). Never raises: a directory that cannot be
-    removed is logged and left."""
+    removed is logged and left (``False``); one already gone counts as removed."""
     try:
         shutil.rmtree(path)
     except (OSError, RecursionError):
         try:
             _remove_flattening(path)
         except OSError as error:
-            import logging
+            if os.path.lexists(path):
+                import logging
 
-            logging.getLogger(__name__).warning("could not remove the sandbox directory %s: %s", path, error)
+                logging.getLogger(__name__).warning("could not remove the sandbox directory %s: %s", path, error)
+                return False
+    return True
 
 
 def _remove_flattening(path: str) -> None:
@@ -995,11 +1019,13 @@ def _start_watchdog(seconds: float, lifeline_fd: int) -> None:
     runs no cleanup; without this its runs went on to their time limit)."""
     import select
 
-    watch, killpg, exit_now = select.poll(), os.killpg, os._exit  # bound before the program can patch them
+    watch, killpg, exit_now, now = select.poll(), os.killpg, os._exit, time.monotonic  # bound before the program
     watch.register(lifeline_fd, select.POLLIN)
+    deadline = now() + seconds
 
     def fire() -> None:
-        watch.poll(seconds * 1000)
+        while (left := deadline - now()) > 0 and not watch.poll(min(left * 1000, 2**31 - 1)):
+            pass  # poll's limit is 2**31 - 1 ms (24.8 days); a longer time limit waits in steps
         try:
             killpg(0, signal.SIGKILL)
         finally:
