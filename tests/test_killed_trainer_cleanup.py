@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 import pytest
@@ -255,11 +254,11 @@ def test_a_failing_sweep_is_logged_once_and_never_fails_a_run(monkeypatch, caplo
         def remove_orphans(self):
             raise RuntimeError("unreadable cgroup directory")
 
-    monkeypatch.setattr(leftovers, "_SWEPT", threading.Event())
+    monkeypatch.setattr(leftovers, "_swept", False)
     with caplog.at_level(logging.WARNING, logger="trl_diffusion.rewards.leftovers"):
         leftovers.sweep_once((Broken(),))
         leftovers.sweep_once((Broken(),))
-    assert leftovers._SWEPT.is_set()
+    assert leftovers._swept
     assert [r.getMessage() for r in caplog.records] == [
         "Could not remove what killed runs left behind: RuntimeError('unreadable cgroup directory')"
     ]
@@ -314,3 +313,69 @@ def test_the_watchdog_runs_under_a_time_limit_longer_than_poll_can_wait():
     program = "import threading, time\ntime.sleep(0.5)\nthreads = threading.active_count()\n"
     result = run_tests(program, ["assert threads == 2"], SandboxLimits(timeout=3e6, cpu_seconds=5))
     assert result.passed == 1, result.output  # the program's thread and the watchdog's
+
+
+_FORK_DURING = """
+import os, sys, threading, time
+from trl_diffusion.rewards import leftovers, sandbox
+from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
+
+where = sys.argv[1]
+inside = threading.Event()
+
+
+def fork_here(original):
+    def wrapped(*args, **kwargs):
+        if where == "start":  # right after Popen, before the config is sent: the fork holds the stdin pipe
+            if os.fork() == 0:
+                null = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(null, 1)  # not the test's output pipe: only the run's descriptors stay open
+                os.dup2(null, 2)
+                time.sleep(30)
+                os._exit(0)
+            return original(*args, **kwargs)
+        inside.set()  # another thread forks while this one holds the lock
+        time.sleep(2)
+        return original(*args, **kwargs)
+    return wrapped
+
+
+if where == "start":
+    sandbox._get_launcher(sys.executable, None)
+    sandbox._namespace_init = fork_here(sandbox._namespace_init)
+    result = run_tests("x = 1\\n", ["assert x == 1"], SandboxLimits(timeout=8))
+    print(result.status, result.passed, round(result.duration, 1))
+    sys.exit(0)
+if where == "sweep":
+    leftovers.remove_orphaned_workdirs = fork_here(leftovers.remove_orphaned_workdirs)
+else:
+    sandbox._probe_launchers = fork_here(sandbox._probe_launchers)
+threading.Thread(target=sandbox._get_launcher, args=(sys.executable, None)).start()
+inside.wait()
+child = os.fork()
+if child == 0:
+    result = run_tests("x = 1\\n", ["assert x == 1"], SandboxLimits(timeout=5))
+    os._exit(0 if result.passed == 1 else 1)
+deadline = time.monotonic() + 40
+while time.monotonic() < deadline:
+    pid, status = os.waitpid(child, os.WNOHANG)
+    if pid:
+        print("child", os.waitstatus_to_exitcode(status))
+        sys.exit(0)
+    time.sleep(0.1)
+os.kill(child, 9)
+print("child blocked")
+"""
+
+
+@pytest.mark.parametrize("where", ["start", "probe", "sweep"])
+def test_a_fork_of_the_trainer_at_the_wrong_moment_does_not_stall_a_run(where):
+    """A fork made while a run starts held the run's stdin (the sandbox read its config up to end of file: a
+    correct program timed out); a fork made while another thread probed launchers or swept leftovers inherited the
+    held lock, and its own runs waited on it forever."""
+    out = subprocess.run([sys.executable, "-c", _FORK_DURING, where], capture_output=True, text=True, timeout=120)
+    if where == "start":
+        status, passed, seconds = out.stdout.split()
+        assert (status, passed) == ("ok", "1") and float(seconds) < 6, out.stdout + out.stderr
+    else:
+        assert out.stdout.strip() == "child 0", out.stdout + out.stderr

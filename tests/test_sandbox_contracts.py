@@ -358,6 +358,24 @@ def test_the_strongest_namespace_launcher_that_runs_here_is_chosen(monkeypatch):
     assert {key: report[key] for key in isolated} == dict.fromkeys(isolated, True), report
 
 
+def test_a_setpriv_that_cannot_start_unshare_falls_back_to_unshare_with_a_warning(tmp_path, monkeypatch, caplog):
+    """util-linux before 2.33 has ``setpriv`` without ``--pdeathsig``: the probe then keeps ``unshare`` alone, and
+    says that a killed trainer's runs are left to their watchdog."""
+    sandbox._LAUNCHERS.clear()  # the real probe first: is setpriv + unshare what runs here?
+    chosen = sandbox._get_launcher(sys.executable, None)
+    if chosen is None or "setpriv" not in os.path.basename(chosen[0][0]):
+        pytest.skip("setpriv with unshare is not this machine's launcher")
+    fake = tmp_path / "setpriv"
+    fake.write_text("#!/bin/sh\necho 'setpriv: unrecognized option --pdeathsig' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    monkeypatch.setattr(sandbox, "_LAUNCHERS", {})
+    with caplog.at_level(logging.WARNING, logger="trl_diffusion.rewards.sandbox"):
+        launcher, _ = sandbox._get_launcher(sys.executable, None)
+    assert os.path.basename(launcher[0]) == "unshare" and launcher[1:] == chosen[0][4:]
+    assert any("`setpriv --pdeathsig KILL` does not run the sandbox here" in r.getMessage() for r in caplog.records)
+
+
 def test_an_interpreter_named_by_a_relative_path_is_refused_before_any_launcher_is_tried(
     tmp_path, monkeypatch, caplog
 ):

@@ -37,6 +37,15 @@ _LOCK = threading.Lock()
 _CACHE: dict[str, CgroupRoot | None] = {}
 
 
+def _after_fork_in_child() -> None:
+    """A fork made while another thread probed would wait forever on its lock: the fork gets a fresh one."""
+    global _LOCK
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 @dataclass(frozen=True)
 class CgroupRoot:
     """The directory under which per-run cgroups are created, the hierarchy's version (1 or 2), and the controller

@@ -11,8 +11,10 @@ of each process removes what dead processes left:
   holder dies, however it dies (a PID namespace or a reused pid cannot fool it). A directory with the sandbox's
   prefix that nobody holds, and that was last modified over a minute ago (so no live run is between making it and
   locking it), is removed.
+  Only directories (never links) owned by this user, or as root by root or a per-run uid, are taken.
 * a per-run cgroup is named after its creator's pid. One whose creator is not running is removed when it holds no
-  process (the kernel refuses to remove a cgroup that does).
+  process (the kernel refuses to remove a cgroup that does) and is over a minute old (a creator in another PID
+  namespace looks gone from here, and a live run's cgroup is empty until its sandbox joins it).
 """
 
 from __future__ import annotations
@@ -28,8 +30,17 @@ __all__ = ["WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_o
 
 WORKDIR_PREFIX = "trl_diffusion_run_"  # not the unlocked directories' earlier "trl_diffusion_sandbox_"
 _MIN_AGE = 60.0
-_SWEPT = threading.Event()
+_swept = False
 _SWEEP_LOCK = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    """A fork made during a sweep would wait forever on the lock another thread held: the fork gets a fresh one."""
+    global _SWEEP_LOCK
+    _SWEEP_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def new_workdir() -> tuple[str, int]:
@@ -84,10 +95,11 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
 def sweep_once(cgroup_roots: tuple[object, ...] = ()) -> None:
     """Once per process: remove the working directories and cgroups (under each of ``cgroup_roots``, a
     :class:`~trl_diffusion.rewards.cgroup.CgroupRoot` or ``None``) that processes killed mid-run left behind."""
-    if _SWEPT.is_set():
+    global _swept
+    if _swept:
         return
     with _SWEEP_LOCK:
-        if _SWEPT.is_set():
+        if _swept:
             return
         try:
             removed = remove_orphaned_workdirs()
@@ -96,7 +108,7 @@ def sweep_once(cgroup_roots: tuple[object, ...] = ()) -> None:
             logging.getLogger(__name__).warning("Could not remove what killed runs left behind: %r", error)
             removed = []
         finally:
-            _SWEPT.set()
+            _swept = True
     if removed:
         logging.getLogger(__name__).info(
             "Removed %d sandbox directories and cgroups left by processes killed during a run: %s",

@@ -21,7 +21,8 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
 * starts ``python -I -c <this file>`` with an EMPTY environment except ``PATH=/usr/bin:/bin``, all other file
   descriptors closed except the report pipe and a lifeline pipe's read end, in a new session; when ``unshare`` works
   on this machine it is wrapped in ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also
-  ``--user --map-root-user``);
+  ``--user --map-root-user``), itself started through ``setpriv --pdeathsig KILL`` where that works, so that the
+  kernel kills it, and so the PID namespace, when the trainer's thread that started it dies;
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
   report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
   namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
@@ -181,20 +182,24 @@ _INIT_EXIT_WAIT = 2.0
 """Seconds ``_stop_run`` lets ``unshare`` reap the killed init and exit before it kills ``unshare``'s group."""
 _SOURCE: str | None = None
 _PARENT_ONLY_FDS: set[int] = set()
-"""The runs' lifeline write ends and directory locks: a fork of this process (a DataLoader or ``multiprocessing``
-worker) closes its copies, or a run would outlive this process as long as the fork lives."""
+"""The runs' lifeline and report write ends and directory locks: a fork of this process (a DataLoader or
+``multiprocessing`` worker) closes its copies, or a run would outlive this process as long as the fork lives."""
 
 
-def _close_parent_only_fds() -> None:
+def _after_fork_in_child() -> None:
+    """In a fork of this process: close the runs' parent-only descriptors, and replace the launcher lock, which
+    another thread may have held (probing) at the fork, so that the fork's own runs do not wait on it forever."""
+    global _LAUNCHER_LOCK
     for fd in list(_PARENT_ONLY_FDS):
         try:
             os.close(fd)
         except OSError:
             pass
     _PARENT_ONLY_FDS.clear()
+    _LAUNCHER_LOCK = threading.Lock()
 
 
-os.register_at_fork(after_in_child=_close_parent_only_fds)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @dataclass
@@ -389,7 +394,13 @@ def _probe_values(entry: dict[str, Any], decode: Any, probe_error: type) -> tupl
 
 
 def _get_launcher(python: str, run_as_uid: int | None) -> tuple[list[str], bool] | None:
-    """Pick (once per interpreter) the strongest ``unshare`` prefix, and whether to use a memory cgroup."""
+    """Pick (once per interpreter) the strongest launcher prefix (``setpriv --pdeathsig KILL unshare ...``, weaker
+    ``unshare`` ones, none), and whether to use a memory cgroup. Before the first probe, once per process, remove
+    what trainers killed during a run left (not on a probe's clock: a large leftover tree takes seconds)."""
+    from .cgroup import cpu_cgroup_root, memory_cgroup_root
+    from .leftovers import sweep_once
+
+    sweep_once((memory_cgroup_root(), cpu_cgroup_root()))
     key = (python, os.geteuid(), run_as_uid)
     with _LAUNCHER_LOCK:
         if key not in _LAUNCHERS:
@@ -428,6 +439,13 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
             config = {"program": "pass", "specs": [{"probes": [], "has": []}]}
             run = _run_once((launcher, use_cgroup), python, config, SandboxLimits(timeout=_PROBE_TIMEOUT), run_as_uid)
             if _report_results(run, 1) is not None:
+                if setpriv and launcher and launcher[0] == unshare:  # the same launcher behind setpriv failed
+                    import logging
+
+                    logging.getLogger(__name__).warning(
+                        "`setpriv --pdeathsig KILL` does not run the sandbox here, so a trainer killed during a run "
+                        "leaves that run's end to the sandbox's watchdog thread: %s", errors[-1],
+                    )  # fmt: skip
                 return launcher, use_cgroup
             name = " ".join(launcher) or "(plain)"
             errors.append(f"{name} (cgroup: {use_cgroup}): {run.status} {run.report} {run.output[-300:]}")
@@ -468,14 +486,13 @@ def _run_once(
     """One sandbox process running ``job`` (program, specs) with a given launcher prefix and cgroup choice; its
     output and its report are each capped at ``limits.max_output_bytes``."""
     from .cgroup import cpu_cgroup_root, memory_cgroup_root
-    from .leftovers import new_workdir, sweep_once
+    from .leftovers import new_workdir
 
     launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cpu_root = cpu_cgroup_root() if use_cgroup else None
-    sweep_once((cgroup_root, cpu_root))  # what trainers killed during a run left behind
     cgroup = cpu_cgroup = workdir = None
     proc: subprocess.Popen | None = None
     read_fd = write_fd = init_fd = workdir_lock = lifeline_read = lifeline = -1
@@ -484,7 +501,7 @@ def _run_once(
         _PARENT_ONLY_FDS.add(workdir_lock)
         read_fd, write_fd = os.pipe()
         lifeline_read, lifeline = os.pipe()  # we hold the only write end: the sandbox sees it close when we die
-        _PARENT_ONLY_FDS.add(lifeline)
+        _PARENT_ONLY_FDS.update((write_fd, lifeline))  # a fork's copy of the report's write end would delay its end
         os.chmod(workdir, 0o700)
         if drop is not None:
             os.chown(workdir, drop, drop)
@@ -525,6 +542,7 @@ def _run_once(
             close_fds=True,
             pass_fds=(write_fd, lifeline_read),
         )
+        _PARENT_ONLY_FDS.discard(write_fd)
         os.close(write_fd)
         os.close(lifeline_read)
         write_fd = lifeline_read = -1
@@ -556,7 +574,7 @@ def _run_once(
             _destroy_cgroup(cgroup_root, cgroup)
         if cpu_cgroup is not None:
             _destroy_cgroup(cpu_root, cpu_cgroup)
-        _PARENT_ONLY_FDS.difference_update((lifeline, workdir_lock))  # before closing: the numbers can be reused
+        _PARENT_ONLY_FDS.difference_update((write_fd, lifeline, workdir_lock))  # before closing: numbers are reused
         for fd in (read_fd, write_fd, init_fd, lifeline_read, lifeline):
             if fd >= 0:
                 os.close(fd)
@@ -579,9 +597,11 @@ def _fresh_uid() -> int:
 
 
 def _feed(pipe: Any, data: bytes) -> None:
-    """Write the run's config to the child's stdin and close it; a dead child is not an error here."""
+    """Write the run's config to the child's stdin, its length first, and close it; a dead child is not an error
+    here. The child reads exactly that many bytes, not up to end of file: a fork of the trainer made while the run
+    starts (a DataLoader worker) holds a copy of the pipe's write end, and the run would wait for it to exit."""
     try:
-        pipe.write(data)
+        pipe.write(b"%d\n" % len(data) + data)
         pipe.close()
     except (OSError, ValueError):
         pass
@@ -931,7 +951,7 @@ _KILL = {"x86_64": 62, "aarch64": 129}
 
 def _child_main() -> None:
     """Entry point inside the sandbox: read the config, isolate, limit, guard, run, report, exit."""
-    config = json.loads(sys.stdin.buffer.read())
+    config = json.loads(sys.stdin.buffer.read(int(sys.stdin.buffer.readline())))  # _feed: the length, then the config
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     report_fd = int(config["report_fd"])
