@@ -1,7 +1,7 @@
 """Test helpers for the sandbox tests: the processes of this machine, found by name through ``/proc``.
 
-Used by ``tests/test_review_sandbox.py`` and ``tests/test_sandbox_contracts.py`` to check that nothing a run started
-outlives it.
+Used by ``tests/test_review_sandbox.py``, ``tests/test_sandbox_contracts.py`` and
+``tests/test_killed_trainer_cleanup.py`` to check that nothing a run started outlives it (or its trainer).
 """
 
 import os
@@ -29,3 +29,41 @@ def still_running_after(name: str, seconds: float) -> list[int]:
     while pids_named(name) and time.monotonic() < deadline:
         time.sleep(0.05)
     return pids_named(name)
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """``/proc/<pid>/stat`` after the command name (which may hold any bytes): state, parent pid, ..."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` names a process that has not exited (a zombie waiting to be reaped has)."""
+    fields = _stat_fields(pid)
+    return fields is not None and fields[0] != "Z"
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below ``pid``: its children, theirs, and so on."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        fields = _stat_fields(int(entry)) if entry.isdigit() else None
+        if fields is not None:
+            parents[int(entry)] = int(fields[1])
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {child for child, parent in parents.items() if parent in frontier} - found
+        found |= frontier
+    return found
+
+
+def command_line(pid: int) -> str:
+    """The command line of ``pid``, its arguments joined by spaces (empty once it has exited)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""

@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import pytest
+from processes import alive, command_line, descendants
 
 from trl_diffusion.rewards import leftovers
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
@@ -54,31 +55,6 @@ def _cgroups_of(pid: int) -> list[str]:
     ]
 
 
-def _descendants(pid: int) -> set[int]:
-    """The processes below ``pid`` (from /proc): the sandbox's launcher and everything in it."""
-    parents = {}
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/stat", encoding="utf-8") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            parents[int(entry)] = int(fields[1])
-        except (OSError, ValueError, IndexError):
-            continue
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 def _dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
@@ -100,18 +76,18 @@ def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = Fals
             assert time.monotonic() < deadline and trainer.poll() is None, "the run never started"
             time.sleep(0.1)
         time.sleep(4 if fork else 0.5)  # the program is running (and the fork is made)
-        sandbox = _descendants(trainer.pid)
-        forks = {pid for pid in sandbox if _command(pid) == _command(trainer.pid)}
+        sandbox = descendants(trainer.pid)
+        forks = {pid for pid in sandbox if command_line(pid) == command_line(trainer.pid)}
         assert sandbox - forks
         trainer.send_signal(how)
         assert trainer.wait(timeout=30) == -how
         sandbox -= forks
         deadline = time.monotonic() + 20  # well inside the run's time limit
-        while any(_alive(pid) for pid in sandbox) and time.monotonic() < deadline:
+        while any(alive(pid) for pid in sandbox) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [pid for pid in sandbox if _alive(pid)], launcher
+        assert not [pid for pid in sandbox if alive(pid)], launcher
         if fork:
-            assert any(_alive(pid) for pid in forks)  # the fork still holds whatever it inherited
+            assert any(alive(pid) for pid in forks)  # the fork still holds whatever it inherited
     finally:
         if trainer.poll() is None:
             trainer.kill()
@@ -122,22 +98,6 @@ def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = Fals
             except ProcessLookupError:
                 pass
     return trainer.pid, launcher, sandbox
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def _command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
 
 
 def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_up(tmp_path):
@@ -289,7 +249,7 @@ def test_a_math_worker_ends_with_its_killed_trainer(tmp_path):
     try:
         worker = int(trainer.stdout.readline())
         time.sleep(2.5)  # the worker's parent watch has looked more than once
-        assert _alive(worker)
+        assert alive(worker)
         trainer.kill()
         trainer.wait(timeout=30)
     finally:
@@ -297,9 +257,9 @@ def test_a_math_worker_ends_with_its_killed_trainer(tmp_path):
             trainer.kill()
             trainer.wait()
     deadline = time.monotonic() + 15
-    while _alive(worker) and time.monotonic() < deadline:
+    while alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(worker)
+    assert not alive(worker)
 
 
 def test_both_math_workers_boot_with_the_parent_watch():
