@@ -42,10 +42,3 @@ def test_identical_samples_warning_matches_the_samples(family, settings, identic
         completions.setdefault(row["index"], set()).add(row["completion"])
     assert all((len(texts) == 1) == identical for texts in completions.values())
     assert ("every sample of a problem will be the same" in caplog.text) == identical
-
-
-def test_a_multi_process_launch_is_refused(monkeypatch):
-    """Under ``accelerate launch`` every process evaluated every problem and wrote the same output files."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match="single process"):
-        evaluate(dataset=ROWS, model=object(), tokenizer=object(), output_dir="", progress=False)

@@ -595,9 +595,26 @@ def _eval(argv: list[str]) -> int:
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
+        leave_launch(wait=False)  # every process raises the errors raised after the launch began: none is waiting
         return 2
-    print(json.dumps(report, indent=2))
+    leave_launch(wait=True)
+    if int(os.environ.get("RANK") or 0) == 0:  # under a launch every process has the report: print it once
+        print(json.dumps(report, indent=2))
     return 0
+
+
+def leave_launch(wait: bool) -> None:
+    """Leave the process group an evaluation under ``accelerate launch`` / ``torchrun`` joined (nothing happens
+    without one): after the other processes (``wait``), then together, as :func:`leave_process_group` does for
+    training (a process exiting with gloo's threads up can abort)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        dist.barrier()
+    pause_for_gloo_workers()
+    dist.destroy_process_group()
 
 
 def _env(argv: list[str]) -> int:

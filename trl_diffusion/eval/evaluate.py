@@ -45,6 +45,7 @@ from ..rewards.dllm_rl_code import (
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
+from .processes import EvalProcesses, check_launch_device, check_same_inputs, launch_world_size, merge_runs
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -80,7 +81,7 @@ class EvalConfig:
     dtype: str = _arg("auto", "Weights dtype: auto (bfloat16 on GPU, float32 on CPU), bfloat16, float16, float32.",
                       choices=list(DTYPES))
     device: str | None = _arg(None, "Device, e.g. cuda:0 or cpu, as torch.device parses it (default: cuda if "
-                              "available).")
+                              "available; under accelerate launch / torchrun each process's own GPU).")
     dataset_name: str = _arg("arithmetic", "math500, gsm8k, aime2024, humaneval, mbpp, arithmetic, a local "
                              ".json/.jsonl/.parquet file, or a Hub dataset id owner/name (format detected from "
                              "columns). Also --dataset.", aliases=["--dataset"])
@@ -319,16 +320,21 @@ def _after_header(header: str, code: str) -> str:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def load_model_and_tokenizer(config: EvalConfig) -> tuple[Any, Any]:
+def load_model_and_tokenizer(config: EvalConfig, launch_device: torch.device | None = None) -> tuple[Any, Any]:
     """Load the model (``AutoModelForCausalLM``; families registered by ``import trl_diffusion``) and tokenizer;
-    the embedded model when none is named. A path that names no directory fails before anything is loaded."""
+    the embedded model when none is named. A path that names no directory fails before anything is loaded.
+    ``launch_device``: the device a launch gives this process (its own GPU), used unless ``config.device`` is
+    ``cpu``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..assets import resolve_model_path
 
     path = resolve_model_path(config.model_name_or_path)
     tokenizer_path = resolve_model_path(config.tokenizer_name_or_path) if config.tokenizer_name_or_path else path
-    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if launch_device is not None and (config.device is None or torch.device(config.device).type != "cpu"):
+        device = launch_device
+    else:
+        device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = config.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -419,16 +425,6 @@ def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_i
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def _check_single_process() -> None:
-    """Refuse a launch with several processes: each would evaluate every problem and all of them would write the
-    same output files at once (the run is not data-parallel)."""
-    world = int(os.environ.get("WORLD_SIZE") or 1)  # an empty value is no launch either
-    if world > 1:
-        raise ValueError(f"evaluation runs in a single process, but this launch has {world} (WORLD_SIZE): each "
-                         "would evaluate every problem and write the same files. Run it without accelerate launch / "
-                         "torchrun (one process, one device).")
-
-
 def evaluate(
     config: EvalConfig | None = None,
     *,
@@ -447,10 +443,13 @@ def evaluate(
     ``model``, ``dataset``, ``task``, ``num_problems``, ``num_samples``, ``metrics`` (``accuracy``, ``pass@k``...,
     ``avg_length``, ``clipped_ratio``, ``tokens_per_step``, ``throughput_tokens_per_s``, ``generation_seconds``,
     ``num_forward_passes``, ``num_unscored``, ``boxed_rate`` for math), ``generation`` (the resolved sampler
-    settings), ``samples_file``, ``metrics_file``.
+    settings), ``samples_file``, ``metrics_file``, ``num_processes``.
+
+    Under ``accelerate launch`` / ``torchrun`` the processes share the samples (each on its own device, with its own
+    copy of the model) and every process returns the same report; the main process writes the files.
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
-    _check_single_process()
+    check_launch_device(config.device, launch_world_size())
     if model is None or isinstance(model, (str, Path)):
         _check_loadable(config)
     ks = config.resolved_pass_k()
@@ -469,16 +468,17 @@ def evaluate(
     if config.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
     in_memory = not (model is None or isinstance(model, (str, Path)))
+    processes = EvalProcesses.from_launch()
     if not in_memory:
-        model, loaded_tokenizer = load_model_and_tokenizer(config)
+        model, loaded_tokenizer = load_model_and_tokenizer(config, processes.device)
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
     generate_kwargs = config.generate_kwargs(builtin)
     settings = _check_model(model, tokenizer, generate_kwargs)
-    if _length_unset(model, generate_kwargs):
+    if _length_unset(model, generate_kwargs) and processes.is_main:
         logger.warning(LENGTH_HINT, settings.max_new_tokens)
-    if config.num_samples > 1 and _deterministic(settings):
+    if config.num_samples > 1 and _deterministic(settings) and processes.is_main:
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
@@ -486,36 +486,68 @@ def evaluate(
     model_source = _in_memory_source(model, model_name) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
-    with _output_lock(samples_path):  # held until the metrics are written
-        _check_output_free(samples_path, sources)
-        rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, samples_path, generate_kwargs)
-        report = {
-            "model": model_name,
-            "dataset": tag,
-            "dataset_name": dataset_name,
-            "sources": sources,
-            "task": problems[0].task,
-            "num_problems": len(problems),
-            "num_samples": config.num_samples,
-            "apply_chat_template": config.apply_chat_template,
-            "chat_template_kwargs": config.chat_template_kwargs,
-            "math_grader": config.math_grader if problems[0].task == "math" else None,
-            "code_grader": config.code_grader if problems[0].task == "code" else None,
-            "metrics": _metrics(rows, problems, config.num_samples, ks),
-            "generation": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(settings).items()},
-            "samples_file": str(samples_path) if samples_path else None,
-            "metrics_file": None,
-        }
-        report["metrics"].update(_speed(rows, seconds, forward_passes))
-        if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
-            logger.warning(PLAIN_PROMPT_HINT)
-        if samples_path is not None:
-            metrics_path = samples_path.with_suffix(".metrics.json")
-            report["metrics_file"] = str(metrics_path)
-            partial = metrics_path.with_name(metrics_path.name + ".tmp")  # whole, then renamed: never half a file
-            partial.write_text(json.dumps(report, indent=2) + "\n")
-            os.replace(partial, metrics_path)
-    return report
+    with contextlib.ExitStack() as held:
+        refusal = None
+        if processes.is_main:
+            try:
+                held.enter_context(_output_lock(samples_path))  # held until the metrics are written
+                _check_output_free(samples_path, sources)
+            except ValueError as error:
+                if processes.world_size == 1:
+                    raise
+                refusal = str(error)  # raised by every process below, not only here (the others would wait)
+        _check_launch_agrees(processes, refusal, model_source, problems)
+        streamed = samples_path if processes.world_size == 1 else None  # a launch's main process writes at the end
+        rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, streamed, generate_kwargs,
+                                             processes)
+        if processes.world_size > 1:
+            rows, seconds, forward_passes = merge_runs(processes.gather((rows, seconds, forward_passes)))
+        report = None
+        if processes.is_main:
+            if samples_path is not None and streamed is None:
+                _write_samples(samples_path, rows)
+            report = {
+                "model": model_name,
+                "dataset": tag,
+                "dataset_name": dataset_name,
+                "sources": sources,
+                "task": problems[0].task,
+                "num_problems": len(problems),
+                "num_samples": config.num_samples,
+                "apply_chat_template": config.apply_chat_template,
+                "chat_template_kwargs": config.chat_template_kwargs,
+                "math_grader": config.math_grader if problems[0].task == "math" else None,
+                "code_grader": config.code_grader if problems[0].task == "code" else None,
+                "metrics": _metrics(rows, problems, config.num_samples, ks),
+                "generation": {k: list(v) if isinstance(v, tuple) else v
+                               for k, v in dataclasses.asdict(settings).items()},
+                "samples_file": str(samples_path) if samples_path else None,
+                "metrics_file": None,
+                "num_processes": processes.world_size,
+            }
+            report["metrics"].update(_speed(rows, seconds, forward_passes))
+            if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
+                logger.warning(PLAIN_PROMPT_HINT)
+            if samples_path is not None:
+                metrics_path = samples_path.with_suffix(".metrics.json")
+                report["metrics_file"] = str(metrics_path)
+                partial = metrics_path.with_name(metrics_path.name + ".tmp")  # whole, then renamed: never half a file
+                partial.write_text(json.dumps(report, indent=2) + "\n")
+                os.replace(partial, metrics_path)
+        return processes.share(report)
+
+
+def _check_launch_agrees(processes: EvalProcesses, refusal: str | None, model_source: str,
+                         problems: list[EvalProblem]) -> None:
+    """Before any generation, on every process of a launch: raise the main process's ``refusal`` (its output files
+    are busy), or raise if the processes evaluate different models or problems. Every process raises the same
+    error, so none is left waiting for the others."""
+    if processes.world_size == 1:
+        return
+    answers = processes.gather((refusal, {"model": model_source, "problems": _rows_source(problems)}))
+    if answers[0][0] is not None:
+        raise ValueError(answers[0][0])
+    check_same_inputs([given for _, given in answers])
 
 
 PLAIN_PROMPT_HINT = (
@@ -803,10 +835,11 @@ def _rows_source(rows: list) -> str:
 
 @torch.no_grad()
 def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalConfig, tag: str,
-         samples_path: Path | None, kwargs: dict[str, Any]) -> tuple[list[dict[str, Any]], float, int]:
-    """Generate ``num_samples`` completions per problem with the ``generate`` arguments ``kwargs``, score them and
-    stream the rows to ``samples_path``. Returns the rows (in problem, sample order), the seconds spent in
-    ``generate`` and its forward passes."""
+         samples_path: Path | None, kwargs: dict[str, Any],
+         processes: EvalProcesses) -> tuple[list[dict[str, Any]], float, int]:
+    """Generate ``num_samples`` completions per problem with the ``generate`` arguments ``kwargs`` (this process's
+    share of them under a launch), score them and stream the rows to ``samples_path``. Returns the rows (in
+    problem, sample order), the seconds spent in ``generate`` and its forward passes."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
@@ -821,6 +854,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         _check_official_time_limits(problems)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(token_ids[w[0]]))  # similar lengths together: less padding
+    work = processes.shard(work)
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
                            max_output_bytes=config.code_max_output_bytes)
     math_reward = config.math_reward()
@@ -828,7 +862,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
     seconds, forward_passes = 0.0, 0
     handle = None  # opened when the first batch is scored: a run that fails before (an invalid setting that
     # generate() refuses, prompts too long for the model) leaves an earlier run's files in output_dir as they were
-    bar = tqdm(total=len(work), unit="sample", desc=f"eval {tag}", disable=not config.progress)
+    bar = tqdm(total=len(work), unit="sample", desc=f"eval {tag}", disable=not (config.progress and processes.is_main))
     try:
         for start in range(0, len(work), config.batch_size):
             batch = work[start: start + config.batch_size]
@@ -861,7 +895,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                        "correct": None if score["reward"] is None else score["reward"] == 1.0}
                 rows.append(row)
                 if handle:
-                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    handle.write(_sample_line(row))
             bar.update(len(batch))
             bar.set_postfix(acc=f"{_mean([r['reward'] for r in rows if r['reward'] is not None]):.3f}")
     finally:
@@ -870,6 +904,19 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         if handle:
             handle.close()
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
+
+
+def _sample_line(row: dict[str, Any]) -> str:
+    """One row of the samples file."""
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
+def _write_samples(samples_path: Path, rows: list[dict[str, Any]]) -> None:
+    """Write a launch's gathered rows (its main process), removing an earlier run's metrics first (they would not
+    describe these rows), as a single process does when it opens the file."""
+    samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
+    with samples_path.open("w", encoding="utf-8") as handle:
+        handle.writelines(_sample_line(row) for row in rows)
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, problems: list[EvalProblem],

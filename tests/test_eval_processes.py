@@ -1,0 +1,124 @@
+"""Data-parallel evaluation (``accelerate launch -m trl_diffusion.cli eval``): two CPU processes (gloo) share the
+samples and give exactly the samples and metrics of one process; refusals reach every process, so none waits."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trl_diffusion.eval import evaluate
+from trl_diffusion.eval.processes import EvalProcesses, check_launch_device, check_same_inputs, merge_runs
+
+ROOT = Path(__file__).resolve().parents[1]
+TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
+                 "--dynamo_backend", "no"]
+EVAL = dict(dataset_name="arithmetic", max_problems=10, num_samples=2, temperature=1.0, batch_size=3)
+TIMING = {"generation_seconds", "throughput_tokens_per_s", "num_forward_passes"}  # the batches differ
+
+
+def launch(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *TWO_PROCESSES, "--main_process_port", str(port),
+               *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def flags(config: dict) -> list[str]:
+    return [item for name, value in config.items() for item in (f"--{name}", str(value))]
+
+
+def samples(report: dict) -> dict[tuple[int, int], dict]:
+    rows = [json.loads(line) for line in Path(report["samples_file"]).read_text().splitlines()]
+    keyed = {(row["index"], row["sample"]): row for row in rows}
+    assert len(keyed) == len(rows)  # no sample twice
+    return keyed
+
+
+def test_two_processes_evaluate_the_samples_of_one(tmp_path):
+    one = evaluate(**EVAL, output_dir=str(tmp_path / "one"), progress=False)
+    done = launch("-m", "trl_diffusion.cli", "eval", *flags(EVAL), "--output_dir", str(tmp_path / "two"))
+    assert done.returncode == 0, done.stderr[-4000:]
+    two = json.loads(done.stdout)  # printed once: two copies would not parse as one JSON document
+    assert two["num_processes"] == 2 and one["num_processes"] == 1
+    assert json.loads(Path(two["metrics_file"]).read_text()) == two
+    written = samples(two)
+    assert written == samples(one) and len(written) == 20  # every sample once, each as one process samples it
+    assert [key for key in written] == sorted(written)  # the main process writes them in (problem, sample) order
+    assert 0 < one["metrics"]["accuracy"] < 1  # rows paired with the wrong problems would change it
+    assert len({row["completion"] for row in written.values()}) > 10  # sampled
+    assert {k: v for k, v in two["metrics"].items() if k not in TIMING} == {
+        k: v for k, v in one["metrics"].items() if k not in TIMING}
+    for name in ("model", "dataset", "sources", "generation", "num_problems"):
+        assert two[name] == one[name], name
+
+
+SCRIPT = """
+import json, os, sys
+from pathlib import Path
+from trl_diffusion.cli import leave_launch
+from trl_diffusion.eval import evaluate
+
+config, rank = json.loads(sys.argv[1]), int(os.environ["RANK"])
+found = []
+rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(4)]
+try:  # the second process has the rows in another order: both refuse before generating
+    evaluate(dataset=rows[::-1] if rank else rows, **config)
+except ValueError as error:
+    found.append(str(error))
+try:  # the main process cannot lock the output files: both refuse
+    evaluate(**config)
+except ValueError as error:
+    found.append(str(error))
+Path(config["output_dir"], f"found{rank}.json").write_text(json.dumps(found))
+leave_launch(wait=True)
+"""
+
+
+def test_a_refusal_reaches_every_process(tmp_path):
+    script = tmp_path / "refusals.py"
+    script.write_text(SCRIPT)
+    config = {**EVAL, "max_problems": 2, "output_dir": str(tmp_path / "out"), "progress": False}
+    lock = tmp_path / "out" / "tiny-sdar-arithmetic__arithmetic.lock"  # what the evaluation locks: another run
+    lock.parent.mkdir()
+    with open(lock, "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        done = launch(str(script), json.dumps(config))
+    assert done.returncode == 0, done.stderr[-4000:]
+    for rank in (0, 1):  # each process raised both errors, then went on
+        found = json.loads((tmp_path / "out" / f"found{rank}.json").read_text())
+        assert len(found) == 2
+        assert "the processes of this launch evaluate different problems:" in found[0]
+        assert "another evaluation is writing" in found[1]
+
+
+def test_a_launch_pinned_to_one_gpu_is_refused_before_it_joins(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # joining the group would wait for a second process forever
+    with pytest.raises(ValueError, match="all 2 processes of this launch on one GPU"):
+        evaluate(dataset=[{"question": "1+1?", "answer": "#### 2"}], model=object(), tokenizer=object(),
+                 device="cuda:0", output_dir="", progress=False)
+    for device in (None, "cpu", "cpu:0", "cuda"):
+        check_launch_device(device, 2)
+    check_launch_device("cuda:1", 1)
+
+
+def test_shards_inputs_and_merged_runs():
+    work = list(range(7))
+    shards = [EvalProcesses(rank, 3).shard(work) for rank in range(3)]
+    assert shards == [[0, 3, 6], [1, 4], [2, 5]]
+    check_same_inputs([{"model": "a", "problems": "p"}] * 3)
+    with pytest.raises(ValueError, match="different model and problems"):
+        check_same_inputs([{"model": "a", "problems": "p"}, {"model": "b", "problems": "q"}])
+    rows = [[{"index": 1, "sample": 0}, {"index": 0, "sample": 1}], [{"index": 0, "sample": 0}]]
+    merged, seconds, passes = merge_runs([(rows[0], 2.0, 10), (rows[1], 3.5, 7)])
+    assert [(r["index"], r["sample"]) for r in merged] == [(0, 0), (0, 1), (1, 0)]
+    assert (seconds, passes) == (3.5, 17)
