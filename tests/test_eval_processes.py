@@ -6,6 +6,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -60,6 +61,21 @@ def test_two_processes_evaluate_the_samples_of_one(tmp_path):
         k: v for k, v in one["metrics"].items() if k not in TIMING}
     for name in ("model", "dataset", "sources", "generation", "num_problems"):
         assert two[name] == one[name], name
+    assert not list((tmp_path / "two").glob("*.part*"))  # the processes' part files, merged and removed
+
+    # an interrupted run (half its samples written, no metrics) resumed by a launch
+    resumed = tmp_path / "resumed"
+    shutil.copytree(tmp_path / "one", resumed)
+    lines = Path(one["samples_file"]).read_text().splitlines()
+    (resumed / Path(one["samples_file"]).name).write_text("\n".join(lines[:10]) + '\n{"id": "arithm')  # cut short
+    (resumed / Path(one["metrics_file"]).name).unlink()
+    done = launch("-m", "trl_diffusion.cli", "eval", *flags(EVAL), "--output_dir", str(resumed), "--resume", "true")
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    assert report["num_resumed"] == 10 and report["num_processes"] == 2
+    assert samples(report) == samples(one)
+    assert {k: v for k, v in report["metrics"].items() if k not in TIMING} == {
+        k: v for k, v in one["metrics"].items() if k not in TIMING}
 
 
 SCRIPT = """

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -15,11 +16,11 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sized
+from collections.abc import Callable, Iterable, Mapping, Sized
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -46,6 +47,7 @@ from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 from .processes import EvalProcesses, check_launch_device, check_same_inputs, launch_world_size, merge_runs
+from .resume import part_path, resumed_rows, run_card, sample_line, start_files
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -153,6 +155,9 @@ class EvalConfig:
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
     progress: bool = _arg(True, "Show a progress bar.")
+    resume: bool = _arg(False, "Keep the samples an interrupted run of the same evaluation wrote to output_dir and "
+                        "generate only the missing ones (the report is that of an uninterrupted run); refused if "
+                        "the run's settings differ (batch_size, max_problems, device and processes may change).")
 
     def __post_init__(self) -> None:
         """Field types (bool / int / float fields, see ``states.check_field_types``) and the ranges of the load and
@@ -486,26 +491,39 @@ def evaluate(
     model_source = _in_memory_source(model, model_name) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
+    if config.resume and samples_path is None:
+        raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
+    prompts = [format_prompt(tokenizer, p, config) for p in problems]
+    card = run_card(config, sources, settings)
+    launched = processes.world_size > 1
     with contextlib.ExitStack() as held:
-        refusal = None
+        refusal, kept = None, []
         if processes.is_main:
             try:
                 held.enter_context(_output_lock(samples_path))  # held until the metrics are written
                 _check_output_free(samples_path, sources)
+                if config.resume:
+                    kept = resumed_rows(samples_path, card, prompts, [p.id for p in problems], config.num_samples)
+                if launched and samples_path is not None:  # before any process writes a part file
+                    start_files(samples_path, card, kept).close()
             except ValueError as error:
-                if processes.world_size == 1:
+                if not launched:
                     raise
                 refusal = str(error)  # raised by every process below, not only here (the others would wait)
-        _check_launch_agrees(processes, refusal, model_source, problems)
-        streamed = samples_path if processes.world_size == 1 else None  # a launch's main process writes at the end
-        rows, seconds, forward_passes = _run(model, tokenizer, problems, config, tag, streamed, generate_kwargs,
-                                             processes)
-        if processes.world_size > 1:
+        done = _check_launch_agrees(processes, refusal, model_source, problems, kept)
+        stream = _row_stream(samples_path, card, kept, processes)
+        rows, seconds, forward_passes = _run(model, tokenizer, problems, prompts, config, tag, stream,
+                                             generate_kwargs, processes, done)
+        if launched:
             rows, seconds, forward_passes = merge_runs(processes.gather((rows, seconds, forward_passes)))
         report = None
         if processes.is_main:
-            if samples_path is not None and streamed is None:
-                _write_samples(samples_path, rows)
+            new_rows = rows
+            rows = sorted(kept + new_rows, key=lambda r: (r["index"], r["sample"]))
+            if samples_path is not None and launched:
+                start_files(samples_path, card, rows).close()  # the parts merged, in problem order
+            elif samples_path is not None and not new_rows:  # nothing left to generate: no first batch began them
+                start_files(samples_path, card, rows).close()
             report = {
                 "model": model_name,
                 "dataset": tag,
@@ -524,8 +542,9 @@ def evaluate(
                 "samples_file": str(samples_path) if samples_path else None,
                 "metrics_file": None,
                 "num_processes": processes.world_size,
+                "num_resumed": len(kept),
             }
-            report["metrics"].update(_speed(rows, seconds, forward_passes))
+            report["metrics"].update(_speed(new_rows, seconds, forward_passes))
             if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
                 logger.warning(PLAIN_PROMPT_HINT)
             if samples_path is not None:
@@ -537,17 +556,32 @@ def evaluate(
         return processes.share(report)
 
 
-def _check_launch_agrees(processes: EvalProcesses, refusal: str | None, model_source: str,
-                         problems: list[EvalProblem]) -> None:
-    """Before any generation, on every process of a launch: raise the main process's ``refusal`` (its output files
-    are busy), or raise if the processes evaluate different models or problems. Every process raises the same
-    error, so none is left waiting for the others."""
+def _row_stream(samples_path: Path | None, card: dict[str, Any], kept: list[dict[str, Any]],
+                processes: EvalProcesses) -> Callable[[], IO[str]] | None:
+    """What opens, when the first batch is scored, the file this process streams its rows to: a single process's
+    samples file, begun with the ``kept`` rows of a resume (so a run that fails before leaves an earlier run's
+    files as they were), or under a launch this process's part file (the main process merges the parts)."""
+    if samples_path is None:
+        return None
     if processes.world_size == 1:
-        return
-    answers = processes.gather((refusal, {"model": model_source, "problems": _rows_source(problems)}))
+        return functools.partial(start_files, samples_path, card, kept)
+    return functools.partial(part_path(samples_path, processes.rank).open, "w", encoding="utf-8")
+
+
+def _check_launch_agrees(processes: EvalProcesses, refusal: str | None, model_source: str,
+                         problems: list[EvalProblem], kept: list[dict[str, Any]]) -> set[tuple[int, int]]:
+    """Before any generation, on every process of a launch: raise the main process's ``refusal`` (its output files
+    are busy, or cannot be resumed), or raise if the processes evaluate different models or problems. Every process
+    raises the same error, so none is left waiting for the others. Returns the (problem, sample) keys of the main
+    process's ``kept`` rows (a resume's), which no process generates again."""
+    keys = [(row["index"], row["sample"]) for row in kept]
+    if processes.world_size == 1:
+        return set(keys)
+    answers = processes.gather((refusal, {"model": model_source, "problems": _rows_source(problems)}, keys))
     if answers[0][0] is not None:
         raise ValueError(answers[0][0])
-    check_same_inputs([given for _, given in answers])
+    check_same_inputs([given for _, given, _ in answers])
+    return set(answers[0][2])
 
 
 PLAIN_PROMPT_HINT = (
@@ -834,19 +868,19 @@ def _rows_source(rows: list) -> str:
 
 
 @torch.no_grad()
-def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalConfig, tag: str,
-         samples_path: Path | None, kwargs: dict[str, Any],
-         processes: EvalProcesses) -> tuple[list[dict[str, Any]], float, int]:
+def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], prompts: list[str], config: EvalConfig, tag: str,
+         stream: Callable[[], IO[str]] | None, kwargs: dict[str, Any], processes: EvalProcesses,
+         done: set[tuple[int, int]]) -> tuple[list[dict[str, Any]], float, int]:
     """Generate ``num_samples`` completions per problem with the ``generate`` arguments ``kwargs`` (this process's
-    share of them under a launch), score them and stream the rows to ``samples_path``. Returns the rows (in
-    problem, sample order), the seconds spent in ``generate`` and its forward passes."""
+    share of them under a launch, none of the ``done`` (problem, sample) keys), score them and write the rows to
+    the file ``stream()`` opens when the first batch is scored. Returns the rows (in problem, sample order), the
+    seconds spent in ``generate`` and its forward passes."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     settings, _ = model._resolve_settings(dict(kwargs))
     stop_ids = set(settings.stop_token_ids) | set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.pad_token_id
-    prompts = [format_prompt(tokenizer, p, config) for p in problems]
     token_ids = [tokenize_prompt(tokenizer, p, config) for p in problems]
     _check_no_mask_token(model.mask_token_id, tokenizer.mask_token, problems, token_ids, config.apply_chat_template)
     _check_prompts_fit(model, settings, problems, token_ids)
@@ -854,7 +888,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         _check_official_time_limits(problems)
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(token_ids[w[0]]))  # similar lengths together: less padding
-    work = processes.shard(work)
+    work = processes.shard([w for w in work if w not in done])
     limits = SandboxLimits(timeout=config.code_timeout, memory_mb=config.code_memory_mb,
                            max_output_bytes=config.code_max_output_bytes)
     math_reward = config.math_reward()
@@ -885,9 +919,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                        for row, steps in zip(out.sequences, out.unmask_step)]
             scores = score_completions([problems[i] for i, _ in batch], [d[0] for d in decoded], limits,
                                        config.code_workers, math_reward, config.code_grader)
-            if samples_path is not None and handle is None:  # an earlier run's metrics would not describe these rows
-                samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
-                handle = samples_path.open("w", encoding="utf-8")
+            if stream is not None and handle is None:
+                handle = stream()
             for j, ((i, s), (text, length, clipped), score) in enumerate(zip(batch, decoded, scores)):
                 row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
                        "length": length, "clipped": clipped, "tokens_per_step": float(out.tokens_per_step[j]),
@@ -895,7 +928,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
                        "correct": None if score["reward"] is None else score["reward"] == 1.0}
                 rows.append(row)
                 if handle:
-                    handle.write(_sample_line(row))
+                    handle.write(sample_line(row))
             bar.update(len(batch))
             bar.set_postfix(acc=f"{_mean([r['reward'] for r in rows if r['reward'] is not None]):.3f}")
     finally:
@@ -904,19 +937,6 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalCo
         if handle:
             handle.close()
     return sorted(rows, key=lambda r: (r["index"], r["sample"])), seconds, forward_passes
-
-
-def _sample_line(row: dict[str, Any]) -> str:
-    """One row of the samples file."""
-    return json.dumps(row, ensure_ascii=False) + "\n"
-
-
-def _write_samples(samples_path: Path, rows: list[dict[str, Any]]) -> None:
-    """Write a launch's gathered rows (its main process), removing an earlier run's metrics first (they would not
-    describe these rows), as a single process does when it opens the file."""
-    samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
-    with samples_path.open("w", encoding="utf-8") as handle:
-        handle.writelines(_sample_line(row) for row in rows)
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, problems: list[EvalProblem],

@@ -1,0 +1,129 @@
+"""Resuming an interrupted evaluation (``--resume``): the samples it already wrote are kept and only the missing
+ones are generated. A sample's random draws are keyed by (seed, problem, sample), so the resumed run's report is
+that of an uninterrupted one.
+
+Beside the samples file an evaluation writes a *run card* (``<name>.run.json``): what decides its samples and
+their scores. A resume is refused when the card differs from the new run's (another model, dataset, sampler
+setting, seed or grader); the batch size, the number of problems, the device and the number of processes may
+change. Under a launch each process streams its rows to a part file (``<name>.jsonl.part<rank>``), which the main
+process merges into the samples file at the end; a resume reads the part files of an interrupted launch too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+RESUME_FREE = ("model_name_or_path", "dataset_name", "max_problems", "batch_size", "pass_k", "device",
+               "code_workers", "output_dir", "progress", "resume")
+"""``EvalConfig`` fields a resumed run may change: they decide neither a sample nor its score (the model and the
+dataset are identified by the run's ``sources`` instead of their names as typed)."""
+
+
+def card_path(samples_path: Path) -> Path:
+    return samples_path.with_suffix(".run.json")
+
+
+def part_path(samples_path: Path, rank: int) -> Path:
+    """Where process ``rank`` of a launch streams its rows."""
+    return samples_path.with_name(f"{samples_path.name}.part{rank}")
+
+
+def part_paths(samples_path: Path) -> list[Path]:
+    """The part files in ``samples_path``'s folder (an interrupted launch of any size)."""
+    return sorted(samples_path.parent.glob(f"{samples_path.name}.part*"))
+
+
+def run_card(config: Any, sources: dict[str, str], settings: Any) -> dict[str, Any]:
+    """What decides an evaluation's samples and scores: its sources, every config field but ``RESUME_FREE``, and
+    the sampler settings ``generate`` resolved (flags left unset come from the model's generation config), as
+    JSON values."""
+    fields = {name: value for name, value in dataclasses.asdict(config).items() if name not in RESUME_FREE}
+    card = {"sources": sources, "config": fields, "generation": dataclasses.asdict(settings)}
+    return json.loads(json.dumps(card, default=repr))
+
+
+def write_card(samples_path: Path, card: dict[str, Any]) -> None:
+    """Write the run card whole (then renamed: never half a file)."""
+    path = card_path(samples_path)
+    partial = path.with_name(path.name + ".tmp")
+    partial.write_text(json.dumps(card, indent=2) + "\n")
+    os.replace(partial, path)
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a samples or part file; a line cut short by the interruption (not JSON) is left out."""
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
+
+
+def resumed_rows(samples_path: Path, card: dict[str, Any], prompts: list[str], ids: list[str],
+                 num_samples: int) -> list[dict[str, Any]]:
+    """The rows an interrupted run of the same evaluation (``card``) left in ``samples_path`` and its part files, at
+    most one per (problem, sample) of this run (``prompts`` and ``ids``: this run's problems'), in (problem,
+    sample) order. Raises a ValueError, naming what differs, when the files belong to another evaluation."""
+    files = [path for path in (samples_path, *part_paths(samples_path)) if path.is_file()]
+    if not files:
+        return []
+    path = card_path(samples_path)
+    if not path.is_file():
+        raise ValueError(f"cannot resume from {samples_path}: there is no run card ({path.name}) beside it, which "
+                         "says how its samples were made (evaluations before this version wrote none). Run without "
+                         "--resume to start again.")
+    earlier = json.loads(path.read_text())
+    if earlier != card:
+        raise ValueError(f"cannot resume from {samples_path}: it was made with other settings "
+                         f"({'; '.join(_differences(earlier, card))}). Run with the same ones, or without --resume "
+                         "to start again.")
+    kept: dict[tuple[int, int], dict[str, Any]] = {}
+    for file in files:
+        for row in read_rows(file):
+            index, sample = row.get("index"), row.get("sample")
+            if not (isinstance(index, int) and isinstance(sample, int) and 0 <= sample < num_samples):
+                continue
+            if 0 <= index < len(ids) and row.get("id") == ids[index] and row.get("prompt") == prompts[index]:
+                kept.setdefault((index, sample), row)
+    return [kept[key] for key in sorted(kept)]
+
+
+def start_files(samples_path: Path, card: dict[str, Any], kept: list[dict[str, Any]]):
+    """Begin this run's files: no metrics (they would not describe these rows), the run card, the samples file
+    holding the ``kept`` rows, no part files; returns the samples file open for appending."""
+    samples_path.with_suffix(".metrics.json").unlink(missing_ok=True)
+    write_card(samples_path, card)
+    partial = samples_path.with_name(samples_path.name + ".tmp")  # the kept rows are never only in memory
+    with partial.open("w", encoding="utf-8") as handle:
+        handle.writelines(sample_line(row) for row in kept)
+    os.replace(partial, samples_path)
+    for part in part_paths(samples_path):
+        part.unlink(missing_ok=True)
+    return samples_path.open("a", encoding="utf-8")
+
+
+def sample_line(row: dict[str, Any]) -> str:
+    """One row of a samples file."""
+    return json.dumps(row, ensure_ascii=False) + "\n"
+
+
+def _differences(earlier: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings that differ, as ``name: earlier -> now``."""
+    found = []
+    for part in ("sources", "config", "generation"):
+        old, new = earlier.get(part) or {}, now.get(part) or {}
+        for name in sorted(set(old) | set(new)):
+            if old.get(name) != new.get(name):
+                found.append(f"{name}: {old.get(name)!r} -> {new.get(name)!r}")
+    return found or ["the run card's layout"]
