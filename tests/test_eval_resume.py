@@ -13,7 +13,7 @@ import pytest
 from trl_diffusion.eval import evaluate
 
 ev = importlib.import_module("trl_diffusion.eval.evaluate")  # the module (the package attribute is the function)
-SCORE = ev.score_completions
+SCORE, LINE = ev.score_completions, ev.sample_line
 EVAL = dict(dataset_name="arithmetic", num_samples=2, temperature=1.0, batch_size=3, progress=False)
 TIMING = {"generation_seconds", "throughput_tokens_per_s", "num_forward_passes", "tokens_per_step"}
 
@@ -55,10 +55,15 @@ def scoring(monkeypatch, fail_at: int | None = None) -> list[int]:
 
 
 def test_an_interrupted_run_resumes_to_the_uninterrupted_report(full, tmp_path, monkeypatch):
+    path = tmp_path / Path(full["samples_file"]).name
+    on_disk = []  # what a killed process would have left (no close, no flush at exit): each batch is flushed
+    monkeypatch.setattr(ev, "sample_line", lambda row: on_disk.append(
+        path.read_text().count("\n") if path.exists() else 0) or LINE(row))
     with pytest.raises(Interrupted):
         scoring(monkeypatch, fail_at=2)
         evaluate(**EVAL, max_problems=10, output_dir=str(tmp_path))
-    path = tmp_path / Path(full["samples_file"]).name
+    assert on_disk == [0, 0, 0, 3, 3, 3]
+    monkeypatch.setattr(ev, "sample_line", LINE)
     assert len(path.read_text().splitlines()) == 6 and not path.with_suffix(".metrics.json").exists()
     with path.open("a") as handle:
         handle.write('{"id": "arithmetic/9", "ind')  # a line the interruption cut short

@@ -929,6 +929,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], prompts: list[
                 rows.append(row)
                 if handle:
                     handle.write(sample_line(row))
+            if handle:
+                handle.flush()  # a killed run keeps every scored batch (what --resume reads)
             bar.update(len(batch))
             bar.set_postfix(acc=f"{_mean([r['reward'] for r in rows if r['reward'] is not None]):.3f}")
     finally:
