@@ -357,6 +357,10 @@ def test_length_and_throughput_count_every_sample_and_its_tokens():
     assert metrics["avg_length"] == pytest.approx((4 + 8 + 30 + 6) / 4)
     assert metrics["clipped_ratio"] == pytest.approx(1 / 4)
     assert metrics["accuracy"] == pytest.approx(2 / 3)
-    speed = _speed([row(0, 1.0, 10), row(1, 1.0, 30)], 4.0, 5)
+    generated = [row(0, 1.0, 10), row(1, 1.0, 30)]
+    speed = _speed(generated, generated, 4.0, 5)
     assert speed == {"tokens_per_step": 2.0, "generation_seconds": 4.0, "throughput_tokens_per_s": 10.0,
                      "num_forward_passes": 5}
+    resumed = {**row(2, 1.0, 50), "tokens_per_step": 5.0}  # kept from an interrupted run: not this run's tokens
+    assert _speed([resumed, *generated], generated, 4.0, 5) == {**speed, "tokens_per_step": 3.0}
+    assert _speed([resumed], [], 0.0, 0)["throughput_tokens_per_s"] is None  # nothing generated: no speed

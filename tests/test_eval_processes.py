@@ -83,24 +83,42 @@ import json, os, sys
 from pathlib import Path
 from trl_diffusion.cli import leave_launch
 from trl_diffusion.eval import evaluate
+from trl_diffusion.eval.evaluate import load_model_and_tokenizer, EvalConfig
 
 config, rank = json.loads(sys.argv[1]), int(os.environ["RANK"])
-found = []
+out, found, lines = Path(config.pop("output_dir")), [], {}
 rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(4)]
-try:  # the second process has the rows in another order: both refuse before generating
-    evaluate(dataset=rows[::-1] if rank else rows, **config)
-except ValueError as error:
-    found.append(str(error))
-try:  # the main process cannot lock the output files: both refuse
-    evaluate(**config)
-except ValueError as error:
-    found.append(str(error))
-Path(config["output_dir"], f"found{rank}.json").write_text(json.dumps(found))
+plain = {**config, "prompt_template": "{question}\\n", "apply_chat_template": False, "max_new_tokens": 8}
+
+
+def attempt(**kwargs):
+    try:
+        return evaluate(**kwargs)
+    except ValueError as error:
+        found.append(str(error))
+
+
+first = attempt(dataset=rows, **plain, output_dir=str(out / "rows"))  # a finished run
+samples = Path(first["samples_file"])
+attempt(dataset=rows, **{**plain, "max_new_tokens": 100000}, output_dir=str(out / "rows"))  # refused by all
+# the second process has the rows in another order: both refuse before generating
+attempt(dataset=rows[::-1] if rank else rows, **plain, output_dir=str(out / "rows"))
+lines["after_refusals"] = len(samples.read_text().splitlines())  # before the main process replaced its files
+lines["metrics_kept"] = samples.with_suffix(".metrics.json").is_file()
+attempt(**config, output_dir=str(out))  # the main process cannot lock the output files: both refuse
+model, tokenizer = load_model_and_tokenizer(EvalConfig(device="cpu"))
+if rank == 1:  # fails in its first batch: the other process must not wait for its rows
+    model.generate = lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("out of room"))
+attempt(dataset=rows, model=model, tokenizer=tokenizer, **plain, output_dir="")
+model.__dict__.pop("generate", None)
+again = attempt(dataset=rows, model=model, tokenizer=tokenizer, **plain, output_dir="")  # the group still works
+lines["again"] = again["metrics"]["accuracy"] == first["metrics"]["accuracy"] and again["num_processes"]
+Path(out, f"found{rank}.json").write_text(json.dumps({"found": found, **lines}))
 leave_launch(wait=True)
 """
 
 
-def test_a_refusal_reaches_every_process(tmp_path):
+def test_a_refusal_or_an_error_reaches_every_process(tmp_path):
     script = tmp_path / "refusals.py"
     script.write_text(SCRIPT)
     config = {**EVAL, "max_problems": 2, "output_dir": str(tmp_path / "out"), "progress": False}
@@ -110,11 +128,16 @@ def test_a_refusal_reaches_every_process(tmp_path):
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         done = launch(str(script), json.dumps(config))
     assert done.returncode == 0, done.stderr[-4000:]
-    for rank in (0, 1):  # each process raised both errors, then went on
-        found = json.loads((tmp_path / "out" / f"found{rank}.json").read_text())
-        assert len(found) == 2
-        assert "the processes of this launch evaluate different problems:" in found[0]
-        assert "another evaluation is writing" in found[1]
+    for rank in (0, 1):  # each process raised every error, then went on
+        result = json.loads((tmp_path / "out" / f"found{rank}.json").read_text())
+        found = result["found"]
+        assert len(found) == 4, found
+        assert "do not fit the model's" in found[0]
+        assert "the processes of this launch evaluate different problems:" in found[1]
+        assert "another evaluation is writing" in found[2]
+        assert result["after_refusals"] == 4 and result["metrics_kept"]  # the finished run's files are intact
+        assert found[3] == "out of room" if rank == 1 else "process 1 of this launch failed: ValueError: out of room"
+        assert result["again"] == 2
 
 
 def test_a_launch_pinned_to_one_gpu_is_refused_before_it_joins(monkeypatch):

@@ -109,18 +109,60 @@ def test_a_resume_without_a_run_card_or_output_dir_is_refused(full, tmp_path):
 def test_rows_of_a_problem_that_changed_are_made_again(tmp_path, monkeypatch):
     data = tmp_path / "problems.jsonl"
 
-    def write(questions):
-        data.write_text("".join(json.dumps({"question": f"What is {q}?", "answer": f"#### {eval(q)}"}) + "\n"
-                                for q in questions))
+    def write(questions, wrong=()):
+        data.write_text("".join(json.dumps({"question": f"What is {q}?", "answer": f"#### {eval(q) + (q in wrong)}"})
+                                + "\n" for q in questions))
 
-    write(["12+30", "7+8", "100-1", "6+6"])
+    write(["12+30", "7+8", "100-1", "6+6"], wrong=["6+6"])
     config = {**EVAL, "dataset_name": str(data), "output_dir": str(tmp_path / "out"), "max_new_tokens": 16,
               "prompt_template": "{question}\n", "apply_chat_template": False}
     before = samples(evaluate(**config))
-    write(["12+30", "7+8", "100-2", "6+6"])  # the file was edited: its path (the dataset's identity) is the same
+    # the file was edited (its path, the dataset's identity, is the same): a question and a gold answer changed
+    write(["12+30", "7+8", "100-2", "6+6"])
     batches = scoring(monkeypatch)
     report = evaluate(**config, resume=True)
-    assert report["num_resumed"] == 6 and sum(batches) == 2
+    assert report["num_resumed"] == 4 and sum(batches) == 4
     after = samples(report)
-    assert {key: row for key, row in after.items() if key[0] != 2} == {k: r for k, r in before.items() if k[0] != 2}
+    assert {key: row for key, row in after.items() if key[0] < 2} == {k: r for k, r in before.items() if k[0] < 2}
     assert all("100-2" in after[2, sample]["prompt"] for sample in (0, 1))
+    assert {after[3, sample]["gold"] for sample in (0, 1)} == {"12"} and before[3, 0]["gold"] == "13"
+
+
+def test_the_run_card_holds_the_dtype_the_weights_were_loaded_in(full, tmp_path):
+    shutil.copytree(Path(full["samples_file"]).parent, tmp_path, dirs_exist_ok=True)
+    same = evaluate(**EVAL, max_problems=10, output_dir=str(tmp_path), resume=True, dtype="float32")  # auto on a CPU
+    assert same["num_resumed"] == 20
+    with pytest.raises(ValueError, match="other settings .*dtype: 'torch.float32' -> 'torch.bfloat16'"):
+        evaluate(**EVAL, max_problems=10, output_dir=str(tmp_path), resume=True, dtype="bfloat16")
+
+
+def test_an_interrupted_run_of_another_model_is_not_replaced(tmp_path, monkeypatch):
+    from trl_diffusion.assets import EMBEDDED_MODEL, resolve_model_path
+
+    for run in ("runA", "runB"):  # two checkpoints whose files share a name
+        shutil.copytree(resolve_model_path(EMBEDDED_MODEL), tmp_path / run / "checkpoint-100")
+    with pytest.raises(Interrupted):
+        scoring(monkeypatch, fail_at=1)
+        evaluate(**EVAL, max_problems=4, model_name_or_path=str(tmp_path / "runA" / "checkpoint-100"),
+                 output_dir=str(tmp_path / "out"))
+    scoring(monkeypatch)
+    with pytest.raises(ValueError, match="runA.* which this run .*runB.* would replace"):
+        evaluate(**EVAL, max_problems=4, model_name_or_path=str(tmp_path / "runB" / "checkpoint-100"),
+                 output_dir=str(tmp_path / "out"))
+    resumed = evaluate(**EVAL, max_problems=4, model_name_or_path=str(tmp_path / "runA" / "checkpoint-100"),
+                       output_dir=str(tmp_path / "out"), resume=True)
+    assert resumed["num_resumed"] == 3  # the interrupted run's first batch
+
+
+def test_part_files_are_found_by_their_exact_name_and_the_card_comes_last(tmp_path, monkeypatch):
+    from trl_diffusion.eval import resume
+
+    odd, other = tmp_path / "m[1]__arithmetic.jsonl", tmp_path / "m1__arithmetic.jsonl"
+    for path in (resume.part_path(odd, 0), resume.part_path(other, 0)):
+        path.write_text("{}\n")
+    assert resume.part_paths(odd) == [resume.part_path(odd, 0)]  # "[1]" is no glob character class here
+    resume.write_card(other, {"run": "A"})
+    monkeypatch.setattr(resume, "part_paths", lambda path: (_ for _ in ()).throw(OSError("stopped here")))
+    with pytest.raises(OSError):  # a run stopped while it cleared the earlier run's part files ...
+        resume.start_files(other, {"run": "B"}, [])
+    assert json.loads(resume.card_path(other).read_text()) == {"run": "A"}  # ... left them beside their own card

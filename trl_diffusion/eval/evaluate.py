@@ -47,7 +47,7 @@ from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 from .processes import EvalProcesses, check_launch_device, check_same_inputs, launch_world_size, merge_runs
-from .resume import part_path, resumed_rows, run_card, sample_line, start_files
+from .resume import card_path, part_path, problem_digest, resumed_rows, run_card, sample_line, start_files
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -493,8 +493,8 @@ def evaluate(
     samples_path = _output_path(config.output_dir, model_name, tag)
     if config.resume and samples_path is None:
         raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
-    prompts = [format_prompt(tokenizer, p, config) for p in problems]
-    card = run_card(config, sources, settings)
+    prepared = _prepare(model, tokenizer, problems, config, settings)
+    card = run_card(config, sources, settings, _loaded(model, tokenizer))
     launched = processes.world_size > 1
     with contextlib.ExitStack() as held:
         refusal, kept = None, []
@@ -503,19 +503,19 @@ def evaluate(
                 held.enter_context(_output_lock(samples_path))  # held until the metrics are written
                 _check_output_free(samples_path, sources)
                 if config.resume:
-                    kept = resumed_rows(samples_path, card, prompts, [p.id for p in problems], config.num_samples)
-                if launched and samples_path is not None:  # before any process writes a part file
-                    start_files(samples_path, card, kept).close()
+                    kept = resumed_rows(samples_path, card, prepared.prompts, prepared.digests, config.num_samples)
             except ValueError as error:
                 if not launched:
                     raise
                 refusal = str(error)  # raised by every process below, not only here (the others would wait)
         done = _check_launch_agrees(processes, refusal, model_source, problems, kept)
+        if launched:  # the earlier run's files go only now, once every process has agreed to run
+            if processes.is_main and samples_path is not None:
+                start_files(samples_path, card, kept).close()
+            processes.gather(None)  # and no process opens its part file before the old ones are gone
         stream = _row_stream(samples_path, card, kept, processes)
-        rows, seconds, forward_passes = _run(model, tokenizer, problems, prompts, config, tag, stream,
-                                             generate_kwargs, processes, done)
-        if launched:
-            rows, seconds, forward_passes = merge_runs(processes.gather((rows, seconds, forward_passes)))
+        rows, seconds, forward_passes = _run_everywhere(processes, functools.partial(
+            _run, model, tokenizer, prepared, config, tag, stream, generate_kwargs, processes, done))
         report = None
         if processes.is_main:
             new_rows = rows
@@ -544,7 +544,7 @@ def evaluate(
                 "num_processes": processes.world_size,
                 "num_resumed": len(kept),
             }
-            report["metrics"].update(_speed(new_rows, seconds, forward_passes))
+            report["metrics"].update(_speed(rows, new_rows, seconds, forward_passes))
             if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
                 logger.warning(PLAIN_PROMPT_HINT)
             if samples_path is not None:
@@ -554,6 +554,65 @@ def evaluate(
                 partial.write_text(json.dumps(report, indent=2) + "\n")
                 os.replace(partial, metrics_path)
         return processes.share(report)
+
+
+@dataclass(frozen=True)
+class PreparedProblems:
+    """The problems as a run feeds them to the model: prompt texts, prompt token ids, and each problem's digest
+    (:func:`~trl_diffusion.eval.resume.problem_digest`, stored in its rows)."""
+
+    problems: list[EvalProblem]
+    prompts: list[str]
+    token_ids: list[list[int]]
+    digests: list[str]
+
+
+def _prepare(model: Any, tokenizer: Any, problems: list[EvalProblem], config: EvalConfig,
+             settings: Any) -> PreparedProblems:
+    """Format and tokenize every prompt, and raise, naming the problems, for what ``generate`` or the official
+    grader would refuse mid-run (a prompt holding the mask token, one too long for the model, an official time
+    limit that is no number of seconds): before any process replaces an earlier run's files."""
+    prompts = [format_prompt(tokenizer, p, config) for p in problems]
+    token_ids = [tokenize_prompt(tokenizer, p, config) for p in problems]
+    _check_no_mask_token(model.mask_token_id, tokenizer.mask_token, problems, token_ids, config.apply_chat_template)
+    _check_prompts_fit(model, settings, problems, token_ids)
+    if config.code_grader == "official":
+        _check_official_time_limits(problems)
+    return PreparedProblems(problems, prompts, token_ids, [problem_digest(p) for p in problems])
+
+
+def _loaded(model: Any, tokenizer: Any) -> dict[str, Any]:
+    """What the run card records of the loaded objects: the tokenizer (where from, its class and size), the
+    weights' dtype and the kind of device (``auto`` resolves to bfloat16 on a GPU, float32 on a CPU, and a
+    generator draws differently on each)."""
+    parameter = next(model.parameters())
+    name = str(getattr(tokenizer, "name_or_path", "") or "")
+    return {"tokenizer": [_source(name) if name else None, type(tokenizer).__name__, len(tokenizer)],
+            "dtype": str(parameter.dtype), "device": parameter.device.type}
+
+
+def _run_everywhere(processes: EvalProcesses,
+                    run_here: Callable[[], tuple[list[dict[str, Any]], float, int]]) -> tuple[list[dict], float, int]:
+    """``run_here()`` (this process's :func:`_run`) on every process of a launch, the results merged
+    (:func:`merge_runs`) on every process. An error on one process is raised on all of them (the others would wait
+    for its rows): as it is there, elsewhere as a ValueError (for one) or RuntimeError naming the process."""
+    if processes.world_size == 1:
+        return run_here()
+    failure = None
+    try:
+        run = run_here()
+    except Exception as error:  # an out-of-memory error too: the others must hear of it
+        failure, run = error, ([], 0.0, 0)
+    text = None if failure is None else (type(failure).__name__, str(failure))
+    parts = processes.gather((run, text))
+    failed = [(rank, said) for rank, (_, said) in enumerate(parts) if said is not None]
+    if failure is not None:
+        raise failure
+    if failed:
+        rank, (kind, message) = failed[0]
+        raise (ValueError if kind == "ValueError" else RuntimeError)(
+            f"process {rank} of this launch failed: {kind}: {message}")
+    return merge_runs([part for part, _ in parts])
 
 
 def _row_stream(samples_path: Path | None, card: dict[str, Any], kept: list[dict[str, Any]],
@@ -787,16 +846,20 @@ def _check_output_free(samples_path: Path | None, sources: dict[str, str]) -> No
     """Refuse, before generating, to replace the results of another model or dataset that share the file name
     (``runA/checkpoint-100`` and ``runB/checkpoint-100``; ``a/test.jsonl`` and ``b/test.jsonl``; another split of a
     Hub dataset): an earlier run of the same ``sources`` (:func:`_source`, :func:`_dataset_source`) is replaced, as
-    documented. A report without ``sources`` (written before they were recorded) is replaced."""
-    metrics_path = samples_path.with_suffix(".metrics.json") if samples_path is not None else None
-    if metrics_path is None or not metrics_path.is_file():
+    documented. The earlier run's sources are its report's, or, for a run that was interrupted (no report), its run
+    card's. A report without ``sources`` (written before they were recorded) is replaced."""
+    if samples_path is None:
+        return
+    metrics_path = samples_path.with_suffix(".metrics.json")
+    record = metrics_path if metrics_path.is_file() else card_path(samples_path)
+    if not record.is_file():
         return
     try:
-        earlier = json.loads(metrics_path.read_text()).get("sources")
+        earlier = json.loads(record.read_text()).get("sources")
     except (OSError, ValueError, AttributeError):
-        return  # not a report of ours: the run replaces it
+        return  # not a file of ours: the run replaces it
     if earlier is not None and earlier != sources:
-        raise ValueError(f"{metrics_path} holds the results of model {earlier.get('model')!r} on dataset "
+        raise ValueError(f"{record} holds the results of model {earlier.get('model')!r} on dataset "
                          f"{earlier.get('dataset')!r}, which this run ({sources['model']!r} on "
                          f"{sources['dataset']!r}) would replace (the file is named by the model's and the dataset's "
                          "last path components): pass another --output_dir.")
@@ -868,7 +931,7 @@ def _rows_source(rows: list) -> str:
 
 
 @torch.no_grad()
-def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], prompts: list[str], config: EvalConfig, tag: str,
+def _run(model: Any, tokenizer: Any, prepared: PreparedProblems, config: EvalConfig, tag: str,
          stream: Callable[[], IO[str]] | None, kwargs: dict[str, Any], processes: EvalProcesses,
          done: set[tuple[int, int]]) -> tuple[list[dict[str, Any]], float, int]:
     """Generate ``num_samples`` completions per problem with the ``generate`` arguments ``kwargs`` (this process's
@@ -881,11 +944,7 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], prompts: list[
     settings, _ = model._resolve_settings(dict(kwargs))
     stop_ids = set(settings.stop_token_ids) | set(tokenizer.all_special_ids)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else settings.pad_token_id
-    token_ids = [tokenize_prompt(tokenizer, p, config) for p in problems]
-    _check_no_mask_token(model.mask_token_id, tokenizer.mask_token, problems, token_ids, config.apply_chat_template)
-    _check_prompts_fit(model, settings, problems, token_ids)
-    if config.code_grader == "official":
-        _check_official_time_limits(problems)
+    problems, prompts, token_ids = prepared.problems, prepared.prompts, prepared.token_ids
     work = sorted(((i, s) for i in range(len(problems)) for s in range(config.num_samples)),
                   key=lambda w: -len(token_ids[w[0]]))  # similar lengths together: less padding
     work = processes.shard([w for w in work if w not in done])
@@ -922,7 +981,8 @@ def _run(model: Any, tokenizer: Any, problems: list[EvalProblem], prompts: list[
             if stream is not None and handle is None:
                 handle = stream()
             for j, ((i, s), (text, length, clipped), score) in enumerate(zip(batch, decoded, scores)):
-                row = {"id": problems[i].id, "index": i, "sample": s, "prompt": prompts[i], "completion": text,
+                row = {"id": problems[i].id, "problem_digest": prepared.digests[i], "index": i, "sample": s,
+                       "prompt": prompts[i], "completion": text,
                        "length": length, "clipped": clipped, "tokens_per_step": float(out.tokens_per_step[j]),
                        "denoising_steps": int(out.denoising_steps[j]), **score,
                        "correct": None if score["reward"] is None else score["reward"] == 1.0}
@@ -1025,9 +1085,11 @@ def _metrics(rows: list[dict], problems: list[EvalProblem], n: int, ks: list[int
     return metrics
 
 
-def _speed(rows: list[dict], seconds: float, forward_passes: int) -> dict[str, float]:
-    """Mean tokens per denoising step, and completion tokens (up to the stop token) per second of ``generate``."""
-    tokens = sum(r["length"] for r in rows)
+def _speed(rows: list[dict], new_rows: list[dict], seconds: float, forward_passes: int) -> dict[str, float | None]:
+    """Mean tokens per denoising step over all ``rows`` (stored in each), and the completion tokens (up to the stop
+    token) of the ``new_rows`` this run generated per second of ``generate`` (None when it generated none: a resume
+    of a finished run)."""
+    tokens = sum(r["length"] for r in new_rows)
     return {"tokens_per_step": _mean([r["tokens_per_step"] for r in rows]), "generation_seconds": seconds,
-            "throughput_tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
+            "throughput_tokens_per_s": (tokens / seconds if seconds > 0 else 0.0) if new_rows else None,
             "num_forward_passes": forward_passes}
