@@ -94,8 +94,8 @@ plain = {**config, "prompt_template": "{question}\\n", "apply_chat_template": Fa
 def attempt(**kwargs):
     try:
         return evaluate(**kwargs)
-    except ValueError as error:
-        found.append(str(error))
+    except (ValueError, OSError, RuntimeError) as error:
+        found.append(str(error) if isinstance(error, ValueError) else f"{type(error).__name__}: {error}")
 
 
 first = attempt(dataset=rows, **plain, output_dir=str(out / "rows"))  # a finished run
@@ -106,6 +106,8 @@ attempt(dataset=rows[::-1] if rank else rows, **plain, output_dir=str(out / "row
 lines["after_refusals"] = len(samples.read_text().splitlines())  # before the main process replaced its files
 lines["metrics_kept"] = samples.with_suffix(".metrics.json").is_file()
 attempt(**config, output_dir=str(out))  # the main process cannot lock the output files: both refuse
+(out / "odd" / "tiny-sdar-arithmetic__arithmetic.lock").mkdir(parents=True, exist_ok=True)
+attempt(**config, output_dir=str(out / "odd"))  # an OSError on the main process only: raised everywhere
 model, tokenizer = load_model_and_tokenizer(EvalConfig(device="cpu"))
 if rank == 1:  # fails in its first batch: the other process must not wait for its rows
     model.generate = lambda *args, **kwargs: (_ for _ in ()).throw(ValueError("out of room"))
@@ -131,12 +133,14 @@ def test_a_refusal_or_an_error_reaches_every_process(tmp_path):
     for rank in (0, 1):  # each process raised every error, then went on
         result = json.loads((tmp_path / "out" / f"found{rank}.json").read_text())
         found = result["found"]
-        assert len(found) == 4, found
+        assert len(found) == 5, found
         assert "do not fit the model's" in found[0]
         assert "the processes of this launch evaluate different problems:" in found[1]
         assert "another evaluation is writing" in found[2]
         assert result["after_refusals"] == 4 and result["metrics_kept"]  # the finished run's files are intact
-        assert found[3] == "out of room" if rank == 1 else "process 1 of this launch failed: ValueError: out of room"
+        assert found[3].startswith("IsADirectoryError" if rank == 0 else
+                                   "RuntimeError: process 0 of this launch failed: IsADirectoryError"), found[3]
+        assert found[4] == "out of room" if rank == 1 else "process 1 of this launch failed: ValueError: out of room"
         assert result["again"] == 2
 
 

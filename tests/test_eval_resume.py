@@ -166,3 +166,51 @@ def test_part_files_are_found_by_their_exact_name_and_the_card_comes_last(tmp_pa
     with pytest.raises(OSError):  # a run stopped while it cleared the earlier run's part files ...
         resume.start_files(other, {"run": "B"}, [])
     assert json.loads(resume.card_path(other).read_text()) == {"run": "A"}  # ... left them beside their own card
+
+
+def test_a_line_cut_inside_a_character_is_dropped(full, tmp_path):
+    shutil.copytree(Path(full["samples_file"]).parent, tmp_path, dirs_exist_ok=True)
+    path = tmp_path / Path(full["samples_file"]).name
+    path.with_suffix(".metrics.json").unlink()
+    with path.open("ab") as handle:
+        handle.write('{"id": "arithmetic/9", "completion": "×'.encode()[:-1])  # half of a two-byte character
+    resumed = evaluate(**EVAL, max_problems=10, output_dir=str(tmp_path), resume=True)
+    assert resumed["num_resumed"] == 20 and samples(resumed) == samples(full)
+
+
+def test_weights_saved_again_in_place_are_another_run(tmp_path):
+    import torch
+
+    from trl_diffusion.assets import EMBEDDED_MODEL, resolve_model_path
+
+    folder = tmp_path / "final"
+    shutil.copytree(resolve_model_path(EMBEDDED_MODEL), folder)
+    config = {**EVAL, "max_problems": 2, "model_name_or_path": str(folder), "output_dir": str(tmp_path / "out")}
+    evaluate(**config)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():
+        next(model.parameters()).add_(0.01)
+    model.save_pretrained(folder)  # a later training step written over the same folder
+    with pytest.raises(ValueError, match="other settings .*weights: "):
+        evaluate(**config, resume=True)
+
+
+def test_a_resume_reads_settings_as_resolved_and_paths_as_resolved(full, tmp_path, monkeypatch):
+    import trl_diffusion
+    from trl_diffusion.eval.evaluate import EvalConfig, load_model_and_tokenizer
+
+    shutil.copytree(Path(full["samples_file"]).parent, tmp_path / "out", dirs_exist_ok=True)
+    again = evaluate(**EVAL, max_problems=10, output_dir=str(tmp_path / "out"), resume=True,
+                     max_new_tokens=16, block_length=4)  # the task's and the model's own values, spelled out
+    assert again["num_resumed"] == 20
+    model, tokenizer = load_model_and_tokenizer(EvalConfig(device="cpu"))
+    given = {**EVAL, "max_problems": 2, "output_dir": str(tmp_path / "objects")}
+    package = Path(trl_diffusion.__file__).parent
+    monkeypatch.chdir(package)
+    evaluate(model=model, tokenizer=tokenizer, model_name_or_path="assets/tiny-sdar-arithmetic", **given)
+    monkeypatch.chdir(package.parent)  # the same folder named from another directory
+    resumed = evaluate(model=model, tokenizer=tokenizer, **given, resume=True,
+                       model_name_or_path="trl_diffusion/assets/tiny-sdar-arithmetic")
+    assert resumed["num_resumed"] == 4

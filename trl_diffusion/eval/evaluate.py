@@ -46,7 +46,14 @@ from ..rewards.dllm_rl_code import (
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
 from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
-from .processes import EvalProcesses, check_launch_device, check_same_inputs, launch_world_size, merge_runs
+from .processes import (
+    EvalProcesses,
+    check_launch_device,
+    check_same_inputs,
+    launch_world_size,
+    merge_runs,
+    shared_error,
+)
 from .resume import card_path, part_path, problem_digest, resumed_rows, run_card, sample_line, start_files
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
@@ -157,7 +164,8 @@ class EvalConfig:
     progress: bool = _arg(True, "Show a progress bar.")
     resume: bool = _arg(False, "Keep the samples an interrupted run of the same evaluation wrote to output_dir and "
                         "generate only the missing ones (the report is that of an uninterrupted run); refused if "
-                        "the run's settings differ (batch_size, max_problems, device and processes may change).")
+                        "the run card differs (batch_size, max_problems, pass_k, code_workers, the GPU index and "
+                        "the number of processes may change).")
 
     def __post_init__(self) -> None:
         """Field types (bool / int / float fields, see ``states.check_field_types``) and the ranges of the load and
@@ -488,43 +496,39 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
-    model_source = _in_memory_source(model, model_name) if in_memory else _source(model_name)
+    weights = _weights_digest(model)
+    model_source = _in_memory_source(model, model_name, weights) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
     samples_path = _output_path(config.output_dir, model_name, tag)
     if config.resume and samples_path is None:
         raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
     prepared = _prepare(model, tokenizer, problems, config, settings)
-    card = run_card(config, sources, settings, _loaded(model, tokenizer))
+    card = run_card(config, sources, settings, _loaded(model, tokenizer, weights), resolved=_GENERATE_FIELDS)
     launched = processes.world_size > 1
     with contextlib.ExitStack() as held:
-        refusal, kept = None, []
-        if processes.is_main:
-            try:
-                held.enter_context(_output_lock(samples_path))  # held until the metrics are written
-                _check_output_free(samples_path, sources)
-                if config.resume:
-                    kept = resumed_rows(samples_path, card, prepared.prompts, prepared.digests, config.num_samples)
-            except ValueError as error:
-                if not launched:
-                    raise
-                refusal = str(error)  # raised by every process below, not only here (the others would wait)
-        done = _check_launch_agrees(processes, refusal, model_source, problems, kept)
-        if launched:  # the earlier run's files go only now, once every process has agreed to run
-            if processes.is_main and samples_path is not None:
-                start_files(samples_path, card, kept).close()
-            processes.gather(None)  # and no process opens its part file before the old ones are gone
+
+        def claim() -> list[dict[str, Any]]:  # the output files: locked until the metrics are written
+            held.enter_context(_output_lock(samples_path))
+            _check_output_free(samples_path, sources)
+            if not config.resume:
+                return []
+            return resumed_rows(samples_path, card, prepared.prompts, prepared.digests, config.num_samples)
+
+        kept = processes.on_main(claim)
+        done = _check_launch_agrees(processes, model_source, problems, kept)
+        if launched and samples_path is not None:
+            # the earlier run's files go only now, once every process has agreed to run; and no process opens its
+            # part file before the old ones are gone (on_main returns once the main process is done)
+            processes.on_main(lambda: start_files(samples_path, card, kept).close())
         stream = _row_stream(samples_path, card, kept, processes)
-        rows, seconds, forward_passes = _run_everywhere(processes, functools.partial(
+        new_rows, seconds, forward_passes = _run_everywhere(processes, functools.partial(
             _run, model, tokenizer, prepared, config, tag, stream, generate_kwargs, processes, done))
-        report = None
-        if processes.is_main:
-            new_rows = rows
+
+        def report() -> dict[str, Any]:
             rows = sorted(kept + new_rows, key=lambda r: (r["index"], r["sample"]))
-            if samples_path is not None and launched:
-                start_files(samples_path, card, rows).close()  # the parts merged, in problem order
-            elif samples_path is not None and not new_rows:  # nothing left to generate: no first batch began them
-                start_files(samples_path, card, rows).close()
-            report = {
+            if samples_path is not None and (launched or not new_rows):  # the parts merged, or nothing generated
+                start_files(samples_path, card, rows).close()  # (a single process's first batch began the file)
+            result = {
                 "model": model_name,
                 "dataset": tag,
                 "dataset_name": dataset_name,
@@ -544,16 +548,18 @@ def evaluate(
                 "num_processes": processes.world_size,
                 "num_resumed": len(kept),
             }
-            report["metrics"].update(_speed(rows, new_rows, seconds, forward_passes))
-            if chat_by_default and config.apply_chat_template and _all_wrong(report["metrics"]):
+            result["metrics"].update(_speed(rows, new_rows, seconds, forward_passes))
+            if chat_by_default and config.apply_chat_template and _all_wrong(result["metrics"]):
                 logger.warning(PLAIN_PROMPT_HINT)
             if samples_path is not None:
                 metrics_path = samples_path.with_suffix(".metrics.json")
-                report["metrics_file"] = str(metrics_path)
+                result["metrics_file"] = str(metrics_path)
                 partial = metrics_path.with_name(metrics_path.name + ".tmp")  # whole, then renamed: never half a file
-                partial.write_text(json.dumps(report, indent=2) + "\n")
+                partial.write_text(json.dumps(result, indent=2) + "\n")
                 os.replace(partial, metrics_path)
-        return processes.share(report)
+            return result
+
+        return processes.on_main(report)
 
 
 @dataclass(frozen=True)
@@ -581,14 +587,18 @@ def _prepare(model: Any, tokenizer: Any, problems: list[EvalProblem], config: Ev
     return PreparedProblems(problems, prompts, token_ids, [problem_digest(p) for p in problems])
 
 
-def _loaded(model: Any, tokenizer: Any) -> dict[str, Any]:
-    """What the run card records of the loaded objects: the tokenizer (where from, its class and size), the
-    weights' dtype and the kind of device (``auto`` resolves to bfloat16 on a GPU, float32 on a CPU, and a
-    generator draws differently on each)."""
+def _loaded(model: Any, tokenizer: Any, weights: str) -> dict[str, Any]:
+    """What the run card records of the loaded objects and the code: the ``weights`` digest (a checkpoint folder
+    saved again in place keeps its path), the tokenizer (where from, its class and size), the weights' dtype and
+    the kind of device (``auto`` resolves to bfloat16 on a GPU, float32 on a CPU, and a generator draws differently
+    on each), and this package's version (its sampler draws the samples)."""
+    from .. import __version__
+
     parameter = next(model.parameters())
     name = str(getattr(tokenizer, "name_or_path", "") or "")
-    return {"tokenizer": [_source(name) if name else None, type(tokenizer).__name__, len(tokenizer)],
-            "dtype": str(parameter.dtype), "device": parameter.device.type}
+    return {"weights": weights, "tokenizer": [_source(name) if name else None, type(tokenizer).__name__,
+                                              len(tokenizer)],
+            "dtype": str(parameter.dtype), "device": parameter.device.type, "trl_diffusion": __version__}
 
 
 def _run_everywhere(processes: EvalProcesses,
@@ -605,13 +615,12 @@ def _run_everywhere(processes: EvalProcesses,
         failure, run = error, ([], 0.0, 0)
     text = None if failure is None else (type(failure).__name__, str(failure))
     parts = processes.gather((run, text))
-    failed = [(rank, said) for rank, (_, said) in enumerate(parts) if said is not None]
     if failure is not None:
         raise failure
+    failed = [(rank, said) for rank, (_, said) in enumerate(parts) if said is not None]
     if failed:
         rank, (kind, message) = failed[0]
-        raise (ValueError if kind == "ValueError" else RuntimeError)(
-            f"process {rank} of this launch failed: {kind}: {message}")
+        raise shared_error(rank, kind, message)
     return merge_runs([part for part, _ in parts])
 
 
@@ -627,20 +636,15 @@ def _row_stream(samples_path: Path | None, card: dict[str, Any], kept: list[dict
     return functools.partial(part_path(samples_path, processes.rank).open, "w", encoding="utf-8")
 
 
-def _check_launch_agrees(processes: EvalProcesses, refusal: str | None, model_source: str,
-                         problems: list[EvalProblem], kept: list[dict[str, Any]]) -> set[tuple[int, int]]:
-    """Before any generation, on every process of a launch: raise the main process's ``refusal`` (its output files
-    are busy, or cannot be resumed), or raise if the processes evaluate different models or problems. Every process
-    raises the same error, so none is left waiting for the others. Returns the (problem, sample) keys of the main
-    process's ``kept`` rows (a resume's), which no process generates again."""
-    keys = [(row["index"], row["sample"]) for row in kept]
-    if processes.world_size == 1:
-        return set(keys)
-    answers = processes.gather((refusal, {"model": model_source, "problems": _rows_source(problems)}, keys))
-    if answers[0][0] is not None:
-        raise ValueError(answers[0][0])
-    check_same_inputs([given for _, given, _ in answers])
-    return set(answers[0][2])
+def _check_launch_agrees(processes: EvalProcesses, model_source: str, problems: list[EvalProblem],
+                         kept: list[dict[str, Any]]) -> set[tuple[int, int]]:
+    """Before any generation, on every process of a launch: raise if the processes evaluate different models or
+    problems (on every process, so none is left waiting for the others). Returns the (problem, sample) keys of the
+    main process's ``kept`` rows (a resume's; shared with every process by ``on_main``), which no process generates
+    again."""
+    if processes.world_size > 1:
+        check_same_inputs(processes.gather({"model": model_source, "problems": _rows_source(problems)}))
+    return {(row["index"], row["sample"]) for row in kept}
 
 
 PLAIN_PROMPT_HINT = (
@@ -876,13 +880,19 @@ _INTEGER_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 _DIGEST_CHUNK = 1 << 22
 
 
-def _in_memory_source(model: Any, name: str) -> str:
-    """A model given as an object, as eval identifies it: its class, name and a digest of its weights and adapter
-    state, since a fine-tuned model keeps its base model's ``name_or_path`` (its results must not replace the base
-    model's, nor another model's). Per parameter: name, shape, dtype, and two integer sums of its bits (plain and
-    position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and no full-size copy;
-    not collision-proof, but any training step changes them); per adapter layer (peft): which adapters are active,
-    disabled or merged."""
+def _in_memory_source(model: Any, name: str, weights: str | None = None) -> str:
+    """A model given as an object, as eval identifies it: its class, name (a local path resolved, as
+    :func:`_source`) and a digest of its weights and adapter state (``weights``: :func:`_weights_digest`, computed
+    if not given), since a fine-tuned model keeps its base model's ``name_or_path`` (its results must not replace
+    the base model's, nor another model's)."""
+    return f"in-memory:{type(model).__name__}:{_source(name)}:{weights or _weights_digest(model)}"
+
+
+def _weights_digest(model: Any) -> str:
+    """A digest of a model's weights and adapter state. Per parameter: name, shape, dtype, and two integer sums of
+    its bits (plain and position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and
+    no full-size copy; not collision-proof, but any training step changes them); per adapter layer (peft): which
+    adapters are active, disabled or merged. One pass over the weights (about a second for 8 GB on a GPU)."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
@@ -904,7 +914,7 @@ def _in_memory_source(model: Any, name: str) -> str:
                 state = (module_name, adapters, getattr(module, "disable_adapters", None),
                          getattr(module, "merged_adapters", None))
                 digest.update(repr(state).encode())
-    return f"in-memory:{type(model).__name__}:{name}:{digest.hexdigest()[:16]}"
+    return digest.hexdigest()[:16]
 
 
 def _dataset_source(config: EvalConfig) -> str:

@@ -8,8 +8,9 @@ samples a single process would.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -73,6 +74,34 @@ class EvalProcesses:
         box = [value if self.is_main else None]
         torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
+
+    def on_main(self, step: Callable[[], T]) -> T:
+        """``step()`` on the main process, its result on every process. An error it raises is raised on every
+        process (there as it was, elsewhere as :func:`shared_error`), so none waits for the main one."""
+        result, error = None, None
+        if self.is_main:
+            try:
+                result = step()
+            except Exception as raised:
+                if self.world_size == 1:
+                    raise
+                error = raised
+        result, said = self.share((result, None if error is None else (type(error).__name__, str(error))))
+        if error is not None:
+            raise error
+        if said is not None:
+            raise shared_error(0, *said)
+        return result
+
+
+T = TypeVar("T")
+
+
+def shared_error(rank: int, kind: str, message: str) -> Exception:
+    """The error the other processes of a launch raise for process ``rank``'s ``kind: message``: a ValueError for a
+    ValueError (the command line prints it as a usage error), a RuntimeError for anything else."""
+    return (ValueError if kind == "ValueError" else RuntimeError)(
+        f"process {rank} of this launch failed: {kind}: {message}")
 
 
 def check_same_inputs(inputs: list[dict[str, str]]) -> None:

@@ -41,12 +41,15 @@ def part_paths(samples_path: Path) -> list[Path]:
     return sorted(samples_path.parent.glob(glob.escape(samples_path.name) + ".part*"))
 
 
-def run_card(config: Any, sources: dict[str, str], settings: Any, loaded: dict[str, str]) -> dict[str, Any]:
-    """What decides an evaluation's samples and scores: its ``sources``, every config field but ``RESUME_FREE``, the
-    sampler settings ``generate`` resolved (flags left unset come from the model's generation config) and the
-    ``loaded`` facts (tokenizer, weights dtype, kind of device: a sample drawn in bfloat16 on a GPU is not the one
-    drawn in float32 on a CPU), as JSON values."""
-    fields = {name: value for name, value in dataclasses.asdict(config).items() if name not in RESUME_FREE}
+def run_card(config: Any, sources: dict[str, str], settings: Any, loaded: dict[str, Any],
+             resolved: tuple[str, ...] = ()) -> dict[str, Any]:
+    """What decides an evaluation's samples and scores: its ``sources``, every config field but ``RESUME_FREE`` and
+    the ``resolved`` ones (the generation flags: the card holds the sampler settings ``generate`` resolved from
+    them and the model's generation config, so ``--max_new_tokens 16`` and the same value by default are one run),
+    and the ``loaded`` facts (weights, tokenizer, dtype, kind of device: a sample drawn in bfloat16 on a GPU is not
+    the one drawn in float32 on a CPU; package version), as JSON values."""
+    fields = {name: value for name, value in dataclasses.asdict(config).items()
+              if name not in RESUME_FREE and name not in resolved}
     card = {"sources": sources, "loaded": loaded, "config": fields, "generation": dataclasses.asdict(settings)}
     return json.loads(json.dumps(card, default=repr))
 
@@ -67,12 +70,13 @@ def write_card(samples_path: Path, card: dict[str, Any]) -> None:
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a samples or part file; a line cut short by the interruption (not JSON) is left out."""
+    """The rows of a samples or part file; a line cut short by the interruption (not JSON, or cut inside a UTF-8
+    character) is left out."""
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in path.read_bytes().splitlines():
         try:
-            row = json.loads(line)
-        except ValueError:
+            row = json.loads(line.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError is one
             continue
         if isinstance(row, dict):
             rows.append(row)
