@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 
 import torch
 
+T = TypeVar("T")
+
 
 def launch_world_size() -> int:
     """The number of processes of the launch this process belongs to (``WORLD_SIZE``; 1 without a launch)."""
@@ -92,9 +94,6 @@ class EvalProcesses:
         if said is not None:
             raise shared_error(0, *said)
         return result
-
-
-T = TypeVar("T")
 
 
 def shared_error(rank: int, kind: str, message: str) -> Exception:
