@@ -892,7 +892,7 @@ def _weights_digest(model: Any) -> str:
     """A digest of a model's weights and adapter state. Per parameter: name, shape, dtype, and two integer sums of
     its bits (plain and position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and
     no full-size copy; not collision-proof, but any training step changes them); per adapter layer (peft): which
-    adapters are active, disabled or merged. One pass over the weights (about a second for 8 GB on a GPU)."""
+    adapters are active, disabled or merged. One pass over the weights (3.0 s for 0.45 GB of bf16 on 2 CPU cores)."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
