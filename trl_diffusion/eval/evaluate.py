@@ -496,14 +496,15 @@ def evaluate(
                        config.num_samples)
     model_name = str(config.model_name_or_path or getattr(model, "name_or_path", "") or "model")
     dataset_name = config.dataset_name if by_name else "custom"
-    weights = _weights_digest(model)
+    samples_path = _output_path(config.output_dir, model_name, tag)
+    weights = _weights_digest(model) if in_memory or samples_path is not None else None  # for sources / run card
     model_source = _in_memory_source(model, model_name, weights) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
-    samples_path = _output_path(config.output_dir, model_name, tag)
     if config.resume and samples_path is None:
         raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
     prepared = _prepare(model, tokenizer, problems, config, settings)
-    card = run_card(config, sources, settings, _loaded(model, tokenizer, weights), resolved=_GENERATE_FIELDS)
+    card = None if samples_path is None else run_card(config, sources, settings, _loaded(model, tokenizer, weights),
+                                                      resolved=_GENERATE_FIELDS)
     launched = processes.world_size > 1
     with contextlib.ExitStack() as held:
 
