@@ -117,6 +117,15 @@ def test_an_adapters_state_is_part_of_an_in_memory_models_identity():
         assert _in_memory_source(base, "model") == with_adapter
     finally:
         torch.set_num_threads(threads)
+    # the same adapter weights at another lora_alpha scale them otherwise: another model (its scaling is no parameter)
+    torch.manual_seed(0)
+    low = get_peft_model(tiny_model("sdar"), LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"],
+                                                         init_lora_weights=False)).get_base_model()
+    torch.manual_seed(0)
+    high = get_peft_model(tiny_model("sdar"), LoraConfig(r=4, lora_alpha=256, target_modules=["q_proj"],
+                                                          init_lora_weights=False)).get_base_model()
+    assert all(torch.equal(a, b) for a, b in zip(low.parameters(), high.parameters()))
+    assert _in_memory_source(low, "model") != _in_memory_source(high, "model")
 
 
 def test_a_folder_named_like_a_benchmark_does_not_hide_it(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from trl_diffusion.eval import evaluate
-from trl_diffusion.eval.processes import EvalProcesses, check_launch_device, check_same_inputs, merge_runs
+from trl_diffusion.eval.processes import EvalProcesses, check_launch_device, check_same_inputs, describe, merge_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 TWO_PROCESSES = ["--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
@@ -165,3 +165,14 @@ def test_shards_inputs_and_merged_runs():
     merged, seconds, passes = merge_runs([(rows[0], 2.0, 10), (rows[1], 3.5, 7)])
     assert [(r["index"], r["sample"]) for r in merged] == [(0, 0), (0, 1), (1, 0)]
     assert (seconds, passes) == (3.5, 17)
+
+
+def test_an_error_that_cannot_be_printed_is_still_described():
+    """What a process tells the others of its error: were ``str`` to fail there, the others would wait forever."""
+
+    class Mute(Exception):
+        def __str__(self):
+            raise RuntimeError("no str")
+
+    assert describe(ValueError("out of room")) == "out of room"
+    assert describe(Mute("x")) == "Mute('x')"

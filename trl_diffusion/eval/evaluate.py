@@ -50,6 +50,7 @@ from .processes import (
     EvalProcesses,
     check_launch_device,
     check_same_inputs,
+    describe,
     launch_world_size,
     merge_runs,
     shared_error,
@@ -614,7 +615,7 @@ def _run_everywhere(processes: EvalProcesses,
         run = run_here()
     except Exception as error:  # an out-of-memory error too: the others must hear of it
         failure, run = error, ([], 0.0, 0)
-    text = None if failure is None else (type(failure).__name__, str(failure))
+    text = None if failure is None else (type(failure).__name__, describe(failure))
     parts = processes.gather((run, text))
     if failure is not None:
         raise failure
@@ -893,7 +894,8 @@ def _weights_digest(model: Any) -> str:
     """A digest of a model's weights and adapter state. Per parameter: name, shape, dtype, and two integer sums of
     its bits (plain and position-weighted, in chunks: no float rounding, so no dependence on threads or devices, and
     no full-size copy; not collision-proof, but any training step changes them); per adapter layer (peft): which
-    adapters are active, disabled or merged. One pass over the weights (3.0 s for 0.45 GB of bf16 on 2 CPU cores)."""
+    adapters are active, disabled or merged, and their scaling (LoRA's alpha / r, not a parameter). One pass over
+    the weights (3.0 s for 0.45 GB of bf16 on 2 CPU cores)."""
     digest = hashlib.sha256()
     with torch.no_grad():
         for parameter_name, parameter in model.named_parameters():
@@ -913,7 +915,7 @@ def _weights_digest(model: Any) -> str:
             adapters = getattr(module, "active_adapters", None)  # peft's tuner layers: a list (a model: a method)
             if adapters is not None and not callable(adapters):
                 state = (module_name, adapters, getattr(module, "disable_adapters", None),
-                         getattr(module, "merged_adapters", None))
+                         getattr(module, "merged_adapters", None), getattr(module, "scaling", None))
                 digest.update(repr(state).encode())
     return digest.hexdigest()[:16]
 

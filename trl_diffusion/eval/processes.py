@@ -88,12 +88,23 @@ class EvalProcesses:
                 if self.world_size == 1:
                     raise
                 error = raised
-        result, said = self.share((result, None if error is None else (type(error).__name__, str(error))))
+        result, said = self.share((result, None if error is None else (type(error).__name__, describe(error))))
         if error is not None:
             raise error
         if said is not None:
             raise shared_error(0, *said)
         return result
+
+
+def describe(error: BaseException) -> str:
+    """``str(error)``, or its ``repr`` / class name where that fails: what a process tells the others of its error
+    (a failing ``str`` must not keep the message from them, or they would wait in the collective)."""
+    for show in (str, repr):
+        try:
+            return show(error)
+        except Exception:
+            continue
+    return type(error).__name__
 
 
 def shared_error(rank: int, kind: str, message: str) -> Exception:
