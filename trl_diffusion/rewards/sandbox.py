@@ -45,9 +45,11 @@ The child (``_child_main`` below, executed from this same file's source, importi
   ``setpriority``, ``ioprio_set``) and ``kill`` of a negative pid (without a PID namespace the trainer is visible:
   ``prlimit(<trainer>, RLIMIT_CPU, (1, 1))`` would kill it), and ``setsid`` (a process in a session of its own
   leaves the run's process group and gets a scheduler autogroup of its own: 29 busy ones pushed correct programs
-  scored beside them past their time limits), applies Landlock (file writes only beneath its
-  directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock version has them), sets
-  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and ``RLIMIT_CORE=0``, and
+  scored beside them past their time limits) and ``setpgid`` (a group of its own is out of reach of the watchdog's
+  ``killpg``: without a PID namespace, all that ends a run once its trainer has died), applies Landlock (file
+  writes only beneath its directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock
+  version has them), sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
+  ``RLIMIT_CORE=0``, and
   arms a watchdog that kills its process group at the time limit or as soon as the lifeline pipe closes (the
   parent, which holds its only write end, has died: a trainer killed by SIGTERM or SIGKILL);
 * installs Python-level guards (see ``_install_guards``): no sockets, no exec/spawn, no writes outside its
@@ -927,11 +929,11 @@ _SYSCALLS = {
     "x86_64": (155, 0xC000003E, True, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
                                        "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "ptrace": 101,
                                        "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-                                       "setsid": 112}),
+                                       "setsid": 112, "setpgid": 109}),
     "aarch64": (41, 0xC00000B7, False, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190,
                                         "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "ptrace": 117,
                                         "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
-                                        "setsid": 157}),
+                                        "setsid": 157, "setpgid": 154}),
 }  # fmt: skip
 # Calls that act on another process named by their arguments, allowed only on the caller itself: without a PID
 # namespace the trainer and the other runs are visible, and as the same (non-root) user a program could otherwise
@@ -1397,9 +1399,13 @@ def _install_guards(workdir: str) -> None:
     def refused_setsid() -> None:  # a new session leaves the process group (and the run's scheduler autogroup)
         raise PermissionError("sandbox: starting a new session (setsid) is not allowed")
 
+    def refused_setpgid(*args: Any) -> None:  # a new group is out of reach of the watchdog's killpg
+        raise PermissionError("sandbox: changing process groups (setpgid, setpgrp) is not allowed")
+
     for module in (os, posix):
         module.kill, module.killpg = guarded_kill, guarded_killpg
         module.setsid = refused_setsid
+        module.setpgid = module.setpgrp = refused_setpgid
         if hasattr(module, "pidfd_open"):
             real_pidfd_open = module.pidfd_open
 
