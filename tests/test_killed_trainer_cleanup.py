@@ -4,6 +4,7 @@ the next process's first run removes them, never a directory or cgroup a live ru
 
 import logging
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -12,14 +13,14 @@ import tempfile
 import time
 
 import pytest
-from processes import alive, command_line, descendants
+from processes import alive, command_line, descendants, pids_named
 
 from trl_diffusion.rewards import leftovers
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
 from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
 from trl_diffusion.rewards.leftovers import WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
 from trl_diffusion.rewards.math_verify_check import boot_command
-from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
+from trl_diffusion.rewards.sandbox import SandboxLimits, _get_launcher, run_tests
 
 _TRAINER = """
 import os, sys, threading, time
@@ -136,6 +137,86 @@ def test_a_program_holding_the_interpreter_ends_with_its_trainer(tmp_path):
         pytest.skip("no setpriv / unshare here: the sandbox's own watchdog is the only backstop")
     _, launcher, _ = _kill_mid_run(tmp_path, _SLEEP_HOLDING_THE_GIL, signal.SIGKILL)
     assert "setpriv --pdeathsig KILL" in launcher and "--pid" in launcher
+
+
+_LAUNCHED_TRAINER = """
+import sys
+from trl_diffusion.rewards import sandbox
+from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
+program, python, launcher = sys.argv[1], sys.argv[2], sys.argv[3:]
+sandbox._get_launcher = lambda python, uid: (launcher, False)  # as on a machine where only this one works
+print(run_tests("pass", ["pass"], SandboxLimits(timeout=20), python=python).status, flush=True)
+run_tests(program, ["assert True"], SandboxLimits(timeout=120), python=python)
+"""
+_FORKED_AND_HOLDING = """
+import ctypes, os
+libc = ctypes.CDLL(None)
+libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0: no parent-death signal
+holder = ctypes.PyDLL(None)  # its calls keep the interpreter's lock: no watchdog thread runs
+if os.fork() == 0:
+    libc.prctl(15, ctypes.c_char_p(b"{marker}"), 0, 0, 0)  # PR_SET_NAME, so the test finds it
+    holder.sleep(100)
+    os._exit(0)
+libc.prctl(15, ctypes.c_char_p(b"{marker}"), 0, 0, 0)
+holder.sleep(100)
+"""
+
+
+def _python_for(launcher: list[str]) -> str | None:
+    """An interpreter the sandbox runs with ``launcher`` (as root without namespaces, its per-run uid must be able to
+    read it: this one may be under /root), or None."""
+    for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
+        if python:
+            done = subprocess.run([sys.executable, "-c", _LAUNCHED_TRAINER, "pass", python, *launcher],
+                                  capture_output=True, text=True, timeout=120)
+            if done.stdout.split()[:1] == ["ok"]:
+                return python
+    return None
+
+
+@pytest.mark.parametrize("launcher", ["plain", "unshare without setpriv"])
+def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_interpreter(launcher):
+    """The kernel kills the run's process group when the trainer dies (the lifeline's owner and I/O signal). Without
+    that, with no ``unshare`` (a container, a non-root user without user namespaces) the sandbox's interpreter died
+    by its parent-death signal (unless the program cleared it) and a process it forked lived on, sleeping for good;
+    with ``unshare --fork`` but no ``setpriv``, so did everything, as the watchdog thread cannot run while the
+    program holds the interpreter's lock. (The namespace's first process ignores that signal; there the program
+    here also cleared its parent-death signal, and only that first process is left.)"""
+    if launcher == "plain":
+        prefix = []
+    else:
+        found = (_get_launcher(sys.executable, None) or ([], False))[0]
+        if "--pid" not in found:
+            pytest.skip("no PID namespace on this machine")
+        prefix = found[found.index("--pdeathsig") + 2:] if "--pdeathsig" in found else found
+    python = _python_for(prefix)
+    if python is None:
+        pytest.skip("no interpreter runs in the sandbox with this launcher here")
+    marker = "kt" + secrets.token_hex(5)
+    trainer = subprocess.Popen([sys.executable, "-c", _LAUNCHED_TRAINER, _FORKED_AND_HOLDING.format(marker=marker),
+                                python, *prefix], stdout=subprocess.PIPE, text=True)
+    try:
+        assert trainer.stdout.readline().strip() == "ok"
+        deadline = time.monotonic() + 60
+        while len(pids_named(marker)) < 2:
+            assert time.monotonic() < deadline and trainer.poll() is None, "the program never forked"
+            time.sleep(0.1)
+        trainer.kill()
+        trainer.wait(timeout=30)
+        expected = 0 if launcher == "plain" else 1  # the namespace's first process, which cleared its signal
+        deadline = time.monotonic() + 15  # well inside the run's time limit
+        while len(left := [pid for pid in pids_named(marker) if alive(pid)]) > expected:
+            assert time.monotonic() < deadline, f"{len(left)} of the run's processes outlived the trainer"
+            time.sleep(0.1)
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+            trainer.wait()
+        for pid in pids_named(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def test_only_unheld_old_sandbox_directories_are_removed(tmp_path, monkeypatch):

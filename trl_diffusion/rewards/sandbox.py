@@ -23,6 +23,10 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   on this machine it is wrapped in ``unshare --net --ipc --pid --fork --kill-child --mount-proc`` (as non-root: also
   ``--user --map-root-user``), itself started through ``setpriv --pdeathsig KILL`` where that works, so that the
   kernel kills it, and so the PID namespace, when the trainer's thread that started it dies;
+* has the kernel SIGKILL the run's process group when this process dies, however it dies (``_arm_lifeline``: the
+  lifeline's read end is owned by the group and signals it when its only write end, ours, closes), so a killed
+  trainer leaves no process of the program running, in every launcher (a PID namespace's first process excepted,
+  which the kernel protects from that signal; its parent-death signal ends it);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
   report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
   namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
@@ -546,6 +550,7 @@ def _run_once(
         )
         _PARENT_ONLY_FDS.discard(write_fd)
         os.close(write_fd)
+        armed = _arm_lifeline(lifeline_read, proc.pid)  # before the child has its program: it cannot have moved yet
         os.close(lifeline_read)
         write_fd = lifeline_read = -1
         if "--fork" in launcher:  # before the child has its program: it cannot have moved yet
@@ -556,7 +561,7 @@ def _run_once(
         _stop_run(proc, init_fd)
         if config["fresh_uid"] and "--pid" not in launcher:
             _kill_uid(drop)  # without a PID namespace, this also catches processes that left the group
-        isolation: dict[str, Any] = {}
+        isolation: dict[str, Any] = {"lifeline_signal": armed}
         if cgroup is not None:
             isolation["memory_peak_bytes"] = cgroup_root.peak(cgroup)
             _destroy_cgroup(cgroup_root, cgroup)
@@ -584,6 +589,31 @@ def _run_once(
             _rmtree(workdir)
         if workdir_lock >= 0:
             os.close(workdir_lock)  # after the removal: a sweep never takes a directory still being removed
+
+
+_F_SETSIG = 10  # fcntl's F_SETSIG on Linux (Python names it from 3.12 on some builds only)
+
+
+def _arm_lifeline(lifeline_read: int, group: int) -> bool:
+    """Have the kernel SIGKILL the run's process group ``group`` when the lifeline's write end closes.
+
+    We hold the only write end, so it closes when this process dies, however it dies. The signal is set on the
+    read end's open file (the sandbox's copy is the same file): its owner is the run's group, and its I/O signal,
+    sent when the last writer goes, SIGKILL. The kernel delivers it, so it needs no thread of the sandbox to run (a
+    program holding the interpreter's lock in a C call), reaches processes the program forked (they stay in the
+    group: ``setsid`` and ``setpgid`` are refused), and, coming from outside a PID namespace, kills the namespace's
+    first process and so the namespace. The owner is kept by the kernel as the group itself, not its number, so a
+    reused number is never signalled. Returns False where ``fcntl`` refuses it (the watchdog and the parent-death
+    signals remain)."""
+    import fcntl
+
+    try:
+        fcntl.fcntl(lifeline_read, fcntl.F_SETOWN, -group)
+        fcntl.fcntl(lifeline_read, _F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(lifeline_read, fcntl.F_SETFL, fcntl.fcntl(lifeline_read, fcntl.F_GETFL) | os.O_ASYNC)
+    except OSError:
+        return False
+    return True
 
 
 def _destroy_cgroup(root: Any, path: str) -> None:
