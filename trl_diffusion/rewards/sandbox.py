@@ -591,25 +591,22 @@ def _run_once(
             os.close(workdir_lock)  # after the removal: a sweep never takes a directory still being removed
 
 
-_F_SETSIG = 10  # fcntl's F_SETSIG on Linux (Python names it from 3.12 on some builds only)
-
-
 def _arm_lifeline(lifeline_read: int, group: int) -> bool:
     """Have the kernel SIGKILL the run's process group ``group`` when the lifeline's write end closes.
 
     We hold the only write end, so it closes when this process dies, however it dies. The signal is set on the
     read end's open file (the sandbox's copy is the same file): its owner is the run's group, and its I/O signal,
     sent when the last writer goes, SIGKILL. The kernel delivers it, so it needs no thread of the sandbox to run (a
-    program holding the interpreter's lock in a C call), reaches processes the program forked (they stay in the
-    group: ``setsid`` and ``setpgid`` are refused), and, coming from outside a PID namespace, kills the namespace's
-    first process and so the namespace. The owner is kept by the kernel as the group itself, not its number, so a
-    reused number is never signalled. Returns False where ``fcntl`` refuses it (the watchdog and the parent-death
-    signals remain)."""
+    program holding the interpreter's lock in a C call), and reaches processes the program forked (they stay in the
+    group: ``setsid`` and ``setpgid`` are refused). A PID namespace's first process is shielded from it by the
+    kernel; ``unshare``, in the group, dies, and its ``--kill-child`` (a parent-death signal) ends that process. The
+    owner is kept by the kernel as the group itself, not its number, so a reused number is never signalled. Returns
+    False where ``fcntl`` refuses it (the watchdog and the parent-death signals remain)."""
     import fcntl
 
     try:
         fcntl.fcntl(lifeline_read, fcntl.F_SETOWN, -group)
-        fcntl.fcntl(lifeline_read, _F_SETSIG, signal.SIGKILL)
+        fcntl.fcntl(lifeline_read, getattr(fcntl, "F_SETSIG", 10), signal.SIGKILL)  # 10: Linux's number
         fcntl.fcntl(lifeline_read, fcntl.F_SETFL, fcntl.fcntl(lifeline_read, fcntl.F_GETFL) | os.O_ASYNC)
     except OSError:
         return False
