@@ -69,15 +69,13 @@ def command_line(pid: int) -> str:
         return ""
 
 
-GROUP_REFUSALS = ('"setsid": 112, "setpgid": 109}', '"setsid": 157, "setpgid": 154}',
-                  "        module.setpgid = module.setpgrp = refused_setpgid\n")
+SECCOMP_CALL = 'isolation["seccomp"] = _install_seccomp()'
 
 
-def source_letting_programs_leave_their_group(source: str) -> str:
-    """The sandbox's runner source without its ``setpgid`` refusals (the seccomp filter's and the Python guard's),
-    as on an architecture the filter does not know: what the cleanup must still handle there, a process of the
-    program in a process group of its own."""
-    for refusal in GROUP_REFUSALS:
-        assert refusal in source, f"the sandbox source no longer has {refusal!r}: update this helper"
-    source = source.replace(GROUP_REFUSALS[0], '"setsid": 112}').replace(GROUP_REFUSALS[1], '"setsid": 157}')
-    return source.replace(GROUP_REFUSALS[2], "")
+def source_without_the_filter(source: str) -> str:
+    """The sandbox's runner source without its seccomp filter, as on an architecture the filter does not know (or a
+    kernel without seccomp): what the cleanup must still handle there, a program that calls the C library to leave
+    the run's process group (``setpgid``) or to clear its parent-death signal (``prctl``), which the filter refuses
+    and the Python guards do not see."""
+    assert SECCOMP_CALL in source, f"the sandbox source no longer has {SECCOMP_CALL!r}: update this helper"
+    return source.replace(SECCOMP_CALL, 'isolation["seccomp"] = False')

@@ -7,7 +7,7 @@ import sys
 import time
 
 import pytest
-from processes import pids_named, source_letting_programs_leave_their_group, still_running_after
+from processes import pids_named, source_without_the_filter, still_running_after
 
 from trl_diffusion.rewards import sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
@@ -17,12 +17,13 @@ def test_namespace_init_that_left_the_group_does_not_outlive_the_run(monkeypatch
     """Without a memory cgroup, killing ``unshare``'s process group was the only cleanup with a PID namespace: a
     program that cleared its parent-death signal, left the process group and blocked holding the GIL (so the
     in-sandbox watchdog thread never ran) survived the run, re-parented to the host's init. (It called ``setsid()``;
-    ``setpgid(0, 0)`` leaves the group as well. Both are refused where the seccomp filter runs, so here they are let
-    through, as on an architecture the filter does not know: the namespace's kill must not depend on the filter.)"""
+    ``setpgid(0, 0)`` leaves the group as well. Both, and clearing the parent-death signal, are refused where the
+    seccomp filter runs, so this runs without it, as on an architecture the filter does not know: the namespace's
+    kill must not depend on the filter.)"""
     launcher, _ = sandbox._get_launcher(sys.executable, None) or ([], False)
     if "--pid" not in launcher:
         pytest.skip("no PID namespace on this machine")
-    monkeypatch.setattr(sandbox, "_SOURCE", source_letting_programs_leave_their_group(sandbox._runner_source()))
+    monkeypatch.setattr(sandbox, "_SOURCE", source_without_the_filter(sandbox._runner_source()))
     monkeypatch.setattr(sandbox, "_get_launcher", lambda python, uid: (launcher, False))  # as without a cgroup
     marker = "lost" + secrets.token_hex(5)
     program = f"""
@@ -30,7 +31,7 @@ import ctypes, os
 libc = ctypes.CDLL(None)
 libc.prctl(15, ctypes.c_char_p(b"{marker}"), 0, 0, 0)  # PR_SET_NAME: so the test can find it
 libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG = 0
-os.setpgid(0, 0)  # a process group of its own: killing the run's group does not reach it
+libc.setpgid(0, 0)  # a process group of its own: killing the run's group does not reach it
 ctypes.PyDLL(None).sleep(120)  # holds the GIL: the watchdog thread never runs; no CPU time is used
 """
     try:

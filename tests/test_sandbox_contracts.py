@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 import pytest
-from processes import pids_named, source_letting_programs_leave_their_group, still_running_after
+from processes import pids_named, source_without_the_filter, still_running_after
 
 from trl_diffusion.rewards import cgroup, sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, SandboxResult, isolation_report, run_tests
@@ -222,6 +222,8 @@ found = {
     "affinity_of_parent": attempt(lambda: os.sched_setaffinity(parent, os.sched_getaffinity(parent))),
     "limits_of_parent": attempt(lambda: resource.prlimit(parent, resource.RLIMIT_NOFILE)),
     "memfd": raw(libc.memfd_create(b"x", 0)),
+    "clear_parent_death_signal": raw(libc.prctl(1, 0, 0, 0, 0)),  # PR_SET_PDEATHSIG
+    "own_name": raw(libc.prctl(15, b"renamed", 0, 0, 0)),  # PR_SET_NAME: other prctl options stay allowed
     "own_limits": attempt(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE)),
     "own_priority": raw(libc.setpriority(0, 0, os.getpriority(os.PRIO_PROCESS, 0))),
     "own_process": attempt(lambda: os.kill(os.getpid(), 0)),
@@ -231,18 +233,21 @@ print(json.dumps({"installed": True, "found": found}))
 
 
 def test_seccomp_filter_alone_refuses_what_it_lists():
-    """The filter refuses setsid, setpgid, ptrace, kill of a negative pid, setpriority of anything but the caller, and
-    affinity and limits of other processes (EPERM), and leaves the caller's own calls alone."""
+    """The filter refuses setsid, setpgid, clearing the parent-death signal, ptrace, kill of a negative pid,
+    setpriority of anything but the caller, and affinity and limits of other processes (EPERM), and leaves the
+    caller's own calls alone."""
     with open("/proc/self/status") as f:
         kernel_has_seccomp = any(line.startswith("Seccomp:") for line in f)
     if not kernel_has_seccomp or os.uname().machine not in sandbox._SYSCALLS:
         pytest.skip("this kernel or architecture takes no seccomp filter")
     found = _in_fresh_interpreter(SECCOMP)
     assert found["installed"], "the kernel has seccomp, but the filter was not installed"
-    refused = ("setsid", "setpgid", "ptrace", "kill_a_group", "setpriority_own_group", "memfd")
+    refused = ("setsid", "setpgid", "clear_parent_death_signal", "ptrace", "kill_a_group", "setpriority_own_group",
+               "memfd")
     assert {name: found["found"][name] for name in refused} == dict.fromkeys(refused, "EPERM"), found
     assert found["found"]["affinity_of_parent"] == found["found"]["limits_of_parent"] == "PermissionError", found
-    assert [found["found"][name] for name in ("own_limits", "own_priority", "own_process")] == ["done", "ok", "done"]
+    own = ("own_limits", "own_priority", "own_process", "own_name")
+    assert [found["found"][name] for name in own] == ["done", "ok", "done", "ok"], found
     report = isolation_report()
     assert report["status"] == "ok" and report["seccomp"] is True and report["no_new_privs"] is True, report
 
@@ -559,18 +564,18 @@ time.sleep(60)
 
 def test_processes_that_leave_the_group_are_killed_without_a_pid_namespace(plain, monkeypatch):
     """As root, without a PID namespace or cgroup, a process of the run that left its group and cleared its
-    parent-death signal is still killed: every process of the run's own uid is. (Leaving the group is refused where
-    the seccomp filter runs; here it is let through, as on an architecture the filter does not know.)"""
+    parent-death signal is still killed: every process of the run's own uid is. (Both are refused where the seccomp
+    filter runs; this runs without it, as on an architecture the filter does not know.)"""
     if os.geteuid() != 0:
         pytest.skip("only root runs each sandbox as a uid of its own")
-    monkeypatch.setattr(sandbox, "_SOURCE", source_letting_programs_leave_their_group(sandbox._runner_source()))
+    monkeypatch.setattr(sandbox, "_SOURCE", source_without_the_filter(sandbox._runner_source()))
     marker = "lv" + secrets.token_hex(5)
     program = f"""
 import ctypes, os, time
 if os.fork() == 0:
     libc = ctypes.CDLL(None)
     libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG = 0
-    os.setpgid(0, 0)
+    libc.setpgid(0, 0)
     libc.prctl(15, ctypes.c_char_p(b"{marker}"), 0, 0, 0)
     time.sleep(60)
     os._exit(0)

@@ -25,8 +25,8 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   kernel kills it, and so the PID namespace, when the trainer's thread that started it dies;
 * has the kernel SIGKILL the run's process group when this process dies, however it dies (``_arm_lifeline``: the
   lifeline's read end is owned by the group and signals it when its only write end, ours, closes), so a killed
-  trainer leaves no process of the program running, in every launcher (a PID namespace's first process excepted,
-  which the kernel protects from that signal; its parent-death signal ends it);
+  trainer leaves no process of the program running, in every launcher (a PID namespace's first process, which the
+  kernel shields from that signal, ends by its parent-death signal when ``unshare`` dies);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
   report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
   namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
@@ -50,7 +50,9 @@ The child (``_child_main`` below, executed from this same file's source, importi
   ``prlimit(<trainer>, RLIMIT_CPU, (1, 1))`` would kill it), and ``setsid`` (a process in a session of its own
   leaves the run's process group and gets a scheduler autogroup of its own: 29 busy ones pushed correct programs
   scored beside them past their time limits) and ``setpgid`` (a group of its own is out of reach of the watchdog's
-  ``killpg``: without a PID namespace, all that ends a run once its trainer has died), applies Landlock (file
+  ``killpg``: without a PID namespace, all that ends a run once its trainer has died), and ``prctl``'s
+  ``PR_SET_PDEATHSIG`` (a PID namespace's first process that cleared its parent-death signal, which ``unshare
+  --kill-child`` sets, outlived a killed trainer: the kernel shields it from other signals), applies Landlock (file
   writes only beneath its directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock
   version has them), sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
   ``RLIMIT_CORE=0``, and
@@ -594,14 +596,15 @@ def _run_once(
 def _arm_lifeline(lifeline_read: int, group: int) -> bool:
     """Have the kernel SIGKILL the run's process group ``group`` when the lifeline's write end closes.
 
-    We hold the only write end, so it closes when this process dies, however it dies. The signal is set on the
-    read end's open file (the sandbox's copy is the same file): its owner is the run's group, and its I/O signal,
-    sent when the last writer goes, SIGKILL. The kernel delivers it, so it needs no thread of the sandbox to run (a
+    We hold the only write end, so it closes when this process dies, however it dies. The signal is set on the read
+    end's open file (the sandbox's copy is the same file): its owner is the run's group, and its I/O signal, sent
+    when the last writer goes, SIGKILL. The kernel delivers it, so it needs no thread of the sandbox to run (a
     program holding the interpreter's lock in a C call), and reaches processes the program forked (they stay in the
     group: ``setsid`` and ``setpgid`` are refused). A PID namespace's first process is shielded from it by the
-    kernel; ``unshare``, in the group, dies, and its ``--kill-child`` (a parent-death signal) ends that process. The
-    owner is kept by the kernel as the group itself, not its number, so a reused number is never signalled. Returns
-    False where ``fcntl`` refuses it (the watchdog and the parent-death signals remain)."""
+    kernel; ``unshare``, in the group, dies, and its ``--kill-child`` (a parent-death signal, which the seccomp
+    filter keeps the program from clearing) ends that process. The owner is kept by the kernel as the group itself,
+    not its number, so a reused number is never signalled. Returns False where ``fcntl`` refuses it (the watchdog
+    and the parent-death signals remain)."""
     import fcntl
 
     try:
@@ -976,6 +979,9 @@ _SELF_ONLY = {
                 "ioprio_set": (30, {0: 1, 1: 0})},
 }  # fmt: skip
 _KILL = {"x86_64": 62, "aarch64": 129}
+# prctl, refused for PR_SET_PDEATHSIG: a program that cleared its parent-death signal (which ``unshare --kill-child``
+# and the sandbox set) outlived a killed trainer as a PID namespace's first process, which no other signal reaches.
+_PRCTL = {"x86_64": 157, "aarch64": 167}
 
 
 def _child_main() -> None:
@@ -1513,7 +1519,8 @@ def _path_guard(func: Any, specs: list[tuple[int, str, str | None]], check: Any)
 
 
 def _install_seccomp() -> bool:
-    """Refuse (``EPERM``) the system calls in ``_SYSCALLS`` for this process and everything it starts.
+    """Refuse (``EPERM``) the system calls in ``_SYSCALLS``, those of ``_SELF_ONLY`` aimed at another process,
+    ``kill`` of a negative pid and ``prctl(PR_SET_PDEATHSIG)``, for this process and everything it starts.
 
     A classic-BPF filter: any other architecture's calls (e.g. 32-bit ``int 0x80``) and x32 calls are refused too,
     so the numbers cannot be dodged. Returns ``False`` on an architecture it does not know or a kernel without
@@ -1539,6 +1546,8 @@ def _install_seccomp() -> bool:
             body += [(load, 16 + 8 * index, None, None), (jeq, value, None, "deny")]
         body.append((ret, allow, None, None))
         body.append((load, 0, None, None))  # reload the call's number for the next check
+    body += [(jeq, _PRCTL[machine], None, 2), (load, 16, None, None), (jeq, _PR_SET_PDEATHSIG, "deny", None),
+             (load, 0, None, None)]
     body += [(jeq, _KILL[machine], None, 2), (load, 16, None, None), (jge, 0x80000000, "deny", None)]
     targets = {"allow": len(body), "deny": len(body) + 1}
     for pc, (code, k, true, false) in enumerate(body):
