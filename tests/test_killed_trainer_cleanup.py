@@ -18,7 +18,7 @@ from processes import alive, command_line, descendants, pids_named
 from trl_diffusion.rewards import leftovers
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
 from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
-from trl_diffusion.rewards.leftovers import WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
+from trl_diffusion.rewards.leftovers import FRESH_UID_PREFIX, WORKDIR_PREFIX, new_workdir, remove_orphaned_workdirs
 from trl_diffusion.rewards.math_verify_check import boot_command
 from trl_diffusion.rewards.sandbox import SandboxLimits, _get_launcher, run_tests
 
@@ -105,6 +105,7 @@ def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_u
     trainer, _, _ = _kill_mid_run(tmp_path, _SLEEP, signal.SIGTERM)
     left = _workdirs(tmp_path)
     assert len(left) == 1  # what the killed trainer left
+    assert left[0].startswith(FRESH_UID_PREFIX) == (os.geteuid() == 0)  # root's runs have uids of their own
     old = time.time() - 3600
     os.utime(tmp_path / left[0], (old, old))  # a minute has passed
     if memory_cgroup_root() is not None:
@@ -261,6 +262,45 @@ def test_a_directory_of_another_user_is_kept(tmp_path):
     os.chown(per_run, 100_000_123, 100_000_123)  # a sandbox's own uid (root runs each sandbox as a fresh one)
     assert remove_orphaned_workdirs(str(tmp_path), min_age=0) == [str(per_run)]
     assert theirs.is_dir()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="per-run uids are root's")
+def test_an_orphaned_run_of_a_fresh_uid_takes_that_uids_processes_and_shared_temp_files(tmp_path):
+    """A killed trainer's run as root without a mount namespace or Landlock could leave files straight in /tmp (and
+    /var/tmp, /dev/shm), and, where nothing else killed them, processes; the run's normal end removes both by its
+    uid. The sweep does the same for the uid of an orphaned directory made for a fresh uid, and only for such a
+    uid: a caller's fixed ``run_as_uid`` may be shared with other things."""
+    fresh, fixed = 100_000_000 + (4321 << 10), 100_000_000 + (4321 << 10) + 1
+    left, kept, sleepers = {}, {}, {}
+    try:
+        for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX)):
+            directory = tmp_path / f"{prefix}{uid}"
+            directory.mkdir()
+            os.chown(directory, uid, uid)
+            old = time.time() - 3600
+            os.utime(directory, (old, old))
+            files = left if uid == fresh else kept
+            for shared in ("/tmp", "/dev/shm"):
+                if os.path.isdir(shared):
+                    path = os.path.join(shared, f"trl_test_{uid}_{secrets.token_hex(4)}")
+                    with open(path, "w") as f:
+                        f.write("left by the run")
+                    os.chown(path, uid, uid)
+                    files[path] = uid
+            sleepers[uid] = subprocess.Popen(["sleep", "60"], user=uid, group=uid)
+        assert sorted(remove_orphaned_workdirs(str(tmp_path), min_age=60)) == sorted(
+            str(tmp_path / f"{prefix}{uid}") for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX)))
+        assert sleepers[fresh].wait(timeout=10) == -signal.SIGKILL
+        assert sleepers[fixed].poll() is None
+        assert [path for path in left if os.path.exists(path)] == []
+        assert all(os.path.exists(path) for path in kept)
+    finally:
+        for sleeper in sleepers.values():
+            sleeper.kill()
+            sleeper.wait()
+        for path in (*left, *kept):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 def test_a_cgroup_is_removed_only_when_its_creator_is_gone_it_is_empty_and_old(tmp_path):

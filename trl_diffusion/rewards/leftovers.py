@@ -11,7 +11,9 @@ of each process removes what dead processes left:
   holder dies, however it dies (a PID namespace or a reused pid cannot fool it). A directory with the sandbox's
   prefix that nobody holds, and that was last modified over a minute ago (so no live run is between making it and
   locking it), is removed.
-  Only directories (never links) owned by this user, or as root by root or a per-run uid, are taken.
+  Only directories (never links) owned by this user, or as root by root or a per-run uid, are taken. As root, the
+  directory of a run whose program had a uid of its own also takes that uid's processes and its files directly in
+  the shared temp directories (which it could write to without a mount namespace and Landlock).
 * a per-run cgroup is named after its creator's pid. One whose creator is not running is removed when it holds no
   process (the kernel refuses to remove a cgroup that does) and is over a minute old (a creator in another PID
   namespace looks gone from here, and a live run's cgroup is empty until its sandbox joins it).
@@ -26,9 +28,11 @@ import tempfile
 import threading
 import time
 
-__all__ = ["WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_once"]
+__all__ = ["FRESH_UID_PREFIX", "WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_once"]
 
 WORKDIR_PREFIX = "trl_diffusion_run_"  # not the unlocked directories' earlier "trl_diffusion_sandbox_"
+FRESH_UID_PREFIX = WORKDIR_PREFIX + "uid_"
+"""The directories of runs whose program ran as a fresh per-run uid (root's sandboxes), which nothing else uses."""
 _MIN_AGE = 60.0
 _swept = False
 _SWEEP_LOCK = threading.Lock()
@@ -43,10 +47,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def new_workdir() -> tuple[str, int]:
+def new_workdir(fresh_uid: bool = False) -> tuple[str, int]:
     """A fresh directory in the host's temp directory for one run, and a descriptor holding an exclusive ``flock`` on
-    it (the mark of a directory in use); close the descriptor after removing the directory."""
-    path = tempfile.mkdtemp(prefix=WORKDIR_PREFIX)
+    it (the mark of a directory in use); close the descriptor after removing the directory. ``fresh_uid``: the run's
+    program runs as a uid of its own (named by :data:`FRESH_UID_PREFIX`, so a sweep may end what that uid left)."""
+    path = tempfile.mkdtemp(prefix=FRESH_UID_PREFIX if fresh_uid else WORKDIR_PREFIX)
     fd = -1
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -63,8 +68,13 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
     """Remove the sandbox directories in ``directory`` (default: the temp directory) that no live process holds and
     that were last modified more than ``min_age`` seconds ago; returns their paths.
 
-    Only directories (never links) owned by this user are taken, or, as root, by root or a per-run uid."""
-    from .sandbox import _UID_BASE, _rmtree
+    Only directories (never links) owned by this user are taken, or, as root, by root or a per-run uid. As root, the
+    directory of a run whose program had a fresh uid of its own (:data:`FRESH_UID_PREFIX`, owned by that uid) also
+    takes what else that uid left: its processes (a killed trainer's run where nothing killed them, e.g. a process
+    that left the run's process group where the seccomp filter is missing) and its files directly in ``/tmp``,
+    ``/var/tmp`` and ``/dev/shm`` (without a mount namespace and Landlock it could write there; a run's normal end
+    removes them)."""
+    from .sandbox import _UID_BASE, _kill_uid, _remove_files_of, _rmtree
 
     directory = directory or tempfile.gettempdir()
     uid = os.geteuid()
@@ -82,6 +92,9 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
             if not owned or time.time() - info.st_mtime < min_age:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live run holds it
+            if uid == 0 and info.st_uid >= _UID_BASE and entry.name.startswith(FRESH_UID_PREFIX):
+                _kill_uid(info.st_uid)
+                _remove_files_of(info.st_uid)
             if _rmtree(entry.path):
                 removed.append(entry.path)
         except OSError:  # a link (ELOOP), not a directory, held by a live run, or gone already

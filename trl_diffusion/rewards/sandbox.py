@@ -499,13 +499,14 @@ def _run_once(
     launcher, use_cgroup = chosen
     start = time.monotonic()
     drop = (_fresh_uid() if run_as_uid is None else run_as_uid) if os.geteuid() == 0 else None
+    fresh_uid = drop is not None and run_as_uid is None
     cgroup_root = memory_cgroup_root() if use_cgroup else None
     cpu_root = cpu_cgroup_root() if use_cgroup else None
     cgroup = cpu_cgroup = workdir = None
     proc: subprocess.Popen | None = None
     read_fd = write_fd = init_fd = workdir_lock = lifeline_read = lifeline = -1
     try:
-        workdir, workdir_lock = new_workdir()  # inside: an interrupt leaves none behind
+        workdir, workdir_lock = new_workdir(fresh_uid)  # inside: an interrupt leaves none behind
         _PARENT_ONLY_FDS.add(workdir_lock)
         read_fd, write_fd = os.pipe()
         lifeline_read, lifeline = os.pipe()  # we hold the only write end: the sandbox sees it close when we die
@@ -528,7 +529,7 @@ def _run_once(
             "cgroup": cgroup,
             "cpu_cgroup": cpu_cgroup,
             "drop_uid": drop,
-            "fresh_uid": drop is not None and run_as_uid is None,
+            "fresh_uid": fresh_uid,
             "mount_ns": "--mount-proc" in launcher,
             "parent_ns": {kind: _ns_inode(kind) for kind in ("mnt", "net", "pid", "user", "ipc")},
             "cpu_seconds": limits.cpu_seconds or math.ceil(limits.timeout) + 1,
