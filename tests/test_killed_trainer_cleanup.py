@@ -150,8 +150,16 @@ print(run_tests("pass", ["pass"], SandboxLimits(timeout=20), python=python).stat
 run_tests(program, ["assert True"], SandboxLimits(timeout=120), python=python)
 """
 _FORKED_AND_HOLDING = """
-import ctypes, os
+import ctypes, fcntl, os
 libc = ctypes.CDLL(None)
+if {disarm}:  # clear O_ASYNC on every descriptor that has it: the lifeline's, if this process shares its open file
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if flags & os.O_ASYNC:
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~os.O_ASYNC)
+        except OSError:
+            pass
 libc.prctl(1, 0, 0, 0, 0)  # PR_SET_PDEATHSIG 0 (no parent-death signal): refused where the seccomp filter runs
 holder = ctypes.PyDLL(None)  # its calls keep the interpreter's lock: no watchdog thread runs
 if os.fork() == 0:
@@ -175,14 +183,17 @@ def _python_for(launcher: list[str]) -> str | None:
     return None
 
 
-@pytest.mark.parametrize("launcher", ["plain", "unshare without setpriv", "default"])
-def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_interpreter(launcher):
+@pytest.mark.parametrize("launcher, disarm", [("plain", False), ("unshare without setpriv", False),
+                                              ("default", False), ("unshare without setpriv", True)])
+def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_interpreter(launcher, disarm):
     """The kernel kills the run's process group when the trainer dies (the lifeline's owner and I/O signal). Without
     that, with no ``unshare`` (a container, a non-root user without user namespaces) the sandbox's interpreter died
     by its parent-death signal (unless the program cleared it) and a process it forked lived on, sleeping for good;
     with ``unshare --fork`` but no ``setpriv``, so did everything, as the watchdog thread cannot run while the
     program holds the interpreter's lock. (The namespace's first process ignores the group's signal; ``unshare``'s
-    ``--kill-child``, a parent-death signal, ends it, which the program can no longer clear.)"""
+    ``--kill-child``, a parent-death signal, ends it, which the program can no longer clear.) With ``unshare --fork``
+    the program's lifeline is an open file of its own, so clearing ``O_ASYNC`` on it changes nothing (``disarm``);
+    without ``unshare`` the program shares the armed open file, and that is left (docs/rewards.md)."""
     if launcher == "plain":
         prefix = []
     else:
@@ -195,8 +206,9 @@ def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_int
     if python is None:
         pytest.skip("no interpreter runs in the sandbox with this launcher here")
     marker = "kt" + secrets.token_hex(5)
-    trainer = subprocess.Popen([sys.executable, "-c", _LAUNCHED_TRAINER, _FORKED_AND_HOLDING.format(marker=marker),
-                                python, *prefix], stdout=subprocess.PIPE, text=True)
+    program = _FORKED_AND_HOLDING.format(marker=marker, disarm=disarm)
+    trainer = subprocess.Popen([sys.executable, "-c", _LAUNCHED_TRAINER, program, python, *prefix],
+                               stdout=subprocess.PIPE, text=True)
     try:
         assert trainer.stdout.readline().strip() == "ok"
         deadline = time.monotonic() + 60

@@ -186,7 +186,7 @@ def test_python_guards_alone_refuse_every_escape_route(tmp_path):
 
 
 SECCOMP = """
-import ctypes, errno, resource
+import ctypes, errno, resource, threading
 libc = ctypes.CDLL(None, use_errno=True)
 assert libc.prctl(38, 1, 0, 0, 0) == 0  # PR_SET_NO_NEW_PRIVS
 if not sandbox._install_seccomp():
@@ -213,6 +213,17 @@ def setpgid_in_child():
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
+def clone_in_new_pid_namespace():
+    pid = libc.syscall(56 if os.uname().machine == "x86_64" else 220, 0x20000000 | 17, 0, 0, 0, 0)  # NEWPID|SIGCHLD
+    if pid == 0:
+        os._exit(0)
+    if pid == -1:
+        return ctypes.get_errno()
+    os.waitpid(pid, 0)
+    return 0
+
+
+pipe_end, _ = os.pipe()
 found = {
     "setsid": errno.errorcode.get(setsid_in_child(), "ok"),
     "setpgid": errno.errorcode.get(setpgid_in_child(), "ok"),
@@ -224,6 +235,14 @@ found = {
     "memfd": raw(libc.memfd_create(b"x", 0)),
     "clear_parent_death_signal": raw(libc.prctl(1, 0, 0, 0, 0)),  # PR_SET_PDEATHSIG
     "own_name": raw(libc.prctl(15, b"renamed", 0, 0, 0)),  # PR_SET_NAME: other prctl options stay allowed
+    "io_signal_owner": raw(libc.fcntl(pipe_end, 8, os.getpid())),  # F_SETOWN: an I/O signal is a kill by other means
+    "io_signal": raw(libc.fcntl(pipe_end, 10, 9)),  # F_SETSIG
+    "socket_owner": raw(libc.ioctl(pipe_end, 0x8901, ctypes.byref(ctypes.c_int(os.getpid())))),  # FIOSETOWN
+    "own_flags": raw(libc.fcntl(pipe_end, 4, os.O_NONBLOCK)),  # F_SETFL stays allowed (asyncio needs it)
+    "new_user_namespace": raw(libc.unshare(0x10000000)),  # CLONE_NEWUSER
+    "new_pid_namespace_by_clone": errno.errorcode.get(clone_in_new_pid_namespace(), "ok"),
+    "clone3": raw(libc.syscall(435, 0, 0)),  # ENOSYS: the C library falls back to clone
+    "threads": attempt(lambda: [thread.start() or thread.join() for thread in [threading.Thread(target=int)]]),
     "own_limits": attempt(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE)),
     "own_priority": raw(libc.setpriority(0, 0, os.getpriority(os.PRIO_PROCESS, 0))),
     "own_process": attempt(lambda: os.kill(os.getpid(), 0)),
@@ -234,8 +253,8 @@ print(json.dumps({"installed": True, "found": found}))
 
 def test_seccomp_filter_alone_refuses_what_it_lists():
     """The filter refuses setsid, setpgid, clearing the parent-death signal, ptrace, kill of a negative pid,
-    setpriority of anything but the caller, and affinity and limits of other processes (EPERM), and leaves the
-    caller's own calls alone."""
+    setpriority of anything but the caller, affinity and limits of other processes, I/O signal owners and new
+    namespaces (EPERM; clone3 ENOSYS), and leaves the caller's own calls alone (threads still start)."""
     with open("/proc/self/status") as f:
         kernel_has_seccomp = any(line.startswith("Seccomp:") for line in f)
     if not kernel_has_seccomp or os.uname().machine not in sandbox._SYSCALLS:
@@ -243,11 +262,13 @@ def test_seccomp_filter_alone_refuses_what_it_lists():
     found = _in_fresh_interpreter(SECCOMP)
     assert found["installed"], "the kernel has seccomp, but the filter was not installed"
     refused = ("setsid", "setpgid", "clear_parent_death_signal", "ptrace", "kill_a_group", "setpriority_own_group",
-               "memfd")
+               "memfd", "io_signal_owner", "io_signal", "socket_owner", "new_user_namespace",
+               "new_pid_namespace_by_clone")
     assert {name: found["found"][name] for name in refused} == dict.fromkeys(refused, "EPERM"), found
     assert found["found"]["affinity_of_parent"] == found["found"]["limits_of_parent"] == "PermissionError", found
-    own = ("own_limits", "own_priority", "own_process", "own_name")
-    assert [found["found"][name] for name in own] == ["done", "ok", "done", "ok"], found
+    assert found["found"]["clone3"] == "ENOSYS", found
+    own = ("own_limits", "own_priority", "own_process", "own_name", "own_flags", "threads")
+    assert [found["found"][name] for name in own] == ["done", "ok", "done", "ok", "ok", "done"], found
     report = isolation_report()
     assert report["status"] == "ok" and report["seccomp"] is True and report["no_new_privs"] is True, report
 

@@ -52,7 +52,9 @@ The child (``_child_main`` below, executed from this same file's source, importi
   scored beside them past their time limits) and ``setpgid`` (a group of its own is out of reach of the watchdog's
   ``killpg``: without a PID namespace, all that ends a run once its trainer has died), and ``prctl``'s
   ``PR_SET_PDEATHSIG`` (a PID namespace's first process that cleared its parent-death signal, which ``unshare
-  --kill-child`` sets, outlived a killed trainer: the kernel shields it from other signals), applies Landlock (file
+  --kill-child`` sets, outlived a killed trainer: the kernel shields it from other signals), the commands that set
+  an I/O signal's owner or number (a kill of another group by other means; on the lifeline, its kill turned off),
+  and new namespaces (``clone3``: ``ENOSYS``), applies Landlock (file
   writes only beneath its directory; no TCP, abstract sockets or signals outside, where the kernel's Landlock
   version has them), sets ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE`` and
   ``RLIMIT_CORE=0``, and
@@ -525,6 +527,7 @@ def _run_once(
             **job,
             "report_fd": write_fd,
             "lifeline_fd": lifeline_read,
+            "lifeline_held_by_launcher": "--fork" in launcher,
             "workdir": workdir,
             "cgroup": cgroup,
             "cpu_cgroup": cpu_cgroup,
@@ -960,11 +963,11 @@ _SYSCALLS = {
     "x86_64": (155, 0xC000003E, True, {"memfd_create": 319, "memfd_secret": 447, "shmget": 29, "semget": 64,
                                        "msgget": 68, "mq_open": 240, "io_uring_setup": 425, "ptrace": 101,
                                        "process_vm_readv": 310, "process_vm_writev": 311, "pidfd_getfd": 438,
-                                       "setsid": 112, "setpgid": 109}),
+                                       "setsid": 112, "setpgid": 109, "setns": 308}),
     "aarch64": (41, 0xC00000B7, False, {"memfd_create": 279, "memfd_secret": 447, "shmget": 194, "semget": 190,
                                         "msgget": 186, "mq_open": 180, "io_uring_setup": 425, "ptrace": 117,
                                         "process_vm_readv": 270, "process_vm_writev": 271, "pidfd_getfd": 438,
-                                        "setsid": 157, "setpgid": 154}),
+                                        "setsid": 157, "setpgid": 154, "setns": 268}),
 }  # fmt: skip
 # Calls that act on another process named by their arguments, allowed only on the caller itself: without a PID
 # namespace the trainer and the other runs are visible, and as the same (non-root) user a program could otherwise
@@ -980,9 +983,22 @@ _SELF_ONLY = {
                 "ioprio_set": (30, {0: 1, 1: 0})},
 }  # fmt: skip
 _KILL = {"x86_64": 62, "aarch64": 129}
-# prctl, refused for PR_SET_PDEATHSIG: a program that cleared its parent-death signal (which ``unshare --kill-child``
-# and the sandbox set) outlived a killed trainer as a PID namespace's first process, which no other signal reaches.
-_PRCTL = {"x86_64": 157, "aarch64": 167}
+# Calls refused for some values of one argument: name -> (number, argument index, refused values).
+# * prctl's PR_SET_PDEATHSIG: a program that cleared its parent-death signal (which ``unshare --kill-child`` and the
+#   sandbox set) outlived a killed trainer as a PID namespace's first process, which no other signal reaches;
+# * fcntl's F_SETOWN, F_SETSIG, F_SETOWN_EX and ioctl's FIOSETOWN, SIOCSPGRP: an I/O signal owned by another process
+#   group is a ``kill`` of that group by other means (refused above), and on the lifeline's read end they would turn
+#   off the kill of the run's group when the trainer dies (``_arm_lifeline``).
+_REFUSED_VALUES = {
+    "x86_64": {"prctl": (157, 0, (1,)), "fcntl": (72, 1, (8, 10, 15)), "ioctl": (16, 1, (0x8901, 0x8902))},
+    "aarch64": {"prctl": (167, 0, (1,)), "fcntl": (25, 1, (8, 10, 15)), "ioctl": (29, 1, (0x8901, 0x8902))},
+}
+# clone and unshare asking for a new namespace (flags in argument 0: mount, cgroup, UTS, IPC, user, PID, network),
+# and clone3 (its flags are behind a pointer: ENOSYS, so that the C library falls back to clone). A PID namespace the
+# program made itself has a first process that the run group's signal does not reach.
+_NAMESPACE_FLAGS = 0x7E020000
+_NEW_NAMESPACE = {"x86_64": (56, 272), "aarch64": (220, 97)}
+_CLONE3 = 435  # the same number on both
 
 
 def _child_main() -> None:
@@ -1014,6 +1030,8 @@ def _child_main() -> None:
 
     isolation: dict[str, Any] = {}
     try:
+        if config["lifeline_held_by_launcher"]:  # before the uid changes: the pipe is the parent's
+            _private_lifeline(int(config["lifeline_fd"]))
         isolation["memory_cgroup"] = config["cgroup"] is not None and _join_cgroup(config["cgroup"])
         isolation["cpu_cgroup"] = _join_cpu_share(config["cgroup"], config["cpu_cgroup"])
         parent_ns = config["parent_ns"]
@@ -1041,6 +1059,20 @@ def _child_main() -> None:
         report({"sandbox_error": f"{type(exc).__name__}: {exc}", "isolation": isolation})
     send({"isolation": isolation})  # the setup's line, before any code of the program runs
     report(_run_job(config, *encoder))
+
+
+def _private_lifeline(fd: int) -> None:
+    """Give this process a lifeline read end of its own: the same pipe, another open file (``/proc/self/fd``).
+
+    The parent armed the open file it passed (``_arm_lifeline``), and ``unshare --fork``, which waits for this
+    process, keeps a copy of it; the program, which could change an open file it holds (``fcntl``), then holds none.
+    Without a copy it can reach the lifeline's signal is out of its hands. A failure keeps the shared open file."""
+    try:
+        private = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
+    except OSError:
+        return
+    os.dup2(private, fd)
+    os.close(private)
 
 
 def _join_cgroup(path: str) -> bool:
@@ -1521,7 +1553,8 @@ def _path_guard(func: Any, specs: list[tuple[int, str, str | None]], check: Any)
 
 def _install_seccomp() -> bool:
     """Refuse (``EPERM``) the system calls in ``_SYSCALLS``, those of ``_SELF_ONLY`` aimed at another process,
-    ``kill`` of a negative pid and ``prctl(PR_SET_PDEATHSIG)``, for this process and everything it starts.
+    ``kill`` of a negative pid, the arguments of ``_REFUSED_VALUES`` and new namespaces (``clone3``: ``ENOSYS``), for
+    this process and everything it starts.
 
     A classic-BPF filter: any other architecture's calls (e.g. 32-bit ``int 0x80``) and x32 calls are refused too,
     so the numbers cannot be dodged. Returns ``False`` on an architecture it does not know or a kernel without
@@ -1534,8 +1567,8 @@ def _install_seccomp() -> bool:
     if machine not in _SYSCALLS:
         return False
     _, arch, x32, syscall_numbers = _SYSCALLS[machine]
-    load, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
-    deny, allow = 0x00050000 | errno.EPERM, 0x7FFF0000
+    load, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    deny, enosys, allow = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS, 0x7FFF0000
     checks = ([(jge, 0x40000000)] if x32 else []) + [(jeq, nr) for nr in syscall_numbers.values()]
     program = [(load, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, deny), (load, 0, 0, 0)]
     # Each entry: (code, k, where to go if true, if false), "allow"/"deny" or the next instruction (None); then
@@ -1547,10 +1580,17 @@ def _install_seccomp() -> bool:
             body += [(load, 16 + 8 * index, None, None), (jeq, value, None, "deny")]
         body.append((ret, allow, None, None))
         body.append((load, 0, None, None))  # reload the call's number for the next check
-    body += [(jeq, _PRCTL[machine], None, 2), (load, 16, None, None), (jeq, _PR_SET_PDEATHSIG, "deny", None),
-             (load, 0, None, None)]
+    for nr, index, values in _REFUSED_VALUES[machine].values():
+        body.append((jeq, nr, None, len(values) + 1))  # skip the argument's checks if it is another call
+        body.append((load, 16 + 8 * index, None, None))
+        body += [(jeq, value, "deny", None) for value in values]
+        body.append((load, 0, None, None))
+    for nr in _NEW_NAMESPACE[machine]:
+        body += [(jeq, nr, None, 2), (load, 16, None, None), (jset, _NAMESPACE_FLAGS, "deny", None),
+                 (load, 0, None, None)]
+    body.append((jeq, _CLONE3, "enosys", None))
     body += [(jeq, _KILL[machine], None, 2), (load, 16, None, None), (jge, 0x80000000, "deny", None)]
-    targets = {"allow": len(body), "deny": len(body) + 1}
+    targets = {"allow": len(body), "deny": len(body) + 1, "enosys": len(body) + 2}
     for pc, (code, k, true, false) in enumerate(body):
         if code == ret:
             program.append((ret, 0, 0, k))
@@ -1561,7 +1601,7 @@ def _install_seccomp() -> bool:
         jt = 0 if true is None else targets[true] - pc - 1
         jf = 0 if false is None else (false if isinstance(false, int) else targets[false] - pc - 1)
         program.append((code, jt, jf, k))
-    program += [(ret, 0, 0, allow), (ret, 0, 0, deny)]
+    program += [(ret, 0, 0, allow), (ret, 0, 0, deny), (ret, 0, 0, enosys)]
 
     class SockFilter(ctypes.Structure):
         _fields_ = [("code", ctypes.c_ushort), ("jt", ctypes.c_ubyte), ("jf", ctypes.c_ubyte), ("k", ctypes.c_uint)]
