@@ -281,11 +281,15 @@ def test_an_orphaned_run_of_a_fresh_uid_takes_that_uids_processes_and_shared_tem
     """A killed trainer's run as root without a mount namespace or Landlock could leave files straight in /tmp (and
     /var/tmp, /dev/shm), and, where nothing else killed them, processes; the run's normal end removes both by its
     uid. The sweep does the same for the uid of an orphaned directory made for a fresh uid, and only for such a
-    uid: a caller's fixed ``run_as_uid`` may be shared with other things."""
-    fresh, fixed = 100_000_000 + (4321 << 10), 100_000_000 + (4321 << 10) + 1
+    uid: a caller's fixed ``run_as_uid`` may be shared with other things, and a fresh uid whose pid slot a live
+    process has may be in use again."""
+    free_slot = next(slot for slot in range(1000, 1 << 21) if not any(
+        int(entry) % (1 << 21) == slot for entry in os.listdir("/proc") if entry.isdigit()))
+    fresh, fixed = 100_000_000 + (free_slot << 10), 100_000_000 + (free_slot << 10) + 1
+    reused = 100_000_000 + ((os.getpid() % (1 << 21)) << 10) + 7  # a live process has its slot: it may use it
     left, kept, sleepers = {}, {}, {}
     try:
-        for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX)):
+        for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX), (reused, FRESH_UID_PREFIX)):
             directory = tmp_path / f"{prefix}{uid}"
             directory.mkdir()
             os.chown(directory, uid, uid)
@@ -301,9 +305,10 @@ def test_an_orphaned_run_of_a_fresh_uid_takes_that_uids_processes_and_shared_tem
                     files[path] = uid
             sleepers[uid] = subprocess.Popen(["sleep", "60"], user=uid, group=uid)
         assert sorted(remove_orphaned_workdirs(str(tmp_path), min_age=60)) == sorted(
-            str(tmp_path / f"{prefix}{uid}") for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX)))
+            str(tmp_path / f"{prefix}{uid}")
+            for uid, prefix in ((fresh, FRESH_UID_PREFIX), (fixed, WORKDIR_PREFIX), (reused, FRESH_UID_PREFIX)))
         assert sleepers[fresh].wait(timeout=10) == -signal.SIGKILL
-        assert sleepers[fixed].poll() is None
+        assert sleepers[fixed].poll() is None and sleepers[reused].poll() is None
         assert [path for path in left if os.path.exists(path)] == []
         assert all(os.path.exists(path) for path in kept)
     finally:

@@ -213,8 +213,8 @@ def setpgid_in_child():
     return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
-def clone_in_new_pid_namespace():
-    pid = libc.syscall(56 if os.uname().machine == "x86_64" else 220, 0x20000000 | 17, 0, 0, 0, 0)  # NEWPID|SIGCHLD
+def clone_with(flags):
+    pid = libc.syscall(56 if os.uname().machine == "x86_64" else 220, flags | 17, 0, 0, 0, 0)  # | SIGCHLD
     if pid == 0:
         os._exit(0)
     if pid == -1:
@@ -240,7 +240,9 @@ found = {
     "socket_owner": raw(libc.ioctl(pipe_end, 0x8901, ctypes.byref(ctypes.c_int(os.getpid())))),  # FIOSETOWN
     "own_flags": raw(libc.fcntl(pipe_end, 4, os.O_NONBLOCK)),  # F_SETFL stays allowed (asyncio needs it)
     "new_user_namespace": raw(libc.unshare(0x10000000)),  # CLONE_NEWUSER
-    "new_pid_namespace_by_clone": errno.errorcode.get(clone_in_new_pid_namespace(), "ok"),
+    "new_pid_namespace_by_clone": errno.errorcode.get(clone_with(0x20000000), "ok"),  # CLONE_NEWPID
+    "clone_parent": errno.errorcode.get(clone_with(0x8000), "ok"),  # CLONE_PARENT: the trainer's child, unreaped
+    "plain_clone": errno.errorcode.get(clone_with(0), "ok"),  # what fork is
     "clone3": raw(libc.syscall(435, 0, 0)),  # ENOSYS: the C library falls back to clone
     "threads": attempt(lambda: [thread.start() or thread.join() for thread in [threading.Thread(target=int)]]),
     "own_limits": attempt(lambda: resource.prlimit(0, resource.RLIMIT_NOFILE)),
@@ -263,12 +265,12 @@ def test_seccomp_filter_alone_refuses_what_it_lists():
     assert found["installed"], "the kernel has seccomp, but the filter was not installed"
     refused = ("setsid", "setpgid", "clear_parent_death_signal", "ptrace", "kill_a_group", "setpriority_own_group",
                "memfd", "io_signal_owner", "io_signal", "socket_owner", "new_user_namespace",
-               "new_pid_namespace_by_clone")
+               "new_pid_namespace_by_clone", "clone_parent")
     assert {name: found["found"][name] for name in refused} == dict.fromkeys(refused, "EPERM"), found
     assert found["found"]["affinity_of_parent"] == found["found"]["limits_of_parent"] == "PermissionError", found
     assert found["found"]["clone3"] == "ENOSYS", found
-    own = ("own_limits", "own_priority", "own_process", "own_name", "own_flags", "threads")
-    assert [found["found"][name] for name in own] == ["done", "ok", "done", "ok", "ok", "done"], found
+    own = ("own_limits", "own_priority", "own_process", "own_name", "own_flags", "threads", "plain_clone")
+    assert [found["found"][name] for name in own] == ["done", "ok", "done", "ok", "ok", "done", "ok"], found
     report = isolation_report()
     assert report["status"] == "ok" and report["seccomp"] is True and report["no_new_privs"] is True, report
 

@@ -31,8 +31,9 @@ import time
 __all__ = ["FRESH_UID_PREFIX", "WORKDIR_PREFIX", "new_workdir", "remove_orphaned_workdirs", "sweep_once"]
 
 WORKDIR_PREFIX = "trl_diffusion_run_"  # not the unlocked directories' earlier "trl_diffusion_sandbox_"
-FRESH_UID_PREFIX = WORKDIR_PREFIX + "uid_"
-"""The directories of runs whose program ran as a fresh per-run uid (root's sandboxes), which nothing else uses."""
+FRESH_UID_PREFIX = WORKDIR_PREFIX + "uid-"
+"""The directories of runs whose program ran as a fresh per-run uid (root's sandboxes). ``mkdtemp``'s random names
+(``[a-z0-9_]``) never hold a ``-``, so no other run's directory starts like this."""
 _MIN_AGE = 60.0
 _swept = False
 _SWEEP_LOCK = threading.Lock()
@@ -73,8 +74,8 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
     takes what else that uid left: its processes (a killed trainer's run where nothing killed them, e.g. a process
     that left the run's process group where the seccomp filter is missing) and its files directly in ``/tmp``,
     ``/var/tmp`` and ``/dev/shm`` (without a mount namespace and Landlock it could write there; a run's normal end
-    removes them)."""
-    from .sandbox import _UID_BASE, _kill_uid, _remove_files_of, _rmtree
+    removes them), unless a live process has that uid's pid slot (it may be running a sandbox as that uid again)."""
+    from .sandbox import _UID_BASE, _kill_uid, _remove_files_of, _rmtree, _uid_slot_in_use
 
     directory = directory or tempfile.gettempdir()
     uid = os.geteuid()
@@ -92,7 +93,8 @@ def remove_orphaned_workdirs(directory: str | None = None, min_age: float = _MIN
             if not owned or time.time() - info.st_mtime < min_age:
                 continue
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError: a live run holds it
-            if uid == 0 and info.st_uid >= _UID_BASE and entry.name.startswith(FRESH_UID_PREFIX):
+            fresh = uid == 0 and info.st_uid >= _UID_BASE and entry.name.startswith(FRESH_UID_PREFIX)
+            if fresh and not _uid_slot_in_use(info.st_uid):  # a live process may be using that uid again
                 _kill_uid(info.st_uid)
                 _remove_files_of(info.st_uid)
             if _rmtree(entry.path):

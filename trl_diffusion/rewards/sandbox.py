@@ -25,8 +25,9 @@ How the sandbox is built (Linux only). The parent :func:`run_tests`:
   kernel kills it, and so the PID namespace, when the trainer's thread that started it dies;
 * has the kernel SIGKILL the run's process group when this process dies, however it dies (``_arm_lifeline``: the
   lifeline's read end is owned by the group and signals it when its only write end, ours, closes), so a killed
-  trainer leaves no process of the program running, in every launcher (a PID namespace's first process, which the
-  kernel shields from that signal, ends by its parent-death signal when ``unshare`` dies);
+  trainer's run ends with it (a PID namespace's first process, which the kernel shields from that signal, ends by
+  its parent-death signal when ``unshare`` dies; without ``unshare --fork`` the program shares the armed open file
+  and can turn the signal off, ``docs/rewards.md``);
 * sends the program, the probes and the limits on stdin, reads stdout+stderr (capped at ``max_output_bytes``) and the
   report pipe (same cap), and on timeout, overflow or exit SIGKILLs the whole process group, the cgroup, the PID
   namespace's first process (through a pidfd taken before the program starts), and (without a PID namespace) every
@@ -100,6 +101,7 @@ _MIN_PATH = "/usr/bin:/bin"
 # Root runs each sandbox as its own unused uid from this range, so RLIMIT_NPROC (counted per uid) is per sandbox.
 _UID_BASE = 100_000_000
 _UID_COUNTER = itertools.count()
+_UID_SLOT_BITS = 21  # a fresh uid: _UID_BASE + (pid's slot << 10 | counter): pid % 2**21, counter % 1024
 _PROBE_TIMEOUT = 10.0
 _MAX_DEPTH = 100  # nesting depth of a probe's value (verdict.MAX_DEPTH; repeated: the child imports no package)
 _COUNT_LIMITS = ("memory_mb", "max_processes", "max_output_bytes", "max_file_bytes", "max_disk_bytes",
@@ -628,8 +630,16 @@ def _destroy_cgroup(root: Any, path: str) -> None:
 
 
 def _fresh_uid() -> int:
-    """A uid no other live sandbox of this machine uses: derived from our pid and a per-process counter."""
-    return _UID_BASE + ((os.getpid() % (1 << 21)) << 10 | next(_UID_COUNTER) % 1024)
+    """A uid no other live sandbox of this machine uses: derived from our pid (its slot) and a per-process counter.
+    A dead process's uids come back with its pid: see :func:`_uid_slot_in_use`."""
+    return _UID_BASE + ((os.getpid() % (1 << _UID_SLOT_BITS)) << 10 | next(_UID_COUNTER) % 1024)
+
+
+def _uid_slot_in_use(uid: int) -> bool:
+    """Whether a live process has the pid slot of the fresh ``uid``: the process that made it, or one that reuses its
+    slot (a pid reused, or 2**21 apart) and may run sandboxes as that very uid now."""
+    slot = (uid - _UID_BASE) >> 10
+    return any(int(entry) % (1 << _UID_SLOT_BITS) == slot for entry in os.listdir("/proc") if entry.isdigit())
 
 
 def _feed(pipe: Any, data: bytes) -> None:
@@ -993,10 +1003,11 @@ _REFUSED_VALUES = {
     "x86_64": {"prctl": (157, 0, (1,)), "fcntl": (72, 1, (8, 10, 15)), "ioctl": (16, 1, (0x8901, 0x8902))},
     "aarch64": {"prctl": (167, 0, (1,)), "fcntl": (25, 1, (8, 10, 15)), "ioctl": (29, 1, (0x8901, 0x8902))},
 }
-# clone and unshare asking for a new namespace (flags in argument 0: mount, cgroup, UTS, IPC, user, PID, network),
-# and clone3 (its flags are behind a pointer: ENOSYS, so that the C library falls back to clone). A PID namespace the
-# program made itself has a first process that the run group's signal does not reach.
-_NAMESPACE_FLAGS = 0x7E020000
+# clone and unshare asking for a new namespace (flags in argument 0: mount, cgroup, UTS, IPC, user, PID, network) or,
+# for clone, CLONE_PARENT, and clone3 (its flags are behind a pointer: ENOSYS, so that the C library falls back to
+# clone). A PID namespace the program made itself has a first process that the run group's signal does not reach; a
+# CLONE_PARENT child is the trainer's own child without a PID namespace, a zombie nothing reaps once killed.
+_REFUSED_CLONE_FLAGS = 0x7E028000
 _NEW_NAMESPACE = {"x86_64": (56, 272), "aarch64": (220, 97)}
 _CLONE3 = 435  # the same number on both
 
@@ -1586,7 +1597,7 @@ def _install_seccomp() -> bool:
         body += [(jeq, value, "deny", None) for value in values]
         body.append((load, 0, None, None))
     for nr in _NEW_NAMESPACE[machine]:
-        body += [(jeq, nr, None, 2), (load, 16, None, None), (jset, _NAMESPACE_FLAGS, "deny", None),
+        body += [(jeq, nr, None, 2), (load, 16, None, None), (jset, _REFUSED_CLONE_FLAGS, "deny", None),
                  (load, 0, None, None)]
     body.append((jeq, _CLONE3, "enosys", None))
     body += [(jeq, _KILL[machine], None, 2), (load, 16, None, None), (jge, 0x80000000, "deny", None)]
