@@ -96,24 +96,11 @@ sandbox._install_guards(work)
 parent = os.getppid()
 
 
-def setsid_in_child():
-    pid = os.fork()  # not a process-group leader: a real setsid() would succeed
+def in_child(call):
+    pid = os.fork()  # not a process-group leader: a real setsid() or setpgid(0, 0) would succeed
     if pid == 0:
         try:
-            os.setsid()
-            os._exit(0)
-        except PermissionError:
-            os._exit(3)
-    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-    if status == 3:
-        raise PermissionError("refused")
-
-
-def setpgid_in_child():
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.setpgid(0, 0)
+            call()
             os._exit(0)
         except PermissionError:
             os._exit(3)
@@ -150,8 +137,8 @@ refused = {
     "memfd": attempt(lambda: os.close(os.memfd_create("x"))),
     "socket": attempt(lambda: socket.socket().close()),
     "datagram_pair": attempt(lambda: [end.close() for end in socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)]),
-    "setsid": attempt(setsid_in_child),
-    "setpgid": attempt(setpgid_in_child),
+    "setsid": attempt(lambda: in_child(os.setsid)),
+    "setpgid": attempt(lambda: in_child(lambda: os.setpgid(0, 0))),
     "setpgrp": attempt(os.setpgrp),
 }
 allowed = {
