@@ -13,7 +13,8 @@ of each process removes what dead processes left:
   locking it), is removed.
   Only directories (never links) owned by this user, or as root by root or a per-run uid, are taken. As root, the
   directory of a run whose program had a uid of its own also takes that uid's processes and its files directly in
-  the shared temp directories (which it could write to without a mount namespace and Landlock).
+  the shared temp directories (which it could write to without a mount namespace and Landlock), unless a live
+  process has that uid's pid slot (a new trainer with the dead one's pid makes the same uids).
 * a per-run cgroup is named after its creator's pid. One whose creator is not running is removed when it holds no
   process (the kernel refuses to remove a cgroup that does) and is over a minute old (a creator in another PID
   namespace looks gone from here, and a live run's cgroup is empty until its sandbox joins it).

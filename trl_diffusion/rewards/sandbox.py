@@ -1008,7 +1008,7 @@ _REFUSED_VALUES = {
 # clone). A PID namespace the program made itself has a first process that the run group's signal does not reach; a
 # CLONE_PARENT child is the trainer's own child without a PID namespace, a zombie nothing reaps once killed.
 _REFUSED_CLONE_FLAGS = 0x7E028000
-_NEW_NAMESPACE = {"x86_64": (56, 272), "aarch64": (220, 97)}
+_CLONE_AND_UNSHARE = {"x86_64": (56, 272), "aarch64": (220, 97)}
 _CLONE3 = 435  # the same number on both
 
 
@@ -1076,8 +1076,8 @@ def _private_lifeline(fd: int) -> None:
     """Give this process a lifeline read end of its own: the same pipe, another open file (``/proc/self/fd``).
 
     The parent armed the open file it passed (``_arm_lifeline``), and ``unshare --fork``, which waits for this
-    process, keeps a copy of it; the program, which could change an open file it holds (``fcntl``), then holds none.
-    Without a copy it can reach the lifeline's signal is out of its hands. A failure keeps the shared open file."""
+    process, keeps a copy of it; the program, which could change an open file it holds (``fcntl``), then holds none,
+    so it cannot turn the lifeline's signal off. A failure keeps the shared open file."""
     try:
         private = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY)
     except OSError:
@@ -1596,7 +1596,7 @@ def _install_seccomp() -> bool:
         body.append((load, 16 + 8 * index, None, None))
         body += [(jeq, value, "deny", None) for value in values]
         body.append((load, 0, None, None))
-    for nr in _NEW_NAMESPACE[machine]:
+    for nr in _CLONE_AND_UNSHARE[machine]:
         body += [(jeq, nr, None, 2), (load, 16, None, None), (jset, _REFUSED_CLONE_FLAGS, "deny", None),
                  (load, 0, None, None)]
     body.append((jeq, _CLONE3, "enosys", None))
