@@ -184,7 +184,8 @@ def _python_for(launcher: list[str]) -> str | None:
 
 
 @pytest.mark.parametrize("launcher, disarm", [("plain", False), ("unshare without setpriv", False),
-                                              ("default", False), ("unshare without setpriv", True)])
+                                              ("default", False), ("unshare without setpriv", True),
+                                              ("unshare --fork without namespaces", True)])
 def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_interpreter(launcher, disarm):
     """The kernel kills the run's process group when the trainer dies (the lifeline's owner and I/O signal). Without
     that, with no ``unshare`` (a container, a non-root user without user namespaces) the sandbox's interpreter died
@@ -192,10 +193,15 @@ def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_int
     with ``unshare --fork`` but no ``setpriv``, so did everything, as the watchdog thread cannot run while the
     program holds the interpreter's lock. (The namespace's first process ignores the group's signal; ``unshare``'s
     ``--kill-child``, a parent-death signal, ends it, which the program can no longer clear.) With ``unshare --fork``
-    the program's lifeline is an open file of its own, so clearing ``O_ASYNC`` on it changes nothing (``disarm``);
-    without ``unshare`` the program shares the armed open file, and that is left (docs/rewards.md)."""
+    the program's lifeline is an open file of its own, so clearing ``O_ASYNC`` on it changes nothing (``disarm``),
+    also with no namespace at all (the weakest ``unshare`` launcher); without ``unshare`` the program shares the
+    armed open file, and that is left (docs/rewards.md)."""
     if launcher == "plain":
         prefix = []
+    elif launcher == "unshare --fork without namespaces":  # the weakest unshare launcher, where none can be made
+        if shutil.which("unshare") is None:
+            pytest.skip("no unshare here")
+        prefix = [shutil.which("unshare"), "--fork", "--kill-child", "--"]
     else:
         found = (_get_launcher(sys.executable, None) or ([], False))[0]
         if "--pid" not in found:

@@ -572,6 +572,25 @@ time.sleep(60)
         _kill_named(marker)
 
 
+def test_launchers_are_tried_down_to_unshare_without_namespaces_before_none(monkeypatch):
+    """Where no namespace can be made, ``unshare --fork`` alone still waits for the sandbox and holds its armed
+    lifeline (which the program then cannot turn off): it is tried after every namespace launcher, before none."""
+    unshare = shutil.which("unshare", path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+    if unshare is None or not sys.platform.startswith("linux"):
+        pytest.skip("no unshare here")
+    tried = []
+
+    def failing_run(chosen, python, job, limits, run_as_uid):
+        tried.append(chosen[0])
+        return sandbox._Run("sandbox_error", None, "", 1, 0.0, {})
+
+    monkeypatch.setattr(sandbox, "_run_once", failing_run)
+    assert sandbox._probe_launchers(sys.executable, None) is None
+    first_pass = tried[: tried.index([]) + 1]
+    assert first_pass[-2:] == [[unshare, "--fork", "--kill-child", "--"], []]
+    assert all("--net" in launcher for launcher in first_pass[:-2])
+
+
 def test_processes_that_leave_the_group_are_killed_without_a_pid_namespace(plain, monkeypatch):
     """As root, without a PID namespace or cgroup, a process of the run that left its group and cleared its
     parent-death signal is still killed: every process of the run's own uid is. (Both are refused where the seccomp
