@@ -440,12 +440,13 @@ def _probe_launchers(python: str, run_as_uid: int | None) -> tuple[list[str], bo
     if unshare and sys.platform.startswith("linux"):
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
         fork = ["--fork", "--kill-child"]  # unshare waits for the sandbox and holds its armed lifeline
+        # The last has no namespace (where none can be made): unshare --fork still keeps the lifeline safe.
         for flags in (["--net", "--ipc", "--pid", *fork, "--mount-proc"], ["--net", "--ipc", "--pid", *fork],
-                      ["--net", "--ipc", *fork]):
+                      ["--net", "--ipc", *fork], [*fork]):
+            args = [unshare, *(user if flags != fork else []), *flags, "--"]
             if setpriv:  # unshare dies with this thread, and with a PID namespace everything inside with it
-                candidates.append([setpriv, "--pdeathsig", "KILL", unshare, *user, *flags, "--"])
-            candidates.append([unshare, *user, *flags, "--"])
-        candidates.append([unshare, *fork, "--"])  # no namespace can be made here: the lifeline is still safe
+                candidates.append([setpriv, "--pdeathsig", "KILL", *args])
+            candidates.append(args)
     candidates.append([])
     errors = []
     for use_cgroup in [True, False] if memory_cgroup_root() is not None else [False]:
