@@ -9,8 +9,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.11",  # TRL 1.16 (and transformers >= 5.24) require it
     packages=find_packages(include=["trl_diffusion", "trl_diffusion.*"]),
-    # the embedded model's files, named so that bytecode (assets/__pycache__) is not shipped as data
-    package_data={"trl_diffusion": ["assets/tiny-sdar-arithmetic/*"]},
+    # the embedded model's files and the recipes, named so that bytecode (assets/__pycache__) is not shipped as data
+    package_data={"trl_diffusion": ["assets/tiny-sdar-arithmetic/*", "recipes/*.yaml"]},
     include_package_data=True,
     exclude_package_data={"": ["__pycache__", "*.py[cod]"]},
     install_requires=[

@@ -4,7 +4,7 @@ marked ``<!-- test: offline -->`` (the line just before its fence) runs here, of
 Convention (documented in README.md, "Development"): the marker says the block needs no network and no GPU and
 finishes in well under a minute (keep its own arguments lean, e.g. ``--max_steps 2``); ``<!-- test: offline slow
 -->`` marks one that takes longer (it runs under ``@pytest.mark.slow``). Python blocks run as a script, bash blocks
-with ``bash -e``, each in a fresh folder where ``examples/``, ``recipes/`` and ``scripts/`` point at the checkout,
+with ``bash -e``, each in a fresh folder where ``examples/`` and ``scripts/`` point at the checkout,
 with the Hugging Face libraries forced offline.
 """
 
@@ -25,7 +25,7 @@ MARKER = re.compile(r"^<!--\s*test:(.*?)-->\s*$")
 FENCE = re.compile(r"^```\s*([A-Za-z]*)\s*$")
 LANGUAGES = {"python": "python", "bash": "bash", "sh": "bash", "shell": "bash"}
 OPTIONS = {"offline", "slow"}
-LINKED = ("examples", "recipes", "scripts")
+LINKED = ("examples", "scripts")
 
 
 @dataclass

@@ -13,7 +13,7 @@ from trl_diffusion.cli import embedded_defaults_in_use, example_defaults, run_sc
 from trl_diffusion.testing import tiny_model
 
 ROOT = Path(__file__).parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))
 CPU = ["--use_cpu", "true", "--bf16", "false", "--tf32", "false"]
 
 
@@ -82,7 +82,7 @@ def test_run_script_warns_on_stderr_before_main(other_model, capsys):
 
 @pytest.mark.parametrize("name", ["math", "code", "sft"])
 def test_another_model_on_the_synthetic_task_is_named(other_model, name, capsys):
-    """``--config recipes/sdar_4b_long_cot_sft.yaml`` without the ``--dataset_name`` its header asks for trained
+    """``--config sdar_4b_long_cot_sft`` without the ``--dataset_name`` its header asks for trained
     SDAR-4B-Chat on the synthetic 3-digit arithmetic, silently (the recipe sets every size, so nothing warned)."""
     seen = []
     record = lambda *parsed: seen.append(capsys.readouterr().err)  # noqa: E731

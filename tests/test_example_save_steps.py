@@ -33,7 +33,7 @@ def test_save_steps_with_the_steps_strategy_or_the_defaults_parse():
 
 
 def test_the_command_line_save_strategy_overrides_a_config_files_save_steps(tmp_path, capsys):
-    """``--config recipes/trado_4b_tracerl_math.yaml --save_strategy no`` (a recipe's checkpoints turned off for a
+    """``--config trado_4b_tracerl_math --save_strategy no`` (a recipe's checkpoints turned off for a
     trial run) was refused with the error above, which blamed the examples' default for the recipe's save_steps."""
     config = tmp_path / "run.yaml"
     config.write_text("save_strategy: steps\nsave_steps: 160\n")

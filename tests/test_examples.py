@@ -14,7 +14,7 @@ from trl_diffusion.cli import run_script
 from trl_diffusion.data import evaluate_accuracy, make_problems
 
 ROOT = Path(__file__).parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))
 EXAMPLE_OF = {"sft": "sft", "code": "code"}
 
 

@@ -72,7 +72,7 @@ def test_the_sdist_carries_its_test_suite_and_no_bytecode(tmp_path):
     with tarfile.open(archive) as sdist:
         members = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
     wanted = {"LICENSE", "README.md", "CHANGELOG.md", "setup.py", "constraints/oldest.txt"}
-    for folder in ("tests", "examples", "recipes", "scripts", "docs", "benchmarks"):
+    for folder in ("tests", "examples", "scripts", "docs", "benchmarks", "trl_diffusion/recipes"):
         wanted |= {p.relative_to(ROOT).as_posix() for p in (ROOT / folder).rglob("*")
                    if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
     assert sorted(wanted - members) == []

@@ -11,7 +11,7 @@ from trl_diffusion.eval.datasets import HUB_DATASETS
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS, TraceRLConfig
 
 ROOT = Path(__file__).parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))
 
 # evaluation sets: the benchmarks trl-diffusion eval loads, and dLLM-RL's evaluation copies (data/download_data.py)
 DLLM_RL_EVALUATION = ("math500", "gsm8k", "aime2024", "livebench", "livecodebench", "mbpp", "humaneval")
@@ -61,7 +61,7 @@ def test_no_recipe_trains_on_an_evaluation_set(recipe):
 
 def test_trado_4b_recipe_is_the_official_run():
     """Gen-Verse/dLLM-RL configs/rl_trado.yaml + rl_trado_with_value.yaml, as the published TraDo-4B run."""
-    recipe = ROOT / "recipes" / "trado_4b_tracerl_math.yaml"
+    recipe = ROOT / "trl_diffusion" / "recipes" / "trado_4b_tracerl_math.yaml"
     script_args, args, model_args = parse(recipe)
     assert model_args.model_name_or_path == "Gen-Verse/TraDo-4B-Instruct"
     assert (script_args.dataset_name, script_args.dataset_train_split) == ("Gen-Verse/MATH_train", "train")

@@ -172,7 +172,7 @@ def test_recipes_use_dllm_rl_prompts_as_rendered():
 
     from trl_diffusion.eval import PROMPT_PRESETS
 
-    recipes = Path(__file__).parents[1] / "recipes"
+    recipes = Path(__file__).parents[1] / "trl_diffusion" / "recipes"
     family = {"trado_4b": "dllm_rl_sdar", "trado_8b": "dllm_rl_sdar", "llada_8b": "dllm_rl_llada",
               "dream_7b": "dllm_rl_dream"}
     checked = 0

@@ -14,7 +14,7 @@ from trl import TrlParser
 from trl_diffusion.cli import main, parse_script_args
 
 ROOT = Path(__file__).resolve().parent.parent
-RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))
 RECIPE_EXAMPLE = {"sdar_4b_long_cot_sft": "sft", "diffucoder_7b_coupled_code": "code"}
 CPU = ["--bf16", "false", "--tf32", "false", "--use_cpu", "true"]
 

@@ -222,13 +222,13 @@ def test_settings_that_do_not_fit_are_refused(settings, message):
 
 
 def test_the_long_cot_sft_recipe_is_dllm_rls_objective():
-    """recipes/sdar_4b_long_cot_sft.yaml (dLLM-RL's sft_trado.yaml) parses to dLLM-RL's noise and normalisation."""
+    """The sdar_4b_long_cot_sft recipe (dLLM-RL's sft_trado.yaml) parses to dLLM-RL's noise and normalisation."""
     from pathlib import Path
 
     from test_cli import load_example
     from test_review_cli import CPU
 
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "sdar_4b_long_cot_sft.yaml"
+    recipe = Path(__file__).resolve().parents[1] / "trl_diffusion" / "recipes" / "sdar_4b_long_cot_sft.yaml"
     args = load_example("sft").make_parser().parse_args_and_config(["--config", str(recipe), *CPU])[1]
     assert (args.mask_ratio_range, args.mask_ratio_sampling, args.loss_normalization, args.loss_normalization_length,
             args.loss_weighting, args.exclude_mask_token_from_softmax) == (

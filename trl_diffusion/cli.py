@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import difflib
 import gc
+import importlib
 import io
 import json
 import os
@@ -256,7 +257,7 @@ def check_save_steps_apply(args: Any, strategy_given: bool = False) -> None:
     default to saving nothing (no checkpoints for the tiny model), where transformers defaults to ``"steps"``, so
     ``--save_steps 10`` alone would silently save nothing (and a later ``--resume_from_checkpoint`` find nothing).
     ``strategy_given``: ``--save_strategy`` is on the command line, which overrides a config file's ``save_steps``
-    (``--config recipes/...yaml --save_strategy no`` turns the recipe's checkpoints off)."""
+    (``--config <recipe> --save_strategy no`` turns the recipe's checkpoints off)."""
     fields = getattr(type(args), "__dataclass_fields__", {})
     if "save_steps" not in fields or getattr(args, "save_strategy", None) != "no" or strategy_given:
         return
@@ -529,8 +530,8 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
     synthetic_model = synthetic_task_on_other_model(parsed)
     if kept and int(os.environ.get("RANK", "0")) == 0:
         print(f"{parser.prog}: warning: {', '.join(kept)} are this example's defaults for the embedded tiny model; "
-              "a real model needs its own (the recipes/ configs set the published ones: --config "
-              "recipes/<name>.yaml).",
+              "a real model needs its own (the shipped recipes set the published ones: --config <name>, names "
+              "listed by trl-diffusion recipes).",
               file=sys.stderr)
     if synthetic_model and int(os.environ.get("RANK", "0")) == 0:
         print(f"{parser.prog}: warning: no --dataset_name: {synthetic_model} trains on the synthetic arithmetic task "
@@ -545,16 +546,31 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
 
 def config_flag(argv: Sequence[str] | None) -> list[str]:
     """``argv`` (default ``sys.argv[1:]``) with ``--config=file.yaml`` written ``--config file.yaml``, the only form
-    TrlParser reads (the other was reported as an unknown ``--config=...`` argument). Raises ``ValueError`` when
-    ``--config`` has no file after it (TrlParser's ``IndexError`` traceback)."""
+    TrlParser reads (the other was reported as an unknown ``--config=...`` argument), and ``--config <name>`` of a
+    shipped recipe (:mod:`trl_diffusion.recipes`; no file of that name here) written as that recipe's file. Raises
+    ``ValueError`` when ``--config`` has no file after it (TrlParser's ``IndexError`` traceback)."""
     args = list(sys.argv[1:] if argv is None else argv)
     for index, arg in enumerate(args):
         if arg.startswith("--config="):
             args[index:index + 1] = ["--config", arg.split("=", 1)[1]]
             break
-    if "--config" in args and args.index("--config") == len(args) - 1:
-        raise ValueError("--config needs a file: --config file.yaml")
+    if "--config" in args:
+        index = args.index("--config")
+        if index == len(args) - 1:
+            raise ValueError("--config needs a file: --config file.yaml")
+        args[index + 1] = config_file(args[index + 1])
     return args
+
+
+def config_file(value: str) -> str:
+    """A ``--config`` value as a file: itself when it is one (or names a folder or a ``.yaml`` / ``.json`` file,
+    which TrlParser then reports as missing), else the shipped recipe of that name
+    (:func:`trl_diffusion.recipes.recipe_path`, which names the recipes there are when none matches)."""
+    from .recipes import recipe_path
+
+    if os.path.exists(value) or os.sep in value or os.path.splitext(value)[1] in (".yaml", ".yml", ".json"):
+        return value
+    return str(recipe_path(value))
 
 
 def _one_line(exc: BaseException) -> str:
@@ -589,7 +605,8 @@ def _eval(argv: list[str]) -> int:
 
     parser = one_line_errors(check_config_values(clear_help(TrlParser(
         dataclass_types=[EvalConfig], prog="trl-diffusion eval",
-        description="Evaluate a diffusion language model; see docs/evaluation.md."))))
+        description="Evaluate a diffusion language model on a benchmark, a local file or the synthetic task "
+                    "(docs/evaluation.md in the repository and the source distribution explains each option)."))))
     try:
         (config,) = parser.parse_args_and_config(args=config_flag(argv))
         report = evaluate(config)
@@ -664,8 +681,161 @@ def diffusion_environment() -> dict[str, str]:
     return report
 
 
-COMMANDS: dict[str, Callable[[list[str]], int]] = {"eval": _eval, "env": _env}
-"""Subcommands; ``sft`` and ``tracerl`` will join ``eval`` here."""
+LAUNCH_ONLY = ("--accelerate_config",)
+"""Options the training commands pass to ``accelerate launch`` besides its own: ``--accelerate_config NAME|FILE``
+(TRL's: a config file, or the name of one TRL ships, ``zero3``, ``fsdp2``, ...)."""
+
+NOT_LAUNCH_OPTIONS = ("-m", "--module", "--no_python", "--no-python")
+"""``accelerate launch`` options a training command refuses: it launches its own script as a module."""
+
+
+def train(name: str, argv: list[str]) -> int:
+    """Run the training script ``trl_diffusion/scripts/<name>.py`` (what ``examples/<name>.py`` runs) with ``argv``.
+
+    In a process that a launch started (``accelerate launch -m trl_diffusion.cli <name>``, ``torchrun``) it runs here.
+    Otherwise it goes through ``accelerate launch``, as TRL's ``trl sft`` does, so that the machine's accelerate
+    config applies (every GPU, as ``accelerate launch examples/<name>.py``): the options ``accelerate launch`` has and
+    the script lacks (``--num_processes``, ``--config_file``, ``--accelerate_config``, ...) go to it, every other
+    argument to the script. The script's arguments are checked here first, so a bad one is reported once (one line,
+    exit status 2), not by every process; a failed run exits with its process's status."""
+    module = importlib.import_module(f"trl_diffusion.scripts.{name}")
+    prog = f"trl-diffusion {name}"
+    if launched():
+        run_script(module.main, module.make_parser(prog), argv)
+        return 0
+    parser = module.make_parser(prog)
+    parser.epilog = ("Options of accelerate launch (--num_processes, --config_file FILE, --accelerate_config "
+                     "NAME|FILE, --mixed_precision, ...) go to accelerate launch, which runs the script.")
+    try:
+        launch_args, script_args = split_launch_args(parser, argv)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    parse_script_args(parser, script_args)  # -h prints the help; a bad argument: one line, exit status 2
+    return launch(prog, [*launch_args, "--module", "trl_diffusion.cli", name, *script_args])
+
+
+LAUNCHED = "TRL_DIFFUSION_LAUNCHED"
+"""Set by :func:`launch` for the processes it starts, which run the command in place (never launch again)."""
+
+
+def launched() -> bool:
+    """Whether a launch started this process: :func:`launch` (:data:`LAUNCHED`), ``accelerate launch`` (which sets
+    ``ACCELERATE_USE_CPU`` for the process it starts) or ``torchrun`` (``LOCAL_RANK``)."""
+    return any(name in os.environ for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"))
+
+
+def split_launch_args(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as ``(launch_args, script_args)``: each option of ``accelerate launch`` that the script's ``parser``
+    does not have (and :data:`LAUNCH_ONLY`), with its value, in the first; everything else, in order, in the second
+    (so an unknown option is reported by the script's parser, with the closest real flag). ``--accelerate_config``
+    becomes ``--config_file``. Raises ``ValueError`` for :data:`NOT_LAUNCH_OPTIONS` and a launch option without its
+    value."""
+    from accelerate.commands.launch import launch_command_parser
+
+    script_options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    takes_value = {option: action.nargs != 0 for action in launch_command_parser()._actions
+                   for option in action.option_strings}
+    takes_value |= dict.fromkeys(LAUNCH_ONLY, True)
+    launch_args: list[str] = []
+    script_args: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        option, has_value = token.split("=", 1)[0], "=" in token
+        index += 1
+        if option in NOT_LAUNCH_OPTIONS:
+            raise ValueError(f"{option} is not an option here: the command launches its own script.")
+        if option not in takes_value or option in script_options:
+            script_args.append(token)
+            continue
+        launch_args.append(token)
+        if takes_value[option] and not has_value:
+            if index == len(argv) or argv[index].startswith("--"):
+                raise ValueError(f"{option} (an accelerate launch option) needs a value.")
+            launch_args.append(argv[index])
+            index += 1
+    return accelerate_config_file(launch_args), script_args
+
+
+def accelerate_config_file(launch_args: list[str]) -> list[str]:
+    """``launch_args`` with ``--accelerate_config NAME|FILE`` as ``--config_file FILE`` (TRL's resolution: a file,
+    else a config TRL ships); ``ValueError`` from TRL when it is neither."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    args = []
+    for token in launch_args:  # TRL's function reads the two-token form only
+        args += token.split("=", 1) if token.startswith("--accelerate_config=") else [token]
+    return resolve_accelerate_config_argument(args)
+
+
+def launch(prog: str, argv: list[str]) -> int:
+    """``accelerate launch <argv>`` from this process (accelerate starts the run's processes, with :data:`LAUNCHED`
+    set); returns the exit status: 0, or that of the run's failed process (its error is already on stderr), 128 +
+    the signal for one killed by a signal. An invalid launch option's value is one line, exit status 2."""
+    import subprocess
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    launch_parser = launch_command_parser()
+    launch_parser.prog = prog
+    args = one_line_errors(launch_parser).parse_args(argv)
+    previous = os.environ.get(LAUNCHED)
+    os.environ[LAUNCHED] = "1"
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as exc:  # one process
+        return exc.returncode if exc.returncode > 0 else 128 - exc.returncode
+    except ChildFailedError as exc:  # torchrun's processes
+        rank, failure = min(exc.failures.items())
+        print(f"{prog}: error: process {rank} of the launch exited with status {failure.exitcode} (its error is "
+              "above).", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    finally:
+        if previous is None:
+            del os.environ[LAUNCHED]
+        else:
+            os.environ[LAUNCHED] = previous
+    return 0
+
+
+def _sft(argv: list[str]) -> int:
+    """Diffusion SFT (examples/sft.py), through accelerate launch."""
+    return train("sft", argv)
+
+
+def _math(argv: list[str]) -> int:
+    """TraceRL on math (examples/math.py), through accelerate launch."""
+    return train("math", argv)
+
+
+def _code(argv: list[str]) -> int:
+    """TraceRL on code, sandboxed tests (examples/code.py), through accelerate launch."""
+    return train("code", argv)
+
+
+def _recipes(argv: list[str]) -> int:
+    """List the shipped recipes: the published configs, each run with --config <name>."""
+    from .recipes import recipe_names, recipe_summary
+
+    prog = "trl-diffusion recipes"
+    if argv in (["-h"], ["--help"]):
+        print(f"usage: {prog}\n\n{_recipes.__doc__} Each file's header says how to launch it and where it "
+              "deviates from the official run.")
+        return 0
+    if argv:
+        print(f"{prog}: error: takes no arguments, got {' '.join(argv)}", file=sys.stderr)
+        return 2
+    names = recipe_names()
+    width = max(map(len, names))
+    print("\n".join(f"{name:<{width}}  {recipe_summary(name)}" for name in names))
+    return 0
+
+
+COMMANDS: dict[str, Callable[[list[str]], int]] = {"sft": _sft, "math": _math, "code": _code, "eval": _eval,
+                                                   "recipes": _recipes, "env": _env}
+"""Subcommands."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -683,5 +853,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return command(args[1:])
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m trl_diffusion.cli: run the package's module, whose UsageError the scripts raise
+    from trl_diffusion.cli import main as package_main
+
+    sys.exit(package_main())

@@ -660,7 +660,7 @@ LENGTH_HINT = (
     "max_new_tokens is set neither here nor in the model's generation_config.json: every completion gets the "
     "family default of %d new tokens, which cuts reasoning short (metrics['clipped_ratio'] counts the completions "
     "that ran out of room). Pass --max_new_tokens: dLLM-RL evaluates TraDo / SDAR with 2000, LLaDA and Dream with "
-    "1024 (docs/evaluation.md).")
+    "1024 (their eval configs).")
 """Logged before an evaluation whose generation length nobody chose."""
 
 

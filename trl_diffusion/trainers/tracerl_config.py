@@ -583,7 +583,7 @@ OFFICIAL_SETTINGS: dict[str, dict] = {
 """dLLM-RL's published RL settings per model family, as ``TraceRLConfig`` fields. Its configs train TraceRL
 (``training.method: TraceRL``); the masking fields are its settings for the ``random_masking`` / ``coupled``
 baselines, used when ``likelihood_estimator`` selects them. Hardware settings (bf16, gradient checkpointing,
-DeepSpeed) and the run length are the recipes' (``recipes/``); the batch layout comes from ``OFFICIAL_ROWS``."""
+DeepSpeed) and the run length are the recipes' (``trl_diffusion.recipes``); the batch layout: ``OFFICIAL_ROWS``."""
 
 OFFICIAL_ROWS: dict[str, dict[str, int]] = {
     # GPUs x gradient accumulation x rows per micro-batch; a TraDo response has ~4 rows (the most merged steps in a

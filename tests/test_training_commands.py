@@ -1,0 +1,239 @@
+"""The training scripts ship with the package: ``trl-diffusion sft|math|code`` runs them from anywhere through
+``accelerate launch`` (as TRL's ``trl sft``), ``--config <name>`` reads a shipped recipe, and ``trl-diffusion recipes``
+lists them. Before, they were repository files only: a ``pip install`` had no way to train, and the CLI's help and
+warnings sent users to ``recipes/`` files they did not have."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+import trl_diffusion.cli as cli
+from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.cli import config_file, main, parse_script_args, split_launch_args
+from trl_diffusion.recipes import RECIPES_DIR, recipe_names, recipe_path, recipe_summary
+from trl_diffusion.scripts import math as math_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ("sft", "math", "code")
+
+
+def one_line_error(capsys, prog: str) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"{prog}: error: "), err
+    return err[0]
+
+
+@pytest.fixture
+def not_launched(monkeypatch):
+    for name in (cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.fixture
+def launches(monkeypatch, not_launched):
+    """Record what ``accelerate launch`` would be given, without starting anything."""
+    seen = []
+
+    def record(args):
+        seen.append((args, os.environ.get(cli.LAUNCHED)))
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", record)
+    return seen
+
+
+def test_every_recipe_ships_in_the_package_and_is_listed():
+    assert sorted(p.stem for p in RECIPES_DIR.glob("*.yaml")) == recipe_names()
+    assert len(recipe_names()) == 6 and not (ROOT / "recipes").exists()
+    for name in recipe_names():
+        assert recipe_path(name) == RECIPES_DIR / f"{name}.yaml"
+        assert " (mirrors " in recipe_summary(name)
+    assert recipe_summary("trado_4b_tracerl_math") == \
+        "TraDo-4B-Instruct TraceRL on math (mirrors Gen-Verse/dLLM-RL configs/rl_trado.yaml)"
+
+
+def test_the_recipes_command_lists_them(capsys):
+    assert main(["recipes"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert [line.split()[0] for line in lines] == recipe_names()
+    assert main(["recipes", "extra"]) == 2
+    one_line_error(capsys, "trl-diffusion recipes")
+
+
+def test_config_takes_a_recipe_name(tmp_path, monkeypatch):
+    """A bare name reads the shipped recipe; a file of that name here, a path or a .yaml name is a file (a missing
+    one is reported as missing, never replaced by a recipe); an unknown name lists the recipes."""
+    monkeypatch.chdir(tmp_path)
+    assert config_file("trado_4b_tracerl_math") == str(RECIPES_DIR / "trado_4b_tracerl_math.yaml")
+    for value in ("trado_4b_tracerl_math.yaml", "configs/trado_4b_tracerl_math", "mine.json"):
+        assert config_file(value) == value
+    (tmp_path / "trado_4b_tracerl_math").write_text("max_steps: 3\n")
+    assert config_file("trado_4b_tracerl_math") == "trado_4b_tracerl_math"
+    with pytest.raises(ValueError, match="no recipe named 'trado_4b'.*trado_4b_tracerl_math, trado_8b"):
+        config_file("trado_4b")
+    assert cli.config_flag(["--config=sdar_4b_long_cot_sft", "--seed", "1"]) == \
+        ["--config", str(RECIPES_DIR / "sdar_4b_long_cot_sft.yaml"), "--seed", "1"]
+
+
+ON_CPU = ["--bf16", "false", "--tf32", "false", "--use_cpu", "true"]  # the recipes are for GPUs
+
+
+def test_a_recipe_name_parses_as_its_file(capsys):
+    def parse(config: str):
+        return math_script.make_parser().parse_args_and_config(cli.config_flag(["--config", config, *ON_CPU]))
+
+    by_name, by_file = parse("trado_4b_tracerl_math"), parse(str(recipe_path("trado_4b_tracerl_math")))
+    assert by_name == by_file
+    assert by_name[2].model_name_or_path == "Gen-Verse/TraDo-4B-Instruct" and by_name[1].num_generations == 16
+    with pytest.raises(SystemExit) as exit_:
+        parse_script_args(math_script.make_parser(prog="trl-diffusion math"), ["--config", "trado"])
+    assert exit_.value.code == 2
+    assert "no recipe named 'trado'" in one_line_error(capsys, "trl-diffusion math")
+
+
+def test_launch_options_go_to_accelerate_and_the_rest_to_the_script():
+    parser = math_script.make_parser()
+    launch_args, script_args = split_launch_args(parser, [
+        "--num_processes", "2", "--max_steps", "3", "--mixed_precision=bf16", "--cpu", "--learning_rate", "-1e-5",
+        "--gradient_accumulation_steps", "4", "--debug", "underflow_overflow", "--config", "trado_4b_tracerl_math",
+        "--main_process_port", "29555", "--no_such_flag", "1"])
+    assert launch_args == ["--num_processes", "2", "--mixed_precision=bf16", "--cpu", "--main_process_port", "29555"]
+    # options both have are the script's (TrainingArguments' gradient accumulation and debug); unknown ones too,
+    # for its parser to name with the closest real flag
+    assert script_args == ["--max_steps", "3", "--learning_rate", "-1e-5", "--gradient_accumulation_steps", "4",
+                           "--debug", "underflow_overflow", "--config", "trado_4b_tracerl_math", "--no_such_flag",
+                           "1"]
+
+
+def test_accelerate_config_names_a_file_or_one_trl_ships(tmp_path):
+    parser = math_script.make_parser()
+    launch_args, _ = split_launch_args(parser, ["--accelerate_config", "zero3", "--max_steps", "1"])
+    assert launch_args[0] == "--config_file" and Path(launch_args[1]).name == "zero3.yaml"
+    assert Path(launch_args[1]).is_file()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("distributed_type: NO\n")
+    assert split_launch_args(parser, [f"--accelerate_config={mine}"])[0] == ["--config_file", str(mine)]
+    with pytest.raises(ValueError, match="neither a file nor"):
+        split_launch_args(parser, ["--accelerate_config", "zero9"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--module"], "--module is not an option here"),
+    (["--no_python"], "--no_python is not an option here"),
+    (["--num_processes"], "--num_processes (an accelerate launch option) needs a value."),
+    (["--num_processes", "--max_steps", "1"], "--num_processes (an accelerate launch option) needs a value."),
+])
+def test_launch_options_it_cannot_take(argv, message, capsys, launches):
+    assert main(["math", *argv]) == 2
+    assert message in one_line_error(capsys, "trl-diffusion math")
+    assert launches == []
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_a_bad_script_argument_is_reported_once_before_launching(name, capsys, launches):
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--max_step", "2", "--learning_rte", "1e-4"])
+    assert exit_.value.code == 2
+    assert "--learning_rte" in one_line_error(capsys, f"trl-diffusion {name}")
+    assert launches == []
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_is_the_scripts_and_names_the_launch_options(name, capsys, launches):
+    with pytest.raises(SystemExit) as exit_:
+        main([name, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: trl-diffusion {name} ") and "--output_dir" in out
+    assert "(--num_processes, --config_file FILE, --accelerate_config NAME|FILE, --mixed_precision, ...) go to " \
+        "accelerate launch" in " ".join(out.split())
+    assert launches == []
+
+
+def test_the_launch_runs_the_command_in_the_started_processes(launches):
+    """What accelerate launch gets: its options, then ``-m trl_diffusion.cli math <script args>``, with
+    ``TRL_DIFFUSION_LAUNCHED`` set while it runs (the started processes run in place, never launch again) and
+    unset after."""
+    script_args = ["--max_steps", "3", "--config", "dream_7b_tracerl_math", *ON_CPU,
+                   "--model_name_or_path", str(EMBEDDED_MODEL)]  # offline here
+    assert main(["math", "--num_processes", "2", *script_args]) == 0
+    ((args, flag),) = launches
+    assert flag == "1" and cli.LAUNCHED not in os.environ
+    assert args.module and args.training_script == "trl_diffusion.cli" and args.num_processes == 2
+    assert args.training_script_args == ["math", *script_args]
+
+
+@pytest.mark.parametrize("variable", [cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"])
+def test_a_launched_process_runs_the_script_in_place(variable, monkeypatch, launches):
+    ran = []
+    monkeypatch.setenv(variable, "0")
+    monkeypatch.setattr(cli, "run_script", lambda main, parser, argv: ran.append((main, parser.prog, argv)))
+    assert main(["math", "--max_steps", "3"]) == 0
+    assert launches == [] and ran == [(math_script.main, "trl-diffusion math", ["--max_steps", "3"])]
+
+
+def test_a_failed_run_exits_with_its_process_status(monkeypatch, capsys, not_launched):
+    def one_process_fails(args):
+        raise subprocess.CalledProcessError(2, ["python"])
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", one_process_fails)
+    assert main(["sft", "--max_steps", "1"]) == 2
+    assert capsys.readouterr().err == ""  # the process's own error line is all the user sees
+
+    def killed(args):
+        raise subprocess.CalledProcessError(-9, ["python"])
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", killed)
+    assert main(["sft", "--max_steps", "1"]) == 137
+
+    def second_rank_fails(args):
+        failure = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file="")
+        raise ChildFailedError("trl_diffusion.cli", {1: failure})
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", second_rank_fails)
+    assert main(["code", "--max_steps", "1"]) == 2
+    assert "process 1 of the launch exited with status 2" in one_line_error(capsys, "trl-diffusion code")
+    assert cli.LAUNCHED not in os.environ
+
+
+def test_the_examples_run_the_packaged_scripts():
+    """``examples/<name>.py`` is the packaged script's entry point, not a second copy of it."""
+    for name in SCRIPTS:
+        text = (ROOT / "examples" / f"{name}.py").read_text()
+        assert f"from trl_diffusion.scripts.{name} import main, make_parser" in text
+        assert "def main" not in text and len(text.splitlines()) < 30
+
+
+def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for name in (cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "trl_diffusion.cli", *argv], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.slow
+def test_trl_diffusion_math_trains_through_accelerate_launch(tmp_path):
+    """End to end from an empty folder: accelerate launch starts one process, which trains the embedded model for a
+    step and prints the script's result; a setting only the script can check once its data loads is one error line
+    from that process and its exit status 2, no traceback from the launcher."""
+    done = _run(["math", "--max_steps", "1", "--num_eval", "4", "--per_device_train_batch_size", "8",
+                 "--output_dir", "run"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["output_dir"] == "run" and len(result["accuracy_curve"]) == 2
+    assert (tmp_path / "run" / "model.safetensors").is_file()
+
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    failed = _run(["math", "--max_steps", "1", "--output_dir", "run2", "--dataset_name", "bad.jsonl"], tmp_path)
+    assert failed.returncode == 2
+    errors = [line for line in failed.stderr.splitlines() if "error" in line.lower()]
+    assert errors == ["trl-diffusion math: error: bad.jsonl: need a problem/question column and an answer/solution "
+                      "column, found ['x']."]
+    assert "Traceback" not in failed.stderr
