@@ -36,7 +36,9 @@ setup(
     extras_require={
         "flash": ["flash-attn>=2.7"],
         "deepspeed": ["deepspeed>=0.19"],  # ZeRO-2/3 (accelerate's DeepSpeed plugin); tested on the CPU with 0.19.8
-        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff>=0.6", "deepspeed>=0.19"],
+        # setuptools: the packaging tests build the sdist and a wheel with it, offline (bdist_wheel is built in since
+        # 70.1; torch 2.13 needs >= 77.0.3 anyway, torch 2.6 none on Python 3.11)
+        "dev": ["pytest>=8", "pytest-xdist>=3.8", "ruff>=0.6", "deepspeed>=0.19", "setuptools>=70.1"],
     },
     entry_points={"console_scripts": ["trl-diffusion=trl_diffusion.cli:main"]},
 )

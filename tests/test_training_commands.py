@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -210,8 +211,26 @@ def test_the_examples_run_the_packaged_scripts():
         assert "def main" not in text and len(text.splitlines()) < 30
 
 
-def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+def _install_wheel(tmp_path: Path) -> Path:
+    """Build this checkout's wheel (from a copy of what it is built from) and install it, without dependencies, into
+    a folder of its own; returns that folder, to put first on ``PYTHONPATH``."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("setup.py", "README.md", "MANIFEST.in", "LICENSE"):
+        shutil.copy(ROOT / name, source / name)
+    shutil.copytree(ROOT / "trl_diffusion", source / "trl_diffusion", ignore=shutil.ignore_patterns("__pycache__"))
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheel"), str(source)],
+                   check=True, capture_output=True)
+    (wheel,) = (tmp_path / "wheel").glob("*.whl")
+    subprocess.run([*pip, "install", "--no-deps", "--target", str(tmp_path / "site"), str(wheel)], check=True,
+                   capture_output=True)
+    return tmp_path / "site"
+
+
+def _run(argv: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": str(site)}
     for name in (cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "trl_diffusion.cli", *argv], cwd=cwd, env=env, capture_output=True,
@@ -219,19 +238,29 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_trl_diffusion_math_trains_through_accelerate_launch(tmp_path):
-    """End to end from an empty folder: accelerate launch starts one process, which trains the embedded model for a
-    step and prints the script's result; a setting only the script can check once its data loads is one error line
+def test_an_installed_wheel_trains_with_trl_diffusion_math(tmp_path):
+    """End to end from an empty folder with the package installed from its wheel (no checkout): the recipes are
+    there, and ``trl-diffusion math`` has accelerate launch start one process, which trains the embedded model for a
+    step and prints the script's result. A setting only the script can check once its data loads is one error line
     from that process and its exit status 2, no traceback from the launcher."""
+    site = _install_wheel(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    listed = _run(["recipes"], work, site)
+    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == recipe_names()
+
     done = _run(["math", "--max_steps", "1", "--num_eval", "4", "--per_device_train_batch_size", "8",
-                 "--output_dir", "run"], tmp_path)
+                 "--output_dir", "run"], work, site)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["output_dir"] == "run" and len(result["accuracy_curve"]) == 2
-    assert (tmp_path / "run" / "model.safetensors").is_file()
+    assert (work / "run" / "model.safetensors").is_file()
+    where = subprocess.run([sys.executable, "-c", "import trl_diffusion.scripts.math as m; print(m.__file__)"],
+                           cwd=work, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
+    assert where.stdout.strip() == str(site / "trl_diffusion" / "scripts" / "math.py")  # not the checkout's
 
-    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
-    failed = _run(["math", "--max_steps", "1", "--output_dir", "run2", "--dataset_name", "bad.jsonl"], tmp_path)
+    (work / "bad.jsonl").write_text('{"x": 1}\n')
+    failed = _run(["math", "--max_steps", "1", "--output_dir", "run2", "--dataset_name", "bad.jsonl"], work, site)
     assert failed.returncode == 2
     errors = [line for line in failed.stderr.splitlines() if "error" in line.lower()]
     assert errors == ["trl-diffusion math: error: bad.jsonl: need a problem/question column and an answer/solution "
