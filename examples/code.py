@@ -3,7 +3,7 @@
 # ///
 """TraceRL on code (sandboxed tests): ``accelerate launch examples/code.py [--flags]``.
 
-The script ships with the package as ``trl_diffusion/scripts/code.py`` (its docstring says what it does with no
+The script ships with the package as ``trl_diffusion/scripts/tracerl_code.py`` (its docstring says what it does with no
 arguments and how to run a recipe); ``trl-diffusion code [--flags]`` runs the same script from anywhere, through
 ``accelerate launch``. This file runs it from a checkout.
 """
@@ -17,7 +17,7 @@ if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpat
     sys.path.pop(0)
 
 from trl_diffusion.cli import run_script
-from trl_diffusion.scripts.code import main, make_parser
+from trl_diffusion.scripts.tracerl_code import main, make_parser
 
 if __name__ == "__main__":
     run_script(main, make_parser())

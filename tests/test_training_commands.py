@@ -17,9 +17,10 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 import trl_diffusion.cli as cli
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import config_file, main, parse_script_args, split_launch_args
+from trl_diffusion.cli import TRAINING_SCRIPTS, config_file, main, parse_script_args
+from trl_diffusion.launching import LAUNCHED, split_launch_args
 from trl_diffusion.recipes import RECIPES_DIR, recipe_names, recipe_path, recipe_summary
-from trl_diffusion.scripts import math as math_script
+from trl_diffusion.scripts import tracerl_math as math_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("sft", "math", "code")
@@ -33,7 +34,7 @@ def one_line_error(capsys, prog: str) -> str:
 
 @pytest.fixture
 def not_launched(monkeypatch):
-    for name in (cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+    for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -43,7 +44,7 @@ def launches(monkeypatch, not_launched):
     seen = []
 
     def record(args):
-        seen.append((args, os.environ.get(cli.LAUNCHED)))
+        seen.append((args, os.environ.get(LAUNCHED)))
 
     monkeypatch.setattr("accelerate.commands.launch.launch_command", record)
     return seen
@@ -72,22 +73,37 @@ def test_config_takes_a_recipe_name(tmp_path, monkeypatch):
     one is reported as missing, never replaced by a recipe); an unknown name lists the recipes."""
     monkeypatch.chdir(tmp_path)
     assert config_file("trado_4b_tracerl_math") == str(RECIPES_DIR / "trado_4b_tracerl_math.yaml")
-    for value in ("trado_4b_tracerl_math.yaml", "configs/trado_4b_tracerl_math", "mine.json"):
+    for value in ("mine.yaml", "configs/mine", "mine.json"):  # paths: TrlParser says when one is missing
         assert config_file(value) == value
     (tmp_path / "trado_4b_tracerl_math").write_text("max_steps: 3\n")
     assert config_file("trado_4b_tracerl_math") == "trado_4b_tracerl_math"
     with pytest.raises(ValueError, match="no recipe named 'trado_4b'.*trado_4b_tracerl_math, trado_8b"):
         config_file("trado_4b")
-    assert cli.config_flag(["--config=sdar_4b_long_cot_sft", "--seed", "1"]) == \
+    assert cli.config_flag(["--config=sdar_4b_long_cot_sft", "--seed", "1"], recipes=True) == \
         ["--config", str(RECIPES_DIR / "sdar_4b_long_cot_sft.yaml"), "--seed", "1"]
 
 
 ON_CPU = ["--bf16", "false", "--tf32", "false", "--use_cpu", "true"]  # the recipes are for GPUs
 
 
+def test_a_folder_or_a_missing_path_named_like_a_recipe(tmp_path, monkeypatch):
+    """Only an existing file wins over a recipe (a folder left by ``--output_dir trado_4b_tracerl_math`` does not); a
+    missing path named like a recipe (the old ``recipes/<name>.yaml``) says how to name the recipe; ``eval``'s
+    ``--config`` never reads a training recipe."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "trado_4b_tracerl_math").mkdir()
+    assert config_file("trado_4b_tracerl_math") == str(RECIPES_DIR / "trado_4b_tracerl_math.yaml")
+    for old in ("recipes/trado_4b_tracerl_math.yaml", "trado_4b_tracerl_math.yaml"):
+        with pytest.raises(ValueError, match=f"--config {old}: no such file; the shipped recipe of that name is "
+                                             "--config trado_4b_tracerl_math"):
+            config_file(old)
+    assert cli.config_flag(["--config", "trado_4b_tracerl_math"]) == ["--config", "trado_4b_tracerl_math"]
+
+
 def test_a_recipe_name_parses_as_its_file(capsys):
     def parse(config: str):
-        return math_script.make_parser().parse_args_and_config(cli.config_flag(["--config", config, *ON_CPU]))
+        args = cli.config_flag(["--config", config, *ON_CPU], recipes=True)
+        return math_script.make_parser().parse_args_and_config(args)
 
     by_name, by_file = parse("trado_4b_tracerl_math"), parse(str(recipe_path("trado_4b_tracerl_math")))
     assert by_name == by_file
@@ -124,6 +140,89 @@ def test_accelerate_config_names_a_file_or_one_trl_ships(tmp_path):
         split_launch_args(parser, ["--accelerate_config", "zero9"])
 
 
+def test_accelerate_config_twice_or_beside_config_file_is_refused(tmp_path):
+    parser = math_script.make_parser()
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("distributed_type: NO\n")
+    assert split_launch_args(parser, ["--accelerate-config", str(mine)])[0] == ["--config_file", str(mine)]
+    with pytest.raises(ValueError, match="given twice"):
+        split_launch_args(parser, ["--accelerate_config", "zero3", "--accelerate-config=zero2"])
+    for other in (["--config_file", str(mine)], [f"--config-file={mine}"]):
+        with pytest.raises(ValueError, match="--accelerate_config and --config_file both name"):
+            split_launch_args(parser, ["--accelerate_config", "zero3", *other])
+
+
+def test_a_misspelt_launch_option_is_named_with_the_real_one(capsys, launches):
+    with pytest.raises(SystemExit):
+        main(["math", "--num_process", "2"])
+    assert "--num_process (did you mean --num_processes?)" in one_line_error(capsys, "trl-diffusion math")
+
+
+def test_what_depends_on_the_launch_is_checked_by_the_launched_processes(monkeypatch, capsys, launches):
+    """Before launching, the configs are not built: GRPO's batch checks count the processes (2 x 2 completions make
+    a group of 4 on two processes, not on one), and TrainingArguments would take a device in a process that only
+    waits. What does not depend on the launch is still checked there, once."""
+    from trl_diffusion import TraceRLConfig
+
+    def not_here(self):
+        raise AssertionError("a config was built before the launch")
+
+    monkeypatch.setattr(TraceRLConfig, "__post_init__", not_here)
+    assert main(["math", "--num_processes", "2", "--per_device_train_batch_size", "2", "--num_generations", "4",
+                 "--max_steps", "1"]) == 0
+    assert len(launches) == 1
+    for argv, message in ((["--model_name_or_path", "./no-such-model"], "no such local directory"),
+                          (["--dataset_name", "missing.jsonl"], "no such dataset file: missing.jsonl"),
+                          (["--reward_funcs", "no_such_reward"], "no_such_reward")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["math", *argv])
+        assert exit_.value.code == 2 and message in one_line_error(capsys, "trl-diffusion math")
+
+
+def test_config_file_values_and_keys_are_checked_before_launching(tmp_path, capsys, launches):
+    for text, message in (("max_steps: many\n", "max_steps"), ("no_such_field: 1\n", "no_such_field")):
+        (tmp_path / "run.yaml").write_text(text)
+        with pytest.raises(SystemExit) as exit_:
+            main(["math", "--config", str(tmp_path / "run.yaml")])
+        assert exit_.value.code == 2 and message in one_line_error(capsys, "trl-diffusion math")
+    assert launches == []
+
+
+def test_accelerate_refusing_its_settings_is_one_line(tmp_path, capsys, not_launched):
+    """The real ``accelerate launch``, refusing before it starts anything: one line, exit status 2."""
+    assert main(["sft", "--config_file", str(tmp_path / "missing.yaml"), "--max_steps", "1"]) == 2
+    assert "accelerate launch:" in one_line_error(capsys, "trl-diffusion sft")
+    assert main(["sft", "--cpu", "--multi_gpu", "--max_steps", "1"]) == 2
+    assert "accelerate launch:" in one_line_error(capsys, "trl-diffusion sft")
+
+
+def test_quiet_keeps_the_runs_exit_status(monkeypatch, capsys, not_launched):
+    seen = []
+
+    def fails(args):
+        seen.append(args.quiet)
+        raise subprocess.CalledProcessError(2, ["python"])
+
+    monkeypatch.setattr("accelerate.commands.launch.launch_command", fails)
+    assert main(["math", "-q", "--max_steps", "1"]) == 2 and seen == [False]
+
+
+def test_a_launch_option_inside_a_launch_is_refused(monkeypatch, capsys, launches):
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
+    assert main(["math", "--num_processes", "2"]) == 2
+    assert one_line_error(capsys, "trl-diffusion math").endswith(
+        "--num_processes is an option of accelerate launch, but this process was started by a launch already "
+        "(ACCELERATE_USE_CPU is set): give it to that launch.")
+
+
+def test_a_packaged_script_runs_by_its_path():
+    """Run by its path, a script's folder comes first on the import path: no module there hides one of the standard
+    library's (a ``math.py`` there broke ``import math``)."""
+    scripts = ROOT / "trl_diffusion" / "scripts"
+    assert {path.stem for path in scripts.glob("*.py")} & sys.stdlib_module_names == set()
+    done = subprocess.run([sys.executable, str(scripts / "tracerl_math.py"), "--help"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage: tracerl_math.py"), done.stderr[-2000:]
 @pytest.mark.parametrize("argv, message", [
     (["--module"], "--module is not an option here"),
     (["--no_python"], "--no_python is not an option here"),
@@ -165,12 +264,12 @@ def test_the_launch_runs_the_command_in_the_started_processes(launches):
                    "--model_name_or_path", str(EMBEDDED_MODEL)]  # offline here
     assert main(["math", "--num_processes", "2", *script_args]) == 0
     ((args, flag),) = launches
-    assert flag == "1" and cli.LAUNCHED not in os.environ
+    assert flag == "1" and LAUNCHED not in os.environ
     assert args.module and args.training_script == "trl_diffusion.cli" and args.num_processes == 2
     assert args.training_script_args == ["math", *script_args]
 
 
-@pytest.mark.parametrize("variable", [cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"])
+@pytest.mark.parametrize("variable", [LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"])
 def test_a_launched_process_runs_the_script_in_place(variable, monkeypatch, launches):
     ran = []
     monkeypatch.setenv(variable, "0")
@@ -193,21 +292,23 @@ def test_a_failed_run_exits_with_its_process_status(monkeypatch, capsys, not_lau
     monkeypatch.setattr("accelerate.commands.launch.launch_command", killed)
     assert main(["sft", "--max_steps", "1"]) == 137
 
-    def second_rank_fails(args):
-        failure = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file="")
-        raise ChildFailedError("trl_diffusion.cli", {1: failure})
+    def second_rank_fails(args):  # torchrun then stops the first with SIGTERM
+        stopped = ProcessFailure(local_rank=0, pid=122, exitcode=-15, error_file="")
+        failed = ProcessFailure(local_rank=1, pid=123, exitcode=2, error_file="")
+        failed.timestamp = stopped.timestamp - 1
+        raise ChildFailedError("trl_diffusion.cli", {0: stopped, 1: failed})
 
     monkeypatch.setattr("accelerate.commands.launch.launch_command", second_rank_fails)
     assert main(["code", "--max_steps", "1"]) == 2
     assert "process 1 of the launch exited with status 2" in one_line_error(capsys, "trl-diffusion code")
-    assert cli.LAUNCHED not in os.environ
+    assert LAUNCHED not in os.environ
 
 
 def test_the_examples_run_the_packaged_scripts():
     """``examples/<name>.py`` is the packaged script's entry point, not a second copy of it."""
     for name in SCRIPTS:
         text = (ROOT / "examples" / f"{name}.py").read_text()
-        assert f"from trl_diffusion.scripts.{name} import main, make_parser" in text
+        assert f"from trl_diffusion.scripts.{TRAINING_SCRIPTS[name]} import main, make_parser" in text
         assert "def main" not in text and len(text.splitlines()) < 30
 
 
@@ -231,7 +332,7 @@ def _install_wheel(tmp_path: Path) -> Path:
 def _run(argv: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(site)}
-    for name in (cli.LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+    for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "trl_diffusion.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -255,9 +356,9 @@ def test_an_installed_wheel_trains_with_trl_diffusion_math(tmp_path):
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["output_dir"] == "run" and len(result["accuracy_curve"]) == 2
     assert (work / "run" / "model.safetensors").is_file()
-    where = subprocess.run([sys.executable, "-c", "import trl_diffusion.scripts.math as m; print(m.__file__)"],
+    where = subprocess.run([sys.executable, "-c", "import trl_diffusion.scripts.tracerl_math as m; print(m.__file__)"],
                            cwd=work, env={**os.environ, "PYTHONPATH": str(site)}, capture_output=True, text=True)
-    assert where.stdout.strip() == str(site / "trl_diffusion" / "scripts" / "math.py")  # not the checkout's
+    assert where.stdout.strip() == str(site / "trl_diffusion" / "scripts" / "tracerl_math.py")  # not the checkout's
 
     (work / "bad.jsonl").write_text('{"x": 1}\n')
     failed = _run(["math", "--max_steps", "1", "--output_dir", "run2", "--dataset_name", "bad.jsonl"], work, site)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import functools
 import gc
 import importlib
 import io
@@ -407,20 +408,39 @@ def check_config_values(parser: Any) -> Any:
     return parser
 
 
-def parse_script_args(parser: Any, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
-    """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`. A ``ValueError`` on the way
-    (a config's validation, a config file value of the wrong type, a missing model directory or dataset file, a
-    config file key no dataclass has) exits with status 2 after printing ``<prog>: error: <message>``; so do
-    argparse's own errors (:func:`one_line_errors`)."""
+def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching: bool = False) -> tuple[Any, ...]:
+    """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`; ``--config`` may name a shipped
+    recipe (:func:`config_flag`). A ``ValueError`` on the way (a config's validation, a config file value of the
+    wrong type, a missing model directory or dataset file, a config file key no dataclass has) exits with status 2
+    after printing ``<prog>: error: <message>``; so do argparse's own errors (:func:`one_line_errors`).
+
+    ``launching``: the check a training command makes before it launches the script (``trl-diffusion math``): the
+    same, except that the script's configs are not built (a single ``argparse.Namespace`` is returned and checked).
+    Their own checks depend on the launch (GRPO's batch sizes on the number of processes) and building
+    ``TrainingArguments`` takes a device, in a process that only waits for the run."""
+    from .launching import launch_options
+
     one_line_errors(check_config_values(clear_help(parser)))
+    if launching:  # TrlParser reads --config (the file's keys and value types too), then calls this
+        parser.parse_args_into_dataclasses = functools.partial(_flags_only, parser)
     try:
-        args = config_flag(argv)
+        args = config_flag(argv, recipes=True)
         parsed = parser.parse_args_and_config(args=args)
         check_script_args(parsed, command_line_options(parser, args))
     except (OSError, ValueError) as exc:  # OSError: a --config file that cannot be read
-        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
+        also = launch_options() if launching else ()
+        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc), also)}", file=sys.stderr)
         sys.exit(2)
     return parsed
+
+
+def _flags_only(parser: Any, args: Sequence[str], **unused: Any) -> tuple[argparse.Namespace]:
+    """``HfArgumentParser.parse_args_into_dataclasses`` without the dataclasses: the command line parsed over the
+    parser's defaults (a config file's values among them), unknown arguments refused as it refuses them."""
+    namespace, unknown = parser.parse_known_args(args=args)
+    if unknown:
+        raise ValueError(f"{UNUSED_ARGUMENTS}: {unknown}")
+    return (namespace,)
 
 
 @contextlib.contextmanager
@@ -544,11 +564,11 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
         sys.exit(2)
 
 
-def config_flag(argv: Sequence[str] | None) -> list[str]:
+def config_flag(argv: Sequence[str] | None, recipes: bool = False) -> list[str]:
     """``argv`` (default ``sys.argv[1:]``) with ``--config=file.yaml`` written ``--config file.yaml``, the only form
-    TrlParser reads (the other was reported as an unknown ``--config=...`` argument), and ``--config <name>`` of a
-    shipped recipe (:mod:`trl_diffusion.recipes`; no file of that name here) written as that recipe's file. Raises
-    ``ValueError`` when ``--config`` has no file after it (TrlParser's ``IndexError`` traceback)."""
+    TrlParser reads (the other was reported as an unknown ``--config=...`` argument), and, with ``recipes`` (the
+    training scripts), a shipped recipe's name as its file (:func:`config_file`). Raises ``ValueError`` when
+    ``--config`` has no file after it (TrlParser's ``IndexError`` traceback)."""
     args = list(sys.argv[1:] if argv is None else argv)
     for index, arg in enumerate(args):
         if arg.startswith("--config="):
@@ -558,19 +578,28 @@ def config_flag(argv: Sequence[str] | None) -> list[str]:
         index = args.index("--config")
         if index == len(args) - 1:
             raise ValueError("--config needs a file: --config file.yaml")
-        args[index + 1] = config_file(args[index + 1])
+        if recipes:
+            args[index + 1] = config_file(args[index + 1])
     return args
 
 
 def config_file(value: str) -> str:
-    """A ``--config`` value as a file: itself when it is one (or names a folder or a ``.yaml`` / ``.json`` file,
-    which TrlParser then reports as missing), else the shipped recipe of that name
-    (:func:`trl_diffusion.recipes.recipe_path`, which names the recipes there are when none matches)."""
-    from .recipes import recipe_path
+    """A training script's ``--config`` value as a file: an existing file is itself; a name without a folder or a
+    file extension is the shipped recipe of that name (:func:`trl_diffusion.recipes.recipe_path`, whose error names
+    the recipes); any other value is a path, which TrlParser reports when it is not a file, except a missing one
+    named like a recipe (``recipes/trado_4b_tracerl_math.yaml``, where the recipes were before they shipped with the
+    package), whose error names the recipe."""
+    from .recipes import recipe_names, recipe_path
 
-    if os.path.exists(value) or os.sep in value or os.path.splitext(value)[1] in (".yaml", ".yml", ".json"):
+    if os.path.isfile(value):
         return value
-    return str(recipe_path(value))
+    separators = [separator for separator in (os.sep, os.altsep, "/") if separator]
+    stem, extension = os.path.splitext(os.path.basename(value))
+    if not any(separator in value for separator in separators) and not extension:
+        return str(recipe_path(value))
+    if not os.path.exists(value) and stem in recipe_names():
+        raise ValueError(f"--config {value}: no such file; the shipped recipe of that name is --config {stem}.")
+    return value
 
 
 def _one_line(exc: BaseException) -> str:
@@ -581,15 +610,16 @@ UNUSED_ARGUMENTS = "Some specified arguments are not used by the HfArgumentParse
 """How ``HfArgumentParser`` reports command-line arguments no dataclass field takes."""
 
 
-def explain_unknown_flags(parser: Any, message: str) -> str:
+def explain_unknown_flags(parser: Any, message: str, also: Sequence[str] = ()) -> str:
     """``HfArgumentParser``'s message for unknown arguments, rewritten to name each unknown flag with the closest
-    real one (``--max_problms (did you mean --max_problems?)``); any other message is returned unchanged."""
+    real one (``--max_problms (did you mean --max_problems?)``), of the parser's and ``also`` (the options a training
+    command passes to ``accelerate launch``); any other message is returned unchanged."""
     if not message.startswith(UNUSED_ARGUMENTS):
         return message
     flags = [item for item in re.findall(r"'([^']*)'", message) if item.startswith("-")]
     if not flags:
         return message
-    known = [option for action in parser._actions for option in action.option_strings]
+    known = [option for action in parser._actions for option in action.option_strings] + list(also)
     named = []
     for flag in flags:
         close = difflib.get_close_matches(flag.split("=", 1)[0], known, n=1, cutoff=0.75)
@@ -608,7 +638,7 @@ def _eval(argv: list[str]) -> int:
         description="Evaluate a diffusion language model on a benchmark, a local file or the synthetic task "
                     "(docs/evaluation.md in the repository and the source distribution explains each option)."))))
     try:
-        (config,) = parser.parse_args_and_config(args=config_flag(argv))
+        (config,) = parser.parse_args_and_config(args=config_flag(argv))  # a training recipe is no eval config
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
@@ -681,137 +711,56 @@ def diffusion_environment() -> dict[str, str]:
     return report
 
 
-LAUNCH_ONLY = ("--accelerate_config",)
-"""Options the training commands pass to ``accelerate launch`` besides its own: ``--accelerate_config NAME|FILE``
-(TRL's: a config file, or the name of one TRL ships, ``zero3``, ``fsdp2``, ...)."""
-
-NOT_LAUNCH_OPTIONS = ("-m", "--module", "--no_python", "--no-python")
-"""``accelerate launch`` options a training command refuses: it launches its own script as a module."""
+TRAINING_SCRIPTS = {"sft": "sft", "math": "tracerl_math", "code": "tracerl_code"}
+"""The training commands' modules in :mod:`trl_diffusion.scripts` (not ``math`` / ``code``: a script run by its path
+would have its folder first on the import path, where those names hide the standard library's modules)."""
 
 
 def train(name: str, argv: list[str]) -> int:
-    """Run the training script ``trl_diffusion/scripts/<name>.py`` (what ``examples/<name>.py`` runs) with ``argv``.
+    """Run the training script of command ``name`` (:data:`TRAINING_SCRIPTS`; what ``examples/<name>.py`` runs).
 
-    In a process that a launch started (``accelerate launch -m trl_diffusion.cli <name>``, ``torchrun``) it runs here.
-    Otherwise it goes through ``accelerate launch``, as TRL's ``trl sft`` does, so that the machine's accelerate
-    config applies (every GPU, as ``accelerate launch examples/<name>.py``): the options ``accelerate launch`` has and
-    the script lacks (``--num_processes``, ``--config_file``, ``--accelerate_config``, ...) go to it, every other
-    argument to the script. The script's arguments are checked here first, so a bad one is reported once (one line,
-    exit status 2), not by every process; a failed run exits with its process's status."""
-    module = importlib.import_module(f"trl_diffusion.scripts.{name}")
+    In a process that a launch started (:func:`trl_diffusion.launching.launched`: ``accelerate launch -m
+    trl_diffusion.cli <name>``, ``torchrun``, or this command's own launch) it runs here. Otherwise it goes through
+    ``accelerate launch``, as TRL's ``trl sft`` does, so that the machine's accelerate config applies (every GPU, as
+    ``accelerate launch examples/<name>.py``): the options ``accelerate launch`` has and the script lacks
+    (``--num_processes``, ``--config_file``, ``--accelerate_config``, ...) go to it, every other argument to the
+    script. What of the script's arguments can be checked before the launch is checked here (:func:`parse_script_args`
+    with ``launching``), so such a mistake is one line, once, not one per process; the run exits with its status."""
+    from .launching import launch, launched, split_launch_args
+
+    module = importlib.import_module(f"trl_diffusion.scripts.{TRAINING_SCRIPTS[name]}")
     prog = f"trl-diffusion {name}"
-    if launched():
-        run_script(module.main, module.make_parser(prog), argv)
-        return 0
     parser = module.make_parser(prog)
-    parser.epilog = ("Options of accelerate launch (--num_processes, --config_file FILE, --accelerate_config "
-                     "NAME|FILE, --mixed_precision, ...) go to accelerate launch, which runs the script.")
     try:
         launch_args, script_args = split_launch_args(parser, argv)
+        where = launched()
+        if where and launch_args:
+            raise ValueError(f"{launch_args[0]} is an option of accelerate launch, but this process was started by a "
+                             f"launch already ({where} is set): give it to that launch.")
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    parse_script_args(parser, script_args)  # -h prints the help; a bad argument: one line, exit status 2
+    if where:
+        run_script(module.main, parser, script_args)
+        return 0
+    parser.epilog = ("Options of accelerate launch (--num_processes, --config_file FILE, --accelerate_config "
+                     "NAME|FILE, --mixed_precision, ...) go to accelerate launch, which runs the script.")
+    parse_script_args(parser, script_args, launching=True)  # -h prints the help; a mistake: one line, exit 2
     return launch(prog, [*launch_args, "--module", "trl_diffusion.cli", name, *script_args])
 
 
-LAUNCHED = "TRL_DIFFUSION_LAUNCHED"
-"""Set by :func:`launch` for the processes it starts, which run the command in place (never launch again)."""
-
-
-def launched() -> bool:
-    """Whether a launch started this process: :func:`launch` (:data:`LAUNCHED`), ``accelerate launch`` (which sets
-    ``ACCELERATE_USE_CPU`` for the process it starts) or ``torchrun`` (``LOCAL_RANK``)."""
-    return any(name in os.environ for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"))
-
-
-def split_launch_args(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``argv`` as ``(launch_args, script_args)``: each option of ``accelerate launch`` that the script's ``parser``
-    does not have (and :data:`LAUNCH_ONLY`), with its value, in the first; everything else, in order, in the second
-    (so an unknown option is reported by the script's parser, with the closest real flag). ``--accelerate_config``
-    becomes ``--config_file``. Raises ``ValueError`` for :data:`NOT_LAUNCH_OPTIONS` and a launch option without its
-    value."""
-    from accelerate.commands.launch import launch_command_parser
-
-    script_options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
-    takes_value = {option: action.nargs != 0 for action in launch_command_parser()._actions
-                   for option in action.option_strings}
-    takes_value |= dict.fromkeys(LAUNCH_ONLY, True)
-    launch_args: list[str] = []
-    script_args: list[str] = []
-    index = 0
-    while index < len(argv):
-        token = argv[index]
-        option, has_value = token.split("=", 1)[0], "=" in token
-        index += 1
-        if option in NOT_LAUNCH_OPTIONS:
-            raise ValueError(f"{option} is not an option here: the command launches its own script.")
-        if option not in takes_value or option in script_options:
-            script_args.append(token)
-            continue
-        launch_args.append(token)
-        if takes_value[option] and not has_value:
-            if index == len(argv) or argv[index].startswith("--"):
-                raise ValueError(f"{option} (an accelerate launch option) needs a value.")
-            launch_args.append(argv[index])
-            index += 1
-    return accelerate_config_file(launch_args), script_args
-
-
-def accelerate_config_file(launch_args: list[str]) -> list[str]:
-    """``launch_args`` with ``--accelerate_config NAME|FILE`` as ``--config_file FILE`` (TRL's resolution: a file,
-    else a config TRL ships); ``ValueError`` from TRL when it is neither."""
-    from trl.cli.accelerate_config import resolve_accelerate_config_argument
-
-    args = []
-    for token in launch_args:  # TRL's function reads the two-token form only
-        args += token.split("=", 1) if token.startswith("--accelerate_config=") else [token]
-    return resolve_accelerate_config_argument(args)
-
-
-def launch(prog: str, argv: list[str]) -> int:
-    """``accelerate launch <argv>`` from this process (accelerate starts the run's processes, with :data:`LAUNCHED`
-    set); returns the exit status: 0, or that of the run's failed process (its error is already on stderr), 128 +
-    the signal for one killed by a signal. An invalid launch option's value is one line, exit status 2."""
-    import subprocess
-
-    from accelerate.commands.launch import launch_command, launch_command_parser
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    launch_parser = launch_command_parser()
-    launch_parser.prog = prog
-    args = one_line_errors(launch_parser).parse_args(argv)
-    previous = os.environ.get(LAUNCHED)
-    os.environ[LAUNCHED] = "1"
-    try:
-        launch_command(args)
-    except subprocess.CalledProcessError as exc:  # one process
-        return exc.returncode if exc.returncode > 0 else 128 - exc.returncode
-    except ChildFailedError as exc:  # torchrun's processes
-        rank, failure = min(exc.failures.items())
-        print(f"{prog}: error: process {rank} of the launch exited with status {failure.exitcode} (its error is "
-              "above).", file=sys.stderr)
-        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
-    finally:
-        if previous is None:
-            del os.environ[LAUNCHED]
-        else:
-            os.environ[LAUNCHED] = previous
-    return 0
-
-
 def _sft(argv: list[str]) -> int:
-    """Diffusion SFT (examples/sft.py), through accelerate launch."""
+    """Diffusion SFT on a dataset or the synthetic task, through accelerate launch."""
     return train("sft", argv)
 
 
 def _math(argv: list[str]) -> int:
-    """TraceRL on math (examples/math.py), through accelerate launch."""
+    """TraceRL on a math dataset or the synthetic task, through accelerate launch."""
     return train("math", argv)
 
 
 def _code(argv: list[str]) -> int:
-    """TraceRL on code, sandboxed tests (examples/code.py), through accelerate launch."""
+    """TraceRL on code rewarded by sandboxed tests, through accelerate launch."""
     return train("code", argv)
 
 

@@ -1,0 +1,130 @@
+"""How ``trl-diffusion sft|math|code`` start a training script through ``accelerate launch`` (as TRL's ``trl sft``):
+which arguments go to the launcher and which to the script, whether this process is already one a launch started,
+and the launch itself with the run's exit status."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+LAUNCHED = "TRL_DIFFUSION_LAUNCHED"
+"""Set by :func:`launch` for the processes it starts, which run the command in place (never launch again)."""
+
+LAUNCHERS = (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU")
+"""What marks a process a launch started: :func:`launch`, ``torchrun`` (and accelerate's processes under it), and
+``accelerate launch`` of one process (which sets ``ACCELERATE_USE_CPU`` for it, true or false)."""
+
+ACCELERATE_CONFIG = ("--accelerate_config", "--accelerate-config")
+"""TRL's launcher option: ``--accelerate_config NAME|FILE``, a config file or the name of one TRL ships (``zero3``,
+``fsdp2``, ...), given to ``accelerate launch`` as its ``--config_file``."""
+
+NOT_LAUNCH_OPTIONS = ("-m", "--module", "--no_python", "--no-python")
+"""``accelerate launch`` options a training command refuses: it launches its own script as a module."""
+
+
+def launched() -> str | None:
+    """The variable of :data:`LAUNCHERS` that says a launch started this process, None when none is set."""
+    return next((name for name in LAUNCHERS if name in os.environ), None)
+
+
+def launch_options() -> dict[str, bool]:
+    """Every option ``accelerate launch`` takes (both spellings) and :data:`ACCELERATE_CONFIG`, each with whether it
+    takes a value."""
+    from accelerate.commands.launch import launch_command_parser
+
+    options = {option: action.nargs != 0 for action in launch_command_parser()._actions
+               for option in action.option_strings}
+    return options | dict.fromkeys(ACCELERATE_CONFIG, True)
+
+
+def split_launch_args(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``argv`` as ``(launch_args, script_args)``: each option of ``accelerate launch`` that the script's ``parser``
+    does not have (and :data:`ACCELERATE_CONFIG`), with its value, in the first, ``--accelerate_config`` written as
+    ``--config_file`` (:func:`accelerate_config_file`); everything else, in order, in the second, so that an unknown
+    option is reported by the script's parser. The two options both have (``--gradient_accumulation_steps`` and
+    ``--debug``) are the script's. Raises ``ValueError`` for :data:`NOT_LAUNCH_OPTIONS` and a launch option without
+    its value."""
+    script_options = {option for action in parser._actions for option in action.option_strings} | {"--config"}
+    takes_value = launch_options()
+    launch_args: list[str] = []
+    script_args: list[str] = []
+    index = 0
+    while index < len(argv):
+        token = argv[index]
+        option, has_value = token.split("=", 1)[0], "=" in token
+        index += 1
+        if option in NOT_LAUNCH_OPTIONS:
+            raise ValueError(f"{option} is not an option here: the command launches its own script.")
+        if option not in takes_value or option in script_options:
+            script_args.append(token)
+            continue
+        launch_args.append(token)
+        if takes_value[option] and not has_value:
+            if index == len(argv) or argv[index].startswith("--"):
+                raise ValueError(f"{option} (an accelerate launch option) needs a value.")
+            launch_args.append(argv[index])
+            index += 1
+    return accelerate_config_file(launch_args), script_args
+
+
+def accelerate_config_file(launch_args: list[str]) -> list[str]:
+    """``launch_args`` with ``--accelerate_config NAME|FILE`` as ``--config_file FILE`` (TRL's resolution: a file,
+    else a config TRL ships). ``ValueError`` when it is neither (TRL's message), given twice, or given with
+    ``--config_file``, which would win over it without a word."""
+    from trl.cli.accelerate_config import resolve_accelerate_config_argument
+
+    args = []
+    for token in launch_args:  # one spelling, two tokens: what TRL's function reads
+        option, equals, value = token.partition("=")
+        if option in ACCELERATE_CONFIG:
+            args += [ACCELERATE_CONFIG[0], *([value] if equals else [])]
+        else:
+            args.append(token)
+    given = args.count(ACCELERATE_CONFIG[0])
+    if given > 1:
+        raise ValueError("--accelerate_config is given twice: give one config.")
+    config_files = [arg for arg in args if arg.split("=", 1)[0] in ("--config_file", "--config-file")]
+    if given and config_files:
+        raise ValueError("--accelerate_config and --config_file both name the accelerate config: give one.")
+    return resolve_accelerate_config_argument(args)
+
+
+def launch(prog: str, argv: list[str]) -> int:
+    """``accelerate launch <argv>`` from this process (accelerate starts the run's processes, with :data:`LAUNCHED`
+    set); returns the exit status: 0, or that of the run's failed process (its error is already on stderr; of
+    several, the first to fail by itself, not one ``torchrun`` then stopped), 128 + the signal for one killed by a
+    signal. A launch setting accelerate refuses before starting anything (a missing ``--config_file``, ``--cpu`` with
+    ``--multi_gpu``, DeepSpeed not installed) is one line, exit status 2, as an invalid option value is."""
+    import subprocess
+
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from .cli import _one_line, one_line_errors
+
+    launch_parser = launch_command_parser()
+    launch_parser.prog = prog
+    args = one_line_errors(launch_parser).parse_args(argv)
+    args.quiet = False  # quiet makes accelerate exit 1 for any failed run; the run's status is reported either way
+    previous = os.environ.get(LAUNCHED)
+    os.environ[LAUNCHED] = "1"
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as exc:  # one process
+        return exc.returncode if exc.returncode > 0 else 128 - exc.returncode
+    except ChildFailedError as exc:  # torchrun's processes
+        rank, failure = min(exc.failures.items(), key=lambda item: (item[1].exitcode <= 0, item[1].timestamp))
+        print(f"{prog}: error: process {rank} of the launch exited with status {failure.exitcode} (its error is "
+              "above).", file=sys.stderr)
+        return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    except (ValueError, OSError, ImportError) as exc:  # accelerate's checks of its settings, before any process
+        print(f"{prog}: error: accelerate launch: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    finally:
+        if previous is None:
+            del os.environ[LAUNCHED]
+        else:
+            os.environ[LAUNCHED] = previous
+    return 0
