@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_distributed import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import trl_diffusion.cli as cli
@@ -367,3 +368,18 @@ def test_an_installed_wheel_trains_with_trl_diffusion_math(tmp_path):
     assert errors == ["trl-diffusion math: error: bad.jsonl: need a problem/question column and an answer/solution "
                       "column, found ['x']."]
     assert "Traceback" not in failed.stderr
+
+
+@pytest.mark.slow
+def test_a_failed_two_process_launch_exits_with_the_failed_process_status(tmp_path):
+    """Two processes over gloo (torchrun under accelerate launch): each reports the setting error of its data, and
+    the command exits 2 with one line naming a process that failed by itself, not 143 for one torchrun stopped."""
+    (tmp_path / "bad.jsonl").write_text('{"x": 1}\n')
+    config = ROOT / "examples" / "accelerate_configs" / "cpu_two_processes.yaml"
+    failed = _run(["math", "--config_file", str(config), "--main_process_port", str(free_port()), "--use_cpu", "true",
+                   "--max_steps", "1", "--output_dir", "run", "--dataset_name", "bad.jsonl"], tmp_path, ROOT)
+    assert failed.returncode == 2, failed.stderr[-3000:]
+    errors = [line for line in failed.stderr.splitlines() if line.startswith("trl-diffusion math: error:")]
+    assert errors[-1].startswith("trl-diffusion math: error: process ") and errors[-1].endswith(
+        " of the launch exited with status 2 (its error is above).")
+    assert 1 <= len(errors[:-1]) <= 2 and all("need a problem/question column" in line for line in errors[:-1])
