@@ -632,16 +632,29 @@ def _eval(argv: list[str]) -> int:
     from trl import TrlParser
 
     from .eval import EvalConfig, evaluate
+    from .launching import launch, launch_options, launch_request
 
     parser = one_line_errors(check_config_values(clear_help(TrlParser(
         dataclass_types=[EvalConfig], prog="trl-diffusion eval",
         description="Evaluate a diffusion language model on a benchmark, a local file or the synthetic task "
-                    "(docs/evaluation.md in the repository and the source distribution explains each option)."))))
+                    "(docs/evaluation.md in the repository and the source distribution explains each option). It "
+                    "runs in this process; given options of accelerate launch (--num_processes N, --config_file "
+                    "FILE, ...) it runs on their processes, each evaluating its share of the samples."))))
+    also = list(launch_options())  # unknown flags are named with the closest of these too
+    try:
+        launch_args, argv = launch_request(parser, argv)
+        if launch_args:  # checked here first (an EvalConfig takes no device): a mistake is one line, not N
+            parser.parse_args_and_config(args=config_flag(argv))
+    except (OSError, ValueError) as exc:
+        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc), also)}", file=sys.stderr)
+        return 2
+    if launch_args:
+        return launch(parser.prog, [*launch_args, "--module", "trl_diffusion.cli", "eval", *argv])
     try:
         (config,) = parser.parse_args_and_config(args=config_flag(argv))  # a training recipe is no eval config
         report = evaluate(config)
     except (OSError, ValueError) as exc:  # FileNotFoundError is an OSError
-        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc))}", file=sys.stderr)
+        print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc), also)}", file=sys.stderr)
         leave_launch(wait=False)  # every process raises the errors raised after the launch began: none is waiting
         return 2
     leave_launch(wait=True)
@@ -726,21 +739,17 @@ def train(name: str, argv: list[str]) -> int:
     (``--num_processes``, ``--config_file``, ``--accelerate_config``, ...) go to it, every other argument to the
     script. What of the script's arguments can be checked before the launch is checked here (:func:`parse_script_args`
     with ``launching``), so such a mistake is one line, once, not one per process; the run exits with its status."""
-    from .launching import launch, launched, split_launch_args
+    from .launching import launch, launch_request, launched
 
     module = importlib.import_module(f"trl_diffusion.scripts.{TRAINING_SCRIPTS[name]}")
     prog = f"trl-diffusion {name}"
     parser = module.make_parser(prog)
     try:
-        launch_args, script_args = split_launch_args(parser, argv)
-        where = launched()
-        if where and launch_args:
-            raise ValueError(f"{launch_args[0]} is an option of accelerate launch, but this process was started by a "
-                             f"launch already ({where} is set): give it to that launch.")
+        launch_args, script_args = launch_request(parser, argv)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    if where:
+    if launched():
         run_script(module.main, parser, script_args)
         return 0
     parser.epilog = ("Options of accelerate launch (--num_processes, --config_file FILE, --accelerate_config "

@@ -69,6 +69,17 @@ def split_launch_args(parser: Any, argv: Sequence[str]) -> tuple[list[str], list
     return accelerate_config_file(launch_args), script_args
 
 
+def launch_request(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """:func:`split_launch_args`, refusing launch options in a process a launch started (:func:`launched`): they
+    would be ignored there."""
+    launch_args, script_args = split_launch_args(parser, argv)
+    where = launched()
+    if where and launch_args:
+        raise ValueError(f"{launch_args[0]} is an option of accelerate launch, but this process was started by a "
+                         f"launch already ({where} is set): give it to that launch.")
+    return launch_args, script_args
+
+
 def accelerate_config_file(launch_args: list[str]) -> list[str]:
     """``launch_args`` with ``--accelerate_config NAME|FILE`` as ``--config_file FILE`` (TRL's resolution: a file,
     else a config TRL ships). ``ValueError`` when it is neither (TRL's message), given twice, or given with

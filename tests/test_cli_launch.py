@@ -1,7 +1,8 @@
 """The training scripts ship with the package: ``trl-diffusion sft|math|code`` runs them from anywhere through
 ``accelerate launch`` (as TRL's ``trl sft``), ``--config <name>`` reads a shipped recipe, and ``trl-diffusion recipes``
 lists them. Before, they were repository files only: a ``pip install`` had no way to train, and the CLI's help and
-warnings sent users to ``recipes/`` files they did not have."""
+warnings sent users to ``recipes/`` files they did not have. ``trl-diffusion eval`` launches the same way when given
+options of ``accelerate launch``, and otherwise runs in place."""
 
 from __future__ import annotations
 
@@ -305,6 +306,25 @@ def test_a_failed_run_exits_with_its_process_status(monkeypatch, capsys, not_lau
     assert LAUNCHED not in os.environ
 
 
+def test_eval_launches_only_when_given_launch_options(monkeypatch, capsys, launches):
+    assert main(["eval", "--num_processes", "2", "--multi_gpu", "--max_problems", "4", "--output_dir", ""]) == 0
+    ((args, flag),) = launches
+    assert flag == "1" and args.num_processes == 2 and args.multi_gpu
+    assert args.training_script == "trl_diffusion.cli"
+    assert args.training_script_args == ["eval", "--max_problems", "4", "--output_dir", ""]
+    # a mistake in eval's own flags: one line before launching
+    with pytest.raises(SystemExit) as exit_:
+        main(["eval", "--num_processes", "2", "--max_problems", "many"])
+    assert exit_.value.code == 2 and "--max_problems" in one_line_error(capsys, "trl-diffusion eval")
+    assert main(["eval", "--num_process", "2"]) == 2
+    assert "--num_process (did you mean --num_processes?)" in one_line_error(capsys, "trl-diffusion eval")
+    assert len(launches) == 1
+    ran = []
+    monkeypatch.setattr("trl_diffusion.eval.evaluate", lambda config: ran.append(config) or {"metrics": {}})
+    assert main(["eval", "--max_problems", "4", "--output_dir", ""]) == 0  # no launch option: in place
+    assert len(launches) == 1 and ran[0].max_problems == 4
+
+
 def test_the_examples_run_the_packaged_scripts():
     """``examples/<name>.py`` is the packaged script's entry point, not a second copy of it."""
     for name in SCRIPTS:
@@ -383,3 +403,16 @@ def test_a_failed_two_process_launch_exits_with_the_failed_process_status(tmp_pa
     assert errors[-1].startswith("trl-diffusion math: error: process ") and errors[-1].endswith(
         " of the launch exited with status 2 (its error is above).")
     assert 1 <= len(errors[:-1]) <= 2 and all("need a problem/question column" in line for line in errors[:-1])
+
+
+@pytest.mark.slow
+def test_trl_diffusion_eval_on_two_processes(tmp_path):
+    """``trl-diffusion eval`` with launch options: accelerate starts two gloo processes, which share the samples; the
+    report is printed once and counts both processes."""
+    done = _run(["eval", "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
+                 "--max_problems", "6", "--output_dir", "run"], tmp_path, ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["num_processes"] == 2 and report["num_problems"] == 6
+    rows = (tmp_path / report["samples_file"]).read_text().splitlines()
+    assert sorted(json.loads(row)["index"] for row in rows) == list(range(6))  # each problem once, by one process
