@@ -20,7 +20,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 import trl_diffusion.cli as cli
 from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.cli import TRAINING_SCRIPTS, config_file, main, parse_script_args
-from trl_diffusion.launching import LAUNCHED, split_launch_args
+from trl_diffusion.launching import LAUNCH_MARKERS, LAUNCHED, split_launch_args
 from trl_diffusion.recipes import RECIPES_DIR, recipe_names, recipe_path, recipe_summary
 from trl_diffusion.scripts import tracerl_math as math_script
 
@@ -34,9 +34,12 @@ def one_line_error(capsys, prog: str) -> str:
     return err[0]
 
 
+MARKER_NAMES = {name for names in LAUNCH_MARKERS for name in names}
+
+
 @pytest.fixture
 def not_launched(monkeypatch):
-    for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+    for name in MARKER_NAMES:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -181,6 +184,19 @@ def test_what_depends_on_the_launch_is_checked_by_the_launched_processes(monkeyp
         assert exit_.value.code == 2 and message in one_line_error(capsys, "trl-diffusion math")
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["math", "--num_eval", "0"], "num_eval must be >= 1"),  # the script's own arguments
+    (["code", "--timeout", "0"], "timeout"),
+    (["sft", "--save_steps", "10"], "save_steps=10 saves nothing"),  # a check on the TRL config's fields
+    (["math", "--dataset_name", ""], "dataset_name is empty"),
+])
+def test_the_scripts_own_arguments_are_checked_before_launching(argv, message, capsys, launches):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2 and message in one_line_error(capsys, f"trl-diffusion {argv[0]}")
+    assert launches == []
+
+
 def test_config_file_values_and_keys_are_checked_before_launching(tmp_path, capsys, launches):
     for text, message in (("max_steps: many\n", "max_steps"), ("no_such_field: 1\n", "no_such_field")):
         (tmp_path / "run.yaml").write_text(text)
@@ -210,11 +226,14 @@ def test_quiet_keeps_the_runs_exit_status(monkeypatch, capsys, not_launched):
 
 
 def test_a_launch_option_inside_a_launch_is_refused(monkeypatch, capsys, launches):
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")
-    assert main(["math", "--num_processes", "2"]) == 2
-    assert one_line_error(capsys, "trl-diffusion math").endswith(
-        "--num_processes is an option of accelerate launch, but this process was started by a launch already "
-        "(ACCELERATE_USE_CPU is set): give it to that launch.")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for command in ("math", "eval"):
+        assert main([command, "--num_processes", "2"]) == 2
+        assert one_line_error(capsys, f"trl-diffusion {command}").endswith(
+            "--num_processes is an option of accelerate launch, but this process was started by a launch already "
+            "(LOCAL_RANK and WORLD_SIZE in its environment): give it to that launch.")
+    assert launches == []
 
 
 def test_a_packaged_script_runs_by_its_path():
@@ -271,13 +290,23 @@ def test_the_launch_runs_the_command_in_the_started_processes(launches):
     assert args.training_script_args == ["math", *script_args]
 
 
-@pytest.mark.parametrize("variable", [LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"])
-def test_a_launched_process_runs_the_script_in_place(variable, monkeypatch, launches):
+@pytest.mark.parametrize("variables", LAUNCH_MARKERS, ids=[names[0] for names in LAUNCH_MARKERS])
+def test_a_launched_process_runs_the_script_in_place(variables, monkeypatch, launches):
     ran = []
-    monkeypatch.setenv(variable, "0")
+    for name in variables:
+        monkeypatch.setenv(name, "0")
     monkeypatch.setattr(cli, "run_script", lambda main, parser, argv: ran.append((main, parser.prog, argv)))
     assert main(["math", "--max_steps", "3"]) == 0
     assert launches == [] and ran == [(math_script.main, "trl-diffusion math", ["--max_steps", "3"])]
+
+
+def test_a_variable_a_user_exports_is_no_launch(monkeypatch, launches):
+    """``ACCELERATE_USE_CPU`` keeps accelerate on the CPU; alone (not with the rest of what ``accelerate launch``
+    sets for its process) it says nothing about a launch, and the command still launches."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # no WORLD_SIZE: no torchrun either
+    assert main(["math", "--num_processes", "2", "--max_steps", "1"]) == 0
+    assert len(launches) == 1 and launches[0][0].num_processes == 2
 
 
 def test_a_failed_run_exits_with_its_process_status(monkeypatch, capsys, not_launched):
@@ -318,6 +347,14 @@ def test_eval_launches_only_when_given_launch_options(monkeypatch, capsys, launc
     assert exit_.value.code == 2 and "--max_problems" in one_line_error(capsys, "trl-diffusion eval")
     assert main(["eval", "--num_process", "2"]) == 2
     assert "--num_process (did you mean --num_processes?)" in one_line_error(capsys, "trl-diffusion eval")
+    for argv, message in ((["--model_name_or_path", "./no-such-model"], "no such local directory"),
+                          (["--resume", "true", "--output_dir", ""], "set --output_dir"),
+                          (["--max_problems", "0"], "max_problems must be positive"),
+                          (["--cpu"], "--cpu is not an evaluation setting: the device is eval's own --device"),
+                          (["--use-deepspeed"], "--use-deepspeed is not an evaluation setting: evaluation is data "
+                                                "parallel only")):
+        assert main(["eval", "--num_processes", "2", *argv]) == 2
+        assert message in one_line_error(capsys, "trl-diffusion eval")
     assert len(launches) == 1
     ran = []
     monkeypatch.setattr("trl_diffusion.eval.evaluate", lambda config: ran.append(config) or {"metrics": {}})
@@ -353,7 +390,7 @@ def _install_wheel(tmp_path: Path) -> Path:
 def _run(argv: list[str], cwd: Path, site: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONPATH": str(site)}
-    for name in (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU"):
+    for name in MARKER_NAMES:
         env.pop(name, None)
     return subprocess.run([sys.executable, "-m", "trl_diffusion.cli", *argv], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=600)

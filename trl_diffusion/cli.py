@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import functools
 import gc
@@ -206,6 +207,9 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
             check_hub_model_cached(resolve_model_path(args.value_model))
         check_report_to(getattr(args, "report_to", None))
         dataset = getattr(args, "dataset_name", None)
+        if dataset == "":
+            raise UsageError("dataset_name is empty: leave it unset for the synthetic task, or name a Hub dataset "
+                             "or a local file.")
         if dataset and is_local_file_name(dataset) and not os.path.isfile(os.path.expanduser(dataset)):
             raise UsageError(f"dataset_name: no such dataset file: {dataset}")
         if dataset:
@@ -434,13 +438,26 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching:
     return parsed
 
 
-def _flags_only(parser: Any, args: Sequence[str], **unused: Any) -> tuple[argparse.Namespace]:
-    """``HfArgumentParser.parse_args_into_dataclasses`` without the dataclasses: the command line parsed over the
-    parser's defaults (a config file's values among them), unknown arguments refused as it refuses them."""
+def _flags_only(parser: Any, args: Sequence[str], **unused: Any) -> tuple[Any, ...]:
+    """``HfArgumentParser.parse_args_into_dataclasses`` for the check before a launch: each dataclass from the command
+    line over the parser's defaults (a config file's values among them), unknown arguments refused, as there; but a
+    ``TrainingArguments`` (the script's TRL config) is made without its ``__post_init__``, whose checks count the
+    launch's processes and which takes a device: its fields as given, for :func:`check_script_args`."""
+    from transformers import TrainingArguments
+
     namespace, unknown = parser.parse_known_args(args=args)
     if unknown:
         raise ValueError(f"{UNUSED_ARGUMENTS}: {unknown}")
-    return (namespace,)
+    parsed = []
+    for dataclass_type in parser.dataclass_types:
+        values = {f.name: getattr(namespace, f.name) for f in dataclasses.fields(dataclass_type) if f.init}
+        if issubclass(dataclass_type, TrainingArguments):
+            unchecked = dataclass_type.__new__(dataclass_type)
+            vars(unchecked).update(values)
+            parsed.append(unchecked)
+        else:
+            parsed.append(dataclass_type(**values))
+    return tuple(parsed)
 
 
 @contextlib.contextmanager
@@ -632,6 +649,7 @@ def _eval(argv: list[str]) -> int:
     from trl import TrlParser
 
     from .eval import EvalConfig, evaluate
+    from .eval.evaluate import check_before_loading
     from .launching import launch, launch_options, launch_request
 
     parser = one_line_errors(check_config_values(clear_help(TrlParser(
@@ -643,8 +661,10 @@ def _eval(argv: list[str]) -> int:
     also = list(launch_options())  # unknown flags are named with the closest of these too
     try:
         launch_args, argv = launch_request(parser, argv)
+        check_eval_launch(launch_args)
         if launch_args:  # checked here first (an EvalConfig takes no device): a mistake is one line, not N
-            parser.parse_args_and_config(args=config_flag(argv))
+            (config,) = parser.parse_args_and_config(args=config_flag(argv))
+            check_before_loading(config)
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc), also)}", file=sys.stderr)
         return 2
@@ -661,6 +681,24 @@ def _eval(argv: list[str]) -> int:
     if int(os.environ.get("RANK") or 0) == 0:  # under a launch every process has the report: print it once
         print(json.dumps(report, indent=2))
     return 0
+
+
+EVAL_LAUNCH_SETTINGS = {
+    "cpu": "the device is eval's own --device (--device cpu)",
+    "mixed_precision": "the weights' precision is eval's own --dtype",
+    **dict.fromkeys(("use_deepspeed", "use_fsdp", "use_megatron_lm"),
+                    "evaluation is data parallel only: each process holds the whole model"),
+}
+"""Options of ``accelerate launch`` that an evaluation would not follow, with what to do instead."""
+
+
+def check_eval_launch(launch_args: Sequence[str]) -> None:
+    """Refuse a launch option of :data:`EVAL_LAUNCH_SETTINGS` for ``trl-diffusion eval``: it takes the processes from
+    the launch, and its device, dtype and model from its own flags (``--cpu`` would still evaluate on the GPU)."""
+    for token in launch_args:
+        name = token.split("=", 1)[0].lstrip("-").replace("-", "_")
+        if name in EVAL_LAUNCH_SETTINGS:
+            raise ValueError(f"{token.split('=', 1)[0]} is not an evaluation setting: {EVAL_LAUNCH_SETTINGS[name]}.")
 
 
 def leave_launch(wait: bool) -> None:

@@ -12,9 +12,11 @@ from typing import Any
 LAUNCHED = "TRL_DIFFUSION_LAUNCHED"
 """Set by :func:`launch` for the processes it starts, which run the command in place (never launch again)."""
 
-LAUNCHERS = (LAUNCHED, "LOCAL_RANK", "ACCELERATE_USE_CPU")
-"""What marks a process a launch started: :func:`launch`, ``torchrun`` (and accelerate's processes under it), and
-``accelerate launch`` of one process (which sets ``ACCELERATE_USE_CPU`` for it, true or false)."""
+LAUNCH_MARKERS = ((LAUNCHED,), ("LOCAL_RANK", "WORLD_SIZE"),
+                  ("ACCELERATE_USE_CPU", "ACCELERATE_MIXED_PRECISION", "ACCELERATE_DYNAMO_BACKEND"))
+"""The environment of a process a launch started: :func:`launch`'s, ``torchrun``'s (and accelerate's processes
+under it), and what ``accelerate launch`` of one process sets for it, all three (a user may export one of them, such
+as ``ACCELERATE_USE_CPU`` to keep accelerate on the CPU, which is no launch)."""
 
 ACCELERATE_CONFIG = ("--accelerate_config", "--accelerate-config")
 """TRL's launcher option: ``--accelerate_config NAME|FILE``, a config file or the name of one TRL ships (``zero3``,
@@ -25,8 +27,12 @@ NOT_LAUNCH_OPTIONS = ("-m", "--module", "--no_python", "--no-python")
 
 
 def launched() -> str | None:
-    """The variable of :data:`LAUNCHERS` that says a launch started this process, None when none is set."""
-    return next((name for name in LAUNCHERS if name in os.environ), None)
+    """The variables of :data:`LAUNCH_MARKERS` that say a launch started this process (``"LOCAL_RANK and
+    WORLD_SIZE"``), None when no set of them is."""
+    for names in LAUNCH_MARKERS:
+        if all(name in os.environ for name in names):
+            return " and ".join(names) if len(names) < 3 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return None
 
 
 def launch_options() -> dict[str, bool]:
@@ -76,7 +82,7 @@ def launch_request(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[st
     where = launched()
     if where and launch_args:
         raise ValueError(f"{launch_args[0]} is an option of accelerate launch, but this process was started by a "
-                         f"launch already ({where} is set): give it to that launch.")
+                         f"launch already ({where} in its environment): give it to that launch.")
     return launch_args, script_args
 
 

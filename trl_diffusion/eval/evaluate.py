@@ -359,6 +359,21 @@ def load_model_and_tokenizer(config: EvalConfig, launch_device: torch.device | N
     return model.to(device).eval(), tokenizer
 
 
+def check_before_loading(config: EvalConfig, loads_model: bool = True) -> None:
+    """What an evaluation checks of its settings before it loads anything (here, and before ``trl-diffusion eval``
+    launches its processes): the model and tokenizer it will load (``loads_model``, :func:`_check_loadable`), the
+    ``pass_k`` values, the graders, a positive ``max_problems`` and an ``output_dir`` for ``resume``."""
+    if loads_model:
+        _check_loadable(config)
+    config.resolved_pass_k()
+    config.math_reward()  # an unknown grader fails before the model loads
+    config.check_code_grader()
+    if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
+        raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
+    if config.resume and not config.output_dir:
+        raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
+
+
 def _check_loadable(config: EvalConfig) -> None:
     """What :func:`load_model_and_tokenizer` will need, checked before the dataset loads: the model and tokenizer
     (a path must be a directory; a Hub id must be cached while the Hub is offline) and a CUDA ``device`` that
@@ -464,13 +479,8 @@ def evaluate(
     """
     config = dataclasses.replace(config or EvalConfig(), **_split_overrides(overrides, model, dataset))
     check_launch_device(config.device, launch_world_size())
-    if model is None or isinstance(model, (str, Path)):
-        _check_loadable(config)
+    check_before_loading(config, loads_model=model is None or isinstance(model, (str, Path)))
     ks = config.resolved_pass_k()
-    config.math_reward()  # an unknown grader fails before the model loads
-    config.check_code_grader()
-    if config.max_problems is not None and config.max_problems <= 0:  # rows given directly skip the loader's check
-        raise ValueError(f"max_problems must be positive, got {config.max_problems}.")
     chat_by_default = config.apply_chat_template is None
     config = dataclasses.replace(config, apply_chat_template=_resolve_chat_template(config, model))
     tag, problems, rows_source = _problems(config, dataset)
@@ -501,8 +511,6 @@ def evaluate(
     weights = _weights_digest(model) if in_memory or samples_path is not None else None  # for sources / run card
     model_source = _in_memory_source(model, model_name, weights) if in_memory else _source(model_name)
     sources = {"model": model_source, "dataset": _dataset_source(config) if by_name else rows_source}
-    if config.resume and samples_path is None:
-        raise ValueError("resume reads the samples an interrupted run wrote to output_dir: set --output_dir.")
     prepared = _prepare(model, tokenizer, problems, config, settings)
     card = None if samples_path is None else run_card(config, sources, settings, _loaded(model, tokenizer, weights),
                                                       resolved=_GENERATE_FIELDS)
