@@ -555,6 +555,18 @@ def leave_process_group(trainer: Any) -> None:
     accelerator.end_training()
 
 
+def finish_script(trainer: Any, dataset_name: str | None, result: dict[str, Any]) -> dict[str, Any]:
+    """A training script's last steps, in order: push to the Hub under ``push_to_hub`` (the model card names
+    ``dataset_name``), leave the process group (:func:`leave_process_group`: last, after everything that needs the
+    other processes), and print ``result`` as one JSON line from the main process only; returns ``result``."""
+    if trainer.args.push_to_hub:
+        trainer.push_to_hub(dataset_name=dataset_name)
+    leave_process_group(trainer)
+    if trainer.is_world_process_zero():
+        print(json.dumps(result))
+    return result
+
+
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
     """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
     :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.

@@ -17,7 +17,6 @@ saved as ``<output_dir>/training_curves.png``. ``--resume_from_checkpoint true``
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
@@ -28,7 +27,7 @@ from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, sav
 from trl_diffusion.cli import (
     checkpointing_off,
     evaluation_split,
-    leave_process_group,
+    finish_script,
     load_pretrained,
     resume_checkpoint,
     run_script,
@@ -87,12 +86,7 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
     if callbacks:
         curve = held_out_curve(trainer.state.log_history)  # the whole run's, across a resume
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1])
-    if args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    leave_process_group(trainer)  # last, after everything that needs the other processes
-    if trainer.is_world_process_zero():  # one result line, not one per process
-        print(json.dumps(result))
-    return result
+    return finish_script(trainer, script_args.dataset_name, result)
 
 
 def make_parser(prog: str | None = None) -> TrlParser:

@@ -21,7 +21,6 @@ resumes from the last checkpoint in ``--output_dir``. A bad argument is one line
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from datasets import Dataset
@@ -33,7 +32,7 @@ from trl_diffusion.callbacks import save_training_curves
 from trl_diffusion.cli import (
     checkpointing_off,
     evaluation_split,
-    leave_process_group,
+    finish_script,
     load_pretrained,
     resume_checkpoint,
     run_script,
@@ -123,12 +122,7 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
     result = {"output_dir": args.output_dir, "training_curves": str(plot) if plot else None,
               "reward_first": rewards[0] if rewards else None, "reward_last": rewards[-1] if rewards else None,
               "reward_curve": rewards}
-    if args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    leave_process_group(trainer)  # last, after everything that needs the other processes
-    if trainer.is_world_process_zero():  # one result line, not one per process
-        print(json.dumps(result))
-    return result
+    return finish_script(trainer, script_args.dataset_name, result)
 
 
 def make_parser(prog: str | None = None) -> TrlParser:

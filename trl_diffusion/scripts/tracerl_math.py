@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import math
 from dataclasses import dataclass, field
 
@@ -32,7 +31,7 @@ from trl_diffusion.cli import (
     checkpointing_off,
     evaluation_split,
     find_reward,
-    leave_process_group,
+    finish_script,
     load_pretrained,
     resume_checkpoint,
     run_script,
@@ -178,12 +177,7 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
         curve = held_out_curve(trainer.state.log_history)  # the whole run's, across a resume
         result.update(held_out_accuracy_before=curve[0][1], held_out_accuracy_after=curve[-1][1],
                       accuracy_curve=curve)
-    if args.push_to_hub:
-        trainer.push_to_hub(dataset_name=script_args.dataset_name)
-    leave_process_group(trainer)  # last, after everything that needs the other processes
-    if trainer.is_world_process_zero():  # one result line, not one per process
-        print(json.dumps(result))
-    return result
+    return finish_script(trainer, script_args.dataset_name, result)
 
 
 def make_parser(prog: str | None = None) -> TrlParser:
