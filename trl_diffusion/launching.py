@@ -1,6 +1,6 @@
-"""How ``trl-diffusion sft|math|code`` start a training script through ``accelerate launch`` (as TRL's ``trl sft``):
-which arguments go to the launcher and which to the script, whether this process is already one a launch started,
-and the launch itself with the run's exit status."""
+"""How ``trl-diffusion sft|math|code`` (and ``eval`` given launch options) start their script through ``accelerate
+launch``, as TRL's ``trl sft`` does: which arguments go to the launcher and which to the script, whether this process
+is already one a launch started, and the launch itself with the run's exit status."""
 
 from __future__ import annotations
 
