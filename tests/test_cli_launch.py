@@ -446,3 +446,19 @@ def test_trl_diffusion_eval_on_two_processes(tmp_path):
     assert report["num_processes"] == 2 and report["num_problems"] == 6
     rows = (tmp_path / report["samples_file"]).read_text().splitlines()
     assert sorted(json.loads(row)["index"] for row in rows) == list(range(6))  # each problem once, by one process
+
+
+def test_processes_that_would_each_train_alone_are_refused(monkeypatch, capsys):
+    """A GPU accelerate config on a machine without CUDA and without ``--use_cpu true``: the launch starts N
+    processes (``WORLD_SIZE``), but each sees a world of one and would train on all the data into one folder."""
+    ran = []
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(SystemExit) as exit_:
+        cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(prog="math.py"),
+                       ["--max_steps", "1", "--output_dir", "out"])
+    assert exit_.value.code == 2 and ran == []
+    assert "this launch started 2 processes, but each sees only itself and would train alone, all writing out: " \
+           "without CUDA, pass --use_cpu true" in one_line_error(capsys, "math.py")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(), ["--max_steps", "1"])
+    assert len(ran) == 1

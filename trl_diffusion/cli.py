@@ -587,10 +587,25 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
               "made for the embedded tiny model; pass --dataset_name (a Hub dataset or a local json/jsonl/parquet "
               "file) to train on your data.", file=sys.stderr)
     try:
+        check_one_process_group(parsed)
         return main(*parsed)
     except UsageError as exc:
         print(f"{parser.prog}: error: {_one_line(exc)}", file=sys.stderr)
         sys.exit(2)
+
+
+def check_one_process_group(parsed: Sequence[Any]) -> None:
+    """Refuse a launch whose processes would each train alone: the launch started ``WORLD_SIZE`` > 1 processes, but
+    the training arguments see one (a GPU config, ``distributed_type: MULTI_GPU``, on a machine without CUDA and
+    without ``--use_cpu true``): each would train on all the data, all writing the same ``output_dir``."""
+    from transformers import TrainingArguments
+
+    started = int(os.environ.get("WORLD_SIZE") or 1)
+    for args in parsed:
+        if isinstance(args, TrainingArguments) and started > 1 and args.world_size == 1:
+            raise UsageError(f"this launch started {started} processes, but each sees only itself and would train "
+                             f"alone, all writing {args.output_dir}: without CUDA, pass --use_cpu true (the "
+                             "processes then join one group over gloo).")
 
 
 def config_flag(argv: Sequence[str] | None, recipes: bool = False) -> list[str]:
