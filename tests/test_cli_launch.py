@@ -347,7 +347,8 @@ def test_eval_launches_only_when_given_launch_options(monkeypatch, capsys, launc
     assert exit_.value.code == 2 and "--max_problems" in one_line_error(capsys, "trl-diffusion eval")
     assert main(["eval", "--num_process", "2"]) == 2
     assert "--num_process (did you mean --num_processes?)" in one_line_error(capsys, "trl-diffusion eval")
-    for argv, message in ((["--model_name_or_path", "./no-such-model"], "no such local directory"),
+    for argv, message in ((["--device", "cuda:0"], "device 'cuda:0' would put all 2 processes of this launch on one"),
+                          (["--model_name_or_path", "./no-such-model"], "no such local directory"),
                           (["--resume", "true", "--output_dir", ""], "set --output_dir"),
                           (["--max_problems", "0"], "max_problems must be positive"),
                           (["--cpu"], "--cpu is not an evaluation setting: the device is eval's own --device"),
@@ -449,16 +450,47 @@ def test_trl_diffusion_eval_on_two_processes(tmp_path):
 
 
 def test_processes_that_would_each_train_alone_are_refused(monkeypatch, capsys):
-    """A GPU accelerate config on a machine without CUDA and without ``--use_cpu true``: the launch starts N
-    processes (``WORLD_SIZE``), but each sees a world of one and would train on all the data into one folder."""
+    """A GPU accelerate config on a machine without CUDA and without ``--use_cpu true``: torchrun starts N processes
+    (``LOCAL_RANK``, ``WORLD_SIZE``), but each sees a world of one and would train on all the data into one folder.
+    A ``WORLD_SIZE`` exported for something else, without torchrun, is no launch: a single process trains."""
     ran = []
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(SystemExit) as exit_:
-        cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(prog="math.py"),
-                       ["--max_steps", "1", "--output_dir", "out"])
-    assert exit_.value.code == 2 and ran == []
-    assert "this launch started 2 processes, but each sees only itself and would train alone, all writing out: " \
-           "without CUDA, pass --use_cpu true" in one_line_error(capsys, "math.py")
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(), ["--max_steps", "1"])
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(), ["--max_steps", "1", "--output_dir",
+                                                                                   "out"])
     assert len(ran) == 1
+    monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's process (set after parsing: no process group here)
+    with pytest.raises(cli.UsageError, match="this launch started 2 processes, but each sees only itself and would "
+                                             "train alone, all writing out: without CUDA, pass --use_cpu true"):
+        cli.check_one_process_group(ran[0])
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    cli.check_one_process_group(ran[0])
+
+
+def test_eval_refuses_an_accelerate_config_it_would_not_follow(tmp_path, capsys, launches):
+    """TRL's ``zero3`` / ``fsdp2`` and a config with ``use_cpu``: refused, naming eval's own flags; ``multi_gpu`` (its
+    bf16 ``mixed_precision`` is left to ``--dtype``) launches; a pinned device with the count from the config too."""
+    for config, message in (("zero3", "asks for DEEPSPEED, which is not an evaluation setting: evaluation is data "
+                                      "parallel only"),
+                            ("fsdp2", "asks for FSDP")):
+        assert main(["eval", "--accelerate_config", config, "--max_problems", "2"]) == 2
+        assert message in one_line_error(capsys, "trl-diffusion eval")
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 2\n")
+    assert main(["eval", "--config_file", str(cpu)]) == 2
+    assert "sets use_cpu, which is not an evaluation setting: the device is eval's own --device" in \
+        one_line_error(capsys, "trl-diffusion eval")
+    assert main(["eval", "--accelerate_config", "multi_gpu", "--device", "cuda:1"]) == 2
+    assert "device 'cuda:1' would put all processes of this launch on one GPU" in \
+        one_line_error(capsys, "trl-diffusion eval")
+    assert launches == []
+    assert main(["eval", "--accelerate_config", "multi_gpu", "--max_problems", "2", "--output_dir", ""]) == 0
+    assert len(launches) == 1
+
+
+def test_resume_true_expands_a_home_output_dir(tmp_path, monkeypatch):
+    """``--output_dir ~/runs/x`` (a config file's, or ``--output_dir=~/...``, which no shell expands): transformers
+    expands it, and so does the check of ``--resume_from_checkpoint true``, before a launch too."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "runs" / "x" / "checkpoint-5").mkdir(parents=True)
+    assert cli.resume_checkpoint("true", "~/runs/x") is True

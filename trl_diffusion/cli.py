@@ -44,6 +44,8 @@ def resume_checkpoint(value: str | bool | None, output_dir: str | None) -> str |
     if text.lower() in ("true", "yes", "1"):
         from transformers.trainer_utils import get_last_checkpoint
 
+        output_dir = os.path.expanduser(output_dir) if output_dir else output_dir  # as TrainingArguments expands it
+
         if not output_dir or not os.path.isdir(output_dir) or get_last_checkpoint(output_dir) is None:
             raise UsageError(f"resume_from_checkpoint=true but output_dir {output_dir!r} holds no checkpoint-* "
                              "folder to resume from.")
@@ -598,14 +600,18 @@ def check_one_process_group(parsed: Sequence[Any]) -> None:
     """Refuse a launch whose processes would each train alone: the launch started ``WORLD_SIZE`` > 1 processes, but
     the training arguments see one (a GPU config, ``distributed_type: MULTI_GPU``, on a machine without CUDA and
     without ``--use_cpu true``): each would train on all the data, all writing the same ``output_dir``."""
+    import torch
     from transformers import TrainingArguments
 
+    if "LOCAL_RANK" not in os.environ:  # not started by torchrun: a WORLD_SIZE exported for something else
+        return
     started = int(os.environ.get("WORLD_SIZE") or 1)
     for args in parsed:
         if isinstance(args, TrainingArguments) and started > 1 and args.world_size == 1:
+            remedy = ("without CUDA, pass --use_cpu true (the processes then join one group over gloo)"
+                      if not torch.cuda.is_available() else "check the launch's distributed settings")
             raise UsageError(f"this launch started {started} processes, but each sees only itself and would train "
-                             f"alone, all writing {args.output_dir}: without CUDA, pass --use_cpu true (the "
-                             "processes then join one group over gloo).")
+                             f"alone, all writing {args.output_dir}: {remedy}.")
 
 
 def config_flag(argv: Sequence[str] | None, recipes: bool = False) -> list[str]:
@@ -677,7 +683,8 @@ def _eval(argv: list[str]) -> int:
 
     from .eval import EvalConfig, evaluate
     from .eval.evaluate import check_before_loading
-    from .launching import launch, launch_options, launch_request
+    from .eval.processes import check_launch_device
+    from .launching import launch, launch_options, launch_request, launched_processes
 
     parser = one_line_errors(check_config_values(clear_help(TrlParser(
         dataclass_types=[EvalConfig], prog="trl-diffusion eval",
@@ -691,6 +698,7 @@ def _eval(argv: list[str]) -> int:
         check_eval_launch(launch_args)
         if launch_args:  # checked here first (an EvalConfig takes no device): a mistake is one line, not N
             (config,) = parser.parse_args_and_config(args=config_flag(argv))
+            check_launch_device(config.device, launched_processes(launch_args))
             check_before_loading(config)
     except (OSError, ValueError) as exc:
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, _one_line(exc), also)}", file=sys.stderr)
@@ -720,12 +728,29 @@ EVAL_LAUNCH_SETTINGS = {
 
 
 def check_eval_launch(launch_args: Sequence[str]) -> None:
-    """Refuse a launch option of :data:`EVAL_LAUNCH_SETTINGS` for ``trl-diffusion eval``: it takes the processes from
-    the launch, and its device, dtype and model from its own flags (``--cpu`` would still evaluate on the GPU)."""
-    for token in launch_args:
-        name = token.split("=", 1)[0].lstrip("-").replace("-", "_")
+    """Refuse a launch option of :data:`EVAL_LAUNCH_SETTINGS` for ``trl-diffusion eval``, and an accelerate config
+    file (``--config_file``, ``--accelerate_config``) that asks for the CPU, DeepSpeed, FSDP or Megatron: eval takes
+    the processes from the launch, and its device, dtype and model from its own flags (``--cpu`` would still
+    evaluate on the GPU). A config's ``mixed_precision`` is left alone: TRL's ``multi_gpu`` sets bf16, and the
+    weights' precision is ``--dtype`` either way."""
+    import yaml
+
+    for index, token in enumerate(launch_args):
+        option = token.split("=", 1)[0]
+        name = option.lstrip("-").replace("-", "_")
         if name in EVAL_LAUNCH_SETTINGS:
-            raise ValueError(f"{token.split('=', 1)[0]} is not an evaluation setting: {EVAL_LAUNCH_SETTINGS[name]}.")
+            raise ValueError(f"{option} is not an evaluation setting: {EVAL_LAUNCH_SETTINGS[name]}.")
+        if name == "config_file":
+            path = token.split("=", 1)[1] if "=" in token else launch_args[index + 1]
+            with open(path) as file:
+                settings = yaml.safe_load(file) or {}
+            if str(settings.get("use_cpu")).lower() == "true":
+                raise ValueError(f"{path} sets use_cpu, which is not an evaluation setting: "
+                                 f"{EVAL_LAUNCH_SETTINGS['cpu']}.")
+            kind = str(settings.get("distributed_type", "")).lower()
+            if kind in ("deepspeed", "fsdp", "megatron_lm"):
+                raise ValueError(f"{path} asks for {settings['distributed_type']}, which is not an evaluation "
+                                 f"setting: {EVAL_LAUNCH_SETTINGS['use_deepspeed']} (a multi_gpu config is).")
 
 
 def leave_launch(wait: bool) -> None:

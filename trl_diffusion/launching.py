@@ -75,6 +75,15 @@ def split_launch_args(parser: Any, argv: Sequence[str]) -> tuple[list[str], list
     return accelerate_config_file(launch_args), script_args
 
 
+def launched_processes(launch_args: Sequence[str]) -> int | None:
+    """The ``--num_processes`` (or ``--num-processes``) of ``launch_args``, None when the launch's config decides."""
+    for index, token in enumerate(launch_args):
+        option, equals, value = token.partition("=")
+        if option in ("--num_processes", "--num-processes"):
+            return int(value if equals else launch_args[index + 1])
+    return None
+
+
 def launch_request(parser: Any, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """:func:`split_launch_args`, refusing launch options in a process a launch started (:func:`launched`): they
     would be ignored there."""

@@ -22,13 +22,15 @@ def launch_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE") or 1)  # an empty value is no launch either
 
 
-def check_launch_device(device: str | None, world_size: int) -> None:
+def check_launch_device(device: str | None, world_size: int | None) -> None:
     """Raise for a ``device`` that pins every process of a launch to one GPU: each process uses its own
-    (``LOCAL_RANK``), so only ``cpu``, ``cuda`` without an index, or no device at all, make sense."""
+    (``LOCAL_RANK``), so only ``cpu``, ``cuda`` without an index, or no device at all, make sense. ``world_size``
+    None: a launch about to start, whose number of processes its accelerate config decides."""
     pinned = device is not None and torch.device(device).type != "cpu" and torch.device(device).index is not None
-    if world_size > 1 and pinned:
-        raise ValueError(f"device {device!r} would put all {world_size} processes of this launch on one GPU: each "
-                         "process evaluates on its own (LOCAL_RANK). Leave --device unset (or pass 'cuda').")
+    if (world_size is None or world_size > 1) and pinned:
+        processes = "processes" if world_size is None else f"{world_size} processes"
+        raise ValueError(f"device {device!r} would put all {processes} of this launch on one GPU: each process "
+                         "evaluates on its own (LOCAL_RANK). Leave --device unset (or pass 'cuda').")
 
 
 @dataclass(frozen=True)
