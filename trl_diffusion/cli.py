@@ -733,24 +733,23 @@ def check_eval_launch(launch_args: Sequence[str]) -> None:
     the processes from the launch, and its device, dtype and model from its own flags (``--cpu`` would still
     evaluate on the GPU). A config's ``mixed_precision`` is left alone: TRL's ``multi_gpu`` sets bf16, and the
     weights' precision is ``--dtype`` either way."""
-    import yaml
+    from accelerate.commands.config.config_args import load_config_from_file
 
     for index, token in enumerate(launch_args):
         option = token.split("=", 1)[0]
         name = option.lstrip("-").replace("-", "_")
         if name in EVAL_LAUNCH_SETTINGS:
             raise ValueError(f"{option} is not an evaluation setting: {EVAL_LAUNCH_SETTINGS[name]}.")
-        if name == "config_file":
+        if name == "config_file":  # read as accelerate launch reads it
             path = token.split("=", 1)[1] if "=" in token else launch_args[index + 1]
-            with open(path) as file:
-                settings = yaml.safe_load(file) or {}
-            if str(settings.get("use_cpu")).lower() == "true":
+            settings = load_config_from_file(path)
+            if settings.use_cpu:
                 raise ValueError(f"{path} sets use_cpu, which is not an evaluation setting: "
                                  f"{EVAL_LAUNCH_SETTINGS['cpu']}.")
-            kind = str(settings.get("distributed_type", "")).lower()
-            if kind in ("deepspeed", "fsdp", "megatron_lm"):
-                raise ValueError(f"{path} asks for {settings['distributed_type']}, which is not an evaluation "
-                                 f"setting: {EVAL_LAUNCH_SETTINGS['use_deepspeed']} (a multi_gpu config is).")
+            kind = str(getattr(settings.distributed_type, "value", settings.distributed_type))
+            if kind in ("DEEPSPEED", "FSDP", "MEGATRON_LM"):
+                raise ValueError(f"{path} asks for {kind}, which is not an evaluation setting: "
+                                 f"{EVAL_LAUNCH_SETTINGS['use_deepspeed']} (a multi_gpu config is).")
 
 
 def leave_launch(wait: bool) -> None:
