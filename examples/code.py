@@ -16,8 +16,8 @@ import sys
 if sys.path and os.path.realpath(sys.path[0]) == os.path.dirname(os.path.realpath(__file__)):
     sys.path.pop(0)
 
-from trl_diffusion.cli import run_script
 from trl_diffusion.scripts.tracerl_code import main, make_parser
+from trl_diffusion.scripts.utils import run_script
 
 if __name__ == "__main__":
     run_script(main, make_parser())

@@ -1,5 +1,5 @@
 """How often a two-process gloo run hangs when it leaves its process group, with and without
-``trl_diffusion.cli.pause_for_gloo_workers`` (the measurement behind that pause).
+``trl_diffusion.launching.pause_for_gloo_workers`` (the measurement behind that pause).
 
 Each run launches two processes with ``torch.distributed.run``; each broadcasts a few tensors made in Python, meets
 the other at a barrier and calls ``destroy_process_group``. A run that has not ended after ``--timeout`` seconds
@@ -32,7 +32,7 @@ def worker(pause: bool) -> None:
         dist.broadcast(torch.tensor([float(dist.get_rank())]), 0)  # its tensor's last reference: gloo's thread
     dist.barrier()
     if pause:
-        from trl_diffusion.cli import pause_for_gloo_workers
+        from trl_diffusion.launching import pause_for_gloo_workers
 
         pause_for_gloo_workers()
     dist.destroy_process_group()

@@ -34,8 +34,8 @@ from trl import TrlParser
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback
-from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import arithmetic_reward, make_problems, to_dataset
+from trl_diffusion.scripts.utils import checkpointing_off
 from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS
 
 # the toy keeps its own sizes, learning rate and value settings; the rest of dLLM-RL's TraDo settings apply

@@ -23,9 +23,9 @@ import torch
 from trl import TrlParser
 
 from trl_diffusion.callbacks import TimeBudgetCallback
-from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import evaluate_accuracy, make_problems, to_dataset
 from trl_diffusion.models import LLaDAModelLM, SDARForCausalLM
+from trl_diffusion.scripts.utils import checkpointing_off
 from trl_diffusion.testing import build_tokenizer, tiny_llada_config, tiny_sdar_config
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 

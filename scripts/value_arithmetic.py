@@ -23,8 +23,8 @@ from trl import TrlParser
 
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_MODEL, EMBEDDED_TASK
-from trl_diffusion.cli import checkpointing_off
 from trl_diffusion.data import evaluate_accuracy, make_problems, score_completion, to_dataset
+from trl_diffusion.scripts.utils import checkpointing_off
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueModel
 

@@ -1,6 +1,6 @@
 """The script ``examples/<name>.py`` runs (``trl_diffusion.scripts``, ``trl_diffusion.cli.TRAINING_SCRIPTS``): its
 ``main`` and ``make_parser``, for tests that parse its flags or run it in the test process as ``examples/<name>.py``
-does (``trl_diffusion.cli.run_script(main, make_parser(), argv)``)."""
+does (``trl_diffusion.scripts.utils.run_script(main, make_parser(), argv)``)."""
 
 import importlib
 from types import ModuleType

@@ -14,8 +14,9 @@ from trl import ModelConfig
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import UsageError, load_pretrained, run_script
+from trl_diffusion.command_line import UsageError
 from trl_diffusion.models import common
+from trl_diffusion.scripts.utils import load_pretrained, run_script
 
 CPU = dict(use_cpu=True, report_to="none")
 

@@ -12,9 +12,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from trl import TrlParser
 
 from trl_diffusion.assets import EMBEDDED_MODEL, EMBEDDED_TASK, resolve_model_path
-from trl_diffusion.cli import UsageError, main, parse_script_args, resume_checkpoint
+from trl_diffusion.cli import main
+from trl_diffusion.command_line import UsageError
 from trl_diffusion.data import evaluate_accuracy, make_problems
 from trl_diffusion.eval import EvalConfig, evaluate
+from trl_diffusion.scripts.utils import parse_script_args, resume_checkpoint
 from trl_diffusion.testing import tiny_model
 
 
@@ -166,7 +168,7 @@ def test_eval_cuda_graphs_flag_reaches_generate():
 def test_a_mistyped_value_model_or_report_to_stops_the_script_before_it_loads(tmp_path):
     # both were only found after the policy had loaded: --value_model as a traceback (a Hub-id OSError), --report_to
     # in Trainer.__init__
-    from trl_diffusion.cli import check_report_to, check_script_args
+    from trl_diffusion.scripts.utils import check_report_to, check_script_args
 
     class Args:
         model_name_or_path = None

@@ -18,11 +18,15 @@ from test_distributed import free_port
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 import trl_diffusion.cli as cli
+import trl_diffusion.command_line as command_line
+import trl_diffusion.scripts.utils as script_utils
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import TRAINING_SCRIPTS, config_file, main, parse_script_args
+from trl_diffusion.cli import TRAINING_SCRIPTS, main
+from trl_diffusion.command_line import config_file
 from trl_diffusion.launching import LAUNCH_MARKERS, LAUNCHED, split_launch_args
 from trl_diffusion.recipes import RECIPES_DIR, recipe_names, recipe_path, recipe_summary
 from trl_diffusion.scripts import tracerl_math as math_script
+from trl_diffusion.scripts.utils import parse_script_args
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("sft", "math", "code")
@@ -84,7 +88,7 @@ def test_config_takes_a_recipe_name(tmp_path, monkeypatch):
     assert config_file("trado_4b_tracerl_math") == "trado_4b_tracerl_math"
     with pytest.raises(ValueError, match="no recipe named 'trado_4b'.*trado_4b_tracerl_math, trado_8b"):
         config_file("trado_4b")
-    assert cli.config_flag(["--config=sdar_4b_long_cot_sft", "--seed", "1"], recipes=True) == \
+    assert command_line.config_flag(["--config=sdar_4b_long_cot_sft", "--seed", "1"], recipes=True) == \
         ["--config", str(RECIPES_DIR / "sdar_4b_long_cot_sft.yaml"), "--seed", "1"]
 
 
@@ -102,12 +106,12 @@ def test_a_folder_or_a_missing_path_named_like_a_recipe(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=f"--config {old}: no such file; the shipped recipe of that name is "
                                              "--config trado_4b_tracerl_math"):
             config_file(old)
-    assert cli.config_flag(["--config", "trado_4b_tracerl_math"]) == ["--config", "trado_4b_tracerl_math"]
+    assert command_line.config_flag(["--config", "trado_4b_tracerl_math"]) == ["--config", "trado_4b_tracerl_math"]
 
 
 def test_a_recipe_name_parses_as_its_file(capsys):
     def parse(config: str):
-        args = cli.config_flag(["--config", config, *ON_CPU], recipes=True)
+        args = command_line.config_flag(["--config", config, *ON_CPU], recipes=True)
         return math_script.make_parser().parse_args_and_config(args)
 
     by_name, by_file = parse("trado_4b_tracerl_math"), parse(str(recipe_path("trado_4b_tracerl_math")))
@@ -456,15 +460,15 @@ def test_processes_that_would_each_train_alone_are_refused(monkeypatch, capsys):
     ran = []
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    cli.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(), ["--max_steps", "1", "--output_dir",
-                                                                                   "out"])
+    script_utils.run_script(lambda *parsed: ran.append(parsed), math_script.make_parser(),
+                            ["--max_steps", "1", "--output_dir", "out"])
     assert len(ran) == 1
     monkeypatch.setenv("LOCAL_RANK", "0")  # torchrun's process (set after parsing: no process group here)
-    with pytest.raises(cli.UsageError, match="this launch started 2 processes, but each sees only itself and would "
-                                             "train alone, all writing out: without CUDA, pass --use_cpu true"):
-        cli.check_one_process_group(ran[0])
+    with pytest.raises(command_line.UsageError, match="this launch started 2 processes, but each sees only itself "
+                       "and would train alone, all writing out: without CUDA, pass --use_cpu true"):
+        script_utils.check_one_process_group(ran[0])
     monkeypatch.setenv("WORLD_SIZE", "1")
-    cli.check_one_process_group(ran[0])
+    script_utils.check_one_process_group(ran[0])
 
 
 def test_eval_refuses_an_accelerate_config_it_would_not_follow(tmp_path, capsys, launches):
@@ -493,4 +497,4 @@ def test_resume_true_expands_a_home_output_dir(tmp_path, monkeypatch):
     expands it, and so does the check of ``--resume_from_checkpoint true``, before a launch too."""
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "runs" / "x" / "checkpoint-5").mkdir(parents=True)
-    assert cli.resume_checkpoint("true", "~/runs/x") is True
+    assert script_utils.resume_checkpoint("true", "~/runs/x") is True

@@ -15,21 +15,19 @@ from trl import TrlParser
 
 from trl_diffusion.assets import EMBEDDED_MODEL, check_hub_model_cached, is_embedded_model
 from trl_diffusion.callbacks import HELD_OUT_KEY, HeldOutAccuracyCallback, held_out_curve
-from trl_diffusion.cli import (
-    UsageError,
-    check_script_args,
-    clear_help,
-    embedded_defaults_in_use,
-    example_defaults,
-    explain_unknown_flags,
-    find_reward,
-    resume_checkpoint,
-)
+from trl_diffusion.command_line import UsageError, clear_help, explain_unknown_flags
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, score_completion
 from trl_diffusion.data.arithmetic import generate_completions
 from trl_diffusion.data.loading import column_names
 from trl_diffusion.eval.datasets import detect_format, load_eval_problems, problems_from_rows
 from trl_diffusion.rewards.format_reward import boxed_format_reward, last_boxed_content
+from trl_diffusion.scripts.utils import (
+    check_script_args,
+    embedded_defaults_in_use,
+    example_defaults,
+    find_reward,
+    resume_checkpoint,
+)
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers import DiffusionSFTConfig, DiffusionSFTTrainer
 

@@ -12,8 +12,8 @@ from example_scripts import load_example
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_diffusion.assets import EMBEDDED_MODEL, is_embedded_model
-from trl_diffusion.cli import run_script
 from trl_diffusion.eval import evaluate
+from trl_diffusion.scripts.utils import run_script
 from trl_diffusion.testing import tiny_model
 
 

@@ -9,7 +9,7 @@ import pytest
 from example_scripts import load_example
 
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import embedded_defaults_in_use, example_defaults, run_script
+from trl_diffusion.scripts.utils import embedded_defaults_in_use, example_defaults, run_script
 from trl_diffusion.testing import tiny_model
 
 ROOT = Path(__file__).parent.parent

@@ -7,7 +7,7 @@ import json
 import pytest
 from example_scripts import load_example
 
-from trl_diffusion.cli import parse_script_args, run_script
+from trl_diffusion.scripts.utils import parse_script_args, run_script
 
 EVAL = ["--use_cpu", "true", "--max_steps", "1", "--eval_strategy", "steps", "--eval_steps", "1", "--save_strategy",
         "no"]

@@ -8,7 +8,7 @@ import pytest
 from example_scripts import load_example
 from test_cli import one_line_error
 
-from trl_diffusion.cli import parse_script_args
+from trl_diffusion.scripts.utils import parse_script_args
 
 
 @pytest.mark.parametrize("name", ["math", "sft", "code"])

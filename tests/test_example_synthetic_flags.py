@@ -8,7 +8,7 @@ import pytest
 from test_cli import load_example
 from test_newcomer_audit import error_line
 
-from trl_diffusion.cli import parse_script_args
+from trl_diffusion.scripts.utils import parse_script_args
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -10,8 +10,8 @@ from PIL import Image
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_MODEL, EMBEDDED_TASK
-from trl_diffusion.cli import run_script
 from trl_diffusion.data import evaluate_accuracy, make_problems
+from trl_diffusion.scripts.utils import run_script
 
 ROOT = Path(__file__).parent.parent
 RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))
@@ -72,7 +72,7 @@ def test_example_runs(tmp_path, capsys, name, extra):
 
 def test_sft_example_max_train_samples_takes_the_first_rows(monkeypatch):
     """``--max_train_samples N`` hands the trainer the first N training examples (all without it); 0 is refused."""
-    from trl_diffusion.cli import parse_script_args
+    from trl_diffusion.scripts.utils import parse_script_args
 
     example = load_example("sft")
     seen = []

@@ -9,7 +9,7 @@ import pytest
 from test_cli import load_example
 from test_review2_loading import DREAM_IDS, LLADA_IDS, write_dream_tokenizer, write_llada_tokenizer, write_released
 
-from trl_diffusion.cli import run_script
+from trl_diffusion.scripts.utils import run_script
 
 WRITERS = {"llada": (LLADA_IDS, write_llada_tokenizer), "dream": (DREAM_IDS, write_dream_tokenizer)}
 

@@ -2,7 +2,7 @@
 
 * The example scripts leave the torch.distributed process group at the end of a run (every process together): a
   process that exits with gloo's threads still up can abort with "terminate called without an active exception"
-  after the work is done, and the DDP wrappers go before the group (``cli.leave_process_group``).
+  after the work is done, and the DDP wrappers go before the group (``leave_process_group``).
 * ``save_only_model=True`` TraceRL checkpoints hold the value model's weights but not its optimizer (as transformers
   saves the policy), and resuming from one is refused: transformers documents such checkpoints as not resumable but
   resumes them with a fresh optimizer and scheduler.
@@ -24,8 +24,8 @@ from test_cli import load_example
 from test_distributed import TWO_CPU_PROCESSES, accelerate_launch
 from test_resume_integrity import tracerl
 
-from trl_diffusion import cli
-from trl_diffusion.cli import parse_script_args
+from trl_diffusion.scripts import utils as script_utils
+from trl_diffusion.scripts.utils import parse_script_args
 from trl_diffusion.value import DiffusionValueModel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_examples_end_training_last(monkeypatch, tmp_path, name):
         end_training(accelerator)
 
     monkeypatch.setattr(Accelerator, "end_training", recorded)
-    monkeypatch.setattr(cli, "pause_for_gloo_workers", lambda: calls.append("pause"))
+    monkeypatch.setattr(script_utils, "pause_for_gloo_workers", lambda: calls.append("pause"))
     parsed = parse_script_args(example.make_parser(), ["--output_dir", str(tmp_path), "--use_cpu", "true",
                                                         *TINY[name]])
     example.main(*parsed)

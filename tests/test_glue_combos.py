@@ -8,7 +8,8 @@ import pytest
 from test_cli import load_example
 from test_newcomer_audit import error_line
 
-from trl_diffusion.cli import main, parse_script_args
+from trl_diffusion.cli import main
+from trl_diffusion.scripts.utils import parse_script_args
 
 
 def config_file(tmp_path, text: str) -> str:

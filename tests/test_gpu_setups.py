@@ -10,8 +10,8 @@ import torch
 from test_cli import load_example
 from trl import TrlParser
 
-from trl_diffusion.cli import parse_script_args
 from trl_diffusion.eval import EvalConfig
+from trl_diffusion.scripts.utils import parse_script_args
 
 
 @pytest.fixture

@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, TrainingArguments
 from trl import get_peft_config
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
-from trl_diffusion.cli import parse_script_args, run_script
 from trl_diffusion.models import LLaDAModelLM
+from trl_diffusion.scripts.utils import parse_script_args, run_script
 from trl_diffusion.testing import TINY_VOCAB_SIZE, build_tokenizer, tiny_llada_config, tiny_model
 from trl_diffusion.value import DiffusionValueModel
 

@@ -7,8 +7,8 @@ import json
 import pytest
 from test_cli import load_example
 
-from trl_diffusion.cli import parse_script_args
 from trl_diffusion.data import load_training_dataset
+from trl_diffusion.scripts.utils import parse_script_args
 
 
 @pytest.fixture

@@ -9,9 +9,9 @@ import numpy
 import pytest
 from test_cli import load_example
 
-from trl_diffusion.cli import find_reward, parse_script_args
 from trl_diffusion.data import load_training_dataset
 from trl_diffusion.rewards import official_math_reward
+from trl_diffusion.scripts.utils import find_reward, parse_script_args
 
 
 def error_line(capsys, parser, argv) -> str:

@@ -12,8 +12,8 @@ from test_cli import load_example
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import parse_script_args
 from trl_diffusion.rewards import OfficialMathReward, math_accuracy_reward
+from trl_diffusion.scripts.utils import parse_script_args
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 

@@ -10,7 +10,7 @@ from example_scripts import load_example
 from numerics import assert_close_fp32
 
 from trl_diffusion.assets import EMBEDDED_MODEL
-from trl_diffusion.cli import run_script
+from trl_diffusion.scripts.utils import run_script
 from trl_diffusion.states import trajectory_groups
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig

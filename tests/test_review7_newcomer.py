@@ -17,9 +17,11 @@ from test_cli import load_example, one_line_error
 
 from trl_diffusion import DiffusionSFTConfig, TraceRLConfig
 from trl_diffusion.assets import check_hub_model_cached
-from trl_diffusion.cli import explain_unknown_flags, main, parse_script_args
+from trl_diffusion.cli import main
+from trl_diffusion.command_line import explain_unknown_flags
 from trl_diffusion.eval import evaluate
 from trl_diffusion.eval.evaluate import PLAIN_PROMPT_HINT
+from trl_diffusion.scripts.utils import parse_script_args
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.value import DiffusionValueConfig
 

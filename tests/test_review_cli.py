@@ -11,7 +11,8 @@ import yaml
 from test_cli import load_example
 from trl import TrlParser
 
-from trl_diffusion.cli import main, parse_script_args
+from trl_diffusion.cli import main
+from trl_diffusion.scripts.utils import parse_script_args
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPES = sorted((ROOT / "trl_diffusion" / "recipes").glob("*.yaml"))

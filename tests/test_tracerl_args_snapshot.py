@@ -13,7 +13,7 @@ import pytest
 from datasets import Dataset
 from transformers import TrainerCallback
 
-from trl_diffusion.cli import checkpointing_off
+from trl_diffusion.scripts.utils import checkpointing_off
 from trl_diffusion.testing import build_tokenizer, tiny_model
 from trl_diffusion.trainers.tracerl_config import TraceRLConfig
 from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer

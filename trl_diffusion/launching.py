@@ -1,11 +1,13 @@
 """How ``trl-diffusion sft|math|code`` (and ``eval`` given launch options) start their script through ``accelerate
 launch``, as TRL's ``trl sft`` does: which arguments go to the launcher and which to the script, whether this process
-is already one a launch started, and the launch itself with the run's exit status."""
+is already one a launch started, and the launch itself with the run's exit status; and how a launched process leaves
+its process group at the end (:func:`leave_launch`, :func:`pause_for_gloo_workers`)."""
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -128,7 +130,7 @@ def launch(prog: str, argv: list[str]) -> int:
     from accelerate.commands.launch import launch_command, launch_command_parser
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    from .cli import _one_line, one_line_errors
+    from .command_line import one_line, one_line_errors
 
     launch_parser = launch_command_parser()
     launch_parser.prog = prog
@@ -146,7 +148,7 @@ def launch(prog: str, argv: list[str]) -> int:
               "above).", file=sys.stderr)
         return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
     except (ValueError, OSError, ImportError) as exc:  # accelerate's checks of its settings, before any process
-        print(f"{prog}: error: accelerate launch: {_one_line(exc)}", file=sys.stderr)
+        print(f"{prog}: error: accelerate launch: {one_line(exc)}", file=sys.stderr)
         return 2
     finally:
         if previous is None:
@@ -154,3 +156,31 @@ def launch(prog: str, argv: list[str]) -> int:
         else:
             os.environ[LAUNCHED] = previous
     return 0
+
+
+GLOO_EXIT_PAUSE_SECONDS = 0.1
+
+
+def pause_for_gloo_workers() -> None:
+    """Sleep briefly (releasing the GIL) before leaving a process group, so that gloo's worker threads finish letting
+    go of their last collective's tensors. torch 2.6 joins those threads while holding the GIL, and a thread that
+    still holds the last reference to a tensor made in Python needs the GIL to free it: the process never exits.
+    Measured with two processes on two busy CPU cores (broadcasts, a barrier, then ``destroy_process_group``): with
+    torch 2.6, 4 and 2 of 20 runs hung (two measurements), none of 20 (twice) with this pause; with torch 2.13, none
+    of 16 without it (``scripts/gloo_exit_check.py``)."""
+    time.sleep(GLOO_EXIT_PAUSE_SECONDS)
+
+
+def leave_launch(wait: bool) -> None:
+    """Leave the process group an evaluation under ``accelerate launch`` / ``torchrun`` joined (nothing happens
+    without one): after the other processes (``wait``), then together, as
+    :func:`trl_diffusion.scripts.utils.leave_process_group` does for training (a process exiting with gloo's threads up
+    can abort). Call it at the end of your own script that runs :func:`trl_diffusion.eval.evaluate` under a launch."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait:
+        dist.barrier()
+    pause_for_gloo_workers()
+    dist.destroy_process_group()

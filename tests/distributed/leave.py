@@ -1,4 +1,4 @@
-"""``cli.leave_process_group`` after a two-process TraceRL step with a value model: records, per rank, whether any
+"""``leave_process_group`` after a two-process TraceRL step with a value model: records, per rank, whether any
 DistributedDataParallel wrapper is still alive while the trainer is (it must not be: a reducer freed after the group
 is destroyed destroys it holding the GIL and can deadlock with gloo's worker thread) and whether the process is still
 in the group: ``leave.py --out <folder>``."""
@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from trl_diffusion.cli import leave_process_group
+from trl_diffusion.scripts.utils import leave_process_group
 
 _spec = importlib.util.spec_from_file_location("distributed_train", Path(__file__).with_name("train.py"))
 train = importlib.util.module_from_spec(_spec)

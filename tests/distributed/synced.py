@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from trl_diffusion.cli import pause_for_gloo_workers
 from trl_diffusion.estimators import EstimatorSettings, estimate_logprobs, likelihood
+from trl_diffusion.launching import pause_for_gloo_workers
 from trl_diffusion.testing import tiny_model
 from trl_diffusion.value import DiffusionValueModel, value_model
 from trl_diffusion.value.value_model import token_values

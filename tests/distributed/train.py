@@ -24,7 +24,7 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
-from trl_diffusion.cli import pause_for_gloo_workers
+from trl_diffusion.launching import pause_for_gloo_workers
 from trl_diffusion.testing import EOS_ID, build_tokenizer, tiny_model, tiny_moe_model
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer
 
@@ -278,7 +278,7 @@ def shut_down() -> None:
     """Leave the process group together: a process that exits while gloo's threads are still up can abort with
     "terminate called without an active exception" (seen once in CI after an otherwise finished run)."""
     if torch.distributed.is_initialized():
-        gc.collect()  # a DDP reducer freed after the group is destroyed can deadlock (cli.leave_process_group)
+        gc.collect()  # a DDP reducer freed after the group is destroyed can deadlock (leave_process_group)
         torch.distributed.barrier()
         pause_for_gloo_workers()
         torch.distributed.destroy_process_group()

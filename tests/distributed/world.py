@@ -8,7 +8,7 @@ from pathlib import Path
 
 from accelerate import PartialState
 
-from trl_diffusion.cli import pause_for_gloo_workers
+from trl_diffusion.launching import pause_for_gloo_workers
 
 if __name__ == "__main__":
     state = PartialState(cpu=True)

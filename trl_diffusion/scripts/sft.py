@@ -24,7 +24,8 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
-from trl_diffusion.cli import (
+from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
+from trl_diffusion.scripts.utils import (
     checkpointing_off,
     evaluation_split,
     finish_script,
@@ -33,7 +34,6 @@ from trl_diffusion.cli import (
     run_script,
     setting_errors,
 )
-from trl_diffusion.data import load_training_dataset, make_problems, to_dataset
 
 
 @dataclass

@@ -29,7 +29,9 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_FORMAT, EMBEDDED_TASK, is_embedded_model
 from trl_diffusion.callbacks import save_training_curves
-from trl_diffusion.cli import (
+from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
+from trl_diffusion.rewards import SandboxLimits, make_code_reward
+from trl_diffusion.scripts.utils import (
     checkpointing_off,
     evaluation_split,
     finish_script,
@@ -38,8 +40,6 @@ from trl_diffusion.cli import (
     run_script,
     setting_errors,
 )
-from trl_diffusion.data import extract_boxed, load_training_dataset, make_problems
-from trl_diffusion.rewards import SandboxLimits, make_code_reward
 
 
 @dataclass
