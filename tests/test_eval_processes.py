@@ -81,7 +81,7 @@ def test_two_processes_evaluate_the_samples_of_one(tmp_path):
 SCRIPT = """
 import json, os, sys
 from pathlib import Path
-from trl_diffusion.cli import leave_launch
+from trl_diffusion.launching import leave_launch
 from trl_diffusion.eval import evaluate
 from trl_diffusion.eval.evaluate import load_model_and_tokenizer, EvalConfig
 

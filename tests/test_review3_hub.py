@@ -88,7 +88,7 @@ import json, sys, torch
 from accelerate import PartialState
 from transformers import TrainerControl, TrainerState
 from trl_diffusion.callbacks import TimeBudgetCallback
-from trl_diffusion.cli import pause_for_gloo_workers
+from trl_diffusion.launching import pause_for_gloo_workers
 world = PartialState(cpu=True)
 offset = 3.0 * world.process_index  # the processes' clocks disagree by 3 s
 clock = [0.0]

@@ -11,6 +11,8 @@ import difflib
 import os
 import re
 import sys
+import types
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -65,8 +67,6 @@ def one_line_errors(parser: Any) -> Any:
 def _field_hints(parser: Any) -> Iterator[tuple[Any, Any]]:
     """``(dataclass field, its resolved type hint)`` for every field of ``parser``'s dataclasses; the hint is None
     where the annotations do not resolve."""
-    import typing
-
     for dataclass_type in getattr(parser, "dataclass_types", ()):
         try:
             hints = typing.get_type_hints(dataclass_type)
@@ -79,9 +79,6 @@ def _field_hints(parser: Any) -> Iterator[tuple[Any, Any]]:
 def _nullable_fields(parser: Any) -> set[str]:
     """The dataclass fields of ``parser`` that may be None: typed ``T | None`` (or not resolvable) or None by
     default."""
-    import types
-    import typing
-
     nullable = set()
     for item, hint in _field_hints(parser):
         optional = hint is None or hint is Any or (typing.get_origin(hint) in (typing.Union, types.UnionType)
@@ -96,9 +93,6 @@ def _list_only_fields(parser: Any) -> set[str]:
     config file is a one-element list, as ``--flag value`` gives on the command line. Not a field that also takes a
     scalar (``TrainingArguments.debug: str | list[DebugOption]`` splits a string itself), nor one whose type does
     not resolve."""
-    import types
-    import typing
-
     fields = set()
     for item, hint in _field_hints(parser):
         union = typing.get_origin(hint) in (typing.Union, types.UnionType)

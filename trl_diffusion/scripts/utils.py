@@ -85,8 +85,6 @@ def checkpointing_off() -> dict[str, Any]:
     autograd graph for unused parameters at every step, and warns on every process that it found none. Every
     parameter of these models takes part in a training forward (mixture-of-experts layers run every expert while
     gradients are recorded), as transformers assumes with checkpointing on."""
-    import dataclasses
-
     from transformers import TrainingArguments
 
     renamed = "activation_checkpointing" in {item.name for item in dataclasses.fields(TrainingArguments)}
@@ -292,7 +290,7 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching:
         parsed = parser.parse_args_and_config(args=args)
         check_script_args(parsed, command_line_options(parser, args))
     except (OSError, ValueError) as exc:  # OSError: a --config file that cannot be read
-        also = launch_options() if launching else ()
+        also = list(launch_options()) if launching else []
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, one_line(exc), also)}", file=sys.stderr)
         sys.exit(2)
     return parsed
