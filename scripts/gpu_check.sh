@@ -20,8 +20,8 @@
 # steps fit one 10-minute device call: run them as two calls on the same warm machine, e.g.
 #   GPU_CHECK_STEPS="generation generation_fused training_fused generation_profile gpu_graph_tests" bash ...
 #   GPU_CHECK_STEPS="gpu_tests generation_llada flex_probe memory_recompute" bash ...
-# (the second with GPU_CHECK_BUDGET=220 and GPU_CHECK_PYTEST_K="fused or compiled_flex or example", see below;
-# training_sdar4b, flex beside SDPA, then waits for a session with more device time)
+# (the second with GPU_CHECK_BUDGET=220 and GPU_CHECK_PYTEST_K="fused or compiled_flex or example or launches", see
+# below; training_sdar4b, flex beside SDPA, then waits for a session with more device time)
 # (GPU_CHECK_STEPS: the steps to run, by name; default all). GPU_CHECK_PYTEST_K="expression" runs only the gpu
 # tests pytest's -k selects (e.g. "compiled_flex"). A session's 15 minutes of device time (the machine's start
 # included) hold the first call and about 4 minutes of the second: give that one GPU_CHECK_BUDGET=220, or select

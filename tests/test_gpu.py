@@ -1,7 +1,8 @@
 """What only a GPU shows: compiled flex attention against SDPA (values and gradients) for the SFT objectives and
 TraceRL scoring, generation on CUDA equal to the CPU, the exact KV cache, a bf16 + gradient checkpointing + LoRA
-TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-/LLaDA-MoE decoding, the three examples and
-``trl-diffusion eval``, all on CUDA. (``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
+TraceRL run (SDPA and compiled flex), TraceRL rollouts on CUDA graphs, SDAR-/LLaDA-MoE decoding, the three examples,
+``trl-diffusion eval`` and the commands that go through ``accelerate launch``, all on CUDA.
+(``tests/test_static_cache.py`` has the CUDA-graph decoding tests.)
 
 Skipped without CUDA. One command runs them all (under 5 minutes on one H200)::
 
@@ -285,4 +286,24 @@ def test_cli_eval_on_cuda(tmp_path):
     out = run([sys.executable, "-m", "trl_diffusion.cli", "eval", *EVAL_FLAGS, "--output_dir", str(tmp_path)], 300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
+    assert report["num_problems"] == 16 and 0.0 <= report["metrics"]["accuracy"] <= 1.0
+
+
+def test_training_command_launches_on_cuda(tmp_path):
+    """``trl-diffusion math``, the README's headline command, goes through ``accelerate launch`` (one process on one
+    GPU, no accelerate config): the parent checks the flags and waits, the launched process trains."""
+    flags = ["--max_steps", "2", "--per_device_train_batch_size", "16", "--num_generations", "4", "--num_eval", "16",
+             "--eval_every", "2"]
+    out = run([sys.executable, "-m", "trl_diffusion.cli", "math", "--output_dir", str(tmp_path), *flags], 300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert (tmp_path / "model.safetensors").is_file() and 0.0 <= result["held_out_accuracy_after"] <= 1.0
+
+
+def test_eval_command_launches_on_cuda(tmp_path):
+    """``trl-diffusion eval --num_processes 1`` launches itself and reports once."""
+    out = run([sys.executable, "-m", "trl_diffusion.cli", "eval", "--num_processes", "1", *EVAL_FLAGS,
+               "--output_dir", str(tmp_path)], 300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report, _ = json.JSONDecoder().raw_decode(out.stdout[out.stdout.index("{"):])  # printed once, by process 0
     assert report["num_problems"] == 16 and 0.0 <= report["metrics"]["accuracy"] <= 1.0
