@@ -55,7 +55,7 @@ from .processes import (
     merge_runs,
     shared_error,
 )
-from .resume import card_path, part_path, problem_digest, resumed_rows, run_card, sample_line, start_files
+from .resume import card_path, part_path, part_paths, problem_digest, resumed_rows, run_card, sample_line, start_files
 
 __all__ = ["CODE_GRADERS", "EvalConfig", "evaluate", "pass_at_k", "score_completions"]
 
@@ -376,14 +376,16 @@ def check_before_loading(config: EvalConfig, loads_model: bool = True) -> None:
 
 def _check_loadable(config: EvalConfig) -> None:
     """What :func:`load_model_and_tokenizer` will need, checked before the dataset loads: the model and tokenizer
-    (a path must be a directory; a Hub id must be cached while the Hub is offline) and a CUDA ``device`` that
-    exists here."""
+    (a path must be a directory, and not a saved value model's: :func:`_check_not_value_model`; a Hub id must be
+    cached while the Hub is offline) and a CUDA ``device`` that exists here."""
     from ..assets import check_hub_model_cached, resolve_model_path
 
     for name, file_name in ((config.model_name_or_path, "config.json"),
                             (config.tokenizer_name_or_path, "tokenizer_config.json")):
         if name:
             check_hub_model_cached(resolve_model_path(name), file_name=file_name)
+    if config.model_name_or_path:
+        _check_not_value_model(config.model_name_or_path, resolve_model_path(config.model_name_or_path))
     device = torch.device(config.device) if config.device else None
     if device is not None and device.type == "cuda":
         if not torch.cuda.is_available():
@@ -392,6 +394,30 @@ def _check_loadable(config: EvalConfig) -> None:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"device {config.device!r}: only {torch.cuda.device_count()} CUDA device(s) are "
                              "visible here.")
+
+
+VALUE_MODEL_ARCHITECTURE = "DiffusionValueModel"
+"""The ``architectures`` entry of a saved :class:`~trl_diffusion.value.DiffusionValueModel`'s ``config.json``."""
+
+
+def _check_not_value_model(name: str, path: str) -> None:
+    """Refuse, before anything loads, a local folder holding a saved value model (its ``config.json`` lists
+    :data:`VALUE_MODEL_ARCHITECTURE`: what TraceRL saves in ``<output_dir>/value_model`` and in its checkpoints): a
+    critic trained beside the policy, a backbone with a scalar head and no language-model head, which generates
+    nothing (loading it failed on its missing tokenizer, or on its keys). ``path``: ``name`` as resolved; a Hub id
+    is not read (offline it could not be)."""
+    folder = Path(path).expanduser()
+    try:
+        architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object: left to the loader
+        return
+    if VALUE_MODEL_ARCHITECTURE not in architectures:
+        return
+    parent = folder.resolve().parent
+    policy = f" ({parent} holds it)" if (parent / "config.json").is_file() else ""
+    raise ValueError(f"{name} is a value model (config.json architectures {architectures}): the critic TraceRL "
+                     "trains beside the policy to score its states, not a language model to evaluate. Evaluate the "
+                     f"policy: pass --model_name_or_path the run's output_dir or checkpoint folder{policy}.")
 
 
 def _messages(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> list[dict[str, str]]:
@@ -522,7 +548,10 @@ def evaluate(
             _check_output_free(samples_path, sources)
             if not config.resume:
                 return []
-            return resumed_rows(samples_path, card, prepared.prompts, prepared.digests, config.num_samples)
+            rows = resumed_rows(samples_path, card, prepared.prompts, prepared.digests, config.num_samples)
+            if not rows:  # a requeued job runs the same command the first time too: not an error, but said
+                _log_nothing_resumed(samples_path)
+            return rows
 
         kept = processes.on_main(claim)
         done = _check_launch_agrees(processes, model_source, problems, kept)
@@ -609,6 +638,15 @@ def _loaded(model: Any, tokenizer: Any, weights: str) -> dict[str, Any]:
     return {"weights": weights, "tokenizer": [_source(name) if name else None, type(tokenizer).__name__,
                                               len(tokenizer)],
             "dtype": str(parameter.dtype), "device": parameter.device.type, "trl_diffusion": __version__}
+
+
+def _log_nothing_resumed(samples_path: Path) -> None:
+    """Say that ``--resume`` found no sample to keep in the samples file's folder, so the run generates them all."""
+    found = [path.name for path in (samples_path, *part_paths(samples_path)) if path.is_file()]
+    why = (f"{', '.join(found)} holds no sample of this evaluation" if found
+           else f"no {samples_path.name} there")
+    logger.warning("--resume: nothing was found to resume in %s (%s), so the evaluation starts from the first "
+                   "sample.", samples_path.parent, why)
 
 
 def _run_everywhere(processes: EvalProcesses,
