@@ -24,7 +24,7 @@ from trl_diffusion.assets import EMBEDDED_MODEL
 from trl_diffusion.cli import TRAINING_SCRIPTS, main
 from trl_diffusion.command_line import config_file
 from trl_diffusion.launching import LAUNCH_MARKERS, LAUNCHED, split_launch_args
-from trl_diffusion.recipes import RECIPES_DIR, recipe_names, recipe_path, recipe_summary
+from trl_diffusion.recipes import RECIPES_DIR, recipe_command, recipe_names, recipe_path, recipe_summary
 from trl_diffusion.scripts import tracerl_math as math_script
 from trl_diffusion.scripts.utils import parse_script_args
 
@@ -71,8 +71,12 @@ def test_every_recipe_ships_in_the_package_and_is_listed():
 
 def test_the_recipes_command_lists_them(capsys):
     assert main(["recipes"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split()[0] for line in lines] == recipe_names()
+    table, note = capsys.readouterr().out.strip().split("\n\n")
+    rows = [line.split() for line in table.splitlines()]
+    assert [row[0] for row in rows] == recipe_names()
+    assert [row[1:3] for row in rows] == [["trl-diffusion", recipe_command(name)] for name in recipe_names()]
+    assert {recipe_command(name) for name in recipe_names()} <= set(TRAINING_SCRIPTS)
+    assert str(RECIPES_DIR) in note
     assert main(["recipes", "extra"]) == 2
     one_line_error(capsys, "trl-diffusion recipes")
 
@@ -177,8 +181,8 @@ def test_what_depends_on_the_launch_is_checked_by_the_launched_processes(monkeyp
         raise AssertionError("a config was built before the launch")
 
     monkeypatch.setattr(TraceRLConfig, "__post_init__", not_here)
-    assert main(["math", "--num_processes", "2", "--per_device_train_batch_size", "2", "--num_generations", "4",
-                 "--max_steps", "1"]) == 0
+    assert main(["math", "--num_processes", "2", "--multi_gpu", "--per_device_train_batch_size", "2",
+                 "--num_generations", "4", "--max_steps", "1"]) == 0
     assert len(launches) == 1
     for argv, message in ((["--model_name_or_path", "./no-such-model"], "no such local directory"),
                           (["--dataset_name", "missing.jsonl"], "no such dataset file: missing.jsonl"),
@@ -281,13 +285,14 @@ def test_help_is_the_scripts_and_names_the_launch_options(name, capsys, launches
     assert launches == []
 
 
-def test_the_launch_runs_the_command_in_the_started_processes(launches):
+def test_the_launch_runs_the_command_in_the_started_processes(launches, monkeypatch):
     """What accelerate launch gets: its options, then ``-m trl_diffusion.cli math <script args>``, with
     ``TRL_DIFFUSION_LAUNCHED`` set while it runs (the started processes run in place, never launch again) and
     unset after."""
+    monkeypatch.setattr("trl_diffusion.data.loading.load_dataset_builder", lambda *args: None)  # the recipe's Hub set
     script_args = ["--max_steps", "3", "--config", "dream_7b_tracerl_math", *ON_CPU,
                    "--model_name_or_path", str(EMBEDDED_MODEL)]  # offline here
-    assert main(["math", "--num_processes", "2", *script_args]) == 0
+    assert main(["math", "--num_processes", "2", "--multi_gpu", *script_args]) == 0
     ((args, flag),) = launches
     assert flag == "1" and LAUNCHED not in os.environ
     assert args.module and args.training_script == "trl_diffusion.cli" and args.num_processes == 2
@@ -309,7 +314,7 @@ def test_a_variable_a_user_exports_is_no_launch(monkeypatch, launches):
     sets for its process) it says nothing about a launch, and the command still launches."""
     monkeypatch.setenv("ACCELERATE_USE_CPU", "1")
     monkeypatch.setenv("LOCAL_RANK", "0")  # no WORLD_SIZE: no torchrun either
-    assert main(["math", "--num_processes", "2", "--max_steps", "1"]) == 0
+    assert main(["math", "--num_processes", "2", "--multi_gpu", "--max_steps", "1"]) == 0
     assert len(launches) == 1 and launches[0][0].num_processes == 2
 
 

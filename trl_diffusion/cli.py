@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from .command_line import (
     check_config_values,
@@ -41,7 +42,9 @@ def _eval(argv: list[str]) -> int:
         description="Evaluate a diffusion language model on a benchmark, a local file or the synthetic task "
                     "(docs/evaluation.md in the repository and the source distribution explains each option). It "
                     "runs in this process; given options of accelerate launch (--num_processes N, --config_file "
-                    "FILE, ...) it runs on their processes, each evaluating its share of the samples."))))
+                    "FILE, ...) it runs on their processes, each evaluating its share of the samples.",
+        epilog="--config FILE reads the options from a YAML file (its keys are the options' names); options on the "
+               "command line override it."))))
     also = list(launch_options())  # unknown flags are named with the closest of these too
     try:
         launch_args, argv = launch_request(parser, argv)
@@ -171,6 +174,7 @@ def train(name: str, argv: list[str]) -> int:
     parser = module.make_parser(prog)
     try:
         launch_args, script_args = launch_request(parser, argv)
+        check_recipe_command(name, script_args)
     except ValueError as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
@@ -181,6 +185,24 @@ def train(name: str, argv: list[str]) -> int:
                      "NAME|FILE, --mixed_precision, ...) go to accelerate launch, which runs the script.")
     parse_script_args(parser, script_args, launching=True)  # -h prints the help; a mistake: one line, exit 2
     return launch(prog, [*launch_args, "--module", "trl_diffusion.cli", name, *script_args])
+
+
+def check_recipe_command(name: str, argv: Sequence[str]) -> None:
+    """Refuse a shipped recipe given to another training command than its own (``trl-diffusion sft --config
+    trado_4b_tracerl_math``): its keys failed as unknown ones, or, between ``math`` and ``code``, it would have run
+    with the other script's data and reward."""
+    from .recipes import RECIPES_DIR, recipe_command
+
+    try:
+        args = config_flag(argv, recipes=True)
+    except ValueError:  # no file after --config, no such recipe: the script's parsing says so
+        return
+    if "--config" not in args:
+        return
+    path = Path(args[args.index("--config") + 1]).resolve()
+    if path.parent == RECIPES_DIR and (command := recipe_command(path.stem)) != name:
+        raise ValueError(f"--config {path.stem} is a recipe of trl-diffusion {command}, not of trl-diffusion {name}: "
+                         f"run trl-diffusion {command} --config {path.stem}.")
 
 
 def _sft(argv: list[str]) -> int:
@@ -200,7 +222,7 @@ def _code(argv: list[str]) -> int:
 
 def _recipes(argv: list[str]) -> int:
     """List the shipped recipes: the published configs, each run with --config <name>."""
-    from .recipes import recipe_names, recipe_summary
+    from .recipes import RECIPES_DIR, recipe_command, recipe_names, recipe_summary
 
     prog = "trl-diffusion recipes"
     if argv in (["-h"], ["--help"]):
@@ -212,7 +234,9 @@ def _recipes(argv: list[str]) -> int:
         return 2
     names = recipe_names()
     width = max(map(len, names))
-    print("\n".join(f"{name:<{width}}  {recipe_summary(name)}" for name in names))
+    lines = [f"{name:<{width}}  trl-diffusion {recipe_command(name):<4}  {recipe_summary(name)}" for name in names]
+    print("\n".join([*lines, "", f"Run one with the command beside it: trl-diffusion <command> --config <name>. The "
+                     f"files are in {RECIPES_DIR}; each header says how to launch it and where it deviates."]))
     return 0
 
 

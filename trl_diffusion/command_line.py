@@ -168,7 +168,21 @@ def config_flag(argv: Sequence[str] | None, recipes: bool = False) -> list[str]:
             raise ValueError("--config needs a file: --config file.yaml")
         if recipes:
             args[index + 1] = config_file(args[index + 1])
+        else:
+            refuse_recipe(args[index + 1])
     return args
+
+
+def refuse_recipe(value: str) -> None:
+    """Refuse a ``--config`` value of ``trl-diffusion eval`` that is no file but names a shipped recipe (a training
+    configuration: eval reads a file of its own options)."""
+    from .recipes import recipe_command, recipe_names
+
+    stem = os.path.splitext(os.path.basename(value))[0]
+    if not os.path.exists(value) and stem in recipe_names():
+        raise ValueError(f"--config {value}: no such file; {stem} is a shipped recipe, a training configuration of "
+                         f"trl-diffusion {recipe_command(stem)}. Evaluation reads a YAML file of its own options "
+                         "(trl-diffusion eval --help lists them).")
 
 
 def config_file(value: str) -> str:
@@ -197,11 +211,23 @@ def one_line(exc: BaseException) -> str:
 UNUSED_ARGUMENTS = "Some specified arguments are not used by the HfArgumentParser"
 """How ``HfArgumentParser`` reports command-line arguments no dataclass field takes."""
 
+UNUSED_CONFIG_KEYS = "Unknown arguments from config file"
+"""How ``TrlParser`` reports ``--config`` file keys no dataclass field takes (as ``['--key', 'value', ...]``)."""
+
 
 def explain_unknown_flags(parser: Any, message: str, also: Sequence[str] = ()) -> str:
     """``HfArgumentParser``'s message for unknown arguments, rewritten to name each unknown flag with the closest
     real one (``--max_problms (did you mean --max_problems?)``), of the parser's and ``also`` (the options a training
-    command passes to ``accelerate launch``); any other message is returned unchanged."""
+    command passes to ``accelerate launch``); ``TrlParser``'s for unknown ``--config`` file keys the same way, with
+    the keys' closest options; any other message is returned unchanged."""
+    if message.startswith(UNUSED_CONFIG_KEYS):
+        keys = [item[2:] for item in re.findall(r"'([^']*)'", message) if item.startswith("--")]
+        options = [action.dest for action in parser._actions if action.option_strings and action.dest != "help"]
+        named = []
+        for key in keys:
+            close = difflib.get_close_matches(key, options, n=1, cutoff=0.75)
+            named.append(f"{key} (did you mean {close[0]}?)" if close else key)
+        return f"config file: unknown key(s): {', '.join(named)}; --help lists the options." if keys else message
     if not message.startswith(UNUSED_ARGUMENTS):
         return message
     flags = [item for item in re.findall(r"'([^']*)'", message) if item.startswith("-")]

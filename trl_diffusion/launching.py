@@ -136,6 +136,11 @@ def launch(prog: str, argv: list[str]) -> int:
     launch_parser.prog = prog
     args = one_line_errors(launch_parser).parse_args(argv)
     args.quiet = False  # quiet makes accelerate exit 1 for any failed run; the run's status is reported either way
+    try:
+        check_processes_start(args)
+    except ValueError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     previous = os.environ.get(LAUNCHED)
     os.environ[LAUNCHED] = "1"
     try:
@@ -156,6 +161,25 @@ def launch(prog: str, argv: list[str]) -> int:
         else:
             os.environ[LAUNCHED] = previous
     return 0
+
+
+def check_processes_start(args: Any) -> None:
+    """Refuse ``--num_processes N`` (N > 1) that ``accelerate launch`` (its parsed ``args``) would run as one
+    process: without ``--multi_gpu`` (or DeepSpeed, FSDP, Megatron, TPU, several machines), an accelerate config file
+    (given, or the machine's from ``accelerate config``) and two accelerators (with which it turns multi-GPU on
+    itself), it starts a single process, which then runs alone on all the data, and says nothing of the others."""
+    distributed = (args.multi_gpu, args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.tpu,
+                   (args.num_machines or 1) > 1, args.config_file)
+    if (args.num_processes or 1) < 2 or any(distributed):
+        return
+    import torch
+    from accelerate.commands.config import default_config_file
+
+    if os.path.isfile(default_config_file) or torch.accelerator.device_count() > 1:
+        return
+    raise ValueError(f"--num_processes {args.num_processes}: accelerate launch starts one process here (no "
+                     "--multi_gpu, no accelerate config, fewer than two GPUs); add --multi_gpu (on a CPU, where the "
+                     "processes join over gloo, a training script also needs --use_cpu true) or --config_file FILE.")
 
 
 GLOO_EXIT_PAUSE_SECONDS = 0.1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from datasets import Dataset, IterableDataset, load_dataset
+from datasets import Dataset, IterableDataset, load_dataset, load_dataset_builder
+from datasets.exceptions import DatasetNotFoundError
 
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet")
 """File names read as a local dataset file rather than a Hub name (compared in lower case)."""
@@ -139,7 +140,29 @@ def load_training_dataset(name: str, config: str | None = None, split: str = "tr
             field = _rows_field(path)
         return load_dataset("json", data_files=path, split=split, **({"field": field} if field else {}))
     check_local_file_type(name)
-    return load_dataset(name, config, split=split)
+    try:
+        return load_dataset(name, config, split=split)
+    except (DatasetNotFoundError, ConnectionError) as exc:
+        raise hub_dataset_error(name, exc) from exc
+
+
+def hub_dataset_error(name: str, exc: OSError) -> ValueError:
+    """A Hub dataset ``datasets`` cannot find or reach (no such dataset, a private one without a token, the Hub
+    offline without it in the cache, no network) as one ``ValueError`` naming ``dataset_name``."""
+    return ValueError(f"dataset_name {name!r}: {' '.join(str(exc).split())}; pass a Hub dataset id (with the Hub "
+                      "offline, one in the local cache) or a local .json / .jsonl / .parquet file.")
+
+
+def check_hub_dataset(name: str, config: str | None = None) -> None:
+    """Raise ``ValueError`` naming ``name`` when it is no dataset ``datasets`` can load (:func:`hub_dataset_error`),
+    or ``config`` is none of its configs, before anything is loaded: ``datasets.load_dataset_builder`` reads the
+    dataset's metadata (offline: the local cache), no data. A local file name passes (checked on its own)."""
+    if is_local_file_name(name):
+        return
+    try:
+        load_dataset_builder(name, config)
+    except (DatasetNotFoundError, ConnectionError) as exc:
+        raise hub_dataset_error(name, exc) from None
 
 
 def column_names(dataset: Dataset | IterableDataset) -> list[str]:

@@ -33,3 +33,12 @@ def recipe_summary(name: str) -> str:
     what = re.split(r"[(:,]", header, maxsplit=1)[0].strip()
     mirrored = re.search(r"mirroring (\S+ \S+)", header)
     return f"{what} (mirrors {mirrored.group(1)})" if mirrored else what
+
+
+def recipe_command(name: str) -> str:
+    """The training command a recipe is for (``sft``, ``math`` or ``code``), from the ``trl-diffusion <command>``
+    launch line of its header."""
+    found = re.search(r"trl-diffusion (\w+) ", recipe_path(name).read_text())
+    if found is None:
+        raise ValueError(f"recipe {name!r}: its header shows no `trl-diffusion <command>` launch line.")
+    return found.group(1)

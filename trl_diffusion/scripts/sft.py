@@ -64,10 +64,10 @@ def main(script_args: SFTScriptArguments, args: DiffusionSFTConfig, model_args: 
         dataset, held_out = to_dataset(train, EMBEDDED_FORMAT), to_dataset(problems, EMBEDDED_FORMAT)
         callbacks.append(HeldOutAccuracyCallback(model, tokenizer, problems, script_args.eval_every,
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
-    else:
-        dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
-                                        script_args.dataset_train_split)
-    with setting_errors():  # a split the file lacks: one line, exit 2
+    with setting_errors():  # a dataset that cannot be loaded, a split the file lacks: one line, exit 2
+        if script_args.dataset_name is not None:
+            dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
+                                            script_args.dataset_train_split)
         eval_dataset = evaluation_split(script_args, args, held_out)
     if script_args.max_train_samples is not None:
         dataset = dataset.select(range(min(script_args.max_train_samples, len(dataset))))

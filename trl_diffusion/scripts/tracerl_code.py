@@ -102,10 +102,10 @@ def main(script_args: CodeScriptArguments, args: TraceRLConfig, model_args: Mode
         dataset = synthetic_code_tasks(plain, train)
         held_out = synthetic_code_tasks(plain, test[: script_args.num_eval])
         reward = AnswerAsProgram(reward) if embedded else reward
-    else:
-        dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
-                                        script_args.dataset_train_split)
-    with setting_errors():  # a split the file lacks: one line, exit 2
+    with setting_errors():  # a dataset that cannot be loaded, a split the file lacks: one line, exit 2
+        if script_args.dataset_name is not None:
+            dataset = load_training_dataset(script_args.dataset_name, script_args.dataset_config,
+                                            script_args.dataset_train_split)
         eval_dataset = evaluation_split(script_args, args, held_out)
     with setting_errors():  # a setting the model's family refuses, a dataset without a prompt: one line, exit 2
         trainer = TraceRLTrainer(model, reward, args=args, train_dataset=dataset, eval_dataset=eval_dataset,

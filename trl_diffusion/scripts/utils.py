@@ -194,8 +194,9 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
     flag of ``UNUSED_MODEL_FLAGS``, a ``save_steps`` that would save nothing (:func:`check_save_steps_apply`;
     ``command_line`` names the options given on the command line, :func:`command_line_options`), and every
     ``resume_from_checkpoint`` (rewritten in place to what ``Trainer.train`` takes), a ``value_model`` as a
-    ``model_name_or_path`` and a ``report_to`` that transformers knows (:func:`check_report_to`). A single module
-    name in ``lora_target_modules`` (which TRL turns into a string, a pattern for peft) is made a one-element list."""
+    ``model_name_or_path``, a ``report_to`` that transformers knows (:func:`check_report_to`) and an ``output_dir``
+    that is no file. A single module name in ``lora_target_modules`` (which TRL turns into a string, a pattern for
+    peft) is made a one-element list."""
     from ..assets import check_hub_model_cached, resolve_model_path
     from ..data.loading import check_local_file_type, is_local_file_name
 
@@ -205,6 +206,9 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
         if getattr(args, "value_model", None):  # examples/math.py: a saved value model or a policy checkpoint
             check_hub_model_cached(resolve_model_path(args.value_model))
         check_report_to(getattr(args, "report_to", None))
+        output_dir = getattr(args, "output_dir", None)
+        if output_dir and os.path.isfile(os.path.expanduser(output_dir)):
+            raise UsageError(f"output_dir {output_dir!r} is a file, not a folder: give a folder to write the run to.")
         dataset = getattr(args, "dataset_name", None)
         if dataset == "":
             raise UsageError("dataset_name is empty: leave it unset for the synthetic task, or name a Hub dataset "
@@ -271,6 +275,11 @@ def check_save_steps_apply(args: Any, strategy_given: bool = False) -> None:
                          f"{args.save_steps:g} steps.")
 
 
+CONFIG_HELP = ("--config FILE|RECIPE reads the options from a YAML file or a shipped recipe (trl-diffusion recipes "
+               "lists them); options on the command line override it.")
+"""What a training script's ``--help`` says of ``--config``, which TrlParser reads before argparse sees it."""
+
+
 def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching: bool = False) -> tuple[Any, ...]:
     """``parser.parse_args_and_config(argv)`` followed by :func:`check_script_args`; ``--config`` may name a shipped
     recipe (:func:`config_flag`). A ``ValueError`` on the way (a config's validation, a config file value of the
@@ -278,22 +287,36 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching:
     after printing ``<prog>: error: <message>``; so do argparse's own errors (:func:`one_line_errors`).
 
     ``launching``: the check a training command makes before it launches the script (``trl-diffusion math``): the
-    same, except that the script's configs are not built (a single ``argparse.Namespace`` is returned and checked).
-    Their own checks depend on the launch (GRPO's batch sizes on the number of processes) and building
-    ``TrainingArguments`` takes a device, in a process that only waits for the run."""
-
+    same, except that the script's TRL config is made without its own checks (:func:`_flags_only`), which depend on
+    the launch (GRPO's batch sizes on the number of processes) and take a device, in a process that only waits for
+    the run; and each Hub dataset is checked to load (:func:`check_hub_datasets`)."""
     one_line_errors(check_config_values(clear_help(parser)))
+    if CONFIG_HELP not in (parser.epilog or ""):
+        parser.epilog = " ".join(filter(None, [CONFIG_HELP, parser.epilog]))
     if launching:  # TrlParser reads --config (the file's keys and value types too), then calls this
         parser.parse_args_into_dataclasses = functools.partial(_flags_only, parser)
     try:
         args = config_flag(argv, recipes=True)
         parsed = parser.parse_args_and_config(args=args)
         check_script_args(parsed, command_line_options(parser, args))
+        if launching:
+            check_hub_datasets(parsed)
     except (OSError, ValueError) as exc:  # OSError: a --config file that cannot be read
         also = list(launch_options()) if launching else []
         print(f"{parser.prog}: error: {explain_unknown_flags(parser, one_line(exc), also)}", file=sys.stderr)
         sys.exit(2)
     return parsed
+
+
+def check_hub_datasets(parsed: Sequence[Any]) -> None:
+    """Refuse a Hub ``dataset_name`` (with its ``dataset_config``) that ``datasets`` cannot load
+    (:func:`trl_diffusion.data.loading.check_hub_dataset`): the check before a launch, so that a misspelt or
+    unreachable dataset is one line, once, not one per process after each loaded the model."""
+    from ..data.loading import check_hub_dataset
+
+    for args in parsed:
+        if getattr(args, "dataset_name", None):
+            check_hub_dataset(args.dataset_name, getattr(args, "dataset_config", None))
 
 
 def _flags_only(parser: Any, args: Sequence[str], **unused: Any) -> tuple[Any, ...]:

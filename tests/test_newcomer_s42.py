@@ -1,0 +1,98 @@
+"""What a new user met in a walk through the installed wheel: a Hub dataset that cannot be loaded (a traceback per
+process after the model loaded), ``--num_processes 2`` on a CPU (one process ran, alone, without a word), a recipe
+given to the wrong command, unknown config keys without the closest option, an ``output_dir`` that is a file, and
+``--config`` missing from ``--help``."""
+
+from __future__ import annotations
+
+import pytest
+from test_cli import one_line_error
+from test_cli_launch import launches, not_launched  # noqa: F401 (fixtures)
+
+from trl_diffusion.cli import main
+from trl_diffusion.data.loading import check_hub_dataset, load_training_dataset
+from trl_diffusion.recipes import recipe_names
+
+
+def run(argv: list[str]) -> int:
+    """``trl-diffusion <argv>``'s exit status: what ``main`` returns, or the status a script's parsing exits with."""
+    try:
+        return main(argv)
+    except SystemExit as exit_:
+        return exit_.code
+
+
+def test_a_hub_dataset_that_cannot_load_is_one_line_before_the_launch(capsys, launches):  # noqa: F811
+    """The Hub is offline in the tests (conftest), so no Hub dataset is reachable: the check before the launch says
+    so in one line, and the launched script's own loading does too (one line per process, not a traceback)."""
+    for command in ("sft", "math", "code"):
+        assert run([command, "--dataset_name", "no_such_org/no_such_set", "--max_steps", "1"]) == 2
+        assert "dataset_name 'no_such_org/no_such_set': Couldn't reach" in one_line_error(
+            capsys, f"trl-diffusion {command}")
+    assert launches == []
+    with pytest.raises(ValueError, match="dataset_name 'no_such_org/no_such_set': .* or a local .json"):
+        load_training_dataset("no_such_org/no_such_set")
+    check_hub_dataset("local.jsonl")  # a local file name is checked on its own (it must exist)
+
+
+def test_several_processes_that_accelerate_would_start_as_one_are_refused(capsys, launches, monkeypatch,  # noqa: F811
+                                                                          tmp_path):
+    import accelerate.commands.config
+    import torch
+
+    no_config = tmp_path / "no_default_config.yaml"
+    monkeypatch.setattr(accelerate.commands.config, "default_config_file", str(no_config))
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 0)
+    for command in (["sft", "--max_steps", "1"], ["eval", "--max_problems", "2", "--output_dir", ""]):
+        assert run([command[0], "--num_processes", "2", *command[1:]]) == 2
+        assert "--num_processes 2: accelerate launch starts one process here" in one_line_error(
+            capsys, f"trl-diffusion {command[0]}")
+    assert launches == []
+    assert run(["sft", "--num_processes", "1", "--max_steps", "1"]) == 0  # one process is what it asks for
+    assert run(["sft", "--num_processes", "2", "--multi_gpu", "--max_steps", "1"]) == 0
+    no_config.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")  # the machine's accelerate config decides
+    assert run(["sft", "--num_processes", "2", "--max_steps", "1"]) == 0
+    no_config.unlink()
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)  # accelerate turns multi-GPU on itself
+    assert run(["sft", "--num_processes", "2", "--max_steps", "1"]) == 0
+    assert len(launches) == 4
+
+
+def test_a_recipe_of_another_command_is_refused_naming_its_own(capsys, launches):  # noqa: F811
+    assert run(["sft", "--config", "trado_4b_tracerl_math"]) == 2
+    assert one_line_error(capsys, "trl-diffusion sft").endswith(
+        "--config trado_4b_tracerl_math is a recipe of trl-diffusion math, not of trl-diffusion sft: run "
+        "trl-diffusion math --config trado_4b_tracerl_math.")
+    assert run(["math", "--config", "diffucoder_7b_coupled_code"]) == 2  # its keys fit: it would have run
+    assert "run trl-diffusion code --config diffucoder_7b_coupled_code" in one_line_error(capsys, "trl-diffusion math")
+    assert run(["eval", "--config", "trado_4b_tracerl_math"]) == 2
+    assert "trado_4b_tracerl_math is a shipped recipe, a training configuration of trl-diffusion math" in \
+        one_line_error(capsys, "trl-diffusion eval")
+    assert launches == [] and len(recipe_names()) == 6
+
+
+def test_unknown_config_keys_are_named_with_the_closest_option(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("learnin_rate: 1.0e-4\nmax_stepz: 3\nzzz: 1\n")
+    assert run(["math", "--config", str(config)]) == 2
+    assert one_line_error(capsys, "trl-diffusion math").endswith(
+        "config file: unknown key(s): learnin_rate (did you mean learning_rate?), max_stepz (did you mean "
+        "max_steps?), zzz; --help lists the options.")
+    config.write_text("max_problem: 3\n")
+    assert run(["eval", "--config", str(config)]) == 2
+    assert "max_problem (did you mean max_problems?)" in one_line_error(capsys, "trl-diffusion eval")
+
+
+def test_an_output_dir_that_is_a_file_is_one_line(tmp_path, capsys):
+    existing = tmp_path / "afile"
+    existing.write_text("")
+    assert run(["sft", "--output_dir", str(existing)]) == 2
+    assert f"output_dir {str(existing)!r} is a file, not a folder" in one_line_error(capsys, "trl-diffusion sft")
+
+
+@pytest.mark.parametrize(("command", "text"), [("math", "--config FILE|RECIPE reads the options"),
+                                               ("eval", "--config FILE reads the options from a YAML file")])
+def test_help_says_how_to_give_a_config(command, text, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0 and text in " ".join(capsys.readouterr().out.split())
