@@ -96,3 +96,21 @@ def test_help_says_how_to_give_a_config(command, text, capsys):
     with pytest.raises(SystemExit) as exit_:
         main([command, "--help"])
     assert exit_.value.code == 0 and text in " ".join(capsys.readouterr().out.split())
+
+
+def test_refused_trl_flags_say_so_in_the_help(capsys):
+    from trl_diffusion.scripts.utils import UNUSED_MODEL_FLAGS
+
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for flag, reason in UNUSED_MODEL_FLAGS.items():
+        if f"--{flag} " in text:  # the SFT script's dataclasses lack a few of them
+            assert f"Not used by these scripts (an error when set): {' '.join(reason.split())}" in text
+    assert "--trust_remote_code" in text and "--load_in_4bit" in text
+
+
+def test_version(capsys):
+    from trl_diffusion import __version__
+
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"trl-diffusion {__version__}\n"

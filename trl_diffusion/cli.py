@@ -25,7 +25,8 @@ from .command_line import (
 from .launching import leave_launch
 from .scripts.utils import parse_script_args, run_script
 
-USAGE = "usage: trl-diffusion <command> [options]   (trl-diffusion <command> --help for its options)"
+USAGE = ("usage: trl-diffusion <command> [options]   (trl-diffusion <command> --help for its options; "
+         "trl-diffusion --version)")
 
 
 def _eval(argv: list[str]) -> int:
@@ -252,6 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         commands = "\n".join(f"  {name:<10}{(fn.__doc__ or '').strip()}" for name, fn in COMMANDS.items())
         print(f"{USAGE}\n\ncommands:\n{commands}", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
+    if args[0] == "--version":
+        from . import __version__
+
+        print(f"trl-diffusion {__version__}")
+        return 0
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"trl-diffusion: unknown command {args[0]!r}; choose one of {sorted(COMMANDS)}.\n{USAGE}",

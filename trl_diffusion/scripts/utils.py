@@ -291,6 +291,9 @@ def parse_script_args(parser: Any, argv: Sequence[str] | None = None, launching:
     the launch (GRPO's batch sizes on the number of processes) and take a device, in a process that only waits for
     the run; and each Hub dataset is checked to load (:func:`check_hub_datasets`)."""
     one_line_errors(check_config_values(clear_help(parser)))
+    for action in parser._actions:
+        if action.dest in UNUSED_MODEL_FLAGS:
+            action.help = f"Not used by these scripts (an error when set): {UNUSED_MODEL_FLAGS[action.dest]}"
     if CONFIG_HELP not in (parser.epilog or ""):
         parser.epilog = " ".join(filter(None, [CONFIG_HELP, parser.epilog]))
     if launching:  # TrlParser reads --config (the file's keys and value types too), then calls this
