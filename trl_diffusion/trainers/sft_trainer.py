@@ -42,7 +42,7 @@ from ..data.loading import column_names, dataset_label, empty_dataset_error
 from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import first_few, mask_token_name
-from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
+from ..model_card import card_dataset_name, finish_adapter_card, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -342,7 +342,7 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
     def create_model_card(self, model_name=None, dataset_name=None, tags=None):
         super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         model_id = self.hub_model_id or self.args.output_dir
-        finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}))
+        finish_model_card(self, policy_quick_start(model_id, {"max_new_tokens": 128}, trainer=self))
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """transformers' ``save_model``; under FSDP with a sharded state dict, where it writes nothing, the model is
@@ -355,6 +355,7 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
         super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save:  # transformers calls _save on every process under FSDP and DeepSpeed
             carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+            finish_adapter_card(self, output_dir or self.args.output_dir)  # PEFT's card: ours, no local path
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """transformers' mid-training Hub push, with the released remote code in what it uploads."""

@@ -54,7 +54,7 @@ from ..estimators import MULTI_MASK_ESTIMATORS, EstimatorSettings, draw_masks, e
 from ..full_save import save_model_whole
 from ..generation.sampling import stable_seed
 from ..mask_token import SANITIZE_CONTROL_TOKENS, first_few, mask_token_name
-from ..model_card import card_dataset_name, finish_model_card, policy_quick_start
+from ..model_card import card_dataset_name, finish_adapter_card, finish_model_card, policy_quick_start
 from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
 from ..models.common import without_autocast_wrapper
 from ..models.kernels import apply_fused_kernels
@@ -782,7 +782,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         if self.args.save_rollout_generation_config:  # named in a comment: leave out the settings that mean "none"
             sampler = {k: v for k, v in sampler.items() if k not in ("alg_temp", "cfg_scale")}
         quick_start = policy_quick_start(self.hub_model_id or self.args.output_dir, sampler,
-                                         in_generation_config=self.args.save_rollout_generation_config)
+                                         in_generation_config=self.args.save_rollout_generation_config, trainer=self)
         finish_model_card(self, quick_start)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -799,6 +799,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
             if self.args.save_rollout_generation_config:
                 self._rollout_generation_config().save_pretrained(output_dir or self.args.output_dir)
             carry_tokenizer_code(output_dir or self.args.output_dir, self.processing_class)
+            finish_adapter_card(self, output_dir or self.args.output_dir)  # PEFT's card: ours, no local path
 
     def _push_from_checkpoint(self, checkpoint_folder: str) -> None:
         """transformers' mid-training Hub push, with the released remote code in what it uploads."""
