@@ -50,12 +50,15 @@ def test_several_processes_that_accelerate_would_start_as_one_are_refused(capsys
     assert launches == []
     assert run(["sft", "--num_processes", "1", "--max_steps", "1"]) == 0  # one process is what it asks for
     assert run(["sft", "--num_processes", "2", "--multi_gpu", "--max_steps", "1"]) == 0
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost\n")
+    assert run(["sft", "--num_processes", "2", "--cpu", "--mpirun_hostfile", str(hostfile), "--max_steps", "1"]) == 0
     no_config.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\n")  # the machine's accelerate config decides
     assert run(["sft", "--num_processes", "2", "--max_steps", "1"]) == 0
     no_config.unlink()
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 2)  # accelerate turns multi-GPU on itself
     assert run(["sft", "--num_processes", "2", "--max_steps", "1"]) == 0
-    assert len(launches) == 4
+    assert len(launches) == 5
 
 
 def test_a_recipe_of_another_command_is_refused_naming_its_own(capsys, launches):  # noqa: F811

@@ -165,11 +165,12 @@ def launch(prog: str, argv: list[str]) -> int:
 
 def check_processes_start(args: Any) -> None:
     """Refuse ``--num_processes N`` (N > 1) that ``accelerate launch`` (its parsed ``args``) would run as one
-    process: without ``--multi_gpu`` (or DeepSpeed, FSDP, Megatron, TPU, several machines), an accelerate config file
-    (given, or the machine's from ``accelerate config``) and two accelerators (with which it turns multi-GPU on
-    itself), it starts a single process, which then runs alone on all the data, and says nothing of the others."""
+    process: without ``--multi_gpu`` (or DeepSpeed, FSDP, Megatron, TPU, several machines, an MPI hostfile), an
+    accelerate config file (given, or the machine's from ``accelerate config``) and two accelerators (with which it
+    turns multi-GPU on itself), it starts a single process, which then runs alone on all the data, and says nothing
+    of the others."""
     distributed = (args.multi_gpu, args.use_deepspeed, args.use_fsdp, args.use_megatron_lm, args.tpu,
-                   (args.num_machines or 1) > 1, args.config_file)
+                   (args.num_machines or 1) > 1, args.config_file, args.mpirun_hostfile)
     if (args.num_processes or 1) < 2 or any(distributed):
         return
     import torch
