@@ -415,7 +415,8 @@ def test_an_installed_wheel_trains_with_trl_diffusion_math(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     listed = _run(["recipes"], work, site)
-    assert listed.returncode == 0 and [line.split()[0] for line in listed.stdout.splitlines()] == recipe_names()
+    table = listed.stdout.split("\n\n")[0]
+    assert listed.returncode == 0 and [line.split()[0] for line in table.splitlines()] == recipe_names()
 
     done = _run(["math", "--max_steps", "1", "--num_eval", "4", "--per_device_train_batch_size", "8",
                  "--output_dir", "run"], work, site)
