@@ -78,3 +78,17 @@ def test_resume_with_nothing_to_resume_says_so_and_starts_from_the_first_sample(
         fresh = evaluate(**settings, resume=True)
     notices = [r.getMessage() for r in caplog.records if NOTHING in r.getMessage()]
     assert fresh["num_resumed"] == 0 and len(notices) == 1 and "holds no sample of this evaluation" in notices[0]
+
+
+def test_progress_false_also_hides_the_loading_bar(capsys):
+    """``--progress false`` showed no evaluation bar but still transformers' "Loading weights" bar; the bars are
+    enabled again afterwards."""
+    from transformers.utils import logging as transformers_logging
+
+    from trl_diffusion.eval import evaluate
+
+    evaluate(max_problems=1, output_dir="", progress=False)
+    assert "Loading weights" not in capsys.readouterr().err
+    assert transformers_logging.is_progress_bar_enabled()
+    evaluate(max_problems=1, output_dir="")
+    assert "Loading weights" in capsys.readouterr().err

@@ -162,7 +162,7 @@ class EvalConfig:
     code_workers: int = _arg(4, "Code sandboxes run concurrently (>= 1).")
     output_dir: str | None = _arg("eval_results", "Where to write <model>__<dataset>.jsonl and .metrics.json "
                                   "(empty: write nothing).")
-    progress: bool = _arg(True, "Show a progress bar.")
+    progress: bool = _arg(True, "Show progress bars: the evaluation's, and transformers' while the model loads.")
     resume: bool = _arg(False, "Keep the samples an interrupted run of the same evaluation wrote to output_dir and "
                         "generate only the missing ones (the report is that of an uninterrupted run); refused if "
                         "the run card differs (batch_size, max_problems, pass_k, code_workers, the GPU index and "
@@ -359,6 +359,22 @@ def load_model_and_tokenizer(config: EvalConfig, launch_device: torch.device | N
     return model.to(device).eval(), tokenizer
 
 
+@contextlib.contextmanager
+def loading_bars(shown: bool):
+    """transformers' progress bars (its "Loading weights" bar) off for the block unless ``shown`` (``--progress
+    false``, or a process of a launch other than the first), as they were after it."""
+    from transformers.utils import logging as transformers_logging
+
+    enabled = transformers_logging.is_progress_bar_enabled()
+    if enabled and not shown:
+        transformers_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled and not shown:
+            transformers_logging.enable_progress_bar()
+
+
 def check_before_loading(config: EvalConfig, loads_model: bool = True) -> None:
     """What an evaluation checks of its settings before it loads anything (here, and before ``trl-diffusion eval``
     launches its processes): the model and tokenizer it will load (``loads_model``, :func:`_check_loadable`), the
@@ -520,7 +536,8 @@ def evaluate(
     in_memory = not (model is None or isinstance(model, (str, Path)))
     processes = EvalProcesses.from_launch()
     if not in_memory:
-        model, loaded_tokenizer = load_model_and_tokenizer(config, processes.device)
+        with loading_bars(config.progress and processes.is_main):
+            model, loaded_tokenizer = load_model_and_tokenizer(config, processes.device)
         tokenizer = loaded_tokenizer if tokenizer is None else tokenizer
     if tokenizer is None:
         raise ValueError("a loaded model needs its tokenizer: pass tokenizer=...")
