@@ -47,6 +47,9 @@ def test_several_processes_that_accelerate_would_start_as_one_are_refused(capsys
         assert run([command[0], "--num_processes", "2", *command[1:]]) == 2
         assert "--num_processes 2: accelerate launch starts one process here" in one_line_error(
             capsys, f"trl-diffusion {command[0]}")
+    assert run(["sft", "--num_processes", "2", "--cpu", "--max_steps", "1"]) == 2
+    assert "drop --cpu (which accelerate does not combine with --multi_gpu)" in one_line_error(capsys,
+                                                                                              "trl-diffusion sft")
     assert launches == []
     assert run(["sft", "--num_processes", "1", "--max_steps", "1"]) == 0  # one process is what it asks for
     assert run(["sft", "--num_processes", "2", "--multi_gpu", "--max_steps", "1"]) == 0

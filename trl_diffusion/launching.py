@@ -178,9 +178,12 @@ def check_processes_start(args: Any) -> None:
 
     if os.path.isfile(default_config_file) or torch.accelerator.device_count() > 1:
         return
+    remedy = ("drop --cpu (which accelerate does not combine with --multi_gpu) and add --multi_gpu; a training "
+              "script's --use_cpu true keeps the processes on the CPU, joined over gloo" if args.cpu else
+              "add --multi_gpu (on a CPU, where the processes join over gloo, a training script also needs --use_cpu "
+              "true) or --config_file FILE")
     raise ValueError(f"--num_processes {args.num_processes}: accelerate launch starts one process here (no "
-                     "--multi_gpu, no accelerate config, fewer than two GPUs); add --multi_gpu (on a CPU, where the "
-                     "processes join over gloo, a training script also needs --use_cpu true) or --config_file FILE.")
+                     f"--multi_gpu, no accelerate config, fewer than two GPUs); {remedy}.")
 
 
 GLOO_EXIT_PAUSE_SECONDS = 0.1
