@@ -120,3 +120,62 @@ def test_version(capsys):
     from trl_diffusion import __version__
 
     assert main(["--version"]) == 0 and capsys.readouterr().out == f"trl-diffusion {__version__}\n"
+
+
+def test_replay_refuses_a_mask_over_the_whole_sequence():
+    """A transformers user passes the whole sequence's mask: every token was then read as prompt, and the replayed
+    log-probs were off by up to 14 nats without an error."""
+    import torch
+
+    from trl_diffusion.estimators import replay_logprobs
+    from trl_diffusion.testing import tiny_model
+
+    model = tiny_model("sdar")
+    ids = torch.tensor([[20, 21, 22], [23, 24, 25]])
+    out = model.generate(ids, max_new_tokens=4, block_length=4, temperature=1.0, stop_token_ids=[],
+                         generator=[torch.Generator().manual_seed(i) for i in range(2)], return_dict_in_generate=True)
+    prompt_mask = torch.ones_like(ids)
+    replayed = replay_logprobs(model, out.sequences, prompt_mask, out.unmask_step, block_length=4)
+    committed = out.unmask_step >= 0
+    torch.testing.assert_close(replayed[committed], out.token_logprobs[committed], rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="pass the prompt's attention mask"):
+        replay_logprobs(model, out.sequences, torch.ones_like(out.sequences), out.unmask_step, block_length=4)
+
+
+def test_a_reward_name_string_is_refused_naming_the_function(tmp_path):
+    """TRL reads a string as a reward model's Hub id: ``reward_funcs="math_accuracy_reward"`` went to the Hub."""
+    from datasets import Dataset
+
+    from trl_diffusion import TraceRLConfig, TraceRLTrainer
+    from trl_diffusion.testing import build_tokenizer, tiny_model
+
+    args = TraceRLConfig(str(tmp_path), report_to="none", use_cpu=True, bf16=False, per_device_train_batch_size=2,
+                         num_generations=2, max_completion_length=4, block_length=4)
+    data = Dataset.from_list([{"prompt": "1+1"}] * 2)
+    for rewards in ("math_accuracy_reward", ["math_accuracy_reward"]):
+        with pytest.raises(ValueError, match="from trl_diffusion.rewards import math_accuracy_reward"):
+            TraceRLTrainer(tiny_model("sdar"), rewards, args=args, train_dataset=data,
+                           processing_class=build_tokenizer())
+
+
+def test_a_padded_batch_without_its_attention_mask_is_warned_about(monkeypatch):
+    """The embedded model's pad token is its EOS token: a left-padded batch given without its mask read the padding
+    as prompt and answered differently (transformers warns there too)."""
+    import torch
+
+    from trl_diffusion.generation import mixin
+    from trl_diffusion.testing import tiny_model
+
+    left = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 10]])
+    assert mixin.padded_without_mask(left, 0) and mixin.padded_without_mask(left.flip(1), 0)  # left, right
+    assert not mixin.padded_without_mask(torch.tensor([[0, 5, 6], [0, 7, 8]]), 0)  # a pad token that is BOS
+    assert not mixin.padded_without_mask(left, None) and not mixin.padded_without_mask(left[:1], 0)
+    warned = []
+    monkeypatch.setattr(mixin.logger, "warning_once", warned.append)
+    model = tiny_model("sdar")
+    model.generation_config.pad_token_id = 0
+    settings = dict(max_new_tokens=4, block_length=4, temperature=0.0, stop_token_ids=[])
+    model.generate(left + 20 * (left > 0), torch.ones_like(left), **settings)
+    assert warned == []
+    model.generate(left + 20 * (left > 0), **settings)
+    assert len(warned) == 1 and "Pass the tokenizer's attention_mask" in warned[0]

@@ -49,6 +49,10 @@ def replay_logprobs(
     if groups is not None:
         unmask_step = groups
     valid, generated = trajectory_layout(prompt_mask, sequences.shape[1] - prompt_mask.shape[1])
+    if bool(((unmask_step >= 0) & ~generated).any()):  # a mask over the whole sequence made every token "prompt"
+        raise ValueError(f"unmask_step marks tokens the sampler committed within the first {prompt_mask.shape[1]} "
+                         "columns, which prompt_mask makes the prompt: pass the prompt's attention mask (the one "
+                         "given to generate()), not a mask over the whole sequence.")
     # prompt padding may hold any id (generate() copies it through): the forward must not look it up
     sequences = sequences.masked_fill(~valid, model.mask_token_id)
     prompt = valid & ~generated  # the prompt's real tokens: what guidance's unconditional input masks

@@ -67,6 +67,17 @@ def _token_ids(name: str, value) -> list[int]:
     return [_integer(name, item) for item in items]
 
 
+def padded_without_mask(input_ids: object, pad_token_id: int | None) -> bool:
+    """Whether a batch given without its attention mask looks padded: its rows start (left padding) or end (right
+    padding) with different numbers of ``pad_token_id``. Equal numbers are no sign of padding: a pad token that is
+    also the BOS token starts every row once."""
+    if pad_token_id is None or not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or len(input_ids) < 2:
+        return False
+    is_pad = (input_ids == pad_token_id).int()
+    leading, trailing = is_pad.cumprod(1).sum(1), is_pad.flip(1).cumprod(1).sum(1)
+    return bool((leading != leading[0]).any() or (trailing != trailing[0]).any())
+
+
 class DiffusionGenerationMixin:
     """Adds diffusion ``generate`` to a model that implements ``DiffusionModelMixin``."""
 
@@ -317,6 +328,11 @@ class DiffusionGenerationMixin:
             drop_adapter_name_hooks(self)
             raise
 
+    def _pad_token_id(self) -> int | None:
+        """The pad token's id: the generation config's, else the model config's."""
+        pad = getattr(self.generation_config, "pad_token_id", None)
+        return pad if pad is not None else getattr(self.config, "pad_token_id", None)
+
     def _generate(self, input_ids: torch.LongTensor, attention_mask: torch.Tensor | None, **kwargs):
         """``generate``'s body (see there)."""
         generator = kwargs.pop("generator", None)
@@ -335,6 +351,10 @@ class DiffusionGenerationMixin:
                 attention_mask = attention_mask.repeat_interleave(copies, 0)
         width = input_ids.shape[-1] if isinstance(input_ids, torch.Tensor) and input_ids.dim() else 0
         settings, return_dict = self._resolve_settings(kwargs, width)
+        if attention_mask is None and padded_without_mask(input_ids, self._pad_token_id()):
+            logger.warning_once("generate() got no attention_mask, but the rows of input_ids start or end with "
+                                f"different numbers of the pad token (id {self._pad_token_id()}): its padding is read "
+                                "as prompt. Pass the tokenizer's attention_mask.")
         if copies > 1 and not settings.draws_randomness:
             raise ValueError(f"num_return_sequences={copies} with greedy decoding would return {copies} identical "
                              "copies of each sequence (transformers refuses it too): sample (a temperature > 0, "

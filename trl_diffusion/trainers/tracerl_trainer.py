@@ -152,6 +152,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                              "TraceRLTrainer: its rollouts are diffusion trajectories from model.generate(), and "
                              "the trainer scores exactly the states they record.")
         _check_datasets(given.get("train_dataset"), given.get("eval_dataset"), args)
+        _check_reward_names(reward_funcs)
         kl_to_old = args.beta != 0.0 and args.kl_reference == "old_policy"
         own_reference = args.beta != 0.0 and args.kl_reference == "reference_model" and not isinstance(model, str) \
             and not _is_peft(model) and given.get("peft_config") is None
@@ -1303,6 +1304,19 @@ def _is_number(value) -> bool:
     except (TypeError, ValueError):
         return False
     return True
+
+
+def _check_reward_names(reward_funcs: object) -> None:
+    """Refuse a string naming one of :data:`trl_diffusion.rewards.REWARD_FUNCTIONS` (the command line's names):
+    TRL reads a string as a reward model's Hub id or folder, so it went to the Hub (a long wait and an ``OSError``
+    offline) instead of calling the function."""
+    from ..rewards import REWARD_FUNCTIONS
+
+    for name in [reward_funcs] if isinstance(reward_funcs, str) else list(reward_funcs or []):
+        if isinstance(name, str) and name in REWARD_FUNCTIONS and not os.path.exists(name):
+            raise ValueError(f"reward_funcs: {name!r} names a trl_diffusion reward function; pass the function "
+                             f"(from trl_diffusion.rewards import {name}). TRL reads a string as a reward model's Hub "
+                             "id or folder.")
 
 
 def _grpo_arguments(pos: tuple, kwargs: dict) -> dict:
