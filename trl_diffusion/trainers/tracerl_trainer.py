@@ -1312,7 +1312,8 @@ def _check_reward_names(reward_funcs: object) -> None:
     offline) instead of calling the function."""
     from ..rewards import REWARD_FUNCTIONS
 
-    for name in [reward_funcs] if isinstance(reward_funcs, str) else list(reward_funcs or []):
+    names = reward_funcs if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]  # one, or a list (TRL's)
+    for name in names:
         if isinstance(name, str) and name in REWARD_FUNCTIONS and not os.path.exists(name):
             raise ValueError(f"reward_funcs: {name!r} names a trl_diffusion reward function; pass the function "
                              f"(from trl_diffusion.rewards import {name}). TRL reads a string as a reward model's Hub "
