@@ -153,7 +153,7 @@ def test_help_states_each_default_once_and_describes_the_no_switches(capsys):
     assert "(default: the embedded tiny model). (default: None)" not in text
     assert "Model path or Hub id (default: the embedded tiny model)." in text
     assert "--no_progress, --no-progress Same as --progress false." in text
-    assert "Show a progress bar. (default: True)" in text  # a default the help does not state is still shown
+    assert "while the model loads. (default: True)" in text  # a default the help does not state is still shown
 
 
 DOCS = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").glob("*.md"))]
