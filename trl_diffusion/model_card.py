@@ -21,7 +21,6 @@ FRAMEWORK_VERSIONS = "### Framework versions\n\n"
 REGISTER = "import trl_diffusion  # registers the SDAR / LLaDA / Dream model classes with transformers\n"
 NO_BASE_MODEL = "This model is a fine-tuned version of [None](https://huggingface.co/None)"
 """TRL's sentence where its ``base_model`` is None: a base model that is a local folder, or has no name."""
-EMBEDDED_NAME = "tiny-sdar-arithmetic"
 EMBEDDED_PROMPT = "What is 123+456?\n"
 """A prompt in the embedded model's format (``assets.EMBEDDED_FORMAT``: plain, no chat template)."""
 EMBEDDED_NEW_TOKENS = 16
@@ -55,7 +54,7 @@ def base_model_sentence(name_or_path: str | None) -> str:
     if not name_or_path:
         return "This model was fine-tuned from a model that was not loaded from a saved checkpoint"
     path = Path(str(name_or_path)).expanduser().resolve()
-    embedded = (f"`{EMBEDDED_NAME}`, the tiny SDAR model shipped with trl_diffusion "
+    embedded = (f"`{EMBEDDED_MODEL.name}`, the tiny SDAR model shipped with trl_diffusion "
                 "(`trl_diffusion.assets.EMBEDDED_MODEL`)")
     if path == EMBEDDED_MODEL.resolve():
         return f"This model is a fine-tuned version of {embedded}"
