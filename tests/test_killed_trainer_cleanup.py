@@ -171,15 +171,18 @@ holder.sleep(100)
 """
 
 
-def _python_for(launcher: list[str]) -> str | None:
-    """An interpreter the sandbox runs with ``launcher`` (as root without namespaces, its per-run uid must be able to
-    read it: this one may be under /root), or None."""
+def _start_launched_trainer(program: str, launcher: list[str]) -> subprocess.Popen | None:
+    """A trainer running ``program`` with ``launcher``, started with the first interpreter the sandbox runs with that
+    launcher (as root without namespaces, its per-run uid must be able to read it: this one may be under /root), once
+    its first run passed; or None. (The trainer's first run is the probe: no separate process per interpreter.)"""
     for python in (sys.executable, shutil.which("python3", path="/usr/bin:/bin")):
         if python:
-            done = subprocess.run([sys.executable, "-c", _LAUNCHED_TRAINER, "pass", python, *launcher],
-                                  capture_output=True, text=True, timeout=120)
-            if done.stdout.split()[:1] == ["ok"]:
-                return python
+            trainer = subprocess.Popen([sys.executable, "-c", _LAUNCHED_TRAINER, program, python, *launcher],
+                                       stdout=subprocess.PIPE, text=True)
+            if trainer.stdout.readline().strip() == "ok":
+                return trainer
+            trainer.kill()
+            trainer.wait()
     return None
 
 
@@ -208,15 +211,11 @@ def test_a_killed_trainers_run_ends_with_its_forks_and_a_program_holding_the_int
             pytest.skip("no PID namespace on this machine")
         without_setpriv = found[found.index("--pdeathsig") + 2:] if "--pdeathsig" in found else found
         prefix = found if launcher == "default" else without_setpriv
-    python = _python_for(prefix)
-    if python is None:
-        pytest.skip("no interpreter runs in the sandbox with this launcher here")
     marker = "kt" + secrets.token_hex(5)
-    program = _FORKED_AND_HOLDING.format(marker=marker, disarm=disarm)
-    trainer = subprocess.Popen([sys.executable, "-c", _LAUNCHED_TRAINER, program, python, *prefix],
-                               stdout=subprocess.PIPE, text=True)
+    trainer = _start_launched_trainer(_FORKED_AND_HOLDING.format(marker=marker, disarm=disarm), prefix)
+    if trainer is None:
+        pytest.skip("no interpreter runs in the sandbox with this launcher here")
     try:
-        assert trainer.stdout.readline().strip() == "ok"
         deadline = time.monotonic() + 60
         while len(pids_named(marker)) < 2:
             assert time.monotonic() < deadline and trainer.poll() is None, "the program never forked"
