@@ -23,6 +23,13 @@ def family(request):
     return request.param
 
 
+@pytest.fixture
+def in_tmp_path(tmp_path, monkeypatch):
+    """Run the test in its own temporary folder: for tests whose trainers write into a relative ``output_dir``
+    ("unused"), which would otherwise land in the folder pytest was started from."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture(autouse=True)
 def seeded():
     """Every test starts from the same global random state (torch, random, numpy), whatever ran before it, so a

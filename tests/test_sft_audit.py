@@ -22,6 +22,8 @@ from trl_diffusion.trainers.diffusion_losses import (
     scorable,
 )
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # their trainers write into output_dir="unused"
+
 
 @pytest.mark.parametrize("settings", [dict(diffusion_objective="trajectory"), dict(packing=True, max_length=100)],
                          ids=["trajectory", "packing"])

@@ -28,6 +28,8 @@ from trl_diffusion.trainers.diffusion_losses import (
     sample_generators,
 )
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # their trainers write into output_dir="unused"
+
 LOW, HIGH = 0.1, 0.9
 OFFICIAL = dict(mask_ratio_range=[LOW, HIGH], mask_ratio_sampling="per_token", loss_weighting="none")
 

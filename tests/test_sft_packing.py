@@ -15,6 +15,8 @@ from trl_diffusion.trainers import DiffusionSFTTrainer, diffusion_losses
 from trl_diffusion.trainers import sft_trainer as sft_trainer_module
 from trl_diffusion.trainers.diffusion_losses import build_objective, count_loss_tokens, sample_generators
 
+pytestmark = pytest.mark.usefixtures("in_tmp_path")  # their trainers write into output_dir="unused"
+
 MORE_PAIRS = PAIRS + [("What is 3+4?", "\\boxed{7}"), ("Say hi.", "hello there friend")]
 
 
