@@ -12,7 +12,7 @@ import pytest
 import torch
 from datasets import Dataset
 from numerics import assert_close_fp32
-from transformers import BertConfig
+from transformers import AutoModelForCausalLM, BertConfig
 
 from trl_diffusion.states import (
     attention_mask_from_positions,
@@ -224,8 +224,10 @@ def test_save_load_round_trip_and_policy_initialisation(tmp_path, family):
     from_path = DiffusionValueModel.load(str(tmp_path / "policy"))  # a policy checkpoint: copy its backbone
     assert bool((from_path.value_head.weight == 0).all())
     assert isinstance(DiffusionValueModel.load(str(tmp_path / "value")), DiffusionValueModel)
-    with pytest.raises(ValueError, match="does not match"):  # a policy checkpoint is not a value checkpoint
+    with pytest.raises(ValueError, match="does not match .*It holds a policy .*DiffusionValueModel.from_policy"):
         DiffusionValueModel.from_pretrained(tmp_path / "policy")
+    with pytest.raises(ValueError, match="does not match .*It holds a value model .*ValueModel.from_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "value")
 
 
 # ------------------------------------------------------------------------------------------------ warm start

@@ -606,6 +606,19 @@ def router_logits_requested(config, requested: bool | None) -> bool | None:
     return bool(config.output_router_logits if requested is None else requested)
 
 
+def mismatched_checkpoint_hint(bad_keys: dict[str, list[str]]) -> str:
+    """What a checkpoint whose keys do not fit the model most likely is, and how to load it: a value model's (its
+    ``value_head.weight``) loaded as a policy, a policy's loaded as a value model, or neither."""
+    if "value_head.weight" in bad_keys.get("unexpected_keys", []):
+        return ("It holds a value model (value_head.weight; TraceRL saves one in <output_dir>/value_model beside the "
+                "policy): load it with trl_diffusion.DiffusionValueModel.from_pretrained.")
+    if "value_head.weight" in bad_keys.get("missing_keys", []):
+        return ("It holds a policy (no value_head.weight): start a value model from it with "
+                "DiffusionValueModel.from_policy, or DiffusionValueModel.load, which picks for you.")
+    return ("Check that the checkpoint is a released SDAR/TraDo(-MoE), LLaDA(-MoE) or Dream/DiffuCoder model with its "
+            "original key names.")
+
+
 class DiffusionPreTrainedModel(PreTrainedModel):
     """Shared ``PreTrainedModel`` settings and weight init for our families."""
 
@@ -640,11 +653,8 @@ class DiffusionPreTrainedModel(PreTrainedModel):
         bad = {k: sorted(info.get(k) or []) for k in checked}
         bad = {k: v for k, v in bad.items() if v}
         if bad:
-            raise ValueError(
-                f"the checkpoint does not match {cls.__name__} ({model.config.model_type}): {bad}. Check that the "
-                "checkpoint is a released SDAR/TraDo(-MoE), LLaDA(-MoE) or Dream/DiffuCoder model with its original "
-                "key names."
-            )
+            raise ValueError(f"the checkpoint does not match {cls.__name__} ({model.config.model_type}): {bad}. "
+                             f"{mismatched_checkpoint_hint(bad)}")
         return (model, info) if want_info else model
 
     def _init_weights(self, module: nn.Module) -> None:
