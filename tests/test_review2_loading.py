@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+from numerics import assert_close_fp32
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -217,6 +218,28 @@ def test_released_dream_generation_config_survives_save_and_trl_changes(tmp_path
         assert settings.denoising_steps == expected.denoising_steps and settings.eps == expected.eps
         assert reloaded._resolve_settings({"temperature": 0.5})[0].temperature == 0.5
     assert reloaded.generation_config.pad_token_id == 4
+
+
+def test_a_released_sdar_checkpoint_decodes_with_its_exact_cache_by_default(tmp_path):
+    """The released SDAR/TraDo files leave ``use_cache`` unset in generation_config.json (and false in config.json):
+    ``generate()`` still takes SDAR's exact cache by default (one forward more than the steps, the prefill), with the
+    tokens and log-probs of decoding without it; under classifier-free guidance the default is no cache, and only a
+    cache asked for is an error. LLaDA / Dream decode without a cache by default."""
+    write_released("sdar", tmp_path / "sdar")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "sdar", dtype=torch.float32)  # the release says bf16
+    assert model._resolve_settings({})[0].cache_mode == "exact"
+    prompt = torch.randint(5, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    greedy = dict(max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    cached, uncached = model.generate(prompt, **greedy), model.generate(prompt, use_cache=False, **greedy)
+    assert cached.num_forward_passes == uncached.num_forward_passes + 1
+    assert torch.equal(cached.sequences, uncached.sequences)
+    assert_close_fp32(cached.token_logprobs, uncached.token_logprobs)
+    assert model._resolve_settings({"cfg_scale": 1.0})[0].cache_mode == "none"
+    with pytest.raises(ValueError, match="classifier-free guidance .* pass use_cache=False"):
+        model.generate(prompt, cfg_scale=1.0, use_cache=True, max_new_tokens=4)
+    for family in ("llada", "dream"):
+        write_released(family, tmp_path / family)
+        assert AutoModelForCausalLM.from_pretrained(tmp_path / family)._resolve_settings({})[0].cache_mode == "none"
 
 
 # ------------------------------------------------------------------------------------------------------ tokenizers

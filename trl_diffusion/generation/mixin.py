@@ -116,8 +116,7 @@ class DiffusionGenerationMixin:
         block = self.block_size or 32
         return {"max_new_tokens": 128, "block_length": block,
                 "remasking_strategy": "low_confidence_static", "confidence_threshold": 0.9,
-                "top_k": None, "top_p": None, "use_cache": False, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0,
-                "cuda_graphs": "auto"}
+                "top_k": None, "top_p": None, "alg_temp": None, "eps": 1e-3, "cfg_scale": 0.0, "cuda_graphs": "auto"}
 
     def _resolve_settings(self, kwargs: dict, prompt_width: int = 0) -> tuple[SamplingSettings, bool]:
         """Each argument from the call, else ``generation_config``, else the family default. ``prompt_width``: the
@@ -189,7 +188,12 @@ class DiffusionGenerationMixin:
                 else:
                     steps = steps_for_dream(max_new_tokens if dream_steps is None else _integer("steps", dream_steps),
                                             max_new_tokens, block_length)
-        use_cache = pick("use_cache")
+        cfg_scale = checked_cfg_scale(pick("cfg_scale"))
+        # unset in the call and the generation configs (the released SDAR/TraDo generation_config.json): SDAR's exact
+        # cache (the same tokens, fewer operations), as transformers' generate() defaults to its cache; none under
+        # classifier-free guidance, which runs without one. On LLaDA / Dream True means none: their approximate
+        # caches are opt-in by name
+        use_cache = pick("use_cache", not cfg_scale)
         if isinstance(use_cache, str):
             cache_mode = use_cache
         elif use_cache and self.block_size is not None:
@@ -242,7 +246,7 @@ class DiffusionGenerationMixin:
             remasking_strategy=strategy, confidence_threshold=pick("confidence_threshold"),
             temperature=float(temperature or 0.0), top_k=top_k, top_p=top_p, cache_mode=cache_mode,
             stop_token_ids=tuple(stop), schedule=schedule, eps=float(pick("eps")),
-            alg_temp=alg_temp, cfg_scale=checked_cfg_scale(pick("cfg_scale")),
+            alg_temp=alg_temp, cfg_scale=cfg_scale,
             gumbel_float64=self.config.model_type == "llada", raw_confidence=self.config.model_type == "llada",
             top_p_first=self.top_p_first,
             pad_token_id=_integer("pad_token_id", pad),
@@ -295,10 +299,11 @@ class DiffusionGenerationMixin:
         (``sequential``, ``low_confidence_static``, ``low_confidence_dynamic``, ``random``, ``topk_margin``,
         ``entropy``); ``confidence_threshold`` (dynamic); ``temperature`` (0 = greedy, else at least
         ``MIN_TEMPERATURE``, 1e-5; ``do_sample=False`` is greedy too; greedy when neither it nor ``do_sample`` is
-        set anywhere, as in transformers); ``top_k``; ``top_p``; ``use_cache`` (True = SDAR's exact cache; for
-        LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn on the approximate Fast-dLLM-style caches, so a
-        config's ``use_cache: true`` never changes their output); ``eos_token_id`` / ``stop_token_ids`` (each row
-        stops after the block in which it produced one); ``cfg_scale`` (LLaDA classifier-free guidance); Dream's
+        set anywhere, as in transformers); ``top_k``; ``top_p``; ``use_cache`` (True = SDAR's exact cache, the default
+        there unless ``cfg_scale`` is set; for LLaDA/Dream only the names ``"prefix"`` / ``"dual"`` turn on the
+        approximate Fast-dLLM-style caches, so a config's ``use_cache: true`` never changes their output);
+        ``eos_token_id`` / ``stop_token_ids`` (each row stops after the block in which it produced one);
+        ``cfg_scale`` (LLaDA classifier-free guidance); Dream's
         own ``steps``, ``alg``, ``alg_temp``, ``eps`` (linspace schedule; without ``block_length``, one block on
         LLaDA/Dream, the model's block size on SDAR; a generation config's ``alg_temp`` applies only with a Dream
         ``alg``, a call's to any strategy but ``sequential``, and ``low_confidence_dynamic`` keeps its threshold
