@@ -317,6 +317,23 @@ def test_sft_resume_keeps_counting_tokens(sft_resume):
     assert_same_metrics(resumed.state.log_history, full.state.log_history, skip=frozenset({"train_loss"}))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("job", ["tracerl_value", "sft"])
+def test_resume_in_bf16_is_exact(tmp_path, monkeypatch, job):
+    """In bfloat16 (bf16 weights, as released checkpoints load, under ``bf16=True`` autocast, TRL's default on a GPU),
+    a run resumed from a checkpoint (TraceRL's inside a generation cycle, with a value model) ends where the
+    uninterrupted one ended: its saved rollout, value and optimizer state come back at their own precision (a cast
+    on the way would move the weights by bf16's rounding step, 2**-8 of their size)."""
+    policy = train.tiny_policy
+    monkeypatch.setattr(train, "tiny_policy", lambda *args, **kwargs: policy(*args, **kwargs).to(torch.bfloat16))
+    cycle = {"num_iterations": 2} if job == "tracerl_value" else {}
+    full, resumed, a, b = stop_and_resume(tmp_path, job, stop=1, bf16=True, **cycle)
+    assert full.model.dtype == resumed.model.dtype == torch.bfloat16
+    assert_same_parameters(a, b)
+    assert_same_metrics(resumed.state.log_history, full.state.log_history, rel=1e-6,
+                        skip=frozenset({"train_loss", "num_tokens"}))
+
+
 # --------------------------------------------------------------------------------------- accelerate configs
 
 
