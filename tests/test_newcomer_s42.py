@@ -67,8 +67,8 @@ def test_several_processes_that_accelerate_would_start_as_one_are_refused(capsys
 def test_a_recipe_of_another_command_is_refused_naming_its_own(capsys, launches):  # noqa: F811
     assert run(["sft", "--config", "trado_4b_tracerl_math"]) == 2
     assert one_line_error(capsys, "trl-diffusion sft").endswith(
-        "--config trado_4b_tracerl_math is a recipe of trl-diffusion math, not of trl-diffusion sft: run "
-        "trl-diffusion math --config trado_4b_tracerl_math.")
+        "--config trado_4b_tracerl_math is a recipe of trl-diffusion math (examples/math.py), not of trl-diffusion "
+        "sft: run trl-diffusion math --config trado_4b_tracerl_math.")
     assert run(["math", "--config", "diffucoder_7b_coupled_code"]) == 2  # its keys fit: it would have run
     assert "run trl-diffusion code --config diffucoder_7b_coupled_code" in one_line_error(capsys, "trl-diffusion math")
     assert run(["eval", "--config", "trado_4b_tracerl_math"]) == 2

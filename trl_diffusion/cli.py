@@ -12,7 +12,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 from .command_line import (
     check_config_values,
@@ -23,7 +22,7 @@ from .command_line import (
     one_line_errors,
 )
 from .launching import leave_launch
-from .scripts.utils import parse_script_args, run_script
+from .scripts.utils import TRAINING_SCRIPTS, check_recipe_command, parse_script_args, run_script
 
 USAGE = ("usage: trl-diffusion <command> [options]   (trl-diffusion <command> --help for its options; "
          "trl-diffusion --version)")
@@ -153,10 +152,6 @@ def diffusion_environment() -> dict[str, str]:
     return report
 
 
-TRAINING_SCRIPTS = {"sft": "sft", "math": "tracerl_math", "code": "tracerl_code"}
-"""The training commands' modules in :mod:`trl_diffusion.scripts` (not ``math`` / ``code``: a script run by its path
-would have its folder first on the import path, where those names hide the standard library's modules)."""
-
 
 def train(name: str, argv: list[str]) -> int:
     """Run the training script of command ``name`` (:data:`TRAINING_SCRIPTS`; what ``examples/<name>.py`` runs).
@@ -186,24 +181,6 @@ def train(name: str, argv: list[str]) -> int:
                      "NAME|FILE, --mixed_precision, ...) go to accelerate launch, which runs the script.")
     parse_script_args(parser, script_args, launching=True)  # -h prints the help; a mistake: one line, exit 2
     return launch(prog, [*launch_args, "--module", "trl_diffusion.cli", name, *script_args])
-
-
-def check_recipe_command(name: str, argv: Sequence[str]) -> None:
-    """Refuse a shipped recipe given to another training command than its own (``trl-diffusion sft --config
-    trado_4b_tracerl_math``): its keys failed as unknown ones, or, between ``math`` and ``code``, it would have run
-    with the other script's data and reward."""
-    from .recipes import RECIPES_DIR, recipe_command
-
-    try:
-        args = config_flag(argv, recipes=True)
-    except ValueError:  # no file after --config, no such recipe: the script's parsing says so
-        return
-    if "--config" not in args:
-        return
-    path = Path(args[args.index("--config") + 1]).resolve()
-    if path.parent == RECIPES_DIR and (command := recipe_command(path.stem)) != name:
-        raise ValueError(f"--config {path.stem} is a recipe of trl-diffusion {command}, not of trl-diffusion {name}: "
-                         f"run trl-diffusion {command} --config {path.stem}.")
 
 
 def _sft(argv: list[str]) -> int:

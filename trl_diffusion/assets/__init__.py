@@ -27,7 +27,7 @@ EMBEDDED_CHAT_TEMPLATE = EMBEDDED_FORMAT == "conversational"
 
 __all__ = [
     "EMBEDDED_ARCHITECTURE", "EMBEDDED_CHAT_TEMPLATE", "EMBEDDED_FORMAT", "EMBEDDED_MODEL", "EMBEDDED_TASK",
-    "check_hub_model_cached", "is_embedded_model", "resolve_model_path",
+    "check_hub_model_cached", "check_model_folder", "is_embedded_model", "resolve_model_path",
 ]
 
 
@@ -70,6 +70,23 @@ def check_hub_model_cached(name: str, revision: str | None = None, file_name: st
                          f"(HF_HUB_OFFLINE=1): download it first (`hf download {name}{flag}`) or pass a local "
                          "directory.")
 
+
+
+def check_model_folder(path: str) -> None:
+    """Raise ``ValueError`` for a local directory that holds neither a model (``config.json``) nor a PEFT adapter
+    (``adapter_config.json``), naming its subfolders that hold one (``--model_name_or_path outputs`` for
+    ``outputs/math``, a run's ``checkpoint-*``): loading it failed on the tokenizer, with a traceback per process. A
+    Hub id (no such directory) passes."""
+    folder = Path(path).expanduser()
+    if not folder.is_dir() or _holds_model(folder):
+        return
+    inside = sorted(str(sub.relative_to(folder)) for sub in folder.iterdir() if sub.is_dir() and _holds_model(sub))
+    hint = f"; these subfolders do: {', '.join(inside)}" if inside else ""
+    raise ValueError(f"{path} holds no model: no config.json, and no adapter_config.json of a PEFT adapter{hint}.")
+
+
+def _holds_model(folder: Path) -> bool:
+    return (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()
 
 EMBEDDED_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads", "num_key_value_heads", "head_dim", "block_size", "mask_token_id")

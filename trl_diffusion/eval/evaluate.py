@@ -392,10 +392,13 @@ def check_before_loading(config: EvalConfig, loads_model: bool = True) -> None:
 
 def _check_loadable(config: EvalConfig) -> None:
     """What :func:`load_model_and_tokenizer` will need, checked before the dataset loads: the model and tokenizer
-    (a path must be a directory, and not a saved value model's: :func:`_check_not_value_model`; a Hub id must be
-    cached while the Hub is offline) and a CUDA ``device`` that exists here."""
-    from ..assets import check_hub_model_cached, resolve_model_path
+    (a path must be a directory holding a model, ``check_model_folder``, and not a saved value model's:
+    :func:`_check_not_value_model`; a Hub id must be cached while the Hub is offline) and a CUDA ``device`` that
+    exists here."""
+    from ..assets import check_hub_model_cached, check_model_folder, resolve_model_path
 
+    if config.model_name_or_path:
+        check_model_folder(resolve_model_path(config.model_name_or_path))
     for name, file_name in ((config.model_name_or_path, "config.json"),
                             (config.tokenizer_name_or_path, "tokenizer_config.json")):
         if name:

@@ -15,6 +15,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from ..command_line import (
@@ -187,8 +188,9 @@ def evaluation_split(script_args: Any, args: Any, held_out: Any = None,
 
 def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = frozenset()) -> None:
     """Validate what a script is about to load, before it loads anything: every ``model_name_or_path`` (a path
-    that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so does a Hub id missing
-    from the cache while the Hub is offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
+    that names no directory fails, see :func:`trl_diffusion.assets.resolve_model_path`; so do a directory that holds
+    no model, :func:`trl_diffusion.assets.check_model_folder`, and a Hub id missing from the cache while the Hub is
+    offline, :func:`trl_diffusion.assets.check_hub_model_cached`), a
     ``dataset_name`` that names a local file (it must exist, without a ``dataset_config``) or is one of
     :data:`EVAL_ONLY_NAMES`, ``reward_funcs`` (a list of names, each a reward function, :func:`find_reward`), no
     flag of ``UNUSED_MODEL_FLAGS``, a ``save_steps`` that would save nothing (:func:`check_save_steps_apply`;
@@ -197,13 +199,15 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
     ``model_name_or_path``, a ``report_to`` that transformers knows (:func:`check_report_to`) and an ``output_dir``
     that is no file. A single module name in ``lora_target_modules`` (which TRL turns into a string, a pattern for
     peft) is made a one-element list."""
-    from ..assets import check_hub_model_cached, resolve_model_path
+    from ..assets import check_hub_model_cached, check_model_folder, resolve_model_path
     from ..data.loading import check_local_file_type, is_local_file_name
 
     for args in parsed:
         if getattr(args, "model_name_or_path", None):
+            check_model_folder(resolve_model_path(args.model_name_or_path))
             check_hub_model_cached(resolve_model_path(args.model_name_or_path), getattr(args, "model_revision", None))
         if getattr(args, "value_model", None):  # examples/math.py: a saved value model or a policy checkpoint
+            check_model_folder(resolve_model_path(args.value_model))
             check_hub_model_cached(resolve_model_path(args.value_model))
         check_report_to(getattr(args, "report_to", None))
         output_dir = getattr(args, "output_dir", None)
@@ -438,12 +442,41 @@ def finish_script(trainer: Any, dataset_name: str | None, result: dict[str, Any]
     return result
 
 
+TRAINING_SCRIPTS = {"sft": "sft", "math": "tracerl_math", "code": "tracerl_code"}
+"""The training commands' modules in :mod:`trl_diffusion.scripts` (not ``math`` / ``code``: a script run by its path
+would have its folder first on the import path, where those names hide the standard library's modules)."""
+
+def check_recipe_command(name: str, argv: Sequence[str]) -> None:
+    """Refuse a shipped recipe given to another training command than its own (``trl-diffusion sft --config
+    trado_4b_tracerl_math``, or ``examples/sft.py`` given it): its keys failed as unknown ones, or, between ``math``
+    and ``code``, it would have run with the other script's data and reward."""
+    from ..recipes import RECIPES_DIR, recipe_command
+
+    try:
+        args = config_flag(argv, recipes=True)
+    except ValueError:  # no file after --config, no such recipe: the script's parsing says so
+        return
+    if "--config" not in args:
+        return
+    path = Path(args[args.index("--config") + 1]).resolve()
+    if path.parent == RECIPES_DIR and (command := recipe_command(path.stem)) != name:
+        raise ValueError(f"--config {path.stem} is a recipe of trl-diffusion {command} (examples/{command}.py), not "
+                         f"of trl-diffusion {name}: run trl-diffusion {command} --config {path.stem}.")
+
+
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
     """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
     :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.
     A run on another model than the embedded one that keeps the example's tiny-model sizes, or trains on the synthetic
     task (no ``dataset_name``), says so on stderr (main process only): e.g. 16-token completions would cut every
     answer of a real model."""
+    command = next((name for name, module in TRAINING_SCRIPTS.items() if main.__module__.endswith(f".{module}")), None)
+    try:  # trl-diffusion <command> checked this before its launch; examples/<command>.py did not
+        if command is not None:
+            check_recipe_command(command, sys.argv[1:] if argv is None else argv)
+    except ValueError as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        sys.exit(2)
     defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
     kept = embedded_defaults_in_use(defaults, parsed)
