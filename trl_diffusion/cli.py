@@ -152,7 +152,6 @@ def diffusion_environment() -> dict[str, str]:
     return report
 
 
-
 def train(name: str, argv: list[str]) -> int:
     """Run the training script of command ``name`` (:data:`TRAINING_SCRIPTS`; what ``examples/<name>.py`` runs).
 

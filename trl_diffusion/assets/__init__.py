@@ -71,7 +71,6 @@ def check_hub_model_cached(name: str, revision: str | None = None, file_name: st
                          "directory.")
 
 
-
 def check_model_folder(path: str) -> None:
     """Raise ``ValueError`` for a local directory that holds neither a model (``config.json``) nor a PEFT adapter
     (``adapter_config.json``), naming its subfolders that hold one (``--model_name_or_path outputs`` for
@@ -87,6 +86,7 @@ def check_model_folder(path: str) -> None:
 
 def _holds_model(folder: Path) -> bool:
     return (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file()
+
 
 EMBEDDED_ARCHITECTURE = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                          "num_attention_heads", "num_key_value_heads", "head_dim", "block_size", "mask_token_id")

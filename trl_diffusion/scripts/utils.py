@@ -446,6 +446,7 @@ TRAINING_SCRIPTS = {"sft": "sft", "math": "tracerl_math", "code": "tracerl_code"
 """The training commands' modules in :mod:`trl_diffusion.scripts` (not ``math`` / ``code``: a script run by its path
 would have its folder first on the import path, where those names hide the standard library's modules)."""
 
+
 def check_recipe_command(name: str, argv: Sequence[str]) -> None:
     """Refuse a shipped recipe given to another training command than its own (``trl-diffusion sft --config
     trado_4b_tracerl_math``, or ``examples/sft.py`` given it): its keys failed as unknown ones, or, between ``math``
@@ -469,7 +470,8 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
     :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.
     A run on another model than the embedded one that keeps the example's tiny-model sizes, or trains on the synthetic
     task (no ``dataset_name``), says so on stderr (main process only): e.g. 16-token completions would cut every
-    answer of a real model."""
+    answer of a real model. A shipped recipe of another command than ``main``'s is refused first
+    (:func:`check_recipe_command`), as ``trl-diffusion <command>`` refuses it before its launch."""
     command = next((name for name, module in TRAINING_SCRIPTS.items() if main.__module__.endswith(f".{module}")), None)
     try:  # trl-diffusion <command> checked this before its launch; examples/<command>.py did not
         if command is not None:
