@@ -9,6 +9,7 @@ import pytest
 from example_scripts import load_example
 
 from trl_diffusion.assets import EMBEDDED_MODEL
+from trl_diffusion.command_line import command_line_options
 from trl_diffusion.scripts.utils import embedded_defaults_in_use, example_defaults, run_script
 from trl_diffusion.testing import tiny_model
 
@@ -31,18 +32,26 @@ def other_model(tmp_path_factory) -> str:
 
 
 def kept(name: str, argv: list[str]) -> list[str]:
+    """What ``run_script`` names: the example's defaults still in use, less the options the command line sets."""
     parser = example_parser(name)
     defaults = example_defaults(parser)
-    return embedded_defaults_in_use(defaults, parser.parse_args_and_config(args=[*argv, *CPU]))
+    return embedded_defaults_in_use(defaults, parser.parse_args_and_config(args=[*argv, *CPU]),
+                                    command_line_options(parser, [*argv, *CPU]))
 
 
 @pytest.mark.parametrize("name,expected", [
-    ("math", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64"]),
-    ("code", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64"]),
-    ("sft", ["max_length=64", "learning_rate=0.0005", "per_device_train_batch_size=32"]),
+    ("math", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64", "beta=0.0",
+              "max_steps=60"]),
+    ("code", ["max_completion_length=16", "learning_rate=0.0001", "per_device_train_batch_size=64", "beta=0.0",
+              "max_steps=40"]),
+    ("sft", ["max_length=64", "learning_rate=0.0005", "per_device_train_batch_size=32", "max_steps=200"]),
 ])
 def test_another_model_with_the_tiny_sizes_is_named(other_model, name, expected):
+    """Sizes, and TraceRL's KL off, a toy run's length and no bf16 (``--bf16 false`` is given here: not named)."""
     assert sorted(kept(name, ["--model_name_or_path", other_model])) == sorted(expected)
+    parser = example_parser(name)
+    parsed = parser.parse_args_and_config(args=["--model_name_or_path", other_model, "--use_cpu", "true"])
+    assert "bf16=False" in embedded_defaults_in_use(example_defaults(parser), parsed)  # the example's default
     assert kept(name, []) == []  # the embedded model: these are its sizes
     assert kept(name, ["--model_name_or_path", str(EMBEDDED_MODEL)]) == []
 
@@ -57,10 +66,12 @@ def test_a_model_trained_from_the_embedded_one_keeps_its_sizes_quietly(tmp_path)
 
 
 def test_explicit_values_are_not_named(other_model):
+    """Also an explicit value equal to the example's default: the user chose it (it was named before)."""
     assert kept("math", ["--model_name_or_path", other_model, "--max_completion_length", "512",
-                         "--learning_rate", "1e-6", "--per_device_train_batch_size", "8"]) == []
-    assert kept("math", ["--model_name_or_path", other_model, "--learning_rate", "1e-6"]) == [
-        "max_completion_length=16", "per_device_train_batch_size=64"]
+                         "--learning_rate", "1e-6", "--per_device_train_batch_size", "8", "--beta", "0.04",
+                         "--max_steps", "100"]) == []
+    assert kept("math", ["--model_name_or_path", other_model, "--learning_rate", "1e-6", "--beta", "0.0",
+                         "--max_steps", "60"]) == ["max_completion_length=16", "per_device_train_batch_size=64"]
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.stem for r in RECIPES])
@@ -73,11 +84,16 @@ def test_run_script_warns_on_stderr_before_main(other_model, capsys):
     parser = example_parser("math")
     seen = []
     run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser,
-               ["--model_name_or_path", other_model, "--max_completion_length", "256", *CPU])
+               ["--model_name_or_path", other_model, "--max_completion_length", "256", "--beta", "0.01",
+                "--max_steps", "10", *CPU])
     assert ": warning: learning_rate=0.0001, per_device_train_batch_size=64 are this example's defaults" \
         in seen[0]
+    run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser,
+               ["--model_name_or_path", other_model, "--max_completion_length", "256", "--beta", "0.01",
+                "--max_steps", "10", "--learning_rate", "1e-6", *CPU])
+    assert ": warning: per_device_train_batch_size=64 is this example's default for" in seen[1]
     run_script(lambda *parsed: seen.append(capsys.readouterr().err), parser, CPU)
-    assert "warning" not in seen[1]
+    assert "warning" not in seen[2]
 
 
 @pytest.mark.parametrize("name", ["math", "code", "sft"])
@@ -86,8 +102,10 @@ def test_another_model_on_the_synthetic_task_is_named(other_model, name, capsys)
     SDAR-4B-Chat on the synthetic 3-digit arithmetic, silently (the recipe sets every size, so nothing warned)."""
     seen = []
     record = lambda *parsed: seen.append(capsys.readouterr().err)  # noqa: E731
-    sizes = {"sft": ["--max_length", "256", "--learning_rate", "1e-5", "--per_device_train_batch_size", "2"]}.get(
-        name, ["--max_completion_length", "64", "--learning_rate", "1e-6", "--per_device_train_batch_size", "8"])
+    sizes = {"sft": ["--max_length", "256", "--learning_rate", "1e-5", "--per_device_train_batch_size", "2",
+                     "--max_steps", "10"]}.get(
+        name, ["--max_completion_length", "64", "--learning_rate", "1e-6", "--per_device_train_batch_size", "8",
+               "--beta", "0.01", "--max_steps", "10"])
     run_script(record, example_parser(name), ["--model_name_or_path", other_model, *sizes, *CPU])
     assert f": warning: no --dataset_name: {other_model} trains on the synthetic arithmetic task" in seen[0]
     data = Path(other_model).parent / "data.jsonl"

@@ -22,6 +22,7 @@ __all__ = [
     "CODE_HEADER_PROMPT",
     "CODE_PROMPT_PRESETS",
     "MATH_PROMPT",
+    "PRESET_MODEL_TYPES",
     "PROMPT_PRESETS",
     "EvalProblem",
     "detect_format",
@@ -65,6 +66,11 @@ PROMPT_PRESETS: dict[str, str] = {
 ``sample/{trado,sdar,llada,dream}_sample.py`` and ``*_rl_rollout.py`` render them: SDAR / TraDo (``_think``:
 ``start_with_think``), LLaDA, Dream. jinja2 drops the templates' final newline, so they end at ``assistant``
 (``<think>``, ``<|end_header_id|>``). These are the math prompts; code rows get :data:`CODE_PROMPT_PRESETS`."""
+PRESET_MODEL_TYPES: dict[str, tuple[str, ...]] = {
+    "dllm_rl_sdar": ("sdar", "sdar_moe"), "dllm_rl_sdar_think": ("sdar", "sdar_moe"), "dllm_rl_llada": ("llada",),
+    "dllm_rl_dream": ("Dream",),
+}
+"""The ``model_type`` values each :data:`PROMPT_PRESETS` prompt was written for (its chat markup is that family's)."""
 CODE_PROMPT_PRESETS: dict[str, tuple[str, str]] = {
     "dllm_rl_sdar": (_SDAR_TURN.format(_DLLM_RL_FUNCTION) + "\n",
                      _SDAR_TURN.format(_DLLM_RL_STDIO.replace("{space}", ""))),

@@ -45,7 +45,7 @@ from ..rewards.dllm_rl_code import (
 )
 from ..rewards.dllm_rl_math import extract_boxed_answer
 from ..states import CanvasLayout, check_chat_template_kwargs, check_field_types, left_pad, max_positions
-from .datasets import PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
+from .datasets import PRESET_MODEL_TYPES, PROMPT_PRESETS, EvalProblem, load_eval_problems, problems_from_rows
 from .processes import (
     EvalProcesses,
     check_launch_device,
@@ -439,6 +439,17 @@ def _check_not_value_model(name: str, path: str) -> None:
                      f"policy: pass --model_name_or_path the run's output_dir or checkpoint folder{policy}.")
 
 
+def _warn_other_family_preset(prompt_template: str | None, model_type: str) -> None:
+    """Warn when a ``dllm_rl_*`` prompt preset written for another family's chat markup is used on this model (its
+    markup reaches the model as plain text)."""
+    families = PRESET_MODEL_TYPES.get(prompt_template or "")
+    if families is not None and model_type not in families:
+        own = [name for name, types in PRESET_MODEL_TYPES.items() if model_type in types]
+        logger.warning("prompt_template %r is dLLM-RL's prompt for %s models, with their chat markup, but the model "
+                       "is a %s model%s.", prompt_template, " / ".join(families), model_type,
+                       f": its preset is {' or '.join(own)}" if own else "")
+
+
 def _messages(tokenizer: Any, problem: EvalProblem, config: EvalConfig) -> list[dict[str, str]]:
     """The chat of a problem: the optional system message and the user turn."""
     if getattr(tokenizer, "chat_template", None) is None:
@@ -548,6 +559,8 @@ def evaluate(
     settings = _check_model(model, tokenizer, generate_kwargs)
     if _length_unset(model, generate_kwargs) and processes.is_main:
         logger.warning(LENGTH_HINT, settings.max_new_tokens)
+    if processes.is_main:
+        _warn_other_family_preset(config.prompt_template, model.config.model_type)
     if config.num_samples > 1 and _deterministic(settings) and processes.is_main:
         logger.warning("num_samples=%d with greedy decoding: every sample of a problem will be the same.",
                        config.num_samples)

@@ -27,6 +27,7 @@ from trl import ModelConfig, ScriptArguments, TrlParser, get_peft_config
 from trl_diffusion import TraceRLConfig, TraceRLTrainer
 from trl_diffusion.assets import EMBEDDED_CHAT_TEMPLATE, EMBEDDED_FORMAT, EMBEDDED_TASK
 from trl_diffusion.callbacks import HeldOutAccuracyCallback, held_out_curve, save_training_curves
+from trl_diffusion.command_line import UsageError
 from trl_diffusion.data import arithmetic_reward, load_training_dataset, make_problems, to_dataset
 from trl_diffusion.rewards import gold_text
 from trl_diffusion.scripts.utils import (
@@ -146,6 +147,10 @@ def main(script_args: MathScriptArguments, args: TraceRLConfig, model_args: Mode
                                                  chat_template=EMBEDDED_CHAT_TEMPLATE))
     else:
         reward = [load_reward(name, args.max_completion_length) for name in script_args.reward_funcs]
+        if script_args.prompt_template is None and tokenizer.chat_template is None:
+            raise UsageError("the tokenizer has no chat template (a base model's), and without --prompt_template the "
+                             "questions become chat messages: pass --prompt_template with {question} in it, e.g. "
+                             "$'Question: {question}\\nAnswer:'.")
 
     def load(split: str):
         return math_dataset(script_args.dataset_name, script_args.dataset_config, split, script_args.prompt_template)

@@ -361,8 +361,10 @@ def setting_errors():
         raise UsageError(one_line(exc)) from exc
 
 
-EMBEDDED_SCALE_FIELDS = ("max_completion_length", "max_length", "learning_rate", "per_device_train_batch_size")
-"""Settings the examples default for the embedded tiny model that a real model needs its own values of."""
+EMBEDDED_SCALE_FIELDS = ("max_completion_length", "max_length", "learning_rate", "per_device_train_batch_size", "beta",
+                         "max_steps", "bf16")
+"""Settings the examples default for the embedded tiny model that a real model needs its own values of (TraceRL's
+``beta`` 0: no KL; a short toy run; no bf16 mixed precision, which TRL turns on by default)."""
 
 
 def example_defaults(parser: Any) -> dict[str, Any]:
@@ -376,11 +378,13 @@ def _model_name(parsed: Sequence[Any]) -> str | None:
     return next((p.model_name_or_path for p in parsed if hasattr(p, "model_name_or_path")), None)
 
 
-def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) -> list[str]:
+def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any],
+                             given: frozenset[str] = frozenset()) -> list[str]:
     """``name=value`` for each :data:`EMBEDDED_SCALE_FIELDS` setting still at the example's own default
     (``defaults``, from :func:`example_defaults`: one it sets with ``parser.set_defaults`` for the embedded tiny model,
     not the config class's default) in a run on another model (``model_name_or_path`` set, and neither the
-    embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those."""
+    embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those. ``given``:
+    the options the command line sets (:func:`command_line_options`), never named: the user chose that value."""
     from ..assets import is_embedded_model
 
     model = _model_name(parsed)
@@ -393,7 +397,7 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any]) ->
             if name not in fields:
                 continue
             example_default, class_default = defaults[name], fields[name].default
-            if example_default != class_default and getattr(settings, name) == example_default:
+            if name not in given and example_default != class_default and getattr(settings, name) == example_default:
                 kept.append(f"{name}={example_default}")
     return kept
 
@@ -481,10 +485,12 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
         sys.exit(2)
     defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
-    kept = embedded_defaults_in_use(defaults, parsed)
+    kept = embedded_defaults_in_use(defaults, parsed, command_line_options(parser, sys.argv[1:] if argv is None
+                                                                           else argv))
     synthetic_model = synthetic_task_on_other_model(parsed)
     if kept and int(os.environ.get("RANK", "0")) == 0:
-        print(f"{parser.prog}: warning: {', '.join(kept)} are this example's defaults for the embedded tiny model; "
+        verb = "is this example's default" if len(kept) == 1 else "are this example's defaults"
+        print(f"{parser.prog}: warning: {', '.join(kept)} {verb} for the embedded tiny model; "
               "a real model needs its own (the shipped recipes set the published ones: --config <name>, names "
               "listed by trl-diffusion recipes).",
               file=sys.stderr)

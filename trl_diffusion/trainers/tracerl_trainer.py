@@ -178,6 +178,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                 run_output_layer_in_fp32(self.accelerator.unwrap_model(self.ref_model).get_output_embeddings())
         self._mask_token_id = base.mask_token_id  # raises a clear error when the model has no mask token
         check_tokenizer(self._tokenizer, base)
+        self._check_chat_template()
         self._check_prompts_without_mask_token()
         self._check_reward_datasets()
         self.beta = beta
@@ -288,6 +289,18 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                 for split, dataset in self._datasets().items():
                     if isinstance(dataset, Dataset):  # a stream is not read ahead
                         check(dataset, split)
+
+    def _check_chat_template(self) -> None:
+        """Refuse map-style train and eval datasets of chat-message prompts when the tokenizer has no chat template (a
+        base model's): TRL's rollout failed on them at the first batch, steps into training. A stream is not read
+        ahead (its first batch fails with TRL's error)."""
+        if getattr(self._tokenizer, "chat_template", None) is not None:
+            return
+        for split, dataset in self._datasets().items():
+            if isinstance(dataset, Dataset) and _is_list_type(dataset.with_format("arrow")["prompt"].type):
+                raise ValueError(f"the {split} dataset's prompts are chat messages, but the tokenizer has no chat "
+                                 "template (a base model's): give the prompts as text, or use a tokenizer with a "
+                                 "chat template.")
 
     def _check_prompts_without_mask_token(self) -> None:
         """Refuse, naming their rows, the prompts of map-style train and eval datasets that tokenize to the mask id
@@ -1414,6 +1427,12 @@ def _check_prompt_column(dataset, split: str) -> None:
         _check_prompt_values(dataset, split)
 
 
+def _is_list_type(arrow_type: pa.DataType) -> bool:
+    """Whether a ``prompt`` column of this Arrow type holds lists (chat messages), not text."""
+    return any(check(arrow_type) for check in (pa.types.is_list, pa.types.is_large_list, pa.types.is_fixed_size_list,
+                                               pa.types.is_list_view, pa.types.is_large_list_view))
+
+
 def _check_prompt_values(dataset: Dataset, split: str) -> None:
     """Refuse, naming its first rows, a map-style dataset whose prompts are missing (None: a JSON row without the
     key) or empty, or a ``prompt`` column that holds neither text nor conversations: each failed only when its batch
@@ -1422,9 +1441,8 @@ def _check_prompt_values(dataset: Dataset, split: str) -> None:
     column = dataset.with_format("arrow")["prompt"]
     if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
         empty = pc.equal(pc.utf8_length(column), 0)
-    elif (pa.types.is_list(column.type) or pa.types.is_large_list(column.type) or pa.types.is_fixed_size_list(
-            column.type) or pa.types.is_list_view(column.type) or pa.types.is_large_list_view(column.type)) and (
-            pa.types.is_struct(column.type.value_type) or pa.types.is_null(column.type.value_type)):
+    elif _is_list_type(column.type) and (pa.types.is_struct(column.type.value_type)
+                                         or pa.types.is_null(column.type.value_type)):
         empty = pc.equal(pc.list_value_length(column), 0)
     elif pa.types.is_null(column.type):  # every row None
         empty = pc.is_null(column)
