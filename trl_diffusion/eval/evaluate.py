@@ -397,14 +397,14 @@ def _check_loadable(config: EvalConfig) -> None:
     exists here."""
     from ..assets import check_hub_model_cached, check_model_folder, resolve_model_path
 
-    if config.model_name_or_path:
-        check_model_folder(resolve_model_path(config.model_name_or_path))
     for name, file_name in ((config.model_name_or_path, "config.json"),
                             (config.tokenizer_name_or_path, "tokenizer_config.json")):
         if name:
             check_hub_model_cached(resolve_model_path(name), file_name=file_name)
     if config.model_name_or_path:
-        _check_not_value_model(config.model_name_or_path, resolve_model_path(config.model_name_or_path))
+        path = resolve_model_path(config.model_name_or_path)
+        check_model_folder(path)
+        _check_not_value_model(config.model_name_or_path, path)
     device = torch.device(config.device) if config.device else None
     if device is not None and device.type == "cuda":
         if not torch.cuda.is_available():

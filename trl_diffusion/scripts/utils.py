@@ -203,12 +203,13 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
     from ..data.loading import check_local_file_type, is_local_file_name
 
     for args in parsed:
-        if getattr(args, "model_name_or_path", None):
-            check_model_folder(resolve_model_path(args.model_name_or_path))
-            check_hub_model_cached(resolve_model_path(args.model_name_or_path), getattr(args, "model_revision", None))
-        if getattr(args, "value_model", None):  # examples/math.py: a saved value model or a policy checkpoint
-            check_model_folder(resolve_model_path(args.value_model))
-            check_hub_model_cached(resolve_model_path(args.value_model))
+        # the model, and examples/math.py's value model (a saved value model or a policy checkpoint)
+        for name, revision in ((getattr(args, "model_name_or_path", None), getattr(args, "model_revision", None)),
+                               (getattr(args, "value_model", None), None)):
+            if name:
+                path = resolve_model_path(name)
+                check_model_folder(path)
+                check_hub_model_cached(path, revision)
         check_report_to(getattr(args, "report_to", None))
         output_dir = getattr(args, "output_dir", None)
         if output_dir and os.path.isfile(os.path.expanduser(output_dir)):
@@ -476,17 +477,17 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
     task (no ``dataset_name``), says so on stderr (main process only): e.g. 16-token completions would cut every
     answer of a real model. A shipped recipe of another command than ``main``'s is refused first
     (:func:`check_recipe_command`), as ``trl-diffusion <command>`` refuses it before its launch."""
+    given = sys.argv[1:] if argv is None else argv
     command = next((name for name, module in TRAINING_SCRIPTS.items() if main.__module__.endswith(f".{module}")), None)
     try:  # trl-diffusion <command> checked this before its launch; examples/<command>.py did not
         if command is not None:
-            check_recipe_command(command, sys.argv[1:] if argv is None else argv)
+            check_recipe_command(command, given)
     except ValueError as exc:
         print(f"{parser.prog}: error: {exc}", file=sys.stderr)
         sys.exit(2)
     defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
-    kept = embedded_defaults_in_use(defaults, parsed, command_line_options(parser, sys.argv[1:] if argv is None
-                                                                           else argv))
+    kept = embedded_defaults_in_use(defaults, parsed, command_line_options(parser, given))
     synthetic_model = synthetic_task_on_other_model(parsed)
     if kept and int(os.environ.get("RANK", "0")) == 0:
         verb = "is this example's default" if len(kept) == 1 else "are this example's defaults"
