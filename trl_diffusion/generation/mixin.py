@@ -52,6 +52,17 @@ def _integer(name: str, value) -> int:
     raise ValueError(f"{name} must be an integer, got {value!r}.")
 
 
+def _warn_idle_steps(steps: int, from_call: bool, max_new_tokens: int) -> None:
+    """Dream's linspace schedule with more ``steps`` than tokens runs a forward pass for every step, most of which
+    commit no token (as Dream's own sampler does): the released generation config's ``steps=512`` on a short
+    generation costs 512 forwards."""
+    source = "" if from_call else " (from the model's generation config)"
+    logger.warning_once(f"steps={steps}{source} is more than the {max_new_tokens} tokens to generate: Dream's "
+                        "schedule runs a forward pass per step, so most of them commit no token. Pass "
+                        "steps=max_new_tokens (one token a step on average) or fewer to decode in fewer forward "
+                        "passes.")
+
+
 def _token_ids(name: str, value) -> list[int]:
     """One token id (int, numpy integer, 0-d tensor) or several (list, tuple, 1-d tensor or array) as ints."""
     try:
@@ -188,6 +199,8 @@ class DiffusionGenerationMixin:
                 else:
                     steps = steps_for_dream(max_new_tokens if dream_steps is None else _integer("steps", dream_steps),
                                             max_new_tokens, block_length)
+                    if steps > block_length:
+                        _warn_idle_steps(int(dream_steps), kwargs.get("steps") is not None, max_new_tokens)
         cfg_scale = checked_cfg_scale(pick("cfg_scale"))
         # unset in the call and the generation configs (the released SDAR/TraDo generation_config.json): SDAR's exact
         # cache (the same tokens, fewer operations), as transformers' generate() defaults to its cache; none under

@@ -256,6 +256,10 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
             masks_per_response=args.masks_per_response if multi_mask else 1,
             exclude_mask_token=args.exclude_mask_token_from_softmax, rollout_block_length=sampled.block_length,
         )
+        if args.shrinkage != 1 and args.likelihood_estimator != "trajectory" and value_model is None:
+            logger.warning(f"shrinkage={args.shrinkage} has no effect here: it merges the steps of the rollout's "
+                           f"trajectory, which likelihood_estimator={args.likelihood_estimator!r} does not score (it "
+                           "draws its own masks), and there is no value model, whose states it would also merge.")
         apply_fused_kernels(args.fused_kernels, self.model, self.ref_model)
         self.reward_funcs = [_name_errors(f, n) for f, n in zip(self.reward_funcs, self.reward_func_names)]
         self._scoring: dict | None = None  # the rows being scored: canvas, trajectory, seeds, sampler log-probs

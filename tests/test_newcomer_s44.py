@@ -1,0 +1,73 @@
+"""Settings that cost or change nothing without a word: Dream's released ``steps=512`` on a short generation (512
+forward passes for a few tokens, as Dream's sampler runs them), and a ``shrinkage`` that no scorer reads."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trl_diffusion.generation import mixin
+from trl_diffusion.testing import tiny_model
+
+
+@pytest.fixture
+def warned(monkeypatch) -> list[str]:
+    """The messages of ``generate()``'s ``warning_once`` calls (not deduplicated)."""
+    messages: list[str] = []
+    monkeypatch.setattr(mixin.logger, "warning_once", messages.append)
+    return messages
+
+
+def test_more_dream_steps_than_tokens_are_named_with_where_they_come_from(warned):
+    model = tiny_model("dream")
+    model.generation_config.steps, model.generation_config.alg = 64, "origin"  # as Dream's released file (512)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    out = model.generate(prompt, max_new_tokens=8, return_dict_in_generate=True)
+    assert int(out.num_forward_passes) > 8  # the schedule's steps, most of which commit nothing
+    assert warned == ["steps=64 (from the model's generation config) is more than the 8 tokens to generate: Dream's "
+                      "schedule runs a forward pass per step, so most of them commit no token. Pass "
+                      "steps=max_new_tokens (one token a step on average) or fewer to decode in fewer forward passes."]
+    warned.clear()
+    model.generate(prompt, max_new_tokens=8, steps=16)
+    assert len(warned) == 1 and warned[0].startswith("steps=16 is more than the 8 tokens to generate")
+    warned.clear()
+    out = model.generate(prompt, max_new_tokens=8, steps=8, return_dict_in_generate=True)
+    model.generate(prompt, max_new_tokens=8, denoising_steps=8, block_length=8)  # the config's steps are not used
+    assert warned == [] and int(out.num_forward_passes) <= 8
+
+
+def test_a_block_model_is_warned_per_block(warned):
+    """SDAR keeps its block: ``steps`` is divided over the blocks, and more steps than a block's tokens idle."""
+    model = tiny_model("sdar")  # block_size 4
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    model.generate(prompt, max_new_tokens=8, steps=8, temperature=0.0)  # 4 steps for each block of 4
+    assert warned == []
+    model.generate(prompt, max_new_tokens=8, steps=16, temperature=0.0)
+    assert len(warned) == 1 and warned[0].startswith("steps=16 is more than the 8 tokens to generate")
+
+
+@pytest.mark.parametrize("estimator, value_model, warns", [
+    ("random_masking", False, True), ("coupled", False, True), ("trajectory", False, False),
+    ("random_masking", True, False),  # the value model's states are merged by it
+])
+def test_a_shrinkage_no_scorer_reads_is_named(tmp_path, caplog, estimator, value_model, warns):
+    from datasets import Dataset
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+    from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+    from trl_diffusion.value import DiffusionValueModel
+
+    args = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                         max_completion_length=8, report_to="none", use_cpu=True, bf16=False, max_steps=1,
+                         likelihood_estimator=estimator, shrinkage=4)
+    policy = tiny_model("sdar")
+    with caplog.at_level("WARNING", logger="trl_diffusion.trainers.tracerl_trainer"):
+        TraceRLTrainer(policy, lambda completions, **kw: [0.0] * len(completions), args=args,
+                       train_dataset=Dataset.from_dict({"prompt": ["What is 1+2?"] * 4}),
+                       processing_class=build_tokenizer(),
+                       value_model=DiffusionValueModel.from_policy(tiny_model("sdar")) if value_model else None)
+    messages = [r.getMessage() for r in caplog.records if "shrinkage" in r.getMessage()]
+    assert messages == ([f"shrinkage=4 has no effect here: it merges the steps of the rollout's trajectory, which "
+                         f"likelihood_estimator={estimator!r} does not score (it draws its own masks), and there is "
+                         "no value model, whose states it would also merge."] if warns else [])
