@@ -71,3 +71,62 @@ def test_a_shrinkage_no_scorer_reads_is_named(tmp_path, caplog, estimator, value
     assert messages == ([f"shrinkage=4 has no effect here: it merges the steps of the rollout's trajectory, which "
                          f"likelihood_estimator={estimator!r} does not score (it draws its own masks), and there is "
                          "no value model, whose states it would also merge."] if warns else [])
+
+
+def llada_tokenizer(folder):
+    """LLaDA-8B-Instruct's tokenizer as released (its template, with bos on the first message)."""
+    from test_review2_loading import write_llada_tokenizer
+    from transformers import AutoTokenizer
+
+    folder.mkdir(exist_ok=True)
+    write_llada_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def test_a_template_that_opens_an_assistant_turn_after_the_answer_is_found(tmp_path):
+    from test_review2_loading import LLADA_CHAT_TEMPLATE, QWEN_CHAT_TEMPLATE
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.sft_trainer import trailing_assistant_header
+
+    assert trailing_assistant_header(build_tokenizer()) is None  # the embedded model's template closes the turn only
+    tokenizer = llada_tokenizer(tmp_path)
+    assert tokenizer.chat_template == LLADA_CHAT_TEMPLATE
+    assert trailing_assistant_header(tokenizer) == "<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
+    tokenizer.chat_template = LLADA_CHAT_TEMPLATE.replace(
+        "{{ '<|start_header_id|>assistant", "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant").replace(
+        "\\n\\n' }}", "\\n\\n' }}{% endif %}")  # the fix the warning asks for
+    assert "add_generation_prompt" in tokenizer.chat_template and trailing_assistant_header(tokenizer) is None
+    for template in (QWEN_CHAT_TEMPLATE, "{{ raise_exception('system turn needed') }}",
+                     QWEN_CHAT_TEMPLATE + "{{ eos_token }}",  # more than the end of the turn, but no assistant header
+                     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}</{{ m['role'] }}>{% endfor %}"):
+        tokenizer.chat_template = template
+        assert trailing_assistant_header(tokenizer) is None, template
+
+
+@pytest.mark.parametrize("rows, warns", [
+    ([{"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]}], True),
+    ([{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}], True),
+    ([{"prompt": "Q", "completion": "A"}], False),  # no chat template applied
+])
+def test_sft_on_conversations_names_a_trailing_assistant_header(tmp_path, monkeypatch, rows, warns):
+    from datasets import Dataset
+
+    from trl_diffusion.trainers import sft_trainer
+    from trl_diffusion.trainers.sft_config import DiffusionSFTConfig
+
+    messages: list[str] = []
+    monkeypatch.setattr(sft_trainer.logger, "warning_once", messages.append)
+    tokenizer = llada_tokenizer(tmp_path / "tokenizer")
+    args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=64,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", dataset_num_proc=None)
+    model = tiny_model("llada", vocab_size=264, embedding_size=264, mask_token_id=261, pad_token_id=257,
+                       eos_token_id=257)
+    trainer = sft_trainer.DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows * 2),
+                                              processing_class=tokenizer)
+    header = [m for m in messages if "after a conversation's last assistant answer" in m]
+    assert len(header) == warns
+    row = trainer.train_dataset[0]
+    trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"]) if label != -100])
+    # what it says: the trained tokens end with the header (the messages row trains them all)
+    assert trained.endswith("A<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n") == warns

@@ -36,6 +36,7 @@ from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
+from trl.data_utils import is_conversational
 
 from ..best_metric import check_best_metric_names_a_set, usable_best_metric
 from ..data.loading import column_names, dataset_label, empty_dataset_error
@@ -574,6 +575,8 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
                 # collator reads it only with padding_free (and packing drops it); here it would make every row a
                 # packed one, so it is dropped, as a column SFT does not read.
                 dataset = dataset.remove_columns("seq_lengths")
+        if isinstance(dataset, Dataset) and formatting_func is None and is_conversational(dataset[0]):
+            _warn_trailing_assistant_header(processing_class)
         rows_given = len(dataset) if isinstance(dataset, Dataset) else None
         max_length = args.max_length
         steps = args.diffusion_objective == "trajectory"
@@ -1101,6 +1104,43 @@ def _emptied_dataset_error(label: str, rows_given: int, args: DiffusionSFTConfig
         "before the first trained-on one) fill max_length. Raise max_length above the longest prompt, or shorten the "
         "prompts."
     )
+
+
+ANSWER_PROBES = ("The answer is 4.", "The answer is 6.")
+"""The assistant answers :func:`trailing_assistant_header` renders (text no chat template adds)."""
+
+
+def trailing_assistant_header(processing_class) -> str | None:
+    """What the chat template writes after a conversation's last assistant answer, when that opens another assistant
+    turn: LLaDA-8B-Instruct's template appends its assistant header after every conversation, whatever
+    ``add_generation_prompt``. Found by comparing what follows the answer at the end of a conversation with what
+    follows it before a next turn: that much must be the end of the turn, and more only what opens an assistant turn
+    (also what precedes the next answer). None for a template that closes the turn only, or that cannot render the
+    probe conversations."""
+    first, second = ANSWER_PROBES
+    turns = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": first},
+             {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": second}]
+    try:
+        ending = processing_class.apply_chat_template(turns[:2], tokenize=False)
+        continuing = processing_class.apply_chat_template(turns, tokenize=False)
+    except Exception:  # a template may refuse a probe (its own raise_exception, a required system turn): no verdict
+        return None
+    if not (isinstance(ending, str) and isinstance(continuing, str) and first in ending and second in continuing):
+        return None
+    after = ending.rpartition(first)[2]
+    between = continuing.partition(first)[2].rpartition(second)[0]  # end of turn, next user turn, assistant header
+    extra = after[len(os.path.commonprefix([after, between])):]
+    return after if extra and "assistant" in extra and between.endswith(extra) else None
+
+
+def _warn_trailing_assistant_header(processing_class) -> None:
+    header = trailing_assistant_header(processing_class)
+    if header is not None:
+        logger.warning_once(
+            f"the chat template writes {header!r} after a conversation's last assistant answer (it opens another "
+            "assistant turn, as LLaDA-8B-Instruct's template does), so SFT on these conversational rows trains every "
+            "answer to end with it. Give chat_template_path a template that appends the assistant header only {% if "
+            "add_generation_prompt %}.")
 
 
 def _completion_only_loss_applies(columns: set[str]) -> bool:
