@@ -130,3 +130,27 @@ def test_sft_on_conversations_names_a_trailing_assistant_header(tmp_path, monkey
     trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"]) if label != -100])
     # what it says: the trained tokens end with the header (the messages row trains them all)
     assert trained.endswith("A<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n") == warns
+
+
+def test_a_stream_of_chat_prompts_is_refused_by_its_features_for_a_tokenizer_without_a_chat_template(tmp_path):
+    from datasets import Dataset
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.tracerl_config import TraceRLConfig
+    from trl_diffusion.trainers.tracerl_trainer import TraceRLTrainer
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = None
+    args = TraceRLConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, num_generations=4,
+                         max_completion_length=8, report_to="none", use_cpu=True, bf16=False, max_steps=1)
+    chat = Dataset.from_dict({"prompt": [[{"role": "user", "content": "What is 1+2?"}]] * 4}).to_iterable_dataset()
+    with pytest.raises(ValueError, match="the train dataset's prompts are chat messages, but the tokenizer has no "
+                                         "chat template"):
+        TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
+                       train_dataset=chat, processing_class=tokenizer)
+    text = Dataset.from_dict({"prompt": ["What is 1+2?"] * 4}).to_iterable_dataset()
+    undeclared = text.map(lambda row: row)  # features unknown: not read ahead, as before
+    assert undeclared.features is None
+    for stream in (text, undeclared):
+        TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
+                       train_dataset=stream, processing_class=tokenizer)

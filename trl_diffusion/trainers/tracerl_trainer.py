@@ -295,13 +295,19 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                         check(dataset, split)
 
     def _check_chat_template(self) -> None:
-        """Refuse map-style train and eval datasets of chat-message prompts when the tokenizer has no chat template (a
-        base model's): TRL's rollout failed on them at the first batch, steps into training. A stream is not read
-        ahead (its first batch fails with TRL's error)."""
+        """Refuse train and eval datasets of chat-message prompts when the tokenizer has no chat template (a base
+        model's): TRL's rollout failed on them at the first batch, steps into training. A stream is known by its
+        declared features, not read ahead (one without features fails at its first batch with TRL's error)."""
         if getattr(self._tokenizer, "chat_template", None) is not None:
             return
         for split, dataset in self._datasets().items():
-            if isinstance(dataset, Dataset) and _is_list_type(dataset.with_format("arrow")["prompt"].type):
+            if isinstance(dataset, Dataset):
+                prompt_type = dataset.with_format("arrow")["prompt"].type
+            elif isinstance(dataset, IterableDataset) and "prompt" in (dataset.features or {}):
+                prompt_type = dataset.features.arrow_schema.field("prompt").type
+            else:
+                continue
+            if _is_list_type(prompt_type):
                 raise ValueError(f"the {split} dataset's prompts are chat messages, but the tokenizer has no chat "
                                  "template (a base model's): give the prompts as text, or use a tokenizer with a "
                                  "chat template.")
