@@ -154,3 +154,28 @@ def test_a_stream_of_chat_prompts_is_refused_by_its_features_for_a_tokenizer_wit
     for stream in (text, undeclared):
         TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
                        train_dataset=stream, processing_class=tokenizer)
+
+
+def test_a_script_run_as_a_module_refuses_another_commands_recipe(tmp_path):
+    """``python -m trl_diffusion.scripts.<module>`` (the docs' launch) and a script run by its path define ``main`` in
+    ``__main__``: the command is read from the script's file."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    from trl_diffusion.scripts.utils import TRAINING_SCRIPTS, script_command
+
+    for command, module in TRAINING_SCRIPTS.items():
+        assert script_command(importlib.import_module(f"trl_diffusion.scripts.{module}").main) == command
+    own = tmp_path / "sft.py"  # a user's script of the same name is not the package's
+    own.write_text("def main():\n    pass\n")
+    spec = importlib.util.spec_from_file_location("own_sft", own)
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    assert script_command(loaded.main) is None
+    run = subprocess.run([sys.executable, "-m", "trl_diffusion.scripts.tracerl_math", "--config",
+                          "diffucoder_7b_coupled_code"], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1] == (
+        "tracerl_math.py: error: --config diffucoder_7b_coupled_code is a recipe of trl-diffusion code "
+        "(examples/code.py), not of trl-diffusion math: run trl-diffusion code --config diffucoder_7b_coupled_code.")

@@ -112,7 +112,8 @@ def check_config_values(parser: Any) -> Any:
     each int, float or bool value is converted by its flag's own converter (a bool takes what ``--flag`` takes:
     true/false, yes/no, 1/0, ...). Raises ``ValueError`` naming the key. (A single ``lora_target_modules`` name is a
     string again after TRL's ``ModelConfig``; see :func:`trl_diffusion.scripts.utils.check_script_args`.) A flag's
-    alias (``dataset: ...`` for eval's ``--dataset``) is read as its flag."""
+    alias (``dataset: ...`` for eval's ``--dataset``) is read as its flag. The keys the file sets are left in
+    ``parser.config_file_keys`` (by destination name), for what must not be named as a default the user kept."""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
     set_defaults_with_config = parser.set_defaults_with_config
 
@@ -146,9 +147,11 @@ def check_config_values(parser: Any) -> Any:
                         raise ValueError(f"config file: {action.dest}: expected {kind}, got {item!r}.") from None
                 value = converted if isinstance(value, list) else converted[0]
             config[action.dest] = value
+        parser.config_file_keys = frozenset(config)
         return set_defaults_with_config(**config)
 
     parser.set_defaults_with_config = checked
+    parser.config_file_keys = frozenset()
     return parser
 
 

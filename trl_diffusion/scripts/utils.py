@@ -10,6 +10,7 @@ import difflib
 import functools
 import gc
 import importlib
+import inspect
 import json
 import os
 import re
@@ -363,9 +364,10 @@ def setting_errors():
 
 
 EMBEDDED_SCALE_FIELDS = ("max_completion_length", "max_length", "learning_rate", "per_device_train_batch_size", "beta",
-                         "max_steps", "bf16")
+                         "max_steps", "bf16", "save_strategy")
 """Settings the examples default for the embedded tiny model that a real model needs its own values of (TraceRL's
-``beta`` 0: no KL; a short toy run; no bf16 mixed precision, which TRL turns on by default)."""
+``beta`` 0: no KL; a short toy run; no bf16 mixed precision, which TRL turns on by default; no checkpoints). Also
+named: activation checkpointing off (:func:`checkpointing_off`; TRL's configs turn it on)."""
 
 
 def example_defaults(parser: Any) -> dict[str, Any]:
@@ -385,12 +387,18 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any],
     (``defaults``, from :func:`example_defaults`: one it sets with ``parser.set_defaults`` for the embedded tiny model,
     not the config class's default) in a run on another model (``model_name_or_path`` set, and neither the
     embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those. ``given``:
-    the options the command line sets (:func:`command_line_options`), never named: the user chose that value."""
+    the options the command line or the ``--config`` file sets (:func:`command_line_options`,
+    ``parser.config_file_keys``), never named: the user chose that value. Nor is ``bf16`` under a launch's mixed
+    precision (``ACCELERATE_MIXED_PRECISION``, which transformers follows)."""
+    from transformers import TrainingArguments
+
     from ..assets import is_embedded_model
 
     model = _model_name(parsed)
     if not model or is_embedded_model(model):
         return []
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        given = given | {"bf16"}
     kept = []
     for settings in parsed:
         fields = {f.name: f for f in getattr(settings, "__dataclass_fields__", {}).values()}
@@ -400,6 +408,10 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any],
             example_default, class_default = defaults[name], fields[name].default
             if name not in given and example_default != class_default and getattr(settings, name) == example_default:
                 kept.append(f"{name}={example_default}")
+        if isinstance(settings, TrainingArguments) and fields["gradient_checkpointing"].default is True:
+            checkpointing = getattr(settings, "activation_checkpointing", settings.gradient_checkpointing)
+            if not checkpointing and not given & {"gradient_checkpointing", "activation_checkpointing"}:
+                kept.append("gradient_checkpointing=False")
     return kept
 
 
@@ -470,6 +482,15 @@ def check_recipe_command(name: str, argv: Sequence[str]) -> None:
                          f"of trl-diffusion {name}: run trl-diffusion {command} --config {path.stem}.")
 
 
+def script_command(main: Callable[..., Any]) -> str | None:
+    """The training command whose script (in this package) defines ``main``, None for another function. Read from
+    the file, not the module name, which is ``__main__`` for a script run by its path or with ``python -m``."""
+    path = Path(inspect.getfile(main)).resolve()
+    if path.parent != Path(__file__).resolve().parent:
+        return None
+    return next((name for name, module in TRAINING_SCRIPTS.items() if module == path.stem), None)
+
+
 def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None = None) -> Any:
     """``main(*parse_script_args(parser, argv))``, with a :class:`UsageError` raised by ``main`` (see
     :func:`setting_errors`) reported as one line ``<prog>: error: <message>``, exit status 2, as a bad flag is.
@@ -478,7 +499,7 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
     answer of a real model. A shipped recipe of another command than ``main``'s is refused first
     (:func:`check_recipe_command`), as ``trl-diffusion <command>`` refuses it before its launch."""
     given = sys.argv[1:] if argv is None else argv
-    command = next((name for name, module in TRAINING_SCRIPTS.items() if main.__module__.endswith(f".{module}")), None)
+    command = script_command(main)
     try:  # trl-diffusion <command> checked this before its launch; examples/<command>.py did not
         if command is not None:
             check_recipe_command(command, given)
@@ -487,7 +508,7 @@ def run_script(main: Callable[..., Any], parser: Any, argv: Sequence[str] | None
         sys.exit(2)
     defaults = example_defaults(parser)
     parsed = parse_script_args(parser, argv)
-    kept = embedded_defaults_in_use(defaults, parsed, command_line_options(parser, given))
+    kept = embedded_defaults_in_use(defaults, parsed, command_line_options(parser, given) | parser.config_file_keys)
     synthetic_model = synthetic_task_on_other_model(parsed)
     if kept and int(os.environ.get("RANK", "0")) == 0:
         verb = "is this example's default" if len(kept) == 1 else "are this example's defaults"
