@@ -179,3 +179,19 @@ def test_a_script_run_as_a_module_refuses_another_commands_recipe(tmp_path):
     assert run.stderr.strip().splitlines()[-1] == (
         "tracerl_math.py: error: --config diffucoder_7b_coupled_code is a recipe of trl-diffusion code "
         "(examples/code.py), not of trl-diffusion math: run trl-diffusion code --config diffucoder_7b_coupled_code.")
+
+
+def test_guidance_on_a_model_built_in_memory_runs_without_a_cache():
+    """transformers copies ``config.use_cache`` (True) into the generation config of every model it builds: a plain
+    guided call was refused as if it asked for a cache. Only the call's ``use_cache`` counts under guidance."""
+    model = tiny_model("sdar")
+    assert model.generation_config.use_cache is True  # from the model config, not the user
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    guided = model.generate(prompt, max_new_tokens=4, cfg_scale=1.0, temperature=0.0, return_dict_in_generate=True)
+    uncached = model.generate(prompt, max_new_tokens=4, cfg_scale=1.0, temperature=0.0, use_cache=False,
+                              return_dict_in_generate=True)
+    assert torch.equal(guided.sequences, uncached.sequences)
+    assert guided.num_forward_passes == uncached.num_forward_passes
+    assert model._resolve_settings({})[0].cache_mode == "exact"  # without guidance the config's True is the cache
+    with pytest.raises(ValueError, match=r"runs without a KV cache, which the call asks for: pass use_cache=False"):
+        model.generate(prompt, max_new_tokens=4, cfg_scale=1.0, use_cache=True)

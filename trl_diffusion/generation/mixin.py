@@ -203,10 +203,11 @@ class DiffusionGenerationMixin:
                         _warn_idle_steps(int(dream_steps), kwargs.get("steps") is not None, max_new_tokens)
         cfg_scale = checked_cfg_scale(pick("cfg_scale"))
         # unset in the call and the generation configs (the released SDAR/TraDo generation_config.json): SDAR's exact
-        # cache (the same tokens, fewer operations), as transformers' generate() defaults to its cache; none under
-        # classifier-free guidance, which runs without one. On LLaDA / Dream True means none: their approximate
-        # caches are opt-in by name
-        use_cache = pick("use_cache", not cfg_scale)
+        # cache (in float32 the same tokens, fewer operations; in bf16 rounding may flip a near-tie), as transformers'
+        # generate() defaults to its cache. Classifier-free guidance runs without one: there only the call's counts
+        # (a generation config's `use_cache`, which transformers copies from config.use_cache into every model's, is
+        # a default, not a request). On LLaDA / Dream True means none: their approximate caches are opt-in by name
+        use_cache = (kwargs.get("use_cache") or False) if cfg_scale else pick("use_cache", True)
         if isinstance(use_cache, str):
             cache_mode = use_cache
         elif use_cache and self.block_size is not None:

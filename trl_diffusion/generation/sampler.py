@@ -126,8 +126,8 @@ class SamplingSettings:
         checked_cfg_scale(self.cfg_scale)  # generate() and replay_logprobs' rule
         check_cuda_graphs("cuda_graphs", self.cuda_graphs)
         if self.cfg_scale and self.cache_mode != "none":
-            raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache, which the call or "
-                             "the model's generation config asks for: pass use_cache=False.")
+            raise ValueError("classifier-free guidance (cfg_scale > 0) runs without a KV cache, which the call asks "
+                             "for: pass use_cache=False (or leave it unset).")
 
 
 @dataclass
