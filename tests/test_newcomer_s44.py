@@ -104,6 +104,44 @@ def test_a_template_that_opens_an_assistant_turn_after_the_answer_is_found(tmp_p
         assert trailing_assistant_header(tokenizer) is None, template
 
 
+CHATML = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+GEMMA = ("{{ bos_token }}{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+         "{{ raise_exception('roles must alternate') }}{% endif %}"
+         "{% set role = 'model' if m['role'] == 'assistant' else m['role'] %}"
+         "{{ '<start_of_turn>' + role + '\\n' + m['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}")
+VICUNA = ("{% for m in messages %}{% if m['role'] == 'user' %}{{ 'USER: ' + m['content'] + '\\n' }}{% else %}"
+          "{{ 'ASSISTANT: ' + m['content'] + '</s>\\n' }}{% endif %}{% endfor %}")
+ROLE_TAGS = ("{% for m in messages %}{% set role = 'HUMAN' if m['role'] == 'user' else m['role'] | upper %}"
+             "{{ '<role>' + role + '</role>' + m['content'] + '<|role_end|>' }}{% endfor %}")
+SYSTEM_FIRST = "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system turn is required') }}{% endif %}"
+PHI3 = ("{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' + m['content'] + '<|end|>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}")
+
+
+@pytest.mark.parametrize("template, header", [
+    # the header written whatever add_generation_prompt: found, whatever it is called
+    (CHATML + "{{ '<|im_start|>assistant\\n' }}", "<|im_end|>\n<|im_start|>assistant\n"),
+    (CHATML + "{{ '<|im_start|>assistant\\n<think>\\n' }}", "<|im_end|>\n<|im_start|>assistant\n<think>\n"),
+    (SYSTEM_FIRST + CHATML + "{{ '<|im_start|>assistant\\n' }}", "<|im_end|>\n<|im_start|>assistant\n"),
+    (GEMMA + "{{ '<start_of_turn>model\\n' }}", "<end_of_turn>\n<start_of_turn>model\n"),
+    (VICUNA + "{{ 'ASSISTANT:' }}", "</s>\nASSISTANT:"),
+    (ROLE_TAGS + "{{ '<role>ASSISTANT</role>' }}", "<|role_end|><role>ASSISTANT</role>"),
+    # only under add_generation_prompt, or only the end of the turn (an eos included): none
+    (CHATML + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}", None),
+    (GEMMA + "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}", None),
+    (SYSTEM_FIRST + CHATML + "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}", None),
+    (PHI3, None),
+    (CHATML + "{{ '\\n' }}", None),
+])
+def test_templates_of_other_models(template, header):
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.sft_trainer import trailing_assistant_header
+
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = template
+    assert trailing_assistant_header(tokenizer) == header
+
+
 @pytest.mark.parametrize("rows, warns", [
     ([{"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]}], True),
     ([{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}], True),
@@ -195,3 +233,33 @@ def test_guidance_on_a_model_built_in_memory_runs_without_a_cache():
     assert model._resolve_settings({})[0].cache_mode == "exact"  # without guidance the config's True is the cache
     with pytest.raises(ValueError, match=r"runs without a KV cache, which the call asks for: pass use_cache=False"):
         model.generate(prompt, max_new_tokens=4, cfg_scale=1.0, use_cache=True)
+
+
+def test_assistant_only_loss_trains_no_header_outside_the_generation_blocks(tmp_path, monkeypatch):
+    """With ``assistant_only_loss`` only the ``{% generation %}`` blocks are labelled: a header the template appends
+    after them is not trained, and nothing is said."""
+    from datasets import Dataset
+
+    from trl_diffusion.trainers import sft_trainer
+    from trl_diffusion.trainers.sft_config import DiffusionSFTConfig
+
+    messages: list[str] = []
+    monkeypatch.setattr(sft_trainer.logger, "warning_once", messages.append)
+    tokenizer = llada_tokenizer(tmp_path / "tokenizer")
+    header = "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    tokenizer.chat_template = (  # LLaDA's, with its answers in generation blocks (as assistant_only_loss needs)
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}" + header + "{% generation %}"
+        "{{ m['content'] + '<|eot_id|>' }}{% endgeneration %}{% else %}{{ '<|start_header_id|>' + m['role'] + "
+        "'<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{% endif %}{% endfor %}" + header)
+    assert sft_trainer.trailing_assistant_header(tokenizer) is not None
+    args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=64,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", dataset_num_proc=None,
+                              assistant_only_loss=True)
+    model = tiny_model("llada", vocab_size=264, embedding_size=264, mask_token_id=261, pad_token_id=257,
+                       eos_token_id=257)
+    rows = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}] * 2
+    trainer = sft_trainer.DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows),
+                                              processing_class=tokenizer)
+    row = trainer.train_dataset[0]
+    trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"]) if label != -100])
+    assert trained == "A<|eot_id|>" and not [m for m in messages if "last assistant answer" in m]

@@ -575,7 +575,8 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
                 # collator reads it only with padding_free (and packing drops it); here it would make every row a
                 # packed one, so it is dropped, as a column SFT does not read.
                 dataset = dataset.remove_columns("seq_lengths")
-        if isinstance(dataset, Dataset) and formatting_func is None and is_conversational(dataset[0]):
+        if (isinstance(dataset, Dataset) and formatting_func is None and not args.assistant_only_loss
+                and is_conversational(dataset[0])):  # (assistant_only_loss trains the generation blocks only)
             _warn_trailing_assistant_header(processing_class)
         rows_given = len(dataset) if isinstance(dataset, Dataset) else None
         max_length = args.max_length
@@ -1114,23 +1115,36 @@ def trailing_assistant_header(processing_class) -> str | None:
     """What the chat template writes after a conversation's last assistant answer, when that opens another assistant
     turn: LLaDA-8B-Instruct's template appends its assistant header after every conversation, whatever
     ``add_generation_prompt``. Found by comparing what follows the answer at the end of a conversation with what
-    follows it before a next turn: that much must be the end of the turn, and more only what opens an assistant turn
-    (also what precedes the next answer). None for a template that closes the turn only, or that cannot render the
-    probe conversations."""
+    follows it before a next turn: that much is the end of the turn; more is a header when an assistant turn opens
+    with it (the text before an answer, or the generation prompt, ends with it), an eos token after it aside. The
+    probes are rendered as they are, and with a system turn first where the template refuses them (one that requires
+    a system message); None when it still does, or for a template that closes the turn only."""
     first, second = ANSWER_PROBES
     turns = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": first},
              {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": second}]
-    try:
-        ending = processing_class.apply_chat_template(turns[:2], tokenize=False)
-        continuing = processing_class.apply_chat_template(turns, tokenize=False)
-    except Exception:  # a template may refuse a probe (its own raise_exception, a required system turn): no verdict
+    for system in ([], [{"role": "system", "content": "You are a helpful assistant."}]):
+        try:
+            ending = processing_class.apply_chat_template(system + turns[:2], tokenize=False)
+            continuing = processing_class.apply_chat_template(system + turns, tokenize=False)
+            opening = processing_class.apply_chat_template(system + turns[:1], tokenize=False,
+                                                           add_generation_prompt=True)
+            break
+        except Exception:  # a template may refuse a probe (its own raise_exception): try it with a system turn
+            continue
+    else:
         return None
-    if not (isinstance(ending, str) and isinstance(continuing, str) and first in ending and second in continuing):
+    if not all(isinstance(text, str) for text in (ending, continuing, opening)):
         return None
-    after = ending.rpartition(first)[2]
+    if first not in ending or second not in continuing:
+        return None
+    before, _, after = ending.rpartition(first)
     between = continuing.partition(first)[2].rpartition(second)[0]  # end of turn, next user turn, assistant header
-    extra = after[len(os.path.commonprefix([after, between])):]
-    return after if extra and "assistant" in extra and between.endswith(extra) else None
+    closing = after.rstrip()
+    eos = getattr(processing_class, "eos_token", None)
+    if eos and closing.endswith(eos):  # an eos after the conversation (Phi-3's) is no header
+        closing = closing[:-len(eos)]
+    extra = closing[len(os.path.commonprefix([closing, between])):].strip()
+    return after if extra and any(text.rstrip().endswith(extra) for text in (before, between, opening)) else None
 
 
 def _warn_trailing_assistant_header(processing_class) -> None:
