@@ -86,7 +86,8 @@ def test_from_official_accepts_diffucoders_coupled_with_a_batch_layout():
                                        gradient_accumulation_steps=4, output_dir="x", use_cpu=True)
     assert args.likelihood_estimator == "coupled"
     assert (args.per_device_train_batch_size, args.gradient_accumulation_steps) == (2, 4)
-    assert args.kl_weighting == "row_sum" and args.shrinkage == 8  # the Dream preset is still applied
+    assert args.kl_weighting == "row_sum" and args.top_p == 0.9  # the Dream preset is still applied,
+    assert args.shrinkage == 1  # but not TraceRL's shrinkage (8), which no masking estimator reads
 
 
 def test_diffusion_value_config_learning_rate_defaults_to_5e_6():

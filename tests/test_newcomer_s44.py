@@ -263,3 +263,17 @@ def test_assistant_only_loss_trains_no_header_outside_the_generation_blocks(tmp_
     row = trainer.train_dataset[0]
     trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"]) if label != -100])
     assert trained == "A<|eot_id|>" and not [m for m in messages if "last assistant answer" in m]
+
+
+@pytest.mark.parametrize("name", ["llada", "dream", "trado"])
+def test_the_official_masking_baselines_merge_no_steps(name):
+    """dLLM-RL's ``training.shrink`` (8 for LLaDA / Dream) is TraceRL's; its random_masking / coupled methods do not
+    read it: the preset for them says 1 (a shrinkage given still wins)."""
+    from trl_diffusion.trainers.tracerl_config import OFFICIAL_SETTINGS, TraceRLConfig
+
+    for estimator in ("random_masking", "coupled_pairs"):
+        preset = dict(num_processes=1, output_dir="unused", use_cpu=True, likelihood_estimator=estimator)
+        assert TraceRLConfig.from_official(name, **preset).shrinkage == 1
+        assert TraceRLConfig.from_official(name, **preset, shrinkage=4).shrinkage == 4
+    config = TraceRLConfig.from_official(name, num_processes=1, output_dir="unused", use_cpu=True)
+    assert config.shrinkage == OFFICIAL_SETTINGS[name]["shrinkage"] == (1 if name == "trado" else 8)

@@ -439,7 +439,7 @@ class TraceRLConfig(GRPOConfig):
         (configs/rl_trado.yaml and rl_trado_with_value.yaml), ``"dream"`` (rl_dream.yaml) or ``"llada"``
         (rl_llada.yaml). ``overrides`` (any field, e.g. ``output_dir``) win; ``likelihood_estimator=
         "random_masking"`` or ``"coupled_pairs"`` gives dLLM-RL's ``training.method`` ``random_masking`` or
-        ``coupled`` with that family's masking settings.
+        ``coupled`` with that family's masking settings (and ``shrinkage`` 1: those methods merge no steps).
 
         The optimizer batch holds as many responses as dLLM-RL's holds training rows (``OFFICIAL_ROWS``), one
         response per device per micro-step: gradient accumulation is that number over ``num_processes`` (default:
@@ -449,6 +449,8 @@ class TraceRLConfig(GRPOConfig):
         if name not in OFFICIAL_SETTINGS:
             raise ValueError(f"unknown official setting {name!r}; choose one of {sorted(OFFICIAL_SETTINGS)}.")
         settings = {**OFFICIAL_SETTINGS[name], **overrides}
+        if settings["likelihood_estimator"] != "trajectory" and "shrinkage" not in overrides:
+            settings["shrinkage"] = 1  # dLLM-RL's `training.shrink` is TraceRL's: its masking methods do not read it
         if overrides.get("steps_per_generation") is not None and "generation_batch_size" not in overrides:
             del settings["generation_batch_size"]  # the caller's rollout layout replaces the preset's (TRL takes one)
         world = num_processes or int(os.environ.get("WORLD_SIZE", "1"))
