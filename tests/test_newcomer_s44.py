@@ -24,8 +24,8 @@ def test_more_dream_steps_than_tokens_are_named_with_where_they_come_from(warned
     prompt = torch.tensor([[5, 6, 7, 8]])
     out = model.generate(prompt, max_new_tokens=8, return_dict_in_generate=True)
     assert int(out.num_forward_passes) > 8  # the schedule's steps, most of which commit nothing
-    assert warned == ["steps=64 (from the model's generation config) is more than the 8 tokens to generate: Dream's "
-                      "schedule runs a forward pass per step, so most of them commit no token. Pass "
+    assert warned == ["steps=64 (from the model's generation config) is more than the 8 tokens to generate: the "
+                      "steps schedule (Dream's) runs a forward pass per step, so most of them commit no token. Pass "
                       "steps=max_new_tokens (one token a step on average) or fewer to decode in fewer forward passes."]
     warned.clear()
     model.generate(prompt, max_new_tokens=8, steps=16)
@@ -277,3 +277,10 @@ def test_the_official_masking_baselines_merge_no_steps(name):
         assert TraceRLConfig.from_official(name, **preset, shrinkage=4).shrinkage == 4
     config = TraceRLConfig.from_official(name, num_processes=1, output_dir="unused", use_cpu=True)
     assert config.shrinkage == OFFICIAL_SETTINGS[name]["shrinkage"] == (1 if name == "trado" else 8)
+
+
+def test_a_model_path_under_an_unknown_users_home_is_one_error():
+    from trl_diffusion.assets import resolve_model_path
+
+    with pytest.raises(ValueError, match="no such local directory: ~nosuchuser_s44/model"):
+        resolve_model_path("~nosuchuser_s44/model")  # Path.expanduser raised RuntimeError (a traceback)

@@ -44,7 +44,7 @@ def resolve_model_path(name: str | os.PathLike | None) -> str:
                              "pass --model_name_or_path.")
         return str(EMBEDDED_MODEL)
     text = str(name)
-    path = Path(text).expanduser()
+    path = Path(os.path.expanduser(text))  # "~nouser/x" stays as written (Path.expanduser raises on it)
     path_like = text.startswith((".", "/", "~", "\\")) or text.count("/") > 1 or "\\" in text or path.exists()
     if path_like and not path.is_dir():
         raise ValueError(f"{'not a directory' if path.exists() else 'no such local directory'}: {text}")

@@ -57,8 +57,8 @@ def _warn_idle_steps(steps: int, from_call: bool, max_new_tokens: int) -> None:
     commit no token (as Dream's own sampler does): the released generation config's ``steps=512`` on a short
     generation costs 512 forwards."""
     source = "" if from_call else " (from the model's generation config)"
-    logger.warning_once(f"steps={steps}{source} is more than the {max_new_tokens} tokens to generate: Dream's "
-                        "schedule runs a forward pass per step, so most of them commit no token. Pass "
+    logger.warning_once(f"steps={steps}{source} is more than the {max_new_tokens} tokens to generate: the steps "
+                        "schedule (Dream's) runs a forward pass per step, so most of them commit no token. Pass "
                         "steps=max_new_tokens (one token a step on average) or fewer to decode in fewer forward "
                         "passes.")
 
