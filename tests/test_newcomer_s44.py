@@ -284,3 +284,78 @@ def test_a_model_path_under_an_unknown_users_home_is_one_error():
 
     with pytest.raises(ValueError, match="no such local directory: ~nosuchuser_s44/model"):
         resolve_model_path("~nosuchuser_s44/model")  # Path.expanduser raised RuntimeError (a traceback)
+
+
+@pytest.mark.parametrize("value, warned, prompt_trained", [(None, True, True), (True, False, False),
+                                                            (False, False, True)])
+def test_a_completion_mask_left_unapplied_is_named(tmp_path, caplog, value, warned, prompt_trained):
+    """TRL's ``completion_only_loss=None`` decides by the format: tokenized rows' ``completion_mask`` is not applied,
+    and their prompt is trained on, which nobody who wrote a completion_mask wants without a word."""
+    from datasets import Dataset
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.sft_config import DiffusionSFTConfig
+    from trl_diffusion.trainers.sft_trainer import DiffusionSFTTrainer
+
+    rows = [{"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 0, 1, 1]}] * 2
+    args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=16,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", dataset_num_proc=None,
+                              completion_only_loss=value)
+    with caplog.at_level("WARNING", logger="trl_diffusion.trainers.sft_trainer"):
+        trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(rows),
+                                      processing_class=build_tokenizer())
+    found = [r.getMessage() for r in caplog.records if "completion_mask" in r.getMessage()]
+    assert found == (["the completion_mask of the train dataset is not applied: with completion_only_loss unset, TRL "
+                      "trains on the completion only for prompt/completion rows, so every token of these tokenized "
+                      "rows is trained on, the prompt too. Set completion_only_loss=True to train on the "
+                      "completion_mask tokens only (False trains on every token without this warning)."]
+                     if warned else [])
+    batch = trainer.data_collator([trainer.train_dataset[0]])
+    assert bool((batch["labels"][0, :3] != -100).any()) == prompt_trained  # what it says
+
+
+def test_script_command_sees_through_wrappers():
+    import functools
+
+    from trl_diffusion.scripts.sft import main
+    from trl_diffusion.scripts.utils import script_command
+
+    @functools.wraps(main)
+    def wrapped(*args):
+        return main(*args)
+
+    class Callable:
+        def __call__(self, *args):
+            return main(*args)
+
+    assert script_command(functools.partial(main)) == script_command(wrapped) == "sft"
+    assert script_command(Callable()) is None  # no source file of its own: no recipe check, no error
+
+
+def test_fp16_is_a_mixed_precision_chosen(tmp_path):
+    from example_scripts import load_example
+
+    from trl_diffusion.scripts.utils import embedded_defaults_in_use, example_defaults
+
+    tiny_model("sdar").config.save_pretrained(tmp_path)
+    parser = load_example("math").make_parser()
+    defaults = example_defaults(parser)
+    for flags, named in ((["--fp16", "true"], False), ([], True)):
+        argv = ["--model_name_or_path", str(tmp_path), "--use_cpu", "true", *flags]
+        parsed = parser.parse_args_and_config(args=argv)
+        assert ("bf16=False" in embedded_defaults_in_use(defaults, parsed)) == named
+
+
+def test_guidance_from_a_generation_config_with_a_cache_asked_for_names_both():
+    model = tiny_model("sdar")
+    model.generation_config.cfg_scale = 1.0  # e.g. a saved generation_config.json
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError, match=r"the generation config sets cfg_scale=1.0 \(classifier-free guidance, "
+                                         r"which runs without a KV cache\) and the call asks for a cache "
+                                         r"\(use_cache=True\): pass cfg_scale=0 to decode with the cache"):
+        model.generate(prompt, max_new_tokens=4, use_cache=True)
+    cached = model.generate(prompt, max_new_tokens=4, use_cache=True, cfg_scale=0, temperature=0.0,
+                            return_dict_in_generate=True)
+    assert model._resolve_settings({"use_cache": True, "cfg_scale": 0})[0].cache_mode == "exact"
+    assert cached.sequences.shape == (1, 8)
+    model.generate(prompt, max_new_tokens=4, temperature=0.0)  # guided, without a cache

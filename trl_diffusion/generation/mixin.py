@@ -208,6 +208,10 @@ class DiffusionGenerationMixin:
         # (a generation config's `use_cache`, which transformers copies from config.use_cache into every model's, is
         # a default, not a request). On LLaDA / Dream True means none: their approximate caches are opt-in by name
         use_cache = (kwargs.get("use_cache") or False) if cfg_scale else pick("use_cache", True)
+        if cfg_scale and kwargs.get("cfg_scale") is None and use_cache not in (False, "none"):
+            raise ValueError(f"the generation config sets cfg_scale={cfg_scale} (classifier-free guidance, which runs "
+                             f"without a KV cache) and the call asks for a cache (use_cache={use_cache!r}): pass "
+                             "cfg_scale=0 to decode with the cache, or use_cache=False.")
         if isinstance(use_cache, str):
             cache_mode = use_cache
         elif use_cache and self.block_size is not None:

@@ -389,7 +389,7 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any],
     embedded model nor one trained from it: ``trl_diffusion.assets.is_embedded_model``). Empty for those. ``given``:
     the options the command line or the ``--config`` file sets (:func:`command_line_options`,
     ``parser.config_file_keys``), never named: the user chose that value. Nor is ``bf16`` under a launch's mixed
-    precision (``ACCELERATE_MIXED_PRECISION``, which transformers follows)."""
+    precision (``ACCELERATE_MIXED_PRECISION``, which transformers follows) or with ``fp16``."""
     from transformers import TrainingArguments
 
     from ..assets import is_embedded_model
@@ -397,8 +397,8 @@ def embedded_defaults_in_use(defaults: dict[str, Any], parsed: Sequence[Any],
     model = _model_name(parsed)
     if not model or is_embedded_model(model):
         return []
-    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
-        given = given | {"bf16"}
+    if os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no" or any(getattr(p, "fp16", False) for p in parsed):
+        given = given | {"bf16"}  # mixed precision chosen otherwise
     kept = []
     for settings in parsed:
         fields = {f.name: f for f in getattr(settings, "__dataclass_fields__", {}).values()}
@@ -484,8 +484,12 @@ def check_recipe_command(name: str, argv: Sequence[str]) -> None:
 
 def script_command(main: Callable[..., Any]) -> str | None:
     """The training command whose script (in this package) defines ``main``, None for another function. Read from
-    the file, not the module name, which is ``__main__`` for a script run by its path or with ``python -m``."""
-    path = Path(inspect.getfile(main)).resolve()
+    the file, not the module name, which is ``__main__`` for a script run by its path or with ``python -m``; through
+    ``functools.partial`` and ``functools.wraps`` wrappers; None for what has no source file (a callable object)."""
+    try:
+        path = Path(inspect.getfile(inspect.unwrap(getattr(main, "func", main)))).resolve()
+    except TypeError:
+        return None
     if path.parent != Path(__file__).resolve().parent:
         return None
     return next((name for name, module in TRAINING_SCRIPTS.items() if module == path.stem), None)

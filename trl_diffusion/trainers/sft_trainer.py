@@ -425,8 +425,9 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
             raise empty_dataset_error("train")
         if train_dataset is not None:
             self._check_columns(train_dataset, args, kwargs.get("formatting_func"), "train")
-            _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"), {"train": train_dataset,
-                                                                                    **named_evals})
+            datasets = {"train": train_dataset, **named_evals}
+            _warn_completion_only_loss_unused(args, kwargs.get("formatting_func"), datasets)
+            _warn_completion_mask_unused(args, datasets)
         if not isinstance(model, str):
             self._validate_model(model, args, processing_class)
             check_router_aux_loss_coef(model, args.router_aux_loss_coef)  # before TRL prepares the datasets
@@ -1182,6 +1183,25 @@ def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func,
             "so every token is trained on, user turns included. For conversations, set "
             "assistant_only_loss=True to train on the assistant turns only; or give 'prompt' / 'completion' columns."
         )
+
+
+def _warn_completion_mask_unused(args: DiffusionSFTConfig, datasets: dict) -> None:
+    """One warning when tokenized rows carry a ``completion_mask`` that TRL will not apply: with
+    ``completion_only_loss`` unset it decides by the format, completion-only for prompt/completion rows only, so
+    every token of tokenized rows is trained on, the prompt too. Not for rows with ``labels``, which say themselves
+    which tokens are trained on, nor when ``completion_only_loss`` is set either way (the user's choice)."""
+    if args.completion_only_loss is not None:
+        return
+    unused = [name for name, dataset in datasets.items() if isinstance(dataset, Dataset | IterableDataset)
+              and "completion_mask" in (columns := set(column_names(dataset)))
+              and not {"prompt", "completion"} <= columns and "labels" not in columns]
+    if unused:
+        datasets_named = f"the {' and '.join(unused)} dataset" + ("s" if len(unused) > 1 else "")
+        logger.warning(
+            f"the completion_mask of {datasets_named} is not applied: with completion_only_loss unset, TRL trains "
+            "on the completion only for prompt/completion rows, so every token of these tokenized rows is trained "
+            "on, the prompt too. Set completion_only_loss=True to train on the completion_mask tokens only (False "
+            "trains on every token without this warning).")
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
