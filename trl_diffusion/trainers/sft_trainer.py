@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -1164,6 +1165,14 @@ def _completion_only_loss_applies(columns: set[str]) -> bool:
     return {"prompt", "completion"} <= columns or "completion_mask" in columns
 
 
+def _datasets_without_labels(datasets: dict, selected: Callable[[set[str]], bool]) -> str | None:
+    """``"the train dataset"`` / ``"the train and eval datasets"``: the datasets without a ``labels`` column (rows
+    that say themselves which tokens are trained on) whose columns ``selected`` picks; None for none."""
+    names = [name for name, dataset in datasets.items() if isinstance(dataset, Dataset | IterableDataset)
+             and "labels" not in (columns := set(column_names(dataset))) and selected(columns)]
+    return f"the {' and '.join(names)} dataset" + ("s" if len(names) > 1 else "") if names else None
+
+
 def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func, datasets: dict) -> None:
     """One warning when ``completion_only_loss=True`` was set explicitly (None: TRL's choice by format) for datasets
     it does nothing to (language modeling: ``messages`` or text), which then train on every token, the user turns
@@ -1171,12 +1180,8 @@ def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func,
     ones too), which say themselves which tokens are trained on."""
     if args.completion_only_loss is not True or formatting_func is not None:
         return
-    unused = [name for name, dataset in datasets.items()
-              if isinstance(dataset, Dataset | IterableDataset)
-              and not _completion_only_loss_applies(set(column_names(dataset)))
-              and "labels" not in column_names(dataset)]
-    if unused:
-        datasets_named = f"the {' and '.join(unused)} dataset" + ("s" if len(unused) > 1 else "")
+    datasets_named = _datasets_without_labels(datasets, lambda columns: not _completion_only_loss_applies(columns))
+    if datasets_named:
         logger.warning(
             f"completion_only_loss=True does nothing to {datasets_named}: it applies to prompt/completion data (or "
             "tokenized rows with a completion_mask), and these rows are language modeling ones ('messages' or text), "
@@ -1192,11 +1197,9 @@ def _warn_completion_mask_unused(args: DiffusionSFTConfig, datasets: dict) -> No
     which tokens are trained on, nor when ``completion_only_loss`` is set either way (the user's choice)."""
     if args.completion_only_loss is not None:
         return
-    unused = [name for name, dataset in datasets.items() if isinstance(dataset, Dataset | IterableDataset)
-              and "completion_mask" in (columns := set(column_names(dataset)))
-              and not {"prompt", "completion"} <= columns and "labels" not in columns]
-    if unused:
-        datasets_named = f"the {' and '.join(unused)} dataset" + ("s" if len(unused) > 1 else "")
+    datasets_named = _datasets_without_labels(
+        datasets, lambda columns: "completion_mask" in columns and not {"prompt", "completion"} <= columns)
+    if datasets_named:
         logger.warning(
             f"the completion_mask of {datasets_named} is not applied: with completion_only_loss unset, TRL trains "
             "on the completion only for prompt/completion rows, so every token of these tokenized rows is trained "
