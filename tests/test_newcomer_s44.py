@@ -1,5 +1,9 @@
-"""Settings that cost or change nothing without a word: Dream's released ``steps=512`` on a short generation (512
-forward passes for a few tokens, as Dream's sampler runs them), and a ``shrinkage`` that no scorer reads."""
+"""Settings that cost or changed something without a word, and what two red-team rounds found in the checks of this
+session and the one before: Dream's released ``steps=512`` on a short generation (512 forward passes for a few
+tokens, as Dream's sampler runs them); a ``shrinkage`` that no scorer reads; a chat template that reopens an assistant
+turn after the last answer (SFT trained it); a tokenized ``completion_mask`` TRL leaves unapplied; guidance and a
+generation config's ``use_cache``; the recipe check of a script run as a module; the examples' tiny-defaults
+warning."""
 
 from __future__ import annotations
 
