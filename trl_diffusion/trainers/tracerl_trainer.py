@@ -296,18 +296,13 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
 
     def _check_chat_template(self) -> None:
         """Refuse train and eval datasets of chat-message prompts when the tokenizer has no chat template (a base
-        model's): TRL's rollout failed on them at the first batch, steps into training. A stream is known by its
-        declared features, not read ahead (one without features fails at its first batch with TRL's error)."""
+        model's): TRL's rollout failed on them at the first batch, steps into training. Read from the declared
+        features, so a stream is not read ahead (one without features fails at its first batch with TRL's error)."""
         if getattr(self._tokenizer, "chat_template", None) is not None:
             return
         for split, dataset in self._datasets().items():
-            if isinstance(dataset, Dataset):
-                prompt_type = dataset.with_format("arrow")["prompt"].type
-            elif isinstance(dataset, IterableDataset) and "prompt" in (dataset.features or {}):
-                prompt_type = dataset.features.arrow_schema.field("prompt").type
-            else:
-                continue
-            if _is_list_type(prompt_type):
+            features = getattr(dataset, "features", None) or {}
+            if "prompt" in features and _is_list_type(features.arrow_schema.field("prompt").type):
                 raise ValueError(f"the {split} dataset's prompts are chat messages, but the tokenizer has no chat "
                                  "template (a base model's): give the prompts as text, or use a tokenizer with a "
                                  "chat template.")
