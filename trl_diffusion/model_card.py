@@ -53,7 +53,7 @@ def base_model_sentence(name_or_path: str | None) -> str:
 
     if not name_or_path:
         return "This model was fine-tuned from a model that was not loaded from a saved checkpoint"
-    path = Path(str(name_or_path)).expanduser().resolve()
+    path = Path(os.path.expanduser(str(name_or_path))).resolve()
     embedded = (f"`{EMBEDDED_MODEL.name}`, the tiny SDAR model shipped with trl_diffusion "
                 "(`trl_diffusion.assets.EMBEDDED_MODEL`)")
     if path == EMBEDDED_MODEL.resolve():

@@ -58,7 +58,7 @@ def check_hub_model_cached(name: str, revision: str | None = None, file_name: st
     Hub is online, passes."""
     from huggingface_hub import constants, try_to_load_from_cache
 
-    if not constants.HF_HUB_OFFLINE or Path(name).expanduser().is_dir():
+    if not constants.HF_HUB_OFFLINE or Path(os.path.expanduser(name)).is_dir():
         return
     try:
         cached = try_to_load_from_cache(name, file_name, revision=revision)
@@ -76,7 +76,7 @@ def check_model_folder(path: str) -> None:
     (``adapter_config.json``), naming its subfolders that hold one (``--model_name_or_path outputs`` for
     ``outputs/math``, a run's ``checkpoint-*``): loading it failed on the tokenizer, with a traceback per process. A
     Hub id (no such directory) passes."""
-    folder = Path(path).expanduser()
+    folder = Path(os.path.expanduser(path))
     if not folder.is_dir() or _holds_model(folder):
         return
     inside = sorted(str(sub.relative_to(folder)) for sub in folder.iterdir() if sub.is_dir() and _holds_model(sub))
@@ -106,13 +106,13 @@ def is_embedded_model(name_or_config: str | os.PathLike | PretrainedConfig | Non
     if not isinstance(name_or_config, (str, os.PathLike)):  # a model config
         return _embedded_architecture(name_or_config.to_dict())
     try:
-        path = Path(str(name_or_config)).expanduser().resolve()
+        path = Path(os.path.expanduser(str(name_or_config))).resolve()
         adapter = path / "adapter_config.json"
         if not (path / "config.json").is_file() and adapter.is_file():
             base = json.loads(adapter.read_text()).get("base_model_name_or_path")
             if not base:
                 return False
-            path = Path(base).expanduser().resolve()
+            path = Path(os.path.expanduser(base)).resolve()
         if path == EMBEDDED_MODEL.resolve():
             return True
         config = path / "config.json"

@@ -212,20 +212,20 @@ def load_eval_problems(
 
 
 def _is_local(name: str) -> bool:
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))
     return path.suffix.lower() in LOCAL_EXTENSIONS or path.is_file()
 
 
 def _load_rows(name: str, config: str | None, split: str | None) -> tuple[list[dict], str]:
     if _is_local(name):
-        path = Path(name).expanduser()
+        path = Path(os.path.expanduser(name))
         return _read_local(path), path.stem
     if name.lower() in HUB_DATASETS:
         repo, default_config, default_split = HUB_DATASETS[name.lower()]
         return _read_hub(repo, config or default_config, split or default_split), name.lower()
     if name.count("/") == 1 and not name.startswith((".", "/", "~")):
         return _read_hub(name, config, split or "test"), name.replace("/", "__")
-    folder = f" ({name!r} is a folder here: give a file in it)" if Path(name).expanduser().is_dir() else ""
+    folder = f" ({name!r} is a folder here: give a file in it)" if Path(os.path.expanduser(name)).is_dir() else ""
     raise ValueError(
         f"unknown dataset {name!r}: use one of {sorted(HUB_DATASETS) + ['arithmetic']}, a local "
         f"{'/'.join(LOCAL_EXTENSIONS)} file, or a Hub dataset id 'owner/name'{folder}."

@@ -425,7 +425,7 @@ def _check_not_value_model(name: str, path: str) -> None:
     critic trained beside the policy, a backbone with a scalar head and no language-model head, which generates
     nothing (loading it failed on its missing tokenizer, or on its keys). ``path``: ``name`` as resolved; a Hub id
     is not read (offline it could not be)."""
-    folder = Path(path).expanduser()
+    folder = Path(os.path.expanduser(path))
     try:
         architectures = json.loads((folder / "config.json").read_text()).get("architectures") or []
     except (OSError, ValueError, AttributeError):  # no file, not JSON, not an object: left to the loader
@@ -953,7 +953,7 @@ def _check_output_free(samples_path: Path | None, sources: dict[str, str]) -> No
 def _source(name: str) -> str:
     """A model or dataset name as eval identifies it: a local path resolved (the same folder from another working
     directory is the same), anything else as given."""
-    path = Path(name).expanduser()
+    path = Path(os.path.expanduser(name))
     return str(path.resolve()) if path.exists() else name
 
 
@@ -1005,7 +1005,7 @@ def _dataset_source(config: EvalConfig) -> str:
     name = config.dataset_name.strip()
     if name.lower() == "arithmetic":
         return "arithmetic"
-    if Path(name).expanduser().is_file():
+    if Path(os.path.expanduser(name)).is_file():
         return _source(name)
     return ":".join(str(part) for part in (name.lower(), config.dataset_config, config.dataset_test_split))
 
