@@ -121,14 +121,28 @@ def assert_same_metrics(got: list[dict], expected: list[dict], rel: float = 1e-4
 # ------------------------------------------------------------------------------------ two processes vs one
 
 
+TWO_PROCESS_VARIANTS = {
+    "@filtered": {"eos_scale": 0.0, "max_steps": 8, "reward": "distinct_chars_but_abc", "steps_per_generation": 2,
+                  "dynamic_group_filtering": "all_equal", "value_batch_size": 1, "learning_rate": 0.01,
+                  "value_learning_rate": 0.01},
+    "@budget": {"scoring_token_budget": 30, "gradient_accumulation_steps": 2,
+                "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}}
+"""Two-process runs of the checks below that have no one-process twin in ``runs`` (``tracerl_value@filtered``:
+test_value_steps_with_a_process_holding_only_filtered_groups; ``sft@budget``:
+test_sft_token_budget_on_two_processes_matches_one_forward), trained in its launch (its start-up is most of a
+launch's cost)."""
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The same jobs (``SCALE_OUT_JOBS``: SFT, TraceRL, TraceRL with a value model, TraceRL with random masks), 2 steps
-    each: two CPU processes with per-device batch 2, and one process (in this one) with batch 4."""
+    each: two CPU processes with per-device batch 2, and one process (in this one) with batch 4. The launch also
+    trains ``TWO_PROCESS_VARIANTS``."""
     root = tmp_path_factory.mktemp("scale_out")
-    overrides = json.dumps({"eos_scale": EOS_SCALE})
+    overrides = json.dumps({"eos_scale": EOS_SCALE, **TWO_PROCESS_VARIANTS})
     accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(root / "two"), "--per_device_batch",
-                      "2", "--max_steps", "2", "--jobs", *SCALE_OUT_JOBS, "--overrides", overrides)
+                      "2", "--max_steps", "2", "--jobs", *SCALE_OUT_JOBS, "tracerl_value@filtered", "sft@budget",
+                      "--overrides", overrides)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -406,16 +420,13 @@ def test_sharded_config_runs_a_step(tmp_path, config):
 
 
 @pytest.mark.slow
-def test_value_steps_with_a_process_holding_only_filtered_groups(tmp_path):
+def test_value_steps_with_a_process_holding_only_filtered_groups(runs):
     """Two groups per generation batch, one per process, and the "abc" group filtered: in every value step one
     process has nothing to train on. It joins the gradient averaging with a zero loss, so both processes take the
-    same steps (no hang) and end with the same value model, which did move."""
-    overrides = json.dumps({"reward": "distinct_chars_but_abc", "steps_per_generation": 2,
-                            "dynamic_group_filtering": "all_equal", "value_batch_size": 1,
-                            "learning_rate": 0.01, "value_learning_rate": 0.01})
-    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(tmp_path), "--per_device_batch", "2",
-                      "--max_steps", "8", "--jobs", "tracerl_value", "--overrides", overrides)
-    folder = tmp_path / "tracerl_value"
+    same steps (no hang) and end with the same value model, which did move. (8 steps, ``TWO_PROCESS_VARIANTS``.)"""
+    folder = runs["two"] / "tracerl_value@filtered"
+    # its 8 steps (not the launch's 2), the value model trained at each generation of two steps
+    assert [entry["step"] for entry in history(folder) if "value/loss" in entry] == [1, 3, 5, 7]
     live = [json.loads((folder / f"value_live_rank{rank}.json").read_text()) for rank in (0, 1)]
     assert any(0 in pair and max(pair) > 0 for pair in zip(*live)), live  # the premise: one process had none
     rank0, rank1 = parameters(folder, 0), parameters(folder, 1)
@@ -426,7 +437,7 @@ def test_value_steps_with_a_process_holding_only_filtered_groups(tmp_path):
 
 
 @pytest.mark.slow
-def test_sft_token_budget_on_two_processes_matches_one_forward(tmp_path):
+def test_sft_token_budget_on_two_processes_matches_one_forward(runs, tmp_path):
     """``scoring_token_budget`` back-propagates each forward of a micro-batch before the next, and the two processes
     may run different numbers of forwards (their batches' widths differ). Under DDP the early ones run without the
     all-reduce (the micro-batch's last backward, or the window's last micro-batch, makes it). With
@@ -434,20 +445,17 @@ def test_sft_token_budget_on_two_processes_matches_one_forward(tmp_path):
     backward used to wait for the other process forever): two processes with a budget and gradient accumulation end
     where one process without a budget does. (Without ``sync_each_batch`` ours nests in Trainer's, which DDP
     allows.)"""
-    overrides = {"scoring_token_budget": 30, "gradient_accumulation_steps": 2,
-                 "accelerator_config": {"gradient_accumulation_kwargs": {"sync_each_batch": True}}}
-    accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "train.py", "--out", str(tmp_path / "two"), "--per_device_batch",
-                      "2", "--max_steps", "2", "--jobs", "sft", "--overrides", json.dumps(overrides))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         train.run("sft", tmp_path / "one", 4, 2, gradient_accumulation_steps=2)
     finally:
         torch.set_num_threads(threads)
-    two, one = parameters(tmp_path / "two" / "sft", 0), parameters(tmp_path / "one" / "sft")
-    assert all(torch.equal(two[name], parameters(tmp_path / "two" / "sft", 1)[name]) for name in two)
+    budget = runs["two"] / "sft@budget"  # TWO_PROCESS_VARIANTS
+    two, one = parameters(budget, 0), parameters(tmp_path / "one" / "sft")
+    assert all(torch.equal(two[name], parameters(budget, 1)[name]) for name in two)
     initial = train.tiny_policy().state_dict()
     assert max((one[name] - initial[name]).abs().max().item() for name in initial) > 1e-2
     for name in one:
         torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
-    assert_same_metrics(history(tmp_path / "two" / "sft"), history(tmp_path / "one" / "sft"))
+    assert_same_metrics(history(budget), history(tmp_path / "one" / "sft"))

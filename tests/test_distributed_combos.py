@@ -62,30 +62,41 @@ def test_value_eval_metrics_ignore_the_padding_of_the_last_batch(tmp_path, sampl
 TRACERL_EVAL = ("eval_loss", "eval_reward", "eval_rollout/tokens_per_step")
 
 
+@pytest.fixture(scope="module")
+def tracerl_eval_on_two_processes(tmp_path_factory) -> tuple[Path, dict[int, str]]:
+    """One two-process launch evaluating 4 and then 5 prompts (a launch's start-up is most of its cost): the folder
+    of their metrics and each evaluation's output (stdout and stderr), by number of prompts."""
+    out = tmp_path_factory.mktemp("tracerl_eval_two")
+    done = accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(out),
+                             "--per_device_batch", "4", "--prompts", "4", "5", timeout=300)
+    stdout, stderr = (stream.split(tracerl_eval.SEPARATOR) for stream in (done.stdout, done.stderr))
+    # [4 prompts' output, between the two processes' separators, 5 prompts' output, between, after]
+    assert len(stdout) == len(stderr) == 5, done.stdout[-2000:] + done.stderr[-2000:]
+    assert not "".join(stdout[1::2] + stderr[1::2]).strip()
+    return out, {4: stdout[0] + stderr[0], 5: stdout[2] + stderr[2]}
+
+
 @pytest.mark.slow
-def test_tracerl_eval_loss_counts_every_process(tmp_path):
+def test_tracerl_eval_loss_counts_every_process(tmp_path, tracerl_eval_on_two_processes):
     """4 prompts x 4 generations = 16 rows, global eval batch 8, so no batch is padded. The evaluation loss is the
     mean over both eval batches of both processes, as one process with batch 8 computes it (accelerate counted the
     last batch's remainder over the 4 prompts, so ``gather_for_metrics`` kept process 0's loss only)."""
-    done = accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(tmp_path / "two"),
-                             "--per_device_batch", "4", "--prompts", "4", timeout=300)
+    out, output = tracerl_eval_on_two_processes
     one = in_one_process(tracerl_eval.run, tmp_path / "one", 8, 4)
-    two = json.loads((tmp_path / "two" / "metrics.json").read_text())
+    two = json.loads((out / "4" / "metrics.json").read_text())
     assert abs(one["eval_loss"]) > 1e-3  # not trivially equal
     for name in TRACERL_EVAL:
         assert two[name] == pytest.approx(one[name], rel=1e-5, abs=1e-7), name
-    assert "rows of padding" not in done.stdout + done.stderr
+    assert "rows of padding" not in output[4]
 
 
 @pytest.mark.slow
-def test_tracerl_eval_says_when_accelerate_pads_the_last_batch(tmp_path):
+def test_tracerl_eval_says_when_accelerate_pads_the_last_batch(tracerl_eval_on_two_processes):
     """5 prompts x 4 generations = 20 rows in global eval batches of 8: accelerate fills the last batch with the
     first prompt's 4 rows again, which GRPO generates, scores and counts in every eval metric (eval_reward 3.583
     where one process gives 3.542). The trainer says so, once."""
-    done = accelerate_launch(TWO_CPU_PROCESSES, HELPERS / "tracerl_eval.py", "--out", str(tmp_path),
-                             "--per_device_batch", "4", "--prompts", "5", timeout=300)
-    output = done.stdout + done.stderr
-    assert output.count("rows of padding") == 1 and "the last eval batch holds 4 rows of padding" in output
+    out, output = tracerl_eval_on_two_processes
+    assert output[5].count("rows of padding") == 1 and "the last eval batch holds 4 rows of padding" in output[5]
 
 
 def test_tracerl_eval_loss_weighs_every_eval_batch_fully(tmp_path, monkeypatch):

@@ -210,11 +210,12 @@ def overrides_for(trainer: str, overrides: dict[str, Any]) -> dict[str, Any]:
             if name.startswith(f"{trainer}.") or (shared and "." not in name)}
 
 
-def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None, **overrides: Any):
+def run(job: str, out: Path, per_device_batch: int, max_steps: int, resume: str | None = None,
+        folder_name: str | None = None, **overrides: Any):
     """Train one of ``JOBS`` and write this process's parameters (and, on rank 0, the log history) under
-    ``out/job``."""
+    ``out/job`` (``out/folder_name`` if given)."""
     trainer, value = JOBS[job]
-    folder = Path(out) / job
+    folder = Path(out) / (folder_name or job)
     if trainer == "value":
         built = value_trainer(folder, per_device_batch, max_steps, **overrides_for(trainer, overrides))
     else:
@@ -284,20 +285,36 @@ def shut_down() -> None:
         torch.distributed.destroy_process_group()
 
 
+def variant(name: str, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """A ``--jobs`` entry ``<job>`` or ``<job>@<variant>``: the job of ``JOBS`` and its overrides, those of the run
+    updated with the variant's own (the ``"@<variant>"`` entry of ``overrides``). Variants let several settings of
+    one job share a launch, whose start-up is most of its cost on a CPU."""
+    job, _, tag = name.partition("@")
+    if job not in JOBS or (tag and f"@{tag}" not in overrides):
+        raise SystemExit(f"unknown job {name!r}: use one of {sorted(JOBS)}, as <job>@<variant> with an "
+                         "'@<variant>' entry in --overrides")
+    shared = {key: setting for key, setting in overrides.items() if not key.startswith("@")}
+    return job, {**shared, **overrides[f"@{tag}"]} if tag else shared
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--jobs", nargs="+", default=["sft", "tracerl"], choices=sorted(JOBS))
+    parser.add_argument("--jobs", nargs="+", default=["sft", "tracerl"],
+                        help=f"of {sorted(JOBS)}, each as <job> or <job>@<variant> (see variant)")
     parser.add_argument("--per_device_batch", type=int, default=2)
     parser.add_argument("--max_steps", type=int, default=2)
     parser.add_argument("--overrides", type=json.loads, default={},
-                        help="config fields and eos_scale, as JSON (see overrides_for)")
+                        help="config fields and eos_scale, as JSON (see overrides_for), and a variant's own under "
+                             "'@<variant>'")
     parser.add_argument("--resume", default=None, help="checkpoint to resume from")
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     without_deepspeed_shm_op()
-    for job in args.jobs:
-        run(job, args.out, args.per_device_batch, args.max_steps, resume=args.resume, **args.overrides)
+    jobs = {name: variant(name, args.overrides) for name in args.jobs}  # every name checked before training
+    for name, (job, overrides) in jobs.items():
+        steps = overrides.pop("max_steps", args.max_steps)  # a variant may train longer
+        run(job, args.out, args.per_device_batch, steps, resume=args.resume, folder_name=name, **overrides)
     shut_down()
 
 
