@@ -1,7 +1,8 @@
 """Test helpers for the sandbox tests: the processes of this machine, found by name through ``/proc``.
 
 Used by ``tests/test_review_sandbox.py``, ``tests/test_sandbox_contracts.py`` and
-``tests/test_killed_trainer_cleanup.py`` to check that nothing a run started outlives it (or its trainer).
+``tests/test_killed_trainer_cleanup.py`` to check that nothing a run started outlives it (or its trainer), and
+``REWARDS_WITHOUT_MODELS`` for their trainer processes.
 """
 
 import os
@@ -79,3 +80,15 @@ def source_without_the_filter(source: str) -> str:
     and the Python guards do not see."""
     assert SECCOMP_CALL in source, f"the sandbox source no longer has {SECCOMP_CALL!r}: update this helper"
     return source.replace(SECCOMP_CALL, 'isolation["seccomp"] = False')
+
+
+REWARDS_WITHOUT_MODELS = """
+import importlib.util as _util, sys as _sys, types as _types
+_package = _types.ModuleType("trl_diffusion")
+_package.__path__ = list(_util.find_spec("trl_diffusion").submodule_search_locations)
+_sys.modules["trl_diffusion"] = _package
+"""
+"""Source a test's trainer process runs before it imports ``trl_diffusion.rewards``: the package's own ``__init__``
+(the model registration, which imports torch, transformers and TRL: about 5 s of CPU a process) is skipped, and the
+reward modules, which import none of them, load as they are. For the trainers of tests/test_killed_trainer_cleanup.py
+(which keeps one with the whole package) and tests/test_sandbox_limits.py's trainer as PID 1."""

@@ -13,7 +13,7 @@ import tempfile
 import time
 
 import pytest
-from processes import alive, command_line, descendants, pids_named
+from processes import REWARDS_WITHOUT_MODELS, alive, command_line, descendants, pids_named
 
 from trl_diffusion.rewards import leftovers
 from trl_diffusion.rewards.cgroup import CgroupRoot, cpu_cgroup_root, memory_cgroup_root
@@ -38,7 +38,7 @@ run_tests(program, ["assert True"], SandboxLimits(timeout=120))
 """
 _SLEEP = "import time\ntime.sleep(100)\n"
 _SLEEP_HOLDING_THE_GIL = "import ctypes\nctypes.PyDLL(None).sleep(100)\n"  # no Python thread of its runs meanwhile
-_QUICK = """
+_QUICK = REWARDS_WITHOUT_MODELS + """
 from trl_diffusion.rewards.sandbox import run_tests
 result = run_tests("x = 1\\n", ["assert x == 1"])
 print(result.status, result.passed)
@@ -62,12 +62,15 @@ def _dead_pid() -> int:
     return child.pid
 
 
-def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = False) -> tuple[int, str, set[int]]:
+def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = False,
+                  whole_package: bool = False) -> tuple[int, str, set[int]]:
     """Start a trainer whose run executes ``program`` (time limit 120 s), kill it with ``how`` once the program
     runs, and return its pid, its launcher and the sandbox's processes, after checking that those are gone within
-    20 s (they ended with their trainer, not at their time limit)."""
+    20 s (they ended with their trainer, not at their time limit). ``whole_package``: the trainer imports all of
+    trl_diffusion (torch, transformers, TRL), as a real one has; else only the rewards (REWARDS_WITHOUT_MODELS)."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}
-    trainer = subprocess.Popen([sys.executable, "-c", _TRAINER, program, "fork" if fork else "-"], env=env,
+    source = _TRAINER if whole_package else REWARDS_WITHOUT_MODELS + _TRAINER
+    trainer = subprocess.Popen([sys.executable, "-c", source, program, "fork" if fork else "-"], env=env,
                                stdout=subprocess.PIPE, text=True)
     forks: set[int] = set()
     try:
@@ -102,7 +105,7 @@ def _kill_mid_run(tmp_path, program: str, how: signal.Signals, fork: bool = Fals
 
 
 def test_a_trainer_killed_mid_run_ends_its_sandbox_and_the_next_process_cleans_up(tmp_path):
-    trainer, _, _ = _kill_mid_run(tmp_path, _SLEEP, signal.SIGTERM)
+    trainer, _, _ = _kill_mid_run(tmp_path, _SLEEP, signal.SIGTERM, whole_package=True)
     left = _workdirs(tmp_path)
     assert len(left) == 1  # what the killed trainer left
     assert left[0].startswith(FRESH_UID_PREFIX) == (os.geteuid() == 0)  # root's runs have uids of their own
@@ -140,7 +143,7 @@ def test_a_program_holding_the_interpreter_ends_with_its_trainer(tmp_path):
     assert "setpriv --pdeathsig KILL" in launcher and "--pid" in launcher
 
 
-_LAUNCHED_TRAINER = """
+_LAUNCHED_TRAINER = REWARDS_WITHOUT_MODELS + """
 import sys
 from trl_diffusion.rewards import sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
@@ -375,7 +378,7 @@ def _serve():
     sys.stdin.readline()
     time.sleep(1000)  # a comparison that does not end
 """
-_MATH_TRAINER = """
+_MATH_TRAINER = REWARDS_WITHOUT_MODELS + """
 import sys
 from trl_diffusion.rewards.dllm_rl_math import SympyWorker, boot_source
 worker = SympyWorker(timeout=600, command=[sys.executable, "-c", boot_source("hanging"), sys.argv[1]])
@@ -418,7 +421,7 @@ def test_the_watchdog_runs_under_a_time_limit_longer_than_poll_can_wait():
     assert result.passed == 1, result.output  # the program's thread and the watchdog's
 
 
-_FORK_DURING = """
+_FORK_DURING = REWARDS_WITHOUT_MODELS + """
 import os, sys, threading, time
 from trl_diffusion.rewards import leftovers, sandbox
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests

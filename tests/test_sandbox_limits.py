@@ -12,6 +12,7 @@ import socket
 import tempfile
 
 import pytest
+from processes import REWARDS_WITHOUT_MODELS
 
 from trl_diffusion.rewards.sandbox import SandboxLimits, isolation_report, run_tests
 
@@ -368,7 +369,7 @@ def test_a_run_shares_one_cpu_group_and_cannot_start_new_sessions(isolation):
     assert "trl_sandbox_" in result.output, result.output
 
 
-SUBREAPER_RUNS = r"""
+SUBREAPER_RUNS = REWARDS_WITHOUT_MODELS + r"""
 import ctypes, os, sys, time
 from trl_diffusion.rewards.sandbox import SandboxLimits, run_tests
 assert ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER: orphans come to us
