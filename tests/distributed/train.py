@@ -287,8 +287,9 @@ def shut_down() -> None:
 
 def variant(name: str, overrides: dict[str, Any]) -> tuple[str, dict[str, Any]]:
     """A ``--jobs`` entry ``<job>`` or ``<job>@<variant>``: the job of ``JOBS`` and its overrides, those of the run
-    updated with the variant's own (the ``"@<variant>"`` entry of ``overrides``). Variants let several settings of
-    one job share a launch, whose start-up is most of its cost on a CPU."""
+    updated with the variant's own (the ``"@<variant>"`` entry of ``overrides``; its ``max_steps`` replaces
+    ``--max_steps``). Variants let several settings of one job share a launch, whose start-up is most of its cost on
+    a CPU."""
     job, _, tag = name.partition("@")
     if job not in JOBS or (tag and f"@{tag}" not in overrides):
         raise SystemExit(f"unknown job {name!r}: use one of {sorted(JOBS)}, as <job>@<variant> with an "
