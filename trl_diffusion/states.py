@@ -456,6 +456,18 @@ def check_max_steps(max_steps: int) -> None:
                          "step); pass max_steps >= 1, or -1 to train for num_train_epochs.")
 
 
+def take_checkpointing_old_name(args) -> None:
+    """Before transformers' ``__post_init__``: where ``TrainingArguments`` has ``activation_checkpointing`` (5.23 on),
+    a ``gradient_checkpointing`` set while the new name is unset moves to the new name. transformers then reads it
+    as it would have (it reads the old name only while the new one is unset), without its FutureWarning, which
+    otherwise came with every config built: TRL 1.16 sets the old name's default (True) on ``GRPOConfig``,
+    ``SFTConfig`` and its base config, and the shipped recipes set the old name, which transformers before 5.23 (also
+    supported) needs."""
+    if getattr(args, "activation_checkpointing", None) is None and hasattr(args, "activation_checkpointing"):
+        if args.gradient_checkpointing is not None:
+            args.activation_checkpointing, args.gradient_checkpointing = args.gradient_checkpointing, None
+
+
 def check_optimization_numbers(args) -> None:
     """Refuse, when a config is built, the optimisation numbers transformers takes unchecked: a ``learning_rate``
     that is infinite made every weight NaN after the first step while the logged loss looked fine (NaN and negative

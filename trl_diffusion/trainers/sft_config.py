@@ -14,6 +14,7 @@ from ..states import (
     check_max_steps,
     check_no_liger_kernel,
     check_optimization_numbers,
+    take_checkpointing_old_name,
 )
 from .diffusion_losses import (
     LOSS_NORMALIZATIONS,
@@ -213,6 +214,7 @@ class DiffusionSFTConfig(SFTConfig):
         if self.diffusion_objective in NONE_STRINGS:
             self.diffusion_objective = None
         check_optimization_numbers(self)  # before transformers', which fails on some without naming them
+        take_checkpointing_old_name(self)
         super().__post_init__()
         check_field_types(self, SFTConfig)
         check_attention_backend(self.attention_backend)

@@ -22,6 +22,7 @@ from ..states import (
     check_max_steps,
     check_no_liger_kernel,
     check_optimization_numbers,
+    take_checkpointing_old_name,
 )
 from .tracerl_objective import STEP_NORMALIZATIONS
 
@@ -311,6 +312,7 @@ class TraceRLConfig(GRPOConfig):
             self.rollout_cache = old
         self._check_num_generations()
         check_optimization_numbers(self)  # before transformers', which fails on some without naming them
+        take_checkpointing_old_name(self)
         super().__post_init__()
         self.check()
         if self.training_block_size is not None and self.training_block_size % self.block_length:

@@ -15,6 +15,7 @@ from ..states import (
     check_max_steps,
     check_no_liger_kernel,
     check_optimization_numbers,
+    take_checkpointing_old_name,
 )
 
 
@@ -98,6 +99,7 @@ class DiffusionValueConfig(_BaseConfig):
 
     def __post_init__(self):
         check_optimization_numbers(self)  # before transformers', which fails on some without naming them
+        take_checkpointing_old_name(self)
         super().__post_init__()
         check_field_types(self, _BaseConfig)
         self.chat_template_kwargs = check_chat_template_kwargs(self.chat_template_kwargs)
