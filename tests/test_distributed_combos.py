@@ -95,7 +95,7 @@ def test_tracerl_eval_says_when_accelerate_pads_the_last_batch(tracerl_eval_on_t
     """5 prompts x 4 generations = 20 rows in global eval batches of 8: accelerate fills the last batch with the
     first prompt's 4 rows again, which GRPO generates, scores and counts in every eval metric (eval_reward 3.583
     where one process gives 3.542). The trainer says so, once."""
-    out, output = tracerl_eval_on_two_processes
+    _, output = tracerl_eval_on_two_processes
     assert output[5].count("rows of padding") == 1 and "the last eval batch holds 4 rows of padding" in output[5]
 
 
