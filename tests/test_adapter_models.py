@@ -1,7 +1,9 @@
 """A PEFT adapter folder (what ``--use_peft`` saves) given as the model to train. transformers loads it with the
 adapter attached and, with peft < 0.22, cannot save the result: the run trained and then failed at its save
-("The version of PEFT you are using is not compatible"). The examples now train the adapter's merged model; the
-trainers refuse an attached adapter before training, saying how to merge it."""
+("The version of PEFT you are using is not compatible"); TRL cannot load the folder's path at all (no config.json).
+The examples now train the adapter's merged model; the trainers refuse the path, and an attached adapter that
+transformers could not save, before training, saying how to load the adapter with peft instead (an attached
+adapter transformers can save is frozen, which ``train()`` refuses: tests/test_frozen_models.py)."""
 
 from __future__ import annotations
 
@@ -71,8 +73,8 @@ def test_sft_example_trains_and_saves_from_an_adapter(adapter, tmp_path):
 
 
 def test_the_check_refuses_exactly_what_transformers_cannot_save(adapter, tmp_path):
-    """With the installed transformers and peft (5.24 / 5.25 with peft 0.21: refused; 5.20-5.23 ask for peft 0.20
-    and save it): the trainers' check refuses an attached adapter exactly when saving it fails."""
+    """With the installed transformers and peft (5.24 / 5.25 with peft 0.21: refused; with peft 0.22, and 5.20-5.23,
+    which ask for peft 0.20: saved): the trainers' check refuses an attached adapter exactly when saving it fails."""
     attached = AutoModelForCausalLM.from_pretrained(adapter)
     assert attached._hf_peft_config_loaded
     try:
@@ -108,9 +110,27 @@ def test_trainers_refuse_an_attached_adapter_before_training(adapter, tmp_path, 
 def test_an_attached_adapter_is_accepted_when_transformers_can_save_it(adapter, monkeypatch):
     from transformers.integrations import peft as transformers_peft
 
+    attached = AutoModelForCausalLM.from_pretrained(adapter)
     monkeypatch.setattr(transformers_peft, "MIN_PEFT_VERSION", "0.1.0")
-    common.check_adapter_saveable(str(adapter), "DiffusionSFTTrainer")  # no error
+    common.check_adapter_saveable(attached, "DiffusionSFTTrainer")  # no error (train() refuses it frozen)
     monkeypatch.setattr(transformers_peft, "MIN_PEFT_VERSION", "99.0.0")
     with pytest.raises(ValueError, match=r"needs peft >= 99\.0\.0"):
-        common.check_adapter_saveable(str(adapter), "DiffusionSFTTrainer")
+        common.check_adapter_saveable(attached, "DiffusionSFTTrainer")
     common.check_adapter_saveable(str(EMBEDDED_MODEL), "DiffusionSFTTrainer")  # a model folder: nothing to check
+
+
+def test_an_adapter_folder_path_is_refused_whatever_peft(adapter, monkeypatch):
+    # TRL loads a model path through its config.json, which an adapter folder lacks: with a peft new enough for
+    # transformers to save an attached adapter (0.22), the path failed in TRL with "Unrecognized model ... Should have
+    # a `model_type` key in its config.json"
+    from transformers.integrations import peft as transformers_peft
+
+    monkeypatch.setattr(transformers_peft, "MIN_PEFT_VERSION", "0.1.0")
+    refusal = (r"is a PEFT adapter folder \(adapter_config\.json\), not a model: pass "
+               r"peft\.PeftModel\.from_pretrained\(base_model, path, is_trainable=True\)")
+    for model in (str(adapter), adapter):
+        with pytest.raises(ValueError, match=refusal):
+            common.check_adapter_saveable(model, "DiffusionSFTTrainer")
+    with pytest.raises(ValueError, match="is a PEFT adapter folder"):
+        DiffusionSFTTrainer(str(adapter), args=DiffusionSFTConfig("unused", **CPU),
+                            train_dataset=[{"prompt": "a", "completion": "b"}])

@@ -5,7 +5,13 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from .cache import DiffusionCache
-from .common import DiffusionModelMixin, check_router_aux_loss_coef, check_tokenizer, model_argument
+from .common import (
+    DiffusionModelMixin,
+    check_router_aux_loss_coef,
+    check_tokenizer,
+    check_trains_parameters,
+    model_argument,
+)
 from .dream import DreamConfig, DreamModel, DreamTokenizer
 from .kernels import set_fused_kernels
 from .llada import LLaDAConfig, LLaDAModelLM
@@ -83,6 +89,7 @@ __all__ = [
     "carry_tokenizer_code",
     "check_router_aux_loss_coef",
     "check_tokenizer",
+    "check_trains_parameters",
     "model_argument",
     "DreamConfig",
     "DreamModel",

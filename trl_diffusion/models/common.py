@@ -922,16 +922,27 @@ def check_router_aux_loss_coef(model, coef: float | None) -> None:
         )
 
 
+ADAPTER_USES = ("pass peft.PeftModel.from_pretrained(base_model, path, is_trainable=True) to train the adapter "
+                "further, or peft.PeftModel.from_pretrained(base_model, path).merge_and_unload() to train the model "
+                "with the adapter folded in (with peft_config= for a new adapter on it), base_model loaded by "
+                "AutoModelForCausalLM.from_pretrained")
+"""How to train from a PEFT adapter, for the errors of :func:`check_adapter_saveable` and
+:func:`check_trains_parameters`."""
+
+
 def check_adapter_saveable(model, trainer: str) -> None:
-    """Refuse, before training, a model the run could not save: a PEFT adapter folder given as the model (TRL loads
-    it with transformers, which attaches the adapter: ``_hf_peft_config_loaded``), or a model loaded that way, when
-    transformers needs a newer peft than the installed one to save it (transformers 5.24 and 5.25: peft >= 0.22.0,
-    unreleased; the run would train and then fail at its first save). A ``ValueError`` says how to merge it."""
+    """Refuse, before training, a PEFT adapter folder (what ``use_peft`` saves) given as the model path: TRL loads a
+    model path through its ``config.json``, which an adapter folder lacks. Refuse as well a model that transformers
+    loaded from such a folder (the adapter attached: ``_hf_peft_config_loaded``) when transformers needs a newer peft
+    than the installed one to save it (transformers 5.24 and 5.25: peft >= 0.22.0; the run would train and then fail
+    at its first save). A ``ValueError`` says how to load the adapter instead (:data:`ADAPTER_USES`)."""
     if isinstance(model, (str, os.PathLike)):
-        attached = os.path.isfile(os.path.join(os.path.expanduser(os.fspath(model)), "adapter_config.json"))
-    else:
-        attached = bool(getattr(model, "_hf_peft_config_loaded", False))  # a PeftModel forwards the attribute
-    if not attached:
+        path = os.path.expanduser(os.fspath(model))
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise ValueError(f"{trainer}: {os.fspath(model)} is a PEFT adapter folder (adapter_config.json), not a "
+                             f"model: {ADAPTER_USES}.")
+        return
+    if not getattr(model, "_hf_peft_config_loaded", False):  # a PeftModel forwards the attribute
         return
     from importlib.metadata import version
 
@@ -944,9 +955,27 @@ def check_adapter_saveable(model, trainer: str) -> None:
     raise ValueError(
         f"{trainer}: the model carries a PEFT adapter that transformers attached when loading an adapter folder, and "
         f"transformers cannot save such a model with peft {version('peft')} (it needs peft >= {needed}): the run "
-        "would fail at its first save. Merge the adapter first, peft.PeftModel.from_pretrained(base_model, path)"
-        ".merge_and_unload() with base_model loaded by AutoModelForCausalLM.from_pretrained, and pass that model "
-        "(with peft_config= to train a new adapter on it).")
+        f"would fail at its first save. Load the adapter with peft instead: {ADAPTER_USES}.")
+
+
+def check_trains_parameters(model, owner: str) -> None:
+    """Refuse to train ``model`` (named ``owner`` in the error) when none of its parameters requires a gradient:
+    the run would log losses and save checkpoints and change no weight. The usual cause is an adapter loaded for
+    inference: ``peft.PeftModel.from_pretrained(base, path)`` freezes it unless ``is_trainable=True``, and so does
+    transformers when it loads an adapter folder."""
+    if any(parameter.requires_grad for parameter in model.parameters()):
+        return
+    from peft import PeftModel
+
+    refused = f"{owner} has no trainable parameter, so training would change no weight"
+    if isinstance(model, PeftModel):
+        raise ValueError(f"{refused}: its PEFT adapter was loaded for inference (peft freezes an adapter it loads "
+                         f"unless is_trainable=True); {ADAPTER_USES}.")
+    if getattr(model, "_hf_peft_config_loaded", False):
+        raise ValueError(f"{refused}: it carries a PEFT adapter that transformers attached, frozen, when loading an "
+                         f"adapter folder; {ADAPTER_USES}.")
+    raise ValueError(f"{refused} (every parameter has requires_grad=False): unfreeze the parameters to train, "
+                     "model.requires_grad_(True) for all of them.")
 
 
 def without_autocast_wrapper(model) -> None:

@@ -45,7 +45,7 @@ from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_adapter_card, finish_model_card, policy_quick_start
-from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
+from ..models import check_router_aux_loss_coef, check_tokenizer, check_trains_parameters, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
@@ -694,6 +694,12 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
         if return_outputs:
             return loss, MaskedLMOutput(loss=loss)
         return loss
+
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``, refusing first a model with no trainable parameter (``check_trains_parameters``):
+        evaluating a frozen model is fine, training it would change nothing."""
+        check_trains_parameters(self.model, f"{type(self).__name__}'s model")
+        return super().train(*args, **kwargs)
 
     def training_step(self, *args, **kwargs):
         """Trainer's step; inside it (and only there) ``compute_loss`` may back-propagate the forwards of a

@@ -55,7 +55,7 @@ from ..full_save import save_model_whole
 from ..generation.sampling import stable_seed
 from ..mask_token import SANITIZE_CONTROL_TOKENS, first_few, mask_token_name
 from ..model_card import card_dataset_name, finish_adapter_card, finish_model_card, policy_quick_start
-from ..models import check_router_aux_loss_coef, check_tokenizer, model_argument
+from ..models import check_router_aux_loss_coef, check_tokenizer, check_trains_parameters, model_argument
 from ..models.common import without_autocast_wrapper
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
@@ -277,6 +277,12 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                                  "advantages; with a value model the advantages are GAE's (the value is the "
                                  "baseline). Use advantage_baseline='group_mean' or no value model.")
             self._setup_value_model(value_model, base)
+
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``, refusing first a model with no trainable parameter (``check_trains_parameters``):
+        evaluating a frozen model is fine, training it would change nothing."""
+        check_trains_parameters(self.model, f"{type(self).__name__}'s model")
+        return super().train(*args, **kwargs)
 
     def _datasets(self) -> dict:
         """The train and eval datasets by name (``eval 'a'`` for a named eval set, as the SFT trainer names it)."""
@@ -644,6 +650,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
             # in float32 unless model_init_kwargs names a dtype, as TRL loads a policy path
             value_model = DiffusionValueModel.load(str(value_model), dtype=_path_dtype(args.model_init_kwargs))
         check_value_model(value_model, "value_model")
+        check_trains_parameters(value_model, f"{type(self).__name__}'s value_model")
         without_autocast_wrapper(value_model)  # a warm-start trainer's bf16 autocast, if it ran in bf16
         value_model = value_model.whole()  # kept whole on every process, also one loaded partitioned under ZeRO-3
         if value_model.mask_token_id != policy.mask_token_id:

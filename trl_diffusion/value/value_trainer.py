@@ -30,7 +30,7 @@ from ..data.prepared import PreparedDatasets, tokenizer_fingerprint
 from ..full_save import save_model_whole
 from ..mask_token import SANITIZE_CONTROL_TOKENS, mask_token_name
 from ..model_card import card_dataset_name, finish_model_card, value_quick_start
-from ..models import check_tokenizer, model_argument
+from ..models import check_tokenizer, check_trains_parameters, model_argument
 from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
@@ -127,6 +127,12 @@ class DiffusionValueTrainer(EvaluatedLoader, _BaseTrainer):
         zero_stage = self.accelerator.state.deepspeed_plugin.zero_stage if self.is_deepspeed_enabled else None
         check_recomputed_forwards(args.recompute_scoring_forwards, self.is_fsdp_enabled, zero_stage,
                                   "recompute_scoring_forwards", self.model)
+
+    def train(self, *args, **kwargs):
+        """Trainer's ``train``, refusing first a model with no trainable parameter (``check_trains_parameters``):
+        evaluating a frozen model is fine, training it would change nothing."""
+        check_trains_parameters(self.model, f"{type(self).__name__}'s model")
+        return super().train(*args, **kwargs)
 
     def _inner_training_loop(self, *args, **kwargs):
         """Trainer's loop, from empty training statistics: a failed ``train()`` (or the try that
