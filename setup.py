@@ -17,7 +17,7 @@ setup(
         "torch>=2.6,<2.16",
         "transformers>=5.20,<6",
         "trl>=1.16,<1.17",
-        "peft>=0.21,<0.22",
+        "peft>=0.21,<0.23",
         "accelerate>=1.15,<1.17",
         "datasets>=5.0.1,<6",  # 5.0.0 failed on a JSON list of rows behind a byte-order mark
         "math-verify>=0.9,<0.10",

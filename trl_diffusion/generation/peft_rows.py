@@ -67,7 +67,7 @@ def per_row_adapter_names(model: torch.nn.Module) -> bool:
 
 def drop_adapter_name_hooks(model: torch.nn.Module) -> None:
     """Remove the per-row ``adapter_names`` hooks peft put on ``model``'s layers for a ``generate`` call. peft
-    (0.21) removes them after its ``yield`` without ``try`` / ``finally``, so a call that raised left them on and
+    (0.21, 0.22) removes them after its ``yield`` without ``try`` / ``finally``, so a call that raised left them on and
     every later forward ran that call's adapters row by row (or failed on another batch size)."""
     for layer in _peft_layers(model):
         for key in [key for key, hook in layer._forward_pre_hooks.items() if _is_adapter_names_hook(hook)]:
