@@ -122,6 +122,11 @@ def record(out, seconds: float, device: torch.device, **fields) -> dict:
 # ----------------------------------------------------------------------------------------------------------
 
 
+def threshold(strategy: str) -> dict:
+    """The dynamic strategy's confidence threshold (0.9, TraDo's), for that strategy only: no other reads it."""
+    return {"confidence_threshold": 0.9} if strategy == "low_confidence_dynamic" else {}
+
+
 def run(family: str, cache, strategy: str, length: int, batch: int, hidden: int, device: torch.device) -> dict:
     overrides = {"sdar": dict(hidden_size=hidden, intermediate_size=4 * hidden, max_position_embeddings=4096),
                  "llada": dict(d_model=hidden, mlp_hidden_size=4 * hidden, max_sequence_length=4096),
@@ -130,7 +135,7 @@ def run(family: str, cache, strategy: str, length: int, batch: int, hidden: int,
     prompt = torch.randint(10, 100, (batch, 32), device=device)
     out, seconds = timed_generate(model, prompt, max_new_tokens=length, block_length=4, denoising_steps=4,
                                   temperature=0.0, use_cache=cache, remasking_strategy=strategy,
-                                  confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
+                                  **threshold(strategy), stop_token_ids=[], return_dict_in_generate=True)
     return record(out, seconds, device, family=family, cache=str(cache), strategy=strategy, new_tokens=length,
                   batch=batch)
 
@@ -213,7 +218,7 @@ def rollout_table(args, device: torch.device) -> None:
     built = time.perf_counter() - began
     token_ids = (10, config["mask_token_id"] - 1)  # random prompts of ordinary tokens
     settings = dict(max_new_tokens=new_tokens, block_length=table["block"], denoising_steps=table["steps"],
-                    confidence_threshold=0.9, stop_token_ids=[], return_dict_in_generate=True)
+                    stop_token_ids=[], return_dict_in_generate=True)
     # (batch, cache, strategy, cuda_graphs, sampling) rows in order of priority, so that a run cut short by a time
     # limit keeps the targets: every cached row, then the eager baseline, then the largest batch sampled as TraceRL's
     # rollouts are, then the uncached rows (the slowest)
@@ -236,7 +241,7 @@ def rollout_table(args, device: torch.device) -> None:
             warmup = timed_generate(model, prompt, **{**call, **rollout_sampling(sampling, batch),
                                                       "max_new_tokens": table["block"]})[1]
             warm.add((batch, cache, graphs, sampling))
-        out, seconds = timed_generate(model, prompt, remasking_strategy=strategy, **call)
+        out, seconds = timed_generate(model, prompt, remasking_strategy=strategy, **threshold(strategy), **call)
         rows.append(record(out, seconds, device, batch=batch, cache=cache_name(cache), strategy=strategy,
                            cuda_graphs=graphs, sampling=sampling, fused_kernels=args.fused_kernels,
                            new_tokens=new_tokens, prompt=prompt_length,

@@ -47,7 +47,10 @@ def test_the_first_place_that_names_stop_ids_decides():
                                          # were ignored silently: no hidden states, no top_h filter
                                          ("output_attentions", True), ("output_hidden_states", True),
                                          ("top_h", 0.3), ("dola_layers", "high"), ("token_healing", True),
-                                         ("force_words_ids", [[5]])])
+                                         ("force_words_ids", [[5]]),
+                                         # accepted and ignored before: TraceRLConfig already refused the first
+                                         ("cache_implementation", "static"), ("remove_invalid_values", True),
+                                         ("renormalize_logits", True), ("low_memory", True), ("use_mtp", True)])
 def test_unimplemented_decoding_options_in_a_config_are_refused(field, value):
     model = tiny_model("sdar")
     with pytest.raises(ValueError, match=f"generation_config sets {field}="):

@@ -135,5 +135,9 @@ def test_entropy_bonus_with_group_filtering_is_refused_where_filtered_micro_batc
         make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, **filtering)
     with pytest.raises(ValueError, match="entropy bonus with loss_type='grpo'"):
         make_trainer(tmp_path, loss_type="grpo", **filtering)
+    # with accumulation the accumulation check speaks first: its advice works, "use loss_type 'tracerl'" would not
+    with pytest.raises(ValueError, match="entropy bonus with group filtering.*gradient_accumulation_steps=2"):
+        make_trainer(tmp_path, loss_type="grpo", gradient_accumulation_steps=2, per_device_train_batch_size=4,
+                     **filtering)
     make_trainer(tmp_path, gradient_accumulation_steps=2, per_device_train_batch_size=4, entropy_coef=0.01)
     make_trainer(tmp_path, use_adaptive_entropy=True, **filtering).train()

@@ -171,7 +171,8 @@ def test_the_trainer_refuses_a_budget_with_an_optimizer_that_updates_inside_the_
     """The refusal above comes from the trainer's construction, not only from the helper."""
     args = sft_config(tmp_path, scoring_token_budget=64, optim="lomo")
     with pytest.raises(ValueError, match=re.escape("scoring_token_budget is not supported with optim='lomo' (it "
-                                                   "updates the weights inside each backward)")):
+                                                   "updates the weights inside each backward)") + ".*or unset "
+                                                   "scoring_token_budget"):
         DiffusionSFTTrainer(tiny_model("sdar", **SMALL["sdar"]), args=args, train_dataset=conversational(),
                             processing_class=TOKENIZER)
 

@@ -172,3 +172,14 @@ def test_eval_think_prompt_ids_are_those_of_the_whole_rendered_text():
     ids = tokenize_prompt(tokenizer, problem, config)
     assert ids[-1] == tokenizer.convert_tokens_to_ids("<think>")
     assert ids == tokenizer(format_prompt(tokenizer, problem, config), add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("preset", ["dllm_rl_sdar", "dllm_rl_sdar_think", "dllm_rl_llada"])
+def test_start_with_think_with_a_whole_prompt_preset_says_to_drop_it(preset):
+    """The advice was "pass prompt_template='dllm_rl_sdar_think' instead", which with start_with_think still set
+    raised the same error again (and named an SDAR preset for LLaDA)."""
+    from trl_diffusion.eval.evaluate import _resolve_chat_template
+
+    with pytest.raises(ValueError, match=f"prompt_template='{preset}' does not go through: drop start_with_think"):
+        _resolve_chat_template(EvalConfig(prompt_template=preset, start_with_think=True), None)
+    assert _resolve_chat_template(EvalConfig(prompt_template=preset), None) is False  # dropping it is enough

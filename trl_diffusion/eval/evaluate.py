@@ -783,8 +783,10 @@ def _resolve_chat_template(config: EvalConfig, model: Any) -> bool:
             raise ValueError(f"prompt_template={config.prompt_template!r} is a whole prompt (chat markup included), "
                              "so it cannot go through the chat template: leave apply_chat_template unset or false.")
         if config.start_with_think:
-            raise ValueError("start_with_think adds <think> to the chat template's prompt; dLLM-RL's thinking prompt "
-                             "has its own instruction: pass prompt_template='dllm_rl_sdar_think' instead.")
+            raise ValueError(f"start_with_think adds <think> to the chat template's prompt, which "
+                             f"prompt_template={config.prompt_template!r} does not go through: drop start_with_think "
+                             "(dLLM-RL's thinking prompt, with its own instruction, is prompt_template="
+                             "'dllm_rl_sdar_think').")
         chat = False
     if chat is None:
         if model is None or isinstance(model, (str, Path)):

@@ -34,7 +34,8 @@ UNSUPPORTED_CONFIG_FIELDS = {
     "exponential_decay_length_penalty": None, "guidance_scale": None, "max_time": None, "stop_strings": None,
     "output_scores": False, "output_logits": False, "watermarking_config": None, "prompt_lookup_num_tokens": None,
     "output_attentions": False, "output_hidden_states": False, "top_h": None, "dola_layers": None,
-    "force_words_ids": None, "constraints": None, "token_healing": False,
+    "force_words_ids": None, "constraints": None, "token_healing": False, "cache_implementation": None,
+    "remove_invalid_values": False, "renormalize_logits": False, "low_memory": False, "use_mtp": False,
 }
 """transformers ``GenerationConfig`` fields that change autoregressive decoding and that diffusion decoding does not
 implement, with their neutral values (``None`` is neutral too). As call arguments they are unknown (a TypeError); in
@@ -61,6 +62,21 @@ def _warn_idle_steps(steps: int, from_call: bool, max_new_tokens: int) -> None:
                         "schedule (Dream's) runs a forward pass per step, so most of them commit no token. Pass "
                         "steps=max_new_tokens (one token a step on average) or fewer to decode in fewer forward "
                         "passes.")
+
+
+def _warn_unread(kwargs: dict, strategy: str, schedule: str) -> None:
+    """Warn about a call's ``confidence_threshold`` or ``eps`` that this decoding does not read (the first is
+    ``low_confidence_dynamic``'s, the second the linspace schedule's of Dream's ``steps`` / ``alg``), rather than
+    ignore it without a word. A warning, not an error: a config file layered under command-line options (an eval
+    recipe's threshold beneath ``--remasking_strategy low_confidence_static``) passes both on, as dLLM-RL's configs
+    give a threshold with every strategy. A generation config's value is a default for the decodings that read it."""
+    threshold, eps = kwargs.get("confidence_threshold"), kwargs.get("eps")
+    if threshold is not None and strategy != "low_confidence_dynamic":
+        logger.warning_once(f"confidence_threshold={threshold!r} is read by remasking_strategy="
+                            f"'low_confidence_dynamic' only; this call decodes with {strategy!r}, which ignores it.")
+    if eps is not None and schedule != "linspace":
+        logger.warning_once(f"eps={eps!r} is read by Dream's linspace schedule only (steps / alg over the whole "
+                            "generation); this call decodes block by block (denoising_steps), which ignores it.")
 
 
 def _token_ids(name: str, value) -> list[int]:
@@ -255,6 +271,7 @@ class DiffusionGenerationMixin:
         alg_temp = kwargs.get("alg_temp")
         if alg_temp is None:
             alg_temp = from_config("alg_temp") if alg is not None else defaults["alg_temp"]
+        _warn_unread(kwargs, strategy, schedule)
         top_k = None if pick("top_k") is None else _integer("top_k", pick("top_k"))
         top_p = pick("top_p")
         if isinstance(top_p, torch.Tensor) and top_p.dim() == 0:

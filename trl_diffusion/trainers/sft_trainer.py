@@ -1223,12 +1223,14 @@ def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
     if deepspeed:
         raise ValueError("scoring_token_budget is not supported with DeepSpeed (accelerate's backward also steps the "
                          "DeepSpeed engine, once per forward here); add recompute_scoring_forwards=True (one "
-                         "backward; ZeRO-1/2/3), use DDP or FSDP, or lower per_device_train_batch_size instead.")
+                         "backward; ZeRO-1/2/3), use DDP or FSDP, or unset scoring_token_budget (lowering "
+                         "per_device_train_batch_size if memory needs it).")
     optim = str(getattr(args.optim, "value", args.optim))
     if optim in ("lomo", "adalomo") or "layerwise" in optim:
         raise ValueError(f"scoring_token_budget is not supported with optim={optim!r} (it updates the weights inside "
                          "each backward); add recompute_scoring_forwards=True (one backward), choose another "
-                         "optimizer or lower per_device_train_batch_size instead.")
+                         "optimizer, or unset scoring_token_budget (lowering per_device_train_batch_size if memory "
+                         "needs it).")
 
 
 def _first_samples(inputs: dict[str, Any], count: int) -> dict[str, Any]:

@@ -185,11 +185,6 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         if args.loss_type == "tracerl":
             # TRL's `dapo` branch divides by `num_items_in_batch`; TraceRL sets it to the number of training rows
             self.loss_type = "dapo"
-        if self._entropy_bonus_enabled and args.dynamic_group_filtering != "none" \
-                and args.loss_type in _ROW_MEAN_LOSSES:
-            raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
-                             "supported (filtered rows are taken out of the row count by rescaling the loss); use "
-                             "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         if self._entropy_bonus_enabled and args.dynamic_group_filtering != "none" and (
                 args.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
             raise ValueError("the entropy bonus with group filtering is supported on one process without gradient "
@@ -200,6 +195,11 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                              "with half the groups filtered). Set dynamic_group_filtering='none' or entropy_coef=0 "
                              f"(got gradient_accumulation_steps={args.gradient_accumulation_steps} on "
                              f"{self.accelerator.num_processes} process(es)).")
+        if self._entropy_bonus_enabled and args.dynamic_group_filtering != "none" \
+                and args.loss_type in _ROW_MEAN_LOSSES:
+            raise ValueError(f"the entropy bonus with loss_type={args.loss_type!r} and group filtering is not "
+                             "supported (filtered rows are taken out of the row count by rescaling the loss); use "
+                             "loss_type 'tracerl' or 'dapo', or dynamic_group_filtering='none'.")
         if args.loss_type == "bnpo" and args.dynamic_group_filtering != "none" and (
                 args.gradient_accumulation_steps > 1 or self.accelerator.num_processes > 1):
             raise ValueError("loss_type='bnpo' with group filtering is supported on one process without gradient "
@@ -406,7 +406,10 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         aside); also what a saved model's ``generation_config.json`` holds (``_rollout_generation_config``). The
         config's sampler fields come from the trainer's construction (``RolloutSettings``), as the scoring settings
         do, so a later change to ``self.args`` cannot make rollouts sample what the trainer does not score."""
-        return {"max_new_tokens": self.max_completion_length, **asdict(self._rollout_settings),
+        settings = asdict(self._rollout_settings)
+        if settings["remasking_strategy"] != "low_confidence_dynamic":  # read by that strategy only (and refused
+            del settings["confidence_threshold"]                           # by generate() otherwise)
+        return {"max_new_tokens": self.max_completion_length, **settings,
                 # every sampler argument is given (top_k 0 and top_p 1.0 = off, alg_temp and cfg_scale 0 = none): one
                 # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
                 # top_p 0.95), not from this config
@@ -803,8 +806,6 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         super().create_model_card(model_name=model_name, dataset_name=card_dataset_name(dataset_name), tags=tags)
         sampler = {k: v for k, v in self._rollout_sampler().items() if k not in ("stop_token_ids", "pad_token_id",
                                                                                   "num_return_sequences")}
-        if sampler["remasking_strategy"] != "low_confidence_dynamic":
-            del sampler["confidence_threshold"]
         if self.args.save_rollout_generation_config:  # named in a comment: leave out the settings that mean "none"
             sampler = {k: v for k, v in sampler.items() if k not in ("alg_temp", "cfg_scale")}
         quick_start = policy_quick_start(self.hub_model_id or self.args.output_dir, sampler,
@@ -1003,7 +1004,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                          if not exists]
         elif any(has_value):
             problems.append("it holds a value model (value_model/) but this trainer has none; pass value_model= "
-                            "(--value_model in the examples)")
+                            "(--value_model of examples/math.py and trl-diffusion math)")
         reference_state = self._reference_state_path(checkpoint)
         if self._synced_reference() is not None and not os.path.exists(reference_state):
             problems.append(f"{os.path.basename(reference_state)} (the reference model as sync_ref_model left it) is "
