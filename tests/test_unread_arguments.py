@@ -6,7 +6,9 @@ value applies), as docs/generation.md says."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import warnings
 
 import pytest
 import torch
@@ -62,12 +64,24 @@ def test_a_calls_none_takes_the_generation_configs_value(name, value, off):
 
 @pytest.mark.parametrize("strategy, passed", [("low_confidence_static", False), ("low_confidence_dynamic", True)])
 def test_rollouts_pass_the_threshold_only_to_the_dynamic_strategy(tmp_path, strategy, passed):
-    args = TraceRLConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
-                         remasking_strategy=strategy, confidence_threshold=0.6, use_cpu=True, bf16=False,
-                         report_to="none", dynamic_group_filtering="none")
+    with pytest.warns(UserWarning, match="ignores it") if not passed else contextlib.nullcontext():
+        args = TraceRLConfig(str(tmp_path), per_device_train_batch_size=4, num_generations=4, max_completion_length=8,
+                             remasking_strategy=strategy, confidence_threshold=0.6, use_cpu=True, bf16=False,
+                             report_to="none", dynamic_group_filtering="none")
     trainer = TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
                              train_dataset=Dataset.from_dict({"prompt": ["1+2="] * 4}),
                              processing_class=build_tokenizer())
     assert ("confidence_threshold" in trainer._rollout_sampler()) is passed
     saved = trainer._rollout_generation_config()
     assert (getattr(saved, "confidence_threshold", None) == 0.6) is passed  # a static run: the model's (none here)
+
+
+def test_the_config_warns_about_a_threshold_its_strategy_does_not_read(tmp_path):
+    common = dict(per_device_train_batch_size=4, num_generations=4, use_cpu=True, bf16=False, report_to="none")
+    with pytest.warns(UserWarning, match=r"confidence_threshold=0\.6 is read by remasking_strategy="
+                                         r"'low_confidence_dynamic' only; the rollouts' 'random' ignores it"):
+        TraceRLConfig(str(tmp_path), remasking_strategy="random", confidence_threshold=0.6, **common)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        TraceRLConfig(str(tmp_path), remasking_strategy="random", **common)  # the default 0.9: a recipe's, quiet
+        TraceRLConfig(str(tmp_path), confidence_threshold=0.6, **common)  # the dynamic default strategy reads it

@@ -68,7 +68,8 @@ class TraceRLConfig(GRPOConfig):
         metadata={"help": f"Rollout remasking strategy, one of {ROLLOUT_STRATEGIES}."},
     )
     confidence_threshold: float = field(
-        default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy."}
+        default=0.9, metadata={"help": "Confidence threshold of the `low_confidence_dynamic` strategy (the other "
+                               "strategies do not read it: another value with them is a warning)."}
     )
     # annotated `str` so that the command line passes 'prefix' / 'dual' through (a bool annotation would reject
     # them); __post_init__ turns every form into 'auto' / True / False / 'prefix' / 'dual'
@@ -321,6 +322,10 @@ class TraceRLConfig(GRPOConfig):
                           "shown whole and clean, including tokens the sampler committed after it, so its log-prob is "
                           "not the one it was sampled with (the trajectory estimate is exact only for multiples, e.g. "
                           "4 -> 8).", stacklevel=3)
+        if self.remasking_strategy != "low_confidence_dynamic" and self.confidence_threshold != 0.9:
+            warnings.warn(f"confidence_threshold={self.confidence_threshold} is read by remasking_strategy="
+                          f"'low_confidence_dynamic' only; the rollouts' {self.remasking_strategy!r} ignores it.",
+                          stacklevel=3)
 
     def check(self) -> None:
         """Check TraceRL's fields and the GRPO / transformers fields it refuses or bounds, raising a ValueError that
