@@ -22,7 +22,7 @@ from transformers.trainer_utils import get_last_checkpoint
 
 from trl_diffusion import DiffusionSFTConfig, DiffusionSFTTrainer, TraceRLConfig, TraceRLTrainer
 from trl_diffusion.testing import build_tokenizer, tiny_model
-from trl_diffusion.trainers import sft_trainer, tracerl_trainer
+from trl_diffusion.trainers import checkpoint_files, sft_trainer, tracerl_trainer
 from trl_diffusion.value import DiffusionValueConfig, DiffusionValueModel, DiffusionValueTrainer, value_trainer
 
 PROMPTS = ["What is 1+2?", "Say hi", "abc", "What is 7-3?"]
@@ -283,8 +283,35 @@ def test_sft_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
     sft([StopAfter()]).train()  # 4 batches a pass: checkpoint-5 is in the second pass, checkpoint-3 in the first
     for step, warned in ((3, False), (5, True)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=sft_trainer.__name__):
+        with caplog.at_level(logging.WARNING, logger=checkpoint_files.__name__):
             sft().train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
+        assert ("within its first pass only" in caplog.text) is warned
+
+
+def test_value_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
+    """The value trainer resumed such a checkpoint without a word too (SFT's warning only): resumed from step 3 of
+    a 2-batch stream, steps 4-6 trained other batches than an uninterrupted run's."""
+    from transformers import TrainerCallback
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 3
+
+    config = DiffusionValueConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
+                                  save_strategy="steps", save_steps=1, report_to="none", use_cpu=True, bf16=False,
+                                  disable_tqdm=True)
+    rows = [{**TRAJECTORY, "reward": float(index)} for index in range(4)]
+    data = Dataset.from_list(rows).to_iterable_dataset()
+
+    def value(callbacks=None):
+        return DiffusionValueTrainer(DiffusionValueModel.from_policy(tiny_model("sdar")), args=config,
+                                     train_dataset=data, processing_class=build_tokenizer(), callbacks=callbacks)
+
+    value([StopAfter()]).train()  # 2 batches a pass: checkpoint-3 is in the second pass, checkpoint-1 in the first
+    for step, warned in ((1, False), (3, True)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=checkpoint_files.__name__):
+            value().train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
         assert ("within its first pass only" in caplog.text) is warned
 
 

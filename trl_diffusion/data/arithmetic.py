@@ -162,7 +162,14 @@ def generate_completions(model, tokenizer, prompts: list[str], batch_size: int =
     ``generation_config`` does not: no top-k / top-p (SDAR's and TraDo's released files hold Qwen3's top_k 20 and
     top_p 0.95, which would filter the greedy confidences), no ``alg_temp``, no guidance, one sequence per prompt,
     and no approximate cache (``use_cache=True``: SDAR's exact cache, none on LLaDA / Dream; a saved TraceRL policy
-    may hold "prefix")."""
+    may hold "prefix"). One completion per prompt, in order: ``num_return_sequences`` other than 1 and a
+    ``batch_size`` below 1 are ValueErrors (the texts would no longer line up with the prompts)."""
+    if generate_kwargs.get("num_return_sequences", 1) != 1:
+        raise ValueError(f"num_return_sequences={generate_kwargs['num_return_sequences']!r}: one completion per "
+                         "prompt is returned (and scored), in the prompts' order; repeat the prompts to sample "
+                         "several.")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}.")
     settings = {"max_new_tokens": 16, "block_length": model.block_size or 16, "temperature": 0.0, "top_k": 0,
                 "top_p": 1.0, "alg_temp": 0.0, "cfg_scale": 0.0, "use_cache": True, "num_return_sequences": 1,
                 **generate_kwargs}

@@ -1,6 +1,6 @@
 """The trainers' own files in transformers' ``checkpoint-<step>`` folders, handled one way by all three: the folder is
-cleared of an earlier run's files before it is written, a small JSON file of theirs is read back, and a checkpoint
-saved with ``save_only_model=True`` is refused on resume."""
+cleared of an earlier run's files before it is written, a small JSON file of theirs is read back, a checkpoint
+saved with ``save_only_model=True`` is refused on resume, and the resume of a stream past its first pass warns."""
 
 from __future__ import annotations
 
@@ -10,8 +10,12 @@ import os
 import shutil
 from typing import Any, NoReturn
 
+from datasets import IterableDataset
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def start_checkpoint_folder(trainer, trial, ours: tuple[str, ...]) -> str:
@@ -50,3 +54,16 @@ def refuse_save_only_model(checkpoint: str, start_from: str, also_missing: str =
                      f"optimizer, scheduler or RNG state{also_missing}), and transformers documents such checkpoints "
                      f"as not resumable. Start a new run from its weights ({start_from}), or train with "
                      "save_only_model=False to be able to resume.")
+
+
+def warn_stream_resumed_after_first_pass(trainer, checkpoint: str) -> None:
+    """Warn when ``trainer`` resumes from ``checkpoint`` a training stream (``IterableDataset``) past its first pass:
+    transformers skips the trained batches within the first pass only, so the resumed run starts a pass from its
+    beginning and differs from an uninterrupted one. Nothing to say with ``ignore_data_skip`` (asked for)."""
+    if (isinstance(trainer.train_dataset, IterableDataset) and (trainer.state.epoch or 0) >= 1
+            and not trainer.args.ignore_data_skip):
+        logger.warning(f"checkpoint {checkpoint} was saved after the training stream's first pass (epoch "
+                       f"{trainer.state.epoch:.2f}): transformers skips the trained batches of an IterableDataset "
+                       "within its first pass only, so the resumed run starts a pass from its beginning and "
+                       "differs from an uninterrupted one (batches repeated, and for SFT noise from another pass). "
+                       "A map-style Dataset resumes exactly.")

@@ -52,7 +52,12 @@ from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend
 from ..synced_forwards import agreed_forward_count, needs_synced_forwards, zero_forward_term
 from ..vocabulary import embedding_rows
-from .checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
+from .checkpoint_files import (
+    read_checkpoint_json,
+    refuse_save_only_model,
+    start_checkpoint_folder,
+    warn_stream_resumed_after_first_pass,
+)
 from .diffusion_losses import (
     IGNORE_INDEX,
     ScoringBatch,
@@ -383,15 +388,7 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
-        if (isinstance(self.train_dataset, IterableDataset) and (self.state.epoch or 0) >= 1
-                and not self.args.ignore_data_skip):
-            # transformers skips the trained batches within the first pass only: a stream whose first pass ended
-            # before the checkpoint resumes at the start of a later pass, not where it stopped
-            logger.warning(f"checkpoint {checkpoint} was saved after the training stream's first pass (epoch "
-                           f"{self.state.epoch:.2f}): transformers skips the trained batches of an IterableDataset "
-                           "within its first pass only, so the resumed run starts a pass from its beginning and "
-                           "differs from an uninterrupted one (batches repeated, noise from another pass). A "
-                           "map-style Dataset resumes exactly.")
+        warn_stream_resumed_after_first_pass(self, checkpoint)
         if saved is None:  # a metric only: training itself resumes exactly
             logger.warning(f"{os.path.join(checkpoint, TOKEN_COUNT_NAME)} is missing (not saved by "
                            "DiffusionSFTTrainer?): the num_tokens metric restarts from 0.")

@@ -33,7 +33,7 @@ import types
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 import pyarrow as pa
@@ -271,7 +271,9 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         self._flat_reward_batches = 0  # training generation batches in a row without a group of differing rewards
         self.value_model = self.value_optimizer = None
         self._value_batches = 0  # training generation batches seen by the value model
-        if value_model is not None:
+        if value_model is None:
+            _warn_value_fields_unread(args)
+        else:
             if args.advantage_baseline != "group_mean":
                 raise ValueError(f"advantage_baseline={args.advantage_baseline!r} sets the reward baseline of group "
                                  "advantages; with a value model the advantages are GAE's (the value is the "
@@ -1491,6 +1493,21 @@ class RolloutSettings:
         return cls(block_length=args.block_length, denoising_steps=args.denoising_steps,
                    remasking_strategy=args.remasking_strategy, confidence_threshold=args.confidence_threshold,
                    temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p)
+
+
+VALUE_FIELDS = ("gamma", "lam", "cliprange_value", "value_learning_rate", "value_batch_size", "value_train_every")
+"""The ``TraceRLConfig`` fields only a value model reads."""
+
+
+def _warn_value_fields_unread(args: TraceRLConfig) -> None:
+    """Warn about the value-model fields ``args`` sets to other than their defaults when the trainer has no value
+    model, which alone reads them (as ``shrinkage`` without a reader warns)."""
+    defaults = {f.name: f.default for f in fields(TraceRLConfig)}
+    changed = [f"{name}={getattr(args, name)!r}" for name in VALUE_FIELDS if getattr(args, name) != defaults[name]]
+    if changed:
+        logger.warning(f"{', '.join(changed)} set{'s' if len(changed) == 1 else ''} the value model's training, but "
+                       "this trainer has none (pass value_model=, --value_model in examples/math.py and "
+                       "trl-diffusion math): ignored.")
 
 
 def _warn_other_block_size(model_block_size: int | None, args: TraceRLConfig) -> None:

@@ -108,15 +108,26 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_hidden_states: bool = False,
+        output_hidden_states: bool | None = None,
         values_to_keep: int | torch.Tensor | tuple[torch.Tensor, torch.Tensor] = 0,
         **kwargs,
     ) -> ValueOutput:
         """``attention_mask``: None, 2-D key padding or a custom 3-/4-D mask, as the backbone takes it.
         ``values_to_keep``: the positions to compute values at, as the LM's ``logits_to_keep`` takes them
-        (``models.common.keep_positions``; a ``(rows, cols)`` pair gives ``value`` ``[N]``)."""
+        (``models.common.keep_positions``; a ``(rows, cols)`` pair gives ``value`` ``[N]``).
+        ``output_hidden_states`` None takes the config's, as the policy's forward does. Of transformers' other
+        arguments, ``output_attentions`` goes to the backbone (which refuses True) and ``output_router_logits`` is
+        accepted and off (values train no router loss); anything else, ``return_dict=False`` included, is an error
+        rather than ignored (the output is always a ``ValueOutput``)."""
+        unknown = sorted(set(kwargs) - {"output_attentions", "output_router_logits", "return_dict"})
+        if unknown:
+            hint = " (values_to_keep picks the positions)" if "logits_to_keep" in unknown else ""
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected arguments {unknown}{hint}.")
+        if kwargs.get("return_dict") is False:
+            raise ValueError(f"return_dict=False is not supported: {type(self).__name__} returns a ValueOutput.")
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          inputs_embeds=inputs_embeds, output_hidden_states=output_hidden_states,
+                         output_attentions=kwargs.get("output_attentions"),
                          output_router_logits=False)  # values train no router loss (MoE; dense ignores it)
         hidden = keep_positions(out.last_hidden_state, values_to_keep).to(self.value_head.weight.dtype)
         return ValueOutput(value=self.value_head(hidden).squeeze(-1).float(), hidden_states=out.hidden_states)
@@ -124,9 +135,14 @@ class DiffusionValueModel(DiffusionPreTrainedModel, DiffusionModelMixin):
     @classmethod
     def from_policy(cls, policy, **kwargs) -> DiffusionValueModel:
         """A value model whose backbone is a copy of ``policy``'s (a model, or a path loaded with
-        ``AutoModelForCausalLM`` and ``kwargs``); zero head, same dtype and device. Shares no tensors with it."""
+        ``AutoModelForCausalLM`` and ``kwargs``: with a model object ``kwargs`` is a TypeError); zero head, same dtype
+        and device. Shares no tensors with it."""
         if isinstance(policy, (str, os.PathLike)):
             policy = AutoModelForCausalLM.from_pretrained(policy, **kwargs)
+        elif kwargs:  # they are loading arguments: a model object is copied as it is (its dtype, its device)
+            raise TypeError(f"from_policy got a model object and the loading arguments {sorted(kwargs)}, which apply "
+                            "to a path only: the copy keeps the policy's dtype and device (convert the value model "
+                            "afterwards, e.g. .to(torch.float32)).")
         if _has_adapters(policy):  # the copy would drop them (and their keys do not fit the backbone)
             raise TypeError(f"from_policy got a policy with PEFT adapters: {_MERGE_ADAPTERS}")
         state = {k: v for k, v in whole_state_dict(policy.model).items() if k != "transformer.ff_out.weight"}

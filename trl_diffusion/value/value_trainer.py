@@ -35,7 +35,12 @@ from ..models.kernels import apply_fused_kernels
 from ..models.remote_code import carry_tokenizer_code, push_from_checkpoint_with_code
 from ..recomputed_forwards import check_recomputed_forwards, recomputed_forwards
 from ..states import check_block_size_applies, max_positions, resolve_model_attention_backend, through_first_stop
-from ..trainers.checkpoint_files import read_checkpoint_json, refuse_save_only_model, start_checkpoint_folder
+from ..trainers.checkpoint_files import (
+    read_checkpoint_json,
+    refuse_save_only_model,
+    start_checkpoint_folder,
+    warn_stream_resumed_after_first_pass,
+)
 from ..trainers.eval_padding import EvaluatedLoader, real_eval_rows
 from ..vocabulary import embedding_rows
 from .advantages import outcome_token_rewards, step_gae, summarize_value_statistics, value_statistics
@@ -198,6 +203,7 @@ class DiffusionValueTrainer(EvaluatedLoader, _BaseTrainer):
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is None:
             return
+        warn_stream_resumed_after_first_pass(self, checkpoint)
         if saved is None:  # a metric only: training itself resumes exactly
             logger.warning(f"{os.path.join(checkpoint, VALUE_STATS_NAME)} is missing (not saved by "
                            "DiffusionValueTrainer?): the first log's value/ statistics cover the steps since the "
