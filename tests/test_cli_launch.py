@@ -503,3 +503,20 @@ def test_resume_true_expands_a_home_output_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "runs" / "x" / "checkpoint-5").mkdir(parents=True)
     assert script_utils.resume_checkpoint("true", "~/runs/x") is True
+
+
+def test_eval_refuses_a_dynamo_backend_it_would_not_use(tmp_path, capsys, launches):
+    """``--dynamo_backend inductor`` (or a config file's dynamo_config) was accepted and compiled nothing: accelerate
+    compiles a model it prepares, and eval prepares none. ``--dynamo_backend no`` launches."""
+    for argv in (["--dynamo_backend", "inductor"], ["--dynamo-mode=max-autotune"]):
+        assert main(["eval", "--num_processes", "2", *argv, "--max_problems", "2"]) == 2
+        assert "is not an evaluation setting: evaluation compiles nothing" in one_line_error(capsys,
+                                                                                             "trl-diffusion eval")
+    compiled = tmp_path / "dynamo.yaml"
+    compiled.write_text("distributed_type: MULTI_GPU\nnum_processes: 2\ndynamo_config:\n  dynamo_backend: INDUCTOR\n")
+    assert main(["eval", "--config_file", str(compiled), "--max_problems", "2"]) == 2
+    assert "sets dynamo_backend INDUCTOR, which is not an evaluation setting" in one_line_error(capsys,
+                                                                                              "trl-diffusion eval")
+    assert launches == []
+    assert main(["eval", "--num_processes", "2", "--multi_gpu", "--dynamo_backend", "no", "--max_problems", "2"]) == 0
+    assert len(launches) == 1

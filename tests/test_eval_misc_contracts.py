@@ -477,3 +477,16 @@ def test_the_mask_token_and_row_lists_are_worded_one_way():
     assert first_few([1, 2, 3, 4, 5]) == "1, 2, 3, 4, 5"
     assert first_few(list(range(1, 7))) == "1, 2, 3, 4, 5, ..."
     assert first_few(["a", "b"], limit=1) == "a, ..."
+
+
+@pytest.mark.parametrize("setting", [{"dtype": "float16"}, {"device": "cpu"}, {"fused_kernels": True},
+                                     {"tokenizer_name_or_path": "/no/such/tokenizer"}])
+def test_loading_settings_with_a_model_passed_in_are_refused(setting):
+    """They apply when evaluate() loads the model, and were ignored for one passed in (float16 asked, float32 run)."""
+    from trl_diffusion.testing import build_tokenizer, tiny_model
+
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=f"{name}=.*: loading settings, which apply when evaluate\\(\\) loads the "
+                                         "model"):
+        evaluate(model=tiny_model("sdar"), tokenizer=build_tokenizer(), max_problems=2, output_dir="",
+                 progress=False, **setting)

@@ -30,3 +30,20 @@ def test_the_same_flags_parse_with_a_dataset(tmp_path):
     assert script_args.prompt_template == "Q: {question}"
     script_args, _, _ = parse_script_args(parser, ["--reward_funcs", "math_accuracy_reward", "--use_cpu", "true"])
     assert script_args.dataset_name is None  # the default reward, named: nothing is ignored that was asked for
+
+
+@pytest.mark.parametrize("script", ["sft", "tracerl_math", "tracerl_code"])
+def test_dataset_selection_flags_without_a_dataset_are_refused(script, capsys):
+    """They were ignored: the synthetic task trained as if they were not given (exit status 0, not a word)."""
+    import importlib
+
+    parser = importlib.import_module(f"trl_diffusion.scripts.{script}").make_parser()
+    common = ["--use_cpu", "true", "--bf16", "false", "--report_to", "none"]
+    with pytest.raises(SystemExit) as exit_info:
+        parse_script_args(parser, ["--dataset_config", "main", "--dataset_test_split", "dev", *common])
+    assert exit_info.value.code == 2
+    assert "--dataset_config main, --dataset_test_split dev: these select within a dataset (--dataset_name)" \
+        in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_script_args(parser, ["--dataset_train_split", "train[:10]", *common])
+    parse_script_args(parser, ["--dataset_train_split", "train", *common])  # the default, said aloud: fine

@@ -76,13 +76,18 @@ EVAL_LAUNCH_SETTINGS = {
     "mixed_precision": "the weights' precision is eval's own --dtype",
     **dict.fromkeys(("use_deepspeed", "use_fsdp", "use_megatron_lm"),
                     "evaluation is data parallel only: each process holds the whole model"),
+    **dict.fromkeys(("dynamo_backend", "dynamo_mode", "dynamo_use_fullgraph", "dynamo_use_dynamic",
+                     "dynamo_use_regional_compilation"),
+                    "evaluation compiles nothing (accelerate compiles a model it prepares, and eval prepares none); "
+                    "on CUDA the decoding steps replay as CUDA graphs, eval's own --cuda_graphs"),
 }
 """Options of ``accelerate launch`` that an evaluation would not follow, with what to do instead."""
 
 
 def check_eval_launch(launch_args: Sequence[str]) -> None:
-    """Refuse a launch option of :data:`EVAL_LAUNCH_SETTINGS` for ``trl-diffusion eval``, and an accelerate config
-    file (``--config_file``, ``--accelerate_config``) that asks for the CPU, DeepSpeed, FSDP or Megatron: eval takes
+    """Refuse a launch option of :data:`EVAL_LAUNCH_SETTINGS` for ``trl-diffusion eval`` (``--dynamo_backend no``
+    aside), and an accelerate config file (``--config_file``, ``--accelerate_config``) that asks for the CPU,
+    DeepSpeed, FSDP, Megatron or a dynamo backend: eval takes
     the processes from the launch, and its device, dtype and model from its own flags (``--cpu`` would still
     evaluate on the GPU). A config's ``mixed_precision`` is left alone: TRL's ``multi_gpu`` sets bf16, and the
     weights' precision is ``--dtype`` either way."""
@@ -91,6 +96,9 @@ def check_eval_launch(launch_args: Sequence[str]) -> None:
     for index, token in enumerate(launch_args):
         option = token.split("=", 1)[0]
         name = option.lstrip("-").replace("-", "_")
+        value = token.split("=", 1)[1] if "=" in token else (launch_args[index + 1:] or [""])[0]
+        if name == "dynamo_backend" and value.lower() == "no":  # accelerate's "no compilation": nothing to refuse
+            continue
         if name in EVAL_LAUNCH_SETTINGS:
             raise ValueError(f"{option} is not an evaluation setting: {EVAL_LAUNCH_SETTINGS[name]}.")
         if name == "config_file":  # read as accelerate launch reads it
@@ -99,6 +107,10 @@ def check_eval_launch(launch_args: Sequence[str]) -> None:
             if settings.use_cpu:
                 raise ValueError(f"{path} sets use_cpu, which is not an evaluation setting: "
                                  f"{EVAL_LAUNCH_SETTINGS['cpu']}.")
+            backend = str((settings.dynamo_config or {}).get("dynamo_backend", "NO"))
+            if backend.upper() != "NO":
+                raise ValueError(f"{path} sets dynamo_backend {backend}, which is not an evaluation setting: "
+                                 f"{EVAL_LAUNCH_SETTINGS['dynamo_backend']}.")
             kind = str(getattr(settings.distributed_type, "value", settings.distributed_type))
             if kind in ("DEEPSPEED", "FSDP", "MEGATRON_LM"):
                 raise ValueError(f"{path} asks for {kind}, which is not an evaluation setting: "

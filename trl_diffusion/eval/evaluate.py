@@ -510,6 +510,23 @@ def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_i
 # --------------------------------------------------------------------------------------------------------------------
 
 
+LOAD_SETTINGS = {"tokenizer_name_or_path": None, "dtype": "auto", "device": None, "fused_kernels": False}
+"""``EvalConfig`` fields that :func:`load_model_and_tokenizer` alone reads, with their defaults."""
+
+
+def _check_load_settings_unset(config: EvalConfig) -> None:
+    """Refuse :data:`LOAD_SETTINGS` set for a model passed to :func:`evaluate` in memory: they apply when it loads
+    the model, and were ignored without a word (``dtype="float16"`` left float32 weights, ``device="cuda:3"`` ran
+    where the model was)."""
+    given = [f"{name}={getattr(config, name)!r}" for name, default in LOAD_SETTINGS.items()
+             if getattr(config, name) != default]
+    if given:
+        raise ValueError(f"{', '.join(given)}: loading settings, which apply when evaluate() loads the model "
+                         "(model_name_or_path), not to a model passed in: convert and place it yourself "
+                         "(model.to(dtype, device), trl_diffusion.set_fused_kernels) and pass its tokenizer as "
+                         "tokenizer=.")
+
+
 def evaluate(
     config: EvalConfig | None = None,
     *,
@@ -548,6 +565,8 @@ def evaluate(
     if config.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {config.batch_size}.")
     in_memory = not (model is None or isinstance(model, (str, Path)))
+    if in_memory:
+        _check_load_settings_unset(config)
     processes = EvalProcesses.from_launch()
     if not in_memory:
         with loading_bars(config.progress and processes.is_main):

@@ -229,6 +229,8 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
         if dataset and is_local_file_name(dataset) and getattr(args, "dataset_config", None) is not None:
             raise UsageError(f"dataset_config={args.dataset_config!r} was given with the local file {dataset!r}, "
                              "which has no configs: leave --dataset_config unset.")
+        if hasattr(args, "dataset_name") and not dataset:
+            check_dataset_flags_unset(args)
         if dataset in EVAL_ONLY_NAMES:
             raise UsageError(f"dataset_name {dataset!r} is a benchmark name of `trl-diffusion eval`, not a training "
                              "set: leave --dataset_name unset for the synthetic arithmetic task, or pass a Hub "
@@ -252,6 +254,23 @@ def check_script_args(parsed: Sequence[Any], command_line: frozenset[str] = froz
         if hasattr(args, "resume_from_checkpoint"):
             args.resume_from_checkpoint = resume_checkpoint(args.resume_from_checkpoint,
                                                             getattr(args, "output_dir", None))
+
+
+DATASET_FLAGS = ("dataset_config", "dataset_train_split", "dataset_test_split")
+"""TRL's ``ScriptArguments`` fields that select within the ``dataset_name`` dataset."""
+
+
+def check_dataset_flags_unset(args: Any) -> None:
+    """Refuse :data:`DATASET_FLAGS` set to other than their defaults without a ``dataset_name``: the script then
+    trains on its synthetic task, which has its own splits, and the flags would be ignored without a word."""
+    defaults = {field.name: field.default for field in dataclasses.fields(args)}
+    given = [f"--{name} {getattr(args, name)}" for name in DATASET_FLAGS
+             if name in defaults and getattr(args, name) != defaults[name]]
+    if given:
+        these, them = ("these select", "them") if len(given) > 1 else ("it selects", "it")
+        raise UsageError(f"{', '.join(given)}: {these} within a dataset (--dataset_name), and without one the script "
+                         f"trains on its synthetic task, which has its own splits: leave {them} unset, or name the "
+                         "dataset.")
 
 
 def check_report_to(report_to: Any) -> None:
