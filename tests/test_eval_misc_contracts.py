@@ -180,10 +180,19 @@ def test_the_report_of_rows_given_directly(model_and_tokenizer, tmp_path):
 
 
 def test_the_earlier_name_dataset_split_is_still_accepted(model_and_tokenizer):
-    """evaluate(dataset_split=...) is the earlier name of dataset_test_split."""
+    """evaluate(dataset_split=...) is the earlier name of dataset_test_split; like it, it selects within a dataset
+    loaded by name, so with rows passed in (where both were ignored) it is refused under the field's name."""
     model, tokenizer = model_and_tokenizer
-    report = evaluate(model=model, tokenizer=tokenizer, dataset=MATH, dataset_split="validation", **FAST)
-    assert report["num_problems"] == 2
+    with pytest.raises(ValueError, match=r"dataset_test_split='validation': it selects within a dataset evaluate\(\) "
+                                         "loads by name"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=MATH, dataset_split="validation", **FAST)
+    with pytest.raises(ValueError, match=r"dataset_config='main', dataset_test_split='dev': these select"):
+        evaluate(model=model, tokenizer=tokenizer, dataset=MATH, dataset_config="main", dataset_test_split="dev",
+                 **FAST)
+    with pytest.raises(ValueError, match="EvalProblem's prompt is used as it is"):
+        evaluate(model=model, tokenizer=tokenizer, prompt_template="Q: {question} =", **FAST,
+                 dataset=[EvalProblem(id="0", prompt="What is 1+2?", task="math", answer="3")])
+    assert evaluate(model=model, tokenizer=tokenizer, dataset=MATH, **FAST)["num_problems"] == 2
 
 
 def test_a_model_without_diffusion_generation_is_refused(model_and_tokenizer):

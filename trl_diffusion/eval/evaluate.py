@@ -827,6 +827,13 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
     if dataset is None or isinstance(dataset, (str, Path)):
         return (*load_eval_problems(config.dataset_name, config.dataset_config, config.dataset_test_split,
                                     config.max_problems, config.prompt_template, config.apply_chat_template), None)
+    selectors = [f"{name}={getattr(config, name)!r}" for name in ("dataset_config", "dataset_test_split")
+                 if getattr(config, name) is not None]
+    if selectors:  # they were ignored: the rows given are what is evaluated
+        these, them = ("these select", "them") if len(selectors) > 1 else ("it selects", "it")
+        raise ValueError(f"{', '.join(selectors)}: {these} within a dataset evaluate() loads by name "
+                         "(dataset_name), and the rows passed as dataset= are evaluated as they are: leave "
+                         f"{them} unset, or pass the split's rows.")
     if isinstance(dataset, Mapping):  # iterating one would give its keys: split or column names
         raise TypeError(f"dataset must be rows (a datasets.Dataset, IterableDataset or pandas.DataFrame, a list "
                         f"or generator of dicts or EvalProblems), got a {type(dataset).__name__} with keys "
@@ -842,6 +849,10 @@ def _problems(config: EvalConfig, dataset: Any) -> tuple[str, list[EvalProblem],
     else:
         rows = _read_rows(dataset, config.max_problems)
     kept = rows[: config.max_problems]  # as the file loader: only the problems evaluated are converted (checked)
+    if kept and isinstance(kept[0], EvalProblem) and config.prompt_template is not None:
+        raise ValueError(f"prompt_template={config.prompt_template!r} builds prompts from rows' questions, but an "
+                         "EvalProblem's prompt is used as it is (the user turn, instruction included): format the "
+                         "prompts yourself, or pass rows (dicts with a question column).")
     problems = kept if kept and isinstance(kept[0], EvalProblem) else problems_from_rows(kept, config.prompt_template)
     if not problems:
         raise ValueError("the dataset has no problems.")
