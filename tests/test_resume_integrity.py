@@ -262,57 +262,56 @@ def test_sft_resume_from_a_save_only_model_checkpoint_is_refused(tmp_path):
     assert trainer.state.global_step == 1
 
 
-def test_sft_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
-    """transformers skips an IterableDataset's trained batches within its first pass only: a checkpoint saved in a
-    later pass resumed at the start of a pass (batches repeated, noise of another pass) without a word."""
+def first_pass_warnings(make_trainer, tmp_path: Path, caplog, stop: int, steps: tuple[int, ...]) -> list[bool]:
+    """Train ``make_trainer(callbacks)`` on a stream until step ``stop`` (saving every step), then resume a new
+    trainer from each of ``steps``: whether each resume warned that its checkpoint is past the first pass."""
     from transformers import TrainerCallback
 
     class StopAfter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= 5
+            control.should_training_stop = state.global_step >= stop
 
+    make_trainer([StopAfter()]).train()
+    warned = []
+    for step in steps:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=checkpoint_files.__name__):
+            make_trainer(None).train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
+        warned.append("within its first pass only" in caplog.text)
+    return warned
+
+
+def test_sft_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
+    """transformers skips an IterableDataset's trained batches within its first pass only: a checkpoint saved in a
+    later pass resumed at the start of a pass (batches repeated, noise of another pass) without a word."""
     config = DiffusionSFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_length=32, max_steps=6,
                                 save_strategy="steps", save_steps=1, report_to="none", use_cpu=True, bf16=False,
                                 disable_tqdm=True, gradient_checkpointing=False)
     data = Dataset.from_list([{"prompt": p, "completion": "ok"} for p in PROMPTS * 2]).to_iterable_dataset()
 
-    def sft(callbacks=None):
+    def sft(callbacks):
         return DiffusionSFTTrainer(tiny_model("sdar").train(), args=config, train_dataset=data,
                                    processing_class=build_tokenizer(), callbacks=callbacks)
 
-    sft([StopAfter()]).train()  # 4 batches a pass: checkpoint-5 is in the second pass, checkpoint-3 in the first
-    for step, warned in ((3, False), (5, True)):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=checkpoint_files.__name__):
-            sft().train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
-        assert ("within its first pass only" in caplog.text) is warned
+    # 4 batches a pass: checkpoint-5 is in the second pass, checkpoint-3 in the first
+    assert first_pass_warnings(sft, tmp_path, caplog, stop=5, steps=(3, 5)) == [False, True]
 
 
 def test_value_resume_of_a_stream_past_its_first_pass_warns(tmp_path, caplog):
     """The value trainer resumed such a checkpoint without a word too (SFT's warning only): resumed from step 3 of
     a 2-batch stream, steps 4-6 trained other batches than an uninterrupted run's."""
-    from transformers import TrainerCallback
-
-    class StopAfter(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step >= 3
-
     config = DiffusionValueConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=6,
                                   save_strategy="steps", save_steps=1, report_to="none", use_cpu=True, bf16=False,
                                   disable_tqdm=True)
     rows = [{**TRAJECTORY, "reward": float(index)} for index in range(4)]
     data = Dataset.from_list(rows).to_iterable_dataset()
 
-    def value(callbacks=None):
+    def value(callbacks):
         return DiffusionValueTrainer(DiffusionValueModel.from_policy(tiny_model("sdar")), args=config,
                                      train_dataset=data, processing_class=build_tokenizer(), callbacks=callbacks)
 
-    value([StopAfter()]).train()  # 2 batches a pass: checkpoint-3 is in the second pass, checkpoint-1 in the first
-    for step, warned in ((1, False), (3, True)):
-        caplog.clear()
-        with caplog.at_level(logging.WARNING, logger=checkpoint_files.__name__):
-            value().train(resume_from_checkpoint=str(tmp_path / f"checkpoint-{step}"))
-        assert ("within its first pass only" in caplog.text) is warned
+    # 2 batches a pass: checkpoint-3 is in the second pass, checkpoint-1 in the first
+    assert first_pass_warnings(value, tmp_path, caplog, stop=3, steps=(1, 3)) == [False, True]
 
 
 # ------------------------------------------------------------------------------------------- two processes
