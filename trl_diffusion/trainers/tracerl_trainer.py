@@ -409,8 +409,8 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         config's sampler fields come from the trainer's construction (``RolloutSettings``), as the scoring settings
         do, so a later change to ``self.args`` cannot make rollouts sample what the trainer does not score."""
         settings = asdict(self._rollout_settings)
-        if settings["remasking_strategy"] != "low_confidence_dynamic":  # read by that strategy only (and refused
-            del settings["confidence_threshold"]                           # by generate() otherwise)
+        if settings["remasking_strategy"] != "low_confidence_dynamic":  # read by that strategy only (generate()
+            del settings["confidence_threshold"]                           # warns about it otherwise)
         return {"max_new_tokens": self.max_completion_length, **settings,
                 # every sampler argument is given (top_k 0 and top_p 1.0 = off, alg_temp and cfg_scale 0 = none): one
                 # left unset would come from the checkpoint's generation_config.json (TraDo's: Qwen3's top_k 20 and
