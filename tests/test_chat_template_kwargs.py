@@ -85,3 +85,21 @@ def test_eval_refuses_the_kwargs_without_the_chat_template(capsys):
     assert main(["eval", *flags, "--apply_chat_template", "false"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "chat_template_kwargs needs the chat template" in err[0], err
+
+
+def test_tracerl_refuses_them_with_text_prompts(tmp_path):
+    """Text prompts never go through the chat template: the kwargs were ignored without a word (eval refused)."""
+    args = TraceRLConfig(**{**CPU, "output_dir": str(tmp_path)}, bf16=False, per_device_train_batch_size=2,
+                         num_generations=2, max_completion_length=8, chat_template_kwargs=NO_THINKING)
+
+    def build(train, eval_dataset=None):
+        return TraceRLTrainer(tiny_model("sdar"), lambda completions, **kw: [0.0] * len(completions), args=args,
+                              train_dataset=train, eval_dataset=eval_dataset,
+                              processing_class=tokenizer_with_template())
+
+    chats, texts = Dataset.from_dict({"prompt": [PROMPT] * 2}), Dataset.from_dict({"prompt": ["What is 1+2?"] * 2})
+    with pytest.raises(ValueError, match=r"the train dataset's prompts are text"):
+        build(texts)
+    with pytest.raises(ValueError, match=r"the eval dataset's prompts are text"):
+        build(chats, texts)
+    build(chats, chats)

@@ -180,6 +180,7 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
         check_tokenizer(self._tokenizer, base)
         self._check_chat_template()
         self._check_prompts_without_mask_token()
+        self._check_chat_template_kwargs_apply()
         self._check_reward_datasets()
         self.beta = beta
         if args.loss_type == "tracerl":
@@ -314,6 +315,20 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                 raise ValueError(f"the {split} dataset's prompts are chat messages, but the tokenizer has no chat "
                                  "template (a base model's): give the prompts as text, or use a tokenizer with a "
                                  "chat template.")
+
+    def _check_chat_template_kwargs_apply(self) -> None:
+        """Refuse ``chat_template_kwargs`` with a dataset of text prompts: TRL passes them to the chat template, which
+        text prompts never go through, so they were ignored without a word (``trl-diffusion eval`` refuses the same).
+        Read from the declared features, as ``_check_chat_template``."""
+        if not self.chat_template_kwargs:
+            return
+        for split, dataset in self._datasets().items():
+            features = getattr(dataset, "features", None) or {}
+            if "prompt" in features and not _is_list_type(features.arrow_schema.field("prompt").type):
+                raise ValueError(f"chat_template_kwargs {self.chat_template_kwargs} apply to conversational prompts, "
+                                 f"which go through the chat template, but the {split} dataset's prompts are text "
+                                 "(examples/math.py's --prompt_template builds such prompts): leave "
+                                 "chat_template_kwargs unset, or give the prompts as chat messages.")
 
     def _check_prompts_without_mask_token(self) -> None:
         """Refuse, naming their rows, the prompts of map-style train and eval datasets that tokenize to the mask id
