@@ -64,3 +64,17 @@ def test_position_ids_of_another_length_are_refused(family):
         with pytest.raises(ValueError, match=r"position_ids must be \[1, 8\]"):
             model(PREFIX, position_ids=positions)
     model(PREFIX, position_ids=torch.arange(8))  # one row of positions for every row, as before
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@torch.no_grad()
+def test_the_released_num_logits_to_keep_is_read_as_logits_to_keep(family):
+    """Dream's and LLaDA-MoE's released forwards name it ``num_logits_to_keep``; it was swallowed by ``**kwargs``:
+    every position's logits came back, so ``logits[:, 0]`` read the first position instead of the kept one."""
+    model = _model(family)
+    full = model(PREFIX).logits
+    kept = model(PREFIX, num_logits_to_keep=2).logits
+    assert kept.shape == (1, 2, full.shape[-1])
+    assert_close_fp32(kept, full[:, -2:])
+    with pytest.raises(ValueError, match="give either num_logits_to_keep"):
+        model(PREFIX, num_logits_to_keep=2, logits_to_keep=1)

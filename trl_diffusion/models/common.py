@@ -109,12 +109,19 @@ class DiffusionModelMixin:
         the tokens ``router_loss_mask`` ``[B, L]`` marks (default: a 2-D ``attention_mask``'s real tokens, else
         all; see ``moe.router_token_mask``). The logits do not change.
 
+        ``num_logits_to_keep`` (the released Dream and LLaDA-MoE forwards' name) is read as ``logits_to_keep``.
+
         As in transformers, ``return_dict=False`` returns a tuple, ``output_hidden_states`` (None: the config's)
         adds the hidden states, and ``output_attentions=True`` (the argument or the config) is an error (see
         ``output_switches``)."""
         if kwargs.get("attention_bias") is not None:
             raise ValueError("attention_bias (LLaDA's released forward) is not read here: pass it as a 3-/4-D "
                              "attention_mask (True / 1 = attend, or an additive float mask).")
+        if kwargs.get("num_logits_to_keep") is not None:  # Dream's and LLaDA-MoE's released name (it was ignored)
+            if not isinstance(logits_to_keep, int) or logits_to_keep:
+                raise ValueError("give either num_logits_to_keep (the released Dream / LLaDA-MoE name) or "
+                                 "logits_to_keep, not both.")
+            logits_to_keep = kwargs.pop("num_logits_to_keep")
         output_hidden_states, as_tuple = output_switches(self.config, output_hidden_states, kwargs)
         past_key_values, store_kv = cache_switches(past_key_values, store_kv, kwargs)
         if isinstance(attention_mask, str):
