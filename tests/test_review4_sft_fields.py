@@ -136,3 +136,37 @@ def test_pad_to_multiple_of_pads_the_batch_and_scores_no_padding(tmp_path):
     assert batch["input_ids"].shape[1] == -(-longest // 16) * 16 > longest
     assert int(batch["attention_mask"].sum()) == sum(len(r["input_ids"]) for r in rows)
     assert int(batch["labels"].ne(-100).sum()) == sum(sum(label != -100 for label in r["labels"]) for r in rows)
+
+
+def test_skip_prepare_dataset_labels_other_than_the_input_ids_are_refused(tmp_path):
+    """The diffusion objectives read labels as a mask (-100: not trained) and predict the input ids: labels holding
+    other values (shifted labels, other targets) gave exactly the loss of labels equal to the input ids."""
+    rows = tokenized_rows()
+    shifted = [{**row, "labels": row["labels"][1:] + [-100]} for row in rows]
+    args = sft_args(tmp_path, dataset_kwargs=SKIP)
+    trainer = DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=Dataset.from_list(shifted),
+                                  processing_class=build_tokenizer())
+    with pytest.raises(ValueError, match=r"row 0 of a batch has labels other than its input_ids \(or -100\)"):
+        next(iter(trainer.get_train_dataloader()))
+    shorter = [{**row, "labels": row["labels"][:-1]} for row in rows]
+    with pytest.raises(ValueError, match="labels other than its input_ids"):
+        trainer.evaluate(Dataset.from_list(shorter))
+    DiffusionSFTTrainer(tiny_model("llada"), args=args, train_dataset=Dataset.from_list(rows),
+                        processing_class=build_tokenizer()).train()  # labels = input ids or -100: trains
+
+
+def test_what_trl_would_ignore_in_prompt_completion_rows_is_refused(tmp_path):
+    """TRL 1.16 writes formatting_func's text to 'text' and then tokenizes prompt / messages rows instead (the
+    function's text was ignored), and appends the EOS token to a 'text' column before a 'completion' one (the
+    completions trained without EOS)."""
+    def build(rows, **kwargs):
+        return DiffusionSFTTrainer(tiny_model("llada"), args=sft_args(tmp_path), train_dataset=Dataset.from_list(rows),
+                                   processing_class=build_tokenizer(), **kwargs)
+
+    with pytest.raises(ValueError, match=r"formatting_func writes the 'text'.*\['prompt'\], which TRL tokenizes"):
+        build([{"prompt": p, "completion": c} for p, c in PAIRS], formatting_func=lambda row: "ZZ")
+    with pytest.raises(ValueError, match=r"both 'text' \(dataset_text_field\) and 'completion'"):
+        build([{"prompt": p, "completion": c, "text": "raw"} for p, c in PAIRS])
+    trainer = build([{"prompt": p, "completion": c} for p, c in PAIRS])
+    assert trainer.train_dataset[0]["input_ids"][-1] == EOS_ID  # the completion ends with EOS
+    build([{"text": p + c} for p, c in PAIRS], formatting_func=lambda row: row["text"])  # what it is for

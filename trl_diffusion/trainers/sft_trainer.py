@@ -191,6 +191,15 @@ class DiffusionDataCollator:
                     f"model has none for (and generate() refuses). Set max_length <= {self.max_positions} (rows are "
                     "truncated to it), or shorten the data."
                 )
+            labels = example.get("labels")
+            if labels is not None and (len(labels) != length or any(
+                    label != IGNORE_INDEX and label != token for token, label in zip(example["input_ids"], labels))):
+                raise ValueError(
+                    f"row {row} of a batch has labels other than its input_ids (or -100): the diffusion objectives "
+                    "read labels as a mask only (-100: not trained) and predict the input ids themselves, so other "
+                    "label values (shifted labels, other targets) would be trained as if they were the input ids. "
+                    "Give labels equal to input_ids where trained and -100 elsewhere, or a completion_mask."
+                )
             if step is not None and len(step) != length:
                 raise ValueError(
                     f"a row of {length} tokens has {len(step)} 'unmask_step' entries. Prepared rows get one per "
@@ -488,7 +497,9 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
 
     @staticmethod
     def _check_columns(dataset, args: DiffusionSFTConfig, formatting_func, name: str) -> None:
-        """A clear error when a dataset has none of the columns SFT reads (or lacks ``unmask_step``)."""
+        """A clear error when a dataset has none of the columns SFT reads (or lacks ``unmask_step``), and when TRL
+        would ignore what it was given: a ``formatting_func`` beside prompt / messages columns, or put the EOS token
+        on a text column beside a completion."""
         if isinstance(dataset, dict):
             for key, value in dataset.items():
                 DiffusionSFTTrainer._check_columns(value, args, formatting_func, key)
@@ -508,6 +519,21 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
                 f"the {name} dataset has columns {sorted(columns)}, none of which SFT can train on. Provide "
                 f"'prompt' + 'completion', 'messages', '{args.dataset_text_field}' (plain text) or tokenized "
                 "'input_ids', or pass a formatting_func."
+            )
+        tokenized_by_trl = {"prompt", "messages", "conversations"} & columns  # before any text field, by TRL 1.16
+        if formatting_func is not None and tokenized_by_trl and "input_ids" not in columns:
+            raise ValueError(
+                f"formatting_func writes the 'text' that TRL trains on for rows without prompt or messages, but the "
+                f"{name} dataset has {sorted(tokenized_by_trl)}, which TRL tokenizes instead: the function's text "
+                "would be ignored. Map those columns into a 'text' column yourself (and drop them), or leave "
+                "formatting_func out."
+            )
+        if args.dataset_text_field in columns and "completion" in columns and "input_ids" not in columns:
+            raise ValueError(
+                f"the {name} dataset has both '{args.dataset_text_field}' (dataset_text_field) and 'completion': TRL "
+                f"trains on the prompt and completion but appends the EOS token to '{args.dataset_text_field}', so "
+                "the completions would be trained without their EOS (on which generate() stops). Remove the "
+                f"'{args.dataset_text_field}' column, or set dataset_text_field to a name the dataset does not use."
             )
         if args.diffusion_objective == "trajectory" and "unmask_step" not in columns:
             raise ValueError(
