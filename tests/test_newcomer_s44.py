@@ -309,10 +309,11 @@ def test_a_completion_mask_left_unapplied_is_named(tmp_path, caplog, value, warn
         trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(rows),
                                       processing_class=build_tokenizer())
     found = [r.getMessage() for r in caplog.records if "completion_mask" in r.getMessage()]
-    assert found == (["the completion_mask of the train dataset is not applied: with completion_only_loss unset, TRL "
-                      "trains on the completion only for prompt/completion rows, so every token of these tokenized "
-                      "rows is trained on, the prompt too. Set completion_only_loss=True to train on the "
-                      "completion_mask tokens only (False trains on every token without this warning)."]
+    assert found == (["the completions of the train dataset are not singled out: with completion_only_loss unset, "
+                      "TRL trains on the completion only (a prompt/completion pair's, or a completion_mask's) when "
+                      "the train dataset holds prompt/completion rows, deciding once from it, so every token of "
+                      "these rows is trained on (or scored), the prompt too. Set completion_only_loss=True to train "
+                      "on the completions only (False trains on every token without this warning)."]
                      if warned else [])
     batch = trainer.data_collator([trainer.train_dataset[0]])
     assert bool((batch["labels"][0, :3] != -100).any()) == prompt_trained  # what it says
@@ -363,3 +364,29 @@ def test_guidance_from_a_generation_config_with_a_cache_asked_for_names_both():
     assert model._resolve_settings({"use_cache": True, "cfg_scale": 0})[0].cache_mode == "exact"
     assert cached.sequences.shape == (1, 8)
     model.generate(prompt, max_new_tokens=4, temperature=0.0)  # guided, without a cache
+
+
+@pytest.mark.parametrize("train_format, warned", [("text", True), ("prompt_completion", False)])
+def test_completions_follow_the_train_sets_format(tmp_path, caplog, train_format, warned):
+    """TRL decides ``completion_only_loss=None`` once, from the train set: an eval set of prompt/completion rows beside
+    text training rows was scored on its prompt too without a word, and a completion_mask beside prompt/completion
+    training rows IS applied (the warning said it was not)."""
+    from datasets import Dataset
+
+    from trl_diffusion.testing import build_tokenizer
+    from trl_diffusion.trainers.sft_config import DiffusionSFTConfig
+    from trl_diffusion.trainers.sft_trainer import DiffusionSFTTrainer
+
+    train = ([{"text": "abcd"}] if train_format == "text" else [{"prompt": "ab", "completion": "cd"}]) * 2
+    evals = {"pairs": Dataset.from_list([{"prompt": "ab", "completion": "cd"}] * 2),
+             "masked": Dataset.from_list([{"input_ids": [5, 6, 7, 8, 9], "completion_mask": [0, 0, 0, 1, 1]}] * 2)}
+    args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=16,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", dataset_num_proc=None)
+    with caplog.at_level("WARNING", logger="trl_diffusion.trainers.sft_trainer"):
+        trainer = DiffusionSFTTrainer(tiny_model("sdar"), args=args, train_dataset=Dataset.from_list(train),
+                                      eval_dataset=evals, processing_class=build_tokenizer())
+    found = [r.getMessage() for r in caplog.records if "singled out" in r.getMessage()]
+    assert [message.split(" are not")[0] for message in found] == (
+        ["the completions of the eval 'pairs' and eval 'masked' datasets"] if warned else [])
+    batch = trainer.data_collator([trainer.eval_dataset["masked"][0]])
+    assert bool((batch["labels"][0, :3] != -100).any()) == warned  # the prompt is scored exactly when warned

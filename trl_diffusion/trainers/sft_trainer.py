@@ -1220,20 +1220,22 @@ def _warn_completion_only_loss_unused(args: DiffusionSFTConfig, formatting_func,
 
 
 def _warn_completion_mask_unused(args: DiffusionSFTConfig, datasets: dict) -> None:
-    """One warning when tokenized rows carry a ``completion_mask`` that TRL will not apply: with
-    ``completion_only_loss`` unset it decides by the format, completion-only for prompt/completion rows only, so
-    every token of tokenized rows is trained on, the prompt too. Not for rows with ``labels``, which say themselves
-    which tokens are trained on, nor when ``completion_only_loss`` is set either way (the user's choice)."""
-    if args.completion_only_loss is not None:
+    """One warning when completions that TRL will not single out are given: with ``completion_only_loss`` unset it
+    decides once, from the train dataset's format (completion-only when it holds prompt/completion rows, for every
+    dataset then), so with another train format the prompt of an eval set's prompt/completion rows, and of tokenized
+    rows with a ``completion_mask`` (the train set's too), is trained on or scored. Not for rows with ``labels``,
+    which say themselves which tokens are trained on, nor when ``completion_only_loss`` is set either way."""
+    if args.completion_only_loss is not None or {"prompt", "completion"} <= set(column_names(datasets["train"])):
         return
     datasets_named = _datasets_without_labels(
-        datasets, lambda columns: "completion_mask" in columns and not {"prompt", "completion"} <= columns)
+        datasets, lambda columns: "completion_mask" in columns or {"prompt", "completion"} <= columns)
     if datasets_named:
         logger.warning(
-            f"the completion_mask of {datasets_named} is not applied: with completion_only_loss unset, TRL trains "
-            "on the completion only for prompt/completion rows, so every token of these tokenized rows is trained "
-            "on, the prompt too. Set completion_only_loss=True to train on the completion_mask tokens only (False "
-            "trains on every token without this warning).")
+            f"the completions of {datasets_named} are not singled out: with completion_only_loss unset, TRL trains "
+            "on the completion only (a prompt/completion pair's, or a completion_mask's) when the train dataset "
+            "holds prompt/completion rows, deciding once from it, so every token of these rows is trained on (or "
+            "scored), the prompt too. Set completion_only_loss=True to train on the completions only (False trains "
+            "on every token without this warning).")
 
 
 def _check_token_budget(args: DiffusionSFTConfig, deepspeed: bool) -> None:
