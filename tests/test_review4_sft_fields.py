@@ -167,6 +167,9 @@ def test_what_trl_would_ignore_in_prompt_completion_rows_is_refused(tmp_path):
         build([{"prompt": p, "completion": c} for p, c in PAIRS], formatting_func=lambda row: "ZZ")
     with pytest.raises(ValueError, match=r"both 'text' \(dataset_text_field\) and 'completion'"):
         build([{"prompt": p, "completion": c, "text": "raw"} for p, c in PAIRS])
+    # conversational pairs get their end of turn from the chat template, whatever a text column holds
+    build([{"prompt": [{"role": "user", "content": p}], "completion": [{"role": "assistant", "content": c}],
+            "text": "raw"} for p, c in PAIRS])
     trainer = build([{"prompt": p, "completion": c} for p, c in PAIRS])
     assert trainer.train_dataset[0]["input_ids"][-1] == EOS_ID  # the completion ends with EOS
     build([{"text": p + c} for p, c in PAIRS], formatting_func=lambda row: row["text"])  # what it is for

@@ -499,7 +499,7 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
     def _check_columns(dataset, args: DiffusionSFTConfig, formatting_func, name: str) -> None:
         """A clear error when a dataset has none of the columns SFT reads (or lacks ``unmask_step``), and when TRL
         would ignore what it was given: a ``formatting_func`` beside prompt / messages columns, or put the EOS token
-        on a text column beside a completion."""
+        on a text column beside a text completion (a conversational one gets its end of turn from the template)."""
         if isinstance(dataset, dict):
             for key, value in dataset.items():
                 DiffusionSFTTrainer._check_columns(value, args, formatting_func, key)
@@ -528,7 +528,9 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
                 "would be ignored. Map those columns into a 'text' column yourself (and drop them), or leave "
                 "formatting_func out."
             )
-        if args.dataset_text_field in columns and "completion" in columns and "input_ids" not in columns:
+        completion = (getattr(dataset, "features", None) or {}).get("completion")
+        text_completion = isinstance(completion, Value) and completion.dtype in ("string", "large_string")
+        if args.dataset_text_field in columns and text_completion and "input_ids" not in columns:
             raise ValueError(
                 f"the {name} dataset has both '{args.dataset_text_field}' (dataset_text_field) and 'completion': TRL "
                 f"trains on the prompt and completion but appends the EOS token to '{args.dataset_text_field}', so "
