@@ -150,6 +150,8 @@ def test_templates_of_other_models(template, header):
     ([{"prompt": [{"role": "user", "content": "Q"}], "completion": [{"role": "assistant", "content": "A"}]}], True),
     ([{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}], True),
     ([{"prompt": "Q", "completion": "A"}], False),  # no chat template applied
+    # ShareGPT rows (TRL converts them to messages): they got no warning
+    ([{"conversations": [{"from": "human", "value": "Q"}, {"from": "gpt", "value": "A"}]}], True),
 ])
 def test_sft_on_conversations_names_a_trailing_assistant_header(tmp_path, monkeypatch, rows, warns):
     from datasets import Dataset
@@ -172,6 +174,25 @@ def test_sft_on_conversations_names_a_trailing_assistant_header(tmp_path, monkey
     trained = tokenizer.decode([token for token, label in zip(row["input_ids"], row["labels"]) if label != -100])
     # what it says: the trained tokens end with the header (the messages row trains them all)
     assert trained.endswith("A<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n") == warns
+
+
+def test_a_stream_of_conversations_names_a_trailing_assistant_header(tmp_path, monkeypatch):
+    """A stream's rows got no warning (only an in-memory Dataset's first row was read)."""
+    from datasets import Dataset
+
+    from trl_diffusion.trainers import sft_trainer
+    from trl_diffusion.trainers.sft_config import DiffusionSFTConfig
+
+    messages: list[str] = []
+    monkeypatch.setattr(sft_trainer.logger, "warning_once", messages.append)
+    rows = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}] * 2
+    args = DiffusionSFTConfig(output_dir=str(tmp_path), report_to=[], bf16=False, use_cpu=True, max_length=64,
+                              max_steps=1, per_device_train_batch_size=2, save_strategy="no", dataset_num_proc=None)
+    model = tiny_model("llada", vocab_size=264, embedding_size=264, mask_token_id=261, pad_token_id=257,
+                       eos_token_id=257)
+    sft_trainer.DiffusionSFTTrainer(model, args=args, train_dataset=Dataset.from_list(rows).to_iterable_dataset(),
+                                    processing_class=llada_tokenizer(tmp_path / "tokenizer"))
+    assert len([m for m in messages if "after a conversation's last assistant answer" in m]) == 1
 
 
 def test_a_stream_of_chat_prompts_is_refused_by_its_features_for_a_tokenizer_without_a_chat_template(tmp_path):

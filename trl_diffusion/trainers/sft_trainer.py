@@ -37,7 +37,7 @@ from transformers import TrainerCallback
 from transformers.modeling_outputs import MaskedLMOutput
 from transformers.utils import logging
 from trl import SFTConfig, SFTTrainer, pack_dataset
-from trl.data_utils import is_conversational
+from trl.data_utils import is_conversational, is_conversational_from_value
 
 from ..best_metric import check_best_metric_names_a_set, usable_best_metric
 from ..data.loading import column_names, dataset_label, empty_dataset_error
@@ -602,9 +602,11 @@ class DiffusionSFTTrainer(EvaluatedLoader, SFTTrainer):
                 # collator reads it only with padding_free (and packing drops it); here it would make every row a
                 # packed one, so it is dropped, as a column SFT does not read.
                 dataset = dataset.remove_columns("seq_lengths")
-        if (isinstance(dataset, Dataset) and formatting_func is None and not args.assistant_only_loss
-                and is_conversational(dataset[0])):  # (assistant_only_loss trains the generation blocks only)
-            _warn_trailing_assistant_header(processing_class)
+        if formatting_func is None and not args.assistant_only_loss:  # (it trains the generation blocks only)
+            first = dataset[0] if isinstance(dataset, Dataset) else (
+                next(iter(dataset), None) if isinstance(dataset, IterableDataset) else None)  # TRL reads it too
+            if first is not None and (is_conversational(first) or is_conversational_from_value(first)):
+                _warn_trailing_assistant_header(processing_class)
         rows_given = len(dataset) if isinstance(dataset, Dataset) else None
         max_length = args.max_length
         steps = args.diffusion_objective == "trajectory"
