@@ -192,8 +192,7 @@ class DiffusionDataCollator:
                     "truncated to it), or shorten the data."
                 )
             labels = example.get("labels")
-            if labels is not None and (len(labels) != length or any(
-                    label != IGNORE_INDEX and label != token for token, label in zip(example["input_ids"], labels))):
+            if labels is not None and _labels_other_than_ids(example["input_ids"], labels):
                 raise ValueError(
                     f"row {row} of a batch has labels other than its input_ids (or -100): the diffusion objectives "
                     "read labels as a mask only (-100: not trained) and predict the input ids themselves, so other "
@@ -980,6 +979,13 @@ def _first_id_outside(ids, rows: int) -> int | None:
     ids = torch.as_tensor(ids)
     outside = (ids < 0) | (ids >= rows)
     return int(outside.nonzero()[0, 0]) if bool(outside.any()) else None
+
+
+def _labels_other_than_ids(ids, labels) -> bool:
+    """Whether a row's ``labels`` are not its ids where trained (-100 elsewhere), or have another length; one
+    vectorised pass, as ``_first_id_outside`` (the collator runs it on every row of every batch)."""
+    ids, labels = torch.as_tensor(ids), torch.as_tensor(labels)
+    return ids.shape != labels.shape or bool(((labels != IGNORE_INDEX) & (labels != ids)).any())
 
 
 def _check_no_mask_token(mask_id: int, mask_token: str | None, datasets: dict,

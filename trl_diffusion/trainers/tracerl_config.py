@@ -322,7 +322,8 @@ class TraceRLConfig(GRPOConfig):
                           "shown whole and clean, including tokens the sampler committed after it, so its log-prob is "
                           "not the one it was sampled with (the trajectory estimate is exact only for multiples, e.g. "
                           "4 -> 8).", stacklevel=3)
-        if self.remasking_strategy != "low_confidence_dynamic" and self.confidence_threshold != 0.9:
+        default_threshold = type(self).__dataclass_fields__["confidence_threshold"].default
+        if self.remasking_strategy != "low_confidence_dynamic" and self.confidence_threshold != default_threshold:
             warnings.warn(f"confidence_threshold={self.confidence_threshold} is read by remasking_strategy="
                           f"'low_confidence_dynamic' only; the rollouts' {self.remasking_strategy!r} ignores it.",
                           stacklevel=3)
