@@ -303,28 +303,36 @@ class TraceRLTrainer(EvaluatedLoader, GRPOTrainer):
                     if isinstance(dataset, Dataset):  # a stream is not read ahead
                         check(dataset, split)
 
-    def _check_chat_template(self) -> None:
-        """Refuse train and eval datasets of chat-message prompts when the tokenizer has no chat template (a base
-        model's): TRL's rollout failed on them at the first batch, steps into training. Read from the declared
-        features, so a stream is not read ahead (one without features fails at its first batch with TRL's error)."""
-        if getattr(self._tokenizer, "chat_template", None) is not None:
-            return
+    def _chat_prompts(self) -> dict[str, bool]:
+        """For each train / eval dataset that declares a ``prompt`` column in its features, whether its prompts are
+        chat messages (else text). Read from the features, so a stream is not read ahead."""
+        kinds = {}
         for split, dataset in self._datasets().items():
             features = getattr(dataset, "features", None) or {}
-            if "prompt" in features and _is_list_type(features.arrow_schema.field("prompt").type):
+            if "prompt" in features:
+                kinds[split] = _is_list_type(features.arrow_schema.field("prompt").type)
+        return kinds
+
+    def _check_chat_template(self) -> None:
+        """Refuse train and eval datasets of chat-message prompts when the tokenizer has no chat template (a base
+        model's): TRL's rollout failed on them at the first batch, steps into training. A stream without features
+        fails at its first batch with TRL's error."""
+        if getattr(self._tokenizer, "chat_template", None) is not None:
+            return
+        for split, chat in self._chat_prompts().items():
+            if chat:
                 raise ValueError(f"the {split} dataset's prompts are chat messages, but the tokenizer has no chat "
                                  "template (a base model's): give the prompts as text, or use a tokenizer with a "
                                  "chat template.")
 
     def _check_chat_template_kwargs_apply(self) -> None:
         """Refuse ``chat_template_kwargs`` with a dataset of text prompts: TRL passes them to the chat template, which
-        text prompts never go through, so they were ignored without a word (``trl-diffusion eval`` refuses the same).
-        Read from the declared features, as ``_check_chat_template``."""
+        text prompts never go through, so they were ignored without a word (``trl-diffusion eval`` refuses the
+        same)."""
         if not self.chat_template_kwargs:
             return
-        for split, dataset in self._datasets().items():
-            features = getattr(dataset, "features", None) or {}
-            if "prompt" in features and not _is_list_type(features.arrow_schema.field("prompt").type):
+        for split, chat in self._chat_prompts().items():
+            if not chat:
                 raise ValueError(f"chat_template_kwargs {self.chat_template_kwargs} apply to conversational prompts, "
                                  f"which go through the chat template, but the {split} dataset's prompts are text "
                                  "(examples/math.py's --prompt_template builds such prompts): leave "
