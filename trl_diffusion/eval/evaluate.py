@@ -510,16 +510,16 @@ def _completion(tokenizer: Any, tokens: list[int], committed: list[bool], stop_i
 # --------------------------------------------------------------------------------------------------------------------
 
 
-LOAD_SETTINGS = {"tokenizer_name_or_path": None, "dtype": "auto", "device": None, "fused_kernels": False}
-"""``EvalConfig`` fields that :func:`load_model_and_tokenizer` alone reads, with their defaults."""
+LOAD_SETTINGS = ("tokenizer_name_or_path", "dtype", "device", "fused_kernels")
+"""``EvalConfig`` fields that :func:`load_model_and_tokenizer` alone reads."""
 
 
 def _check_load_settings_unset(config: EvalConfig) -> None:
     """Refuse :data:`LOAD_SETTINGS` set for a model passed to :func:`evaluate` in memory: they apply when it loads
     the model, and were ignored without a word (``dtype="float16"`` left float32 weights, ``device="cuda:3"`` ran
     where the model was)."""
-    given = [f"{name}={getattr(config, name)!r}" for name, default in LOAD_SETTINGS.items()
-             if getattr(config, name) != default]
+    defaults = {field.name: field.default for field in dataclasses.fields(EvalConfig)}
+    given = [f"{name}={getattr(config, name)!r}" for name in LOAD_SETTINGS if getattr(config, name) != defaults[name]]
     if given:
         raise ValueError(f"{', '.join(given)}: loading settings, which apply when evaluate() loads the model "
                          "(model_name_or_path), not to a model passed in: convert and place it yourself "
