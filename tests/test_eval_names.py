@@ -2,7 +2,7 @@
 built-in task (it got the task's 16-token, greedy, batch-100 settings and no length warning); runs whose output
 files share a name (``runA/checkpoint-100`` and ``runB/checkpoint-100``, ``a/test.jsonl`` and ``b/test.jsonl``) do
 not silently replace each other's results; a folder named like a benchmark does not hide it; a config file takes a
-flag's alias (``dataset:``)."""
+flag's alias (``dataset:``), but not beside the flag's own name."""
 
 import json
 import shutil
@@ -150,6 +150,14 @@ def test_a_config_file_takes_a_flags_alias(model_dir, tmp_path, capsys):
                       "output_dir: ''\nprogress: false\n")
     assert main(["eval", "--config", str(config)]) == 0
     assert json.loads(capsys.readouterr().out)["dataset_name"] == str(GSM8K)
+
+
+def test_a_config_file_giving_a_flag_and_its_alias_is_one_line(model_dir, tmp_path, capsys):
+    """``dataset:`` beside ``dataset_name:`` named one option twice, and whichever key came last was evaluated."""
+    config = tmp_path / "eval.yaml"
+    config.write_text(f"dataset_name: gsm8k\ndataset: {GSM8K}\nmodel_name_or_path: {model_dir}\n")
+    assert main(["eval", "--config", str(config)]) == 2
+    assert "config file: dataset and dataset_name name the same option; keep one" in capsys.readouterr().err
 
 
 def test_the_same_model_and_dataset_from_another_folder_replace_their_results(model_dir, tmp_path, monkeypatch):

@@ -112,8 +112,9 @@ def check_config_values(parser: Any) -> Any:
     each int, float or bool value is converted by its flag's own converter (a bool takes what ``--flag`` takes:
     true/false, yes/no, 1/0, ...). Raises ``ValueError`` naming the key. (A single ``lora_target_modules`` name is a
     string again after TRL's ``ModelConfig``; see :func:`trl_diffusion.scripts.utils.check_script_args`.) A flag's
-    alias (``dataset: ...`` for eval's ``--dataset``) is read as its flag. The keys the file sets are left in
-    ``parser.config_file_keys`` (by destination name), for what must not be named as a default the user kept."""
+    alias (``dataset: ...`` for eval's ``--dataset``) is read as its flag; a file giving both is refused. The keys
+    the file sets are left in ``parser.config_file_keys`` (by destination name), for what must not be named as a
+    default the user kept."""
     kinds = {"int": "int", "float": "float", "string_to_bool": "bool"}  # by name: TRL wraps them for `T | None`
     set_defaults_with_config = parser.set_defaults_with_config
 
@@ -122,6 +123,9 @@ def check_config_values(parser: Any) -> Any:
         # a flag's alias (eval's `--dataset` for `--dataset_name`) is a key too, as any flag is
         aliases = {option[2:]: action.dest for action in parser._actions if type(action) is argparse._StoreAction
                    for option in action.option_strings if option.startswith("--") and option[2:] != action.dest}
+        both = [f"{key} and {aliases[key]}" for key in config if key in aliases and aliases[key] in config]
+        if both:
+            raise ValueError(f"config file: {both[0]} name the same option; keep one of the two keys.")
         config = {aliases.get(key, key): value for key, value in config.items()}
         for action in parser._actions:
             if action.dest not in config or not action.option_strings or action.dest == "help":
