@@ -59,7 +59,7 @@ def test_training_curves_png_holds_the_logged_numbers(tmp_path):
     image = Image.open(path)
     assert image.size == (2 * 400, 320)
     assert json.loads(image.text["Curves"]) == {"loss": [[1, 2.5], [2, 1.25]], "reward": [[2, 0.5], [3, 0.75]]}
-    pixels = torch.tensor(list(image.convert("L").getdata())).view(320, 800)
+    pixels = torch.frombuffer(bytearray(image.convert("L").tobytes()), dtype=torch.uint8).view(320, 800)
     assert all((pixels[40:280, left + 60:left + 380] < 128).any() for left in (0, 400))  # a curve in each panel
     assert save_training_curves(history, tmp_path / "none.png", ["never_logged"]) is None
     assert not (tmp_path / "none.png").exists()
