@@ -216,6 +216,21 @@ def test_evaluation_filters_groups_of_num_generations_eval_and_logs_it_as_an_eva
     assert "filtered_groups" not in trainer._metrics["train"]
 
 
+def test_evaluation_token_metrics_describe_the_kept_groups_and_are_nan_when_none_is_kept(tmp_path):
+    """Filtering applies to eval groups (eval_loss is training's loss): with every group dropped the token metrics
+    have no token to describe (NaN, docs/tracerl.md); without filtering they are TRL's numbers over every
+    completion."""
+    common = dict(reward=scripted([1.0] * 8), num_generations_eval=4, per_device_eval_batch_size=8,
+                  eval_dataset=Dataset.from_dict({"prompt": PROMPTS[:2]}))
+    filtered = make_trainer(tmp_path / "band", dynamic_group_filtering="all_equal", **common).evaluate()
+    kept = make_trainer(tmp_path / "none", **common).evaluate()
+    assert filtered["eval_filtered_groups"] == 1.0 and "eval_filtered_groups" not in kept
+    for key in ("eval_entropy", "eval_clip_ratio/region_mean"):
+        assert filtered[key] != filtered[key]  # NaN
+        assert kept[key] == kept[key] and kept[key] >= 0.0
+    assert kept["eval_entropy"] > 0.0
+
+
 def test_an_evaluation_leaves_the_optimizer_moments_of_the_rollout_in_progress(tmp_path):
     """``reset_optimizer_per_rollout`` resets at training rollouts only: an evaluation's rollouts keep AdamW's
     state."""
