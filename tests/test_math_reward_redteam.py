@@ -136,6 +136,22 @@ ATTACKS = {
     "an improper mixed number with a slash": ("17 {25/1}", "42"),
     "juxtaposed in lbrack": (r"17 \lbrack 25 \rbrack", "42"),
     "juxtaposed around negmedspace": (r"17 \negmedspace 25", "42"),
+    # An open interval and the set of its two ends (a sixth red-team): math-verify equals them (it reads a pair
+    # (2, 7) as an open interval), so the roots of the boundary answered a strict inequality, and the reverse
+    "roots for an inequality": (r"\pm 3", "-3 < x < 3"),
+    "roots for an absolute-value inequality": (r"\pm 3", "|x|<3"),
+    "roots for a quadratic inequality": (r"\pm 3", "x^2<9"),
+    "assigned roots for an interval": (r"x = \pm 3", "(-3, 3)"),
+    "a set for an interval": (r"x \in \{2, 7\}", "(2, 7)"),
+    "two roots for an interval": (r"x = -\frac{1}{2} \text{ or } x = 4", r"\left(-\frac12, 4\right)"),
+    "the ends of an unbounded interval": (r"0, \infty", r"(0, \infty)"),
+    "the boundary for an inequality": (r"-\infty, 3", "x < 3"),
+    "an interval for a set of roots": ("(-3, 3)", r"\{-3, 3\}"),
+    "an interval for two assigned roots": ("(-3, 3)", "x = -3, x = 3"),
+    # math-verify reads an equation whose left side holds unknowns only as an assignment: 5 was x + y = 5
+    "the constant of a line": ("5", "x + y = 5"),
+    "the constant of a line in intercept form": ("1", r"\frac{x}{2}+\frac{y}{3}=1"),
+    "the constant of a plane": ("6", "x + y + z = 6"),
 }
 
 
@@ -213,6 +229,13 @@ EQUIVALENT = [
     (r"\begin{vmatrix} 7 & 3 \\ -1 & 2 \end{vmatrix} = 17", "17"),
     (r"\begin{pmatrix} 2 & 7 \\ 5 & 1 \end{pmatrix}^T = \begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}",
      r"\begin{pmatrix} 2 & 5 \\ 7 & 1 \end{pmatrix}"),
+    # intervals, sets and points around the sixth red-team's rules: an interval for its inequality, a set of roots in
+    # any writing, a point written bare or as assignments for a pair; an equation's right side for a single unknown,
+    # a function or a product (a segment); the equation of a line for itself
+    ("(-3, 3)", "-3 < x < 3"), (r"(0, \infty)", "x > 0"), (r"(-\infty, 3)", "x < 3"), ("[-3, 3]", r"-3 \le x \le 3"),
+    (r"\pm 3", r"\{-3, 3\}"), ("-3, 3", r"\pm 3"), (r"x = \pm 3", r"\pm 3"), ("2, 7", "(2, 7)"),
+    ("x = 2, y = 7", "(2, 7)"), ("(2, 7)", "2, 7"), ("5", "AB = 5"), ("2x+1", "f(x) = 2x+1"),
+    ("x + y = 5", "x + y = 5"),
 ]
 
 
@@ -243,7 +266,7 @@ def test_worker_threads_apply_the_same_rules():
     """Off the main thread each completion is checked in a child process: same verdicts."""
     reward = MathAccuracyReward(parsing_timeout=2, verify_timeout=2)
     names = ["or", "binomial", "arithmetic for a number", "unsimplified polynomial", "unknown that cancels",
-             "zero for a small gold"]
+             "zero for a small gold", "roots for an inequality", "the constant of a line"]
     pairs = [(boxed(ATTACKS[name][0]), ATTACKS[name][1]) for name in names]
     pairs += [(boxed(answer), gold) for answer, gold in EQUIVALENT[::8]]
     out = {}

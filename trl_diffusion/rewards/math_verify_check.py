@@ -36,7 +36,10 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   decimal places (``0.0000001`` or ``0.0`` against ``10^{-8}``), also inside a set, tuple or matrix
   (``\\{5 \\times 10^{-19}\\}`` against ``1.6 \\times 10^{-19}``);
 * an assignment answered for an assigned gold answer is judged by its value (``x = 99^2`` or ``99^2 = x`` for
-  ``x = 9801``), as it is against the bare gold.
+  ``x = 9801``), as it is against the bare gold;
+* an open interval is not the set of its two ends, which math-verify equals with it (``\\pm 3`` for ``-3 < x < 3``,
+  ``x \\in \\{2, 7\\}`` for ``(2, 7)``, ``(-3, 3)`` for ``x = -3, x = 3``), and an equation whose left side is a sum of
+  unknowns is not answered by its right side (``5`` for the line ``x + y = 5``).
 """
 
 from __future__ import annotations
@@ -337,6 +340,10 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     """Whether the sympy prediction ``pred`` (LaTeX ``text``) is an admissible answer for one gold value."""
     from math_verify.grader import is_assignment_relation, is_equation, is_relation, take_last_relation
 
+    if not is_equation(pred) and is_assignment_relation(gold_expr) and _sum_assigned(gold_expr):
+        return False  # 5 for x + y = 5 (a line): math-verify reads a left side of unknowns alone as an assignment
+    if _interval_for_its_ends(_pair_kind(pred, text), _pair_kind(gold_expr, gold)):
+        return False  # \pm 3 for -3 < x < 3, \{2, 7\} for (2, 7): math-verify equals an open interval and its ends
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
     solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
     if gold_solutions is None:
@@ -385,6 +392,54 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
+
+
+def _sum_assigned(expr) -> bool:
+    """Whether an equation math-verify reads as an assignment (its left side holds unknowns only) has a sum on its
+    left: ``x + y = 5`` is a line, and 5 is not its equation. A single unknown (``x = 5``), a function (``f(x) =
+    2x``) or a product (``AB = 5``, a segment) keep math-verify's reading: their right side answers."""
+    import sympy
+    from math_verify.grader import take_first_relation
+
+    return isinstance(take_first_relation(expr).lhs, sympy.Add)
+
+
+# LaTeX that writes values as a set: braces, or a sign that stands for two values.
+_SET_OF_VALUES = re.compile(r"\\\{|\\lbrace(?![a-zA-Z])|\\(?:pm|mp)(?![a-zA-Z])")
+
+
+def _pair_kind(expr, latex: str) -> str | None:
+    """What an answer that math-verify may compare with an open interval means (its sympy value ``expr``, its LaTeX
+    ``latex``): ``"interval"`` (an inequality, or an open interval with an infinite end), ``"pair"`` (an open
+    interval with finite ends, which ``(2, 7)`` also writes as a point), ``"values"`` (a set of values: written in
+    braces or with ``\\pm``, or assignments to one unknown: ``x = -3, x = 3``, ``x = \\pm 3``), ``"list"`` (two
+    values written bare: ``2, 7``, ``x = 2, y = 7``), else ``None``."""
+    import sympy
+    from math_verify.grader import is_equation, is_relation
+
+    if isinstance(expr, sympy.Interval):
+        if not (expr.left_open and expr.right_open):
+            return None
+        return "interval" if expr.start.is_infinite or expr.end.is_infinite else "pair"
+    if is_relation(expr) and not is_equation(expr):
+        return "interval"
+    if isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and isinstance(expr.rhs, sympy.FiniteSet):
+        return "values"  # x = \\pm 3, x \\in \\{2, 7\\}
+    if not isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) or len(expr.args) != 2:
+        return None  # math-verify compares an open interval with two values only
+    unknowns = {element.lhs for element in expr.args if isinstance(element, sympy.Eq)}
+    if _SET_OF_VALUES.search(latex) or (len(unknowns) == 1 and all(isinstance(e, sympy.Eq) for e in expr.args)):
+        return "values"
+    return "list"
+
+
+def _interval_for_its_ends(kind: str | None, gold_kind: str | None) -> bool:
+    """Whether math-verify would equal an interval with a set of its two ends, where one side means the interval
+    and the other values: a set of roots is not the open interval between them (``\\pm 3`` for ``-3 < x < 3``), and
+    an inequality is not its boundary (``0, \\infty`` for ``x > 0``). A pair written bare for ``(2, 7)`` stays
+    math-verify's: either may be a point."""
+    kinds = {kind, gold_kind}
+    return kinds in ({"values", "interval"}, {"values", "pair"}, {"list", "interval"})
 
 
 def _numerals_read(expr):
