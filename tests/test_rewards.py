@@ -178,6 +178,17 @@ def test_boxed_format_reward():
     assert boxed_format_reward(as_chat([r"\boxed{1}"])) == [1.0]
 
 
+def test_boxed_format_reward_needs_a_box_that_shows_something():
+    """A box that prints nothing (LaTeX spacing, phantoms, empty groups, invisible characters) scored 1.0 as a
+    formatted answer (a red-team of the rewards)."""
+    empty = [r"\boxed{\,}", r"\boxed{{}}", r"\boxed{\phantom{}}", "\\boxed{\u200b}", r"\boxed{\phantom{\frac{1}{2}}}",
+             r"\boxed{ \quad \; ~ }", r"\boxed{\text{ }}", r"\boxed{{\hphantom{0}}\,}", "\\boxed{\ufeff\u00a0}"]
+    shown = [r"\boxed{\alpha}", r"\boxed{\phantom{0}1}", r"\boxed{\text{A}}", r"\boxed{\{\}}", r"\boxed{-}",
+             r"\boxed{\emptyset}", r"\boxed{x\,y}"]
+    assert boxed_format_reward(empty) == [0.0] * len(empty)
+    assert boxed_format_reward(shown) == [1.0] * len(shown)
+
+
 def test_think_format_reward():
     texts = [
         "<think>reasoning</think>answer",

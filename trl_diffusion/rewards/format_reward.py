@@ -9,6 +9,7 @@ the math reward, so the two always agree on what counts as a boxed answer.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Any
 
 __all__ = [
@@ -69,6 +70,13 @@ def last_boxed_content(text: str) -> str | None:
     if not matches:
         return None
     start = matches[-1].end()
+    end = _closing_brace(text, start)
+    return None if end is None else text[start:end]
+
+
+def _closing_brace(text: str, start: int) -> int | None:
+    """The index of the brace that closes the group opened just before ``start``, skipping escaped characters
+    (``\\{``, ``\\}``); ``None`` if it is never closed."""
     depth = 1
     i = start
     while i < len(text):
@@ -81,22 +89,44 @@ def last_boxed_content(text: str) -> str | None:
         elif ch == "}":
             depth -= 1
             if depth == 0:
-                return text[start:i]
+                return i
         i += 1
     return None
 
 
+# What prints nothing in a box: LaTeX spacing and empty groups (removed until none is left), and phantoms.
+_BLANK_LATEX = re.compile(r"\\[,;:!> ]|~|\\(?:q?quad|enspace|(?:neg)?(?:thin|med|thick)space|space|hfill)(?![a-zA-Z])"
+                          r"|\\(?:text|mathrm|mbox|hbox|textbf|mathbf)\s*\{\s*\}|\{\s*\}")
+_PHANTOM = re.compile(r"\\[hv]?phantom\s*\{")
+
+
+def _prints_something(content: str) -> bool:
+    """Whether a box's content shows anything: not only spaces, invisible characters (zero-width, format marks),
+    LaTeX spacing, phantoms or empty groups (``\\boxed{\\,}``, ``\\boxed{{}}``, ``\\boxed{\\phantom{0}}``)."""
+    visible = "".join(ch for ch in content if unicodedata.category(ch)[0] not in "CZ")
+    while (phantom := _PHANTOM.search(visible)) is not None:
+        end = _closing_brace(visible, phantom.end())
+        if end is None:
+            break  # an unclosed phantom: what follows it shows
+        visible = visible[:phantom.start()] + visible[end + 1:]
+    previous = None
+    while previous != visible:
+        previous, visible = visible, _BLANK_LATEX.sub("", visible)
+    return bool(visible)
+
+
 def boxed_format_reward(completions: list[Any], **kwargs: Any) -> list[float]:
-    """1.0 if the completion's last ``\\boxed{...}`` is closed (balanced braces) and non-empty, else 0.0.
+    """1.0 if the completion's last ``\\boxed{...}`` is closed (balanced braces) and shows something, else 0.0.
 
     Rule chosen: *at least one* box, judged by the last one. Requiring exactly one box would punish a model for
     boxing an intermediate result and then restating the final answer, which is harmless because the math reward
-    reads only the last box. Extra TRL keyword arguments (dataset columns, ``trainer_state``, ...) are ignored.
+    reads only the last box. A box that prints nothing (spaces, invisible characters, LaTeX spacing, phantoms, empty
+    groups) is empty. Extra TRL keyword arguments (dataset columns, ``trainer_state``, ...) are ignored.
     """
     rewards = []
     for completion in completions:
         content = last_boxed_content(completion_to_text(completion))
-        rewards.append(1.0 if content is not None and content.strip() else 0.0)
+        rewards.append(1.0 if content is not None and _prints_something(content) else 0.0)
     return rewards
 
 
