@@ -16,6 +16,7 @@ import os
 import pytest
 
 from trl_diffusion.rewards import make_code_reward, run_tests
+from trl_diffusion.rewards.code_reward import build_tests
 from trl_diffusion.rewards.sandbox import SandboxLimits
 
 TEST = ["assert f(2) == 4"]
@@ -282,6 +283,23 @@ def test_humaneval_check_is_decided_outside_the_sandbox():
     assert reward([f"```python\n{good}\n```", f"```python\n{forging}\n```"], **rows) == [1.0, 0.0]
     result = run_tests(forging, [f"{HUMANEVAL_TEST}check(running_max)\n"], LIMITS)
     assert result.verified == 1 and result.outcomes == [False] and "found" not in result.output
+
+
+def test_a_test_that_calls_check_itself_or_defines_none_stays_decided_outside():
+    """A ``test`` ending with ``check(f)`` (or made of plain asserts) beside an ``entry_point`` got a second call
+    appended: the snippet was no longer one the verdict module decides, so an always-equal object passed inside the
+    sandbox (and, for plain asserts, a right program failed on the undefined ``check`` while a forger defined one)."""
+    calls = "def check(candidate):\n    assert candidate(2) == 4\n    assert candidate(3) == 9\n\ncheck(f)\n"
+    asserts = "assert f(2) == 4\nassert f(3) == 9\n"
+    right = "```python\ndef f(x):\n    return x * x\n```"
+    forging = f"```python\n{ALWAYS_EQUAL}def f(x):\n    return Always()\n\ndef check(candidate):\n    pass\n```"
+    reward = make_code_reward(timeout=5.0, memory_mb=256)
+    for test in (calls, asserts):
+        logged = {}
+        assert reward([right, forging], test=[test] * 2, entry_point=["f"] * 2,
+                      log_metric=logged.__setitem__) == [1.0, 0.0]
+        assert logged["code_execution/verified_frac"] == 1.0
+        assert build_tests(test=test, entry_point="f") == [test]
 
 
 def test_report_is_plain_json_and_only_probe_values_travel():
@@ -600,6 +618,11 @@ STDIO_HINT = "test_method='stdio'"
                     "\np = unittest.main(argv=['x'], exit=False)\nassert p.result.wasSuccessful()"]},
          "(T) that nothing"),
         ({"tests": ["double(1) " + "+ 0 " * 1000 + "== 2"]}, "comparison whose result is dropped"),
+        # a sixth red-team: asserts that hold whatever the program does (a tuple is always true)
+        ({"tests": ["assert True"]}, "an assert that holds whatever the program does"),
+        ({"tests": ["assert True or double(2) == 4", "assert double(1) == 2"]}, "holds whatever"),
+        ({"tests": ["assert (double(2) == 5, 'double')"]}, "holds whatever"),
+        ({"tests": ["import math\nassert not 0", "assert double(1) == 2"]}, "holds whatever"),
         ({"tests": ["class A:\n    def __init__(self):\n        assert double(1) == 2\n\nclass B:\n"
                     "    def __init__(self):\n        self.x = 1\n\nB()"]}, "no test that checks anything"),
         ({"tests": ["def check(c):\n    assert c(1) == 2\n\nns = object\nns.check"]}, "never calls it"),

@@ -4,8 +4,9 @@ Tests come from the dataset row in one of two shapes:
 
 * ``tests``: a list of assert statements (MBPP style), each counted as one test; a single string is one test;
 * ``test`` + ``entry_point``: a HumanEval-style ``test`` string that defines ``check(candidate)``; it is run as one
-  test, ``check(<entry_point>)``. The entry point is a function's name, or a method of a class the program defines
-  (LeetCode's ``Solution().twoSum``: one instance per test, as natively).
+  test, ``check(<entry_point>)`` (a test that calls ``check`` itself, or defines none, runs as it is). The entry
+  point is a function's name, or a method of a class the program defines (LeetCode's ``Solution().twoSum``: one
+  instance per test, as natively).
 
 A column that holds no test snippets (stdin/stdout cases, numbers) or tests that check nothing (``f(2) == 4`` without
 ``assert``, test functions nothing calls) is a ``ValueError`` naming the row and column: run as they are, they would
@@ -91,8 +92,28 @@ def build_tests(tests: Any = None, test: Any = None, entry_point: Any = None) ->
     if tests is not None:
         return checked_snippets(column_items(tests, "tests"), "tests") or None
     if isinstance(test, str) and test.strip():
-        return checked_snippets([f"{test}\n\ncheck({entry_point})\n" if entry_point else test], "test")
+        return checked_snippets([_with_check_call(test, entry_point)], "test")
     return None
+
+
+def _with_check_call(test: str, entry_point: Any) -> str:
+    """A HumanEval ``test`` as its harness runs it: followed by ``check(<entry_point>)`` where it defines ``check``
+    and does not call it at its top level. A test that calls ``check`` itself (an export ending with the call) or
+    defines none (plain asserts) runs as it is: a second call made the snippet one the verdict module cannot decide,
+    so a program could forge its pass, and a call of a ``check`` the test does not define failed every program but
+    one that defines ``check`` itself."""
+    call = f"{test}\n\ncheck({entry_point})\n"
+    if not entry_point:
+        return test
+    try:
+        tree = ast.parse(test)
+    except SyntaxError:
+        return call  # fails in the sandbox, as any program's run of it
+    defines = any(isinstance(node, _FUNCTIONS) and node.name == "check" for node in tree.body)
+    top_level = [node for node in tree.body if not isinstance(node, _FUNCTIONS)
+                 and not (isinstance(node, ast.If) and _is_main_guard(node.test))]
+    calls = any(_called(node) == "check" for statement in top_level for node in ast.walk(statement))
+    return call if defines and not calls else test
 
 
 def column_items(value: Any, column: str) -> list[Any]:
@@ -221,6 +242,10 @@ def _vacuous(snippets: tuple[str, ...]) -> str | None:
         if idle:
             return (f"a test whose checks never run, which passes every program: {_clip(snippet)}: "
                     f"{_uncalled(tree, idle)}")
+    for (snippet, _tree), ran in zip(trees, executed):  # a test whose only checks always hold
+        vacuous = [n for n in ran if isinstance(n, ast.Assert) and _always_true(n.test)]
+        if vacuous and not _checks([n for n in ran if n not in vacuous], checking, registrars):
+            return f"an assert that holds whatever the program does, which passes every program: {_clip(snippet)}."
     if trees and not unparsed and not any(_checks(ran, checking, registrars) for ran in executed):
         return (f"no test that checks anything (no `assert`, `raise`, `assert*` call or exit runs), so every program "
                 f"would pass: {_clip(snippets[0])}.")
@@ -238,6 +263,21 @@ def _uncalled(tree: ast.Module, names: set[str]) -> str:
                 "(the function's name), or end the test with check(<entry point>).")
     return (f"it defines {', '.join(sorted(names))} and nothing calls them (pytest-style tests, e.g. KodCode's, are "
             "not collected here): call them at its end, or write the test as asserts.")
+
+
+def _always_true(node: ast.expr) -> bool:
+    """A condition true without reading the program: a true constant (``True``, ``1``, ``'x'``), a non-empty tuple,
+    list or set display (``assert (f(2) == 4, "message")``, always true), ``not`` a false constant, ``or`` with such an
+    operand, ``and`` of such operands."""
+    if isinstance(node, ast.Constant):
+        return bool(node.value)
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return bool(node.elts)
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not) and isinstance(node.operand, ast.Constant):
+        return not node.operand.value
+    if isinstance(node, ast.BoolOp):
+        return (any if isinstance(node.op, ast.Or) else all)(map(_always_true, node.values))
+    return False
 
 
 def _compares(node: ast.expr) -> bool:
