@@ -291,6 +291,18 @@ def test_an_answer_that_never_finishes_is_cut_off_in_the_main_thread(answer):
     assert time.monotonic() - start < 1 + 3 * 1 + 2  # one parse and the checks, with a margin
 
 
+def test_the_gold_answer_as_written_scores_without_sympy(monkeypatch):
+    """A box holding the gold answer's own text scores 1.0 without a comparison: a power tower gold (``10^{10^{10}}``)
+    timed out and scored 0.0 even for itself. Any other writing is still compared."""
+    from trl_diffusion.rewards import math_reward
+
+    compared = []
+    monkeypatch.setattr(math_reward, "verify_source", lambda source, *args: compared.append(source) or False)
+    gold = r"10^{10^{10}}"
+    assert REWARD([boxed(gold), boxed(f" {gold}."), boxed("10^{10^{10}} + 0")], answer=[gold] * 3) == [1.0, 1.0, 0.0]
+    assert compared == [r"$\boxed{10^{10^{10}} + 0}$"]
+
+
 def test_answer_rules_off_is_math_verify_s_own_comparison():
     """``answer_rules=False`` (and eval's ``--math_grader math_verify_plain``) keeps math-verify's verdict on the
     copied expressions, in the main thread and in the worker's child process; a box is still read whole."""

@@ -188,6 +188,8 @@ class MathAccuracyReward:
         if boxed is not None:
             if len(boxed) > self.max_answer_chars:
                 return 0.0
+            if _without_final_period(boxed).strip() == gold.strip():
+                return 1.0  # the gold answer as written: no parse, no comparison (a power tower's timed out)
             source = _as_boxed(_without_final_period(boxed))
         elif has_box(text):
             return 0.0  # the last box is unclosed: no final answer, and earlier boxes are not answers
