@@ -308,9 +308,10 @@ def test_code_reward_runs_concurrently(monkeypatch):
 )
 def test_code_reward_hostile_programs_score_zero(program):
     reward = make_code_reward(timeout=1.0, partial_credit=True)
-    assert reward([_fenced(program)], tests=[["assert True", "assert True"]]) == [0.0]
+    # tests any program that lets them run passes (`assert True` itself is refused as checking nothing)
+    assert reward([_fenced(program)], tests=[["assert isinstance(1, int)", "assert len('ab') == 2"]]) == [0.0]
 
 
 def test_code_reward_printed_fake_report_is_ignored():
     fake = 'print("\\n" + "0" * 32 + \'{"passed": 1, "errors": []}\')\nimport os\nos._exit(0)'
-    assert make_code_reward(partial_credit=True)([_fenced(fake)], tests=[["assert True"]]) == [0.0]
+    assert make_code_reward(partial_credit=True)([_fenced(fake)], tests=[["assert isinstance(1, int)"]]) == [0.0]
