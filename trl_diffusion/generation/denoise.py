@@ -191,8 +191,9 @@ class ModelRunner:
         self.uncommitted: Block | None = None  # exact cache: the finished block whose final keys are not cached yet
         self.calls = 0
 
-    def forward(self, cols: slice, mask, keep: int = 0) -> torch.Tensor:
-        """Logits of the canvas columns ``cols`` (the last ``keep`` of them if ``keep``). Never with router logits
+    def forward(self, cols: slice, mask, keep: int | torch.Tensor = 0) -> torch.Tensor:
+        """Logits of the canvas columns ``cols`` (the last ``keep`` of them if ``keep``, or the columns of ``cols``
+        a 1-D index tensor ``keep`` names). Never with router logits
         (a mixture-of-experts config may say ``output_router_logits``: a training setting)."""
         state = self.state
         ids, pos = state.canvas[:, cols], state.positions[:, cols]
@@ -228,14 +229,17 @@ class ModelRunner:
         elif self.mode == "none" and self.attention_block is not None:
             pos, valid = self.state.positions[:, :end], self.state.valid[:, :end]
             self._block_mask = attention_mask_from_positions(pos, pos, valid, self.attention_block)
-        elif self.mode == "none":
-            self._block_mask = self._key_mask(width, width)
-        else:
+        else:  # full attention: the LM head runs on the block's (shifted) columns only, not on the whole canvas
+            device = self.state.canvas.device
+            self._block_cols = torch.arange(start - shift, end - shift, device=device)
+            if self.mode == "none":
+                self._block_mask = self._key_mask(width, width)
+                return
             live_end = end if self.mode == "dual" else width
             self._live = slice(start - shift, live_end)
+            self._live_block_cols = torch.arange(length, device=device)  # the block's columns of the live window
             self._place(0, width, width)
-            first = self.forward(slice(0, width), self._key_mask(width, width), keep=width - (start - shift))
-            self._first_logits = first[:, :length]
+            self._first_logits = self.forward(slice(0, width), self._key_mask(width, width), keep=self._block_cols)
             self._block_mask = self._key_mask(live_end - (start - shift), width)
 
     def logits(self, block: Block, step: int) -> torch.Tensor:
@@ -248,11 +252,11 @@ class ModelRunner:
         if self.mode == "none" and self.attention_block is not None:
             return self.forward(slice(0, end), self._block_mask, keep=length)
         if self.mode == "none":
-            return self.forward(slice(0, self.width), self._block_mask)[:, start - self.shift: end - self.shift]
+            return self.forward(slice(0, self.width), self._block_mask, keep=self._block_cols)
         if step == 0:
             return self._first_logits
         self._place(self._live.start, self._live.stop, self.width)
-        return self.forward(self._live, self._block_mask)[:, :length]
+        return self.forward(self._live, self._block_mask, keep=self._live_block_cols)
 
     def _commit_and_step(self, block: Block) -> torch.Tensor:
         """Exact cache: one forward over ``[previous block, clean | this block]`` writes the previous block's
