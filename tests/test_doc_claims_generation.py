@@ -152,6 +152,21 @@ def test_use_cache_true_leaves_full_attention_models_uncached(family):
         assert out.num_forward_passes == plain.num_forward_passes
 
 
+@pytest.mark.parametrize("family", ["llada", "dream"])
+@pytest.mark.parametrize("use_cache", [False, "prefix", "dual"])
+def test_the_lm_head_runs_on_the_blocks_columns_only(family, use_cache):
+    """generation.md: every forward computes the block's logits only; the LM head over the whole canvas (then
+    sliced) was the largest cost of uncached full-attention decoding with a large vocabulary."""
+    model = tiny_model(family)
+    widths = []
+    hook = model.get_output_embeddings().register_forward_pre_hook(lambda module, args: widths.append(args[0].shape))
+    try:
+        out = generate(model, use_cache=use_cache)
+    finally:
+        hook.remove()
+    assert len(widths) == out.num_forward_passes and all(shape[:2] == (1, 4) for shape in widths)
+
+
 def test_sequences_after_a_stop_are_the_pad_token_and_never_committed(family):
     """``sequences``: the left-padded prompt as given, then the completion right-padded with the pad token (the
     call's ``pad_token_id``, else the model's); ``unmask_step`` is -1 on prompt, padding and the positions left
