@@ -32,6 +32,7 @@ setup(
         "tqdm>=4.66.3",
         "packaging>=22",
         "huggingface_hub>=1.31",
+        "latex2sympy2_extended>=1.11",  # math-verify's parser (0.9 pins 1.11.0), whose unit rule the math reward reads
     ],
     extras_require={
         "flash": ["flash-attn>=2.7"],

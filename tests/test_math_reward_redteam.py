@@ -152,6 +152,19 @@ ATTACKS = {
     "the constant of a line": ("5", "x + y = 5"),
     "the constant of a line in intercept form": ("1", r"\frac{x}{2}+\frac{y}{3}=1"),
     "the constant of a plane": ("6", "x + y + z = 6"),
+    # a seventh red-team: math-verify drops a tail from the first \text{ of an answer ending in } as units, so a
+    # hedge or a condition there was never read; and it solves a relation, so the question's equation answered it
+    "a hedge in a unit's text": (r"18 \text{ or 17}", "18"),
+    "a condition in a unit's text": (r"18 \text{ if } n \text{ even}", "18"),
+    "a bound in a unit's text": (r"18 \text{ at least}", "18"),
+    "a hedge in an mbox": (r"18 \mbox{ or 17}", "18"),
+    "a hedge in bold text": (r"18 \textbf{ or 17}", "18"),
+    "a second answer with its unit": (r"18 \text{ apples, or } 17 \text{ apples}", "18"),
+    "a hedge after a choice": (r"C \text{ or D}", r"\text{(C)}"),
+    "a hedge after a word": (r"east \text{ or west}", r"\text{east}"),
+    "the question's equation": ("x + 1 = 6", "x = 5"),
+    "the question's equation, scaled": ("2x = 10", "x = 5"),
+    "the question's inequality": ("x - 1 > 2", "x > 3"),
 }
 
 
@@ -236,6 +249,10 @@ EQUIVALENT = [
     (r"\pm 3", r"\{-3, 3\}"), ("-3, 3", r"\pm 3"), (r"x = \pm 3", r"\pm 3"), ("2, 7", "(2, 7)"),
     ("x = 2, y = 7", "(2, 7)"), ("(2, 7)", "2, 7"), ("5", "AB = 5"), ("2x+1", "f(x) = 2x+1"),
     ("x + y = 5", "x + y = 5"),
+    # units after the seventh red-team's rules; an unknown alone on either side
+    (r"18 \text{ apples}", "18"), (r"864 \mbox{ inches}^2", "864"), (r"15 \text{ square units}", "15"),
+    (r"\frac{270}{7} \text{ degrees}", r"\frac{270}{7}"), (r"18~\text{cm}", "18"), ("5 = x", "x = 5"),
+    ("3 < x", "x > 3"),
 ]
 
 
@@ -266,7 +283,8 @@ def test_worker_threads_apply_the_same_rules():
     """Off the main thread each completion is checked in a child process: same verdicts."""
     reward = MathAccuracyReward(parsing_timeout=2, verify_timeout=2)
     names = ["or", "binomial", "arithmetic for a number", "unsimplified polynomial", "unknown that cancels",
-             "zero for a small gold", "roots for an inequality", "the constant of a line"]
+             "zero for a small gold", "roots for an inequality", "the constant of a line", "a hedge in a unit's text",
+             "the question's equation"]
     pairs = [(boxed(ATTACKS[name][0]), ATTACKS[name][1]) for name in names]
     pairs += [(boxed(answer), gold) for answer, gold in EQUIVALENT[::8]]
     out = {}

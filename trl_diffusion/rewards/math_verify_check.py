@@ -39,7 +39,11 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
   ``x = 9801``), as it is against the bare gold;
 * an open interval is not the set of its two ends, which math-verify equals with it (``\\pm 3`` for ``-3 < x < 3``,
   ``x \\in \\{2, 7\\}`` for ``(2, 7)``, ``(-3, 3)`` for ``x = -3, x = 3``), and an equation whose left side is a sum of
-  unknowns is not answered by its right side (``5`` for the line ``x + y = 5``).
+  unknowns is not answered by its right side (``5`` for the line ``x + y = 5``);
+* a relation of an unknown and a number (``x = 5``, ``x > 3``) is answered with the unknown alone on a side, not by
+  an equation math-verify solves for it (the question's ``x + 1 = 6``);
+* a tail math-verify drops as units (from the first ``\\text{`` of an answer ending in ``}``) holds no digit,
+  bracket, separator or word of a hedge (``18 \\text{ or 17}`` was 18).
 """
 
 from __future__ import annotations
@@ -153,6 +157,36 @@ def _same_base(text: str, gold: str) -> bool:
     return written <= (_bases(gold, _ANY_SUBSCRIPT) or {10})
 
 
+# Words of a hedge or a condition, which a unit never holds (``18 \\text{ or 17}``,
+# ``18 \\text{ if } n \\text{ even}``).
+_HEDGE_WORDS = frozenset(("or", "and", "nor", "not", "no", "if", "unless", "else", "otherwise", "except", "but",
+                          "when", "whenever", "where", "either", "neither", "maybe", "perhaps", "possibly", "probably",
+                          "least", "most", "more", "less", "fewer", "than", "between"))
+
+
+def _hedged_tail(answer: str) -> bool:
+    """Whether math-verify's unit stripping would drop, from the first ``\\text{`` / ``\\mbox{`` of an answer ending
+    in ``}`` to its end, more than units: a digit, a bracket, a separator or a word of a hedge (``18 \\text{ or 17}``
+    was read as 18, ``18 \\text{ apples, or } 17 \\text{ apples}`` too)."""
+    from latex2sympy2_extended.math_normalization import (
+        NormalizationConfig,
+        normalize_latex,
+        unit_superscript_regex,
+    )
+
+    try:
+        text = normalize_latex(answer, NormalizationConfig(basic_latex=True, units=False, malformed_operators=True,
+                                                           nits=True, boxed="none"))
+    except Exception:
+        return False
+    tail = unit_superscript_regex.search(text)
+    if tail is None or not text[:tail.start()].strip():
+        return False  # nothing is dropped, or the answer is text as a whole (\\text{east})
+    words = re.sub(r"\\[a-zA-Z]+", " ", tail.group(1))
+    return bool(re.search(r"[\d,;:()\[\]=<>|]", words)
+                or _HEDGE_WORDS & set(re.findall(r"[a-z]+", words.lower())))
+
+
 def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, verify_timeout: int | None,
                   gold: str = "", answer_rules: bool = True) -> bool:
     """math-verify's verdict on one prediction, with the rules of the module docstring: ``source`` is an
@@ -170,6 +204,8 @@ def verify_source(source: str, gold_parsed: list, parsing_timeout: int | None, v
                 text = join_thousands(text)
                 source = "$\\boxed{" + text + "}$"
             if answer_rules and not _same_base(text, gold):
+                return False
+            if answer_rules and _hedged_tail(text) and not _hedged_tail(gold):
                 return False
             pred_parsed = parse_boxed(source, parsing_timeout)
         else:
@@ -342,6 +378,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
 
     if not is_equation(pred) and is_assignment_relation(gold_expr) and _sum_assigned(gold_expr):
         return False  # 5 for x + y = 5 (a line): math-verify reads a left side of unknowns alone as an assignment
+    if _unknown_against_number(gold_expr) and is_relation(pred) and not _unknown_alone(pred):
+        return False  # x + 1 = 6 for x = 5, x - 1 > 2 for x > 3: math-verify solves both; the question's, unsolved
     if _interval_for_its_ends(_pair_kind(pred, text), _pair_kind(gold_expr, gold)):
         return False  # \pm 3 for -3 < x < 3, \{2, 7\} for (2, 7): math-verify equals an open interval and its ends
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
@@ -392,6 +430,19 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
     if _less_simplified(value, gold_value):
         return False  # the question's expression, not simplified: 19x + 1 - 4x - 81 for 15x - 80
     return not _too_far(value, gold_value)  # 5 \times 10^{-19} for 1.6 \times 10^{-19}
+
+
+def _unknown_alone(expr) -> bool:
+    """A single relation with an unknown alone on a side (``x = 5``, ``5 = x``, ``3 < x``)."""
+    import sympy
+
+    return isinstance(expr, sympy.core.relational.Relational) and (expr.lhs.is_Symbol or expr.rhs.is_Symbol)
+
+
+def _unknown_against_number(expr) -> bool:
+    """A single relation of an unknown alone and a number (``x = 5``, ``x > 3``): an answer a relation matches only
+    written the same way, not as an equation or inequality math-verify would solve for it."""
+    return _unknown_alone(expr) and not (expr.rhs if expr.lhs.is_Symbol else expr.lhs).free_symbols
 
 
 def _sum_assigned(expr) -> bool:
