@@ -165,6 +165,10 @@ ATTACKS = {
     "the question's equation": ("x + 1 = 6", "x = 5"),
     "the question's equation, scaled": ("2x = 10", "x = 5"),
     "the question's inequality": ("x - 1 > 2", "x > 3"),
+    # math-verify compared a point's assignments by written order, names aside: (-29, 15) matched (15, -29)
+    "a point's coordinates swapped": ("y = 15, x = -29", "(15,-29)"),
+    "a point's coordinates swapped in a tuple": ("(y, x) = (15, -29)", "(15,-29)"),
+    "a point in space, coordinates reversed": ("z=6, y=31, x=-1", "(6,31,-1)"),
 }
 
 
@@ -253,6 +257,10 @@ EQUIVALENT = [
     (r"18 \text{ apples}", "18"), (r"864 \mbox{ inches}^2", "864"), (r"15 \text{ square units}", "15"),
     (r"\frac{270}{7} \text{ degrees}", r"\frac{270}{7}"), (r"18~\text{cm}", "18"), ("5 = x", "x = 5"),
     ("3 < x", "x > 3"),
+    # a point's assignments in any order (y = -29, x = 15 scored 0.0 for (15, -29) before)
+    ("y = -29, x = 15", "(15,-29)"), ("(y, x) = (-29, 15)", "(15,-29)"), ("x=6, z=-1, y=31", "(6,31,-1)"),
+    ("(x, y) = (15, -29)", "(15,-29)"), (r"\rho = 3, \theta = \pi, \phi = 0", r"(3, \pi, 0)"),
+    ("b = 2, a = 1", "(1, 2)"),
 ]
 
 

@@ -43,7 +43,8 @@ On top of math-verify's ``verify``, a prediction must be an answer, not somethin
 * a relation of an unknown and a number (``x = 5``, ``x > 3``) is answered with the unknown alone on a side, not by
   an equation math-verify solves for it (the question's ``x + 1 = 6``);
 * a tail math-verify drops as units (from the first ``\\text{`` of an answer ending in ``}``) holds no digit,
-  bracket, separator or word of a hedge (``18 \\text{ or 17}`` was 18).
+  bracket, separator or word of a hedge (``18 \\text{ or 17}`` was 18);
+* a point's assignments are read in its coordinates' order (``y = -29, x = 15`` is ``(15, -29)``), not as written.
 """
 
 from __future__ import annotations
@@ -368,8 +369,51 @@ def _admissible(pred_parsed: list, text: str, gold_parsed: list, gold: str) -> l
     # the rules that read LaTeX read it as written and as math-verify parsed it, after deleting what it ignores
     # (\$, primes, \text{}, \displaystyle: \frac{1234'}{2} is parsed as \frac{1234}{2})
     texts = {text} | {p for p in pred_parsed if isinstance(p, str)}
-    return [p for p in pred_parsed
+    kept = [p for p in pred_parsed
             if isinstance(p, str) or any(all(_passes(p, t, g, gold) for t in texts) for g in golds)]
+    if any(map(_a_point, golds)):
+        kept = [p if isinstance(p, str) else _as_point(p) for p in kept]
+    return kept
+
+
+def _a_point(expr) -> bool:
+    """A tuple, or an open interval (which ``(2, 7)`` also writes): what a point's assignments are compared with."""
+    import sympy
+
+    return isinstance(expr, sympy.Tuple) or (isinstance(expr, sympy.Interval) and expr.left_open and expr.right_open)
+
+
+# A point's coordinates in order, by the set of their names (other single letters: alphabetical).
+_COORDINATES = {frozenset(order): order for order in (("x", "y"), ("x", "y", "z"), ("r", "theta"),
+                                                      ("r", "theta", "z"), ("rho", "theta", "phi"))}
+
+
+def _as_point(expr):
+    """Assignments to distinct coordinates (``y = -29, x = 15``, ``(y, x) = (-29, 15)``) as the point they name,
+    its values in the coordinates' order (``(15, -29)``); else ``expr``. math-verify compares them with a point by
+    the order they are written in, names aside: ``y = 15, x = -29`` matched ``(15, -29)``, the point (-29, 15)."""
+    import sympy
+
+    if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Tuple) and _a_point(expr.rhs):
+        values = list(expr.rhs) if isinstance(expr.rhs, sympy.Tuple) else [expr.rhs.start, expr.rhs.end]
+        if len(values) != len(expr.lhs):
+            return expr
+        pairs = list(zip(expr.lhs, values))
+    elif (isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) and len(expr.args) > 1
+          and all(isinstance(e, sympy.Eq) for e in expr.args)):
+        pairs = [(e.lhs, e.rhs) for e in expr.args]
+    else:
+        return expr
+    names = [name.name if isinstance(name, sympy.Symbol) else None for name, _ in pairs]
+    if None in names or len(set(names)) != len(names):
+        return expr
+    order = _COORDINATES.get(frozenset(names))
+    if order is None and all(len(name) == 1 for name in names):
+        order = tuple(sorted(names))
+    if order is None:
+        return expr
+    values = dict(zip(names, (value for _, value in pairs)))
+    return sympy.Tuple(*(values[name] for name in order))
 
 
 def _passes(pred, text: str, gold_expr, gold: str) -> bool:
@@ -382,6 +426,8 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # x + 1 = 6 for x = 5, x - 1 > 2 for x > 3: math-verify solves both; the question's, unsolved
     if _interval_for_its_ends(_pair_kind(pred, text), _pair_kind(gold_expr, gold)):
         return False  # \pm 3 for -3 < x < 3, \{2, 7\} for (2, 7): math-verify equals an open interval and its ends
+    if _a_point(gold_expr):
+        pred = _as_point(pred)  # y = -29, x = 15 for (15, -29): judged in the coordinates' order
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
     solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
     if gold_solutions is None:
