@@ -102,9 +102,9 @@ def _with_check_call(test: str, entry_point: Any) -> str:
     defines none (plain asserts) runs as it is: a second call made the snippet one the verdict module cannot decide,
     so a program could forge its pass, and a call of a ``check`` the test does not define failed every program but
     one that defines ``check`` itself."""
-    call = f"{test}\n\ncheck({entry_point})\n"
     if not entry_point:
         return test
+    call = f"{test}\n\ncheck({entry_point})\n"
     try:
         tree = ast.parse(test)
     except SyntaxError:

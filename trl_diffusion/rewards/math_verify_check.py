@@ -158,8 +158,7 @@ def _same_base(text: str, gold: str) -> bool:
     return written <= (_bases(gold, _ANY_SUBSCRIPT) or {10})
 
 
-# Words of a hedge or a condition, which a unit never holds (``18 \\text{ or 17}``,
-# ``18 \\text{ if } n \\text{ even}``).
+# Words of a hedge or a condition, which a unit never holds (18 \text{ or 17}, 18 \text{ if } n \text{ even}).
 _HEDGE_WORDS = frozenset(("or", "and", "nor", "not", "no", "if", "unless", "else", "otherwise", "except", "but",
                           "when", "whenever", "where", "either", "neither", "maybe", "perhaps", "possibly", "probably",
                           "least", "most", "more", "less", "fewer", "than", "between"))
@@ -182,7 +181,7 @@ def _hedged_tail(answer: str) -> bool:
         return False
     tail = unit_superscript_regex.search(text)
     if tail is None or not text[:tail.start()].strip():
-        return False  # nothing is dropped, or the answer is text as a whole (\\text{east})
+        return False  # nothing is dropped, or the answer is text as a whole (\text{east})
     words = re.sub(r"\\[a-zA-Z]+", " ", tail.group(1))
     return bool(re.search(r"[\d,;:()\[\]=<>|]", words)
                 or _HEDGE_WORDS & set(re.findall(r"[a-z]+", words.lower())))
@@ -521,7 +520,7 @@ def _pair_kind(expr, latex: str) -> str | None:
     if is_relation(expr) and not is_equation(expr):
         return "interval"
     if isinstance(expr, sympy.Eq) and expr.lhs.is_Symbol and isinstance(expr.rhs, sympy.FiniteSet):
-        return "values"  # x = \\pm 3, x \\in \\{2, 7\\}
+        return "values"  # x = \pm 3, x \in \{2, 7\}
     if not isinstance(expr, (sympy.FiniteSet, sympy.Tuple)) or len(expr.args) != 2:
         return None  # math-verify compares an open interval with two values only
     unknowns = {element.lhs for element in expr.args if isinstance(element, sympy.Eq)}
