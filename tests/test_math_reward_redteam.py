@@ -260,7 +260,7 @@ EQUIVALENT = [
     # a point's assignments in any order (y = -29, x = 15 scored 0.0 for (15, -29) before)
     ("y = -29, x = 15", "(15,-29)"), ("(y, x) = (-29, 15)", "(15,-29)"), ("x=6, z=-1, y=31", "(6,31,-1)"),
     ("(x, y) = (15, -29)", "(15,-29)"), (r"\rho = 3, \theta = \pi, \phi = 0", r"(3, \pi, 0)"),
-    ("b = 2, a = 1", "(1, 2)"),
+    ("c = 1, a = 2", "(1, 2)"),  # other names keep the written order: the question may ask for (c, a)
 ]
 
 

@@ -382,15 +382,16 @@ def _a_point(expr) -> bool:
     return isinstance(expr, sympy.Tuple) or (isinstance(expr, sympy.Interval) and expr.left_open and expr.right_open)
 
 
-# A point's coordinates in order, by the set of their names (other single letters: alphabetical).
+# A point's coordinates in order, by the set of their names.
 _COORDINATES = {frozenset(order): order for order in (("x", "y"), ("x", "y", "z"), ("r", "theta"),
                                                       ("r", "theta", "z"), ("rho", "theta", "phi"))}
 
 
 def _as_point(expr):
-    """Assignments to distinct coordinates (``y = -29, x = 15``, ``(y, x) = (-29, 15)``) as the point they name,
-    its values in the coordinates' order (``(15, -29)``); else ``expr``. math-verify compares them with a point by
-    the order they are written in, names aside: ``y = 15, x = -29`` matched ``(15, -29)``, the point (-29, 15)."""
+    """Assignments to distinct coordinates (``y = -29, x = 15``, ``(y, x) = (-29, 15)``; x, y, z, r, θ, ρ, φ) as
+    the point they name, its values in the coordinates' order (``(15, -29)``); else ``expr``. math-verify compares
+    them with a point by the order they are written in, names aside: ``y = 15, x = -29`` matched ``(15, -29)``, the
+    point (-29, 15)."""
     import sympy
 
     if isinstance(expr, sympy.Eq) and isinstance(expr.lhs, sympy.Tuple) and _a_point(expr.rhs):
@@ -407,10 +408,8 @@ def _as_point(expr):
     if None in names or len(set(names)) != len(names):
         return expr
     order = _COORDINATES.get(frozenset(names))
-    if order is None and all(len(name) == 1 for name in names):
-        order = tuple(sorted(names))
     if order is None:
-        return expr
+        return expr  # other names (a question's (c, a)) keep math-verify's written order
     values = dict(zip(names, (value for _, value in pairs)))
     return sympy.Tuple(*(values[name] for name in order))
 
