@@ -368,11 +368,10 @@ def _admissible(pred_parsed: list, text: str, gold_parsed: list, gold: str) -> l
     # the rules that read LaTeX read it as written and as math-verify parsed it, after deleting what it ignores
     # (\$, primes, \text{}, \displaystyle: \frac{1234'}{2} is parsed as \frac{1234}{2})
     texts = {text} | {p for p in pred_parsed if isinstance(p, str)}
-    kept = [p for p in pred_parsed
+    if any(map(_a_point, golds)):  # y = -29, x = 15 for (15, -29): judged and compared in the coordinates' order
+        pred_parsed = [p if isinstance(p, str) else _as_point(p) for p in pred_parsed]
+    return [p for p in pred_parsed
             if isinstance(p, str) or any(all(_passes(p, t, g, gold) for t in texts) for g in golds)]
-    if any(map(_a_point, golds)):
-        kept = [p if isinstance(p, str) else _as_point(p) for p in kept]
-    return kept
 
 
 def _a_point(expr) -> bool:
@@ -424,8 +423,6 @@ def _passes(pred, text: str, gold_expr, gold: str) -> bool:
         return False  # x + 1 = 6 for x = 5, x - 1 > 2 for x > 3: math-verify solves both; the question's, unsolved
     if _interval_for_its_ends(_pair_kind(pred, text), _pair_kind(gold_expr, gold)):
         return False  # \pm 3 for -3 < x < 3, \{2, 7\} for (2, 7): math-verify equals an open interval and its ends
-    if _a_point(gold_expr):
-        pred = _as_point(pred)  # y = -29, x = 15 for (15, -29): judged in the coordinates' order
     gold_value, value, answer = _numerals_read(gold_expr), _numerals_read(pred), text
     solutions, gold_solutions = _assigned_values(value), _assigned_values(gold_value)
     if gold_solutions is None:
